@@ -1,0 +1,35 @@
+# The two commands a new user needs:
+#   make run    bring up the emulated cluster and run the guarded training job (the demo)
+#   make test   run the test suite
+# Both create or refresh ./.venv first (scripts/venv.sh).
+
+VENV := .venv
+BIN  := $(VENV)/bin
+ARGS ?=
+
+.PHONY: venv run test test-fast lint bench down clean
+
+venv:
+	@./scripts/venv.sh
+
+run: venv
+	$(BIN)/trainguard demo $(ARGS)
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/pytest $(ARGS)
+
+test-fast: venv
+	$(BIN)/pytest -m "not slow" $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+bench: venv
+	$(BIN)/python bench/foundation.py --out bench/results/foundation.json $(ARGS)
+
+down: venv
+	$(BIN)/trainguard cluster down
+
+clean: down
+	rm -rf .tg artifacts

@@ -1,0 +1,145 @@
+"""``tg-node``: the node-side command line. Every command prints one JSON document.
+
+Exit codes: 0 success/healthy, 1 unhealthy (with reasons), 2 could not run
+(bad input, missing prerequisite), 3 refused. On exit 2 the document is
+``{"error": "...one line..."}``.
+
+Commands::
+
+    tg-node version
+    tg-node info                                  this machine's configuration
+    tg-node gpu                                   NVML snapshot (real or emulated backend)
+    tg-node job start --job J --nnodes N --node-rank I --nproc-per-node P
+                      --master-addr A --master-port PORT [--entry SCRIPT] [--revision R] -- ARGS...
+    tg-node job stop --job J [--grace-s S]
+    tg-node job status --job J
+    tg-node fault inject --kind K [--rank R] [--job J] [--param k=v ...]
+    tg-node fault clear [--kind K]
+    tg-node fault list
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from node_tools import __version__
+from node_tools.errors import EXIT_OK, EXIT_USAGE, TrainguardError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage and exit 2 with free text
+        raise TrainguardError(f"{self.prog}: {message}; see '{self.prog} --help'")
+
+
+def _params(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise TrainguardError(f"--param {item!r} must be written key=value")
+        out[key] = value
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="tg-node", description="trainguard node tools (JSON on stdout)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub.add_parser("version", help="print the version")
+    sub.add_parser("info", help="this machine's node configuration")
+    sub.add_parser("gpu", help="GPU snapshot through NVML (real or emulated)")
+
+    jp = sub.add_parser("job", help="this machine's part of a training job")
+    jsub = jp.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    js = jsub.add_parser("start")
+    js.add_argument("--job", required=True)
+    js.add_argument("--nnodes", type=int, required=True)
+    js.add_argument("--node-rank", type=int, required=True)
+    js.add_argument("--nproc-per-node", type=int, required=True)
+    js.add_argument("--master-addr", required=True)
+    js.add_argument("--master-port", type=int, required=True)
+    js.add_argument("--entry", default="examples/gpt3d/train.py")
+    js.add_argument("--revision", default="")
+    js.add_argument("args", nargs=argparse.REMAINDER)
+    jt = jsub.add_parser("stop")
+    jt.add_argument("--job", required=True)
+    jt.add_argument("--grace-s", type=float, default=10.0)
+    jq = jsub.add_parser("status")
+    jq.add_argument("--job", required=True)
+
+    fp = sub.add_parser("fault", help="inject or clear faults (emulated machines only)")
+    fsub = fp.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    fi = fsub.add_parser("inject")
+    fi.add_argument("--kind", required=True)
+    fi.add_argument("--rank", type=int)
+    fi.add_argument("--job")
+    fi.add_argument("--param", action="append", default=[])
+    fc = fsub.add_parser("clear")
+    fc.add_argument("--kind")
+    fsub.add_parser("list")
+    return p
+
+
+def run(argv: list[str]) -> tuple[int, Any]:
+    from node_tools.config import NodeConfig
+
+    ns = build_parser().parse_args(argv)
+    if ns.command == "version":
+        return EXIT_OK, {"version": __version__}
+    cfg = NodeConfig.current()
+    if ns.command == "info":
+        return EXIT_OK, cfg.to_dict()
+    if ns.command == "gpu":
+        from node_tools.nvml import NvmlUnavailable, backend_for
+
+        backend = backend_for(cfg)
+        if backend is None:
+            raise NvmlUnavailable(f"machine {cfg.machine} has no GPU backend (nvml_backend={cfg.nvml_backend})")
+        return EXIT_OK, backend.snapshot()
+    if ns.command == "job":
+        from node_tools import job
+
+        if ns.action == "start":
+            args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+            spec = job.JobSpec(
+                job=ns.job, nnodes=ns.nnodes, node_rank=ns.node_rank, nproc_per_node=ns.nproc_per_node,
+                master_addr=ns.master_addr, master_port=ns.master_port, entry=ns.entry, args=args,
+                revision=ns.revision,
+            )
+            return EXIT_OK, job.start(cfg, spec)
+        if ns.action == "stop":
+            return EXIT_OK, job.stop(cfg, ns.job, grace_s=ns.grace_s)
+        return EXIT_OK, job.status(cfg, job.check_job_name(ns.job))
+    if ns.command == "fault":
+        from node_tools import inject
+
+        if ns.action == "inject":
+            return EXIT_OK, inject.inject_on_node(
+                cfg, ns.kind, rank=ns.rank, job_name=ns.job, params=_params(ns.param)
+            )
+        if ns.action == "clear":
+            return EXIT_OK, inject.clear_on_node(cfg, ns.kind)
+        return EXIT_OK, {"machine": cfg.machine, "active": inject.read_ledger(cfg)}
+    raise TrainguardError(f"unknown command {ns.command!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in ("-h", "--help"):
+        build_parser().print_help()
+        return EXIT_OK
+    try:
+        code, document = run(args)
+    except TrainguardError as exc:
+        code, document = exc.exit_code, {"error": str(exc)}
+    except KeyboardInterrupt:
+        code, document = EXIT_USAGE, {"error": "interrupted"}
+    json.dump(document, sys.stdout, indent=None, separators=(",", ":"), default=str)
+    sys.stdout.write("\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

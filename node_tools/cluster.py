@@ -1,0 +1,495 @@
+"""The emulated cluster: N machines on one host, each a Linux network namespace.
+
+Each machine gets its own network namespace with an address on a bridge that
+``up`` creates, its own ``sshd`` (generated host key, key-only login), its own
+size-limited local disk (a tmpfs mount), an emulated NVML state file and a node
+configuration that every ssh session sees through sshd's ``SetEnv``. ``up``
+writes ``<state_dir>/inventory.json`` that the rest of trainguard reads.
+
+``up`` is idempotent: run twice, it repairs what is missing and leaves what runs.
+``down`` removes every namespace, link, mount, process and file it made. It finds
+them by what they are (namespaces and links by name prefix, processes by their
+namespace and by the ``TG_NODE_CONFIG`` marker in their environment, mounts
+under the state folder), so it cleans up after a crash that lost the inventory.
+
+Without root (or with ``transport="local"``) machines are plain folders on this
+host reached through the ``local`` transport: no sshd, no namespace, no disk
+limit, no link faults. ``up`` says so.
+
+:func:`machine_up` brings one machine's services up from its own folder; it is
+also the entrypoint of the node container image (``docker/``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import ipaddress
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from node_tools import procs
+from node_tools.config import NodeConfig
+from node_tools.errors import ClusterError
+from node_tools.inventory import Inventory, InventoryError, Machine
+from node_tools.nvml import EmulatedNvml
+from node_tools.transport import known_hosts_lines, transport_for
+
+SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/bin/sshd")
+_CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
+
+
+@dataclass
+class ClusterSpec:
+    """The shape of an emulated cluster.
+
+    Attributes:
+        name: short name (1-6 lower-case letters/digits); prefixes namespaces and links.
+        machines: machines in all.
+        standbys: how many of them start as warm standbys (the rest are active).
+        subnet: the /24 (or larger) private network of the bridge; the host takes .1.
+        disk_mb: size of each machine's local disk (tmpfs), in MiB.
+        gpus: emulated GPUs per machine.
+        transport: "ssh" (namespaces + sshd, needs root), "local", or "auto".
+    """
+
+    name: str = "tg"
+    machines: int = 6
+    standbys: int = 2
+    subnet: str = "10.213.7.0/24"
+    disk_mb: int = 256
+    gpus: int = 8
+    transport: str = "auto"
+
+    def validate(self) -> None:
+        if not _CLUSTER_NAME_RE.match(self.name):
+            raise ClusterError(
+                f"cluster name {self.name!r} must be 1-6 lower-case letters or digits, starting with a letter"
+            )
+        if not 1 <= self.machines <= 64:
+            raise ClusterError(f"--machines {self.machines} must be 1..64")
+        if not 0 <= self.standbys < self.machines:
+            raise ClusterError(
+                f"--standbys {self.standbys} must be 0..{self.machines - 1} (at least one active machine)"
+            )
+        try:
+            net = ipaddress.ip_network(self.subnet)
+        except ValueError:
+            raise ClusterError(f"--subnet {self.subnet!r} is not a network like 10.213.7.0/24") from None
+        if not net.is_private or net.num_addresses < self.machines + 12:
+            raise ClusterError(
+                f"--subnet {self.subnet} must be a private network with room for {self.machines} machines"
+            )
+        if self.disk_mb < 16:
+            raise ClusterError(f"--disk-mb {self.disk_mb} is too small; give each machine at least 16 MiB")
+        if self.gpus < 0:
+            raise ClusterError(f"--gpus {self.gpus} must be >= 0")
+        if self.transport not in ("auto", "ssh", "local"):
+            raise ClusterError(f"--transport {self.transport!r} must be auto, ssh or local")
+
+    # naming ------------------------------------------------------------------------------
+    def netns(self, i: int) -> str:
+        return f"{self.name}-m{i}"
+
+    def veth(self, i: int) -> str:
+        return f"{self.name}v{i}"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.name}br"
+
+    def address(self, i: int) -> str:
+        return str(ipaddress.ip_network(self.subnet).network_address + 10 + i)
+
+    @property
+    def host_address(self) -> str:
+        return str(ipaddress.ip_network(self.subnet).network_address + 1)
+
+    @property
+    def prefixlen(self) -> int:
+        return ipaddress.ip_network(self.subnet).prefixlen
+
+
+def default_state_dir() -> Path:
+    return Path(os.environ.get("TG_HOME", ".tg")).resolve() / "cluster"
+
+
+def _run(argv: list[str], *, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    if check and proc.returncode:
+        raise ClusterError(f"'{' '.join(argv)}' failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _netns_list() -> set[str]:
+    proc = _run(["ip", "netns", "list"], check=False)
+    return {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
+
+
+def _link_exists(name: str, netns: str | None = None) -> bool:
+    argv = ["ip", "link", "show", name]
+    if netns:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    return _run(argv, check=False).returncode == 0
+
+
+def _links() -> list[str]:
+    proc = _run(["ip", "-o", "link", "show"], check=False)
+    names = []
+    for line in proc.stdout.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) >= 2:
+            names.append(parts[1].strip().split("@")[0])
+    return names
+
+
+def _mounts_under(path: Path) -> list[Path]:
+    root = str(path.resolve())
+    found = []
+    with open("/proc/mounts", encoding="utf-8") as fh:
+        for line in fh:
+            target = line.split()[1].replace("\\040", " ")
+            if target == root or target.startswith(root + "/"):
+                found.append(Path(target))
+    return sorted(found, key=lambda p: len(str(p)), reverse=True)
+
+
+def _sshd_binary() -> str:
+    for path in SSHD_CANDIDATES:
+        if os.access(path, os.X_OK):
+            return path
+    return ""
+
+
+def ensure_openssh(log: Any = print) -> str:
+    """The sshd binary, installing Debian's openssh-server when it is missing (root only)."""
+    sshd = _sshd_binary()
+    if sshd:
+        return sshd
+    if not shutil.which("apt-get"):
+        raise ClusterError("sshd is not installed and apt-get is not available; install openssh-server")
+    log("openssh-server is missing; installing it with apt-get (once)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "openssh-server"]):
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=False)
+        if proc.returncode:
+            raise ClusterError(f"'{' '.join(argv)}' failed: {proc.stderr.strip()[-300:]}")
+    sshd = _sshd_binary()
+    if not sshd:
+        raise ClusterError("openssh-server was installed but no sshd binary was found")
+    return sshd
+
+
+@contextlib.contextmanager
+def _locked(state_dir: Path) -> Iterator[None]:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with open(state_dir.parent / f".{state_dir.name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------
+# One machine
+# ---------------------------------------------------------------------------------------
+def _machine_dir(state_dir: Path, i: int) -> Path:
+    return state_dir / "machines" / f"m{i}"
+
+
+def _keygen(path: Path, comment: str) -> str:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)])
+    pub = Path(str(path) + ".pub").read_text().split()
+    return f"{pub[0]} {pub[1]}"
+
+
+def _sshd_config(mdir: Path, address: str, authorized_keys: Path, env: dict[str, str]) -> str:
+    setenv = " ".join(f'"{k}={v}"' for k, v in env.items())
+    return "\n".join([
+        f"ListenAddress {address}",
+        "Port 22",
+        f"HostKey {mdir / 'ssh_host_ed25519_key'}",
+        f"PidFile {mdir / 'sshd.pid'}",
+        f"AuthorizedKeysFile {authorized_keys}",
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",
+        "PrintMotd no",
+        "UseDNS no",
+        "MaxStartups 200:30:400",
+        "MaxSessions 64",
+        f"SetEnv {setenv}",
+        "",
+    ])
+
+
+def _sshd_running(mdir: Path, netns: str) -> int | None:
+    try:
+        pid = int((mdir / "sshd.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    if not procs.alive(pid):
+        return None
+    try:
+        if os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat(f"/run/netns/{netns}").st_ino:
+            return None
+    except OSError:
+        return None
+    return pid
+
+
+def machine_up(config_path: Path, *, netns: str = "", address: str = "", sshd: str = "") -> dict[str, Any]:
+    """Bring one machine's services up from its folder (node config, sshd config, GPU state).
+
+    Used by ``cluster up`` for each namespace and as the node image's entrypoint.
+    Returns the sshd pid (0 without sshd).
+    """
+    cfg = NodeConfig.load(config_path)
+    mdir = config_path.parent
+    cfg.workdir.mkdir(parents=True, exist_ok=True)
+    if cfg.nvml_state and not cfg.nvml_state.exists():
+        EmulatedNvml(cfg.nvml_state, machine=cfg.machine, gpus=cfg.gpus).reset()
+    if not sshd:
+        return {"machine": cfg.machine, "sshd_pid": 0}
+    pid = _sshd_running(mdir, netns) if netns else None
+    if pid:
+        return {"machine": cfg.machine, "sshd_pid": pid}
+    Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+    argv = [sshd, "-f", str(mdir / "sshd_config")]
+    if netns:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False,
+                          env=dict(os.environ, TG_NODE_CONFIG=str(config_path)))
+    if proc.returncode:
+        raise ClusterError(f"sshd for machine {cfg.machine} did not start: {proc.stderr.strip()}")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        pid = _sshd_running(mdir, netns) if netns else None
+        if pid:
+            return {"machine": cfg.machine, "sshd_pid": pid}
+        time.sleep(0.05)
+    raise ClusterError(f"sshd for machine {cfg.machine} started but wrote no pid file in {mdir}")
+
+
+# ---------------------------------------------------------------------------------------
+# The cluster
+# ---------------------------------------------------------------------------------------
+def _network_up(spec: ClusterSpec) -> None:
+    br = spec.bridge
+    if not _link_exists(br):
+        _run(["ip", "link", "add", br, "type", "bridge"])
+    addr = f"{spec.host_address}/{spec.prefixlen}"
+    shown = _run(["ip", "-o", "addr", "show", "dev", br]).stdout
+    if f" {addr} " not in shown:
+        _run(["ip", "addr", "add", addr, "dev", br])
+    _run(["ip", "link", "set", br, "up"])
+
+
+def _namespace_up(spec: ClusterSpec, i: int) -> None:
+    ns, veth = spec.netns(i), spec.veth(i)
+    if ns not in _netns_list():
+        _run(["ip", "netns", "add", ns])
+    if not _link_exists("eth0", ns):
+        if _link_exists(veth):
+            _run(["ip", "link", "del", veth])
+        _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+    _run(["ip", "link", "set", veth, "master", spec.bridge, "up"])
+    inside = ["ip", "netns", "exec", ns]
+    addr = f"{spec.address(i)}/{spec.prefixlen}"
+    if f" {addr} " not in _run([*inside, "ip", "-o", "addr", "show", "dev", "eth0"]).stdout:
+        _run([*inside, "ip", "addr", "add", addr, "dev", "eth0"])
+    _run([*inside, "ip", "link", "set", "eth0", "up"])
+    _run([*inside, "ip", "link", "set", "lo", "up"])
+
+
+def _disk_up(workdir: Path, size_mb: int) -> bool:
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not _is_root():
+        return False
+    if workdir.resolve() not in _mounts_under(workdir):
+        _run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0755", "tmpfs", str(workdir)])
+    return True
+
+
+def _wait_reachable(inv: Inventory, timeout_s: float = 30.0) -> None:
+    transport = transport_for(inv)
+    deadline = time.monotonic() + timeout_s
+    pending = list(inv.machines)
+    last: dict[str, str] = {}
+    while pending and time.monotonic() < deadline:
+        results = transport.run_many(pending, lambda m: [inv.tg_node, "version"], timeout=10)
+        pending = [m for m in pending if not results[m.name].ok]
+        last = {m.name: results[m.name].describe() for m in pending}
+        if pending:
+            time.sleep(0.2)
+    if pending:
+        raise ClusterError(f"machines not reachable after {timeout_s:.0f}s: {'; '.join(last.values())}")
+
+
+def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) -> Inventory:
+    """Bring the emulated cluster up (or repair it); returns its inventory."""
+    spec.validate()
+    state_dir = Path(state_dir or default_state_dir()).resolve()
+    transport = spec.transport
+    if transport == "auto":
+        transport = "ssh" if _is_root() and shutil.which("ip") else "local"
+        if transport == "local":
+            log("not running as root (or no 'ip' command): machines are local process groups "
+                "reached through the local transport; no sshd, no namespaces, no disk limit, no link faults")
+    if transport == "ssh" and not _is_root():
+        raise ClusterError("the ssh transport needs root (network namespaces); run as root or use --transport local")
+    with _locked(state_dir):
+        inv_path = state_dir / "inventory.json"
+        if inv_path.exists():
+            try:
+                old = Inventory.load(inv_path)
+            except InventoryError:
+                old = None
+            if old is not None and (
+                old.cluster != spec.name or len(old.machines) != spec.machines or old.transport != transport
+                or old.machines[0].extra.get("subnet") != spec.subnet
+            ):
+                raise ClusterError(
+                    f"a cluster {old.cluster!r} of {len(old.machines)} machines ({old.transport}) is already up in "
+                    f"{state_dir}; run 'trainguard cluster down' first to change its shape"
+                )
+        sshd = ensure_openssh(log) if transport == "ssh" else ""
+        venv_bin = str(Path(sys.executable).parent)
+        tg_node = str(Path(venv_bin) / "tg-node")
+        install_dir = Path(__file__).resolve().parent.parent
+        keys = state_dir / "keys"
+        client_key = keys / "id_ed25519"
+        authorized = keys / "authorized_keys"
+        if transport == "ssh":
+            pub = _keygen(client_key, f"trainguard-{spec.name}")
+            authorized.write_text(pub + "\n")
+            _network_up(spec)
+        machines: list[Machine] = []
+        for i in range(spec.machines):
+            mdir = _machine_dir(state_dir, i)
+            mdir.mkdir(parents=True, exist_ok=True)
+            workdir = mdir / "disk"
+            workdir.mkdir(parents=True, exist_ok=True)
+            limited = transport == "ssh" and _disk_up(workdir, spec.disk_mb)
+            name = f"m{i}"
+            netns = spec.netns(i) if transport == "ssh" else ""
+            cfg = NodeConfig(
+                machine=name, workdir=workdir, install_dir=install_dir, gpus=spec.gpus,
+                nvml_backend="emulated", nvml_state=mdir / "nvml.json", fault_file=mdir / "faults.json",
+                netns=netns, iface="eth0" if netns else "lo",
+            )
+            cfg.save(mdir / "node.json")
+            env = {
+                "TG_NODE_CONFIG": str(mdir / "node.json"),
+                "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            }
+            host_key = ""
+            if transport == "ssh":
+                host_key = _keygen(mdir / "ssh_host_ed25519_key", f"{spec.name}-{name}")
+                (mdir / "sshd_config").write_text(_sshd_config(mdir, spec.address(i), authorized, env))
+                _namespace_up(spec, i)
+            machine_up(mdir / "node.json", netns=netns, address=spec.address(i), sshd=sshd)
+            machines.append(Machine(
+                name=name,
+                address=spec.address(i) if transport == "ssh" else "127.0.0.1",
+                port=22,
+                role="standby" if i >= spec.machines - spec.standbys else "active",
+                host_key=host_key,
+                workdir=str(workdir),
+                gpus=spec.gpus,
+                extra={
+                    "netns": netns, "iface": "eth0" if netns else "", "machine_dir": str(mdir),
+                    "node_config": str(mdir / "node.json"), "disk_limited": limited, "subnet": spec.subnet,
+                    "env": {} if transport == "ssh" else {"TG_NODE_CONFIG": str(mdir / "node.json")},
+                },
+            ))
+        inv = Inventory(
+            cluster=spec.name, transport=transport, machines=machines, tg_node=tg_node,
+            ssh={"user": "root", "identity_file": "keys/id_ed25519", "known_hosts": "known_hosts",
+                 "connect_timeout_s": 5} if transport == "ssh" else {},
+        )
+        inv.path = inv_path
+        if inv_path.exists():
+            # keep roles the control plane has changed since the cluster came up
+            with contextlib.suppress(InventoryError):
+                old_roles = {m.name: m.role for m in Inventory.load(inv_path).machines}
+                for m in inv.machines:
+                    m.role = old_roles.get(m.name, m.role)
+        if transport == "ssh":
+            (state_dir / "known_hosts").write_text("\n".join(known_hosts_lines(inv)) + "\n")
+        _wait_reachable(inv)
+        inv.save(inv_path)
+        return inv
+
+
+def down(state_dir: Path | None = None, *, name: str | None = None, log: Any = print) -> dict[str, Any]:
+    """Remove everything ``up`` made: processes, namespaces, links, mounts, files. Safe to repeat."""
+    state_dir = Path(state_dir or default_state_dir()).resolve()
+    report: dict[str, Any] = {"killed": [], "namespaces": [], "links": [], "unmounted": [], "removed": False}
+    cluster = name
+    if cluster is None:
+        try:
+            cluster = Inventory.load(state_dir / "inventory.json").cluster
+        except InventoryError:
+            cluster = ClusterSpec().name
+    with _locked(state_dir):
+        namespaces = sorted(n for n in (_netns_list() if _is_root() else set()) if n.startswith(f"{cluster}-m"))
+        pids: set[int] = set(procs.pids_with_env("TG_NODE_CONFIG", str(state_dir) + "/", prefix=True))
+        for ns in namespaces:
+            out = _run(["ip", "netns", "pids", ns], check=False).stdout
+            pids.update(int(p) for p in out.split() if p.isdigit())
+        report["killed"] = procs.terminate(pids, grace_s=5.0)
+        for ns in namespaces:
+            _run(["ip", "netns", "del", ns], check=False)
+            report["namespaces"].append(ns)
+        if _is_root():
+            for link in _links():
+                if re.fullmatch(rf"{re.escape(cluster)}(v\d+|br)", link):
+                    _run(["ip", "link", "del", link], check=False)
+                    report["links"].append(link)
+            for mount in _mounts_under(state_dir):
+                _run(["umount", "-l", str(mount)], check=False)
+                report["unmounted"].append(str(mount))
+        if state_dir.exists():
+            shutil.rmtree(state_dir)
+            report["removed"] = True
+    with contextlib.suppress(OSError):
+        (state_dir.parent / f".{state_dir.name}.lock").unlink()
+    return report
+
+
+def status(state_dir: Path | None = None) -> dict[str, Any]:
+    """Each machine's role, address, sshd and reachability."""
+    state_dir = Path(state_dir or default_state_dir()).resolve()
+    inv = Inventory.load(state_dir / "inventory.json")
+    transport = transport_for(inv)
+    results = transport.run_many(inv.machines, lambda m: [inv.tg_node, "version"], timeout=10)
+    machines = []
+    for m in inv.machines:
+        mdir = Path(m.extra.get("machine_dir", ""))
+        netns = m.extra.get("netns", "")
+        machines.append({
+            "name": m.name, "role": m.role, "address": m.address, "netns": netns,
+            "sshd_pid": _sshd_running(mdir, netns) if netns else None,
+            "reachable": results[m.name].ok,
+            "ssh_s": round(results[m.name].duration_s, 3),
+        })
+    return {"cluster": inv.cluster, "transport": inv.transport, "inventory": str(inv.path), "machines": machines}

@@ -1,0 +1,106 @@
+"""Per-machine configuration of the node tools.
+
+``tg-node`` and the training processes it starts read ``$TG_NODE_CONFIG`` (a
+JSON file). The emulated cluster writes one per machine and points every ssh
+session at it (sshd ``SetEnv``); a real machine can do without one, and then the
+defaults below apply (real NVML, work directory ``/var/lib/trainguard``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from node_tools.errors import TrainguardError
+
+NVML_BACKENDS = ("auto", "real", "emulated", "none")
+
+
+@dataclass
+class NodeConfig:
+    """What a machine knows about itself.
+
+    Attributes:
+        machine: the machine's name in the inventory.
+        workdir: local disk for run directories, logs and checkpoints.
+        install_dir: where trainguard (and its ``examples/``) is installed.
+        gpus: GPUs the machine is expected to have (a smaller count is "GPU lost").
+        nvml_backend: "real" (pynvml), "emulated" (a JSON state file), "auto"
+            (real if the NVML library loads, else none) or "none".
+        nvml_state: the emulated backend's state file.
+        fault_file: control file of the in-job fault points (emulated cluster only).
+        netns: the network namespace of an emulated machine ("" elsewhere).
+        iface: the network interface collectives use (GLOO/NCCL_SOCKET_IFNAME); "" lets them choose.
+    """
+
+    machine: str
+    workdir: Path
+    install_dir: Path
+    gpus: int = 0
+    nvml_backend: str = "auto"
+    nvml_state: Path | None = None
+    fault_file: Path | None = None
+    netns: str = ""
+    iface: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "machine": self.machine,
+            "workdir": str(self.workdir),
+            "install_dir": str(self.install_dir),
+            "gpus": self.gpus,
+            "nvml_backend": self.nvml_backend,
+            "nvml_state": str(self.nvml_state) if self.nvml_state else None,
+            "fault_file": str(self.fault_file) if self.fault_file else None,
+            "netns": self.netns,
+            "iface": self.iface,
+        }
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> NodeConfig:
+        try:
+            raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise TrainguardError(f"node config {path} (from TG_NODE_CONFIG) does not exist") from None
+        except (OSError, ValueError) as exc:
+            raise TrainguardError(f"node config {path} is unreadable: {exc}") from None
+        try:
+            cfg = cls(
+                machine=str(raw["machine"]),
+                workdir=Path(raw["workdir"]),
+                install_dir=Path(raw.get("install_dir") or Path.cwd()),
+                gpus=int(raw.get("gpus", 0)),
+                nvml_backend=str(raw.get("nvml_backend", "auto")),
+                nvml_state=Path(raw["nvml_state"]) if raw.get("nvml_state") else None,
+                fault_file=Path(raw["fault_file"]) if raw.get("fault_file") else None,
+                netns=str(raw.get("netns", "")),
+                iface=str(raw.get("iface", "")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TrainguardError(f"node config {path} lacks or mistypes a field ({exc})") from None
+        if cfg.nvml_backend not in NVML_BACKENDS:
+            raise TrainguardError(
+                f"node config {path}: nvml_backend {cfg.nvml_backend!r} is unknown; use one of "
+                f"{', '.join(NVML_BACKENDS)}"
+            )
+        return cfg
+
+    @classmethod
+    def current(cls) -> NodeConfig:
+        """This machine's configuration: ``$TG_NODE_CONFIG`` if set, else the defaults."""
+        path = os.environ.get("TG_NODE_CONFIG")
+        if path:
+            return cls.load(Path(path))
+        return cls(
+            machine=socket.gethostname(),
+            workdir=Path(os.environ.get("TG_WORKDIR", "/var/lib/trainguard")),
+            install_dir=Path(__file__).resolve().parent.parent,
+        )

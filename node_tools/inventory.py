@@ -1,0 +1,204 @@
+"""The inventory: the machines trainguard may use, how to reach them, and their roles.
+
+An inventory is one JSON document. The emulated cluster writes one at
+``<state_dir>/inventory.json``; a real fleet writes its own in the same format::
+
+    {
+      "schema": 1,
+      "cluster": "tg",
+      "transport": "ssh",                      # or "local" (processes on this host)
+      "ssh": {"user": "root", "identity_file": "keys/id_ed25519",
+              "known_hosts": "known_hosts", "connect_timeout_s": 5},
+      "tg_node": "/opt/trainguard/.venv/bin/tg-node",
+      "machines": [
+        {"name": "m0", "address": "10.213.7.10", "port": 22, "role": "active",
+         "host_key": "ssh-ed25519 AAAA...", "workdir": "/var/lib/trainguard", "gpus": 8}
+      ]
+    }
+
+Relative paths in ``ssh`` are relative to the inventory file's folder. Host keys
+are required for the ssh transport: a machine whose key is unknown is refused,
+never trusted on first use.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node_tools.errors import InventoryError
+
+SCHEMA_VERSION = 1
+ROLES = ("active", "standby", "free", "evicted")
+TRANSPORTS = ("ssh", "local")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_KEY_RE = re.compile(r"^(ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp(256|384|521)) [A-Za-z0-9+/=]+$")
+
+
+@dataclass
+class Machine:
+    """One machine of the inventory.
+
+    Attributes:
+        name: unique name (letters, digits, ``-_.``), used everywhere to refer to it.
+        address: IP address or DNS name that ssh connects to.
+        port: ssh port.
+        role: "active" (runs the job), "standby" (warm spare), "free", "evicted".
+        host_key: the machine's ssh host public key ("ssh-ed25519 AAAA..."); required for ssh.
+        workdir: the machine's local working directory (checkpoints, logs, run dirs).
+        gpus: GPUs the machine is expected to have (0 for CPU-only machines).
+        extra: emulated-cluster details (namespace, node config path ...), opaque to others.
+    """
+
+    name: str
+    address: str
+    port: int = 22
+    role: str = "active"
+    host_key: str = ""
+    workdir: str = ""
+    gpus: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Inventory:
+    cluster: str
+    transport: str
+    machines: list[Machine]
+    ssh: dict[str, Any] = field(default_factory=dict)
+    tg_node: str = "tg-node"
+    path: Path | None = None
+
+    # ---- lookup ----------------------------------------------------------------------
+    def machine(self, name: str) -> Machine:
+        for m in self.machines:
+            if m.name == name:
+                return m
+        known = ", ".join(m.name for m in self.machines) or "none"
+        raise InventoryError(f"unknown machine {name!r}; the inventory has: {known}")
+
+    def by_role(self, role: str) -> list[Machine]:
+        return [m for m in self.machines if m.role == role]
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the ``ssh`` section, relative to the inventory's folder."""
+        p = Path(relative)
+        if p.is_absolute() or self.path is None:
+            return p
+        return self.path.parent / p
+
+    # ---- (de)serialisation -----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "cluster": self.cluster,
+            "transport": self.transport,
+            "ssh": self.ssh,
+            "tg_node": self.tg_node,
+            "machines": [asdict(m) for m in self.machines],
+        }
+
+    def save(self, path: Path | None = None) -> Path:
+        target = Path(path or self.path or "inventory.json")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, target)
+        self.path = target
+        return target
+
+    @classmethod
+    def load(cls, path: Path) -> Inventory:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise InventoryError(
+                f"no inventory at {path}; bring the emulated cluster up with 'trainguard cluster up' "
+                f"or pass --inventory FILE"
+            ) from None
+        except OSError as exc:
+            raise InventoryError(f"cannot read inventory {path}: {exc.strerror}") from None
+        try:
+            document = json.loads(text)
+        except ValueError as exc:
+            raise InventoryError(f"inventory {path} is not valid JSON ({exc}); fix or regenerate it") from None
+        inv = cls.from_dict(document, source=str(path))
+        inv.path = path
+        return inv
+
+    @classmethod
+    def from_dict(cls, document: Any, *, source: str = "inventory") -> Inventory:
+        def bad(what: str) -> InventoryError:
+            return InventoryError(f"{source}: {what}")
+
+        if not isinstance(document, dict):
+            raise bad("top level must be a JSON object")
+        schema = document.get("schema")
+        if schema != SCHEMA_VERSION:
+            raise bad(f"schema {schema!r} is not supported; this trainguard reads schema {SCHEMA_VERSION}")
+        transport = document.get("transport", "ssh")
+        if transport not in TRANSPORTS:
+            raise bad(f"transport {transport!r} is unknown; use one of {', '.join(TRANSPORTS)}")
+        cluster = document.get("cluster", "cluster")
+        if not isinstance(cluster, str) or not _NAME_RE.match(cluster):
+            raise bad(f"cluster name {cluster!r} must be letters, digits and -_.")
+        raw_machines = document.get("machines")
+        if not isinstance(raw_machines, list) or not raw_machines:
+            raise bad("'machines' must be a non-empty list")
+        machines: list[Machine] = []
+        seen: set[str] = set()
+        allowed = {f for f in Machine.__dataclass_fields__}
+        for i, raw in enumerate(raw_machines):
+            where = f"machines[{i}]"
+            if not isinstance(raw, dict):
+                raise bad(f"{where} must be an object")
+            unknown = sorted(set(raw) - allowed)
+            if unknown:
+                raise bad(f"{where} has unknown field(s) {', '.join(unknown)}")
+            try:
+                m = Machine(**raw)
+            except TypeError:
+                raise bad(f"{where} needs at least 'name' and 'address'") from None
+            if not isinstance(m.name, str) or not _NAME_RE.match(m.name):
+                raise bad(f"{where}.name {m.name!r} must be letters, digits and -_.")
+            if m.name in seen:
+                raise bad(f"machine name {m.name!r} appears twice")
+            seen.add(m.name)
+            where = f"machine {m.name}"
+            if not isinstance(m.address, str) or not m.address:
+                raise bad(f"{where}: address must be a non-empty string")
+            if not _is_host(m.address):
+                raise bad(f"{where}: address {m.address!r} is neither an IP address nor a host name")
+            if not isinstance(m.port, int) or not 0 < m.port < 65536:
+                raise bad(f"{where}: port {m.port!r} must be 1..65535")
+            if m.role not in ROLES:
+                raise bad(f"{where}: role {m.role!r} is unknown; use one of {', '.join(ROLES)}")
+            if not isinstance(m.gpus, int) or m.gpus < 0:
+                raise bad(f"{where}: gpus {m.gpus!r} must be a whole number >= 0")
+            if transport == "ssh":
+                if not m.host_key:
+                    raise bad(f"{where}: host_key is required for the ssh transport (host keys are verified)")
+                if not _KEY_RE.match(m.host_key.strip()):
+                    raise bad(f"{where}: host_key must look like 'ssh-ed25519 AAAA...'")
+            machines.append(m)
+        ssh = document.get("ssh", {})
+        if not isinstance(ssh, dict):
+            raise bad("'ssh' must be an object")
+        tg_node = document.get("tg_node", "tg-node")
+        if not isinstance(tg_node, str) or not tg_node:
+            raise bad("'tg_node' must be the path of the tg-node command on the machines")
+        return cls(cluster=cluster, transport=transport, machines=machines, ssh=ssh, tg_node=tg_node)
+
+
+def _is_host(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return bool(re.match(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$", text))

@@ -1,0 +1,260 @@
+"""This machine's part of a training job: start it, stop it, report it.
+
+``tg-node job start`` launches torchrun (static rendezvous) under a small
+supervisor that records torchrun's exit code, in a session of its own, and
+returns as soon as the processes run. Everything it starts carries
+``TG_JOB_TOKEN`` in its environment, so ``stop`` finds every process of the job
+(torchrun puts its workers in sessions of their own) and ends them; ``stop`` on a
+job that is not running does nothing. ``status`` reports the supervisor, the
+exit code once it has ended, and each rank's heartbeat and last step.
+
+Layout of a job on a machine (``<workdir>/jobs/<job>/``)::
+
+    job.json          what was started (spec, token, pids, incarnation)
+    exit.json         torchrun's exit code, written by the supervisor
+    supervisor.log    torchrun's own output
+    logs/inc<N>/...   each rank's stdout/stderr (torchrun --redirects 3)
+    ranks/            heartbeats and step records of the in-job hook
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node_tools import monitor, procs
+from node_tools.config import NodeConfig
+from node_tools.errors import TrainguardError
+
+JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def check_job_name(job: str) -> str:
+    if not JOB_NAME_RE.match(job or ""):
+        raise TrainguardError(f"job name {job!r} must be 1-64 letters, digits or -_. (starting with a letter or digit)")
+    return job
+
+
+@dataclass
+class JobSpec:
+    """How to start this machine's part of a job.
+
+    Attributes:
+        job: the job's name (the same on every machine).
+        nnodes: machines in the job.
+        node_rank: this machine's index among them (0 holds the rendezvous store).
+        nproc_per_node: ranks on this machine.
+        master_addr: address of the machine with node_rank 0.
+        master_port: rendezvous port on it.
+        entry: the training script, absolute or relative to the install directory.
+        args: arguments for the training script.
+        revision: the code revision the job runs (recorded, for rollback).
+    """
+
+    job: str
+    nnodes: int
+    node_rank: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    entry: str = "examples/gpt3d/train.py"
+    args: list[str] = field(default_factory=list)
+    revision: str = ""
+
+    def validate(self) -> None:
+        check_job_name(self.job)
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            raise TrainguardError(f"job {self.job}: nnodes and nproc-per-node must be >= 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise TrainguardError(f"job {self.job}: node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
+        if not 0 < self.master_port < 65536:
+            raise TrainguardError(f"job {self.job}: master-port {self.master_port} must be 1..65535")
+
+
+def run_dir(cfg: NodeConfig, job: str) -> Path:
+    return cfg.workdir / "jobs" / check_job_name(job)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def job_pids(record: dict[str, Any] | None) -> list[int]:
+    if not record or not record.get("token"):
+        return []
+    return procs.pids_with_env("TG_JOB_TOKEN", record["token"])
+
+
+def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
+    spec.validate()
+    rd = run_dir(cfg, spec.job)
+    record = _read_json(rd / "job.json")
+    if record and job_pids(record):
+        return status(cfg, spec.job) | {"already_running": True}
+    entry = Path(spec.entry)
+    if not entry.is_absolute():
+        entry = cfg.install_dir / entry
+    if not entry.is_file():
+        raise TrainguardError(f"machine {cfg.machine}: training script {entry} does not exist")
+    (rd / "ranks").mkdir(parents=True, exist_ok=True)
+    for stale in (rd / "ranks").glob("rank*.json"):
+        stale.unlink()
+    (rd / "exit.json").unlink(missing_ok=True)
+    incarnation = int(record.get("incarnation", -1)) + 1 if record else 0
+    token = uuid.uuid4().hex
+    log_dir = rd / "logs" / f"inc{incarnation}"
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(spec.nnodes),
+        "--nproc-per-node", str(spec.nproc_per_node),
+        "--node-rank", str(spec.node_rank),
+        "--master-addr", spec.master_addr,
+        "--master-port", str(spec.master_port),
+        "--max-restarts", "0",
+        "--monitor-interval", "0.5",
+        "--log-dir", str(log_dir),
+        "--redirects", "3",
+        str(entry), *spec.args,
+    ]
+    env = dict(os.environ)
+    env.update({
+        "TG_JOB": spec.job,
+        "TG_JOB_TOKEN": token,
+        "TG_RUN_DIR": str(rd),
+        "TG_MACHINE": cfg.machine,
+        "TG_REVISION": spec.revision,
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(cfg.install_dir), env.get("PYTHONPATH", "")])),
+    })
+    if cfg.iface:
+        env.setdefault("GLOO_SOCKET_IFNAME", cfg.iface)
+        env.setdefault("NCCL_SOCKET_IFNAME", cfg.iface)
+    if cfg.fault_file:
+        env["TG_FAULT_FILE"] = str(cfg.fault_file)
+    supervisor = [sys.executable, "-m", "node_tools.job", str(rd), "--", *torchrun]
+    with open(rd / "supervisor.log", "ab") as log:
+        proc = subprocess.Popen(
+            supervisor, cwd=str(cfg.install_dir), env=env, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    record = {
+        "job": spec.job,
+        "token": token,
+        "incarnation": incarnation,
+        "supervisor_pid": proc.pid,
+        "started_ts": time.time(),
+        "machine": cfg.machine,
+        "log_dir": str(log_dir),
+        "spec": asdict(spec),
+        "command": torchrun,
+    }
+    monitor.write_json_atomic(rd / "job.json", record)
+    if proc.poll() is not None:
+        raise TrainguardError(
+            f"machine {cfg.machine}: job {spec.job} exited at once (code {proc.returncode}); "
+            f"see {rd / 'supervisor.log'}"
+        )
+    return status(cfg, spec.job)
+
+
+def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0) -> dict[str, Any]:
+    rd = run_dir(cfg, job)
+    record = _read_json(rd / "job.json")
+    pids = job_pids(record)
+    signalled = procs.terminate(pids, grace_s=grace_s) if pids else []
+    return {"job": job, "machine": cfg.machine, "stopped_pids": signalled, "state": _state(record)}
+
+
+def _state(record: dict[str, Any] | None) -> str:
+    if not record:
+        return "absent"
+    if job_pids(record):
+        return "running"
+    return "exited"
+
+
+def rank_status(rd: Path, rank: int, now: float) -> dict[str, Any]:
+    hb = monitor.read_heartbeat(rd, rank) or {}
+    steps = monitor.read_steps(rd, rank)
+    pid = hb.get("pid")
+    state = procs.proc_state(pid) if pid else None
+    return {
+        "rank": rank,
+        "pid": pid,
+        "process_state": state or "gone",
+        "status": hb.get("status"),
+        "step": hb.get("step"),
+        "alive_age_s": round(now - hb["alive_ts"], 3) if "alive_ts" in hb else None,
+        "progress_age_s": round(now - hb["progress_ts"], 3) if "progress_ts" in hb else None,
+        "collectives": hb.get("collectives", {}),
+        "last_step": steps[-1] if steps else None,
+    }
+
+
+def status(cfg: NodeConfig, job: str) -> dict[str, Any]:
+    rd = run_dir(cfg, job)
+    record = _read_json(rd / "job.json")
+    now = time.time()
+    ranks = sorted(int(p.stem[4:]) for p in (rd / "ranks").glob("rank*.json") if p.stem[4:].isdigit())
+    exit_doc = _read_json(rd / "exit.json")
+    return {
+        "job": job,
+        "machine": cfg.machine,
+        "state": _state(record),
+        "incarnation": record.get("incarnation") if record else None,
+        "revision": (record.get("spec") or {}).get("revision") if record else None,
+        "returncode": exit_doc.get("returncode") if exit_doc else None,
+        "run_dir": str(rd),
+        "ranks": [rank_status(rd, r, now) for r in ranks],
+    }
+
+
+def rank_logs(cfg: NodeConfig, job: str) -> dict[int, dict[str, Path]]:
+    """The newest incarnation's log files per local rank: {local_rank: {"stdout": p, "stderr": p}}."""
+    record = _read_json(run_dir(cfg, job) / "job.json")
+    if not record:
+        return {}
+    found: dict[int, dict[str, Path]] = {}
+    for path in sorted(Path(record["log_dir"]).glob("*/attempt_*/*/std*.log")):
+        if path.parent.name.isdigit():
+            found.setdefault(int(path.parent.name), {})[path.stem] = path
+    return found
+
+
+# ---------------------------------------------------------------------------------------
+# The supervisor: ``python -m node_tools.job RUN_DIR -- COMMAND...``
+# ---------------------------------------------------------------------------------------
+def _supervise(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="node_tools.job")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    child = subprocess.Popen(command)
+
+    def forward(signum: int, _frame: Any) -> None:
+        child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    returncode = child.wait()
+    monitor.write_json_atomic(ns.run_dir / "exit.json", {"returncode": returncode, "ended_ts": time.time()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_supervise(sys.argv[1:]))

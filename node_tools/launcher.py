@@ -1,0 +1,153 @@
+"""Start, stop and watch a training job across machines from the host.
+
+A job runs on an ordered list of machines; machine ``i`` gets ``node_rank = i``
+and the first machine holds the rendezvous store. Start is all-or-nothing: if
+any machine fails to start its part, the parts that did start are stopped and
+the error names the machine and what it said.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from node_tools.errors import ClusterError
+from node_tools.inventory import Inventory, Machine
+from node_tools.job import check_job_name
+from node_tools.topology import Topology
+from node_tools.transport import RunResult, transport_for
+
+DEFAULT_ENTRY = "examples/gpt3d/train.py"
+
+
+@dataclass
+class JobPlan:
+    """What to launch.
+
+    Attributes:
+        job: the job's name.
+        topology: its TP x PP x DP layout (ranks_per_machine = ranks started per machine).
+        machines: the machines, in node-rank order.
+        train_args: extra arguments for the training script (besides --tp/--pp/--dp).
+        master_port: rendezvous port on the first machine.
+        entry: the training script, relative to the install directory.
+        revision: code revision to record.
+    """
+
+    job: str
+    topology: Topology
+    machines: list[Machine]
+    train_args: list[str] = field(default_factory=list)
+    master_port: int = 29500
+    entry: str = DEFAULT_ENTRY
+    revision: str = ""
+
+    def validate(self) -> None:
+        check_job_name(self.job)
+        if len(self.machines) != self.topology.machines:
+            raise ClusterError(
+                f"topology {self.topology} with {self.topology.ranks_per_machine} ranks per machine needs "
+                f"{self.topology.machines} machines, but {len(self.machines)} were given "
+                f"({', '.join(m.name for m in self.machines)})"
+            )
+        names = [m.name for m in self.machines]
+        if len(set(names)) != len(names):
+            raise ClusterError(f"a machine appears twice in the job's machine list: {', '.join(names)}")
+
+    def start_argv(self, inv: Inventory, machine: Machine) -> list[str]:
+        i = self.machines.index(machine)
+        t = self.topology
+        return [
+            inv.tg_node, "job", "start",
+            "--job", self.job,
+            "--nnodes", str(len(self.machines)),
+            "--node-rank", str(i),
+            "--nproc-per-node", str(t.ranks_per_machine),
+            "--master-addr", self.machines[0].address,
+            "--master-port", str(self.master_port),
+            "--entry", self.entry,
+            "--revision", self.revision,
+            "--",
+            "--tp", str(t.tp), "--pp", str(t.pp), "--dp", str(t.dp),
+            *self.train_args,
+        ]
+
+
+def _check(results: dict[str, RunResult], what: str) -> dict[str, Any]:
+    docs: dict[str, Any] = {}
+    errors = []
+    for name, res in results.items():
+        doc = res.json()
+        if res.ok and isinstance(doc, dict):
+            docs[name] = doc
+        elif isinstance(doc, dict) and "error" in doc:
+            errors.append(f"{name}: {doc['error']}")
+        else:
+            errors.append(res.describe())
+    if errors:
+        raise ClusterError(f"{what} failed on {len(errors)} machine(s): " + "; ".join(errors))
+    return docs
+
+
+def launch(inv: Inventory, plan: JobPlan, *, timeout: float = 60.0) -> dict[str, Any]:
+    """Start the job on every machine of the plan; all or nothing."""
+    plan.validate()
+    transport = transport_for(inv)
+    results = transport.run_many(plan.machines, lambda m: plan.start_argv(inv, m), timeout=timeout)
+    try:
+        return _check(results, f"starting job {plan.job}")
+    except ClusterError:
+        stop(inv, plan.job, plan.machines)
+        raise
+
+
+def stop(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: float = 10.0) -> dict[str, Any]:
+    check_job_name(job)
+    transport = transport_for(inv)
+    results = transport.run_many(
+        machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s)],
+        timeout=grace_s + 30,
+    )
+    return _check(results, f"stopping job {job}")
+
+
+def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: float = 20.0) -> dict[str, Any]:
+    """Each machine's ``tg-node job status``; unreachable machines appear with an "error"."""
+    check_job_name(job)
+    transport = transport_for(inv)
+    results = transport.run_many(machines, lambda m: [inv.tg_node, "job", "status", "--job", job], timeout=timeout)
+    out: dict[str, Any] = {}
+    for name, res in results.items():
+        doc = res.json()
+        out[name] = doc if res.ok and isinstance(doc, dict) else {"error": res.describe()}
+    return out
+
+
+def min_step(statuses: dict[str, Any]) -> int:
+    """The lowest step that every reported rank has finished (-1 if any has none)."""
+    steps = [r.get("step") for doc in statuses.values() for r in doc.get("ranks", [])]
+    if not steps or any(s is None for s in steps):
+        return -1
+    return min(steps)
+
+
+def wait_for_step(
+    inv: Inventory, job: str, machines: Sequence[Machine], step: int, *, ranks: int, timeout_s: float = 300.0,
+    poll_s: float = 0.5,
+) -> dict[str, Any]:
+    """Poll until all ``ranks`` ranks report ``step`` or later; raises if the job ends or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        last = status(inv, job, machines)
+        reported = sum(len(doc.get("ranks", [])) for doc in last.values())
+        if reported >= ranks and min_step(last) >= step:
+            return last
+        ended = [n for n, doc in last.items() if doc.get("state") == "exited"]
+        if ended:
+            codes = {n: last[n].get("returncode") for n in ended}
+            raise ClusterError(f"job {job} ended on {', '.join(ended)} before step {step} (exit codes {codes})")
+        time.sleep(poll_s)
+    raise ClusterError(f"job {job} did not reach step {step} within {timeout_s:.0f}s (last min step {min_step(last)})")

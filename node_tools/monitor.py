@@ -1,0 +1,255 @@
+"""In-job monitor hook: what every training rank tells its machine's agent.
+
+A training script adds three lines::
+
+    from node_tools.monitor import JobMonitor
+    monitor = JobMonitor.from_env()          # reads RANK, LOCAL_RANK, TG_RUN_DIR ...
+    ...
+    with monitor.collective("dp", "all_reduce"):   # around each collective
+        dist.all_reduce(grad, group=dp_group)
+    monitor.step_end(step, loss=..., grad_norm=..., step_time_s=..., tokens_per_s=...)
+
+and the hook keeps two files per rank under ``<run_dir>/ranks/``:
+
+``rank<R>.json``
+    The heartbeat: rewritten atomically every ``flush_interval_s`` by a daemon
+    thread. ``alive_ts`` advances while the process runs (it stops when the
+    process is stopped or dead); ``progress_ts`` advances at each step end and
+    each completed collective (it stops when the rank hangs). It also carries
+    the per-process-group collective sequence numbers (started / completed),
+    the last step and the process identity.
+``rank<R>.steps.jsonl``
+    One JSON line per step: step, loss, grad norm, step time, tokens/s and any
+    extra fields the job adds.
+
+The hook never blocks training on I/O beyond an append of one line per step, and
+never raises into the training loop because of its own files. It imports no
+torch. The fault points of the emulated cluster (``node_tools.faults``) hang off
+it, inert unless ``TG_FAULT_FILE`` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node_tools.faults import InJobFaults
+
+SCHEMA_VERSION = 1
+
+
+def heartbeat_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "ranks" / f"rank{rank}.json"
+
+
+def steps_path(run_dir: Path, rank: int) -> Path:
+    return Path(run_dir) / "ranks" / f"rank{rank}.steps.jsonl"
+
+
+def write_json_atomic(path: Path, document: Any) -> None:
+    """Write ``document`` as JSON to ``path`` through a temporary file and a rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(document, fh, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+@dataclass
+class CollectiveCounter:
+    """Sequence numbers of one process group, in the manner of a flight recorder."""
+
+    started: int = 0
+    completed: int = 0
+    last_op: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"started": self.started, "completed": self.completed, "last_op": self.last_op}
+
+
+@dataclass
+class JobMonitor:
+    """The per-rank hook. Build it with :meth:`from_env` inside a torchrun worker."""
+
+    run_dir: Path
+    rank: int
+    local_rank: int = 0
+    world_size: int = 1
+    job: str = "job"
+    machine: str = ""
+    coords: dict[str, int] = field(default_factory=dict)
+    flush_interval_s: float = 0.5
+    faults: InJobFaults | None = None
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        (self.run_dir / "ranks").mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._collectives: dict[str, CollectiveCounter] = {}
+        self._step = -1
+        self._status = "starting"
+        now = time.time()
+        self._started_ts = now
+        self._progress_ts = now
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._steps_fh = open(  # noqa: SIM115 - kept open for the rank's life, closed in close()
+            steps_path(self.run_dir, self.rank), "a", encoding="utf-8", buffering=1)
+        if self.faults is None:
+            self.faults = InJobFaults.from_env(rank=self.rank, local_rank=self.local_rank)
+
+    @classmethod
+    def from_env(cls, *, coords: dict[str, int] | None = None, **overrides: Any) -> JobMonitor:
+        """Build the hook from torchrun's and tg-node's environment.
+
+        ``TG_RUN_DIR`` (set by ``tg-node job start``) says where to write; outside a
+        trainguard launch it falls back to ``./tg-run``.
+        """
+        env = os.environ
+        kwargs: dict[str, Any] = {
+            "run_dir": Path(env.get("TG_RUN_DIR", "tg-run")),
+            "rank": int(env.get("RANK", "0")),
+            "local_rank": int(env.get("LOCAL_RANK", "0")),
+            "world_size": int(env.get("WORLD_SIZE", "1")),
+            "job": env.get("TG_JOB", "job"),
+            "machine": env.get("TG_MACHINE", socket.gethostname()),
+            "coords": dict(coords or {}),
+        }
+        kwargs.update(overrides)
+        monitor = cls(**kwargs)
+        monitor.start()
+        return monitor
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._status = "running"
+        self.flush()
+        self._thread = threading.Thread(target=self._flush_loop, name="tg-monitor", daemon=True)
+        self._thread.start()
+
+    def close(self, status: str = "finished") -> None:
+        """Stop the flush thread and leave a final heartbeat saying how the rank ended."""
+        self._status = status
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.flush_interval_s + 1)
+        self.flush()
+        with contextlib.suppress(OSError):
+            self._steps_fh.close()
+
+    def _flush_loop(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            self.flush()
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "schema": SCHEMA_VERSION,
+                "job": self.job,
+                "rank": self.rank,
+                "local_rank": self.local_rank,
+                "world_size": self.world_size,
+                "machine": self.machine,
+                "pid": os.getpid(),
+                "coords": self.coords,
+                "status": self._status,
+                "started_ts": self._started_ts,
+                "alive_ts": time.time(),
+                "progress_ts": self._progress_ts,
+                "step": self._step,
+                "collectives": {g: c.as_dict() for g, c in self._collectives.items()},
+            }
+
+    def flush(self) -> None:
+        """Write the heartbeat now. Errors (disk full, read-only) are swallowed: never stall training."""
+        with contextlib.suppress(OSError):
+            write_json_atomic(heartbeat_path(self.run_dir, self.rank), self.snapshot())
+
+    # ---- what the training loop calls ---------------------------------------------------
+    def step_begin(self, step: int) -> None:
+        """Called before each step; applies in-job faults of the emulated cluster (slow, exit)."""
+        if self.faults is not None:
+            self.faults.before_step(step)
+
+    @contextlib.contextmanager
+    def collective(self, group: str, op: str) -> Iterator[None]:
+        """Count a collective on ``group`` (e.g. "tp", "pp", "dp") as started, then completed."""
+        if self.faults is not None:
+            self.faults.before_collective(group, op)
+        with self._lock:
+            counter = self._collectives.setdefault(group, CollectiveCounter())
+            counter.started += 1
+            counter.last_op = op
+        yield
+        with self._lock:
+            counter.completed += 1
+            self._progress_ts = time.time()
+
+    def step_end(
+        self,
+        step: int,
+        *,
+        loss: float,
+        grad_norm: float,
+        step_time_s: float,
+        tokens_per_s: float,
+        **extra: Any,
+    ) -> None:
+        """Record one finished step (append a line, advance the heartbeat's progress)."""
+        now = time.time()
+        record = {
+            "step": step,
+            "ts": now,
+            "rank": self.rank,
+            "loss": _finite_or_str(loss),
+            "grad_norm": _finite_or_str(grad_norm),
+            "step_time_s": step_time_s,
+            "tokens_per_s": tokens_per_s,
+        }
+        for key, value in extra.items():
+            record[key] = _finite_or_str(value) if isinstance(value, float) else value
+        with self._lock:
+            self._step = step
+            self._progress_ts = now
+            record["collectives"] = {g: c.completed for g, c in self._collectives.items()}
+        with contextlib.suppress(OSError):
+            self._steps_fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+
+def _finite_or_str(value: float) -> float | str:
+    """JSON has no NaN/Inf; write them as strings ("nan", "inf") so readers see them."""
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+def read_heartbeat(run_dir: Path, rank: int) -> dict[str, Any] | None:
+    """The rank's last heartbeat, or None if it has not written one (or it is unreadable)."""
+    try:
+        return json.loads(heartbeat_path(run_dir, rank).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def read_steps(run_dir: Path, rank: int) -> list[dict[str, Any]]:
+    """Every complete step record of a rank (a torn last line is ignored)."""
+    records: list[dict[str, Any]] = []
+    try:
+        with open(steps_path(run_dir, rank), encoding="utf-8") as fh:
+            for line in fh:
+                if not line.endswith("\n"):
+                    break
+                with contextlib.suppress(ValueError):
+                    records.append(json.loads(line))
+    except OSError:
+        return []
+    return records

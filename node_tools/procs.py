@@ -1,0 +1,95 @@
+"""Finding and ending processes by what they are, not by what we remember of them.
+
+Every process trainguard starts carries a marker in its environment
+(``TG_JOB_TOKEN`` for a job's processes, ``TG_NODE_CONFIG`` for anything on an
+emulated machine). Workers that torchrun puts in sessions of their own, and
+orphans of a crashed parent, still carry it, so :func:`pids_with_env` finds them
+all and :func:`terminate` ends them: SIGCONT (a stopped process cannot act on
+SIGTERM), SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    state = proc_state(pid)
+    return state is not None and state not in ("Z", "X")
+
+
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` (R, S, D, T for stopped, Z ...), or None if it is gone."""
+    try:
+        stat = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # the command name is in parentheses and may contain spaces
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        raw = (PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def all_pids() -> list[int]:
+    return [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
+
+
+def pids_with_env(key: str, value: str | None = None, *, prefix: bool = False) -> list[int]:
+    """Live processes whose environment has ``key`` (equal to ``value``, or starting with it)."""
+    me = os.getpid()
+    found = []
+    for pid in all_pids():
+        if pid == me:
+            continue
+        got = environ(pid).get(key)
+        if got is None:
+            continue
+        matches = value is None or got == value or (prefix and got.startswith(value))
+        if matches and alive(pid):
+            found.append(pid)
+    return sorted(found)
+
+
+def terminate(pids: Iterable[int], *, grace_s: float = 5.0) -> list[int]:
+    """End ``pids``: SIGCONT, SIGTERM, and SIGKILL whatever is left after ``grace_s``.
+
+    Returns the pids that were signalled. Never signals this process.
+    """
+    targets = [p for p in set(pids) if p != os.getpid() and alive(p)]
+    for sig in (signal.SIGCONT, signal.SIGTERM):
+        for pid in targets:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(p) for p in targets):
+        time.sleep(0.05)
+    for pid in targets:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and any(alive(p) for p in targets):
+        time.sleep(0.02)
+    return sorted(targets)

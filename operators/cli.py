@@ -1,0 +1,229 @@
+"""``trainguard``: the host-side command line.
+
+Commands::
+
+    trainguard cluster up [--machines 6 --standbys 2 --name tg --subnet ... --disk-mb 256 --gpus 8
+                           --transport auto|ssh|local]
+    trainguard cluster down
+    trainguard cluster status
+    trainguard inject --machine m2 --fault hang [--rank R] [--job J] [--param k=v ...]
+    trainguard inject --machine m2 --clear [--fault K]
+    trainguard job launch --job J [--topology tp=2,pp=2,dp=2] [--steps N] [--machines m0,m1,..] [-- ARGS]
+    trainguard job stop --job J
+    trainguard job status --job J
+    trainguard demo [--steps 40] [--keep]
+
+Exit codes: 0 success, 1 the job or check failed, 2 bad input or missing
+prerequisite (a one-line message says what to do), 3 refused, 130 interrupted.
+``--state-dir`` (or ``$TG_HOME``) chooses where the emulated cluster keeps its
+state (default ``./.tg/cluster``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from node_tools.errors import EXIT_OK, TrainguardError
+
+EXIT_INTERRUPTED = 130
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:
+        raise TrainguardError(f"{self.prog}: {message}; see '{self.prog} --help'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from node_tools.cluster import ClusterSpec
+
+    d = ClusterSpec()
+    p = _Parser(prog="trainguard", description="keep large PyTorch training jobs productive")
+    p.add_argument("--state-dir", type=Path, help="emulated cluster state (default $TG_HOME/cluster or ./.tg/cluster)")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    cp = sub.add_parser("cluster", help="the emulated cluster of machines")
+    csub = cp.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    cu = csub.add_parser("up", help="bring the cluster up (or repair it)")
+    cu.add_argument("--name", default=d.name)
+    cu.add_argument("--machines", type=int, default=d.machines)
+    cu.add_argument("--standbys", type=int, default=d.standbys)
+    cu.add_argument("--subnet", default=d.subnet)
+    cu.add_argument("--disk-mb", type=int, default=d.disk_mb)
+    cu.add_argument("--gpus", type=int, default=d.gpus)
+    cu.add_argument("--transport", default=d.transport, choices=["auto", "ssh", "local"])
+    csub.add_parser("down", help="remove every namespace, link, process and file of the cluster")
+    csub.add_parser("status", help="machines, roles and reachability")
+
+    ip = sub.add_parser("inject", help="inject a real fault into a machine or rank")
+    ip.add_argument("--machine", required=True)
+    ip.add_argument("--fault", help="fault kind (see 'trainguard inject --list')")
+    ip.add_argument("--rank", type=int)
+    ip.add_argument("--job")
+    ip.add_argument("--param", action="append", default=[], help="key=value (repeatable)")
+    ip.add_argument("--clear", action="store_true", help="undo the machine's faults (of --fault only, if given)")
+
+    jp = sub.add_parser("job", help="the training job on the cluster")
+    jsub = jp.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    jl = jsub.add_parser("launch")
+    jl.add_argument("--job", default="demo")
+    jl.add_argument("--topology", default="tp=2,pp=2,dp=2")
+    jl.add_argument("--ranks-per-machine", type=int, default=0, help="default: the TP degree")
+    jl.add_argument("--steps", type=int, default=0, help="0: run until stopped")
+    jl.add_argument("--machines", default="", help="comma-separated, in node-rank order (default: active machines)")
+    jl.add_argument("--master-port", type=int, default=29500)
+    jl.add_argument("args", nargs=argparse.REMAINDER, help="after --: more training script arguments")
+    for action in ("stop", "status"):
+        js = jsub.add_parser(action)
+        js.add_argument("--job", default="demo")
+        js.add_argument("--machines", default="")
+
+    dp = sub.add_parser("demo", help="the main job: cluster up, guarded training run, report")
+    dp.add_argument("--steps", type=int, default=40)
+    dp.add_argument("--topology", default="tp=2,pp=2,dp=2")
+    dp.add_argument("--machines", type=int, default=d.machines)
+    dp.add_argument("--standbys", type=int, default=d.standbys)
+    dp.add_argument("--keep", action="store_true", help="leave the cluster up at the end")
+    return p
+
+
+def _params(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise TrainguardError(f"--param {item!r} must be written key=value")
+        out[key] = value
+    return out
+
+
+def _machines(inv: Any, names: str, default_role: str = "active") -> list[Any]:
+    if names:
+        return [inv.machine(n.strip()) for n in names.split(",") if n.strip()]
+    return inv.by_role(default_role)
+
+
+def _print(args: argparse.Namespace, document: Any, text: str | None = None) -> None:
+    if args.json or text is None:
+        print(json.dumps(document, indent=2, default=str))
+    else:
+        print(text)
+
+
+def _inventory(args: argparse.Namespace) -> Any:
+    from node_tools.cluster import default_state_dir
+    from node_tools.inventory import Inventory
+
+    return Inventory.load(Path(args.state_dir or default_state_dir()) / "inventory.json")
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from node_tools import cluster
+
+    if args.action == "up":
+        spec = cluster.ClusterSpec(
+            name=args.name, machines=args.machines, standbys=args.standbys, subnet=args.subnet,
+            disk_mb=args.disk_mb, gpus=args.gpus, transport=args.transport,
+        )
+        inv = cluster.up(spec, args.state_dir, log=lambda msg: print(msg, file=sys.stderr))
+        lines = [f"cluster {inv.cluster} is up ({inv.transport}); inventory {inv.path}"]
+        lines += [f"  {m.name:4} {m.role:8} {m.address}" for m in inv.machines]
+        _print(args, inv.to_dict(), "\n".join(lines))
+    elif args.action == "down":
+        report = cluster.down(args.state_dir)
+        _print(args, report, (
+            f"cluster down: {len(report['killed'])} processes ended, {len(report['namespaces'])} namespaces, "
+            f"{len(report['links'])} links, {len(report['unmounted'])} mounts removed"
+        ))
+    else:
+        doc = cluster.status(args.state_dir)
+        lines = [f"cluster {doc['cluster']} ({doc['transport']})"]
+        lines += [
+            f"  {m['name']:4} {m['role']:8} {m['address']:15} sshd={m['sshd_pid']} "
+            f"reachable={m['reachable']} ({m['ssh_s']}s)"
+            for m in doc["machines"]
+        ]
+        _print(args, doc, "\n".join(lines))
+        return EXIT_OK if all(m["reachable"] for m in doc["machines"]) else 1
+    return EXIT_OK
+
+
+def cmd_inject(args: argparse.Namespace) -> int:
+    from node_tools import inject
+
+    inv = _inventory(args)
+    if args.clear:
+        doc = inject.clear(inv, args.machine, args.fault)
+        _print(args, doc, f"cleared faults on {args.machine}: "
+               f"{', '.join(e['kind'] for e in doc.get('cleared', [])) or 'none recorded'}")
+        return EXIT_OK
+    if not args.fault:
+        raise TrainguardError("inject needs --fault KIND (or --clear)")
+    doc = inject.inject(inv, args.machine, args.fault, rank=args.rank, job_name=args.job, params=_params(args.param))
+    _print(args, doc, f"injected {doc['kind']} on {doc['machine']}: {doc.get('effect', '')}")
+    return EXIT_OK
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    from node_tools import launcher
+    from node_tools.topology import Topology
+
+    inv = _inventory(args)
+    if args.action == "launch":
+        machines = _machines(inv, args.machines)
+        rpm = args.ranks_per_machine
+        topo = Topology.parse(args.topology, ranks_per_machine=rpm)
+        extra = args.args[1:] if args.args[:1] == ["--"] else list(args.args)
+        if args.steps:
+            extra = ["--steps", str(args.steps), *extra]
+        plan = launcher.JobPlan(job=args.job, topology=topo, machines=machines[: topo.machines] if not args.machines
+                                else machines, train_args=extra, master_port=args.master_port)
+        docs = launcher.launch(inv, plan)
+        _print(args, docs, f"job {args.job} started on {', '.join(docs)} ({topo})")
+        return EXIT_OK
+    machines = _machines(inv, args.machines) if args.machines else inv.machines
+    if args.action == "stop":
+        docs = launcher.stop(inv, args.job, machines)
+        _print(args, docs, f"job {args.job} stopped")
+        return EXIT_OK
+    docs = launcher.status(inv, args.job, machines)
+    lines = []
+    for name, doc in docs.items():
+        if "error" in doc:
+            lines.append(f"{name}: {doc['error']}")
+            continue
+        ranks = ", ".join(f"r{r['rank']}@{r['step']}({r['process_state']})" for r in doc["ranks"])
+        lines.append(f"{name}: {doc['state']} {ranks}")
+    _print(args, docs, "\n".join(lines))
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(args_list)
+        if args.command == "cluster":
+            return cmd_cluster(args)
+        if args.command == "inject":
+            return cmd_inject(args)
+        if args.command == "job":
+            return cmd_job(args)
+        if args.command == "demo":
+            from operators.demo import run_demo
+
+            return run_demo(args)
+    except TrainguardError as exc:
+        print(f"trainguard: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("trainguard: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
