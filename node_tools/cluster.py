@@ -194,7 +194,7 @@ def ensure_openssh(log: Any = print) -> str:
 
 @contextlib.contextmanager
 def _locked(state_dir: Path) -> Iterator[None]:
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(state_dir.parent / f".{state_dir.name}.lock", "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -357,6 +357,7 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
     if transport == "ssh" and not _is_root():
         raise ClusterError("the ssh transport needs root (network namespaces); run as root or use --transport local")
     with _locked(state_dir):
+        state_dir.mkdir(parents=True, exist_ok=True)
         inv_path = state_dir / "inventory.json"
         if inv_path.exists():
             try:

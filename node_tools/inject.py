@@ -119,6 +119,13 @@ def _fill_disk(path: Path) -> int:
     return written
 
 
+def _signal(name: str) -> signal.Signals:
+    try:
+        return signal.Signals[f"SIG{str(name).upper().removeprefix('SIG')}"]
+    except KeyError:
+        raise FaultError(f"crash signal={name!r} is not a signal name; use e.g. KILL, TERM, SEGV, ABRT") from None
+
+
 def inject_on_node(
     cfg: NodeConfig,
     kind_name: str,
@@ -139,10 +146,19 @@ def inject_on_node(
         entry["rank"], entry["pid"] = _rank_process(cfg, entry["job"], rank)
     elif rank is not None:
         raise FaultError(f"fault {kind.name} acts on a whole machine; drop --rank")
+    # Validate everything before recording anything: a refused fault leaves no trace.
     if kind.name == "nic_down":
         raise FaultError("nic_down cuts the machine's own network; inject it from the host with 'trainguard inject'")
     if kind.name == "bitflip" and not 0 <= int(values["bit"]) <= 30:
         raise FaultError(f"bitflip bit={values['bit']} must be 0..30 (a float32 bit below the sign)")
+    if kind.name == "crash":
+        sig = _signal(values["signal"])
+    if kind.name in GPU_FAULTS:
+        if cfg.nvml_backend != "emulated" or cfg.nvml_state is None:
+            raise FaultError(f"machine {cfg.machine} uses real NVML; GPU faults are injected only on emulated GPUs")
+        gpu = int(values["gpu"])
+        if not 0 <= gpu < cfg.gpus:
+            raise FaultError(f"machine {cfg.machine} has GPUs 0..{cfg.gpus - 1}; there is no GPU {gpu}")
     ledger.append(entry)
     _write_ledger(cfg, ledger)
 
@@ -152,7 +168,6 @@ def inject_on_node(
         faults.write_control(cfg.fault_file, control)
         entry["effect"] = f"rank {entry['rank']} picks it up at its next step"
     elif kind.name == "crash":
-        sig = signal.Signals[f"SIG{str(values['signal']).upper().removeprefix('SIG')}"]
         os.kill(entry["pid"], sig)
         entry["effect"] = f"sent {sig.name} to pid {entry['pid']}"
     elif kind.name == "hang":
@@ -163,8 +178,6 @@ def inject_on_node(
         written = _fill_disk(cfg.workdir)
         entry["effect"] = f"filled {cfg.workdir} with {written} bytes"
     elif kind.name in GPU_FAULTS:
-        if cfg.nvml_backend != "emulated" or cfg.nvml_state is None:
-            raise FaultError(f"machine {cfg.machine} uses real NVML; GPU faults are injected only on emulated GPUs")
         change = EmulatedNvml(cfg.nvml_state, machine=cfg.machine, gpus=cfg.gpus).inject(kind.name, values)
         entry["effect"] = f"GPU {change['gpu']}: {kind.name}"
     return entry

@@ -1,0 +1,67 @@
+"""Shared fixtures: the emulated cluster (real namespaces and sshd) and waiting helpers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from node_tools import cluster
+from node_tools.inventory import Inventory
+
+# A cluster of its own for the tests, so a demo cluster ("tg") on the same host is left alone.
+TEST_CLUSTER = cluster.ClusterSpec(name="tgt", machines=6, standbys=2, subnet="10.213.9.0/24", disk_mb=64, gpus=8)
+
+
+def can_namespace() -> str:
+    """Why the namespace cluster cannot run here, or "" if it can."""
+    if os.geteuid() != 0:
+        return "needs root for network namespaces"
+    if not shutil.which("ip"):
+        return "needs iproute2 ('ip')"
+    return ""
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail the test with ``what`` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ns_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inventory]:
+    """The 6-machine namespace cluster (4 active, 2 standby), brought down at the end."""
+    reason = can_namespace()
+    if reason:
+        pytest.skip(reason)
+    state_dir = tmp_path_factory.mktemp("cluster") / "state"
+    cluster.down(state_dir, name=TEST_CLUSTER.name, log=lambda *_: None)  # leftovers of an aborted run
+    inv = cluster.up(TEST_CLUSTER, state_dir, log=lambda *_: None)
+    try:
+        yield inv
+    finally:
+        cluster.down(state_dir, name=TEST_CLUSTER.name, log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def state_dir(ns_cluster: Inventory) -> Path:
+    assert ns_cluster.path is not None
+    return ns_cluster.path.parent

@@ -1,0 +1,63 @@
+"""Helpers for tests that run the reference job on the emulated cluster."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from node_tools import launcher, monitor
+from node_tools.inventory import Inventory, Machine
+from node_tools.topology import Topology
+from tests.conftest import free_port, wait_until
+
+
+def run_dir(machine: Machine, job: str) -> Path:
+    return Path(machine.workdir) / "jobs" / job
+
+
+def start(inv: Inventory, job: str, topology: Topology, machines: list[Machine], *train_args: str) -> launcher.JobPlan:
+    plan = launcher.JobPlan(job=job, topology=topology, machines=machines, train_args=list(train_args),
+                            master_port=free_port())
+    launcher.launch(inv, plan)
+    return plan
+
+
+def rank_dirs(plan: launcher.JobPlan) -> dict[int, Path]:
+    """Global rank -> the run directory holding its files."""
+    out = {}
+    for i, m in enumerate(plan.machines):
+        for r in plan.topology.ranks_on(i):
+            out[r] = run_dir(m, plan.job)
+    return out
+
+
+def steps(plan: launcher.JobPlan, rank: int) -> list[dict[str, Any]]:
+    return monitor.read_steps(rank_dirs(plan)[rank], rank)
+
+
+def heartbeat(plan: launcher.JobPlan, rank: int) -> dict[str, Any]:
+    return monitor.read_heartbeat(rank_dirs(plan)[rank], rank) or {}
+
+
+def last_step(plan: launcher.JobPlan, rank: int) -> int:
+    hb = heartbeat(plan, rank)
+    return hb.get("step", -1) if hb else -1
+
+
+def wait_all_reach(plan: launcher.JobPlan, step: int, timeout: float = 180) -> None:
+    ranks = range(plan.topology.world_size)
+    wait_until(lambda: all(last_step(plan, r) >= step for r in ranks), timeout=timeout,
+               what=f"every rank of {plan.job} to finish step {step}")
+
+
+def exit_code(plan: launcher.JobPlan, machine: Machine) -> int | None:
+    try:
+        return json.loads((run_dir(machine, plan.job) / "exit.json").read_text())["returncode"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def rank_log(plan: launcher.JobPlan, machine: Machine, local_rank: int, stream: str = "stderr") -> str:
+    logs = sorted((run_dir(machine, plan.job) / "logs").glob(f"inc*/*/attempt_*/{local_rank}/{stream}.log"))
+    return logs[-1].read_text(errors="replace") if logs else ""
