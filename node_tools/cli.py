@@ -13,6 +13,7 @@ Commands::
                       --master-addr A --master-port PORT [--entry SCRIPT] [--revision R] -- ARGS...
     tg-node job stop --job J [--grace-s S]
     tg-node job status --job J
+    tg-node job steps --job J --rank R [--since STEP]
     tg-node fault inject --kind K [--rank R] [--job J] [--param k=v ...]
     tg-node fault clear [--kind K]
     tg-node fault list
@@ -68,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     jt.add_argument("--grace-s", type=float, default=10.0)
     jq = jsub.add_parser("status")
     jq.add_argument("--job", required=True)
+    jr = jsub.add_parser("steps", help="a rank's step records")
+    jr.add_argument("--job", required=True)
+    jr.add_argument("--rank", type=int, required=True)
+    jr.add_argument("--since", type=int, default=-1, help="only steps after this one")
+    jr.add_argument("--incarnation", type=int, help="only steps of this incarnation of the job")
 
     fp = sub.add_parser("fault", help="inject or clear faults (emulated machines only)")
     fsub = fp.add_subparsers(dest="action", required=True, parser_class=_Parser)
@@ -111,6 +117,8 @@ def run(argv: list[str]) -> tuple[int, Any]:
             return EXIT_OK, job.start(cfg, spec)
         if ns.action == "stop":
             return EXIT_OK, job.stop(cfg, ns.job, grace_s=ns.grace_s)
+        if ns.action == "steps":
+            return EXIT_OK, job.steps(cfg, ns.job, ns.rank, since=ns.since, incarnation=ns.incarnation)
         return EXIT_OK, job.status(cfg, job.check_job_name(ns.job))
     if ns.command == "fault":
         from node_tools import inject

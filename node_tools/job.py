@@ -133,6 +133,7 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
     env.update({
         "TG_JOB": spec.job,
         "TG_JOB_TOKEN": token,
+        "TG_INCARNATION": str(incarnation),
         "TG_RUN_DIR": str(rd),
         "TG_MACHINE": cfg.machine,
         "TG_REVISION": spec.revision,
@@ -221,6 +222,19 @@ def status(cfg: NodeConfig, job: str) -> dict[str, Any]:
         "run_dir": str(rd),
         "ranks": [rank_status(rd, r, now) for r in ranks],
     }
+
+
+def steps(cfg: NodeConfig, job: str, rank: int, *, since: int = -1, incarnation: int | None = None
+          ) -> dict[str, Any]:
+    """The step records of ``rank`` on this machine after step ``since`` (of one incarnation, if given)."""
+    rd = run_dir(cfg, job)
+    if not (rd / "ranks" / f"rank{rank}.json").exists() and not monitor.steps_path(rd, rank).exists():
+        raise TrainguardError(f"machine {cfg.machine} has no rank {rank} of job {job}")
+    records = [
+        r for r in monitor.read_steps(rd, rank)
+        if r.get("step", -1) > since and (incarnation is None or r.get("incarnation") == incarnation)
+    ]
+    return {"job": job, "machine": cfg.machine, "rank": rank, "steps": records}
 
 
 def rank_logs(cfg: NodeConfig, job: str) -> dict[int, dict[str, Path]]:

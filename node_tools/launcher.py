@@ -125,6 +125,18 @@ def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: fl
     return out
 
 
+def steps(inv: Inventory, job: str, machine: Machine, *, rank: int, since: int = -1,
+          incarnation: int | None = None, timeout: float = 20.0) -> list[dict[str, Any]]:
+    """A rank's step records (after step ``since``, of one incarnation if given), read on its machine."""
+    check_job_name(job)
+    transport = transport_for(inv)
+    argv = [inv.tg_node, "job", "steps", "--job", job, "--rank", str(rank), "--since", str(since)]
+    if incarnation is not None:
+        argv += ["--incarnation", str(incarnation)]
+    doc = _check({machine.name: transport.run(machine, argv, timeout=timeout)}, f"reading steps of job {job}")
+    return doc[machine.name]["steps"]
+
+
 def min_step(statuses: dict[str, Any]) -> int:
     """The lowest step that every reported rank has finished (-1 if any has none)."""
     steps = [r.get("step") for doc in statuses.values() for r in doc.get("ranks", [])]

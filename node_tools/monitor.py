@@ -19,8 +19,10 @@ and the hook keeps two files per rank under ``<run_dir>/ranks/``:
     the per-process-group collective sequence numbers (started / completed),
     the last step and the process identity.
 ``rank<R>.steps.jsonl``
-    One JSON line per step: step, loss, grad norm, step time, tokens/s and any
-    extra fields the job adds.
+    One JSON line per step: step, loss, grad norm, step time, tokens/s, the
+    job's incarnation (how many times it was started on this machine before) and
+    any extra fields the job adds. The file grows across incarnations, so a
+    restarted job's history stays readable.
 
 The hook never blocks training on I/O beyond an append of one line per step, and
 never raises into the training loop because of its own files. It imports no
@@ -87,6 +89,7 @@ class JobMonitor:
     machine: str = ""
     coords: dict[str, int] = field(default_factory=dict)
     flush_interval_s: float = 0.5
+    incarnation: int = 0
     faults: InJobFaults | None = None
 
     def __post_init__(self) -> None:
@@ -120,6 +123,7 @@ class JobMonitor:
             "local_rank": int(env.get("LOCAL_RANK", "0")),
             "world_size": int(env.get("WORLD_SIZE", "1")),
             "job": env.get("TG_JOB", "job"),
+            "incarnation": int(env.get("TG_INCARNATION", "0")),
             "machine": env.get("TG_MACHINE", socket.gethostname()),
             "coords": dict(coords or {}),
         }
@@ -156,6 +160,7 @@ class JobMonitor:
             return {
                 "schema": SCHEMA_VERSION,
                 "job": self.job,
+                "incarnation": self.incarnation,
                 "rank": self.rank,
                 "local_rank": self.local_rank,
                 "world_size": self.world_size,
@@ -211,6 +216,7 @@ class JobMonitor:
             "step": step,
             "ts": now,
             "rank": self.rank,
+            "incarnation": self.incarnation,
             "loss": _finite_or_str(loss),
             "grad_norm": _finite_or_str(grad_norm),
             "step_time_s": step_time_s,

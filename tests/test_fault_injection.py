@@ -120,15 +120,19 @@ def test_bitflip_makes_a_rank_diverge_from_its_data_parallel_peer(ns_cluster, jo
 def test_nan_in_one_rank_reaches_the_loss_of_all(ns_cluster, job3d):
     rank = 3  # last pipeline stage: computes the loss
     inject.inject(ns_cluster, _machine_of(job3d, rank), "nan", rank=rank)
-    at = jobs.last_step(job3d, 0)
-    nan_step = wait_until(
-        lambda: next((s for s in _new_steps(job3d, 0, at) if s["loss"] == "nan"), None), timeout=60,
-        what="a NaN loss on rank 0",
-    )
-    assert all(
-        any(s["step"] == nan_step["step"] and s["loss"] == "nan" for s in jobs.steps(job3d, r))
-        for r in range(8) if jobs.last_step(job3d, r) >= nan_step["step"]
-    )
+    at = min(jobs.last_step(job3d, r) for r in range(8))
+
+    def first_nan(r):
+        return next((s["step"] for s in _new_steps(job3d, r, at) if s["loss"] == "nan"), None)
+
+    # the NaN loss of one rank reaches every rank within a step (through the TP/PP/DP collectives)
+    nan_steps = wait_until(lambda: all(first_nan(r) is not None for r in range(8)) and [first_nan(r) for r in range(8)],
+                           timeout=60, what="a NaN loss on every rank")
+    assert max(nan_steps) - min(nan_steps) <= 1, nan_steps
+    # and it stays: the parameters are NaN now
+    last = max(nan_steps) + 1
+    wait_until(lambda: all(jobs.last_step(job3d, r) >= last for r in range(8)), timeout=60, what="one more step")
+    assert all(s["loss"] == "nan" for r in range(8) for s in jobs.steps(job3d, r) if s["step"] == last)
 
 
 # ---- faults that end a job --------------------------------------------------------------

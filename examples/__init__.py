@@ -1,0 +1,1 @@
+"""Example training jobs that run under trainguard."""

@@ -1,0 +1,330 @@
+"""Reference training job: a small GPT with tensor, pipeline and data parallelism.
+
+Launched once per machine by torchrun (static rendezvous)::
+
+    torchrun --nnodes 4 --nproc-per-node 2 --node-rank I --master-addr A --master-port P \\
+        examples/gpt3d/train.py --tp 2 --pp 2 --dp 2 --steps 30
+
+or as ``python -m examples.gpt3d.train`` (a single process without torchrun runs
+with world size 1, e.g. ``--tp 1 --pp 1 --dp 1``). The backend is gloo on CPU and
+nccl (one GPU per local rank) when CUDA is available.
+
+Ranks are laid out by :class:`node_tools.topology.Topology`
+(``rank = (dp * PP + pp) * TP + tp``). A step runs a GPipe schedule (every
+micro-batch forward, then every micro-batch backward, activations and their
+gradients sent point to point between consecutive stages), averages gradients
+over the DP group, computes the global gradient norm, clips and applies AdamW.
+
+Each step every rank records (``monitor.step_end``) the same ``loss``: the last
+stage's mean micro-batch loss, broadcast over the PP group (an all-reduce where
+the other stages contribute zero) and averaged over the DP replicas. The extra
+field ``replica_loss`` keeps the loss of the rank's own replica (before the DP
+mean), and ``param_digest`` a CRC32 of the rank's parameters, equal on DP peers.
+Every collective and point-to-point transfer goes through the trainguard
+monitor hook (:class:`node_tools.monitor.JobMonitor`), which keeps each rank's
+heartbeat and per-step records and applies the emulated cluster's in-job faults.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run by file path (torchrun examples/gpt3d/train.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import argparse
+import os
+import time
+import zlib
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from examples.gpt3d.data import MarkovData
+from examples.gpt3d.model import GPTConfig, Stage, TPComm, full_parameter_count
+from node_tools.errors import TopologyError, TrainguardError
+from node_tools.monitor import JobMonitor
+from node_tools.topology import GROUP_KINDS, RankCoords, Topology
+
+PROG = "gpt3d"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default 2)")
+    p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
+    p.add_argument("--dp", type=int, default=2, help="data-parallel replicas (default 2)")
+    p.add_argument("--steps", type=int, default=0, help="steps to run; 0 = until stopped (default 0)")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step per replica")
+    p.add_argument("--micro-batch-size", type=int, default=4, help="sequences per micro-batch")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks, split evenly across stages")
+    p.add_argument("--vocab", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this; 0 = off")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each step (pace a demo)")
+    p.add_argument("--collective-timeout-s", type=float, default=1800.0,
+                   help="timeout of every collective (init_process_group(timeout=...))")
+    return p.parse_args(argv)
+
+
+def check_layout(args: argparse.Namespace, world_size: int, ranks_per_machine: int) -> Topology:
+    """The job's topology, or a TopologyError/TrainguardError saying what does not fit."""
+    Topology(args.tp, args.pp, args.dp)  # degrees are positive integers
+    product = args.tp * args.pp * args.dp
+    if product != world_size:
+        raise TopologyError(
+            f"--tp {args.tp} x --pp {args.pp} x --dp {args.dp} = {product} ranks, but the job has "
+            f"WORLD_SIZE={world_size}; choose degrees whose product is {world_size}"
+        )
+    topo = Topology(args.tp, args.pp, args.dp, ranks_per_machine=ranks_per_machine)
+    if args.layers % args.pp:
+        raise TopologyError(f"--layers {args.layers} do not split evenly into --pp {args.pp} stages")
+    if args.heads % args.tp:
+        raise TopologyError(f"--heads {args.heads} do not split evenly across --tp {args.tp} ranks")
+    if args.d_model % args.heads:
+        raise TrainguardError(f"--d-model {args.d_model} is not a multiple of --heads {args.heads}")
+    for name in ("steps", "micro_batches", "micro_batch_size", "seq_len", "vocab"):
+        if getattr(args, name) < (0 if name == "steps" else 1):
+            raise TrainguardError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
+    return topo
+
+
+def shuffle_window(tokens: torch.Tensor, window: int) -> torch.Tensor:
+    """Reverse the token order inside each window of ``window`` positions (a data augmentation).
+
+    This is the job's deliberate user bug: the index is off by one, so the last
+    window reads one position past the end and raises IndexError. It runs only
+    when the emulated cluster injects a ``user_error`` fault, and the traceback's
+    last frame is this function, in the job's own file.
+    """
+    out = tokens.clone()
+    length = tokens.shape[-1]
+    for start in range(0, length, window):
+        for i in range(window):
+            out[..., start + i] = tokens[..., start + window - i]  # should be start + window - 1 - i
+    return out
+
+
+class Trainer:
+    """One rank of the job: its stage of the model, its groups, and the step loop."""
+
+    def __init__(self, args: argparse.Namespace, topo: Topology, rank: int, monitor: JobMonitor,
+                 device: torch.device) -> None:
+        self.args = args
+        self.topo = topo
+        self.rank = rank
+        self.coords: RankCoords = topo.coords(rank)
+        self.monitor = monitor
+        self.faults = monitor.faults
+        self.device = device
+
+        # Every rank creates every group, in the same order.
+        self.groups: dict[str, Any] = {}
+        self.members: dict[str, tuple[int, ...]] = {}
+        for kind in GROUP_KINDS:
+            for ranks in topo.groups(kind):
+                group = dist.new_group(list(ranks))
+                if rank in ranks:
+                    self.groups[kind], self.members[kind] = group, ranks
+
+        c = self.coords
+        self.is_first = c.pp == 0
+        self.is_last = c.pp == topo.pp - 1
+        pp_ranks = self.members["pp"]
+        self.prev_rank = pp_ranks[c.pp - 1] if not self.is_first else None
+        self.next_rank = pp_ranks[c.pp + 1] if not self.is_last else None
+
+        self.cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
+                             heads=args.heads, layers=args.layers)
+        comm = TPComm(self.groups["tp"], topo.tp, c.tp, wrap=monitor.collective)
+        self.model = Stage(self.cfg, stage=c.pp, stages=topo.pp, comm=comm, seed=args.seed, device=device)
+        self.params = list(self.model.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.data = MarkovData(vocab=args.vocab, seq_len=args.seq_len, micro_batches=args.micro_batches,
+                               micro_batch_size=args.micro_batch_size, seed=args.seed)
+        self.act_shape = (args.micro_batch_size, args.seq_len, args.d_model)
+        self.global_tokens = self.data.tokens_per_batch * topo.dp
+        self.reporter = c.tp == 0 and self.is_last and c.dp == 0
+
+    # ---- communication ----------------------------------------------------------------
+    def _send(self, tensor: torch.Tensor, dst: int) -> None:
+        with self.monitor.collective("pp", "send"):
+            dist.isend(tensor.contiguous(), dst=dst, group=self.groups["pp"]).wait()
+
+    def _recv(self, src: int) -> torch.Tensor:
+        buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
+        with self.monitor.collective("pp", "recv"):
+            dist.irecv(buf, src=src, group=self.groups["pp"]).wait()
+        return buf
+
+    def _all_reduce(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        if len(self.members[kind]) > 1:
+            with self.monitor.collective(kind, "all_reduce"):
+                dist.all_reduce(tensor, group=self.groups[kind])
+        return tensor
+
+    # ---- one step ---------------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """GPipe: every micro-batch forward, then every micro-batch backward. Returns the last
+        stage's micro-batch losses (``None`` on other stages); gradients are left in ``.grad``."""
+        m_count = inputs.shape[0]
+        stage_inputs: list[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
+        losses: list[torch.Tensor] = []
+        for m in range(m_count):
+            # the first stage embeds token ids; the others receive the previous stage's activations
+            x = inputs[m].to(self.device) if self.is_first else self._recv(self.prev_rank).requires_grad_(True)
+            out = self.model(x)
+            if self.is_last:
+                loss = self.model.loss(out, targets[m].to(self.device))
+                loss = self.faults.corrupt_loss(loss)
+                losses.append(loss.detach())
+                outputs.append(loss / m_count)
+            else:
+                self._send(out.detach(), self.next_rank)
+                outputs.append(out)
+            stage_inputs.append(x)
+        for m in range(m_count):
+            if self.is_last:
+                outputs[m].backward()
+            else:
+                torch.autograd.backward(outputs[m], self._recv(self.next_rank))
+            if not self.is_first:
+                self._send(stage_inputs[m].grad, self.prev_rank)
+        stage_inputs.clear()
+        outputs.clear()
+        return torch.stack(losses) if self.is_last else None
+
+    def all_reduce_grads(self) -> None:
+        """Average every gradient over the DP group, through one flat buffer."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.topo.dp == 1:
+            return
+        grads = [p.grad for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._all_reduce("dp", flat).div_(self.topo.dp)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
+
+    def grad_norm(self) -> float:
+        """The global gradient norm; TP-replicated parameters are counted once (by tp index 0)."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for p in self.params:
+            if getattr(p, "tensor_parallel", False) or self.coords.tp == 0:
+                sq += p.grad.float().pow(2).sum()
+        self._all_reduce("tp", sq)
+        self._all_reduce("pp", sq)
+        return float(sq.sqrt())
+
+    def reported_loss(self, losses: torch.Tensor | None) -> tuple[float, float]:
+        """``(loss, replica_loss)``: the mean micro-batch loss of this DP replica (from the
+        last stage, summed over the PP group where other stages contribute zero), and its
+        mean over the DP replicas, which every rank of the job reports."""
+        loss = losses.mean() if losses is not None else torch.zeros((), device=self.device)
+        replica_loss = float(self._all_reduce("pp", loss))
+        mean = self._all_reduce("dp", loss.clone()) / self.topo.dp
+        return float(mean), replica_loss
+
+    def param_digest(self) -> str:
+        crc = 0
+        with torch.no_grad():
+            for p in self.params:
+                crc = zlib.crc32(p.detach().float().cpu().contiguous().numpy(), crc)
+        return f"{crc:08x}"
+
+    def step(self, step: int) -> None:
+        t0 = time.perf_counter()  # before step_begin: a "slow" fault's delay counts as this rank's step time
+        self.monitor.step_begin(step)
+        inputs, targets = self.data.batch(step, self.coords.dp)
+        if self.faults.active("user_error") is not None:
+            inputs = shuffle_window(inputs, window=8)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = self.forward_backward(inputs, targets)
+        self.all_reduce_grads()
+        self.faults.corrupt_grads(self.params)
+        norm = self.grad_norm()
+        if self.args.grad_clip > 0:
+            scale = min(1.0, self.args.grad_clip / (norm + 1e-6))
+            if scale < 1.0:
+                for p in self.params:
+                    p.grad.mul_(scale)
+        self.optimizer.step()
+        loss, replica_loss = self.reported_loss(losses)
+        digest = self.param_digest()
+        step_time = time.perf_counter() - t0
+        tokens_per_s = self.global_tokens / step_time
+        self.monitor.step_end(step, loss=loss, grad_norm=norm, step_time_s=step_time,
+                              tokens_per_s=tokens_per_s, param_digest=digest, replica_loss=replica_loss)
+        if self.reporter:
+            print(f"step {step} loss {loss:.4f} grad_norm {norm:.3g} step_time {step_time:.3f}s "
+                  f"tokens/s {tokens_per_s:.0f}", flush=True)
+
+    def run(self) -> None:
+        if self.reporter:
+            print(f"{PROG}: {self.topo} world {self.topo.world_size} backend {dist.get_backend()} "
+                  f"params {full_parameter_count(self.cfg) / 1e6:.2f}M tokens/step {self.global_tokens} "
+                  f"loss floor ~{self.data.entropy_rate():.2f}", flush=True)
+        step = 0
+        while self.args.steps == 0 or step < self.args.steps:
+            self.step(step)
+            step += 1
+            if self.args.step_delay_s > 0:
+                time.sleep(self.args.step_delay_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = os.environ
+    launched = "WORLD_SIZE" in env
+    world_size = int(env.get("WORLD_SIZE", "1"))
+    rank = int(env.get("RANK", "0"))
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    local_world = int(env.get("LOCAL_WORLD_SIZE", str(world_size)))
+    try:
+        topo = check_layout(args, world_size, local_world)
+    except TrainguardError as exc:
+        if local_rank == 0:
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+    torch.set_num_threads(1)
+    if torch.cuda.is_available():
+        backend, device = "nccl", torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+
+    c = topo.coords(rank)
+    monitor = JobMonitor.from_env(coords={"tp": c.tp, "pp": c.pp, "dp": c.dp})
+    timeout = timedelta(seconds=args.collective_timeout_s)
+    try:
+        if launched:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # a single process outside torchrun
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        Trainer(args, topo, rank, monitor, device).run()
+    except BaseException:
+        monitor.close("failed")
+        raise
+    else:
+        monitor.close("finished")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
