@@ -13,6 +13,7 @@ Writes one JSON document in the project's benchmark format (see README).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -25,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node_tools import cluster, launcher, monitor  # noqa: E402
-from node_tools.topology import Topology  # noqa: E402
-from node_tools.transport import transport_for  # noqa: E402
+from node_tools import cluster, launcher, monitor
+from node_tools.topology import Topology
+from node_tools.transport import transport_for
 
 SPEC = cluster.ClusterSpec(name="tgb", machines=6, standbys=2, subnet="10.213.11.0/24", disk_mb=64, gpus=8)
 
@@ -44,7 +45,7 @@ def machine_info() -> dict:
 
 def summarize(values: list[float], unit: str, target: float | None = None) -> dict:
     ordered = sorted(values)
-    p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
     out = {"median": round(statistics.median(ordered), 4), "p90": round(p90, 4), "min": round(ordered[0], 4),
            "max": round(ordered[-1], 4), "n": len(ordered), "unit": unit}
     if target is not None:
@@ -87,7 +88,7 @@ def trial(state_dir: Path, steps: int, port: int) -> dict:
         time.sleep(0.1)
     records = monitor.read_steps(dirs[0], 0)
     steady = [r["step_time_s"] for r in records if r["step"] >= 3]
-    walls = [b["ts"] - a["ts"] for a, b in zip(records, records[1:], strict=False) if a["step"] >= 3]
+    walls = [b["ts"] - a["ts"] for a, b in itertools.pairwise(records) if a["step"] >= 3]
     losses = [r["loss"] for r in records]
     launcher.stop(inv, plan.job, plan.machines, grace_s=3)
     t = time.monotonic()

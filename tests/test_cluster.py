@@ -120,7 +120,8 @@ def test_down_after_a_crash_removes_everything(tmp_path: Path):
     inv = cluster.up(spec, state_dir, log=lambda *_: None)
     try:
         # A stray process inside a machine, then the state is lost as in a crash of the host tool.
-        stray = subprocess.Popen(["ip", "netns", "exec", "tgc-m1", sys.executable, "-c", "import time; time.sleep(600)"])
+        sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+        stray = subprocess.Popen(["ip", "netns", "exec", "tgc-m1", *sleeper])
         wait_until(lambda: procs.alive(stray.pid), timeout=10, what="the stray process")
         (state_dir / "inventory.json").unlink()
         assert _leftovers("tgc", state_dir)

@@ -93,5 +93,5 @@ def test_parse_round_trips():
 
 
 def test_out_of_range_rank_is_refused():
-    with pytest.raises(TopologyError, match="outside 0..7"):
+    with pytest.raises(TopologyError, match=r"outside 0\.\.7"):
         Topology(tp=2, pp=2, dp=2).coords(8)
