@@ -41,8 +41,9 @@ def heartbeat(plan: launcher.JobPlan, rank: int) -> dict[str, Any]:
 
 
 def last_step(plan: launcher.JobPlan, rank: int) -> int:
-    hb = heartbeat(plan, rank)
-    return hb.get("step", -1) if hb else -1
+    """The rank's last finished step, from its step records (the heartbeat lags by up to its flush interval)."""
+    records = steps(plan, rank)
+    return records[-1]["step"] if records else -1
 
 
 def wait_all_reach(plan: launcher.JobPlan, step: int, timeout: float = 180) -> None:
