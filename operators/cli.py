@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--topology", default="tp=2,pp=2,dp=2")
     dp.add_argument("--machines", type=int, default=d.machines)
     dp.add_argument("--standbys", type=int, default=d.standbys)
+    dp.add_argument("--name", default=d.name, help="cluster name (prefixes its namespaces and links)")
+    dp.add_argument("--subnet", default=d.subnet)
     dp.add_argument("--keep", action="store_true", help="leave the cluster up at the end")
     return p
 

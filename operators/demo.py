@@ -40,8 +40,9 @@ def follow(inv: Inventory, plan: launcher.JobPlan, t0: float, *, steps: int, tim
                 first_step_s = time.monotonic() - t0
             last = next((r["last_step"] for r in ranks if r["rank"] == 0 and r["last_step"]), None)
             if last:
-                _say(t0, f"step {done:4d}/{steps}  loss {_fmt(last['loss'])}  step time {last['step_time_s']:.3f}s  "
-                     f"{last['tokens_per_s']:.0f} tokens/s  ({len(ranks)} ranks on {len(statuses)} machines)")
+                _say(t0, f"step {last['step']:4d}/{steps}  loss {_fmt(last['loss'])}  "
+                     f"step time {last['step_time_s']:.3f}s  {last['tokens_per_s']:.0f} tokens/s  "
+                     f"({len(ranks)} ranks on {len(statuses)} machines)")
             shown = done
         unreachable = [n for n, d in statuses.items() if "error" in d]
         if unreachable:
@@ -89,7 +90,7 @@ def report(inv: Inventory, plan: launcher.JobPlan, result: dict[str, Any], t0: f
 def run_demo(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     topo = Topology.parse(args.topology)
-    spec = cluster.ClusterSpec(machines=args.machines, standbys=args.standbys)
+    spec = cluster.ClusterSpec(name=args.name, machines=args.machines, standbys=args.standbys, subnet=args.subnet)
     spec.validate()
     active_needed = topo.machines
     if spec.machines - spec.standbys < active_needed:
@@ -125,6 +126,6 @@ def run_demo(args: argparse.Namespace) -> int:
         if args.keep:
             _say(t0, f"cluster left up (--keep); inventory {inv.path}; 'trainguard cluster down' removes it")
         else:
-            cluster.down(args.state_dir, log=lambda msg: _say(t0, msg))
+            cluster.down(args.state_dir, name=spec.name, log=lambda msg: _say(t0, msg))
             _say(t0, "cluster down; nothing left running")
         sys.stdout.flush()

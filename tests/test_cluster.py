@@ -178,3 +178,33 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, match, tmp_path: Path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0], proc.stderr
     assert not (tmp_path / "none").exists() or not any((tmp_path / "none").iterdir())
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "operators.cli", *argv], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_cli_refuses_a_malformed_inventory(tmp_path: Path):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "inventory.json").write_text('{"schema": 1, "machines": [{"name": "m0"}]}')
+    proc = _cli("--state-dir", str(state), "inject", "--machine", "m0", "--fault", "hang")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "needs at least 'name' and 'address'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "topology,match",
+    [
+        ("tp=2,pp=2,dp=3", "needs 6 machines, but 4 were given"),
+        ("tp=2,pp=2", "lacks dp"),
+        ("tp=2,pp=0,dp=2", "pp=0 must be a positive integer"),
+    ],
+)
+def test_cli_refuses_a_topology_that_does_not_fit(ns_cluster: Inventory, state_dir: Path, topology, match):
+    proc = _cli("--state-dir", str(state_dir), "job", "launch", "--job", "bad", "--topology", topology)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and match in proc.stderr
+    # nothing was started anywhere
+    assert not any((Path(m.workdir) / "jobs" / "bad").exists() for m in ns_cluster.machines)
