@@ -27,33 +27,19 @@ import sys
 from typing import Any
 
 from node_tools import __version__
+from node_tools.cliutil import OneLineParser, key_values
 from node_tools.errors import EXIT_OK, EXIT_USAGE, TrainguardError
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage and exit 2 with free text
-        raise TrainguardError(f"{self.prog}: {message}; see '{self.prog} --help'")
-
-
-def _params(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise TrainguardError(f"--param {item!r} must be written key=value")
-        out[key] = value
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tg-node", description="trainguard node tools (JSON on stdout)")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = OneLineParser(prog="tg-node", description="trainguard node tools (JSON on stdout)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     sub.add_parser("version", help="print the version")
     sub.add_parser("info", help="this machine's node configuration")
     sub.add_parser("gpu", help="GPU snapshot through NVML (real or emulated)")
 
     jp = sub.add_parser("job", help="this machine's part of a training job")
-    jsub = jp.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    jsub = jp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     js = jsub.add_parser("start")
     js.add_argument("--job", required=True)
     js.add_argument("--nnodes", type=int, required=True)
@@ -76,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     jr.add_argument("--incarnation", type=int, help="only steps of this incarnation of the job")
 
     fp = sub.add_parser("fault", help="inject or clear faults (emulated machines only)")
-    fsub = fp.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    fsub = fp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     fi = fsub.add_parser("inject")
     fi.add_argument("--kind", required=True)
     fi.add_argument("--rank", type=int)
@@ -125,7 +111,7 @@ def run(argv: list[str]) -> tuple[int, Any]:
 
         if ns.action == "inject":
             return EXIT_OK, inject.inject_on_node(
-                cfg, ns.kind, rank=ns.rank, job_name=ns.job, params=_params(ns.param)
+                cfg, ns.kind, rank=ns.rank, job_name=ns.job, params=key_values(ns.param)
             )
         if ns.action == "clear":
             return EXIT_OK, inject.clear_on_node(cfg, ns.kind)

@@ -27,27 +27,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from node_tools.cliutil import OneLineParser, key_values
 from node_tools.errors import EXIT_OK, TrainguardError
 
 EXIT_INTERRUPTED = 130
 
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise TrainguardError(f"{self.prog}: {message}; see '{self.prog} --help'")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from node_tools.cluster import ClusterSpec
 
     d = ClusterSpec()
-    p = _Parser(prog="trainguard", description="keep large PyTorch training jobs productive")
+    p = OneLineParser(prog="trainguard", description="keep large PyTorch training jobs productive")
     p.add_argument("--state-dir", type=Path, help="emulated cluster state (default $TG_HOME/cluster or ./.tg/cluster)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
 
     cp = sub.add_parser("cluster", help="the emulated cluster of machines")
-    csub = cp.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    csub = cp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     cu = csub.add_parser("up", help="bring the cluster up (or repair it)")
     cu.add_argument("--name", default=d.name)
     cu.add_argument("--machines", type=int, default=d.machines)
@@ -68,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--clear", action="store_true", help="undo the machine's faults (of --fault only, if given)")
 
     jp = sub.add_parser("job", help="the training job on the cluster")
-    jsub = jp.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    jsub = jp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     jl = jsub.add_parser("launch")
     jl.add_argument("--job", default="demo")
     jl.add_argument("--topology", default="tp=2,pp=2,dp=2")
@@ -93,14 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _params(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise TrainguardError(f"--param {item!r} must be written key=value")
-        out[key] = value
-    return out
 
 
 def _machines(inv: Any, names: str, default_role: str = "active") -> list[Any]:
@@ -165,7 +154,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not args.fault:
         raise TrainguardError("inject needs --fault KIND (or --clear)")
-    doc = inject.inject(inv, args.machine, args.fault, rank=args.rank, job_name=args.job, params=_params(args.param))
+    doc = inject.inject(inv, args.machine, args.fault, rank=args.rank, job_name=args.job, params=key_values(args.param))
     _print(args, doc, f"injected {doc['kind']} on {doc['machine']}: {doc.get('effect', '')}")
     return EXIT_OK
 

@@ -1,0 +1,65 @@
+"""tg-node prints one JSON document and exits 0/2; errors are one line in {"error": ...}."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from node_tools import cli
+from node_tools.config import NodeConfig
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    cfg = NodeConfig(machine="m7", workdir=tmp_path / "disk", install_dir=tmp_path, gpus=2,
+                     nvml_backend="emulated", nvml_state=tmp_path / "nvml.json", fault_file=tmp_path / "faults.json")
+    cfg.save(tmp_path / "node.json")
+    monkeypatch.setenv("TG_NODE_CONFIG", str(tmp_path / "node.json"))
+    return cfg
+
+
+def run(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    return code, json.loads(out)
+
+
+def test_info_and_gpu(node, capsys):
+    assert run(capsys, "info") == (0, node.to_dict())
+    code, snap = run(capsys, "gpu")
+    assert code == 0 and snap["backend"] == "emulated" and snap["device_count"] == 2
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["job", "start", "--job", "x"], "the following arguments are required"),
+        (["job", "status", "--job", "a b; rm -rf /"], "job name 'a b; rm -rf /' must be"),
+        (["job", "steps", "--job", "j", "--rank", "0"], "has no rank 0 of job j"),
+        (["fault", "inject", "--kind", "slow", "--param", "x"], "must be written key=value"),
+        (["fault", "inject", "--kind", "hang"], "no job is running on machine m7"),
+        (["fault", "inject", "--kind", "nic_down"], "inject it from the host"),
+        (["fault", "inject", "--kind", "xid", "--param", "gpu=5"], "has GPUs 0..1; there is no GPU 5"),
+        (["fault", "inject", "--kind", "disk_full", "--rank", "1"], "acts on a whole machine"),
+        (["bogus"], "invalid choice"),
+    ],
+)
+def test_bad_input_is_a_one_line_json_error_with_exit_2(node, capsys, argv, match):
+    code, doc = run(capsys, *argv)
+    assert code == 2 and match in doc["error"] and "\n" not in doc["error"]
+    # and nothing was recorded
+    assert not (node.fault_file.with_name("faults.ledger.json")).exists()
+
+
+def test_job_status_of_an_unknown_job_is_absent(node, capsys):
+    assert run(capsys, "job", "status", "--job", "nope")[1]["state"] == "absent"
+    assert run(capsys, "job", "stop", "--job", "nope")[1]["stopped_pids"] == []
+
+
+def test_fault_injection_is_off_without_a_fault_file(tmp_path, monkeypatch, capsys):
+    NodeConfig(machine="real", workdir=tmp_path, install_dir=tmp_path).save(tmp_path / "n.json")
+    monkeypatch.setenv("TG_NODE_CONFIG", str(tmp_path / "n.json"))
+    code, doc = run(capsys, "fault", "inject", "--kind", "disk_full")
+    assert code == 2 and "fault injection is off" in doc["error"]
