@@ -9,6 +9,9 @@ Commands::
     tg-node version
     tg-node info                                  this machine's configuration
     tg-node gpu                                   NVML snapshot (real or emulated backend)
+    tg-node agent [--supervise|--once]            the real-time checks, publishing alerts
+    tg-node status                                the agent's status
+    tg-node check [gpu|host|net|disk|all]         the real-time checks once (exit 1 on a fault)
     tg-node job start --job J --nnodes N --node-rank I --nproc-per-node P
                       --master-addr A --master-port PORT [--entry SCRIPT] [--revision R] -- ARGS...
     tg-node job stop --job J [--grace-s S]
@@ -37,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("version", help="print the version")
     sub.add_parser("info", help="this machine's node configuration")
     sub.add_parser("gpu", help="GPU snapshot through NVML (real or emulated)")
+    ap = sub.add_parser("agent", help="run the real-time checks and publish alerts (a daemon)")
+    ap.add_argument("--supervise", action="store_true", help="restart the agent whenever it dies")
+    ap.add_argument("--once", action="store_true", help="one pass of every check, then exit")
+    sub.add_parser("status", help="the agent's status file")
+    cp = sub.add_parser("check", help="the real-time checks once (exit 1 if a fault is found)")
+    cp.add_argument("group", nargs="?", default="all", choices=["gpu", "host", "net", "disk", "all"])
 
     jp = sub.add_parser("job", help="this machine's part of a training job")
     jsub = jp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
@@ -90,6 +99,24 @@ def run(argv: list[str]) -> tuple[int, Any]:
         if backend is None:
             raise NvmlUnavailable(f"machine {cfg.machine} has no GPU backend (nvml_backend={cfg.nvml_backend})")
         return EXIT_OK, backend.snapshot()
+    if ns.command == "agent":
+        from node_tools import agent
+
+        if ns.supervise:
+            return agent.supervise(cfg), {"machine": cfg.machine, "agent": "stopped"}
+        if ns.once:
+            a = agent.build(cfg)
+            alerts = a.tick()
+            return EXIT_OK, {"machine": cfg.machine, "alerts": [x.to_dict() for x in alerts], **a.status()}
+        return agent.run(cfg), {"machine": cfg.machine, "agent": "stopped"}
+    if ns.command == "status":
+        from node_tools import agent
+
+        return EXIT_OK, agent.read_status(cfg)
+    if ns.command == "check":
+        from node_tools import agent
+
+        return agent.check_once(cfg, ns.group)
     if ns.command == "job":
         from node_tools import job
 

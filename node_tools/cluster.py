@@ -256,35 +256,70 @@ def _sshd_running(mdir: Path, netns: str) -> int | None:
     return pid
 
 
+def _agent_running(mdir: Path) -> int | None:
+    try:
+        pid = int((mdir / "agent.pid").read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return pid if procs.alive(pid) and b"agent" in cmdline and b"--supervise" in cmdline else None
+
+
+def start_agent(config_path: Path, *, netns: str = "") -> int:
+    """Start the machine's agent under its supervisor (unless it runs); returns the supervisor's pid."""
+    mdir = config_path.parent
+    pid = _agent_running(mdir)
+    if pid:
+        return pid
+    tg_node = str(Path(sys.executable).parent / "tg-node")
+    argv = [tg_node, "agent", "--supervise"]
+    if netns:
+        argv = ["ip", "netns", "exec", netns, *argv]  # ip execs the command: the pid stays the same
+    with open(mdir / "agent.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env=dict(os.environ, TG_NODE_CONFIG=str(config_path)))
+    (mdir / "agent.pid").write_text(f"{proc.pid}\n")
+    return proc.pid
+
+
 def machine_up(config_path: Path, *, netns: str = "", address: str = "", sshd: str = "") -> dict[str, Any]:
-    """Bring one machine's services up from its folder (node config, sshd config, GPU state).
+    """Bring one machine's services up from its folder: GPU state, kernel log, sshd, agent.
 
     Used by ``cluster up`` for each namespace and as the node image's entrypoint.
-    Returns the sshd pid (0 without sshd).
+    Idempotent: what runs is left running. Returns the pids of sshd (0 without) and the agent.
     """
     cfg = NodeConfig.load(config_path)
     mdir = config_path.parent
     cfg.workdir.mkdir(parents=True, exist_ok=True)
     if cfg.nvml_state and not cfg.nvml_state.exists():
         EmulatedNvml(cfg.nvml_state, machine=cfg.machine, gpus=cfg.gpus).reset()
-    if not sshd:
-        return {"machine": cfg.machine, "sshd_pid": 0}
+    if cfg.kmsg_path and str(cfg.kmsg_path) != "/dev/kmsg":
+        cfg.kmsg_path.touch()
+    sshd_pid = _sshd_up(cfg, mdir, netns, sshd) if sshd else 0
+    agent_pid = start_agent(config_path, netns=netns) if cfg.bus_url else 0
+    return {"machine": cfg.machine, "sshd_pid": sshd_pid, "agent_pid": agent_pid}
+
+
+def _sshd_up(cfg: NodeConfig, mdir: Path, netns: str, sshd: str) -> int:
     pid = _sshd_running(mdir, netns) if netns else None
     if pid:
-        return {"machine": cfg.machine, "sshd_pid": pid}
+        return pid
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)
     argv = [sshd, "-f", str(mdir / "sshd_config")]
     if netns:
         argv = ["ip", "netns", "exec", netns, *argv]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False,
-                          env=dict(os.environ, TG_NODE_CONFIG=str(config_path)))
+                          env=dict(os.environ, TG_NODE_CONFIG=str(mdir / "node.json")))
     if proc.returncode:
         raise ClusterError(f"sshd for machine {cfg.machine} did not start: {proc.stderr.strip()}")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         pid = _sshd_running(mdir, netns) if netns else None
         if pid:
-            return {"machine": cfg.machine, "sshd_pid": pid}
+            return pid
         time.sleep(0.05)
     raise ClusterError(f"sshd for machine {cfg.machine} started but wrote no pid file in {mdir}")
 
@@ -396,6 +431,8 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
                 machine=name, workdir=workdir, install_dir=install_dir, gpus=spec.gpus,
                 nvml_backend="emulated", nvml_state=mdir / "nvml.json", fault_file=mdir / "faults.json",
                 netns=netns, iface="eth0" if netns else "lo",
+                bus_url=f"spool://{state_dir / 'bus'}", kmsg_path=mdir / "kmsg",
+                status_path=mdir / "agent" / "status.json",
             )
             cfg.save(mdir / "node.json")
             env = {
@@ -424,6 +461,7 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
             ))
         inv = Inventory(
             cluster=spec.name, transport=transport, machines=machines, tg_node=tg_node,
+            bus_url=f"spool://{state_dir / 'bus'}",
             ssh={"user": "root", "identity_file": "keys/id_ed25519", "known_hosts": "known_hosts",
                  "connect_timeout_s": 5} if transport == "ssh" else {},
         )
@@ -490,6 +528,7 @@ def status(state_dir: Path | None = None) -> dict[str, Any]:
         machines.append({
             "name": m.name, "role": m.role, "address": m.address, "netns": netns,
             "sshd_pid": _sshd_running(mdir, netns) if netns else None,
+            "agent_pid": _agent_running(mdir),
             "reachable": results[m.name].ok,
             "ssh_s": round(results[m.name].duration_s, 3),
         })

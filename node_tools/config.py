@@ -34,6 +34,10 @@ class NodeConfig:
         fault_file: control file of the in-job fault points (emulated cluster only).
         netns: the network namespace of an emulated machine ("" elsewhere).
         iface: the network interface collectives use (GLOO/NCCL_SOCKET_IFNAME); "" lets them choose.
+        bus_url: where the agent publishes alerts (``spool:///dir`` or ``s3://bucket/prefix``).
+        kmsg_path: the kernel log the agent follows (``/dev/kmsg``; a file on emulated machines).
+        status_path: the agent's status file (default ``<workdir>/agent/status.json``).
+        agent_intervals: per-check interval overrides in seconds, by check name.
     """
 
     machine: str
@@ -45,6 +49,10 @@ class NodeConfig:
     fault_file: Path | None = None
     netns: str = ""
     iface: str = ""
+    bus_url: str = ""
+    kmsg_path: Path | None = None
+    status_path: Path | None = None
+    agent_intervals: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -57,6 +65,10 @@ class NodeConfig:
             "fault_file": str(self.fault_file) if self.fault_file else None,
             "netns": self.netns,
             "iface": self.iface,
+            "bus_url": self.bus_url,
+            "kmsg_path": str(self.kmsg_path) if self.kmsg_path else None,
+            "status_path": str(self.status_path) if self.status_path else None,
+            "agent_intervals": self.agent_intervals or {},
         }
 
     def save(self, path: Path) -> None:
@@ -83,6 +95,10 @@ class NodeConfig:
                 fault_file=Path(raw["fault_file"]) if raw.get("fault_file") else None,
                 netns=str(raw.get("netns", "")),
                 iface=str(raw.get("iface", "")),
+                bus_url=str(raw.get("bus_url") or ""),
+                kmsg_path=Path(raw["kmsg_path"]) if raw.get("kmsg_path") else None,
+                status_path=Path(raw["status_path"]) if raw.get("status_path") else None,
+                agent_intervals={str(k): float(v) for k, v in (raw.get("agent_intervals") or {}).items()},
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TrainguardError(f"node config {path} lacks or mistypes a field ({exc})") from None

@@ -179,6 +179,11 @@ def inject_on_node(
         entry["effect"] = f"filled {cfg.workdir} with {written} bytes"
     elif kind.name in GPU_FAULTS:
         change = EmulatedNvml(cfg.nvml_state, machine=cfg.machine, gpus=cfg.gpus).inject(kind.name, values)
+        xid = {"gpu_lost": 79, "xid": int(values.get("xid", 79)), "ecc": 48}.get(kind.name)
+        if xid is not None and cfg.kmsg_path and str(cfg.kmsg_path) != "/dev/kmsg":
+            # what the driver would print: the kernel log check sees it as on a real machine
+            with open(cfg.kmsg_path, "a", encoding="utf-8") as fh:
+                fh.write(f"NVRM: Xid (PCI:0000:{0x18 + change['gpu']:02x}:00): {xid}, pid=0, emulated {kind.name}\n")
         entry["effect"] = f"GPU {change['gpu']}: {kind.name}"
     return entry
 

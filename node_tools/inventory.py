@@ -10,6 +10,7 @@ An inventory is one JSON document. The emulated cluster writes one at
       "ssh": {"user": "root", "identity_file": "keys/id_ed25519",
               "known_hosts": "known_hosts", "connect_timeout_s": 5},
       "tg_node": "/opt/trainguard/.venv/bin/tg-node",
+      "bus_url": "spool:///shared/trainguard/bus",   # where the agents publish alerts
       "machines": [
         {"name": "m0", "address": "10.213.7.10", "port": 22, "role": "active",
          "host_key": "ssh-ed25519 AAAA...", "workdir": "/var/lib/trainguard", "gpus": 8}
@@ -72,6 +73,7 @@ class Inventory:
     machines: list[Machine]
     ssh: dict[str, Any] = field(default_factory=dict)
     tg_node: str = "tg-node"
+    bus_url: str = ""
     path: Path | None = None
 
     # ---- lookup ----------------------------------------------------------------------
@@ -100,6 +102,7 @@ class Inventory:
             "transport": self.transport,
             "ssh": self.ssh,
             "tg_node": self.tg_node,
+            "bus_url": self.bus_url,
             "machines": [asdict(m) for m in self.machines],
         }
 
@@ -193,7 +196,11 @@ class Inventory:
         tg_node = document.get("tg_node", "tg-node")
         if not isinstance(tg_node, str) or not tg_node:
             raise bad("'tg_node' must be the path of the tg-node command on the machines")
-        return cls(cluster=cluster, transport=transport, machines=machines, ssh=ssh, tg_node=tg_node)
+        bus_url = document.get("bus_url", "")
+        if not isinstance(bus_url, str):
+            raise bad("'bus_url' must be a string like spool:///dir or s3://bucket/prefix")
+        return cls(cluster=cluster, transport=transport, machines=machines, ssh=ssh, tg_node=tg_node,
+                   bus_url=bus_url)
 
 
 def _is_host(text: str) -> bool:

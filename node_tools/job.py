@@ -176,6 +176,9 @@ def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0) -> dict[str, Any]:
     rd = run_dir(cfg, job)
     record = _read_json(rd / "job.json")
     pids = job_pids(record)
+    if record and pids:
+        # tell the agent first: ranks ended on purpose are not failures
+        monitor.write_json_atomic(rd / "job.json", record | {"stop_requested_ts": time.time()})
     signalled = procs.terminate(pids, grace_s=grace_s) if pids else []
     return {"job": job, "machine": cfg.machine, "stopped_pids": signalled, "state": _state(record)}
 

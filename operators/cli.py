@@ -134,7 +134,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         doc = cluster.status(args.state_dir)
         lines = [f"cluster {doc['cluster']} ({doc['transport']})"]
         lines += [
-            f"  {m['name']:4} {m['role']:8} {m['address']:15} sshd={m['sshd_pid']} "
+            f"  {m['name']:4} {m['role']:8} {m['address']:15} sshd={m['sshd_pid']} agent={m['agent_pid']} "
             f"reachable={m['reachable']} ({m['ssh_s']}s)"
             for m in doc["machines"]
         ]

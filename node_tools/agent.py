@@ -1,0 +1,291 @@
+"""``tg-node agent``: the daemon on every machine that turns check findings into alerts.
+
+Each check runs on its own interval (``node_tools.checks``). A finding whose
+condition was not active before becomes one alert on the bus; the agent says
+nothing more about it until the condition clears and returns. Network findings
+follow the rule "a fault only when repeated": the first occurrence is published
+as a warning, a second within ``network_window_s`` (default 2 in 5 min) as a
+fault. A check that raises is recorded in the status file and retried at its
+next interval; it never stops the agent. Alerts that cannot be published (bus
+unreachable) wait in a bounded outbox and are retried.
+
+The agent only reads files and /proc; it never blocks or signals the training
+job. ``tg-node agent --supervise`` runs it under a supervisor that restarts it
+when it dies, with a growing back-off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node_tools import __version__, monitor
+from node_tools.alerts import Alert
+from node_tools.bus import AlertBus, BusError, open_bus
+from node_tools.checks import Check, DiskCheck, Finding, GpuCheck, KernelLogCheck, NicCheck, RankCheck
+from node_tools.config import NodeConfig
+from node_tools.nvml import NvmlUnavailable, backend_for
+
+NETWORK_KINDS = ("nic_down", "nic_errors", "kernel_link")
+
+
+@dataclass
+class AgentSettings:
+    """Knobs of the agent. Intervals in seconds.
+
+    Attributes:
+        network_repeats: occurrences of a network finding within ``network_window_s``
+            that make it a fault (fewer are published as warnings).
+        network_window_s: the window of that rule.
+        outbox_max: alerts kept for retry while the bus is unreachable.
+        status_every_s: how often the status file is rewritten.
+        intervals: per-check interval overrides, by check name.
+    """
+
+    network_repeats: int = 2
+    network_window_s: float = 300.0
+    outbox_max: int = 1000
+    status_every_s: float = 1.0
+    intervals: dict[str, float] = field(default_factory=dict)
+
+
+def default_checks(cfg: NodeConfig, *, kernel_from_start: bool = False) -> tuple[list[Check], list[str]]:
+    """The checks this machine can run, and notes on those it cannot."""
+    checks: list[Check] = [RankCheck(cfg.workdir), DiskCheck(cfg.workdir)]
+    notes = []
+    checks.append(KernelLogCheck(cfg.kmsg_path or Path("/dev/kmsg"), from_start=kernel_from_start))
+    if cfg.iface and cfg.iface != "lo":
+        checks.append(NicCheck(cfg.iface))
+    try:
+        backend = backend_for(cfg)
+    except NvmlUnavailable as exc:
+        backend, notes = None, [f"gpu: {exc}"]
+    if backend is not None:
+        checks.append(GpuCheck(backend, expected=cfg.gpus))
+    elif cfg.gpus:
+        notes.append(f"gpu: no NVML backend, {cfg.gpus} GPUs expected but not watched")
+    return checks, notes
+
+
+class Agent:
+    def __init__(self, cfg: NodeConfig, bus: AlertBus, checks: list[Check], *,
+                 settings: AgentSettings | None = None, status_path: Path | None = None,
+                 notes: list[str] | None = None) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.checks = checks
+        self.settings = settings or AgentSettings()
+        for c in checks:
+            c.interval_s = self.settings.intervals.get(c.name, c.interval_s)
+        self.status_path = status_path
+        self.notes = notes or []
+        self.next_due = {c.name: 0.0 for c in checks}
+        self.active: dict[str, dict[str, Any]] = {}
+        self.network_seen: dict[str, deque] = {}
+        self.outbox: deque[Alert] = deque(maxlen=self.settings.outbox_max)
+        self.errors: dict[str, str] = {}
+        self.published = 0
+        self.started = time.time()
+        self._status_written = 0.0
+        self._stop = threading.Event()
+
+    # ---- one pass -------------------------------------------------------------------------
+    def tick(self, now: float | None = None) -> list[Alert]:
+        """Run the checks that are due; publish what is new. Returns the alerts made."""
+        now = time.time() if now is None else now
+        made: list[Alert] = []
+        for check in self.checks:
+            if now < self.next_due[check.name]:
+                continue
+            self.next_due[check.name] = now + check.interval_s
+            try:
+                findings = check.run(now)
+                self.errors.pop(check.name, None)
+            except Exception as exc:  # a broken check must not stop the others
+                self.errors[check.name] = f"{type(exc).__name__}: {exc}"[:500]
+                continue
+            made += self._diff(check.name, findings, now)
+        for alert in made:
+            self.outbox.append(alert)
+        self._flush_outbox()
+        if now - self._status_written >= self.settings.status_every_s:
+            self.write_status(now)
+        return made
+
+    def _diff(self, check: str, findings: list[Finding], now: float) -> list[Alert]:
+        made = []
+        present = set()
+        for f in findings:
+            present.add(f.key)
+            severity = f.severity
+            if f.kind in NETWORK_KINDS:
+                # history per kind and link, so separate events on one link count as repeats
+                seen = self.network_seen.setdefault(f"{f.kind}:{f.evidence.get('iface', '')}", deque())
+                seen.append(now)
+                while seen and now - seen[0] > self.settings.network_window_s:
+                    seen.popleft()
+                repeated = len(seen) >= self.settings.network_repeats
+                severity = "fault" if repeated else "warning"
+                prev = self.active.get(f.key)
+                if prev is not None and (prev["severity"] == "fault" or not repeated):
+                    continue
+            elif f.key in self.active:
+                continue
+            self.active[f.key] = {"check": check, "kind": f.kind, "since": now, "severity": severity,
+                                  "message": f.message}
+            made.append(Alert(kind=f.kind, machine=self.cfg.machine, severity=severity, job=f.job, rank=f.rank,
+                              ts=now, evidence=dict(f.evidence, message=f.message)))
+        for key in [k for k, v in self.active.items() if v["check"] == check and k not in present]:
+            del self.active[key]
+        return made
+
+    def _flush_outbox(self) -> None:
+        while self.outbox:
+            alert = self.outbox[0]
+            try:
+                self.bus.publish(alert)
+            except BusError as exc:
+                self.errors["bus"] = str(exc)[:500]
+                return
+            self.errors.pop("bus", None)
+            self.outbox.popleft()
+            self.published += 1
+
+    # ---- status -----------------------------------------------------------------------------
+    def status(self, now: float | None = None) -> dict[str, Any]:
+        now = time.time() if now is None else now
+        return {
+            "machine": self.cfg.machine,
+            "agent_version": __version__,
+            "pid": os.getpid(),
+            "started_ts": self.started,
+            "ts": now,
+            "bus": self.bus.url,
+            "checks": {c.name: {"interval_s": c.interval_s, "error": self.errors.get(c.name)} for c in self.checks},
+            "active": self.active,
+            "published": self.published,
+            "outbox": len(self.outbox),
+            "bus_error": self.errors.get("bus"),
+            "notes": self.notes,
+        }
+
+    def write_status(self, now: float) -> None:
+        self._status_written = now
+        if self.status_path is None:
+            return
+        with contextlib.suppress(OSError):
+            self.status_path.parent.mkdir(parents=True, exist_ok=True)
+            monitor.write_json_atomic(self.status_path, self.status(now))
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            self.tick()
+            wait = min(self.next_due.values()) - time.time()
+            self._stop.wait(max(0.01, min(wait, 1.0)))
+        self.write_status(time.time())
+
+
+def status_path(cfg: NodeConfig) -> Path:
+    return cfg.status_path or (cfg.workdir / "agent" / "status.json")
+
+
+def build(cfg: NodeConfig) -> Agent:
+    if not cfg.bus_url:
+        from node_tools.errors import TrainguardError
+
+        raise TrainguardError(f"machine {cfg.machine}: no alert bus configured (bus_url in its node config)")
+    checks, notes = default_checks(cfg)
+    settings = AgentSettings(intervals=dict(cfg.agent_intervals or {}))
+    return Agent(cfg, open_bus(cfg.bus_url), checks, settings=settings, status_path=status_path(cfg), notes=notes)
+
+
+def run(cfg: NodeConfig) -> int:
+    agent = build(cfg)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: agent.stop())
+    agent.run_forever()
+    return 0
+
+
+def supervise(cfg: NodeConfig, *, max_backoff_s: float = 30.0) -> int:
+    """Run the agent in a child process and restart it whenever it dies."""
+    stopping = threading.Event()
+    child: list[subprocess.Popen[bytes]] = []
+
+    def on_signal(*_: Any) -> None:
+        stopping.set()
+        if child and child[0].poll() is None:
+            child[0].terminate()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    backoff, restarts = 1.0, 0
+    log = status_path(cfg).with_name("supervisor.json")
+    while not stopping.is_set():
+        started = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "node_tools.cli", "agent"])
+        child[:] = [proc]
+        code = proc.wait()
+        if stopping.is_set():
+            break
+        restarts += 1
+        backoff = 1.0 if time.monotonic() - started > 60 else min(max_backoff_s, backoff * 2)
+        with contextlib.suppress(OSError):
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(json.dumps({"restarts": restarts, "last_exit": code, "ts": time.time()}))
+        stopping.wait(backoff)
+    return 0
+
+
+def check_once(cfg: NodeConfig, group: str = "all") -> tuple[int, dict[str, Any]]:
+    """Run the checks of ``group`` once: (exit code, report). 0 healthy, 1 a fault found."""
+    from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY
+
+    checks, notes = default_checks(cfg, kernel_from_start=True)
+    if group != "all":
+        checks = [c for c in checks if c.group == group]
+    findings: list[Finding] = []
+    errors = {}
+    now = time.time()
+    for c in checks:
+        try:
+            findings += c.run(now)
+        except Exception as exc:
+            errors[c.name] = f"{type(exc).__name__}: {exc}"[:500]
+    faults = [f for f in findings if f.severity == "fault"]
+    report = {"machine": cfg.machine, "group": group, "healthy": not faults and not errors,
+              "checks": [c.name for c in checks], "findings": [f.as_dict() for f in findings],
+              "errors": errors, "notes": notes}
+    return (EXIT_OK if report["healthy"] else EXIT_UNHEALTHY), report
+
+
+def read_status(cfg: NodeConfig) -> dict[str, Any]:
+    path = status_path(cfg)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        from node_tools.errors import TrainguardError
+
+        raise TrainguardError(f"machine {cfg.machine}: the agent has written no status yet ({path})") from None
+    except (OSError, ValueError):
+        return {"error": f"status file {path} unreadable", "trace": traceback.format_exc(limit=1)}
+    doc["age_s"] = round(time.time() - doc.get("ts", 0), 3)
+    sup = path.with_name("supervisor.json")
+    with contextlib.suppress(OSError, ValueError):
+        doc["supervisor"] = json.loads(sup.read_text())
+    return doc

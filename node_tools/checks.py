@@ -1,0 +1,502 @@
+"""The real-time checks of a machine. None of them puts load on a GPU.
+
+Each check is an object with an interval and a ``run(now)`` that returns
+:class:`Finding` objects: conditions that hold right now. The agent turns a
+condition that starts into one alert (and says nothing more until it clears);
+``tg-node check`` runs the checks once and reports what they find.
+
+===============  ========  ==============================================================
+check            interval  finds
+===============  ========  ==============================================================
+KernelLogCheck   1 s       Xid, machine checks, OOM kills, file-system errors, link downs
+GpuCheck         5 s       missing GPUs, Xid events, uncorrectable ECC / pending remaps,
+                           heat and thermal throttling, PCIe link below its maximum
+NicCheck         5 s       no carrier / link down, growing error counters
+DiskCheck        10 s      work directory nearly full, or read-only
+RankCheck        0.25 s    rank exited, heartbeat stopped, no progress beyond a calibrated
+                           timeout, NaN or 5x jumps in loss and gradient norm
+===============  ========  ==============================================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node_tools import monitor, procs
+from node_tools.nvml import GpuBackend
+
+
+@dataclass
+class Finding:
+    """A condition that holds now. ``key`` identifies it across runs (same key = same condition)."""
+
+    kind: str
+    key: str
+    message: str
+    severity: str = "fault"
+    job: str = ""
+    rank: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "key": self.key, "severity": self.severity, "message": self.message,
+                "job": self.job, "rank": self.rank, "evidence": self.evidence}
+
+
+class Check(ABC):
+    name = "check"
+    group = "host"  # for 'tg-node check <group>': gpu, host, net, disk
+    interval_s = 5.0
+
+    @abstractmethod
+    def run(self, now: float) -> list[Finding]: ...
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel log
+# ---------------------------------------------------------------------------------------
+KERNEL_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
+    ("kernel_xid", re.compile(r"NVRM: Xid \(PCI:(?P<pci>[^)]*)\): (?P<xid>\d+)")),
+    ("kernel_mce", re.compile(r"(Machine check events logged|mce: \[Hardware Error\])")),
+    ("kernel_oom", re.compile(r"Out of memory: Killed process (?P<pid>\d+) \((?P<comm>[^)]*)\)")),
+    ("kernel_fs", re.compile(r"(EXT4-fs error|XFS .*(Corruption|I/O error)|Remounting filesystem read-only)")),
+    ("kernel_link", re.compile(r"(?P<iface>\S+): Link is Down")),
+]
+
+
+class KernelLogCheck(Check):
+    """Follows the kernel log (``/dev/kmsg``, or a file on emulated machines) from where it was at start."""
+
+    name, group, interval_s = "kernel", "host", 1.0
+
+    def __init__(self, path: Path, *, from_start: bool = False) -> None:
+        self.path = Path(path)
+        self.offset = 0 if from_start else self._size()
+        self.counter = 0
+
+    def _size(self) -> int:
+        try:
+            return self.path.stat().st_size if self.path.is_file() else 0
+        except OSError:
+            return 0
+
+    def _lines(self) -> list[str]:
+        if str(self.path) == "/dev/kmsg":
+            return self._kmsg_lines()
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return []
+        if size < self.offset:  # rotated or truncated
+            self.offset = 0
+        with open(self.path, encoding="utf-8", errors="replace") as fh:
+            fh.seek(self.offset)
+            data = fh.read()
+        complete = data.rsplit("\n", 1)[0] if "\n" in data else ""
+        self.offset += len(complete.encode()) + (1 if complete else 0)
+        return complete.splitlines() if complete else []
+
+    def _kmsg_lines(self) -> list[str]:
+        lines = []
+        try:
+            fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+        except OSError:
+            return []
+        try:
+            if self.offset == 0:
+                os.lseek(fd, 0, os.SEEK_END)
+                self.offset = 1
+            while True:
+                try:
+                    rec = os.read(fd, 8192)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    continue  # EPIPE: messages were overwritten; go on with the next
+                if not rec:
+                    break
+                lines.append(rec.decode(errors="replace").split(";", 1)[-1].rstrip("\n"))
+        finally:
+            os.close(fd)
+        return lines
+
+    def run(self, now: float) -> list[Finding]:
+        found = []
+        for line in self._lines():
+            for kind, pattern in KERNEL_PATTERNS:
+                m = pattern.search(line)
+                if m:
+                    self.counter += 1
+                    # each line is its own event: a unique key, so every one is reported
+                    found.append(Finding(kind, f"{kind}:{self.counter}", line.strip()[:300],
+                                         evidence={"line": line.strip()[:500], **m.groupdict()}))
+                    break
+        return found
+
+
+# ---------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------
+class GpuCheck(Check):
+    name, group, interval_s = "gpu", "gpu", 5.0
+
+    def __init__(self, backend: GpuBackend, *, expected: int, max_temp_c: int = 87) -> None:
+        self.backend = backend
+        self.expected = expected
+        self.max_temp_c = max_temp_c
+        self.xids_seen = 0
+
+    def run(self, now: float) -> list[Finding]:
+        snap = self.backend.snapshot()
+        found: list[Finding] = []
+        if snap["device_count"] < self.expected:
+            present = [d["index"] for d in snap["devices"]]
+            missing = [i for i in range(self.expected) if i not in present] if present or self.expected else []
+            found.append(Finding("gpu_lost", "gpu_lost", f"{snap['device_count']} of {self.expected} GPUs visible",
+                                 evidence={"visible": snap["device_count"], "expected": self.expected,
+                                           "missing": missing}))
+        events = snap.get("xid_events", [])
+        for event in events[self.xids_seen:]:
+            found.append(Finding("gpu_xid", f"xid:{event.get('ts')}:{event.get('gpu')}",
+                                 f"Xid {event.get('xid')} on GPU {event.get('gpu')}", evidence=dict(event)))
+        self.xids_seen = len(events)
+        for dev in snap["devices"]:
+            i = dev["index"]
+            if (dev.get("ecc_uncorrectable") or 0) > 0 or dev.get("remap_pending"):
+                found.append(Finding("gpu_ecc", f"ecc:{i}", f"GPU {i}: uncorrectable ECC errors "
+                                     f"{dev.get('ecc_uncorrectable')}, remap pending {dev.get('remap_pending')}",
+                                     evidence={"gpu": i, "ecc_uncorrectable": dev.get("ecc_uncorrectable"),
+                                               "remap_pending": dev.get("remap_pending")}))
+            temp = dev.get("temperature_c")
+            thermal = [r for r in dev.get("throttle_reasons", []) if "thermal" in r]
+            if (temp is not None and temp >= self.max_temp_c) or thermal:
+                found.append(Finding("gpu_thermal", f"thermal:{i}", f"GPU {i}: {temp} C, throttle {thermal}",
+                                     severity="warning" if not thermal else "fault",
+                                     evidence={"gpu": i, "temperature_c": temp, "throttle_reasons": thermal}))
+            gen, width = dev.get("pcie_gen"), dev.get("pcie_width")
+            below = gen and width and (gen < (dev.get("pcie_max_gen") or gen)
+                                       or width < (dev.get("pcie_max_width") or width))
+            if below:
+                found.append(Finding("gpu_pcie", f"pcie:{i}", f"GPU {i}: PCIe gen{gen} x{width} below its maximum",
+                                     severity="warning", evidence={"gpu": i, "gen": gen, "width": width,
+                                                                   "max_gen": dev.get("pcie_max_gen"),
+                                                                   "max_width": dev.get("pcie_max_width")}))
+        return found
+
+
+# ---------------------------------------------------------------------------------------
+# Network
+# ---------------------------------------------------------------------------------------
+class NicCheck(Check):
+    """Link state and error counters of the interface the job's collectives use."""
+
+    name, group, interval_s = "nic", "net", 5.0
+    COUNTERS = ("rx_errors", "tx_errors", "rx_crc_errors", "rx_dropped", "tx_carrier_errors")
+
+    def __init__(self, iface: str, *, sysfs: Path = Path("/sys/class/net")) -> None:
+        self.iface = iface
+        self.dir = sysfs / iface
+        self.last: dict[str, int] | None = None
+
+    def _read(self, name: str) -> str | None:
+        try:
+            return (self.dir / name).read_text().strip()
+        except OSError:
+            return None
+
+    def run(self, now: float) -> list[Finding]:
+        operstate = self._read("operstate")
+        if operstate is None:
+            return [Finding("nic_down", f"nic:{self.iface}", f"interface {self.iface} does not exist",
+                            evidence={"iface": self.iface, "operstate": None})]
+        carrier = self._read("carrier")
+        found = []
+        if operstate.lower() == "down" or carrier == "0":
+            found.append(Finding("nic_down", f"nic:{self.iface}", f"{self.iface} is {operstate} (carrier {carrier})",
+                                 evidence={"iface": self.iface, "operstate": operstate, "carrier": carrier}))
+        counters = {}
+        for c in self.COUNTERS:
+            value = self._read(f"statistics/{c}")
+            if value is not None and value.isdigit():
+                counters[c] = int(value)
+        if self.last is not None:
+            grown = {c: counters[c] - self.last.get(c, 0) for c in counters if counters[c] > self.last.get(c, 0)}
+            grown.pop("rx_dropped", None)  # drops happen on healthy links; not an error by themselves
+            if grown:
+                found.append(Finding("nic_errors", f"nicerr:{self.iface}",
+                                     f"{self.iface} error counters grew: {grown}",
+                                     evidence={"iface": self.iface, "delta": grown}))
+        self.last = counters
+        return found
+
+
+# ---------------------------------------------------------------------------------------
+# Disk
+# ---------------------------------------------------------------------------------------
+class DiskCheck(Check):
+    name, group, interval_s = "disk", "disk", 10.0
+
+    def __init__(self, path: Path, *, min_free_bytes: int = 64 << 20, min_free_fraction: float = 0.02) -> None:
+        self.path = Path(path)
+        self.min_free_bytes = min_free_bytes
+        self.min_free_fraction = min_free_fraction
+
+    def run(self, now: float) -> list[Finding]:
+        try:
+            st = os.statvfs(self.path)
+        except OSError as exc:
+            return [Finding("disk_readonly", f"disk:{self.path}", f"{self.path} is not accessible: {exc.strerror}",
+                            evidence={"path": str(self.path), "error": exc.strerror})]
+        found = []
+        total = st.f_blocks * st.f_frsize
+        free = st.f_bavail * st.f_frsize
+        limit = min(self.min_free_bytes, self.min_free_fraction * total) if total else self.min_free_bytes
+        if free < limit:
+            found.append(Finding("disk_full", f"diskfull:{self.path}",
+                                 f"{self.path}: {free / 2**20:.1f} MiB free of {total / 2**20:.0f} MiB",
+                                 evidence={"path": str(self.path), "free_bytes": free, "total_bytes": total}))
+        if st.f_flag & os.ST_RDONLY:
+            found.append(Finding("disk_readonly", f"diskro:{self.path}", f"{self.path} is mounted read-only",
+                                 evidence={"path": str(self.path)}))
+        return found
+
+
+# ---------------------------------------------------------------------------------------
+# Training ranks
+# ---------------------------------------------------------------------------------------
+@dataclass
+class RankTimeouts:
+    """How long a rank may go without progress before it counts as hung.
+
+    The timeout is calibrated from what the rank has shown (as NVRx does):
+    ``max(floor_s, factor x the longest step interval seen recently)``; before
+    ``min_steps`` steps it is ``startup_s`` (imports, rendezvous, first step).
+
+    Attributes:
+        floor_s: lower bound of the calibrated timeout, seconds.
+        factor: safety factor on the longest observed step interval.
+        startup_s: timeout before the rank has shown ``min_steps`` steps, seconds.
+        min_steps: steps needed before calibration applies.
+        window: how many recent step intervals the calibration looks at.
+        stale_heartbeat_s: a heartbeat older than this (while the process exists) means
+            the process is stopped or frozen, seconds.
+        spike_factor: a loss / grad norm above this multiple of the recent median is a spike.
+        spike_history: steps of history needed before spikes are judged.
+    """
+
+    floor_s: float = 5.0
+    factor: float = 5.0
+    startup_s: float = 600.0
+    min_steps: int = 3
+    window: int = 100
+    stale_heartbeat_s: float = 2.5
+    spike_factor: float = 5.0
+    spike_history: int = 10
+
+
+@dataclass
+class _RankState:
+    offset: int = 0
+    times: deque = field(default_factory=lambda: deque(maxlen=100))
+    losses: deque = field(default_factory=lambda: deque(maxlen=20))
+    grads: deque = field(default_factory=lambda: deque(maxlen=20))
+    steps_seen: int = 0
+    last_ts: float = 0.0
+    nan: bool = False
+    spike: dict[str, bool] = field(default_factory=dict)
+
+
+class RankCheck(Check):
+    """Ranks of every job running on this machine, from the in-job hook's files and /proc."""
+
+    name, group, interval_s = "ranks", "host", 0.25
+
+    def __init__(self, workdir: Path, *, timeouts: RankTimeouts | None = None) -> None:
+        self.jobs_dir = Path(workdir) / "jobs"
+        self.t = timeouts or RankTimeouts()
+        self.state: dict[tuple[str, int, int], _RankState] = {}
+
+    def _jobs(self) -> list[tuple[str, Path, dict[str, Any]]]:
+        out = []
+        try:
+            entries = sorted(self.jobs_dir.iterdir())
+        except OSError:
+            return []
+        for d in entries:
+            try:
+                record = json.loads((d / "job.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if record.get("stop_requested_ts"):
+                continue
+            out.append((d.name, d, record))
+        return out
+
+    def timeout_for(self, st: _RankState) -> float:
+        if st.steps_seen < self.t.min_steps or not st.times:
+            return self.t.startup_s
+        return max(self.t.floor_s, self.t.factor * max(st.times))
+
+    def _read_new_steps(self, run_dir: Path, rank: int, st: _RankState) -> list[dict[str, Any]]:
+        path = monitor.steps_path(run_dir, rank)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                fh.seek(st.offset)
+                data = fh.read()
+        except OSError:
+            return []
+        complete = data[: data.rfind("\n") + 1]
+        st.offset += len(complete.encode())
+        records = []
+        for line in complete.splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                continue
+        return records
+
+    def run(self, now: float) -> list[Finding]:
+        found: list[Finding] = []
+        for job, run_dir, record in self._jobs():
+            inc = int(record.get("incarnation", 0))
+            exit_doc = _read_json(run_dir / "exit.json")
+            for hb_path in sorted((run_dir / "ranks").glob("rank*.json")):
+                stem = hb_path.stem[4:]
+                if not stem.isdigit():
+                    continue
+                rank = int(stem)
+                hb = monitor.read_heartbeat(run_dir, rank)
+                if not hb or hb.get("incarnation", 0) != inc:
+                    continue
+                key = (job, inc, rank)
+                st = self.state.get(key)
+                if st is None:
+                    st = self.state[key] = _RankState()
+                    st.offset = _offset_of_incarnation(monitor.steps_path(run_dir, rank), inc)
+                found += self._rank(job, rank, hb, st, run_dir, record, exit_doc, now)
+        return found
+
+    def _rank(self, job: str, rank: int, hb: dict[str, Any], st: _RankState, run_dir: Path,
+              record: dict[str, Any], exit_doc: dict[str, Any] | None, now: float) -> list[Finding]:
+        found: list[Finding] = []
+        for rec in self._read_new_steps(run_dir, rank, st):
+            if rec.get("incarnation", 0) != record.get("incarnation", 0):
+                continue
+            found += self._metrics(job, rank, rec, st)
+            if "ts" in rec and st.steps_seen:
+                st.times.append(rec["ts"] - st.last_ts)
+            st.last_ts = rec.get("ts", now)
+            st.steps_seen += 1
+        status = hb.get("status")
+        pid = hb.get("pid")
+        state = procs.proc_state(pid) if pid else None
+        base = {"pid": pid, "step": hb.get("step"), "collectives": hb.get("collectives", {})}
+        if status in ("finished",):
+            return found
+        if state is None or state in ("Z", "X"):
+            evidence = dict(base, status=status, returncode=(exit_doc or {}).get("returncode"),
+                            log_tail=_log_tail(record, hb.get("local_rank", 0)))
+            found.append(Finding("rank_exit", f"exit:{job}:{rank}", f"rank {rank} of job {job} exited "
+                                 f"(status {status}, pid {pid})", job=job, rank=rank, evidence=evidence))
+            return found
+        alive_age = now - float(hb.get("alive_ts", now))
+        if state == "T" or alive_age > self.t.stale_heartbeat_s:
+            found.append(Finding("rank_stopped", f"stopped:{job}:{rank}",
+                                 f"rank {rank} of job {job}: heartbeat {alive_age:.1f}s old, process state {state}",
+                                 job=job, rank=rank, evidence=dict(base, alive_age_s=round(alive_age, 3),
+                                                                   process_state=state)))
+            return found
+        progress_age = now - float(hb.get("progress_ts", now))
+        timeout = self.timeout_for(st)
+        if progress_age > timeout:
+            found.append(Finding("rank_hang", f"hang:{job}:{rank}",
+                                 f"rank {rank} of job {job}: no progress for {progress_age:.1f}s "
+                                 f"(timeout {timeout:.1f}s)", job=job, rank=rank,
+                                 evidence=dict(base, progress_age_s=round(progress_age, 3),
+                                               timeout_s=round(timeout, 3))))
+        return found
+
+    def _metrics(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
+        found = []
+        loss, grad = _num(rec.get("loss")), _num(rec.get("grad_norm"))
+        step = rec.get("step")
+        if not (math.isfinite(loss) and math.isfinite(grad)):
+            if not st.nan:
+                st.nan = True
+                found.append(Finding("nan_loss", f"nan:{job}:{rank}", f"rank {rank} of job {job}: loss {loss}, "
+                                     f"grad norm {grad} at step {step}", job=job, rank=rank,
+                                     evidence={"step": step, "loss": str(loss), "grad_norm": str(grad)}))
+            return found
+        st.nan = False
+        for kind, value, hist in (("loss_spike", loss, st.losses), ("grad_spike", grad, st.grads)):
+            if len(hist) >= self.t.spike_history:
+                median = statistics.median(hist)
+                spiking = median > 0 and value > self.t.spike_factor * median
+                if spiking and not st.spike.get(kind):
+                    found.append(Finding(kind, f"{kind}:{job}:{rank}:{step}",
+                                         f"rank {rank} of job {job}: {kind.split('_')[0]} {value:.4g} at step {step} "
+                                         f"is {value / median:.1f}x the recent median {median:.4g}",
+                                         job=job, rank=rank,
+                                         evidence={"step": step, "value": value, "median": median}))
+                st.spike[kind] = spiking
+            hist.append(value)
+        return found
+
+
+def _num(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _offset_of_incarnation(path: Path, incarnation: int) -> int:
+    """Byte offset of the first step record of ``incarnation`` (the file's end if it has none yet)."""
+    try:
+        with open(path, "rb") as fh:
+            offset = 0
+            for line in fh:
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    if json.loads(line).get("incarnation", 0) == incarnation:
+                        return offset
+                except ValueError:
+                    pass
+                offset += len(line)
+            return offset
+    except OSError:
+        return 0
+
+
+def _log_tail(record: dict[str, Any], local_rank: int, lines: int = 20) -> list[str]:
+    log_dir = record.get("log_dir")
+    if not log_dir:
+        return []
+    logs = sorted(Path(log_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"))
+    if not logs:
+        return []
+    try:
+        with open(logs[-1], "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 16384))
+            return fh.read().decode(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return []
+
