@@ -36,6 +36,8 @@ ALERT_KINDS: dict[str, str] = {
     "nan_loss": "a rank reported a NaN or infinite loss or gradient norm",
     "loss_spike": "a rank's loss jumped to more than 5x its recent median",
     "grad_spike": "a rank's gradient norm jumped to more than 5x its recent median",
+    "rank_slow": "a rank's steps take several times their recent median (throughput decline)",
+    "sdc_suspect": "a rank's parameters differ from its data-parallel peers' (silent data corruption)",
     # GPU (NVML)
     "gpu_lost": "fewer GPUs are visible than the machine should have",
     "gpu_xid": "the driver reported an Xid error",

@@ -64,7 +64,8 @@ class AlertBus(ABC):
         """Alert names sorting after ``start_after``, in order."""
 
     @abstractmethod
-    def get(self, name: str) -> bytes: ...
+    def get(self, name: str) -> bytes:
+        """The body of ``name``; FileNotFoundError if it is gone, BusError if the bus fails."""
 
     @abstractmethod
     def quarantine(self, name: str, reason: str) -> None:
@@ -150,7 +151,12 @@ class S3Bus(AlertBus):
 
         try:
             return fn(**kwargs)
-        except (BotoCoreError, ClientError) as exc:
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                raise FileNotFoundError(kwargs.get("Key", "")) from None
+            raise BusError(f"S3 alert bus {self.url} ({self.endpoint_url or 'default endpoint'}): {what} failed: "
+                           f"{exc}".replace("\n", " ")) from None
+        except BotoCoreError as exc:
             raise BusError(f"S3 alert bus {self.url} ({self.endpoint_url or 'default endpoint'}): {what} failed: "
                            f"{exc}".replace("\n", " ")) from None
 
@@ -159,7 +165,7 @@ class S3Bus(AlertBus):
                    ContentType="application/json")
 
     def list_after(self, start_after: str) -> list[str]:
-        base = self._key("alerts", "")
+        base = self._key("alerts", "") + "/"
         names: list[str] = []
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "StartAfter": base + start_after}
         while True:
@@ -235,7 +241,7 @@ class BusReader:
             ts = name_ts_ns(name)
             try:
                 body = self.bus.get(name)
-            except (OSError, BusError):
+            except FileNotFoundError:
                 continue  # vanished between list and get (quarantined by another reader): skip
             self.seen[name] = ts
             try:

@@ -165,6 +165,8 @@ class GpuCheck(Check):
                                  evidence={"visible": snap["device_count"], "expected": self.expected,
                                            "missing": missing}))
         events = snap.get("xid_events", [])
+        if len(events) < self.xids_seen:  # the event log was reset (driver reload, emulator cleared)
+            self.xids_seen = 0
         for event in events[self.xids_seen:]:
             found.append(Finding("gpu_xid", f"xid:{event.get('ts')}:{event.get('gpu')}",
                                  f"Xid {event.get('xid')} on GPU {event.get('gpu')}", evidence=dict(event)))
@@ -291,6 +293,8 @@ class RankTimeouts:
             the process is stopped or frozen, seconds.
         spike_factor: a loss / grad norm above this multiple of the recent median is a spike.
         spike_history: steps of history needed before spikes are judged.
+        slow_factor: a step time above this multiple of the recent median counts as slow.
+        slow_steps: consecutive slow steps that make a ``rank_slow`` finding.
     """
 
     floor_s: float = 5.0
@@ -301,6 +305,8 @@ class RankTimeouts:
     stale_heartbeat_s: float = 2.5
     spike_factor: float = 5.0
     spike_history: int = 10
+    slow_factor: float = 2.5
+    slow_steps: int = 3
 
 
 @dataclass
@@ -308,6 +314,10 @@ class _RankState:
     offset: int = 0
     times: deque = field(default_factory=lambda: deque(maxlen=100))
     losses: deque = field(default_factory=lambda: deque(maxlen=20))
+    step_times: deque = field(default_factory=lambda: deque(maxlen=20))
+    slow_run: int = 0
+    slow: bool = False
+    sdc: bool = False
     grads: deque = field(default_factory=lambda: deque(maxlen=20))
     steps_seen: int = 0
     last_ts: float = 0.0
@@ -429,6 +439,14 @@ class RankCheck(Check):
         found = []
         loss, grad = _num(rec.get("loss")), _num(rec.get("grad_norm"))
         step = rec.get("step")
+        found += self._slow(job, rank, rec, st)
+        if rec.get("dp_digests_match") is False and not st.sdc:
+            found.append(Finding("sdc_suspect", f"sdc:{job}:{rank}",
+                                 f"rank {rank} of job {job}: parameters differ from its DP peers at step {step}",
+                                 job=job, rank=rank,
+                                 evidence={"step": step, "param_digest": rec.get("param_digest"),
+                                           "dp_digests": rec.get("dp_digests")}))
+        st.sdc = rec.get("dp_digests_match") is False
         if not (math.isfinite(loss) and math.isfinite(grad)):
             if not st.nan:
                 st.nan = True
@@ -450,6 +468,30 @@ class RankCheck(Check):
                 st.spike[kind] = spiking
             hist.append(value)
         return found
+
+
+    def _slow(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
+        step_time = _num(rec.get("step_time_s"))
+        if not math.isfinite(step_time):
+            return []
+        hist = st.step_times
+        baseline = statistics.median(hist) if len(hist) >= self.t.spike_history else None
+        is_slow = baseline is not None and step_time > self.t.slow_factor * baseline
+        st.slow_run = st.slow_run + 1 if is_slow else 0
+        if not is_slow:
+            hist.append(step_time)  # the baseline learns only from normal steps
+            st.slow = False
+            return []
+        if st.slow_run < self.t.slow_steps or st.slow:
+            return []
+        st.slow = True
+        comm = _num(rec.get("comm_s"))
+        return [Finding("rank_slow", f"slow:{job}:{rank}",
+                        f"rank {rank} of job {job}: {st.slow_run} steps at {step_time:.3f}s, "
+                        f"{step_time / baseline:.1f}x the median {baseline:.3f}s", severity="warning",
+                        job=job, rank=rank,
+                        evidence={"step": rec.get("step"), "step_time_s": step_time, "baseline_s": baseline,
+                                  "comm_s": comm, "compute_s": step_time - comm if math.isfinite(comm) else None})]
 
 
 def _num(value: Any) -> float:

@@ -63,6 +63,9 @@ FAULT_KINDS: dict[str, FaultKind] = {
                   in_job=True, params=(("bit", 22),)),
         FaultKind("user_error", "rank", "the job's own code raises an exception at the rank's next step",
                   in_job=True, once=True),
+        FaultKind("sdc", "machine", "the machine computes wrong: its ranks' gradients and its diagnostic "
+                  "compute get one flipped bit (silent data corruption), until cleared", in_job=True,
+                  params=(("bit", 22),)),
         FaultKind("nic_down", "machine", "set the machine's network link down"),
         FaultKind("disk_full", "machine", "fill the machine's local disk"),
         FaultKind("gpu_lost", "machine", "one GPU falls off the bus (emulated NVML)", params=(("gpu", 0),)),
@@ -202,8 +205,8 @@ class InJobFaults:
         return loss
 
     def corrupt_grads(self, tensors: list[Any]) -> bool:
-        """Flip one bit of the first float32 gradient element when a ``bitflip`` fault is active."""
-        flip = self.active("bitflip")
+        """Flip one bit of the first float32 gradient element when a ``bitflip`` or ``sdc`` fault is active."""
+        flip = self.active("bitflip") or self.active("sdc")
         if flip is None:
             return False
         import torch

@@ -149,7 +149,7 @@ def inject_on_node(
     # Validate everything before recording anything: a refused fault leaves no trace.
     if kind.name == "nic_down":
         raise FaultError("nic_down cuts the machine's own network; inject it from the host with 'trainguard inject'")
-    if kind.name == "bitflip" and not 0 <= int(values["bit"]) <= 30:
+    if kind.name in ("bitflip", "sdc") and not 0 <= int(values["bit"]) <= 30:
         raise FaultError(f"bitflip bit={values['bit']} must be 0..30 (a float32 bit below the sign)")
     if kind.name == "crash":
         sig = _signal(values["signal"])
@@ -164,9 +164,10 @@ def inject_on_node(
 
     if kind.in_job:
         control = faults.read_control(cfg.fault_file)
-        control.append({"id": entry["id"], "kind": kind.name, "rank": entry["rank"], "params": values})
+        control.append({"id": entry["id"], "kind": kind.name, "rank": entry.get("rank"), "params": values})
         faults.write_control(cfg.fault_file, control)
-        entry["effect"] = f"rank {entry['rank']} picks it up at its next step"
+        who = f"rank {entry['rank']}" if kind.target == "rank" else f"every rank and diagnostic on {cfg.machine}"
+        entry["effect"] = f"{who} picks it up at its next step"
     elif kind.name == "crash":
         os.kill(entry["pid"], sig)
         entry["effect"] = f"sent {sig.name} to pid {entry['pid']}"

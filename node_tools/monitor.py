@@ -19,7 +19,8 @@ and the hook keeps two files per rank under ``<run_dir>/ranks/``:
     the per-process-group collective sequence numbers (started / completed),
     the last step and the process identity.
 ``rank<R>.steps.jsonl``
-    One JSON line per step: step, loss, grad norm, step time, tokens/s, the
+    One JSON line per step: step, loss, grad norm, step time, tokens/s, the time
+    spent waiting in collectives (``comm_s``: a straggler waits least), the
     job's incarnation (how many times it was started on this machine before) and
     any extra fields the job adds. The file grows across incarnations, so a
     restarted job's history stays readable.
@@ -97,6 +98,7 @@ class JobMonitor:
         (self.run_dir / "ranks").mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._collectives: dict[str, CollectiveCounter] = {}
+        self._comm_s = 0.0  # time spent inside collectives since the last step end
         self._step = -1
         self._status = "starting"
         now = time.time()
@@ -195,9 +197,11 @@ class JobMonitor:
             counter = self._collectives.setdefault(group, CollectiveCounter())
             counter.started += 1
             counter.last_op = op
+        began = time.perf_counter()
         yield
         with self._lock:
             counter.completed += 1
+            self._comm_s += time.perf_counter() - began
             self._progress_ts = time.time()
 
     def step_end(
@@ -228,6 +232,8 @@ class JobMonitor:
             self._step = step
             self._progress_ts = now
             record["collectives"] = {g: c.completed for g, c in self._collectives.items()}
+            record["comm_s"] = round(self._comm_s, 6)
+            self._comm_s = 0.0
         with contextlib.suppress(OSError):
             self._steps_fh.write(json.dumps(record, separators=(",", ":")) + "\n")
 

@@ -46,22 +46,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _state_dir() -> Path:
+    """A folder for a cluster's state outside pytest's basetemp, which a concurrent pytest run may prune."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="tg-test-cluster-")) / "state"
+
+
+@pytest.fixture
+def cluster_dir() -> Iterator[Path]:
+    """State folder for a cluster made by one test; removed afterwards."""
+    state = _state_dir()
+    yield state
+    shutil.rmtree(state.parent, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def ns_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Inventory]:
+def ns_cluster() -> Iterator[Inventory]:
     """The 6-machine namespace cluster (4 active, 2 standby), brought down at the end."""
     reason = can_namespace()
     if reason:
         pytest.skip(reason)
-    state_dir = tmp_path_factory.mktemp("cluster") / "state"
+    state_dir = _state_dir()
     cluster.down(state_dir, name=TEST_CLUSTER.name, log=lambda *_: None)  # leftovers of an aborted run
     inv = cluster.up(TEST_CLUSTER, state_dir, log=lambda *_: None)
     try:
         yield inv
     finally:
         cluster.down(state_dir, name=TEST_CLUSTER.name, log=lambda *_: None)
+        shutil.rmtree(state_dir.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
 def state_dir(ns_cluster: Inventory) -> Path:
     assert ns_cluster.path is not None
     return ns_cluster.path.parent
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real moto_server on loopback: the S3 endpoint of the tests. Ended by pid at the end."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    port = free_port()
+    server = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return True
+        except OSError:
+            return proc.poll() is not None and pytest.fail("moto_server exited at start")
+    try:
+        wait_until(answers, timeout=30, what="moto_server to answer")
+        os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+        os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

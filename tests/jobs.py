@@ -62,3 +62,35 @@ def exit_code(plan: launcher.JobPlan, machine: Machine) -> int | None:
 def rank_log(plan: launcher.JobPlan, machine: Machine, local_rank: int, stream: str = "stderr") -> str:
     logs = sorted((run_dir(machine, plan.job) / "logs").glob(f"inc*/*/attempt_*/{local_rank}/{stream}.log"))
     return logs[-1].read_text(errors="replace") if logs else ""
+
+
+class AlertWatch:
+    """Reads the cluster's alert bus from a moment on and waits for alerts."""
+
+    def __init__(self, inv: Inventory) -> None:
+        import time
+
+        from node_tools.bus import BusReader, open_bus
+
+        self.reader = BusReader(open_bus(inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
+        self.seen: list[Any] = []
+
+    def poll(self) -> list[Any]:
+        self.seen += self.reader.read()
+        return self.seen
+
+    def mark(self) -> int:
+        return len(self.poll())
+
+    def expect(self, kind: str, *, machine: str | None = None, rank: int | None = None, after: int = 0,
+               severity: str | None = None, timeout: float = 40) -> Any:
+        def match() -> Any:
+            for a in self.poll()[after:]:
+                if a.kind == kind and machine in (None, a.machine) and rank in (None, a.rank) \
+                        and severity in (None, a.severity):
+                    return a
+            return None
+
+        return wait_until(match, timeout=timeout,
+                          what=f"alert {kind} (machine {machine}, rank {rank}); seen "
+                               f"{[(a.kind, a.machine, a.rank) for a in self.seen[after:]]}")

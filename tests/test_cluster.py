@@ -114,9 +114,9 @@ def _leftovers(name: str, state_dir: Path) -> list[str]:
 
 
 @pytest.mark.skipif(bool(can_namespace()), reason=can_namespace() or "ok")
-def test_down_after_a_crash_removes_everything(tmp_path: Path):
+def test_down_after_a_crash_removes_everything(cluster_dir: Path):
     spec = cluster.ClusterSpec(name="tgc", machines=2, standbys=0, subnet="10.213.10.0/24", disk_mb=16, gpus=1)
-    state_dir = tmp_path / "state"
+    state_dir = cluster_dir
     inv = cluster.up(spec, state_dir, log=lambda *_: None)
     try:
         # A stray process inside a machine, then the state is lost as in a crash of the host tool.
@@ -141,10 +141,10 @@ def test_down_after_a_crash_removes_everything(tmp_path: Path):
     assert inv.cluster == "tgc"
 
 
-def test_local_transport_fallback(tmp_path: Path):
+def test_local_transport_fallback(cluster_dir: Path):
     spec = cluster.ClusterSpec(name="tgl", machines=2, standbys=1, transport="local")
     messages: list[str] = []
-    inv = cluster.up(spec, tmp_path / "state", log=messages.append)
+    inv = cluster.up(spec, cluster_dir, log=messages.append)
     try:
         assert inv.transport == "local"
         assert isinstance(transport_for(inv), LocalTransport)
@@ -155,8 +155,8 @@ def test_local_transport_fallback(tmp_path: Path):
 
             inject.inject(inv, "m0", "nic_down")
     finally:
-        cluster.down(tmp_path / "state", name="tgl", log=lambda *_: None)
-    assert not (tmp_path / "state").exists()
+        cluster.down(cluster_dir, name="tgl", log=lambda *_: None)
+    assert not cluster_dir.exists()
 
 
 @pytest.mark.parametrize(

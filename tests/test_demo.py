@@ -14,8 +14,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.mark.skipif(bool(can_namespace()), reason=can_namespace() or "ok")
-def test_demo_trains_reports_and_leaves_nothing_behind(tmp_path: Path):
-    state = tmp_path / "state"
+def test_demo_trains_reports_and_leaves_nothing_behind(cluster_dir: Path):
+    state = cluster_dir
     proc = subprocess.run(
         [sys.executable, "-m", "operators.cli", "--state-dir", str(state), "demo", "--steps", "6",
          "--name", "tgd", "--subnet", "10.213.12.0/24"],

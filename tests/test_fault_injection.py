@@ -1,4 +1,5 @@
-"""Every injected fault has its real effect on the emulated cluster.
+"""Every injected fault has its real effect on the emulated cluster, and the
+machine's agent publishes the right alert for it on the bus.
 
 Faults a running job survives (slow, hang, hang before a collective, bit flip,
 NaN) share one 8-rank job; faults that end a job (crash, non-zero exit, user
@@ -28,6 +29,11 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
+def alerts(ns_cluster: Inventory) -> jobs.AlertWatch:
+    return jobs.AlertWatch(ns_cluster)
+
+
+@pytest.fixture(scope="module")
 def job3d(ns_cluster: Inventory) -> Iterator[launcher.JobPlan]:
     plan = jobs.start(ns_cluster, "faults3d", Topology(tp=2, pp=2, dp=2), ns_cluster.by_role("active"))
     try:
@@ -47,7 +53,9 @@ def _new_steps(plan: launcher.JobPlan, rank: int, after: int) -> list[dict]:
     return [s for s in jobs.steps(plan, rank) if s["step"] > after]
 
 
-def test_slow_rank_slows_every_step(ns_cluster, job3d):
+def test_slow_rank_slows_every_step(ns_cluster, job3d, alerts):
+    jobs.wait_all_reach(job3d, 12)  # the agents' step-time baseline needs history
+    mark = alerts.mark()
     inject.inject(ns_cluster, _machine_of(job3d, 2), "slow", rank=2, params={"seconds": "1.0"})
     start = jobs.last_step(job3d, 2)
     slow = wait_until(lambda: [s for s in _new_steps(job3d, 2, start + 1)], timeout=60, what="a slowed step")
@@ -55,14 +63,19 @@ def test_slow_rank_slows_every_step(ns_cluster, job3d):
     # the ranks that wait for it at the collectives are slowed too
     wait_until(lambda: _new_steps(job3d, 7, start + 1), timeout=60, what="rank 7 to finish a slowed step")
     assert _new_steps(job3d, 7, start + 1)[0]["step_time_s"] >= 0.9
+    # the straggler computes while the others wait for it in their collectives
+    assert _new_steps(job3d, 2, start + 1)[0]["comm_s"] < _new_steps(job3d, 7, start + 1)[0]["comm_s"]
+    alert = alerts.expect("rank_slow", machine=_machine_of(job3d, 2), rank=2, after=mark)
+    assert alert.severity == "warning" and alert.evidence["compute_s"] >= 0.9
     inject.clear(ns_cluster, _machine_of(job3d, 2), "slow")
     cleared_at = jobs.last_step(job3d, 2)
     fast = wait_until(lambda: _new_steps(job3d, 2, cleared_at + 1), timeout=60, what="a step after clearing")
     assert fast[0]["step_time_s"] < 1.0
 
 
-def test_hang_stops_the_process_and_progress(ns_cluster, job3d):
+def test_hang_stops_the_process_and_progress(ns_cluster, job3d, alerts):
     machine = _machine_of(job3d, 6)
+    mark = alerts.mark()
     doc = inject.inject(ns_cluster, machine, "hang", rank=6)
     pid = doc["pid"]
     assert procs.proc_state(pid) == "T"
@@ -72,13 +85,17 @@ def test_hang_stops_the_process_and_progress(ns_cluster, job3d):
     assert jobs.heartbeat(job3d, 6)["alive_ts"] == hb6
     stuck_at = jobs.last_step(job3d, 7)
     assert jobs.last_step(job3d, 7) <= jobs.last_step(job3d, 6) + 1
+    stopped = alerts.expect("rank_stopped", machine=machine, rank=6, after=mark)
+    assert stopped.evidence["process_state"] == "T"
+    alerts.expect("rank_hang", machine=_machine_of(job3d, 0), rank=0, after=mark)  # its peers stall
     inject.clear(ns_cluster, machine, "hang")
     assert procs.proc_state(pid) in ("R", "S")
     wait_until(lambda: jobs.last_step(job3d, 7) > stuck_at + 1, timeout=60, what="training to go on after SIGCONT")
 
 
-def test_hang_before_a_collective_blocks_a_live_rank(ns_cluster, job3d):
+def test_hang_before_a_collective_blocks_a_live_rank(ns_cluster, job3d, alerts):
     machine = _machine_of(job3d, 3)
+    mark = alerts.mark()
     inject.inject(ns_cluster, machine, "hang_collective", rank=3)
     # alive (beating), not stopped, but no progress for a while
     def stalled():
@@ -90,11 +107,13 @@ def test_hang_before_a_collective_blocks_a_live_rank(ns_cluster, job3d):
     assert procs.proc_state(hb["pid"]) in ("R", "S")
     assert time.time() - hb["alive_ts"] < 2.0
     stuck = hb["step"]
+    hang = alerts.expect("rank_hang", machine=machine, rank=3, after=mark)
+    assert hang.evidence["progress_age_s"] > hang.evidence["timeout_s"]
     inject.clear(ns_cluster, machine, "hang_collective")
     wait_until(lambda: jobs.last_step(job3d, 3) > stuck + 1, timeout=60, what="rank 3 to progress again")
 
 
-def test_bitflip_makes_a_rank_diverge_from_its_data_parallel_peer(ns_cluster, job3d):
+def test_bitflip_makes_a_rank_diverge_from_its_data_parallel_peer(ns_cluster, job3d, alerts):
     rank, peer = 5, 1
     assert job3d.topology.group("dp", rank) == (peer, rank)
 
@@ -106,6 +125,7 @@ def test_bitflip_makes_a_rank_diverge_from_its_data_parallel_peer(ns_cluster, jo
     before = min(jobs.last_step(job3d, rank), jobs.last_step(job3d, peer))
     a, b = digests_at(before)
     assert a == b and a is not None
+    mark = alerts.mark()
     inject.inject(ns_cluster, _machine_of(job3d, rank), "bitflip", rank=rank)
     at = jobs.last_step(job3d, rank)
     wait_until(lambda: min(jobs.last_step(job3d, rank), jobs.last_step(job3d, peer)) > at + 1, timeout=60,
@@ -114,11 +134,16 @@ def test_bitflip_makes_a_rank_diverge_from_its_data_parallel_peer(ns_cluster, jo
     assert a != b
     # silent: the loss stays finite, nothing crashes
     assert isinstance(jobs.steps(job3d, rank)[-1]["loss"], float)
+    # but the DP replicas' digests disagree, and the agents say so (for both: DP=2 has no majority)
+    sdc = alerts.expect("sdc_suspect", machine=_machine_of(job3d, rank), rank=rank, after=mark)
+    assert len(set(sdc.evidence["dp_digests"])) == 2
+    alerts.expect("sdc_suspect", machine=_machine_of(job3d, peer), rank=peer, after=mark)
     inject.clear(ns_cluster, _machine_of(job3d, rank), "bitflip")
 
 
-def test_nan_in_one_rank_reaches_the_loss_of_all(ns_cluster, job3d):
+def test_nan_in_one_rank_reaches_the_loss_of_all(ns_cluster, job3d, alerts):
     rank = 3  # last pipeline stage: computes the loss
+    mark = alerts.mark()
     inject.inject(ns_cluster, _machine_of(job3d, rank), "nan", rank=rank)
     at = min(jobs.last_step(job3d, r) for r in range(8))
 
@@ -133,6 +158,7 @@ def test_nan_in_one_rank_reaches_the_loss_of_all(ns_cluster, job3d):
     last = max(nan_steps) + 1
     wait_until(lambda: all(jobs.last_step(job3d, r) >= last for r in range(8)), timeout=60, what="one more step")
     assert all(s["loss"] == "nan" for r in range(8) for s in jobs.steps(job3d, r) if s["step"] == last)
+    alerts.expect("nan_loss", machine=_machine_of(job3d, rank), rank=rank, after=mark)
 
 
 # ---- faults that end a job --------------------------------------------------------------
@@ -149,27 +175,35 @@ def _ended(ns_cluster, plan) -> int:
     return code[0]
 
 
-def test_crash_kills_the_rank_and_ends_the_job(ns_cluster):
+def test_crash_kills_the_rank_and_ends_the_job(ns_cluster, alerts):
     plan = _small_job(ns_cluster, "crash1", "m4")
+    mark = alerts.mark()
     doc = inject.inject(ns_cluster, "m4", "crash", rank=1)
+    alert = alerts.expect("rank_exit", machine="m4", rank=1, after=mark)
+    assert alert.job == "crash1" and alert.evidence["pid"] == doc["pid"]
     assert _ended(ns_cluster, plan) != 0
     assert not procs.alive(doc["pid"])
     status = launcher.status(ns_cluster, plan.job, plan.machines)["m4"]
     assert status["state"] == "exited" and all(r["process_state"] == "gone" for r in status["ranks"])
 
 
-def test_exit_fault_ends_the_rank_with_its_code(ns_cluster):
+def test_exit_fault_ends_the_rank_with_its_code(ns_cluster, alerts):
     plan = _small_job(ns_cluster, "exit1", "m5")
+    mark = alerts.mark()
     inject.inject(ns_cluster, "m5", "exit", rank=0, params={"code": "7"})
+    alerts.expect("rank_exit", machine="m5", rank=0, after=mark)
     assert _ended(ns_cluster, plan) != 0
     assert "exits with code 7" in jobs.rank_log(plan, plan.machines[0], 0)
     supervisor = (jobs.run_dir(plan.machines[0], plan.job) / "supervisor.log").read_text()
     assert "exitcode  : 7" in supervisor
 
 
-def test_user_error_raises_in_the_jobs_own_code(ns_cluster):
+def test_user_error_raises_in_the_jobs_own_code(ns_cluster, alerts):
     plan = _small_job(ns_cluster, "user1", "m4")
+    mark = alerts.mark()
     inject.inject(ns_cluster, "m4", "user_error", rank=1)
+    alert = alerts.expect("rank_exit", machine="m4", rank=1, after=mark)
+    assert alert.job == "user1"
     assert _ended(ns_cluster, plan) != 0
     log = jobs.rank_log(plan, plan.machines[0], 1)
     tb = log[log.rindex("Traceback"):]
@@ -186,20 +220,26 @@ def test_rank_faults_need_a_running_job_and_a_rank_of_the_machine(ns_cluster):
 
 
 # ---- machine faults ---------------------------------------------------------------------
-def test_nic_down_cuts_the_machine_off_and_clear_restores_it(ns_cluster):
+def test_nic_down_cuts_the_machine_off_and_clear_restores_it(ns_cluster, alerts):
     m = ns_cluster.machine("m5")
     transport = transport_for(ns_cluster)
+    mark = alerts.mark()
     inject.inject(ns_cluster, "m5", "nic_down")
     try:
         res = transport.run(m, ["true"], timeout=20)
         assert not res.reachable
+        # tolerated once (a warning), a fault when it is still down at the next check
+        first = alerts.expect("nic_down", machine="m5", after=mark)
+        assert first.severity == "warning"
+        alerts.expect("nic_down", machine="m5", severity="fault", after=mark)
     finally:
         inject.clear(ns_cluster, "m5", "nic_down")
     wait_until(lambda: transport.run(m, ["true"], timeout=20).ok, timeout=30, what="m5 reachable again")
 
 
-def test_disk_full_makes_writes_fail(ns_cluster):
+def test_disk_full_makes_writes_fail(ns_cluster, alerts):
     m = ns_cluster.machine("m4")
+    mark = alerts.mark()
     inject.inject(ns_cluster, "m4", "disk_full")
     try:
         st = os.statvfs(m.workdir)
@@ -209,6 +249,7 @@ def test_disk_full_makes_writes_fail(ns_cluster):
             fh.flush()
             os.fsync(fh.fileno())
         assert info.value.errno == errno.ENOSPC
+        assert alerts.expect("disk_full", machine="m4", after=mark).evidence["free_bytes"] < 1 << 20
     finally:
         inject.clear(ns_cluster, "m4", "disk_full")
         (Path(m.workdir) / "probe.bin").unlink(missing_ok=True)
@@ -217,15 +258,18 @@ def test_disk_full_makes_writes_fail(ns_cluster):
 
 
 @pytest.mark.parametrize(
-    "kind,params,check",
+    "kind,params,check,alert_kinds",
     [
-        ("gpu_lost", {"gpu": "3"}, lambda s: s["device_count"] == 7 and 3 not in [d["index"] for d in s["devices"]]),
-        ("xid", {"xid": "48"}, lambda s: [e["xid"] for e in s["xid_events"]] == [48]),
-        ("ecc", {"gpu": "1"}, lambda s: s["devices"][1]["ecc_uncorrectable"] == 1 and s["devices"][1]["remap_pending"]),
-        ("thermal", {}, lambda s: s["devices"][0]["temperature_c"] >= 90 and s["devices"][0]["throttle_reasons"]),
+        ("gpu_lost", {"gpu": "3"}, lambda s: s["device_count"] == 7 and 3 not in [d["index"] for d in s["devices"]],
+         ["gpu_lost", "gpu_xid", "kernel_xid"]),
+        ("xid", {"xid": "48"}, lambda s: [e["xid"] for e in s["xid_events"]] == [48], ["gpu_xid", "kernel_xid"]),
+        ("ecc", {"gpu": "1"}, lambda s: s["devices"][1]["ecc_uncorrectable"] == 1 and s["devices"][1]["remap_pending"],
+         ["gpu_ecc"]),
+        ("thermal", {}, lambda s: s["devices"][0]["temperature_c"] >= 90 and s["devices"][0]["throttle_reasons"],
+         ["gpu_thermal"]),
     ],
 )
-def test_gpu_faults_show_through_the_machines_nvml_backend(ns_cluster, kind, params, check):
+def test_gpu_faults_show_through_the_machines_nvml_backend(ns_cluster, alerts, kind, params, check, alert_kinds):
     m = ns_cluster.machine("m5")
     transport = transport_for(ns_cluster)
 
@@ -235,9 +279,12 @@ def test_gpu_faults_show_through_the_machines_nvml_backend(ns_cluster, kind, par
         return res.json()
 
     assert snapshot()["device_count"] == 8
+    mark = alerts.mark()
     inject.inject(ns_cluster, "m5", kind, params=params)
     try:
         assert check(snapshot())
+        for alert_kind in alert_kinds:
+            alerts.expect(alert_kind, machine="m5", after=mark)
     finally:
         inject.clear(ns_cluster, "m5", kind)
     healthy = snapshot()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
+
 import pytest
 
 from node_tools import launcher
@@ -18,6 +22,7 @@ STEPS = 12
 def test_3d_parallel_job_trains_across_machines(ns_cluster: Inventory):
     active = ns_cluster.by_role("active")
     topo = Topology(tp=2, pp=2, dp=2)
+    alerts = jobs.AlertWatch(ns_cluster)
     plan = jobs.start(ns_cluster, "train3d", topo, active, "--steps", str(STEPS))
     # starting again while it runs is a no-op, not a second job
     again = launcher.launch(ns_cluster, plan)
@@ -55,3 +60,17 @@ def test_3d_parallel_job_trains_across_machines(ns_cluster: Inventory):
         assert counts["dp"] >= STEPS
     # the standbys ran nothing
     assert not (jobs.run_dir(ns_cluster.machine("m4"), "train3d")).exists()
+
+    # a healthy run raises no alert: wait until every agent has run all its checks (the slowest,
+    # the disk check, every 10 s) after the job ended, then look at the bus
+    ended = time.time()
+
+    def agent_ts(m):
+        try:
+            return json.loads((Path(m.extra["machine_dir"]) / "agent" / "status.json").read_text())["ts"]
+        except (OSError, ValueError, KeyError):
+            return 0.0
+
+    wait_until(lambda: all(agent_ts(m) > ended + 10.5 for m in ns_cluster.machines), timeout=60,
+               what="every agent to finish a full round of checks after the job")
+    assert alerts.poll() == [], [(a.kind, a.machine, a.rank) for a in alerts.seen]

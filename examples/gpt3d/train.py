@@ -19,7 +19,9 @@ Each step every rank records (``monitor.step_end``) the same ``loss``: the last
 stage's mean micro-batch loss, broadcast over the PP group (an all-reduce where
 the other stages contribute zero) and averaged over the DP replicas. The extra
 field ``replica_loss`` keeps the loss of the rank's own replica (before the DP
-mean), and ``param_digest`` a CRC32 of the rank's parameters, equal on DP peers.
+mean), ``param_digest`` a CRC32 of the rank's parameters, equal on DP peers, and
+``dp_digests`` / ``dp_digests_match``: every DP peer's digest, gathered each step,
+so a replica whose parameters drifted (silent data corruption) shows at once.
 Every collective and point-to-point transfer goes through the trainguard
 monitor hook (:class:`node_tools.monitor.JobMonitor`), which keeps each rank's
 heartbeat and per-step records and applies the emulated cluster's in-job faults.
@@ -244,6 +246,21 @@ class Trainer:
                 crc = zlib.crc32(p.detach().float().cpu().contiguous().numpy(), crc)
         return f"{crc:08x}"
 
+    def dp_digests(self, digest: str) -> tuple[bool, list[str]]:
+        """Every DP peer's parameter digest (one tiny all-gather), and whether they all agree.
+
+        DP peers hold identical parameters in a healthy job; a replica that differs
+        computed something wrong (silent data corruption), and the agent reports it.
+        """
+        if self.topo.dp == 1:
+            return True, [digest]
+        mine = torch.tensor([int(digest, 16)], dtype=torch.int64, device=self.device)
+        gathered = [torch.zeros_like(mine) for _ in range(self.topo.dp)]
+        with self.monitor.collective("dp", "all_gather"):
+            dist.all_gather(gathered, mine, group=self.groups["dp"])
+        values = [f"{int(t.item()):08x}" for t in gathered]
+        return len(set(values)) == 1, values
+
     def step(self, step: int) -> None:
         t0 = time.perf_counter()  # before step_begin: a "slow" fault's delay counts as this rank's step time
         self.monitor.step_begin(step)
@@ -263,10 +280,12 @@ class Trainer:
         self.optimizer.step()
         loss, replica_loss = self.reported_loss(losses)
         digest = self.param_digest()
+        match, peers = self.dp_digests(digest)
         step_time = time.perf_counter() - t0
         tokens_per_s = self.global_tokens / step_time
         self.monitor.step_end(step, loss=loss, grad_norm=norm, step_time_s=step_time,
-                              tokens_per_s=tokens_per_s, param_digest=digest, replica_loss=replica_loss)
+                              tokens_per_s=tokens_per_s, param_digest=digest, replica_loss=replica_loss,
+                              dp_digests_match=match, dp_digests=peers)
         if self.reporter:
             print(f"step {step} loss {loss:.4f} grad_norm {norm:.3g} step_time {step_time:.3f}s "
                   f"tokens/s {tokens_per_s:.0f}", flush=True)

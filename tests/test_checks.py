@@ -1,0 +1,330 @@
+"""The real-time checks and the agent's rules, on real files and real processes (no cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from node_tools import monitor, procs
+from node_tools.agent import Agent, AgentSettings
+from node_tools.alerts import Alert
+from node_tools.bus import BusError, BusReader, SpoolBus
+from node_tools.checks import (
+    Check,
+    DiskCheck,
+    Finding,
+    GpuCheck,
+    KernelLogCheck,
+    NicCheck,
+    RankCheck,
+    RankTimeouts,
+)
+from node_tools.config import NodeConfig
+from node_tools.nvml import EmulatedNvml
+from tests.conftest import wait_until
+
+
+# ---- kernel log ---------------------------------------------------------------------------
+def test_kernel_log_reports_only_new_matching_lines(tmp_path):
+    log = tmp_path / "kmsg"
+    log.write_text("NVRM: Xid (PCI:0000:18:00): 79, old line before the agent started\n")
+    check = KernelLogCheck(log)
+    assert check.run(0) == []
+    with open(log, "a") as fh:
+        fh.write("eth0: renamed\n")
+        fh.write("NVRM: Xid (PCI:0000:3b:00): 48, pid=1234, DBE\n")
+        fh.write("Out of memory: Killed process 4242 (python) total-vm:1kB\n")
+        fh.write("mce: [Hardware Error]: CPU 3: Machine Check: 0 Bank 5\n")
+        fh.write("EXT4-fs error (device sda1): ext4_find_entry\n")
+        fh.write("eth0: Link is Down\n")
+        fh.write("NVRM: Xid (PCI:0000:3b:00): 31, half a line")  # not finished yet: not read
+    found = check.run(1)
+    assert [f.kind for f in found] == ["kernel_xid", "kernel_oom", "kernel_mce", "kernel_fs", "kernel_link"]
+    assert found[0].evidence["xid"] == "48" and found[1].evidence["pid"] == "4242"
+    assert len({f.key for f in found}) == 5
+    with open(log, "a") as fh:
+        fh.write("\n")
+    assert [f.evidence.get("xid") for f in check.run(2)] == ["31"]
+    log.write_text("")  # rotated
+    with open(log, "a") as fh:
+        fh.write("NVRM: Xid (PCI:0000:3b:00): 13, after rotation\n")
+    assert [f.evidence.get("xid") for f in check.run(3)] == ["13"]
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+def test_gpu_check_finds_each_emulated_fault_once(tmp_path):
+    nv = EmulatedNvml(tmp_path / "nvml.json", machine="m0", gpus=4)
+    nv.reset()
+    check = GpuCheck(nv, expected=4)
+    assert check.run(0) == []
+    nv.inject("gpu_lost", {"gpu": 2})
+    nv.inject("ecc", {"gpu": 1})
+    nv.inject("thermal", {"gpu": 0, "temperature_c": 95})
+    kinds = sorted(f.kind for f in check.run(1))
+    assert kinds == ["gpu_ecc", "gpu_lost", "gpu_thermal", "gpu_xid", "gpu_xid"]  # Xid 79 and Xid 48
+    again = sorted(f.kind for f in check.run(2))
+    assert again == ["gpu_ecc", "gpu_lost", "gpu_thermal"]  # Xid events are reported once each
+
+
+# ---- NIC ------------------------------------------------------------------------------------
+def _nic(tmp_path, operstate="up", carrier="1", rx_errors=0):
+    d = tmp_path / "eth0"
+    (d / "statistics").mkdir(parents=True, exist_ok=True)
+    (d / "operstate").write_text(operstate + "\n")
+    (d / "carrier").write_text(carrier + "\n")
+    (d / "statistics" / "rx_errors").write_text(f"{rx_errors}\n")
+    (d / "statistics" / "rx_dropped").write_text(f"{rx_errors * 10}\n")
+
+
+def test_nic_check_link_and_error_counters(tmp_path):
+    _nic(tmp_path)
+    check = NicCheck("eth0", sysfs=tmp_path)
+    assert check.run(0) == []
+    _nic(tmp_path, rx_errors=0)
+    assert check.run(1) == []
+    _nic(tmp_path, rx_errors=5)
+    (f,) = check.run(2)
+    assert f.kind == "nic_errors" and f.evidence["delta"] == {"rx_errors": 5}  # drops alone are not errors
+    _nic(tmp_path, operstate="down", carrier="0", rx_errors=5)
+    (f,) = check.run(3)
+    assert f.kind == "nic_down" and f.evidence["operstate"] == "down"
+    assert NicCheck("eth9", sysfs=tmp_path).run(4)[0].kind == "nic_down"
+
+
+# ---- disk -----------------------------------------------------------------------------------
+def test_disk_check_free_space(tmp_path):
+    assert DiskCheck(tmp_path, min_free_bytes=1, min_free_fraction=0.0).run(0) == []
+    (f,) = DiskCheck(tmp_path, min_free_bytes=1 << 62, min_free_fraction=1.0).run(0)
+    assert f.kind == "disk_full" and f.evidence["free_bytes"] > 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to mount a read-only tmpfs")
+def test_disk_check_read_only_mount(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)], check=True)
+    try:
+        kinds = [f.kind for f in DiskCheck(target, min_free_bytes=1, min_free_fraction=0).run(0)]
+        assert kinds == ["disk_readonly"]
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+# ---- ranks ------------------------------------------------------------------------------------
+class FakeJob:
+    """A job's run directory with real processes standing in for ranks."""
+
+    def __init__(self, workdir: Path, job: str = "j", incarnation: int = 0):
+        self.dir = workdir / "jobs" / job
+        (self.dir / "ranks").mkdir(parents=True)
+        self.job, self.inc = job, incarnation
+        monitor.write_json_atomic(self.dir / "job.json", {"job": job, "incarnation": incarnation,
+                                                          "log_dir": str(self.dir / "logs")})
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def rank(self, r: int, *, status="running", alive_age=0.0, progress_age=0.0) -> None:
+        if r not in self.procs:
+            self.procs[r] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        now = time.time()
+        monitor.write_json_atomic(monitor.heartbeat_path(self.dir, r), {
+            "rank": r, "local_rank": r, "pid": self.procs[r].pid, "status": status, "incarnation": self.inc,
+            "alive_ts": now - alive_age, "progress_ts": now - progress_age, "step": 5, "collectives": {"dp": 3},
+        })
+
+    def step(self, r: int, step: int, loss, grad=1.0, ts=None) -> None:
+        with open(monitor.steps_path(self.dir, r), "a") as fh:
+            fh.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad, "ts": ts or time.time(),
+                                 "incarnation": self.inc}) + "\n")
+
+    def close(self):
+        for p in self.procs.values():
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def fake_job(tmp_path):
+    job = FakeJob(tmp_path)
+    yield job
+    job.close()
+
+
+def kinds(findings: list[Finding]) -> list[str]:
+    return sorted(f.kind for f in findings)
+
+
+def test_healthy_ranks_give_nothing(tmp_path, fake_job):
+    for r in range(2):
+        fake_job.rank(r)
+        for s in range(12):
+            fake_job.step(r, s, 3.0 - 0.1 * s)
+    assert RankCheck(tmp_path).run(time.time()) == []
+
+
+def test_a_dead_rank_is_an_exit(tmp_path, fake_job):
+    fake_job.rank(0)
+    fake_job.rank(1)
+    fake_job.procs[1].kill()
+    fake_job.procs[1].wait()
+    (f,) = RankCheck(tmp_path).run(time.time())
+    assert (f.kind, f.rank, f.job) == ("rank_exit", 1, "j")
+
+
+def test_a_finished_or_deliberately_stopped_rank_is_not_a_failure(tmp_path, fake_job):
+    fake_job.rank(0, status="finished")
+    fake_job.procs[0].kill()
+    fake_job.procs[0].wait()
+    assert RankCheck(tmp_path).run(time.time()) == []
+    fake_job.rank(1)
+    fake_job.procs[1].kill()
+    fake_job.procs[1].wait()
+    record = json.loads((fake_job.dir / "job.json").read_text())
+    monitor.write_json_atomic(fake_job.dir / "job.json", record | {"stop_requested_ts": time.time()})
+    assert RankCheck(tmp_path).run(time.time()) == []
+
+
+def test_a_stopped_process_and_a_stale_heartbeat(tmp_path, fake_job):
+    fake_job.rank(0)
+    os.kill(fake_job.procs[0].pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: procs.proc_state(fake_job.procs[0].pid) == "T", timeout=5, what="the process to stop")
+        (f,) = RankCheck(tmp_path).run(time.time())
+        assert f.kind == "rank_stopped" and f.evidence["process_state"] == "T"
+    finally:
+        os.kill(fake_job.procs[0].pid, signal.SIGCONT)
+    fake_job.rank(0, alive_age=10)
+    assert kinds(RankCheck(tmp_path).run(time.time())) == ["rank_stopped"]
+
+
+def test_hang_timeout_is_calibrated_from_observed_steps(tmp_path, fake_job):
+    t0 = time.time() - 100
+    fake_job.rank(0, progress_age=4.0)
+    for s in range(5):
+        fake_job.step(0, s, 2.0, ts=t0 + s * 0.2)  # 0.2 s steps -> timeout = max(3 s floor, 5 x 0.2 s)
+    check = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0, factor=5.0))
+    (f,) = check.run(time.time())
+    assert f.kind == "rank_hang" and f.evidence["timeout_s"] == pytest.approx(3.0)
+    # a rank that has not shown steps yet gets the startup timeout
+    fake_job.rank(1, progress_age=60.0)
+    check = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0, startup_s=120))
+    assert [x.rank for x in check.run(time.time())] == [0]
+    # with steps of 2 s, the calibrated timeout (5 x 2 s) is above the stall: no hang
+    fake_job.step(0, 5, 2.0, ts=t0 + 3.0)
+    slow = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0, factor=5.0, startup_s=120))
+    assert slow.run(time.time()) == []
+
+
+def test_nan_and_spikes(tmp_path, fake_job):
+    fake_job.rank(0)
+    check = RankCheck(tmp_path)
+    for s in range(12):
+        fake_job.step(0, s, 2.0, grad=1.0)
+    assert check.run(time.time()) == []
+    fake_job.step(0, 12, 11.0, grad=1.0)  # 5.5x the median loss
+    assert kinds(check.run(time.time())) == ["loss_spike"]
+    fake_job.step(0, 13, 2.0, grad=9.0)
+    assert kinds(check.run(time.time())) == ["grad_spike"]
+    fake_job.step(0, 14, "nan", grad="nan")
+    fake_job.step(0, 15, "nan", grad="nan")
+    (f,) = check.run(time.time())
+    assert f.kind == "nan_loss" and f.evidence["step"] == 14  # once per episode
+
+
+def test_old_incarnations_are_ignored(tmp_path, fake_job):
+    fake_job.rank(0)
+    fake_job.inc = 0
+    fake_job.step(0, 0, "nan")  # a NaN of the previous incarnation
+    record = json.loads((fake_job.dir / "job.json").read_text())
+    monitor.write_json_atomic(fake_job.dir / "job.json", record | {"incarnation": 1})
+    fake_job.inc = 1
+    fake_job.rank(0)
+    fake_job.step(0, 0, 2.5)
+    assert RankCheck(tmp_path).run(time.time()) == []
+
+
+# ---- the agent's rules -----------------------------------------------------------------------
+class Scripted(Check):
+    def __init__(self, name: str, interval: float = 1.0) -> None:
+        self.name, self.interval_s, self.findings, self.fail = name, interval, [], False
+
+    def run(self, now):
+        if self.fail:
+            raise RuntimeError("sensor broke")
+        return list(self.findings)
+
+
+def _agent(tmp_path, *checks, bus=None):
+    cfg = NodeConfig(machine="m3", workdir=tmp_path, install_dir=tmp_path)
+    bus = bus or SpoolBus(tmp_path / "bus")
+    return Agent(cfg, bus, list(checks), settings=AgentSettings(), status_path=tmp_path / "status.json"), bus
+
+
+def test_agent_alerts_once_per_condition_and_again_after_it_clears(tmp_path):
+    disk = Scripted("disk")
+    agent, bus = _agent(tmp_path, disk)
+    reader = BusReader(bus)
+    disk.findings = [Finding("disk_full", "diskfull:/w", "full", evidence={"free_bytes": 0})]
+    assert [a.kind for a in agent.tick(100)] == ["disk_full"]
+    assert agent.tick(101.5) == []
+    disk.findings = []
+    assert agent.tick(103) == []
+    disk.findings = [Finding("disk_full", "diskfull:/w", "full again")]
+    assert [a.kind for a in agent.tick(104.5)] == ["disk_full"]
+    got = reader.read()
+    assert [(a.kind, a.machine, a.severity) for a in got] == [("disk_full", "m3", "fault")] * 2
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["published"] == 2 and "diskfull:/w" in status["active"]
+
+
+def test_network_faults_need_a_repeat_within_the_window(tmp_path):
+    nic = Scripted("nic", interval=5)
+    agent, _ = _agent(tmp_path, nic)
+    down = Finding("nic_down", "nic:eth0", "eth0 down", evidence={"iface": "eth0"})
+    nic.findings = [down]
+    assert [(a.kind, a.severity) for a in agent.tick(0)] == [("nic_down", "warning")]
+    assert [(a.kind, a.severity) for a in agent.tick(5)] == [("nic_down", "fault")]
+    assert agent.tick(10) == []
+    # a single flap long after is a warning again
+    nic.findings = []
+    agent.tick(15)
+    nic.findings = [down]
+    assert [a.severity for a in agent.tick(400)] == ["warning"]
+
+
+def test_a_broken_check_is_reported_and_the_others_go_on(tmp_path):
+    bad, disk = Scripted("gpu"), Scripted("disk")
+    bad.fail = True
+    disk.findings = [Finding("disk_full", "d", "full")]
+    agent, _ = _agent(tmp_path, bad, disk)
+    assert [a.kind for a in agent.tick(0)] == ["disk_full"]
+    assert "sensor broke" in agent.status()["checks"]["gpu"]["error"]
+
+
+class FlakyBus(SpoolBus):
+    down = True
+
+    def put(self, name, body):
+        if self.down:
+            raise BusError("bus unreachable")
+        super().put(name, body)
+
+
+def test_alerts_wait_in_the_outbox_while_the_bus_is_down(tmp_path):
+    disk = Scripted("disk")
+    bus = FlakyBus(tmp_path / "bus")
+    agent, _ = _agent(tmp_path, disk, bus=bus)
+    disk.findings = [Finding("disk_full", "d", "full")]
+    agent.tick(0)
+    assert agent.status()["outbox"] == 1 and "unreachable" in agent.status()["bus_error"]
+    bus.down = False
+    agent.tick(2)
+    assert agent.status()["outbox"] == 0
+    (alert,) = BusReader(bus).read()
+    assert isinstance(alert, Alert) and alert.kind == "disk_full" and alert.ts == 0

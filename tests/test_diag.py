@@ -1,0 +1,235 @@
+"""Stop-time diagnostics (node_tools.diag) on one machine: levels 1-3 and the alignment test.
+
+Every diagnostic runs its tests in worker processes; these tests check the verdicts,
+the reasons and that nothing outlives a timeout. No cluster is needed: level 3 runs
+two "machines" as two concurrent diag() calls on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from node_tools import diag as d
+from node_tools.config import NodeConfig
+from node_tools.errors import TrainguardError
+from node_tools.faults import write_control
+from node_tools.nvml import EmulatedNvml
+from tests.conftest import free_port
+
+
+@pytest.fixture
+def node(tmp_path):
+    return NodeConfig(machine="m7", workdir=tmp_path / "disk", install_dir=tmp_path, gpus=2,
+                      nvml_backend="emulated", nvml_state=tmp_path / "nvml.json", fault_file=tmp_path / "faults.json")
+
+
+def sdc(cfg: NodeConfig) -> NodeConfig:
+    write_control(cfg.fault_file, [{"id": "x", "kind": "sdc", "rank": None, "params": {"bit": 22}}])
+    return cfg
+
+
+def by_name(report):
+    return {t["name"]: t for t in report["tests"]}
+
+
+def test_level_1_healthy_ignores_the_ranks_of_a_dead_job(node):
+    # a job whose rank has exited: the real-time checks report it, the machine is not to blame
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    run_dir = node.workdir / "jobs" / "j1"
+    (run_dir / "ranks").mkdir(parents=True)
+    (run_dir / "job.json").write_text(json.dumps({"incarnation": 0}))
+    (run_dir / "ranks" / "rank0.json").write_text(json.dumps(
+        {"pid": gone.pid, "status": "running", "incarnation": 0, "alive_ts": 0, "progress_ts": 0}))
+
+    code, report = d.diag(node, 1)
+
+    assert code == 0 and report["healthy"] and report["reasons"] == [], report["reasons"]
+    tests = by_name(report)
+    assert set(tests) == {"workdir", "checks", "gpu", "torch"}
+    assert all(t["ok"] and t["duration_s"] >= 0 for t in tests.values())
+    assert tests["checks"]["details"]["ignored_rank_findings"] >= 1
+    assert tests["gpu"]["details"]["device_count"] == 2
+    assert tests["torch"]["details"]["version"].startswith("2.")
+    assert report["machine"] == "m7" and report["level"] == 1
+    json.dumps(report, allow_nan=False)  # one strict JSON document
+
+
+def test_level_1_names_a_lost_gpu(node):
+    EmulatedNvml(node.nvml_state, machine=node.machine, gpus=2).inject("gpu_lost", {"gpu": 1})
+
+    code, report = d.diag(node, 1)
+
+    assert code == 1 and not report["healthy"]
+    gpu = by_name(report)["gpu"]
+    assert not gpu["ok"] and "GPU 1 missing" in gpu["reason"] and "1 of 2 GPUs" in gpu["reason"]
+    assert gpu["details"]["missing"] == [1]
+    assert any(r.startswith("gpu: GPU 1 missing") for r in report["reasons"])
+
+
+def test_no_nvml_is_fine_without_gpus_and_a_failure_with_them(tmp_path):
+    cfg = NodeConfig(machine="cpu1", workdir=tmp_path, install_dir=tmp_path, gpus=0, nvml_backend="none")
+    assert d._w_gpu({"config": _saved(cfg, tmp_path / "a.json")})["ok"]
+    cfg.gpus = 8
+    result = d._w_gpu({"config": _saved(cfg, tmp_path / "b.json")})
+    assert not result["ok"] and "8 GPUs are expected" in result["reason"]
+
+
+def _saved(cfg: NodeConfig, path):
+    cfg.save(path)
+    return str(path)
+
+
+def test_level_2_healthy_within_a_minute_with_bandwidths(node):
+    t0 = time.monotonic()
+    code, report = d.diag(node, 2)
+    took = time.monotonic() - t0
+
+    assert code == 0 and report["healthy"], report["reasons"]
+    assert took < 60 and report["duration_s"] < 60
+    tests = by_name(report)
+    assert set(tests) == {"workdir", "checks", "gpu", "torch", "compute", "memory", "collective_local", "disk"}
+    compute = tests["compute"]["details"]["devices"][0]
+    assert compute["device"] == "cpu" and compute["wrong"] == 0 and compute["results"] >= 6
+    assert tests["memory"]["details"]["gbps"] > 0
+    coll = tests["collective_local"]["details"]
+    assert coll["backend"] == "gloo" and coll["processes"] == 2
+    assert coll["allreduce_busbw_gbps"] > 0 and coll["allgather_algbw_gbps"] > 0
+    assert all(r["ok"] and r["allreduce_ok"] and r["allgather_ok"] and r["alltoall_ok"] for r in coll["ranks"])
+    disk = tests["disk"]["details"]
+    assert disk["write_mbps"] > 0 and disk["read_mbps"] > 0
+    assert list(node.workdir.iterdir()) == []  # the test files are gone
+    json.dumps(report, allow_nan=False)
+
+
+def test_level_2_catches_wrong_arithmetic(node):
+    code, report = d.diag(sdc(node), 2)
+
+    assert code == 1 and not report["healthy"]
+    failed = [t for t in report["tests"] if not t["ok"]]
+    assert [t["name"] for t in failed] == ["compute"]
+    reason = failed[0]["reason"]
+    assert reason.startswith("cpu: ") and "max error" in reason and "matmul results wrong" in reason
+    assert failed[0]["details"]["devices"][0]["wrong"] == failed[0]["details"]["devices"][0]["results"]
+
+
+def test_align_agrees_with_itself_and_not_with_a_broken_alu(node):
+    runs = [d.align(node) for _ in range(2)]
+    for code, report in runs:
+        assert code == 0 and report["test"] == "align" and len(report["digest"]) == 64
+        assert report["torch"].startswith("2.") and report["device"] == "cpu"
+    assert runs[0][1]["digest"] == runs[1][1]["digest"]
+
+    code, bad = d.align(sdc(node))
+    assert code == 0  # it does not judge itself
+    assert bad["digest"] != runs[0][1]["digest"] and bad["compare_key"] == runs[0][1]["compare_key"]
+    assert bad["tests"][0]["details"]["sdc_flips"] == 1
+
+
+def test_level_3_two_machines_on_loopback(tmp_path):
+    port = free_port()
+    cfgs = [NodeConfig(machine=f"m{i}", workdir=tmp_path / f"m{i}", install_dir=tmp_path, nvml_backend="none")
+            for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(d.diag, cfgs[i], 3, timeout_s=60, l3=d.L3Spec(i, 2, "127.0.0.1", port))
+                   for i in range(2)]
+        results = [f.result() for f in futures]
+
+    for i, (code, report) in enumerate(results):
+        assert code == 0 and report["healthy"], report["reasons"]
+        (test,) = report["tests"]
+        det = test["details"]
+        assert test["name"] == "collective_neighbours" and det["rank"] == i and det["backend"] == "gloo"
+        assert det["allreduce_ok"] and det["allgather_ok"] and det["bad_peers"] == []
+        assert det["ranks"] == [{"rank": 0, "ok": True}, {"rank": 1, "ok": True}]
+        assert det["allreduce_algbw_gbps"] > 0 and det["iface"] == "lo"
+
+
+def test_level_3_peer_never_comes(node):
+    t0 = time.monotonic()
+    code, report = d.diag(node, 3, timeout_s=8, l3=d.L3Spec(0, 2, "127.0.0.1", free_port()))
+    took = time.monotonic() - t0
+
+    assert code in (1, 2) and not report["healthy"]
+    assert took < 8 + 4
+    assert "timed out waiting for peers" in report["tests"][0]["reason"]
+    assert "127.0.0.1" in report["tests"][0]["reason"]
+
+
+def test_a_test_past_its_timeout_is_killed_with_its_process(node, monkeypatch):
+    started: list[d._Worker] = []
+    real_init = d._Worker.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        started.append(self)
+
+    monkeypatch.setattr(d._Worker, "__init__", spy)
+    code, report = d.diag(node, 1, timeout_s=0.05)
+
+    assert code == 1
+    slow = [t for t in report["tests"] if not t["ok"]]
+    assert slow and all("did not finish within 0.05 s" in t["reason"] for t in slow)
+    assert all(w.proc.returncode is not None for w in started)  # reaped: nothing left running
+
+
+def test_disk_errors_carry_the_errno(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    cfg = NodeConfig(machine="m", workdir=blocker / "sub", install_dir=tmp_path)
+    result = d._w_disk({"config": _saved(cfg, tmp_path / "n.json"), "size_mib": 1})
+    assert not result["ok"] and "errno 20 (ENOTDIR)" in result["reason"]
+
+
+@pytest.mark.parametrize("level", [0, 4, "2", True])
+def test_unknown_levels_are_refused(node, level):
+    with pytest.raises(TrainguardError, match=r"diag level .* is unknown") as exc:
+        d.diag(node, level)
+    assert exc.value.exit_code == 2
+
+
+def test_level_3_needs_its_group(node):
+    with pytest.raises(TrainguardError, match="needs the group") as exc:
+        d.diag(node, 3)
+    assert exc.value.exit_code == 2
+    with pytest.raises(TrainguardError, match=r"rank 2 is outside 0\.\.1"):
+        d.diag(node, 3, l3=d.L3Spec(2, 2, "127.0.0.1", 29500))
+
+
+def test_a_failed_rank_stops_its_waiting_peers(tmp_path):
+    # one worker fails at once; its "peer" waits for a rendezvous that never completes
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg = NodeConfig(machine="m", workdir=blocker / "sub", install_dir=tmp_path)
+    runner = d._Runner(cfg, tmp_path, timeout_s=30, seed=0)
+    t0 = time.monotonic()
+    failing = runner._start("workdir", {})
+    waiting = runner._start("collective", {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1",
+                                           "master_port": free_port(), "backend": "gloo", "device": "cpu"})
+    try:
+        d._wait_all([failing, waiting], "rank {} failed")
+    finally:
+        waiting.kill()
+    assert time.monotonic() - t0 < 15
+    assert runner._judge("rank 0", failing)["reason"].startswith("write/read in")
+    assert runner._judge("rank 1", waiting)["reason"] == "stopped: rank 0 failed"
+
+
+def test_stragglers_of_a_run_are_ended(tmp_path, node):
+    runner = d._Runner(node, tmp_path, timeout_s=5, seed=0)
+    env = {**os.environ, d.MARKER_ENV: runner.marker}
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env,
+                              start_new_session=True)
+    try:
+        assert runner.sweep() == [orphan.pid]
+        assert orphan.wait(timeout=10) != 0
+    finally:
+        orphan.kill()
+        orphan.wait()
