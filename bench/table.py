@@ -22,8 +22,9 @@ def rows() -> list[str]:
         cmd = f"`python bench/{doc['name']}.py`"
         for key, m in doc["metrics"].items():
             target = m.get("target")
+            p90 = "" if m.get("p90") is None else f"{m['p90']:g}"
             out.append(
-                f"| {doc['name']} | {key} | {m['median']:g} {m['unit']} | {m['p90']:g} | {m['n']} | "
+                f"| {doc['name']} | {key} | {m['median']:g} {m['unit']} | {p90} | {m['n']} | "
                 f"{'' if target is None else target} | {cmd} |"
             )
     return out

@@ -153,7 +153,7 @@ class GpuCheck(Check):
         self.backend = backend
         self.expected = expected
         self.max_temp_c = max_temp_c
-        self.xids_seen = 0
+        self.xids_seen: set[tuple[Any, Any, Any]] = set()
 
     def run(self, now: float) -> list[Finding]:
         snap = self.backend.snapshot()
@@ -165,12 +165,14 @@ class GpuCheck(Check):
                                  evidence={"visible": snap["device_count"], "expected": self.expected,
                                            "missing": missing}))
         events = snap.get("xid_events", [])
-        if len(events) < self.xids_seen:  # the event log was reset (driver reload, emulator cleared)
-            self.xids_seen = 0
-        for event in events[self.xids_seen:]:
-            found.append(Finding("gpu_xid", f"xid:{event.get('ts')}:{event.get('gpu')}",
-                                 f"Xid {event.get('xid')} on GPU {event.get('gpu')}", evidence=dict(event)))
-        self.xids_seen = len(events)
+        current = set()
+        for event in events:
+            ident = (event.get("ts"), event.get("gpu"), event.get("xid"))
+            current.add(ident)
+            if ident not in self.xids_seen:
+                found.append(Finding("gpu_xid", f"xid:{event.get('ts')}:{event.get('gpu')}",
+                                     f"Xid {event.get('xid')} on GPU {event.get('gpu')}", evidence=dict(event)))
+        self.xids_seen = current  # forget events the log no longer holds (driver reload, emulator reset)
         for dev in snap["devices"]:
             i = dev["index"]
             if (dev.get("ecc_uncorrectable") or 0) > 0 or dev.get("remap_pending"):
@@ -280,8 +282,11 @@ class RankTimeouts:
     """How long a rank may go without progress before it counts as hung.
 
     The timeout is calibrated from what the rank has shown (as NVRx does):
-    ``max(floor_s, factor x the longest step interval seen recently)``; before
-    ``min_steps`` steps it is ``startup_s`` (imports, rendezvous, first step).
+    ``max(floor_s, factor x the longest step interval seen recently)``, where the
+    ``ignore_longest`` longest intervals of the window are left out once it holds
+    20 or more, so a one-off stall (an earlier fault, a restore) does not inflate
+    it while step kinds that recur (an evaluation every N steps) still count.
+    Before ``min_steps`` steps it is ``startup_s`` (imports, rendezvous, first step).
 
     Attributes:
         floor_s: lower bound of the calibrated timeout, seconds.
@@ -295,6 +300,7 @@ class RankTimeouts:
         spike_history: steps of history needed before spikes are judged.
         slow_factor: a step time above this multiple of the recent median counts as slow.
         slow_steps: consecutive slow steps that make a ``rank_slow`` finding.
+        ignore_longest: longest step intervals left out of the calibration (see above).
     """
 
     floor_s: float = 5.0
@@ -307,6 +313,7 @@ class RankTimeouts:
     spike_history: int = 10
     slow_factor: float = 2.5
     slow_steps: int = 3
+    ignore_longest: int = 2
 
 
 @dataclass
@@ -354,7 +361,10 @@ class RankCheck(Check):
     def timeout_for(self, st: _RankState) -> float:
         if st.steps_seen < self.t.min_steps or not st.times:
             return self.t.startup_s
-        return max(self.t.floor_s, self.t.factor * max(st.times))
+        ordered = sorted(st.times)
+        if len(ordered) >= 20:
+            ordered = ordered[: len(ordered) - self.t.ignore_longest]
+        return max(self.t.floor_s, self.t.factor * ordered[-1])
 
     def _read_new_steps(self, run_dir: Path, rank: int, st: _RankState) -> list[dict[str, Any]]:
         path = monitor.steps_path(run_dir, rank)

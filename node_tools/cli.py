@@ -12,11 +12,16 @@ Commands::
     tg-node agent [--supervise|--once]            the real-time checks, publishing alerts
     tg-node status                                the agent's status
     tg-node check [gpu|host|net|disk|all]         the real-time checks once (exit 1 on a fault)
+    tg-node diag --level 1|2|3 [L3: --rank --world-size --master-addr --master-port]
+    tg-node align [--seed S --steps N]            bit-wise alignment digest
+    tg-node stacks --job J [--native]             py-spy stacks of the job's processes
+    tg-node logs --job J [--since T]              exit codes and classified log tails
     tg-node job start --job J --nnodes N --node-rank I --nproc-per-node P
                       --master-addr A --master-port PORT [--entry SCRIPT] [--revision R] -- ARGS...
     tg-node job stop --job J [--grace-s S]
     tg-node job status --job J
     tg-node job steps --job J --rank R [--since STEP]
+    tg-node standby park --nproc N | activate <job start arguments> | status | unpark
     tg-node fault inject --kind K [--rank R] [--job J] [--param k=v ...]
     tg-node fault clear [--kind K]
     tg-node fault list
@@ -34,6 +39,29 @@ from node_tools.cliutil import OneLineParser, key_values
 from node_tools.errors import EXIT_OK, EXIT_USAGE, TrainguardError
 
 
+def _job_start_args(js: argparse.ArgumentParser) -> None:
+    js.add_argument("--job", required=True)
+    js.add_argument("--nnodes", type=int, required=True)
+    js.add_argument("--node-rank", type=int, required=True)
+    js.add_argument("--nproc-per-node", type=int, required=True)
+    js.add_argument("--master-addr", required=True)
+    js.add_argument("--master-port", type=int, required=True)
+    js.add_argument("--entry", default="examples/gpt3d/train.py")
+    js.add_argument("--revision", default="")
+    js.add_argument("args", nargs=argparse.REMAINDER)
+
+
+def _job_spec(ns: argparse.Namespace, *, warm: bool) -> Any:
+    from node_tools import job
+
+    args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+    return job.JobSpec(
+        job=ns.job, nnodes=ns.nnodes, node_rank=ns.node_rank, nproc_per_node=ns.nproc_per_node,
+        master_addr=ns.master_addr, master_port=ns.master_port, entry=ns.entry, args=args,
+        revision=ns.revision, warm=warm,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="tg-node", description="trainguard node tools (JSON on stdout)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
@@ -46,19 +74,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", help="the agent's status file")
     cp = sub.add_parser("check", help="the real-time checks once (exit 1 if a fault is found)")
     cp.add_argument("group", nargs="?", default="all", choices=["gpu", "host", "net", "disk", "all"])
+    dg = sub.add_parser("diag", help="stop-time diagnostics: L1 quick, L2 compute/memory/collective/disk, L3 peers")
+    dg.add_argument("--level", type=int, required=True, choices=[1, 2, 3])
+    dg.add_argument("--timeout-s", type=float, help="per test")
+    dg.add_argument("--rank", type=int, help="L3: this machine's rank among its neighbours")
+    dg.add_argument("--world-size", type=int, help="L3: machines in the group")
+    dg.add_argument("--master-addr", help="L3: address of rank 0")
+    dg.add_argument("--master-port", type=int, help="L3: rendezvous port on rank 0")
+    dg.add_argument("--iface", default="", help="L3: network interface (default: the node's)")
+    al = sub.add_parser("align", help="bit-wise alignment test: digest of one fixed reference step")
+    al.add_argument("--seed", type=int, default=0)
+    al.add_argument("--steps", type=int, default=1)
+    sp = sub.add_parser("stacks", help="py-spy stacks of a job's processes, with collective counters")
+    sp.add_argument("--job", required=True)
+    sp.add_argument("--native", action="store_true", help="include native frames (slow: seconds per process)")
+    sp.add_argument("--timeout-s", type=float, default=10.0)
+    lp = sub.add_parser("logs", help="exit codes and classified log tails of a job's ranks")
+    lp.add_argument("--job", required=True)
+    lp.add_argument("--since", type=float, default=0.0, help="epoch seconds: ignore older log files")
+    lp.add_argument("--tail", type=int, default=50)
 
     jp = sub.add_parser("job", help="this machine's part of a training job")
     jsub = jp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
-    js = jsub.add_parser("start")
-    js.add_argument("--job", required=True)
-    js.add_argument("--nnodes", type=int, required=True)
-    js.add_argument("--node-rank", type=int, required=True)
-    js.add_argument("--nproc-per-node", type=int, required=True)
-    js.add_argument("--master-addr", required=True)
-    js.add_argument("--master-port", type=int, required=True)
-    js.add_argument("--entry", default="examples/gpt3d/train.py")
-    js.add_argument("--revision", default="")
-    js.add_argument("args", nargs=argparse.REMAINDER)
+    _job_start_args(jsub.add_parser("start"))
     jt = jsub.add_parser("stop")
     jt.add_argument("--job", required=True)
     jt.add_argument("--grace-s", type=float, default=10.0)
@@ -69,6 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
     jr.add_argument("--rank", type=int, required=True)
     jr.add_argument("--since", type=int, default=-1, help="only steps after this one")
     jr.add_argument("--incarnation", type=int, help="only steps of this incarnation of the job")
+
+    sb = sub.add_parser("standby", help="warm standby: park pre-warmed interpreters, activate a job on them")
+    sbsub = sb.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
+    pk = sbsub.add_parser("park")
+    pk.add_argument("--nproc", type=int, required=True, help="ranks a job will start here")
+    pk.add_argument("--timeout-s", type=float, default=180.0)
+    _job_start_args(sbsub.add_parser("activate"))
+    sbsub.add_parser("status")
+    sbsub.add_parser("unpark")
 
     fp = sub.add_parser("fault", help="inject or clear faults (emulated machines only)")
     fsub = fp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
@@ -117,22 +164,51 @@ def run(argv: list[str]) -> tuple[int, Any]:
         from node_tools import agent
 
         return agent.check_once(cfg, ns.group)
+    if ns.command == "diag":
+        from node_tools import diag
+
+        l3 = None
+        if ns.level == 3:
+            missing = [f for f in ("rank", "world_size", "master_addr", "master_port") if getattr(ns, f) is None]
+            if missing:
+                raise TrainguardError(
+                    f"diag --level 3 needs --{' --'.join(m.replace('_', '-') for m in missing)}"
+                )
+            l3 = diag.L3Spec(rank=ns.rank, world_size=ns.world_size, master_addr=ns.master_addr,
+                             master_port=ns.master_port, iface=ns.iface)
+        return diag.diag(cfg, ns.level, timeout_s=ns.timeout_s, l3=l3)
+    if ns.command == "align":
+        from node_tools import diag
+
+        return diag.align(cfg, seed=ns.seed, steps=ns.steps)
+    if ns.command == "stacks":
+        from node_tools import job, stacks
+
+        return stacks.stacks(cfg, job.check_job_name(ns.job), native=ns.native, timeout_s=ns.timeout_s)
+    if ns.command == "logs":
+        from node_tools import job, logs
+
+        return logs.logs(cfg, job.check_job_name(ns.job), since=ns.since, tail=ns.tail)
     if ns.command == "job":
         from node_tools import job
 
         if ns.action == "start":
-            args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
-            spec = job.JobSpec(
-                job=ns.job, nnodes=ns.nnodes, node_rank=ns.node_rank, nproc_per_node=ns.nproc_per_node,
-                master_addr=ns.master_addr, master_port=ns.master_port, entry=ns.entry, args=args,
-                revision=ns.revision,
-            )
-            return EXIT_OK, job.start(cfg, spec)
+            return EXIT_OK, job.start(cfg, _job_spec(ns, warm=False))
         if ns.action == "stop":
             return EXIT_OK, job.stop(cfg, ns.job, grace_s=ns.grace_s)
         if ns.action == "steps":
             return EXIT_OK, job.steps(cfg, ns.job, ns.rank, since=ns.since, incarnation=ns.incarnation)
         return EXIT_OK, job.status(cfg, job.check_job_name(ns.job))
+    if ns.command == "standby":
+        from node_tools import job, standby
+
+        if ns.action == "park":
+            return EXIT_OK, standby.park(cfg, nproc=ns.nproc, timeout_s=ns.timeout_s)
+        if ns.action == "activate":
+            return EXIT_OK, job.start(cfg, _job_spec(ns, warm=True))
+        if ns.action == "unpark":
+            return EXIT_OK, standby.unpark(cfg)
+        return EXIT_OK, standby.status(cfg)
     if ns.command == "fault":
         from node_tools import inject
 

@@ -28,14 +28,18 @@ a reason), 2 could not run (for level 3: the peers never came). The report is on
 JSON-able document ``{"machine", "level", "healthy", "tests": [{"name", "ok",
 "status", "duration_s", "details", "reason"}], "reasons", "duration_s", ...}``.
 
-Every test runs in a worker process of its own (``python -m node_tools.diag
---worker NAME ARGS``) in a session of its own, so a test that hangs (a GPU that
-stops answering, a peer that never comes, a disk that blocks) is killed with all
-its children at its timeout; the worker also arms a kernel timer that ends it
-should this process die first, and every process a run starts carries
+The tests run in worker processes (``python -m node_tools.diag --worker ARGS``),
+each in a session of its own; the quick tests, the compute, memory and disk tests
+share one worker (torch is imported once), each collective rank has its own. This
+process follows every test and kills its worker, with all its children, when the
+test passes its timeout, so a test that hangs (a GPU that stops answering, a peer
+that never comes, a disk that blocks) fails instead of hanging the diagnostic; the
+tests after it go on in a fresh worker. A worker also arms a kernel timer that
+ends it should this process die first, and every process a run starts carries
 ``TG_DIAG_RUN=<run id>`` in its environment, so whatever escaped its session is
-found and ended when the run finishes. ``timeout_s`` bounds each test (default: 30 s at
-level 1, 60 s at levels 2 and 3); a level's worst case is its test count times that.
+found and ended when the run finishes. ``timeout_s`` bounds each test (default:
+30 s at level 1, 60 s at levels 2 and 3); a level's worst case is its test count
+times that.
 
 On the emulated cluster the ``sdc`` fault (``node_tools.faults``) makes the machine
 compute wrong: the compute burn flips bit ``bit`` of one element of every matmul
@@ -156,16 +160,15 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
         runner = _Runner(cfg, Path(tmp), timeout, seed)
         tests: list[dict[str, Any]] = []
         try:
+            # workdir first: it creates the work directory when missing, which the disk check needs
+            specs: list[tuple[str, dict[str, Any]]] = [("workdir", {}), ("checks", {}), ("gpu", {}), ("torch", {})]
+            if level == 2:
+                specs += [("compute", {}), ("memory", {"floor_gbps": float(mem_floor_gbps)}), ("disk", {})]
             if level in (1, 2):
-                # workdir first: it creates the work directory when missing, which the disk check needs
-                for name in ("workdir", "checks", "gpu", "torch"):
-                    tests.append(runner.simple(name))
+                tests += runner.batch(specs)  # one process, one import of torch
             if level == 2:
                 torch_info = next(t["details"] for t in tests if t["name"] == "torch")
-                tests.append(runner.simple("compute"))
-                tests.append(runner.simple("memory", {"floor_gbps": float(mem_floor_gbps)}))
                 tests.append(runner.local_collective(torch_info))
-                tests.append(runner.simple("disk"))
             if level == 3:
                 assert l3 is not None
                 tests.append(runner.neighbour_collective(l3))
@@ -271,16 +274,18 @@ def _result(name: str, status: str, duration_s: float, details: dict[str, Any] |
 # Parent side: worker processes with deadlines
 # =======================================================================================
 class _Worker:
-    """One ``python -m node_tools.diag --worker NAME`` in a session of its own."""
+    """One ``python -m node_tools.diag --worker ARGS`` running one or more tests in order, in a session of its own."""
 
-    def __init__(self, tmp: Path, label: str, name: str, args: dict[str, Any], *, deadline: float,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(self, tmp: Path, label: str, tests: list[tuple[str, dict[str, Any]]], common: dict[str, Any], *,
+                 deadline: float, env: dict[str, str] | None = None) -> None:
         self.label = label
-        self.deadline = deadline  # time.monotonic()
+        self.names = [name for name, _ in tests]
+        self.deadline = deadline  # time.monotonic(): when the whole worker must be gone
         self.out_path, self.err_path = tmp / f"{label}.out", tmp / f"{label}.err"
         argfile = tmp / f"{label}.json"
         # the worker's own timer, in wall-clock time (it cannot see our monotonic clock)
-        args = dict(args, deadline_unix=time.time() + (deadline - time.monotonic()))
+        args = dict(common, tests=[[name, targs] for name, targs in tests],
+                    deadline_unix=time.time() + (deadline - time.monotonic()))
         argfile.write_text(json.dumps(args), encoding="utf-8")
         child_env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parent.parent)
@@ -289,7 +294,7 @@ class _Worker:
         self.started = time.monotonic()
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "node_tools.diag", "--worker", name, str(argfile)],
+                [sys.executable, "-m", "node_tools.diag", "--worker", str(argfile)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=child_env, cwd=tmp,
                 start_new_session=True,
             )
@@ -334,10 +339,13 @@ class _Worker:
                     found.append(json.loads(line[len(MARK):]))
         return found
 
-    def outcome(self) -> dict[str, Any] | None:
-        """The worker's result message, or None when it wrote none."""
-        results = [m for m in self.messages() if m.get("event") == "result"]
+    def outcome(self, test: str) -> dict[str, Any] | None:
+        """The worker's result for ``test``, or None when it wrote none."""
+        results = [m for m in self.messages() if m.get("event") == "result" and m.get("test") == test]
         return results[-1] if results else None
+
+    def all_ok(self) -> bool:
+        return all((self.outcome(name) or {}).get("ok") for name in self.names)
 
     def stages(self) -> list[str]:
         return [str(m.get("stage")) for m in self.messages() if m.get("event") == "progress"]
@@ -381,17 +389,17 @@ class _Runner:
 
         return procs.terminate(procs.pids_with_env(MARKER_ENV, self.marker), grace_s=1.0)
 
-    def _start(self, name: str, args: dict[str, Any], *, env: dict[str, str] | None = None,
+    def _start(self, tests: list[tuple[str, dict[str, Any]]], *, env: dict[str, str] | None = None,
                deadline: float | None = None) -> _Worker:
         self._count += 1
-        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
-        full = {"config": str(self.config_path), "seed": self.seed, **args}
-        return _Worker(self.tmp, f"{self._count:02d}-{name}", name, full, deadline=deadline,
+        deadline = time.monotonic() + self.timeout_s * len(tests) if deadline is None else deadline
+        common = {"config": str(self.config_path), "seed": self.seed}
+        return _Worker(self.tmp, f"{self._count:02d}-{tests[0][0]}", tests, common, deadline=deadline,
                        env={**(env or {}), MARKER_ENV: self.marker})
 
-    def _judge(self, name: str, worker: _Worker) -> dict[str, Any]:
-        """A test result from one finished worker."""
-        out = worker.outcome()
+    def _judge(self, name: str, worker: _Worker, test: str = "collective") -> dict[str, Any]:
+        """The result of ``test`` (reported as ``name``) from a finished worker."""
+        out = worker.outcome(test)
         if out is not None:
             status = NOT_RUN if out.get("could_not_run") else (PASSED if out.get("ok") else FAILED)
             return _result(name, status, worker.duration_s, out.get("details"), str(out.get("reason") or ""))
@@ -411,16 +419,67 @@ class _Runner:
 
     def simple(self, name: str, args: dict[str, Any] | None = None, *,
                env: dict[str, str] | None = None) -> dict[str, Any]:
-        t0 = time.monotonic()
+        return self.batch([(name, args or {})], env=env)[0]
+
+    def batch(self, specs: list[tuple[str, dict[str, Any]]], *,
+              env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """Run tests one after the other in one worker (torch is imported once), each within the timeout.
+
+        A test past its timeout, or one that kills its process, fails; the tests after it
+        go on in a fresh worker.
+        """
+        results: dict[str, dict[str, Any]] = {}
+        todo = list(specs)
+        while todo:
+            t0 = time.monotonic()
+            try:
+                worker = self._start(todo, env=env)
+            except OSError as exc:
+                for name, _ in todo:
+                    results[name] = _result(name, NOT_RUN, time.monotonic() - t0,
+                                            reason=f"could not start the test process: {exc}")
+                break
+            current, since = self._follow(worker, [name for name, _ in todo])
+            for name, _ in todo:
+                out = worker.outcome(name)
+                if out is not None:
+                    results[name] = self._judge(name, worker, name)
+                    results[name]["duration_s"] = round(float(out.get("duration_s") or 0.0), 3)
+            left = [spec for spec in todo if spec[0] not in results]
+            if left:  # the first of them is the one that was running when the worker ended
+                name = current if current in dict(left) else left[0][0]
+                results[name] = self._judge(name, worker, name)
+                results[name]["duration_s"] = round(time.monotonic() - since, 3)
+                left = [spec for spec in left if spec[0] != name]
+            todo = left
+        return [results[name] for name, _ in specs]
+
+    def _follow(self, worker: _Worker, names: list[str]) -> tuple[str, float]:
+        """Wait for a batch worker, killing it when its current test passes the timeout.
+
+        Returns the test that ran last and when it started (as seen from here).
+        """
+        current, since = names[0], worker.started  # the first test's clock includes the interpreter's start
+        seen: set[str] = set()
         try:
-            worker = self._start(name, args or {}, env=env)
-        except OSError as exc:
-            return _result(name, NOT_RUN, time.monotonic() - t0, reason=f"could not start the test process: {exc}")
-        try:
-            worker.wait()
+            while True:
+                for m in worker.messages():
+                    if m.get("event") == "start" and m.get("test") not in seen:
+                        seen.add(str(m.get("test")))
+                        current, since = str(m.get("test")), time.monotonic()
+                now = time.monotonic()
+                if worker.proc.poll() is not None:
+                    break
+                if now - since > self.timeout_s or now > worker.deadline:
+                    worker.timed_out = True
+                    worker.kill()
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    worker.proc.wait(timeout=min(0.1, max(0.0, since + self.timeout_s - now)))
         finally:
             worker.kill()
-        return self._judge(name, worker)
+            worker.ended = time.monotonic()
+        return current, since
 
     # ---- level 2: local collective --------------------------------------------------------
     def local_collective(self, torch_info: dict[str, Any]) -> dict[str, Any]:
@@ -439,7 +498,7 @@ class _Runner:
             for rank, device in enumerate(devices):
                 args = {"rank": rank, "world_size": len(devices), "master_addr": "127.0.0.1", "master_port": port,
                         "backend": backend, "device": device, "all_to_all": True, "size_mib": 4, "iters": 5}
-                workers.append(self._start("collective", args, env=env, deadline=deadline))
+                workers.append(self._start([("collective", args)], env=env, deadline=deadline))
         except OSError as exc:
             for w in workers:
                 w.kill()
@@ -485,7 +544,7 @@ class _Runner:
                 "size_mib": 4, "iters": 5}
         t0 = time.monotonic()
         try:
-            worker = self._start("collective", args, env=env)
+            worker = self._start([("collective", args)], env=env)
         except OSError as exc:
             return _result(name, NOT_RUN, time.monotonic() - t0, reason=f"could not start the test process: {exc}")
         try:
@@ -522,7 +581,7 @@ def _wait_all(workers: list[_Worker], why: str, *, grace_s: float = 2.0) -> None
         for i, w in enumerate(workers):
             if w.ended is None and w.proc.poll() is not None:
                 w.ended = now
-                if failed is None and not (w.outcome() or {}).get("ok"):
+                if failed is None and not w.all_ok():
                     failed, deadline = i, min(deadline, now + grace_s)
         running = [w for w in workers if w.ended is None]
         if not running:
@@ -556,7 +615,7 @@ def _is_loopback(addr: str) -> bool:
 
 
 # =======================================================================================
-# Worker side: each test, run in its own process
+# Worker side: the tests, run in worker processes
 # =======================================================================================
 def _emit(event: str, **fields: Any) -> None:
     sys.stdout.write(MARK + json.dumps({"event": event, **fields}, default=str) + "\n")
@@ -1085,19 +1144,26 @@ _WORKERS = {
 
 
 def _worker_main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] != "--worker" or argv[1] not in _WORKERS:
-        print(f"usage: python -m node_tools.diag --worker {{{','.join(_WORKERS)}}} ARGS.json", file=sys.stderr)
+    """``python -m node_tools.diag --worker ARGS.json``: run the tests listed in ARGS, in order."""
+    if len(argv) != 2 or argv[0] != "--worker":
+        print("usage: python -m node_tools.diag --worker ARGS.json", file=sys.stderr)
         return EXIT_USAGE
-    args = json.loads(Path(argv[2]).read_text(encoding="utf-8"))
+    args = json.loads(Path(argv[1]).read_text(encoding="utf-8"))
     # our own end, should the parent die before it can kill us: SIGALRM's default action ends the process
     remaining = float(args.get("deadline_unix", time.time() + 600)) - time.time()
     signal.setitimer(signal.ITIMER_REAL, max(0.5, remaining + WORKER_GRACE_S))
-    try:
-        result = _WORKERS[argv[1]](args)
-    except Exception as exc:
-        result = _done(False, {"traceback": traceback.format_exc(limit=6)[-2000:]},
-                       f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
-    _emit("result", **result)
+    common = {k: v for k, v in args.items() if k != "tests"}
+    for name, targs in args["tests"]:
+        _emit("start", test=name)
+        t0 = time.monotonic()
+        try:
+            if name not in _WORKERS:
+                raise ValueError(f"no diagnostic test is called {name!r}")
+            result = _WORKERS[name]({**common, **targs})
+        except Exception as exc:
+            result = _done(False, {"traceback": traceback.format_exc(limit=6)[-2000:]},
+                           f"{type(exc).__name__}: {' '.join(str(exc).split())[:400]}")
+        _emit("result", test=name, duration_s=round(time.monotonic() - t0, 3), **result)
     return 0
 
 

@@ -59,6 +59,8 @@ class JobSpec:
         entry: the training script, absolute or relative to the install directory.
         args: arguments for the training script.
         revision: the code revision the job runs (recorded, for rollback).
+        warm: run on this machine's parked warm interpreters (``tg-node standby park``)
+            instead of starting torchrun and its workers cold.
     """
 
     job: str
@@ -70,6 +72,7 @@ class JobSpec:
     entry: str = "examples/gpt3d/train.py"
     args: list[str] = field(default_factory=list)
     revision: str = ""
+    warm: bool = False
 
     def validate(self) -> None:
         check_job_name(self.job)
@@ -93,9 +96,15 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def job_pids(record: dict[str, Any] | None) -> list[int]:
+    """Every live process of the job: those started with its token, and warm interpreters serving it."""
     if not record or not record.get("token"):
         return []
-    return procs.pids_with_env("TG_JOB_TOKEN", record["token"])
+    pids = set(procs.pids_with_env("TG_JOB_TOKEN", record["token"]))
+    if record.get("standby_dir"):
+        from node_tools.standby import claimed_pids
+
+        pids.update(claimed_pids(Path(record["standby_dir"]), record["token"]))
+    return sorted(pids)
 
 
 def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
@@ -146,6 +155,24 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         env.setdefault("NCCL_SOCKET_IFNAME", cfg.iface)
     if cfg.fault_file:
         env["TG_FAULT_FILE"] = str(cfg.fault_file)
+    standby = None
+    if spec.warm:
+        from node_tools import standby as sb
+
+        standby = sb.standby_dir(cfg.workdir)
+        free = len(sb.free_slots(cfg.workdir))
+        if free < spec.nproc_per_node + 1:
+            raise TrainguardError(
+                f"machine {cfg.machine} has {free} warm interpreters, job {spec.job} needs "
+                f"{spec.nproc_per_node + 1} (ranks + torchrun); run 'tg-node standby park --nproc "
+                f"{spec.nproc_per_node}' first, or start it cold"
+            )
+        client = [sys.executable, sb.client_entry(), "client", "--dir", str(standby)]
+        # torchrun itself runs in a warm interpreter, and its workers are thin clients of the others
+        at = torchrun.index(str(entry))
+        torchrun = [*client, "--module", "torch.distributed.run", "--", *torchrun[3:at],
+                    sb.client_entry(), "client", "--dir", str(standby), str(entry), "--", *torchrun[at + 1:]]
+        env["TG_STANDBY_TOKEN"] = (sb.read_state(cfg.workdir) or {}).get("token", "")
     supervisor = [sys.executable, "-m", "node_tools.job", str(rd), "--", *torchrun]
     with open(rd / "supervisor.log", "ab") as log:
         proc = subprocess.Popen(
@@ -160,6 +187,7 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         "started_ts": time.time(),
         "machine": cfg.machine,
         "log_dir": str(log_dir),
+        "standby_dir": str(standby) if standby else None,
         "spec": asdict(spec),
         "command": torchrun,
     }

@@ -34,6 +34,8 @@ class JobPlan:
         master_port: rendezvous port on the first machine.
         entry: the training script, relative to the install directory.
         revision: code revision to record.
+        warm: names of machines that start their part on parked warm interpreters
+            (``tg-node standby activate``) instead of cold.
     """
 
     job: str
@@ -43,6 +45,7 @@ class JobPlan:
     master_port: int = 29500
     entry: str = DEFAULT_ENTRY
     revision: str = ""
+    warm: set[str] = field(default_factory=set)
 
     def validate(self) -> None:
         check_job_name(self.job)
@@ -59,8 +62,9 @@ class JobPlan:
     def start_argv(self, inv: Inventory, machine: Machine) -> list[str]:
         i = self.machines.index(machine)
         t = self.topology
+        command = ["standby", "activate"] if machine.name in self.warm else ["job", "start"]
         return [
-            inv.tg_node, "job", "start",
+            inv.tg_node, *command,
             "--job", self.job,
             "--nnodes", str(len(self.machines)),
             "--node-rank", str(i),

@@ -71,6 +71,11 @@ def test_gpu_check_finds_each_emulated_fault_once(tmp_path):
     assert kinds == ["gpu_ecc", "gpu_lost", "gpu_thermal", "gpu_xid", "gpu_xid"]  # Xid 79 and Xid 48
     again = sorted(f.kind for f in check.run(2))
     assert again == ["gpu_ecc", "gpu_lost", "gpu_thermal"]  # Xid events are reported once each
+    nv.reset()  # the event log is emptied; a new event after it is new, even at the same list length
+    assert check.run(3) == []
+    nv.inject("xid", {"gpu": 0, "xid": 31})
+    nv.inject("xid", {"gpu": 1, "xid": 43})
+    assert sorted(f.evidence["xid"] for f in check.run(4)) == [31, 43]
 
 
 # ---- NIC ------------------------------------------------------------------------------------
@@ -219,6 +224,16 @@ def test_hang_timeout_is_calibrated_from_observed_steps(tmp_path, fake_job):
     fake_job.step(0, 5, 2.0, ts=t0 + 3.0)
     slow = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0, factor=5.0, startup_s=120))
     assert slow.run(time.time()) == []
+
+
+def test_a_one_off_stall_does_not_inflate_the_hang_timeout(tmp_path, fake_job):
+    t = time.time() - 1000
+    fake_job.rank(0, progress_age=4.0)
+    for s in range(30):
+        t += 30.0 if s == 10 else 0.2  # one 30 s stall (an earlier fault) among 0.2 s steps
+        fake_job.step(0, s, 2.0, ts=t)
+    (f,) = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0)).run(time.time())
+    assert f.kind == "rank_hang" and f.evidence["timeout_s"] == pytest.approx(3.0)
 
 
 def test_nan_and_spikes(tmp_path, fake_job):

@@ -95,7 +95,7 @@ def test_level_2_healthy_within_a_minute_with_bandwidths(node):
     assert code == 0 and report["healthy"], report["reasons"]
     assert took < 60 and report["duration_s"] < 60
     tests = by_name(report)
-    assert set(tests) == {"workdir", "checks", "gpu", "torch", "compute", "memory", "collective_local", "disk"}
+    assert list(tests) == ["workdir", "checks", "gpu", "torch", "compute", "memory", "disk", "collective_local"]
     compute = tests["compute"]["details"]["devices"][0]
     assert compute["device"] == "cpu" and compute["wrong"] == 0 and compute["results"] >= 6
     assert tests["memory"]["details"]["gbps"] > 0
@@ -180,6 +180,27 @@ def test_a_test_past_its_timeout_is_killed_with_its_process(node, monkeypatch):
     assert all(w.proc.returncode is not None for w in started)  # reaped: nothing left running
 
 
+def test_a_batch_goes_on_in_a_fresh_process_after_a_test_times_out(tmp_path, node, monkeypatch):
+    started: list[d._Worker] = []
+    real_init = d._Worker.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        started.append(self)
+
+    monkeypatch.setattr(d._Worker, "__init__", spy)
+    runner = d._Runner(node, tmp_path, timeout_s=3, seed=0)
+    # a rank whose peer never comes blocks in its rendezvous past the test's timeout
+    hanging = {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1", "master_port": free_port(),
+               "backend": "gloo", "device": "cpu"}
+    t0 = time.monotonic()
+    workdir, collective, gpu = runner.batch([("workdir", {}), ("collective", hanging), ("gpu", {})])
+    assert time.monotonic() - t0 < 3 * 3
+    assert workdir["ok"] and gpu["ok"], (workdir, gpu)
+    assert not collective["ok"] and collective["reason"] == "did not finish within 3 s; killed"
+    assert len(started) == 2 and all(w.proc.returncode is not None for w in started)
+
+
 def test_disk_errors_carry_the_errno(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
@@ -210,15 +231,15 @@ def test_a_failed_rank_stops_its_waiting_peers(tmp_path):
     cfg = NodeConfig(machine="m", workdir=blocker / "sub", install_dir=tmp_path)
     runner = d._Runner(cfg, tmp_path, timeout_s=30, seed=0)
     t0 = time.monotonic()
-    failing = runner._start("workdir", {})
-    waiting = runner._start("collective", {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1",
-                                           "master_port": free_port(), "backend": "gloo", "device": "cpu"})
+    failing = runner._start([("workdir", {})])
+    waiting = runner._start([("collective", {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1",
+                                             "master_port": free_port(), "backend": "gloo", "device": "cpu"})])
     try:
         d._wait_all([failing, waiting], "rank {} failed")
     finally:
         waiting.kill()
     assert time.monotonic() - t0 < 15
-    assert runner._judge("rank 0", failing)["reason"].startswith("write/read in")
+    assert runner._judge("rank 0", failing, "workdir")["reason"].startswith("write/read in")
     assert runner._judge("rank 1", waiting)["reason"] == "stopped: rank 0 failed"
 
 

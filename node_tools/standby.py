@@ -1,0 +1,402 @@
+"""Warm standby: a parked machine whose Python processes have already done the slow part.
+
+A cold start of a job on a machine costs an interpreter start and ``import torch``
+for the torchrun agent and for every rank (seconds each; on a 2-core machine
+the imports of 3 processes take longer than the first training step). A
+parked standby keeps ``nproc + 1`` *warm interpreters*: processes that have
+imported torch, torch.distributed and the job's own modules and then wait on a
+unix socket.
+
+Activation runs the job exactly as ``tg-node job start`` does, with torchrun
+and its static rendezvous, but nothing is imported again:
+
+* the job's supervisor starts a thin client (stdlib only, milliseconds) that hands
+  one warm interpreter the torchrun command line, its environment and its
+  stdin/stdout/stderr (file descriptors passed over the socket);
+* that interpreter runs torchrun in-process (``runpy`` of torch.distributed.run);
+  torchrun starts its workers as thin clients too (this file is the training
+  script it is given), each handing its environment (RANK, LOCAL_RANK,
+  MASTER_ADDR ... as torchrun set them) and its log files to another warm
+  interpreter, which runs the real training script with ``runpy``.
+
+A client stays until its interpreter ends and mirrors how it ended: the same
+exit code, or death by the same signal; a signal to the client (torchrun's
+SIGTERM to its workers) is passed on. So torchrun, the supervisor, the agent's
+checks, stacks and fault injection see what they see in a cold start, except that
+a rank's pid is its warm interpreter's.
+
+Layout: ``<workdir>/standby/`` holds ``standby.json`` (state, token, slots) and
+one ``slot<N>.sock`` / ``slot<N>.ready`` / ``slot<N>.log`` per interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import contextlib
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "standby.json"
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.optim", "numpy")
+MAX_MSG = 1 << 20
+
+
+def standby_dir(workdir: Path) -> Path:
+    return Path(workdir) / "standby"
+
+
+# ---------------------------------------------------------------------------------------
+# Wire format: a 4-byte length, then JSON; file descriptors ride along with the first message.
+# ---------------------------------------------------------------------------------------
+def _send(sock: socket.socket, doc: dict[str, Any], fds: list[int] | None = None) -> None:
+    body = json.dumps(doc).encode()
+    data = struct.pack("!I", len(body)) + body
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.sendall(data)
+
+
+def _recv(sock: socket.socket, *, with_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+    fds: list[int] = []
+    if with_fds:
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 4, with_fds)
+        head = msg
+    else:
+        head = sock.recv(4)
+    while head and len(head) < 4:
+        more = sock.recv(4 - len(head))
+        if not more:
+            break
+        head += more
+    if len(head) < 4:
+        return None, fds
+    (size,) = struct.unpack("!I", head)
+    if size > MAX_MSG:
+        raise ValueError(f"message of {size} bytes is too large")
+    body = b""
+    while len(body) < size:
+        chunk = sock.recv(size - len(body))
+        if not chunk:
+            return None, fds
+        body += chunk
+    return json.loads(body), fds
+
+
+# ---------------------------------------------------------------------------------------
+# The warm interpreter
+# ---------------------------------------------------------------------------------------
+def _preload(extra: list[str]) -> list[str]:
+    import importlib
+
+    loaded = []
+    for name in (*PRELOAD, *extra):
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+            loaded.append(name)
+    return loaded
+
+
+def serve(slot_dir: Path, slot: int, preload: list[str]) -> int:
+    """Import, then wait for one piece of work on ``slot<N>.sock``; run it; exit as it did."""
+    sock_path = slot_dir / f"slot{slot}.sock"
+    sock_path.unlink(missing_ok=True)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(sock_path))
+    server.listen(1)
+    started = time.monotonic()
+    loaded = _preload(preload)
+    warm_s = time.monotonic() - started
+    ready = slot_dir / f"slot{slot}.ready"
+    ready.write_text(json.dumps({"pid": os.getpid(), "warm_s": warm_s, "preloaded": loaded}))
+    conn, _ = server.accept()
+    server.close()
+    sock_path.unlink(missing_ok=True)
+    ready.unlink(missing_ok=True)
+    work, fds = _recv(conn, with_fds=3)
+    if work is None or len(fds) != 3:
+        return 2
+    for target, fd in zip((0, 1, 2), fds, strict=True):
+        os.dup2(fd, target)
+        os.close(fd)
+    _send(conn, {"pid": os.getpid()})
+    code = _run_work(work)
+    with contextlib.suppress(OSError):
+        _send(conn, {"exit": code})
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_work(work: dict[str, Any]) -> int:
+    import runpy
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(work["env"])
+    with contextlib.suppress(OSError):
+        os.chdir(work["cwd"])
+    # a fresh stdout/stderr on the received descriptors (line buffered, as python -u would)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's stdout from now on
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.argv = [work["target"], *work["argv"]]
+    try:
+        if work["kind"] == "module":
+            import importlib
+
+            module = importlib.import_module(work["target"])
+            if callable(getattr(module, "main", None)):
+                module.main()  # preloaded: run its entry point instead of executing it a second time
+            else:
+                runpy.run_module(work["target"], run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, str(Path(work["target"]).resolve().parent))
+            runpy.run_path(work["target"], run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------------
+# The thin client
+# ---------------------------------------------------------------------------------------
+def _claim_slot(slot_dir: Path, token: str) -> tuple[socket.socket, Path]:
+    """Connect to a free warm interpreter of this standby (the socket disappears once claimed)."""
+    for ready in sorted(slot_dir.glob("slot*.ready")):
+        sock_path = ready.with_suffix(".sock")
+        claim = ready.with_suffix(".claim")
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY)  # one client per slot
+        except FileExistsError:
+            continue
+        os.write(fd, f"{os.getpid()} {token}".encode())
+        os.close(fd)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(sock_path))
+            return sock, claim
+        except OSError:
+            sock.close()
+            continue
+    raise RuntimeError(f"no free warm interpreter left in {slot_dir}")
+
+
+def client(slot_dir: Path, kind: str, target: str, argv: list[str]) -> int:
+    """Hand ``target argv`` with this process's environment and stdio to a warm interpreter; end as it ends."""
+    token = os.environ.get("TG_STANDBY_TOKEN", "")
+    sock, claim = _claim_slot(slot_dir, token)
+    work = {"kind": kind, "target": target, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    _send(sock, work, fds=[0, 1, 2])
+    hello, _ = _recv(sock)
+    if not hello:
+        return 2
+    pid = int(hello["pid"])
+    # record which interpreter serves which job, so the job's processes can be found and stopped
+    claim.write_text(json.dumps({"client_pid": os.getpid(), "pid": pid, "job_token": os.environ.get("TG_JOB_TOKEN", ""),
+                                 "kind": kind, "target": target}))
+
+    def forward(signum: int, _frame: Any) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, forward)
+    try:
+        done, _ = _recv(sock)
+    except OSError:
+        done = None
+    if done and "exit" in done:
+        return int(done["exit"])
+    # the interpreter died without saying how (killed): die the same way, so torchrun sees a signal death
+    os.kill(os.getpid(), signal.SIGKILL)
+    return 137  # not reached
+
+
+# ---------------------------------------------------------------------------------------
+# park / activate / status on a machine
+# ---------------------------------------------------------------------------------------
+def read_state(workdir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((standby_dir(workdir) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_state(workdir: Path, state: dict[str, Any]) -> None:
+    from node_tools.monitor import write_json_atomic
+
+    write_json_atomic(standby_dir(workdir) / STATE_FILE, state)
+
+
+def claimed_pids(slot_dir: Path, job_token: str) -> list[int]:
+    """Warm interpreters serving the job with ``job_token`` (its torchrun agent and ranks), alive."""
+    from node_tools import procs
+
+    pids = []
+    for claim in Path(slot_dir).glob("slot*.claim"):
+        try:
+            doc = json.loads(claim.read_text())
+        except (OSError, ValueError):
+            continue
+        if doc.get("job_token") == job_token and procs.alive(int(doc.get("pid", 0))):
+            pids.append(int(doc["pid"]))
+    return sorted(pids)
+
+
+def free_slots(workdir: Path) -> list[dict[str, Any]]:
+    """Warm interpreters that are alive and unclaimed."""
+    from node_tools import procs
+
+    out = []
+    for ready in sorted(standby_dir(workdir).glob("slot*.ready")):
+        try:
+            info = json.loads(ready.read_text())
+        except (OSError, ValueError):
+            continue
+        if procs.alive(int(info["pid"])) and not ready.with_suffix(".claim").exists():
+            out.append(info | {"slot": ready.stem})
+    return out
+
+
+def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: float = 180.0) -> dict[str, Any]:
+    """Start warm interpreters until ``nproc + 1`` are free (ranks + the torchrun agent). Idempotent."""
+    from node_tools import procs
+    from node_tools.errors import TrainguardError
+
+    if nproc < 1:
+        raise TrainguardError(f"standby park: --nproc {nproc} must be >= 1")
+    d = standby_dir(cfg.workdir)
+    d.mkdir(parents=True, exist_ok=True)
+    state = read_state(cfg.workdir) or {}
+    token = state.get("token") or uuid.uuid4().hex
+    want = nproc + 1
+    started = time.monotonic()
+    have = free_slots(cfg.workdir)
+    new_pids = []
+    for path in d.glob("slot*.claim"):  # claims of interpreters that are gone
+        ready = path.with_suffix(".ready")
+        if not ready.exists():
+            path.unlink(missing_ok=True)
+    next_slot = 1 + max([int(p.stem[4:]) for p in d.glob("slot*.*") if p.stem[4:].isdigit()] or [-1])
+    modules = list(preload if preload is not None else ["examples.gpt3d.model", "examples.gpt3d.data",
+                                                         "node_tools.monitor"])
+    env = dict(os.environ, TG_STANDBY_TOKEN=token, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(cfg.install_dir), os.environ.get("PYTHONPATH", "")])), OMP_NUM_THREADS="1")
+    for i in range(max(0, want - len(have))):
+        slot = next_slot + i
+        with open(d / f"slot{slot}.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "node_tools.standby", "serve", "--dir", str(d), "--slot", str(slot),
+                 "--preload", ",".join(modules)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                cwd=str(cfg.install_dir), env=env,
+            )
+        new_pids.append(proc.pid)
+    deadline = time.monotonic() + timeout_s
+    while len(free_slots(cfg.workdir)) < want:
+        if time.monotonic() > deadline:
+            procs.terminate(new_pids, grace_s=2)
+            raise TrainguardError(f"machine {cfg.machine}: standby interpreters not warm after {timeout_s:.0f}s; "
+                                  f"see {d}/slot*.log")
+        dead = [p for p in new_pids if not procs.alive(p)]
+        if dead:
+            procs.terminate(new_pids, grace_s=2)
+            raise TrainguardError(f"machine {cfg.machine}: a standby interpreter exited while warming; "
+                                  f"see {d}/slot*.log")
+        time.sleep(0.05)
+    slots = free_slots(cfg.workdir)
+    state = {"state": "parked", "token": token, "nproc": nproc, "parked_ts": time.time(),
+             "park_s": round(time.monotonic() - started, 3), "slots": slots}
+    _write_state(cfg.workdir, state)
+    return {"machine": cfg.machine, **state, "started": len(new_pids)}
+
+
+def unpark(cfg: Any) -> dict[str, Any]:
+    """End every warm interpreter of this machine (a no-op when none is parked)."""
+    from node_tools import procs
+
+    state = read_state(cfg.workdir) or {}
+    pids = procs.pids_with_env("TG_STANDBY_TOKEN", state["token"]) if state.get("token") else []
+    ended = procs.terminate(pids, grace_s=3) if pids else []
+    d = standby_dir(cfg.workdir)
+    for pattern in ("slot*.sock", "slot*.ready", "slot*.claim"):
+        for p in d.glob(pattern):
+            p.unlink(missing_ok=True)
+    if state:
+        _write_state(cfg.workdir, {"state": "empty", "token": state.get("token")})
+    return {"machine": cfg.machine, "state": "empty", "ended_pids": ended}
+
+
+def status(cfg: Any) -> dict[str, Any]:
+    """``parked`` (enough free warm interpreters for its nproc), ``in_use`` (a job runs on them), or ``empty``."""
+    state = read_state(cfg.workdir) or {}
+    free = free_slots(cfg.workdir)
+    nproc = state.get("nproc")
+    busy = []
+    for claim in standby_dir(cfg.workdir).glob("slot*.claim"):
+        try:
+            doc = json.loads(claim.read_text())
+        except (OSError, ValueError):
+            continue
+        from node_tools import procs
+
+        if procs.alive(int(doc.get("pid", 0))):
+            busy.append(doc)
+    if nproc and len(free) >= nproc + 1:
+        name = "parked"
+    elif busy:
+        name = "in_use"
+    else:
+        name = "empty"
+    return {"machine": cfg.machine, "state": name, "nproc": nproc, "free_slots": len(free), "slots": free,
+            "in_use": busy, "token": state.get("token")}
+
+
+def client_entry() -> str:
+    """The path of this module, as torchrun's entry point for warm workers (``--no-python``)."""
+    return str(Path(__file__).resolve())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="node_tools.standby")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sv = sub.add_parser("serve")
+    sv.add_argument("--dir", type=Path, required=True)
+    sv.add_argument("--slot", type=int, required=True)
+    sv.add_argument("--preload", default="")
+    cl = sub.add_parser("client")
+    cl.add_argument("--dir", type=Path, required=True)
+    cl.add_argument("--module", action="store_true", help="target is a module (python -m)")
+    cl.add_argument("target")
+    cl.add_argument("argv", nargs=argparse.REMAINDER)
+    ns = ap.parse_args(argv)
+    if ns.cmd == "serve":
+        return serve(ns.dir, ns.slot, [m for m in ns.preload.split(",") if m])
+    rest = ns.argv[1:] if ns.argv[:1] == ["--"] else ns.argv
+    return client(ns.dir, "module" if ns.module else "path", ns.target, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Warm standby on one machine: park, activate a real torchrun job on warm interpreters, stop, crash."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from node_tools import job, monitor, procs, standby
+from node_tools.config import NodeConfig
+from node_tools.errors import TrainguardError
+from tests.conftest import free_port, wait_until
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def node(tmp_path):
+    cfg = NodeConfig(machine="w1", workdir=tmp_path / "disk", install_dir=REPO, fault_file=tmp_path / "faults.json")
+    cfg.workdir.mkdir()
+    yield cfg
+    for name in ("warm", "crash"):
+        job.stop(cfg, name, grace_s=2)
+    standby.unpark(cfg)
+    token = (standby.read_state(cfg.workdir) or {}).get("token")
+    if token:
+        assert procs.pids_with_env("TG_STANDBY_TOKEN", token) == []
+
+
+def spec(name: str, *, steps: int = 0) -> job.JobSpec:
+    return job.JobSpec(job=name, nnodes=1, node_rank=0, nproc_per_node=2, master_addr="127.0.0.1",
+                       master_port=free_port(), args=["--tp", "2", "--pp", "1", "--dp", "1", "--steps", str(steps)],
+                       warm=True)
+
+
+def warm_pids(cfg) -> set[int]:
+    return {s["pid"] for s in standby.free_slots(cfg.workdir)}
+
+
+def test_park_is_idempotent_and_activation_runs_torchrun_on_warm_interpreters(node):
+    parked = standby.park(node, nproc=2)
+    assert parked["state"] == "parked" and len(parked["slots"]) == 3 and parked["started"] == 3
+    assert all("torch" in s["preloaded"] for s in parked["slots"])
+    again = standby.park(node, nproc=2)
+    assert again["started"] == 0 and standby.status(node)["state"] == "parked"
+    interpreters = warm_pids(node)
+
+    job.start(node, spec("warm", steps=4))
+    rd = job.run_dir(node, "warm")
+    wait_until(lambda: (rd / "exit.json").exists(), timeout=120, what="the warm job to finish")
+    assert json.loads((rd / "exit.json").read_text())["returncode"] == 0
+    # the ranks ran in the warm interpreters, and finished their steps
+    for r in (0, 1):
+        assert monitor.read_heartbeat(rd, r)["pid"] in interpreters
+        assert [s["step"] for s in monitor.read_steps(rd, r)] == [0, 1, 2, 3]
+    # torchrun's report and the ranks' logs land where a cold start puts them
+    assert (rd / "supervisor.log").exists()
+    assert any("step 3" in p.read_text() for p in rd.glob("logs/inc0/*/attempt_0/*/stdout.log"))
+    assert standby.status(node)["state"] == "empty"  # used up
+
+
+def test_activation_needs_a_parked_machine(node):
+    with pytest.raises(TrainguardError, match="has 0 warm interpreters, job warm needs 3"):
+        job.start(node, spec("warm"))
+
+
+def test_stop_ends_every_warm_process_of_the_job(node):
+    standby.park(node, nproc=2)
+    job.start(node, spec("warm"))
+    rd = job.run_dir(node, "warm")
+    wait_until(lambda: all(monitor.read_steps(rd, r) for r in (0, 1)), timeout=120, what="both ranks to step")
+    record = json.loads((rd / "job.json").read_text())
+    running = job.job_pids(record)
+    assert len(running) >= 2 + 3  # supervisor + clients, and the warm torchrun and ranks
+    job.stop(node, "warm", grace_s=5)
+    assert job.job_pids(record) == []
+    assert all(not procs.alive(p) for p in running)
+
+
+def test_a_killed_warm_rank_fails_the_job_like_a_cold_one(node):
+    standby.park(node, nproc=2)
+    job.start(node, spec("crash"))
+    rd = job.run_dir(node, "crash")
+    wait_until(lambda: all(monitor.read_steps(rd, r) for r in (0, 1)), timeout=120, what="both ranks to step")
+    victim = monitor.read_heartbeat(rd, 1)["pid"]
+    import os
+
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: (rd / "exit.json").exists(), timeout=60, what="the job to end")
+    assert json.loads((rd / "exit.json").read_text())["returncode"] != 0
+    # torchrun saw its worker die by the signal, as it would in a cold start
+    assert "Signal 9 (SIGKILL)" in (rd / "supervisor.log").read_text()
