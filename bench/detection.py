@@ -22,13 +22,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.foundation import machine_info, summarize
+from bench.common import summarize, write_result
 from node_tools import cluster, inject, launcher, monitor
 from node_tools.alerts import Alert
 from node_tools.bus import BusReader, open_bus
@@ -221,12 +220,8 @@ def main() -> int:
     metrics["false_alerts_per_hour"] = {"median": round(quiet["false_alerts"] / quiet["hours"], 2), "p90": None,
                                         "n": 1, "unit": "alerts/h", "target": 0,
                                         "observed_s": round(quiet["hours"] * 3600, 1), "kinds": quiet["kinds"]}
-    doc = {"name": "detection", "when": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "quick": bool(args.quick),
-           "machine": machine_info(), "setup": {"cluster": "6 machines, 4 active", "trials": trials,
-                                                 "quiet_s": quiet_s}, "metrics": metrics}
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        args.out.write_text(text + "\n")
+    text = write_result("detection", quick=bool(args.quick), out=args.out, metrics=metrics,
+                        setup={"cluster": "6 machines, 4 active", "trials": trials, "quiet_s": quiet_s})
     print(text)
     return 1 if b.missed else 0
 

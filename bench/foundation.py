@@ -16,41 +16,20 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import summarize, write_result
 from node_tools import cluster, launcher, monitor
 from node_tools.topology import Topology
 from node_tools.transport import transport_for
 
 SPEC = cluster.ClusterSpec(name="tgb", machines=6, standbys=2, subnet="10.213.11.0/24", disk_mb=64, gpus=8)
-
-
-def machine_info() -> dict:
-    mem = 0
-    try:
-        with open("/proc/meminfo") as fh:
-            mem = int(fh.readline().split()[1]) / 2**20
-    except OSError:
-        pass
-    return {"cores": os.cpu_count(), "memory_gib": round(mem, 1), "gpu": None, "python": platform.python_version()}
-
-
-def summarize(values: list[float], unit: str, target: float | None = None) -> dict:
-    ordered = sorted(values)
-    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
-    out = {"median": round(statistics.median(ordered), 4), "p90": round(p90, 4), "min": round(ordered[0], 4),
-           "max": round(ordered[-1], 4), "n": len(ordered), "unit": unit}
-    if target is not None:
-        out["target"] = target
-    return out
 
 
 def trial(state_dir: Path, steps: int, port: int) -> dict:
@@ -130,19 +109,9 @@ def main() -> int:
                     "step_time_s", "step_wall_s")
     }
     metrics["loss_ratio_last_first"] = summarize([r["loss_last"] / r["loss_first"] for r in results], "ratio")
-    doc = {
-        "name": "foundation",
-        "when": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "quick": bool(args.quick),
-        "machine": machine_info(),
-        "setup": {"machines": SPEC.machines, "standbys": SPEC.standbys, "topology": "tp=2,pp=2,dp=2",
-                  "ranks": 8, "steps": steps, "trials": trials},
-        "metrics": metrics,
-    }
-    text = json.dumps(doc, indent=2)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    text = write_result("foundation", quick=bool(args.quick), out=args.out, metrics=metrics, setup={
+        "machines": SPEC.machines, "standbys": SPEC.standbys, "topology": "tp=2,pp=2,dp=2", "ranks": 8,
+        "steps": steps, "trials": trials})
     print(text)
     return 0
 

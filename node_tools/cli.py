@@ -48,6 +48,7 @@ def _job_start_args(js: argparse.ArgumentParser) -> None:
     js.add_argument("--master-port", type=int, required=True)
     js.add_argument("--entry", default="examples/gpt3d/train.py")
     js.add_argument("--revision", default="")
+    js.add_argument("--checkpoint", default="", help="checkpoint location for the job (TG_CHECKPOINT)")
     js.add_argument("args", nargs=argparse.REMAINDER)
 
 
@@ -58,7 +59,7 @@ def _job_spec(ns: argparse.Namespace, *, warm: bool) -> Any:
     return job.JobSpec(
         job=ns.job, nnodes=ns.nnodes, node_rank=ns.node_rank, nproc_per_node=ns.nproc_per_node,
         master_addr=ns.master_addr, master_port=ns.master_port, entry=ns.entry, args=args,
-        revision=ns.revision, warm=warm,
+        revision=ns.revision, checkpoint=ns.checkpoint, warm=warm,
     )
 
 

@@ -59,6 +59,8 @@ class JobSpec:
         entry: the training script, absolute or relative to the install directory.
         args: arguments for the training script.
         revision: the code revision the job runs (recorded, for rollback).
+        checkpoint: where the job restores from and saves to (a path or URL), handed to it
+            as ``TG_CHECKPOINT``; "" lets the job decide.
         warm: run on this machine's parked warm interpreters (``tg-node standby park``)
             instead of starting torchrun and its workers cold.
     """
@@ -72,6 +74,7 @@ class JobSpec:
     entry: str = "examples/gpt3d/train.py"
     args: list[str] = field(default_factory=list)
     revision: str = ""
+    checkpoint: str = ""
     warm: bool = False
 
     def validate(self) -> None:
@@ -146,6 +149,7 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         "TG_RUN_DIR": str(rd),
         "TG_MACHINE": cfg.machine,
         "TG_REVISION": spec.revision,
+        "TG_CHECKPOINT": spec.checkpoint,
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(cfg.install_dir), env.get("PYTHONPATH", "")])),

@@ -34,6 +34,7 @@ class JobPlan:
         master_port: rendezvous port on the first machine.
         entry: the training script, relative to the install directory.
         revision: code revision to record.
+        checkpoint: checkpoint location handed to every machine's part of the job.
         warm: names of machines that start their part on parked warm interpreters
             (``tg-node standby activate``) instead of cold.
     """
@@ -45,6 +46,7 @@ class JobPlan:
     master_port: int = 29500
     entry: str = DEFAULT_ENTRY
     revision: str = ""
+    checkpoint: str = ""
     warm: set[str] = field(default_factory=set)
 
     def validate(self) -> None:
@@ -73,6 +75,7 @@ class JobPlan:
             "--master-port", str(self.master_port),
             "--entry", self.entry,
             "--revision", self.revision,
+            "--checkpoint", self.checkpoint,
             "--",
             "--tp", str(t.tp), "--pp", str(t.pp), "--dp", str(t.dp),
             *self.train_args,

@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import Any
 
 STATE_FILE = "standby.json"
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.optim", "numpy")
+# torch._dynamo: building any torch.optim optimizer imports it (about a CPU-second)
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.run", "torch.optim", "torch._dynamo", "numpy")
 MAX_MSG = 1 << 20
 
 
@@ -300,8 +301,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
         if not ready.exists():
             path.unlink(missing_ok=True)
     next_slot = 1 + max([int(p.stem[4:]) for p in d.glob("slot*.*") if p.stem[4:].isdigit()] or [-1])
-    modules = list(preload if preload is not None else ["examples.gpt3d.model", "examples.gpt3d.data",
-                                                         "node_tools.monitor"])
+    modules = list(preload if preload is not None else ["examples.gpt3d.train", "node_tools.monitor"])
     env = dict(os.environ, TG_STANDBY_TOKEN=token, PYTHONPATH=os.pathsep.join(
         filter(None, [str(cfg.install_dir), os.environ.get("PYTHONPATH", "")])), OMP_NUM_THREADS="1")
     for i in range(max(0, want - len(have))):

@@ -122,3 +122,27 @@ def test_a_parked_standby_joins_a_3d_job_warm(ns_cluster: Inventory):
     finally:
         launcher.stop(ns_cluster, plan.job, plan.machines, grace_s=3)
         _tg(ns_cluster, [m4], "standby", "unpark")
+
+
+def test_a_killed_agent_is_restarted_by_its_supervisor(ns_cluster: Inventory):
+    import json
+    import os
+    import signal
+    from pathlib import Path
+
+    from node_tools import procs
+    from tests.conftest import wait_until
+
+    status = Path(ns_cluster.machine("m5").extra["machine_dir"]) / "agent" / "status.json"
+
+    def agent_pid():
+        try:
+            return json.loads(status.read_text())["pid"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    old = wait_until(agent_pid, timeout=30, what="the agent's status")
+    os.kill(old, signal.SIGKILL)
+    new = wait_until(lambda: agent_pid() not in (None, old) and agent_pid(), timeout=60,
+                     what="a restarted agent writing its status")
+    assert procs.alive(new) and not procs.alive(old)

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from examples.gpt3d.data import MarkovData
 from examples.gpt3d.model import GPTConfig, Stage, TPComm, full_parameter_count
@@ -303,6 +304,7 @@ class Trainer:
                 time.sleep(self.args.step_delay_s)
 
 
+@record  # torchrun then names the rank that failed first, with its traceback, in its report
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     env = os.environ
