@@ -208,6 +208,9 @@ def clear_on_node(cfg: NodeConfig, kind_name: str | None = None) -> dict[str, An
         (cfg.workdir / DISK_FILLER).unlink(missing_ok=True)
     if kinds & set(GPU_FAULTS) and cfg.nvml_backend == "emulated" and cfg.nvml_state is not None:
         EmulatedNvml(cfg.nvml_state, machine=cfg.machine, gpus=cfg.gpus).reset()
+        if cfg.kmsg_path and str(cfg.kmsg_path) != "/dev/kmsg" and cfg.kmsg_path.exists():
+            # the repair (a driver reload or reboot) empties the kernel's ring buffer; so does ours
+            cfg.kmsg_path.write_text("")
     control = faults.read_control(cfg.fault_file)
     faults.write_control(cfg.fault_file, [f for f in control if f["kind"] not in kinds])
     _write_ledger(cfg, keep)

@@ -84,3 +84,20 @@ def test_missing_nvml_is_exit_2_and_the_agent_runs_without_gpu_checks(tmp_path, 
     code, doc = run(capsys, "agent", "--once")
     assert code == 0 and "gpu" not in doc["checks"]
     assert any(n.startswith("gpu:") and "8 GPUs expected" not in n for n in doc["notes"])
+
+
+def test_clearing_a_gpu_fault_empties_the_emulated_kernel_log(tmp_path, monkeypatch, capsys):
+    cfg = NodeConfig(machine="k1", workdir=tmp_path / "disk", install_dir=tmp_path, gpus=2, nvml_backend="emulated",
+                     nvml_state=tmp_path / "nvml.json", fault_file=tmp_path / "faults.json",
+                     kmsg_path=tmp_path / "kmsg")
+    cfg.workdir.mkdir()
+    (tmp_path / "kmsg").write_text("")
+    cfg.save(tmp_path / "node.json")
+    monkeypatch.setenv("TG_NODE_CONFIG", str(tmp_path / "node.json"))
+    assert run(capsys, "fault", "inject", "--kind", "xid")[0] == 0
+    assert "NVRM: Xid" in (tmp_path / "kmsg").read_text()
+    code, report = run(capsys, "check", "host")
+    assert code == 1 and [f["kind"] for f in report["findings"]] == ["kernel_xid"]
+    assert run(capsys, "fault", "clear")[0] == 0
+    assert (tmp_path / "kmsg").read_text() == ""
+    assert run(capsys, "check", "all")[0] == 0
