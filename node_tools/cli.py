@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         code, document = run(args)
     except TrainguardError as exc:
         code, document = exc.exit_code, {"error": str(exc)}
+    except OSError as exc:  # a full or read-only disk, a vanished file: say so on one line
+        where = f" ({exc.filename})" if exc.filename else ""
+        code, document = EXIT_USAGE, {"error": f"{exc.strerror or exc}{where}"}
     except KeyboardInterrupt:
         code, document = EXIT_USAGE, {"error": "interrupted"}
     json.dump(document, sys.stdout, indent=None, separators=(",", ":"), default=str)

@@ -208,11 +208,17 @@ def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0) -> dict[str, Any]:
     rd = run_dir(cfg, job)
     record = _read_json(rd / "job.json")
     pids = job_pids(record)
+    marked = True
     if record and pids:
-        # tell the agent first: ranks ended on purpose are not failures
-        monitor.write_json_atomic(rd / "job.json", record | {"stop_requested_ts": time.time()})
+        # tell the agent first: ranks ended on purpose are not failures (best effort: a full disk must not
+        # keep the job running)
+        try:
+            monitor.write_json_atomic(rd / "job.json", record | {"stop_requested_ts": time.time()})
+        except OSError:
+            marked = False
     signalled = procs.terminate(pids, grace_s=grace_s) if pids else []
-    return {"job": job, "machine": cfg.machine, "stopped_pids": signalled, "state": _state(record)}
+    return {"job": job, "machine": cfg.machine, "stopped_pids": signalled, "state": _state(record),
+            "marked_stopped": marked}
 
 
 def _state(record: dict[str, Any] | None) -> str:

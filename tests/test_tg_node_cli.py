@@ -101,3 +101,14 @@ def test_clearing_a_gpu_fault_empties_the_emulated_kernel_log(tmp_path, monkeypa
     assert run(capsys, "fault", "clear")[0] == 0
     assert (tmp_path / "kmsg").read_text() == ""
     assert run(capsys, "check", "all")[0] == 0
+
+
+def test_os_errors_are_one_line_json(node, capsys, monkeypatch):
+    from node_tools import job
+
+    def full(*_a, **_k):
+        raise OSError(28, "No space left on device", "/disk/jobs/x/job.json")
+
+    monkeypatch.setattr(job, "status", full)
+    code, doc = run(capsys, "job", "status", "--job", "x")
+    assert code == 2 and doc["error"] == "No space left on device (/disk/jobs/x/job.json)"
