@@ -1,3 +1,22 @@
-"""trainguard checkpoint library: per-step asynchronous snapshots, tiered and
-replicated across parallel groups, with manifests and verification.
+"""trainguard checkpoint library: per-step asynchronous snapshots, tiered and replicated across parallel
+groups, with manifests and verification.
+
+Guarantees (details in each module):
+
+* a training step blocks only for copying its state into a pre-allocated CPU buffer; when the background
+  falls behind, the step's snapshot is skipped and recorded, never waited for (:mod:`checkpoint.engine`);
+* every copy appears whole or not at all, as safetensors files plus a JSON manifest with per-file sizes
+  and sha256 and every tensor's name, dtype and shape; nothing is pickled (:mod:`checkpoint.layout`,
+  :mod:`checkpoint.shards`, :mod:`checkpoint.manifest`);
+* each rank's snapshot also lives on a backup rank that shares none of its TP/PP/DP groups, on another
+  machine, sent over gloo groups of the checkpoint's own (:mod:`checkpoint.wire`), and every K steps or
+  on request in S3 (:mod:`checkpoint.s3`);
+* restore takes the newest step every rank can get - own disk, then the replica holder, then S3 - and
+  never a copy that fails verification; a bad copy is reported with machine, rank, step, tier and path
+  and the next copy or an older step is used (:mod:`checkpoint.plan`, :mod:`checkpoint.engine`);
+* :mod:`checkpoint.verify` holds the plain functions the control plane calls on a checkpoint directory or
+  S3 prefix (checksums, tensors, finite values, metrics with great-expectations) and marks verified steps.
+
+Importing this package imports nothing heavy; ``checkpoint.verify`` imports torch, safetensors and
+great-expectations only inside the functions that need them.
 """

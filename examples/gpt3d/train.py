@@ -25,6 +25,19 @@ so a replica whose parameters drifted (silent data corruption) shows at once.
 Every collective and point-to-point transfer goes through the trainguard
 monitor hook (:class:`node_tools.monitor.JobMonitor`), which keeps each rank's
 heartbeat and per-step records and applies the emulated cluster's in-job faults.
+
+Checkpoints (:mod:`checkpoint`): with ``--checkpoint`` (off by default), every
+``--checkpoint-every`` steps each rank snapshots its parameters, optimizer
+state, RNG and data position (the step) into a CPU buffer; the background
+writes it to the machine's disk (``--checkpoint-dir``, default ``TG_CHECKPOINT``
+or ``<TG_RUN_DIR>/checkpoints``), replicates it to the rank's backup rank and,
+with ``--checkpoint-s3``, uploads it to S3. At start the job restores the newest
+step every rank can get (``--restore`` insists, ``--no-restore`` starts from
+step 0) and resumes at the next step, bit for bit. Step records gain
+``ckpt_blocking_s`` (time the step spent in the checkpointer), ``ckpt_saved``,
+``ckpt_skipped`` (back-pressure), ``ckpt_committed`` (newest step committed on
+every rank) and, on the first step after a restore, ``ckpt_restored_step``,
+``ckpt_restore_s``, ``ckpt_restore_source``.
 """
 
 from __future__ import annotations
@@ -74,6 +87,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each step (pace a demo)")
     p.add_argument("--collective-timeout-s", type=float, default=1800.0,
                    help="timeout of every collective (init_process_group(timeout=...))")
+    c = p.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint", dest="checkpoint", action="store_true",
+                   help="take per-step checkpoints and restore from them (off unless given)")
+    c.add_argument("--no-checkpoint", dest="checkpoint", action="store_false",
+                   help="take no checkpoints and restore none (the default)")
+    c.add_argument("--checkpoint-dir", default="",
+                   help="this machine's checkpoint root; may hold {machine}, {rank}, {local_rank} "
+                        "(default: TG_CHECKPOINT, else <TG_RUN_DIR>/checkpoints)")
+    c.add_argument("--checkpoint-every", type=int, default=1, help="snapshot every N steps (default 1)")
+    c.add_argument("--checkpoint-keep", type=int, default=3, help="committed steps kept per tier (default 3)")
+    c.add_argument("--checkpoint-s3", default=None,
+                   help="s3://bucket/prefix of the S3 tier (default: TG_CHECKPOINT when it is an s3:// URL); "
+                        "endpoint from TG_S3_ENDPOINT_URL")
+    c.add_argument("--checkpoint-s3-every", type=int, default=10,
+                   help="upload to S3 every K steps; 0 = only on request (default 10)")
+    c.add_argument("--checkpoint-ranks-per-machine", type=int, default=0,
+                   help="ranks per machine for replica placement (default: torchrun's LOCAL_WORLD_SIZE); "
+                        "set it to emulate several machines on one host")
+    c.add_argument("--checkpoint-nice", type=int, default=10,
+                   help="nice increment of the checkpoint's background threads, 0..19 (default 10)")
+    c.add_argument("--checkpoint-measure-memcpy", action="store_true",
+                   help="also time a plain copy of the state each step (ckpt_memcpy_s; for benchmarks)")
+    r = c.add_mutually_exclusive_group()
+    r.add_argument("--restore", dest="restore", action="store_const", const="require",
+                   help="restore from a checkpoint or fail (default: restore if anything usable exists)")
+    r.add_argument("--no-restore", dest="restore", action="store_const", const="off",
+                   help="start from step 0 even if checkpoints exist")
+    p.set_defaults(restore="auto", checkpoint=False)
     return p.parse_args(argv)
 
 
@@ -96,7 +137,38 @@ def check_layout(args: argparse.Namespace, world_size: int, ranks_per_machine: i
     for name in ("steps", "micro_batches", "micro_batch_size", "seq_len", "vocab"):
         if getattr(args, name) < (0 if name == "steps" else 1):
             raise TrainguardError(f"--{name.replace('_', '-')} {getattr(args, name)} is out of range")
+    if args.checkpoint:
+        for name in ("checkpoint_every", "checkpoint_keep"):
+            if getattr(args, name) < 1:
+                raise TrainguardError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+        if args.checkpoint_s3_every < 0 or args.checkpoint_ranks_per_machine < 0:
+            raise TrainguardError("--checkpoint-s3-every and --checkpoint-ranks-per-machine must be >= 0")
+        if not 0 <= args.checkpoint_nice <= 19:
+            raise TrainguardError(f"--checkpoint-nice {args.checkpoint_nice} must be 0..19")
+        rpm = args.checkpoint_ranks_per_machine
+        if rpm and world_size % rpm:
+            raise TopologyError(f"--checkpoint-ranks-per-machine {rpm} does not divide the {world_size} ranks")
     return topo
+
+
+def make_checkpointer(args: argparse.Namespace, topo: Topology, rank: int, local_rank: int,
+                      model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+    """The rank's :class:`checkpoint.engine.Checkpointer` (it creates the checkpoint's own process groups)."""
+    from checkpoint.config import CheckpointConfig, default_s3_url, expand_root, root_template
+    from checkpoint.engine import Checkpointer
+
+    rpm = args.checkpoint_ranks_per_machine or topo.ranks_per_machine
+    machine = rank // rpm
+    cfg = CheckpointConfig(
+        root=expand_root(root_template(args.checkpoint_dir), machine=machine, rank=rank, local_rank=local_rank),
+        every_steps=args.checkpoint_every, keep=args.checkpoint_keep,
+        s3_url=args.checkpoint_s3 if args.checkpoint_s3 is not None else default_s3_url(),
+        s3_every_steps=args.checkpoint_s3_every, s3_endpoint_url=os.environ.get("TG_S3_ENDPOINT_URL", ""),
+        restore=args.restore, ranks_per_machine=args.checkpoint_ranks_per_machine,
+        control_timeout_s=args.collective_timeout_s, measure_memcpy=args.checkpoint_measure_memcpy,
+        background_nice=args.checkpoint_nice)
+    return Checkpointer(cfg, topology=topo, rank=rank, model=model, optimizer=optimizer,
+                        job=os.environ.get("TG_JOB", "job"), incarnation=int(os.environ.get("TG_INCARNATION", "0")))
 
 
 def shuffle_window(tokens: torch.Tensor, window: int) -> torch.Tensor:
@@ -119,7 +191,7 @@ class Trainer:
     """One rank of the job: its stage of the model, its groups, and the step loop."""
 
     def __init__(self, args: argparse.Namespace, topo: Topology, rank: int, monitor: JobMonitor,
-                 device: torch.device) -> None:
+                 device: torch.device, local_rank: int = 0) -> None:
         self.args = args
         self.topo = topo
         self.rank = rank
@@ -155,6 +227,9 @@ class Trainer:
         self.act_shape = (args.micro_batch_size, args.seq_len, args.d_model)
         self.global_tokens = self.data.tokens_per_batch * topo.dp
         self.reporter = c.tp == 0 and self.is_last and c.dp == 0
+        self.ckpt = make_checkpointer(args, topo, rank, local_rank, self.model, self.optimizer) \
+            if args.checkpoint else None
+        self.restored: Any = None  # the RestoreResult this run started from, reported with its first step
 
     # ---- communication ----------------------------------------------------------------
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -278,15 +353,27 @@ class Trainer:
             if scale < 1.0:
                 for p in self.params:
                     p.grad.mul_(scale)
+        ckpt_wait = self.ckpt.before_update() if self.ckpt else 0.0  # the last snapshot's copy must be done
         self.optimizer.step()
+        snap = self.ckpt.after_step(step) if self.ckpt else None  # data position: the next step
         loss, replica_loss = self.reported_loss(losses)
         digest = self.param_digest()
         match, peers = self.dp_digests(digest)
         step_time = time.perf_counter() - t0
         tokens_per_s = self.global_tokens / step_time
+        extra: dict[str, Any] = {}
+        if snap is not None:
+            extra = {"ckpt_blocking_s": round(ckpt_wait + snap.blocking_s, 6), "ckpt_saved": snap.taken,
+                     "ckpt_skipped": snap.skipped, "ckpt_committed": self.ckpt.newest_committed}
+            if snap.memcpy_s is not None:
+                extra["ckpt_memcpy_s"] = round(snap.memcpy_s, 6)
+        if self.restored is not None:
+            extra.update(ckpt_restored_step=self.restored.step, ckpt_restore_s=round(self.restored.seconds, 4),
+                         ckpt_restore_source=self.restored.tier)
+            self.restored = None
         self.monitor.step_end(step, loss=loss, grad_norm=norm, step_time_s=step_time,
                               tokens_per_s=tokens_per_s, param_digest=digest, replica_loss=replica_loss,
-                              dp_digests_match=match, dp_digests=peers)
+                              dp_digests_match=match, dp_digests=peers, **extra)
         if self.reporter:
             print(f"step {step} loss {loss:.4f} grad_norm {norm:.3g} step_time {step_time:.3f}s "
                   f"tokens/s {tokens_per_s:.0f}", flush=True)
@@ -296,12 +383,29 @@ class Trainer:
             print(f"{PROG}: {self.topo} world {self.topo.world_size} backend {dist.get_backend()} "
                   f"params {full_parameter_count(self.cfg) / 1e6:.2f}M tokens/step {self.global_tokens} "
                   f"loss floor ~{self.data.entropy_rate():.2f}", flush=True)
-        step = 0
+        step = self.restore()
         while self.args.steps == 0 or step < self.args.steps:
             self.step(step)
             step += 1
             if self.args.step_delay_s > 0:
                 time.sleep(self.args.step_delay_s)
+        if self.ckpt is not None:  # write, replicate and commit the last snapshots before the groups go
+            self.ckpt.close(flush=True)
+
+    def restore(self) -> int:
+        """Restore the newest usable checkpoint (all ranks together); the step to run next."""
+        if self.ckpt is None:
+            return 0
+        result = self.ckpt.restore()
+        self.ckpt.start()
+        if result is None:
+            return 0
+        self.restored = result
+        if self.rank == 0:
+            sources = ", ".join(f"{tier} {n}" for tier, n in sorted(result.counts.items()))
+            print(f"{PROG}: restored step {result.step} ({sources}) in {result.seconds:.2f}s; resuming at step "
+                  f"{result.data_position.get('next_step', result.step + 1)}", flush=True)
+        return int(result.data_position.get("next_step", result.step + 1))
 
 
 @record  # torchrun then names the rank that failed first, with its traceback, in its report
@@ -330,13 +434,26 @@ def main(argv: list[str] | None = None) -> int:
     c = topo.coords(rank)
     monitor = JobMonitor.from_env(coords={"tp": c.tp, "pp": c.pp, "dp": c.dp})
     timeout = timedelta(seconds=args.collective_timeout_s)
+    trainer: Trainer | None = None
     try:
         if launched:
             dist.init_process_group(backend, timeout=timeout)
         else:  # a single process outside torchrun
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        Trainer(args, topo, rank, monitor, device).run()
+        trainer = Trainer(args, topo, rank, monitor, device, local_rank)
+        trainer.run()
+    except TrainguardError as exc:  # e.g. no checkpoint can be restored: one line, no traceback
+        if trainer is not None and trainer.ckpt is not None:
+            trainer.ckpt.close(flush=False)
+        monitor.close("failed")
+        from checkpoint.errors import RestoreError
+
+        if local_rank == 0 or not isinstance(exc, RestoreError):  # every rank raises the same RestoreError
+            print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
     except BaseException:
+        if trainer is not None and trainer.ckpt is not None:
+            trainer.ckpt.close(flush=False)
         monitor.close("failed")
         raise
     else:

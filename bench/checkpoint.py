@@ -1,0 +1,255 @@
+"""Checkpoint benchmark: what per-step checkpointing costs the reference job, and how fast it comes back.
+
+The reference job (TP=1 PP=2 DP=2, 4 ranks, torchrun on 127.0.0.1, each rank its own emulated machine
+with a checkpoint directory of its own) runs, in each trial, once without checkpoints and once with a
+snapshot every step, in alternating order. From the step records (steps after a warm-up):
+
+* ``step_overhead_ratio``: median step time with checkpoints / without - 1, per trial;
+* ``blocking_s``: time each step spent in the checkpointer (``ckpt_blocking_s``);
+* ``blocking_vs_memcpy``: that against a plain copy of the same tensors into a spare buffer, timed in
+  the same run right after each snapshot (``ckpt_memcpy_s``; the with-checkpoint runs pay for it);
+* ``skipped_ratio``: snapshots skipped because both buffers were still busy (back-pressure).
+
+Then, from that run's checkpoints: a restart with every local copy (``restore_s.local``), one after
+deleting machine 1 (rank 1 comes from its replica holder: ``restore_s.peer``), one after deleting
+machine 0 and the replica of rank 0 (rank 0 comes from S3, a local moto_server: ``restore_s.s3``); each
+is the slowest rank's restore time. Last, a run is killed (SIGKILL of rank 2) and restarted:
+``lost_steps`` = last step every rank finished - the step restored.
+
+    python bench/checkpoint.py [--quick] [--trials N] [--steps N] [--out FILE]
+
+Writes one JSON document in the project's benchmark format (see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import summarize, write_result
+from node_tools.monitor import read_heartbeat, read_steps
+
+REPO = Path(__file__).resolve().parent.parent
+WORLD = 4
+LAYOUT = ["--tp", "1", "--pp", "2", "--dp", "2"]
+WARMUP = 3
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """Launches of the reference job sharing one set of emulated machine disks."""
+
+    def __init__(self, base: Path, s3_endpoint: str, s3_url: str) -> None:
+        self.base = base
+        self.s3_endpoint = s3_endpoint
+        self.s3_url = s3_url
+        self.launches = 0
+
+    def machine(self, index: int) -> Path:
+        return self.base / f"m{index}"
+
+    def start(self, *args: str, checkpoint: bool = True, s3: bool = False) -> tuple[subprocess.Popen[str], Path]:
+        self.launches += 1
+        run_dir = self.base / f"run{self.launches}"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(WORLD),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
+               "examples/gpt3d/train.py", *LAYOUT, *args]
+        if checkpoint:
+            cmd += ["--checkpoint", "--checkpoint-ranks-per-machine", "1",
+                    "--checkpoint-dir", str(self.base / "m{machine}")]
+            if s3:
+                cmd += ["--checkpoint-s3", self.s3_url, "--checkpoint-s3-every", "1"]
+        else:
+            cmd += ["--no-checkpoint"]
+        env = {**os.environ, "TG_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "TG_S3_ENDPOINT_URL": self.s3_endpoint}
+        env.pop("TG_FAULT_FILE", None)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        return proc, run_dir
+
+    @staticmethod
+    def finish(proc: subprocess.Popen[str], timeout: float = 600) -> tuple[int, str]:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            raise RuntimeError(f"the job ran over {timeout}s: {err[-2000:]}") from None
+        return proc.returncode, err
+
+    def run(self, *args: str, checkpoint: bool = True, s3: bool = False) -> Path:
+        proc, run_dir = self.start(*args, checkpoint=checkpoint, s3=s3)
+        code, err = self.finish(proc)
+        if code != 0:
+            raise RuntimeError(f"job exited {code}: {err[-3000:]}")
+        return run_dir
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [rec for r in range(WORLD) for rec in read_steps(run_dir, r)]
+
+
+def steady(run_dir: Path) -> list[dict[str, Any]]:
+    first = min(rec["step"] for rec in records(run_dir))
+    return [rec for rec in records(run_dir) if rec["step"] >= first + WARMUP]
+
+
+def restore_s(run_dir: Path, source: str) -> float:
+    """The slowest rank's restore time, checking that the ranks named ``source`` restored from it."""
+    firsts = [read_steps(run_dir, r)[0] for r in range(WORLD)]
+    sources = [f.get("ckpt_restore_source") for f in firsts]
+    if source not in sources:
+        raise RuntimeError(f"expected a restore from {source}, got {sources}")
+    return max(f["ckpt_restore_s"] for f in firsts)
+
+
+def last_step(run_dir: Path) -> int:
+    return max(rec["step"] for rec in records(run_dir))
+
+
+def overhead_trial(job: Job, steps: int, order: list[bool]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for checkpoint in order:
+        args = ["--steps", str(steps)] + (["--checkpoint-measure-memcpy"] if checkpoint else [])
+        run_dir = job.run(*args, checkpoint=checkpoint)
+        recs = steady(run_dir)
+        key = "on" if checkpoint else "off"
+        out[f"step_time_s.{key}"] = statistics.median(r["step_time_s"] for r in recs)
+        if checkpoint:
+            out["blocking"] = [r["ckpt_blocking_s"] for r in recs if r["ckpt_saved"]]
+            out["memcpy"] = [r["ckpt_memcpy_s"] for r in recs if r.get("ckpt_memcpy_s")]
+            out["skipped_ratio"] = sum(r["ckpt_skipped"] for r in recs) / len(recs)
+            out["on_run"] = run_dir
+    out["step_overhead_ratio"] = out["step_time_s.on"] / out["step_time_s.off"] - 1
+    out["blocking_vs_memcpy"] = statistics.median(out["blocking"]) / statistics.median(out["memcpy"])
+    return out
+
+
+def restore_trial(job: Job, newest: int) -> dict[str, float]:
+    out = {}
+    run_dir = job.run("--steps", str(newest + 3), s3=True)  # every local copy; this run also uploads to S3
+    out["restore_s.local"] = restore_s(run_dir, "local")
+    shutil.rmtree(job.machine(1))  # machine 1 evicted: rank 1 from its replica on machine 2
+    run_dir = job.run("--steps", str(last_step(run_dir) + 3), s3=True)
+    out["restore_s.peer"] = restore_s(run_dir, "replica")
+    shutil.rmtree(job.machine(0))  # machine 0 evicted and rank 0's replica (on machine 3) lost: S3
+    shutil.rmtree(job.machine(3) / "replica", ignore_errors=True)
+    run_dir = job.run("--steps", str(last_step(run_dir) + 3), s3=True)
+    out["restore_s.s3"] = restore_s(run_dir, "s3")
+    return out
+
+
+def kill_trial(job: Job, after: int) -> dict[str, float]:
+    proc, run_dir = job.start("--steps", "100000", "--step-delay-s", "0.05")
+    deadline = time.monotonic() + 300
+    try:
+        while not all(len(read_steps(run_dir, r)) >= after for r in range(WORLD)):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the job did not reach {after} steps")
+            time.sleep(0.05)
+        victim = read_heartbeat(run_dir, 2) or {}
+        os.kill(int(victim["pid"]), signal.SIGKILL)
+    finally:
+        code, _ = job.finish(proc)
+    if code == 0:
+        raise RuntimeError("the killed job exited 0")
+    finished = min(read_steps(run_dir, r)[-1]["step"] for r in range(WORLD))
+    run_dir = job.run("--steps", str(finished + 3))
+    restored = read_steps(run_dir, 0)[0]["ckpt_restored_step"]
+    return {"lost_steps": finished - restored, "restore_s.after_kill": restore_s(run_dir, "local")}
+
+
+def start_moto(port: int) -> subprocess.Popen[bytes]:
+    server = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}", timeout=1):
+                return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one short trial of each kind (a minute or two)")
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40, help="steps per overhead run")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    trials, steps = (1, 12) if args.quick else (args.trials, args.steps)
+    for key, value in {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        os.environ.setdefault(key, value)
+    port = free_port()
+    moto = start_moto(port)
+    endpoint = f"http://127.0.0.1:{port}"
+    results: list[dict[str, Any]] = []
+    try:
+        import boto3
+
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="ckpt-bench")
+        with tempfile.TemporaryDirectory(prefix="tg-bench-ckpt-") as tmp:
+            for i in range(trials):
+                job = Job(Path(tmp) / f"t{i}", endpoint, f"s3://ckpt-bench/t{i}")
+                order = [False, True] if i % 2 == 0 else [True, False]
+                r = overhead_trial(job, steps, order)
+                r.update(restore_trial(job, last_step(r.pop("on_run"))))
+                r.update(kill_trial(Job(Path(tmp) / f"k{i}", endpoint, f"s3://ckpt-bench/k{i}"), WARMUP + 3))
+                results.append(r)
+                print(json.dumps({"trial": i, **{k: (round(v, 5) if isinstance(v, float) else v)
+                                                 for k, v in r.items() if not isinstance(v, list)}}), flush=True)
+    finally:
+        moto.terminate()
+        moto.wait(timeout=10)
+    metrics = {
+        "step_overhead_ratio": summarize([r["step_overhead_ratio"] for r in results], "ratio", 0.01),
+        "step_time_s.off": summarize([r["step_time_s.off"] for r in results], "s"),
+        "step_time_s.on": summarize([r["step_time_s.on"] for r in results], "s"),
+        "blocking_s": summarize([b for r in results for b in r["blocking"]], "s", 0.04),
+        "memcpy_s": summarize([m for r in results for m in r["memcpy"]], "s"),
+        "blocking_vs_memcpy": summarize([r["blocking_vs_memcpy"] for r in results], "ratio", 1.2),
+        "skipped_ratio": summarize([r["skipped_ratio"] for r in results], "ratio"),
+        "restore_s.local": summarize([r["restore_s.local"] for r in results], "s"),
+        "restore_s.peer": summarize([r["restore_s.peer"] for r in results], "s"),
+        "restore_s.s3": summarize([r["restore_s.s3"] for r in results], "s"),
+        "restore_s.after_kill": summarize([r["restore_s.after_kill"] for r in results], "s"),
+        "lost_steps": summarize([float(r["lost_steps"]) for r in results], "steps", 1),
+    }
+    text = write_result("checkpoint", quick=bool(args.quick), out=args.out, metrics=metrics, setup={
+        "topology": "tp=1,pp=2,dp=2", "ranks": WORLD, "machines_emulated": WORLD, "model": "gpt3d defaults",
+        "steps": steps, "warmup_steps": WARMUP, "trials": trials, "checkpoint_every": 1, "keep": 3,
+        "s3": "moto_server on loopback", "backend": "gloo (CPU)",
+        "note": "with-checkpoint runs also time one plain copy per step (ckpt_memcpy_s), inside their step time"})
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

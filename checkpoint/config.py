@@ -1,0 +1,120 @@
+"""Configuration of the checkpoint library, and where a rank's checkpoint root is.
+
+A rank's root is a directory on its machine's local disk. It comes from, in
+order: the explicit ``root`` template, ``TG_CHECKPOINT`` (set by ``tg-node job
+start``; an ``s3://`` value there names the S3 tier instead), and
+``<TG_RUN_DIR>/checkpoints``. The template may contain ``{machine}`` (the
+machine index in the job's topology), ``{rank}`` and ``{local_rank}``, which lets
+one host emulate several machines, each with a disk of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from checkpoint.errors import CheckpointError
+
+RESTORE_MODES = ("auto", "require", "off")
+
+
+@dataclass
+class CheckpointConfig:
+    """What the checkpoint library does for one rank.
+
+    Attributes:
+        root: the rank's checkpoint root on its machine's local disk (already expanded).
+        every_steps: take a snapshot after every this many steps (1 = every step). Steps.
+        keep: steps kept per rank on local disk and on replica holders (the newest committed
+            or in-flight ones; the newest committed and the newest verified step are always
+            kept on top). Steps.
+        s3_url: ``s3://bucket/prefix`` of the remote tier; "" = no remote tier.
+        s3_every_steps: upload a snapshot to S3 after every this many steps (0 = only on
+            demand: :meth:`Checkpointer.request_s3` or a ``s3-request`` file in the root). Steps.
+        s3_endpoint_url: endpoint of an S3-compatible store; "" = boto3's default (AWS,
+            or ``AWS_ENDPOINT_URL_S3``).
+        s3_keep: snapshots kept per rank in S3 (the newest verified one on top). Steps.
+        restore: "auto" (restore the newest usable step if any copy exists; refuse to
+            start from scratch when copies exist but none is usable), "require" (fail if
+            nothing is restorable) or "off" (start from step 0, keep existing copies).
+        replicate: send each snapshot to the rank's backup rank (off only for tests and
+            single-machine jobs, where it is switched off on its own).
+        fsync: fsync files and directories of local copies (off only for throwaway runs).
+        ranks_per_machine: ranks sharing one machine for replica placement; 0 = torchrun's
+            ``LOCAL_WORLD_SIZE``. Set it to emulate several machines on one host. Ranks.
+        machine: this machine's name in reports; "" = ``TG_MACHINE`` or the host name.
+        commit_interval_s: how often the ranks exchange which steps they hold, to learn
+            which are committed everywhere (a tiny all-gather on the checkpoint group). Seconds.
+        control_timeout_s: timeout of each collective on the checkpoint control group. Seconds.
+        replica_timeout_s: timeout of each replica transfer; a dead peer is noticed at once
+            (its sockets close), this only bounds a live but stuck one. Seconds.
+        s3_timeout_s: connect and read timeout of each S3 request. Seconds.
+        measure_memcpy: also time a plain copy of the same state into a spare buffer after
+            each snapshot (the benchmark's reference; costs one extra copy per step).
+        background_nice: nice increment of the background threads (Linux: per thread), so that
+            on a host whose CPUs the training itself keeps busy the scheduler runs training
+            first; when the background then falls behind, snapshots are skipped, not waited
+            for. 0 = same priority as training. Nice levels (0..19).
+    """
+
+    root: Path
+    every_steps: int = 1
+    keep: int = 3
+    s3_url: str = ""
+    s3_every_steps: int = 10
+    s3_endpoint_url: str = ""
+    s3_keep: int = 3
+    restore: str = "auto"
+    replicate: bool = True
+    fsync: bool = True
+    ranks_per_machine: int = 0
+    machine: str = ""
+    commit_interval_s: float = 0.25
+    control_timeout_s: float = 600.0
+    replica_timeout_s: float = 3600.0
+    s3_timeout_s: float = 5.0
+    measure_memcpy: bool = False
+    background_nice: int = 10
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        if self.every_steps < 1:
+            raise CheckpointError(f"checkpoint every {self.every_steps} steps: must be >= 1 (or disable checkpoints)")
+        if self.keep < 1 or self.s3_keep < 1:
+            raise CheckpointError(f"checkpoint keep={self.keep}, s3 keep={self.s3_keep}: both must be >= 1")
+        if not 0 <= self.background_nice <= 19:
+            raise CheckpointError(f"checkpoint background nice {self.background_nice}: must be 0..19")
+        if self.s3_every_steps < 0:
+            raise CheckpointError(f"checkpoint S3 every {self.s3_every_steps} steps: must be >= 0")
+        if self.restore not in RESTORE_MODES:
+            raise CheckpointError(f"checkpoint restore mode {self.restore!r}: use one of {', '.join(RESTORE_MODES)}")
+        if self.s3_url and not self.s3_url.startswith("s3://"):
+            raise CheckpointError(f"checkpoint S3 location {self.s3_url!r} must look like s3://bucket/prefix")
+
+
+def default_s3_url() -> str:
+    """``TG_CHECKPOINT`` when it names an S3 location, else ""."""
+    value = os.environ.get("TG_CHECKPOINT", "")
+    return value if value.startswith("s3://") else ""
+
+
+def root_template(explicit: str = "") -> str:
+    """The root template before expansion: explicit, else ``TG_CHECKPOINT`` (a path), else the run dir's."""
+    if explicit:
+        return explicit
+    env = os.environ.get("TG_CHECKPOINT", "")
+    if env and not env.startswith("s3://"):
+        return env
+    return str(Path(os.environ.get("TG_RUN_DIR", "tg-run")) / "checkpoints")
+
+
+def expand_root(template: str, *, machine: int, rank: int, local_rank: int) -> Path:
+    """Fill ``{machine}``, ``{rank}`` and ``{local_rank}`` into a root template."""
+    try:
+        return Path(template.format(machine=machine, rank=rank, local_rank=local_rank))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise CheckpointError(
+            f"checkpoint root {template!r} has an unknown placeholder ({exc}); use {{machine}}, {{rank}} "
+            f"or {{local_rank}}"
+        ) from None

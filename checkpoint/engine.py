@@ -1,0 +1,859 @@
+"""The training-side checkpointer: per-step asynchronous snapshots, tiered, replicated, committed, restored.
+
+What it guarantees to the training loop:
+
+* **Blocking is one copy.** :meth:`Checkpointer.after_step` copies model,
+  optimizer, RNG and data position into one of two pre-allocated CPU buffers
+  (pinned, on a side CUDA stream, on GPU hosts; there the step only waits for
+  the copy before the next optimizer update, :meth:`before_update`). Everything
+  else (manifest, checksums, disk, replica, S3) runs on background threads.
+* **Back-pressure skips, never blocks.** When both buffers are still being
+  written or sent, the step's snapshot is skipped and counted
+  (``SnapshotInfo.skipped``); training goes on.
+* **Tiers.** Each snapshot is written atomically to the machine's local disk
+  (:mod:`checkpoint.layout`), sent to the rank's backup rank
+  (:meth:`node_tools.topology.Topology.backup_rank`: shares none of its TP, PP,
+  DP groups, on another machine) over a gloo group of the checkpoint's own, and
+  every ``s3_every_steps`` steps (or on request) uploaded to S3.
+* **Commit.** A rank's step is done when its local copy is durable and its
+  backup acknowledged a replica that matched its checksums. A step is
+  *committed* when it is done on every rank (learned by a tiny all-gather every
+  ``commit_interval_s`` on the control group); committed steps get a
+  ``committed.json`` marker. Retention keeps ``keep`` steps per rank and tier (the
+  newest committed and in-flight ones; always the newest committed) plus the newest
+  verified step, so a machine's disk holds about ``keep`` x (its ranks' states + the
+  replicas it keeps).
+* **Restore** (:meth:`restore`, before training, all ranks together): every rank
+  reports what it holds, all compute the same :class:`checkpoint.plan.RestorePlan`
+  (newest step every rank can get, own local copy first, then the replica
+  holder, then S3), copies are verified (checksums, tensors, finite values) as
+  they are read, received or downloaded; a bad one is reported with machine,
+  rank, step, tier and path, excluded, and the plan made again (another copy of
+  the step, or an older step). The state goes back bit for bit; training resumes
+  at ``data_position["next_step"]``.
+
+Errors on background threads never reach the training loop: they are reported
+on stderr as one line naming machine, rank, step and tier, and the affected
+tier stops (a step without its replica is never committed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import layout, wire
+from checkpoint import manifest as mf
+from checkpoint.config import CheckpointConfig
+from checkpoint.errors import CheckpointError, RestoreError, S3TierError
+from checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
+from checkpoint.s3 import S3Tier
+from checkpoint.shards import STATE_FILES, ShardLayout, apply_state, live_state, meta_json
+from checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
+from node_tools.topology import Topology
+
+
+@dataclass
+class SnapshotInfo:
+    """What one step's checkpointing cost and did.
+
+    Attributes:
+        blocking_s: time the training thread spent in the checkpointer this step. Seconds.
+        taken: a snapshot of this step was copied and queued.
+        skipped: the step was due but both buffers were busy (back-pressure).
+        memcpy_s: time of a plain copy of the same state (only with ``measure_memcpy``). Seconds.
+    """
+
+    blocking_s: float = 0.0
+    taken: bool = False
+    skipped: bool = False
+    memcpy_s: float | None = None
+
+
+@dataclass
+class RestoreResult:
+    """A finished restore.
+
+    Attributes:
+        step: the restored step (training resumes at ``data_position["next_step"]``).
+        tier: where this rank's state came from: "local", "replica" or "s3".
+        holder: the rank that sent it (for "replica"), else -1.
+        seconds: wall time of the whole restore on this rank (inventory, plan, transfer, verify, load).
+        counts: ranks per source tier, over the whole job.
+        rounds: plans made (1 unless a copy failed verification on the way).
+        problems: one line per copy found bad.
+        data_position: the data loader position saved with the step.
+    """
+
+    step: int
+    tier: str
+    holder: int
+    seconds: float
+    counts: dict[str, int]
+    rounds: int
+    problems: list[str] = field(default_factory=list)
+    data_position: dict[str, Any] = field(default_factory=dict)
+
+
+class _Slot:
+    """One pre-allocated snapshot buffer: a flat uint8 tensor per file, typed views into it."""
+
+    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], pin: bool) -> None:
+        self.layouts = {name: ShardLayout.for_tensors(ts) for name, ts in tensors.items()}
+        self.flats = {name: torch.empty(lay.data_bytes, dtype=torch.uint8, pin_memory=pin)
+                      for name, lay in self.layouts.items()}
+        self.views = {name: lay.views(self.flats[name]) for name, lay in self.layouts.items()}
+        self.signature = {name: lay.signature for name, lay in self.layouts.items()}
+        self.identity = _identity(tensors)
+        self.busy = False
+        self.step = -1
+        self.meta: dict[str, Any] = {}
+        self.data_position: dict[str, Any] = {}
+        self.event: Any = None
+
+    def fits(self, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...]) -> bool:
+        """Whether ``tensors`` has this slot's layout (same tensor objects: no need to look closer)."""
+        if identity == self.identity:
+            return True
+        if {name: ShardLayout.signature_of(ts) for name, ts in tensors.items()} == self.signature:
+            self.identity = identity
+            return True
+        return False
+
+    def copy_from(self, tensors: dict[str, dict[str, torch.Tensor]], non_blocking: bool) -> None:
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for name, ts in tensors.items():
+            views = self.views[name]
+            for key, t in ts.items():
+                dst.append(views[key])
+                src.append(t)
+        with torch.no_grad():
+            _copy_all(dst, src, non_blocking)
+
+    def parts(self, name: str) -> list[Any]:
+        return [self.layouts[name].prefix, memoryview(self.flats[name].numpy())]
+
+
+def _identity(tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[Any, ...]:
+    """Which tensor objects a state is made of; the same objects need no layout check (a tensor whose
+    shape changed in place is caught by the copy, which then re-lays the buffer out). The RNG tensors
+    are fresh objects each time, of a fixed size: only their names count."""
+    out: list[Any] = []
+    for ts in tensors.values():
+        out.append(tuple(ts))  # the names, in order
+        out.append(tuple(id(t) for key, t in ts.items() if not key.startswith("rng.")))
+    return tuple(out)
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool) -> None:
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src, non_blocking=non_blocking)
+    else:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s, non_blocking=non_blocking)
+
+
+def _files_sha(parts_by_file: list[tuple[str, list[Any]]]) -> list[tuple[int, str]]:
+    out = []
+    for _name, parts in parts_by_file:
+        h = hashlib.sha256()
+        size = 0
+        for p in parts:
+            h.update(p)
+            size += len(p)
+        out.append((size, h.hexdigest()))
+    return out
+
+
+class Checkpointer:
+    """One rank's checkpointing. Build it on every rank (it creates process groups), then
+    :meth:`restore`, :meth:`start`, and per step :meth:`before_update` / :meth:`after_step`;
+    :meth:`close` at the end."""
+
+    def __init__(self, config: CheckpointConfig, *, topology: Topology, rank: int, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None, job: str = "job", incarnation: int = 0,
+                 log: Any = None) -> None:
+        self.cfg = config
+        self.rank = rank
+        self.model = model
+        self.optimizer = optimizer
+        self.job = job
+        self.incarnation = incarnation
+        self.world = topology.world_size
+        self.layout_key = f"tp={topology.tp},pp={topology.pp},dp={topology.dp}"
+        rpm = config.ranks_per_machine or topology.ranks_per_machine
+        self.placement = Topology(topology.tp, topology.pp, topology.dp, ranks_per_machine=rpm)
+        self.machine_index = self.placement.machine_of(rank)
+        base = config.machine or os.environ.get("TG_MACHINE") or socket.gethostname()
+        self.machine = f"{base}/m{self.machine_index}" if config.ranks_per_machine else base
+        self._log_fn = log
+        self._logged: dict[str, int] = {}
+
+        self.distributed = dist.is_available() and dist.is_initialized() and self.world > 1
+        self.ctl = self.data = None
+        if self.distributed:  # every rank creates both groups, in this order
+            ranks = list(range(self.world))
+            self.ctl = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=config.control_timeout_s))
+            self.data = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=config.replica_timeout_s))
+        self.replicate = config.replicate and self.distributed and self.placement.machines >= 2
+        self.backup = self.placement.backup_rank(rank) if self.replicate else None
+        self.sources = [s for s in range(self.world) if self.placement.backup_rank(s) == rank] \
+            if self.replicate else []
+        self.s3 = S3Tier(config.s3_url, endpoint_url=config.s3_endpoint_url, timeout_s=config.s3_timeout_s) \
+            if config.s3_url else None
+
+        self.root = config.root
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            layout.write_json(self.root / layout.MACHINE_INFO, {
+                "machine": self.machine, "machine_index": self.machine_index, "job": job})
+        except OSError as exc:
+            raise CheckpointError(f"machine {self.machine} rank {rank}: checkpoint root {self.root} is not "
+                                  f"writable ({exc.strerror}); fix the disk or pass --no-checkpoint") from None
+        layout.clean_temporaries(self.root)
+
+        self.use_cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+        self.stream = torch.cuda.Stream() if self.use_cuda else None
+        self.segment = uuid.uuid4().hex[:12]  # replaced by rank 0's in restore()
+
+        self._lock = threading.Lock()
+        self._persisted = threading.Condition(self._lock)
+        self._processed = 0  # snapshots the writer has finished with (written, replicated, or failed)
+        self._slots: list[_Slot] = []
+        self._spare: _Slot | None = None
+        self._pending_event: Any = None
+        self._writer_q: queue.Queue[_Slot | None] = queue.Queue()
+        # the next upload for the S3 thread: the newest due snapshot wins (one waiting, one in flight at most)
+        self._s3_next: tuple[int, bytes, list[tuple[str, bytes]]] | None = None
+        self._s3_wake = threading.Condition(threading.Lock())
+        self._s3_closing = False
+        self._s3_requested = False
+        self._done: deque[int] = deque(maxlen=16)  # steps done on this rank (local durable + replica acked)
+        self.committed: set[int] = set()
+        self.s3_uploaded: deque[int] = deque()
+        self.s3_superseded = 0  # due uploads replaced by a newer snapshot before their turn came
+        self.skipped = 0
+        self.snapshots = 0
+        self.errors: list[str] = []
+        self._replica_broken = False
+        self._stop = threading.Event()
+        self._writer_finished = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._commit_thread: threading.Thread | None = None
+        self._started = False
+
+    # ---- reporting ---------------------------------------------------------------------
+    def _log(self, message: str, *, kind: str = "") -> None:
+        """One line on stderr, naming machine and rank; a repeated kind is logged 1st, 10th, 100th ... time."""
+        kind = kind or message
+        n = self._logged.get(kind, 0) + 1
+        self._logged[kind] = n
+        if n & (n - 1) and n not in (10, 100, 1000):
+            return
+        line = f"checkpoint: machine {self.machine} rank {self.rank}: {message}" + (f" (x{n})" if n > 1 else "")
+        if self._log_fn is not None:
+            self._log_fn(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def _error(self, message: str, *, kind: str = "") -> None:
+        with self._lock:
+            self.errors.append(message)
+            del self.errors[:-50]
+        self._log(message, kind=kind)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {"machine": self.machine, "rank": self.rank, "snapshots": self.snapshots,
+                    "skipped": self.skipped, "committed": max(self.committed, default=None),
+                    "replica": self.backup, "replica_broken": self._replica_broken,
+                    "s3_uploaded": list(self.s3_uploaded), "s3_superseded": self.s3_superseded,
+                    "errors": list(self.errors[-5:])}
+
+    @property
+    def newest_committed(self) -> int | None:
+        with self._lock:
+            return max(self.committed, default=None)
+
+    # ---- the training thread -------------------------------------------------------------
+    def before_update(self) -> float:
+        """Wait until the last snapshot's device-to-host copy is done (GPU hosts); call before the
+        optimizer changes the parameters. Returns the seconds waited (0 on CPU, where the copy is synchronous)."""
+        if self._pending_event is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self._pending_event.synchronize()
+        self._pending_event = None
+        return time.perf_counter() - t0
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.cfg.every_steps == 0
+
+    def after_step(self, step: int, data_position: dict[str, Any] | None = None) -> SnapshotInfo:
+        """Snapshot the state at the end of ``step`` into a free buffer and queue it; skip if none is free."""
+        if not self._started or not self.due(step):
+            return SnapshotInfo()
+        t0 = time.perf_counter()
+        tensors, meta = live_state(self.model, self.optimizer)
+        memcpy = None
+        if self.cfg.measure_memcpy and step % 2 == 0:  # the reference copy goes first on even steps, last on odd
+            t1 = time.perf_counter()
+            memcpy = self._measure_memcpy(tensors)
+            t0 += time.perf_counter() - t1  # not part of the blocking time
+        slot = self._take_slot(tensors)
+        if slot is None:
+            with self._lock:
+                self.skipped += 1
+            return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
+        try:
+            self._copy_into(slot, tensors)
+        except RuntimeError:  # a tensor changed shape in place since the slot was laid out
+            with self._lock:
+                index = self._slots.index(slot)
+                self._slots[index] = slot = _Slot(tensors, self.use_cuda)
+                slot.busy = True
+            self._copy_into(slot, tensors)
+        slot.step = step
+        slot.meta = meta
+        slot.data_position = dict(data_position or {"next_step": step + 1})
+        with self._lock:
+            self.snapshots += 1
+        self._writer_q.put(slot)
+        blocking = time.perf_counter() - t0
+        if self.cfg.measure_memcpy and memcpy is None:
+            memcpy = self._measure_memcpy(tensors)
+        return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy)
+
+    def _copy_into(self, slot: _Slot, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                slot.copy_from(tensors, non_blocking=True)
+                slot.event = torch.cuda.Event()
+                slot.event.record(self.stream)
+            self._pending_event = slot.event
+        else:
+            slot.copy_from(tensors, non_blocking=False)
+
+    def _take_slot(self, tensors: dict[str, dict[str, torch.Tensor]]) -> _Slot | None:
+        identity = _identity(tensors)
+        with self._lock:
+            if not self._slots:
+                self._slots = [_Slot(tensors, self.use_cuda), _Slot(tensors, self.use_cuda)]
+            for index, slot in enumerate(self._slots):
+                if not slot.busy:
+                    if not slot.fits(tensors, identity):  # the state changed shape (new optimizer state)
+                        self._slots[index] = slot = _Slot(tensors, self.use_cuda)
+                    slot.busy = True
+                    return slot
+        return None
+
+    def _measure_memcpy(self, tensors: dict[str, dict[str, torch.Tensor]]) -> float:
+        """A plain copy of the same tensors into a spare buffer (the benchmark's reference)."""
+        if self._spare is None or not self._spare.fits(tensors, _identity(tensors)):
+            self._spare = _Slot(tensors, self.use_cuda)
+        t0 = time.perf_counter()
+        self._spare.copy_from(tensors, non_blocking=self.use_cuda)
+        if self.use_cuda:
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - t0
+
+    def drain(self, timeout_s: float = 60.0) -> bool:
+        """Wait until every snapshot taken so far is written and replicated (or failed), and a due S3
+        upload has been picked up by the uploader. For tests and benchmarks; training never calls it.
+        Returns False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._persisted:
+            while self._processed < self.snapshots:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._persisted.wait(left)
+        with self._s3_wake:
+            while self._s3_next is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._s3_wake.wait(left)
+        return True
+
+    def request_s3(self) -> None:
+        """Upload the next snapshot to S3 (whatever ``s3_every_steps`` says)."""
+        self._s3_requested = True
+
+    # ---- background: writer, receivers, committer, S3 -----------------------------------------
+    def start(self) -> None:
+        """Start the background threads. Call on every rank, after :meth:`restore`."""
+        if self._started:
+            return
+        self._started = True
+        self._spawn("tg-ckpt-writer", self._writer_loop)
+        for src in self.sources:
+            self._spawn(f"tg-ckpt-replica-from-{src}", self._receiver_loop, src)
+        if self.s3 is not None:
+            self._spawn("tg-ckpt-s3", self._s3_loop)
+        self._commit_thread = self._spawn("tg-ckpt-commit", self._commit_loop)
+
+    def _spawn(self, name: str, target: Any, *args: Any) -> threading.Thread:
+        nice = self.cfg.background_nice
+
+        def run() -> None:
+            if nice and hasattr(os, "setpriority"):  # Linux nice values are per thread
+                with contextlib.suppress(OSError):
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(
+                        os.PRIO_PROCESS, threading.get_native_id()) + nice)
+            target(*args)
+
+        t = threading.Thread(target=run, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    def _manifest(self, slot: _Slot, files: list[tuple[str, list[Any]]]) -> bytes:
+        sums = _files_sha(files)
+        coords = self.placement.coords(self.rank)
+        return mf.seal(mf.build(
+            step=slot.step, rank=self.rank, world_size=self.world,
+            topology={"tp": self.placement.tp, "pp": self.placement.pp, "dp": self.placement.dp,
+                      "ranks_per_machine": self.placement.ranks_per_machine},
+            coords={"tp": coords.tp, "pp": coords.pp, "dp": coords.dp}, machine=self.machine, job=self.job,
+            incarnation=self.incarnation, created_ts=time.time(), data_position=slot.data_position,
+            state=meta_json(slot.meta) | {"segment": self.segment},
+            files=[{"name": name, "size": size, "sha256": sha, "tensors": slot.layouts[name].describe()}
+                   for (name, _), (size, sha) in zip(files, sums, strict=True)]))
+
+    def _writer_loop(self) -> None:
+        while True:
+            slot = self._writer_q.get()
+            if slot is None:
+                break
+            try:
+                self._persist(slot)
+            except Exception as exc:  # never let the writer die: report and go on with the next snapshot
+                self._error(f"step {slot.step}: snapshot failed: {type(exc).__name__}: {exc}", kind="writer")
+            finally:
+                with self._lock:
+                    slot.busy = False
+                    self._processed += 1
+                    self._persisted.notify_all()
+        if self.s3 is not None:  # the S3 thread uploads what is still waiting, then ends
+            with self._s3_wake:
+                self._s3_closing = True
+                self._s3_wake.notify_all()
+        if self.replicate and not self._replica_broken:
+            try:
+                wire.end_stream(self.data, self.backup)
+            except Exception as exc:
+                self._error(f"could not close the replica stream to rank {self.backup}: {exc}", kind="end")
+        self._writer_finished.set()
+
+    def _persist(self, slot: _Slot) -> None:
+        step = slot.step
+        if slot.event is not None:
+            slot.event.synchronize()
+        files = [(name, slot.parts(name)) for name in STATE_FILES]
+        manifest = self._manifest(slot, files)
+        dest = layout.copy_dir(self.root, "local", step, self.rank)
+        local_ok = False
+        try:
+            layout.write_copy(dest, manifest, files, fsync=self.cfg.fsync)
+            local_ok = True
+        except OSError as exc:
+            self._error(f"step {step} tier local: write to {dest} failed ({exc.strerror or exc}); "
+                        f"this step has no local copy", kind="local-write")
+        if self.s3 is not None:
+            self._maybe_queue_s3(step, manifest, files)
+        replica_ok = not self.replicate
+        if self.replicate and not self._replica_broken:
+            try:
+                wire.send_copy(self.data, self.backup, step=step, manifest=manifest, files=files)
+                acked_step, acked = wire.recv_ack(self.data, self.backup)
+                replica_ok = acked and acked_step == step
+                if not replica_ok:
+                    self._error(f"step {step} tier replica: rank {self.backup} refused the replica "
+                                f"(checksums did not match after transfer)", kind="replica-refused")
+            except Exception as exc:
+                self._replica_broken = True
+                self._error(f"step {step} tier replica: sending to rank {self.backup} failed "
+                            f"({type(exc).__name__}: {str(exc)[:160]}); replication stops", kind="replica")
+        if local_ok and replica_ok:
+            with self._lock:
+                self._done.append(step)
+
+    def _maybe_queue_s3(self, step: int, manifest: bytes, files: list[tuple[str, list[Any]]]) -> None:
+        request = self.root / layout.S3_REQUEST
+        requested = self._s3_requested or request.exists()
+        every = self.cfg.s3_every_steps
+        if not (requested or (every and (step + 1) % every == 0)):
+            return
+        body = [(name, b"".join(bytes(p) for p in parts)) for name, parts in files]
+        with self._s3_wake:
+            if self._s3_next is not None:  # the upload before is still running: this newer one replaces it
+                self.s3_superseded += 1
+            self._s3_next = (step, manifest, body)
+            self._s3_wake.notify_all()
+        self._s3_requested = False
+        if requested:
+            with contextlib.suppress(OSError):
+                request.unlink()
+
+    def _s3_loop(self) -> None:
+        assert self.s3 is not None
+        while True:
+            with self._s3_wake:
+                while self._s3_next is None and not self._s3_closing:
+                    self._s3_wake.wait()
+                item, self._s3_next = self._s3_next, None
+                self._s3_wake.notify_all()  # drain() waits for this
+            if item is None:  # closing, nothing left
+                break
+            step, manifest, body = item
+            try:
+                self.s3.upload_copy(step, self.rank, body, manifest)
+                self.s3_uploaded.append(step)
+                self._retain_s3()
+            except S3TierError as exc:
+                self._error(f"step {step} tier s3: {exc}", kind="s3")
+
+    def _retain_s3(self) -> None:
+        assert self.s3 is not None
+        while len(self.s3_uploaded) > self.cfg.s3_keep:
+            old = self.s3_uploaded[0]
+            newer_verified = any(self.s3.is_verified(s, self.rank) for s in list(self.s3_uploaded)[1:])
+            if not newer_verified and self.s3.is_verified(old, self.rank):
+                break  # the newest verified copy stays
+            self.s3.delete_copy(old, self.rank)
+            self.s3_uploaded.popleft()
+
+    def _receiver_loop(self, src: int) -> None:
+        while True:
+            try:
+                step, ok, manifest, files = wire.recv_copy(self.data, src)
+            except Exception as exc:
+                if not self._stop.is_set():
+                    self._error(f"tier replica: receiving from rank {src} failed ({type(exc).__name__}: "
+                                f"{str(exc)[:160]}); no more replicas of rank {src} here", kind=f"recv-{src}")
+                return
+            if step == wire.END_OF_STREAM:
+                return
+            if not ok:
+                continue
+            dest = layout.copy_dir(self.root, "replica", step, src)
+            check = self._check_received(manifest, files, rank=src, step=step, tier="replica", path=dest)
+            good = check.ok
+            if good:
+                try:
+                    names = [e["name"] for e in (check.manifest or {})["files"]]
+                    layout.write_copy(dest, manifest, [(n, [f]) for n, f in zip(names, files, strict=True)],
+                                      extra={layout.REPLICA_INFO: _json_bytes({"holder": self.rank, "owner": src})},
+                                      fsync=self.cfg.fsync)
+                except OSError as exc:
+                    good = False
+                    self._error(f"rank {src} step {step} tier replica: write to {dest} failed "
+                                f"({exc.strerror or exc})", kind="replica-write")
+            else:
+                for p in check.problems:
+                    self._error(p.line(), kind=f"replica-bad-{src}")
+            try:
+                wire.send_ack(self.data, src, step, good)
+            except Exception as exc:
+                self._error(f"tier replica: acknowledging to rank {src} failed ({exc})", kind=f"ack-{src}")
+                return
+
+    def _check_received(self, manifest: bytes, files: list[memoryview], *, rank: int, step: int, tier: str,
+                        path: Path, deep: bool = False, keep: bool = False) -> CopyCheck:
+        try:
+            names = [e["name"] for e in mf.parse(manifest)["files"]]
+        except mf.ManifestInvalid:
+            names = []
+        # a manifest that cannot be read still gets a verdict (check_data says why)
+        data = dict(zip(names, files, strict=False))
+        return check_data(manifest, data, machine=self.machine, rank=rank, step=step, tier=tier, path=str(path),
+                          deep=deep, keep_files=keep)
+
+    def _commit_loop(self) -> None:
+        """Learn which steps are done on every rank; mark them committed; apply retention."""
+        while True:
+            stopping = self._writer_finished.is_set()  # every snapshot written, replicated and acknowledged
+            with self._lock:
+                mine = sorted(self._done)
+            try:
+                everyone = wire.gather_json({"stop": stopping, "done": mine}, self.ctl, self.world)
+            except Exception as exc:
+                if not self._stop.is_set():
+                    self._error(f"commit exchange failed ({type(exc).__name__}: {str(exc)[:160]}); "
+                                f"no more commits this run", kind="commit")
+                return
+            common = set.intersection(*(set(d["done"]) for d in everyone))
+            fresh = sorted(common - self.committed)
+            if fresh:
+                with self._lock:
+                    self.committed.update(fresh)
+                    while len(self.committed) > max(64, 2 * self.cfg.keep):  # only the newest matter
+                        self.committed.discard(min(self.committed))
+                for step in fresh:
+                    path = layout.copy_dir(self.root, "local", step, self.rank)
+                    if path.exists():
+                        with contextlib.suppress(OSError):
+                            layout.write_json(path / layout.COMMITTED, {"step": step, "committed_ts": time.time()})
+                self._retain()
+            if all(d["stop"] for d in everyone):
+                return
+            if not stopping:
+                self._stop.wait(self.cfg.commit_interval_s)
+            else:
+                time.sleep(0.01)
+
+    def _retain(self) -> None:
+        """Delete old copies here. Kept: the newest ``keep`` steps that are committed or still in
+        flight (newer than the newest committed), and always the newest committed and the newest
+        verified step. Older uncommitted steps (skipped by some rank) go."""
+        groups = [("local", self.rank)] + [("replica", s) for s in self.sources]
+        with self._lock:
+            committed = set(self.committed)
+        newest_committed = max(committed, default=-1)
+        for tier, rank in groups:
+            copies = layout.list_copies(self.root, tier, rank=rank)
+            candidates = sorted((s for s, _r, _p in copies if s in committed or s > newest_committed), reverse=True)
+            keep = set(candidates[:self.cfg.keep]) | {newest_committed}
+            verified = [s for s, _r, p in copies if (p / layout.VERIFIED).exists()]
+            if verified:
+                keep.add(max(verified))
+            for step, _r, path in copies:
+                if step not in keep:
+                    layout.remove_copy(path)
+
+    # ---- end ---------------------------------------------------------------------------
+    def close(self, *, flush: bool = True, timeout_s: float = 120.0) -> None:
+        """Stop. With ``flush``, first write and replicate every queued snapshot and commit what every
+        rank finished (all ranks must call it); without, just stop (the job is failing)."""
+        if not self._started:
+            return
+        self._stop.set()
+        self._writer_q.put(None)  # the writer then ends the S3 thread and the replica stream
+        if not flush:
+            return
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in self._threads if t.is_alive()]
+        if stuck:
+            self._log(f"closing: {', '.join(stuck)} still running after {timeout_s:.0f}s", kind="close")
+
+    # ---- restore -------------------------------------------------------------------------
+    def _scan(self) -> tuple[list[Holding], list[str]]:
+        """The copies this rank holds that pass the cheap check; lines for those that do not."""
+        holdings, problems = [], []
+        candidates = [(p, "local") for _s, _r, p in layout.list_copies(self.root, "local", rank=self.rank)]
+        for _s, owner, p in layout.list_copies(self.root, "replica"):
+            info = layout.read_json(p / layout.REPLICA_INFO) or {}
+            holder = info.get("holder")
+            if holder == self.rank or (holder is None and self.replicate
+                                       and self.placement.backup_rank(owner) == self.rank):
+                candidates.append((p, "replica"))
+        for path, tier in candidates:
+            check = inspect_copy(path, machine=self.machine)
+            if not check.ok or check.manifest is None:
+                problems += [p.line() for p in check.problems]
+                continue
+            doc = check.manifest
+            holdings.append(Holding(check.step, check.rank, tier, self.rank, mf.topology_key(doc),
+                                    str(doc.get("state", {}).get("segment", ""))))
+        return holdings, problems
+
+    def restore(self) -> RestoreResult | None:
+        """Restore the newest step every rank can get (all ranks call this together, before training).
+
+        Returns None when there is nothing to restore (or restore is "off"); raises
+        :class:`RestoreError` when copies exist but no step can be restored on all ranks
+        (mode "auto" or "require"), or nothing exists in mode "require".
+        """
+        t0 = time.monotonic()
+        mode = self.cfg.restore
+        holdings, problems = self._scan() if mode != "off" else ([], [])
+        mine = {"holdings": [h.as_list() for h in holdings], "problems": problems, "segment": self.segment}
+        everyone = wire.gather_json(mine, self.ctl, self.world)
+        self.segment = everyone[0]["segment"]  # the new segment's id: rank 0's
+        for line in problems:
+            self._log(line)
+        if mode == "off":
+            return None
+        every = [Holding.from_list(item) for doc in everyone for item in doc["holdings"]]
+        # S3 is the last resort: listed (a boto3 import and a listing, ~0.5 s) only once disks and
+        # replicas cannot give every rank the newest step some rank holds; the same decision on every rank
+        newest = max((h.step for h in every if h.layout == self.layout_key), default=-1)
+        s3_asked = self.s3 is None
+        excluded: set[tuple[int, int, str, int]] = set()
+        bad_lines: list[str] = [line for doc in everyone for line in doc["problems"]]
+        rounds = 0
+        while True:
+            plan = plan_restore(every, world_size=self.world, layout=self.layout_key, excluded=excluded)
+            if not s3_asked and (plan is None or plan.step < newest):
+                every += self._list_s3()
+                s3_asked = True
+                continue
+            if not every:
+                if mode == "require":
+                    raise RestoreError(f"checkpoint: --restore was given but no copy exists on any of the "
+                                       f"{self.world} ranks{' or in S3' if self.s3 else ''}; start without --restore")
+                return None
+            rounds += 1
+            if plan is None:
+                why = explain(every, world_size=self.world, layout=self.layout_key, excluded=excluded)
+                raise RestoreError(
+                    f"checkpoint: {len(every)} copies found but no step can be restored on all {self.world} "
+                    f"ranks: {why}; see the lines above for damaged copies, or pass --no-restore to start "
+                    f"from step 0")
+            got, failures, lines = self._execute(plan)
+            for line in lines:
+                self._log(f"restore of step {plan.step}: {line}")
+            results = wire.gather_json({"failures": [list(f) for f in failures], "problems": lines},
+                                       self.ctl, self.world)
+            all_failures = {tuple(f) for doc in results for f in doc["failures"]}
+            bad_lines += [line for doc in results for line in doc["problems"]]
+            if not all_failures:
+                break
+            excluded |= all_failures  # type: ignore[arg-type]
+        assert got is not None
+        self._apply(got)
+        src = plan.sources[self.rank]
+        if src.tier != "local":  # this machine gets its own copy back
+            self._keep_locally(plan.step, got)
+        with self._lock:
+            self.committed.add(plan.step)
+        result = RestoreResult(step=plan.step, tier=src.tier, holder=src.holder if src.tier == "replica" else -1,
+                               seconds=time.monotonic() - t0, counts=plan.counts(), rounds=rounds,
+                               problems=bad_lines,
+                               data_position=dict(got.manifest.get("data_position", {}) if got.manifest else {}))
+        with contextlib.suppress(OSError):
+            layout.write_json(self.root / "reports" / f"restore-rank{self.rank}-inc{self.incarnation}.json",
+                              {"step": result.step, "tier": result.tier, "holder": result.holder,
+                               "seconds": result.seconds, "counts": result.counts, "rounds": rounds,
+                               "problems": bad_lines, "segment": self.segment, "ts": time.time()})
+        return result
+
+    def _list_s3(self) -> list[Holding]:
+        """What the S3 tier holds: rank 0 lists, every rank takes part in sharing it."""
+        assert self.s3 is not None
+        listing: list[list[object]] = []
+        error = ""
+        if self.rank == 0:
+            try:
+                listing = [Holding(step, rank, "s3", S3_HOLDER, self.layout_key).as_list()
+                           for (step, rank) in self.s3.list_copies()]
+            except S3TierError as exc:
+                error = str(exc)
+        shared = wire.gather_json({"s3": listing, "error": error}, self.ctl, self.world)[0]
+        if shared["error"]:
+            self._log(f"tier s3 unavailable for restore: {shared['error']}")
+        return [Holding.from_list(item) for item in shared["s3"]]
+
+    def _execute(self, plan: RestorePlan) -> tuple[CopyCheck | None, set[tuple[int, int, str, int]], list[str]]:
+        """Get this rank's copy for ``plan`` (and serve the peers it holds replicas for)."""
+        failures: set[tuple[int, int, str, int]] = set()
+        lines: list[str] = []
+        got: CopyCheck | None = None
+        step = plan.step
+
+        def fail(h: Holding, check: CopyCheck | None, what: str = "") -> None:
+            failures.add(h.key)
+            if check is not None:
+                lines.extend(p.line() for p in check.problems)
+            if what:
+                lines.append(what)
+
+        for holder, owner in plan.transfers():
+            h = plan.sources[owner]
+            if holder == self.rank:
+                check = verify_copy(layout.copy_dir(self.root, "replica", step, owner), machine=self.machine,
+                                    keep_files=True)
+                if check.ok and not self._same_segment(check, plan):
+                    check.problems.append(Problem(self.machine, owner, step, "replica", check.path,
+                                                  "copy belongs to another training segment"))
+                if check.ok:
+                    wire.send_copy(self.data, owner, step=step, manifest=check.manifest_bytes,
+                                   files=[(n, [d]) for n, d in check.files.items()], tag=wire.TAG_RESTORE)
+                else:
+                    wire.send_copy(self.data, owner, step=step, ok=False, tag=wire.TAG_RESTORE)
+                    fail(h, check)
+            if owner == self.rank:
+                rstep, ok, manifest, files = wire.recv_copy(self.data, holder, tag=wire.TAG_RESTORE)
+                if not ok or rstep != step:
+                    fail(h, None)  # the holder reported why
+                    continue
+                check = self._check_received(manifest, files, rank=owner, step=step, tier="replica",
+                                             path=Path(f"received from rank {holder}"), deep=True, keep=True)
+                if check.ok:
+                    got = check
+                else:
+                    fail(h, check)
+        src = plan.sources[self.rank]
+        if src.tier == "local":
+            check = verify_copy(layout.copy_dir(self.root, "local", step, self.rank), machine=self.machine,
+                                keep_files=True)
+            if check.ok and not self._same_segment(check, plan):
+                check.problems.append(Problem(self.machine, self.rank, step, "local", check.path,
+                                              "copy belongs to another training segment"))
+            got = check if check.ok else None
+            if not check.ok:
+                fail(src, check)
+        elif src.tier == "s3":
+            if self.s3 is None:
+                fail(src, None, f"machine {self.machine} rank {self.rank} step {step} tier s3: no S3 tier configured")
+            else:
+                check = check_s3_copy(self.s3, step, self.rank, deep=True, keep_files=True)
+                if check.ok and check.manifest and mf.topology_key(check.manifest) != self.layout_key:
+                    check.problems.append(Problem("s3", self.rank, step, "s3", check.path,
+                                                  f"saved with layout {mf.topology_key(check.manifest)}"))
+                if check.ok and not self._same_segment(check, plan):
+                    check.problems.append(Problem("s3", self.rank, step, "s3", check.path,
+                                                  "copy belongs to another training segment"))
+                got = check if check.ok else None
+                if not check.ok:
+                    fail(src, check)
+        return got, failures, lines
+
+    @staticmethod
+    def _same_segment(check: CopyCheck, plan: RestorePlan) -> bool:
+        seg = str((check.manifest or {}).get("state", {}).get("segment", ""))
+        return not plan.segment or not seg or seg == plan.segment
+
+    def _apply(self, check: CopyCheck) -> None:
+        from safetensors.torch import load
+
+        assert check.manifest is not None
+        # load_state_dict copies into the live parameters and moves optimizer state to their devices
+        tensors = {name: load(bytes(data)) for name, data in check.files.items()}
+        apply_state(self.model, self.optimizer, tensors, check.manifest["state"])
+
+    def _keep_locally(self, step: int, check: CopyCheck) -> None:
+        dest = layout.copy_dir(self.root, "local", step, self.rank)
+        try:
+            layout.write_copy(dest, check.manifest_bytes, [(n, [d]) for n, d in check.files.items()],
+                              fsync=self.cfg.fsync)
+        except OSError as exc:
+            self._error(f"step {step} tier local: keeping the restored copy at {dest} failed "
+                        f"({exc.strerror or exc})", kind="local-write")
+
+
+def _json_bytes(doc: dict[str, Any]) -> bytes:
+    import json
+
+    return json.dumps(doc, sort_keys=True).encode("utf-8")

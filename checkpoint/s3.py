@@ -1,0 +1,149 @@
+"""The S3 tier: rank copies under ``s3://bucket/prefix/step_<N>/rank_<R>/``, through boto3, any endpoint.
+
+An object per file, the manifest uploaded last (a copy without one is
+incomplete and ignored), ``verified.json`` added by verification. Every request
+has short connect/read timeouts and few retries: an endpoint that is down costs
+seconds, is reported as one :class:`S3TierError` line naming the endpoint, and
+never blocks training (uploads run on a background thread).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from checkpoint.errors import S3TierError
+from checkpoint.layout import VERIFIED
+from checkpoint.manifest import MANIFEST
+
+_KEY_RE = re.compile(r"step_(\d+)/rank_(\d+)/([^/]+)$")
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``."""
+    if not url.startswith("s3://"):
+        raise S3TierError(f"S3 location {url!r} must look like s3://bucket/prefix")
+    bucket, _, prefix = url[5:].partition("/")
+    if not bucket:
+        raise S3TierError(f"S3 location {url!r} names no bucket")
+    return bucket, prefix.strip("/")
+
+
+@dataclass
+class S3Tier:
+    """One S3 location of checkpoint copies.
+
+    Attributes:
+        url: ``s3://bucket/prefix``.
+        endpoint_url: the S3-compatible endpoint; "" = boto3's default.
+        timeout_s: connect and read timeout of each request. Seconds.
+        attempts: tries per request (boto3 "standard" retry mode).
+    """
+
+    url: str
+    endpoint_url: str = ""
+    timeout_s: float = 5.0
+    attempts: int = 2
+
+    def __post_init__(self) -> None:
+        self.bucket, self.prefix = split_url(self.url)
+        self._client: Any = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.url}" + (f" at {self.endpoint_url}" if self.endpoint_url else "")
+
+    def client(self) -> Any:
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            cfg = Config(connect_timeout=self.timeout_s, read_timeout=self.timeout_s,
+                         retries={"max_attempts": self.attempts, "mode": "standard"})
+            self._client = boto3.client("s3", endpoint_url=self.endpoint_url or None, config=cfg)
+        return self._client
+
+    def key(self, step: int, rank: int, name: str) -> str:
+        rel = f"step_{step}/rank_{rank}/{name}"
+        return f"{self.prefix}/{rel}" if self.prefix else rel
+
+    def copy_url(self, step: int, rank: int) -> str:
+        return f"s3://{self.bucket}/{self.key(step, rank, '')}"
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn(**kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "?")
+            raise S3TierError(f"S3 tier {self.where}: {what} refused ({code})") from None
+        except BotoCoreError as exc:
+            raise S3TierError(f"S3 tier {self.where}: {what} failed: {type(exc).__name__}: {exc}") from None
+
+    # ---- writing --------------------------------------------------------------------------
+    def upload_copy(self, step: int, rank: int, files: Iterable[tuple[str, bytes]], manifest: bytes) -> None:
+        """Upload a rank's copy of a step: the tensor files, then the manifest."""
+        c = self.client()
+        for name, data in files:
+            self._call(f"upload of {self.key(step, rank, name)}", c.put_object, Bucket=self.bucket,
+                       Key=self.key(step, rank, name), Body=data)
+        self._call(f"upload of {self.key(step, rank, MANIFEST)}", c.put_object, Bucket=self.bucket,
+                   Key=self.key(step, rank, MANIFEST), Body=manifest)
+
+    def put(self, step: int, rank: int, name: str, data: bytes) -> None:
+        self._call(f"upload of {self.key(step, rank, name)}", self.client().put_object, Bucket=self.bucket,
+                   Key=self.key(step, rank, name), Body=data)
+
+    def delete_copy(self, step: int, rank: int) -> None:
+        c = self.client()
+        keys = [k for k in self._keys(f"step_{step}/rank_{rank}/")]
+        for start in range(0, len(keys), 1000):
+            self._call(f"delete of {self.copy_url(step, rank)}", c.delete_objects, Bucket=self.bucket,
+                       Delete={"Objects": [{"Key": k} for k in keys[start:start + 1000]], "Quiet": True})
+
+    # ---- reading --------------------------------------------------------------------------
+    def _keys(self, under: str = "") -> Iterable[str]:
+        c = self.client()
+        base = f"{self.prefix}/" if self.prefix else ""
+        token = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base + under}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call(f"listing of s3://{self.bucket}/{base}{under}", c.list_objects_v2, **kwargs)
+            for obj in page.get("Contents", []):
+                yield obj["Key"]
+            if not page.get("IsTruncated"):
+                return
+            token = page.get("NextContinuationToken")
+
+    def list_copies(self) -> dict[tuple[int, int], set[str]]:
+        """Every ``(step, rank)`` with the names of its objects; only copies that have a manifest."""
+        found: dict[tuple[int, int], set[str]] = {}
+        for key in self._keys():
+            m = _KEY_RE.search(key)
+            if m:
+                found.setdefault((int(m.group(1)), int(m.group(2))), set()).add(m.group(3))
+        return {k: v for k, v in found.items() if MANIFEST in v}
+
+    def get(self, step: int, rank: int, name: str) -> bytes | None:
+        """An object's bytes, or None when it does not exist."""
+        from botocore.exceptions import ClientError
+
+        key = self.key(step, rank, name)
+        try:
+            obj = self.client().get_object(Bucket=self.bucket, Key=key)
+            return obj["Body"].read()
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            code = exc.response.get("Error", {}).get("Code", "?")
+            raise S3TierError(f"S3 tier {self.where}: download of {key} refused ({code})") from None
+        except Exception as exc:  # botocore connection errors, read timeouts
+            raise S3TierError(f"S3 tier {self.where}: download of {key} failed: {type(exc).__name__}: {exc}") from None
+
+    def is_verified(self, step: int, rank: int) -> bool:
+        return self.get(step, rank, VERIFIED) is not None

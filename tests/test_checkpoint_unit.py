@@ -1,0 +1,501 @@
+"""The checkpoint library in one process: snapshot and restore bit for bit, back-pressure, retention,
+verification of damaged copies in every tier, the restore plan, the S3 tier against a real moto_server,
+and the great-expectations check of the metrics around a step.
+
+The multi-rank behaviour (replicas, peer restore, eviction, a killed job) is in test_checkpoint_restore.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from checkpoint import layout
+from checkpoint import manifest as mf
+from checkpoint.config import CheckpointConfig, expand_root
+from checkpoint.engine import Checkpointer
+from checkpoint.errors import CheckpointError, RestoreError
+from checkpoint.plan import Holding, explain, plan_restore
+from checkpoint.s3 import S3Tier
+from checkpoint.shards import MODEL_FILE, OPTIM_FILE, ShardLayout
+from checkpoint.verify import check_metrics, verify_copy, verify_root, verify_s3, verify_step
+from node_tools.monitor import JobMonitor
+from node_tools.topology import Topology
+from tests.conftest import free_port, wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+ONE = Topology(1, 1, 1)
+
+
+# ---- damage a copy (also used by test_checkpoint_restore.py) ------------------------------
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Flip one bit in the middle of a file (a silent corruption of the data)."""
+    data = bytearray(path.read_bytes())
+    at = len(data) // 2 if offset is None else offset
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path, by: int = 64) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:-by])
+
+
+def lie_about_size(copy: Path, name: str = MODEL_FILE, delta: int = 8) -> None:
+    """Rewrite the manifest, correctly sealed, but with a wrong size for ``name``."""
+    doc = json.loads((copy / mf.MANIFEST).read_text())
+    for entry in doc["files"]:
+        if entry["name"] == name:
+            entry["size"] += delta
+    (copy / mf.MANIFEST).write_bytes(mf.seal(doc))
+
+
+DAMAGES = {
+    "flip": (lambda copy: flip_byte(copy / MODEL_FILE), "model.safetensors sha256 mismatch"),
+    "truncate": (lambda copy: truncate(copy / OPTIM_FILE), "optim.safetensors has"),
+    "lie": (lambda copy: lie_about_size(copy), "manifest says"),
+    "manifest": (lambda copy: flip_byte(copy / mf.MANIFEST, 40), "manifest"),
+}
+
+
+# ---- a tiny job in this process -----------------------------------------------------------
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) + torch.rand(1)  # uses the global RNG
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    crc = 0
+    for p in model.parameters():
+        crc = zlib.crc32(p.detach().numpy().tobytes(), crc)
+        for key in sorted(opt.state[p]):
+            crc = zlib.crc32(opt.state[p][key].numpy().tobytes(), crc)
+    return f"{crc:08x}"
+
+
+def checkpointer(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, lines: list[str] | None = None,
+                 **cfg: Any) -> Checkpointer:
+    return Checkpointer(CheckpointConfig(root=root, machine="m7", **cfg), topology=ONE, rank=0, model=model,
+                        optimizer=opt, log=(lines.append if lines is not None else None))
+
+
+def run_steps(ck: Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range,
+              digests: dict[int, str] | None = None) -> None:
+    """Train ``steps``, each snapshot written before the next step (so none is skipped)."""
+    for step in steps:
+        train_step(model, opt, step)
+        info = ck.after_step(step)
+        assert not info.skipped
+        if digests is not None:
+            digests[step] = digest(model, opt)
+        assert ck.drain(30), "the writer did not finish a snapshot within 30 s"
+
+
+def saved_run(root: Path, steps: int = 4, **cfg: Any) -> dict[int, str]:
+    model, opt = make_model()
+    ck = checkpointer(root, model, opt, **cfg)
+    assert ck.restore() is None
+    ck.start()
+    digests: dict[int, str] = {}
+    run_steps(ck, model, opt, range(steps), digests)
+    ck.close()
+    return digests
+
+
+# ---- snapshot and restore ------------------------------------------------------------------
+def test_restore_is_bit_identical_parameters_optimizer_and_rng(tmp_path: Path):
+    ref_model, ref_opt = make_model()  # the uninterrupted run
+    for step in range(5):
+        train_step(ref_model, ref_opt, step)
+    digests = saved_run(tmp_path, steps=4)
+    model, opt = make_model()
+    torch.manual_seed(99)  # the restored RNG must replace whatever state the process is in
+    ck = checkpointer(tmp_path, model, opt)
+    result = ck.restore()
+    assert result is not None and result.step == 3 and result.tier == "local"
+    assert result.data_position == {"next_step": 4}
+    assert digest(model, opt) == digests[3]
+    # the RNG came back too: the next step (which draws from the global RNG) equals the uninterrupted one
+    train_step(model, opt, 4)
+    assert digest(model, opt) == digest(ref_model, ref_opt)
+
+
+def test_files_are_plain_safetensors_with_the_manifests_tensors(tmp_path: Path):
+    from safetensors.torch import load_file
+
+    saved_run(tmp_path, steps=1)
+    copy = layout.copy_dir(tmp_path, "local", 0, 0)
+    doc = mf.parse((copy / mf.MANIFEST).read_bytes())
+    assert doc["step"] == 0 and doc["rank"] == 0 and doc["topology"]["tp"] == 1 and doc["machine"] == "m7"
+    for entry in doc["files"]:
+        tensors = load_file(copy / entry["name"])
+        assert {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in entry["tensors"].items()} == {
+            k: {"dtype": ShardLayout.signature_of({k: t})[0][1], "shape": list(t.shape)} for k, t in tensors.items()}
+        assert entry["size"] == (copy / entry["name"]).stat().st_size
+    model_names = set(load_file(copy / MODEL_FILE))
+    assert model_names == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert {"rng.torch", "state.0.exp_avg", "state.0.exp_avg_sq", "state.0.step"} <= set(load_file(copy / OPTIM_FILE))
+    assert (copy / layout.COMMITTED).exists()  # one rank, no replica: committed once durable
+    assert not any(p.suffix == ".pkl" or p.name.endswith(".pt") for p in tmp_path.rglob("*"))
+
+
+def test_back_pressure_skips_a_snapshot_instead_of_blocking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt)
+    ck.restore()
+    release = threading.Event()
+    persist = Checkpointer._persist
+
+    def slow_persist(self: Checkpointer, slot: Any) -> None:
+        assert release.wait(30)
+        persist(self, slot)
+
+    monkeypatch.setattr(Checkpointer, "_persist", slow_persist)
+    ck.start()
+    infos = []
+    for step in range(3):
+        train_step(model, opt, step)
+        infos.append(ck.after_step(step))
+    # two buffers: steps 0 and 1 are held by the stalled writer, step 2 is skipped at once
+    assert [i.taken for i in infos] == [True, True, False]
+    assert infos[2].skipped and infos[2].blocking_s < 1.0
+    assert ck.status()["skipped"] == 1
+    release.set()
+    assert ck.drain(30)
+    train_step(model, opt, 3)
+    assert ck.after_step(3).taken
+    ck.close()
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [0, 1, 3]  # 2 was never written
+
+
+def test_retention_keeps_the_newest_committed_and_the_newest_verified(tmp_path: Path):
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, keep=2)
+    ck.restore()
+    ck.start()
+    run_steps(ck, model, opt, range(2))
+    wait_until(lambda: (layout.copy_dir(tmp_path, "local", 1, 0) / layout.COMMITTED).exists(), timeout=30,
+               what="step 1 to be committed")
+    report = verify_step(tmp_path, 1)
+    assert report.ok and report.marked == [str(layout.copy_dir(tmp_path, "local", 1, 0))]
+    run_steps(ck, model, opt, range(2, 7))
+    ck.close()
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [1, 5, 6]
+
+
+def test_a_checkpoint_root_that_cannot_be_made_is_one_line(tmp_path: Path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    model, opt = make_model()
+    with pytest.raises(CheckpointError, match=r"^machine m7 rank 0: checkpoint root .* is not writable"):
+        checkpointer(blocker / "root", model, opt)
+
+
+def test_root_templates_name_the_machine():
+    assert expand_root("/d/m{machine}/r{rank}", machine=2, rank=5, local_rank=1) == Path("/d/m2/r5")
+    with pytest.raises(CheckpointError, match="unknown placeholder"):
+        expand_root("/d/{host}", machine=0, rank=0, local_rank=0)
+
+
+# ---- verification of damaged copies --------------------------------------------------------
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_verification_names_the_damaged_copy(tmp_path: Path, damage: str):
+    saved_run(tmp_path, steps=2)
+    copy = layout.copy_dir(tmp_path, "local", 1, 0)
+    assert verify_copy(copy).ok
+    do, expected = DAMAGES[damage]
+    do(copy)
+    report = verify_root(tmp_path)
+    bad = [p for p in report.problems]
+    assert len(bad) >= 1 and all(p.step == 1 for p in bad), [p.line() for p in bad]
+    p = bad[0]
+    assert (p.machine, p.rank, p.step, p.tier, p.path) == ("m7", 0, 1, "local", str(copy))
+    assert expected in p.what, p.what
+    assert p.line().startswith("machine m7 rank 0 step 1 tier local: ")
+    assert verify_copy(layout.copy_dir(tmp_path, "local", 0, 0)).ok  # the older step is untouched
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+def test_restore_skips_a_damaged_copy_for_an_older_step(tmp_path: Path, damage: str):
+    digests = saved_run(tmp_path, steps=3)
+    DAMAGES[damage][0](layout.copy_dir(tmp_path, "local", 2, 0))
+    model, opt = make_model()
+    lines: list[str] = []
+    result = checkpointer(tmp_path, model, opt, lines).restore()
+    assert result is not None and result.step == 1 and digest(model, opt) == digests[1]
+    assert any("rank 0 step 2 tier local" in line for line in lines), lines
+
+
+def test_non_finite_values_fail_verification_even_with_good_checksums(tmp_path: Path):
+    model, opt = make_model()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("nan")
+    ck = checkpointer(tmp_path, model, opt)
+    ck.restore()
+    ck.start()
+    run_steps(ck, model, opt, range(1))
+    ck.close()
+    check = verify_copy(layout.copy_dir(tmp_path, "local", 0, 0))
+    assert not check.ok and any("non-finite" in p.what for p in check.problems), check.problems
+    assert verify_copy(layout.copy_dir(tmp_path, "local", 0, 0), deep=False).ok  # checksums alone pass
+
+
+def test_only_damaged_copies_refuse_to_start_from_scratch(tmp_path: Path):
+    saved_run(tmp_path, steps=1)
+    flip_byte(layout.copy_dir(tmp_path, "local", 0, 0) / MODEL_FILE)
+    model, opt = make_model()
+    with pytest.raises(RestoreError, match=r"^checkpoint: 1 copies found but no step can be restored on all 1 "
+                                           r"ranks: .*--no-restore"):
+        checkpointer(tmp_path, model, opt).restore()
+    assert checkpointer(tmp_path, model, opt, restore="off").restore() is None
+    with pytest.raises(RestoreError, match="no copy exists"):
+        checkpointer(tmp_path / "empty", model, opt, restore="require").restore()
+
+
+# ---- the plan ------------------------------------------------------------------------------
+L = "tp=1,pp=2,dp=2"
+
+
+def H(step: int, rank: int, tier: str = "local", holder: int | None = None, layout_: str = L,
+      segment: str = "a") -> Holding:
+    if holder is None:
+        holder = rank if tier == "local" else (-1 if tier == "s3" else (rank + 2) % 4)
+    return Holding(step, rank, tier, holder, layout_, segment)
+
+
+@pytest.mark.parametrize(
+    ("holdings", "excluded", "step", "tiers"),
+    [
+        ([H(5, r) for r in range(4)] + [H(4, r) for r in range(4)], [], 5, ["local"] * 4),
+        # rank 1 lost its disk: its replica holder serves it
+        ([H(5, r) for r in (0, 2, 3)] + [H(5, 1, "replica")], [], 5, ["local", "replica", "local", "local"]),
+        # local beats replica beats S3
+        ([H(5, r) for r in range(4)] + [H(5, r, "replica") for r in range(4)] + [H(5, r, "s3") for r in range(4)],
+         [], 5, ["local"] * 4),
+        ([H(5, r) for r in (1, 2, 3)] + [H(5, 0, "s3"), H(5, 0, "replica")], [], 5,
+         ["replica", "local", "local", "local"]),
+        ([H(5, r) for r in (1, 2, 3)] + [H(5, 0, "s3", segment="")], [], 5, ["s3", "local", "local", "local"]),
+        # step 5 lacks rank 3 anywhere: step 4
+        ([H(5, r) for r in range(3)] + [H(4, r) for r in range(4)], [], 4, ["local"] * 4),
+        # a copy that failed verification is excluded: the replica of the same step, then an older step
+        ([H(5, r) for r in range(4)] + [H(5, 2, "replica")], [(5, 2, "local", 2)], 5,
+         ["local", "local", "replica", "local"]),
+        ([H(5, r) for r in range(4)] + [H(4, r) for r in range(4)], [(5, 2, "local", 2)], 4, ["local"] * 4),
+        # copies of step 5 from two segments (a restart redid step 5) are never mixed
+        ([H(5, 0, segment="b"), *(H(5, r) for r in (1, 2, 3)), *(H(4, r) for r in range(4))], [], 4, ["local"] * 4),
+        # another layout's copies do not count
+        ([H(5, r, layout_="tp=2,pp=1,dp=2") for r in range(4)] + [H(3, r) for r in range(4)], [], 3, ["local"] * 4),
+    ],
+)
+def test_restore_plan(holdings: list[Holding], excluded: list[tuple[int, int, str, int]], step: int,
+                      tiers: list[str]):
+    plan = plan_restore(holdings, world_size=4, layout=L, excluded=excluded)
+    assert plan is not None and plan.step == step
+    assert [plan.sources[r].tier for r in range(4)] == tiers
+    for holder, owner in plan.transfers():
+        assert plan.sources[owner].tier == "replica" and plan.sources[owner].holder == holder
+
+
+def test_restore_plan_explains_why_nothing_fits():
+    holdings = [H(5, r) for r in range(3)]
+    assert plan_restore(holdings, world_size=4, layout=L) is None
+    assert explain(holdings, world_size=4, layout=L) == "newest step 5 has no usable copy for rank(s) [3]"
+    other = [H(5, r, layout_="tp=2,pp=2,dp=1") for r in range(4)]
+    assert "another layout (tp=2,pp=2,dp=1)" in explain(other, world_size=4, layout=L)
+
+
+# ---- S3 ------------------------------------------------------------------------------------
+def _bucket(endpoint: str, name: str) -> str:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=name)
+    return f"s3://{name}/job"
+
+
+def test_s3_tier_upload_verify_damage_and_restore(tmp_path: Path, s3_endpoint: str):
+    url = _bucket(s3_endpoint, "ckpt-unit")
+    digests = saved_run(tmp_path, steps=4, s3_url=url, s3_endpoint_url=s3_endpoint, s3_every_steps=2)
+    tier = S3Tier(url, endpoint_url=s3_endpoint)
+    assert sorted(tier.list_copies()) == [(1, 0), (3, 0)]
+    assert verify_s3(url, endpoint_url=s3_endpoint).ok
+    # flip a byte of step 3's model in S3: verification names it, restore (without local copies) takes step 1
+    data = bytearray(tier.get(3, 0, MODEL_FILE) or b"")
+    data[len(data) // 2] ^= 1
+    tier.put(3, 0, MODEL_FILE, bytes(data))
+    report = verify_s3(url, endpoint_url=s3_endpoint)
+    assert [(p.machine, p.rank, p.step, p.tier, p.path) for p in report.problems] == [
+        ("s3", 0, 3, "s3", "s3://ckpt-unit/job/step_3/rank_0/")]
+    assert "sha256 mismatch" in report.problems[0].what
+    for _s, _r, path in layout.list_copies(tmp_path, "local"):
+        layout.remove_copy(path)
+    model, opt = make_model()
+    lines: list[str] = []
+    result = checkpointer(tmp_path, model, opt, lines, s3_url=url, s3_endpoint_url=s3_endpoint).restore()
+    assert result is not None and (result.step, result.tier, result.rounds) == (1, "s3", 2)
+    assert digest(model, opt) == digests[1]
+    assert any("rank 0 step 3 tier s3: model.safetensors sha256 mismatch" in line for line in lines), lines
+    # the restored state is on local disk again
+    assert verify_copy(layout.copy_dir(tmp_path, "local", 1, 0)).ok
+
+
+def test_s3_is_asked_only_when_disks_cannot_give_the_newest_step(tmp_path: Path, s3_endpoint: str):
+    url = _bucket(s3_endpoint, "ckpt-last-resort")
+    digests = saved_run(tmp_path, steps=3, s3_url=url, s3_endpoint_url=s3_endpoint, s3_every_steps=1)
+    model, opt = make_model()
+    result = checkpointer(tmp_path, model, opt, s3_url=url, s3_endpoint_url=s3_endpoint).restore()
+    assert result is not None and (result.step, result.tier) == (2, "local")
+    # a damaged newest local copy: S3's copy of the same step beats the older local one
+    flip_byte(layout.copy_dir(tmp_path, "local", 2, 0) / MODEL_FILE)
+    model, opt = make_model()
+    result = checkpointer(tmp_path, model, opt, s3_url=url, s3_endpoint_url=s3_endpoint).restore()
+    assert result is not None and (result.step, result.tier, result.rounds) == (2, "s3", 2)
+    assert digest(model, opt) == digests[2]
+
+
+def test_s3_uploads_on_demand_only_when_asked(tmp_path: Path, s3_endpoint: str):
+    url = _bucket(s3_endpoint, "ckpt-demand")
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, s3_url=url, s3_endpoint_url=s3_endpoint, s3_every_steps=0)
+    ck.restore()
+    ck.start()
+    run_steps(ck, model, opt, range(2))
+    (tmp_path / layout.S3_REQUEST).touch()  # what an operator (or the control plane) does
+    run_steps(ck, model, opt, range(2, 4))
+    ck.request_s3()
+    run_steps(ck, model, opt, range(4, 5))
+    ck.close()
+    assert sorted(S3Tier(url, endpoint_url=s3_endpoint).list_copies()) == [(2, 0), (4, 0)]
+    assert not (tmp_path / layout.S3_REQUEST).exists()
+
+
+def test_s3_endpoint_down_is_reported_and_never_blocks(tmp_path: Path):
+    dead = f"http://127.0.0.1:{free_port()}"
+    report = verify_s3("s3://ckpt-down/job", endpoint_url=dead, timeout_s=1)
+    assert not report.ok and report.problems[0].tier == "s3" and "failed" in report.problems[0].what
+    model, opt = make_model()
+    lines: list[str] = []
+    ck = checkpointer(tmp_path, model, opt, lines, s3_url="s3://ckpt-down/job", s3_endpoint_url=dead,
+                      s3_every_steps=1, s3_timeout_s=1)
+    assert ck.restore() is None
+    ck.start()
+    run_steps(ck, model, opt, range(2))
+    ck.close()
+    assert len(layout.list_copies(tmp_path, "local")) == 2  # local copies go on
+    assert any("tier s3: S3 tier s3://ckpt-down/job at " in line for line in lines), lines
+    assert any("tier s3 unavailable for restore" in line for line in lines), lines
+    # restore with the endpoint down uses the local copies
+    model2, opt2 = make_model()
+    result = checkpointer(tmp_path, model2, opt2, s3_url="s3://ckpt-down/job", s3_endpoint_url=dead,
+                          s3_timeout_s=1).restore()
+    assert result is not None and result.step == 1 and result.tier == "local"
+
+
+# ---- metrics around a step (great-expectations) ------------------------------------------------
+def _records(run_dir: Path, losses: list[Any], steps: list[int] | None = None) -> None:
+    mon = JobMonitor(run_dir=run_dir, rank=0)
+    for step, loss in zip(steps or range(len(losses)), losses, strict=True):
+        mon.step_end(step, loss=loss, grad_norm=1.0, step_time_s=0.1, tokens_per_s=1.0)
+    mon.close()
+
+
+@pytest.mark.parametrize(
+    ("losses", "steps", "problem"),
+    [
+        ([4.0, 3.9, 3.8, 3.7], None, None),
+        ([4.0, float("nan"), 3.8, 3.7], None, "expect_column_values_to_not_be_null failed on loss"),
+        ([4.0, 3.9, float("inf"), 3.7], None, "expect_column_values_to_be_between failed on loss"),
+        ([4.0, 3.9, 3.8, 3.7], [0, 1, 1, 3], "expect_column_values_to_be_increasing failed on step"),
+        ([4.0, 3.9, 3.8], None, "no step records for this step"),
+    ],
+)
+def test_metrics_around_a_step(tmp_path: Path, losses: list[float], steps: list[int] | None, problem: str | None):
+    _records(tmp_path, losses, steps)
+    problems = check_metrics(tmp_path, step=3, ranks=[0], machine="m7")
+    if problem is None:
+        assert problems == []
+    else:
+        assert problems and problem in problems[0].what, [p.line() for p in problems]
+        assert (problems[0].machine, problems[0].rank, problems[0].step, problems[0].tier) == ("m7", 0, 3, "metrics")
+
+
+def test_verify_step_marks_only_a_step_whose_copies_and_metrics_pass(tmp_path: Path):
+    root, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    saved_run(root, steps=2)
+    _records(run_dir, [4.0, float("nan")])
+    report = verify_step(root, 1, run_dir=run_dir)
+    assert not report.ok and report.marked == []
+    assert not (layout.copy_dir(root, "local", 1, 0) / layout.VERIFIED).exists()
+    report = verify_step(root, 0, run_dir=run_dir)
+    assert report.ok and (layout.copy_dir(root, "local", 0, 0) / layout.VERIFIED).exists()
+    marker = json.loads((layout.copy_dir(root, "local", 0, 0) / layout.VERIFIED).read_text())
+    assert marker["checks"] == ["sha256", "tensors", "finite", "metrics"]
+
+
+def test_verify_command_line(tmp_path: Path):
+    saved_run(tmp_path, steps=2)
+    truncate(layout.copy_dir(tmp_path, "local", 1, 0) / MODEL_FILE)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "checkpoint.verify", "--root", str(tmp_path)], capture_output=True,
+                         text=True, env=env, cwd=REPO, timeout=120)
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout)
+    assert [(p["rank"], p["step"], p["tier"]) for p in doc["problems"]] == [(0, 1, "local")]
+    assert doc["problem_lines"][0].startswith("machine m7 rank 0 step 1 tier local: model.safetensors has")
+
+
+# ---- the reference job's flags (one process, no torchrun) ------------------------------------------
+SMALL = ["--checkpoint", "--tp", "1", "--pp", "1", "--dp", "1", "--layers", "2", "--d-model", "32", "--heads", "2",
+         "--seq-len", "16",
+         "--micro-batches", "1", "--micro-batch-size", "2", "--vocab", "64"]
+
+
+def _train(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TG_RUN_DIR": str(run_dir), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env.pop("TG_CHECKPOINT", None)
+    return subprocess.run([sys.executable, "-m", "examples.gpt3d.train", *SMALL, *args], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=180)
+
+
+def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_path: Path):
+    from node_tools.monitor import read_steps
+
+    run = tmp_path / "run"
+    res = _train(run, "--steps", "4", "--checkpoint-every", "2")
+    assert res.returncode == 0, res.stderr
+    recs = read_steps(run, 0)
+    assert [r["ckpt_saved"] for r in recs] == [False, True, False, True]
+    assert all(r["ckpt_blocking_s"] >= 0 and r["ckpt_skipped"] is False for r in recs)
+    root = run / "checkpoints"
+    assert sorted(s for s, _r, _p in layout.list_copies(root, "local")) == [1, 3]
+    # every copy damaged: the job refuses to start from scratch, in one line, with the damage named above it
+    flip_byte(layout.copy_dir(root, "local", 3, 0) / MODEL_FILE)
+    truncate(layout.copy_dir(root, "local", 1, 0) / OPTIM_FILE)
+    res = _train(run, "--steps", "6")
+    assert res.returncode == 1
+    errors = [line for line in res.stderr.splitlines() if line.startswith("gpt3d: error: ")]
+    assert len(errors) == 1 and "no step can be restored on all 1 ranks" in errors[0], res.stderr
+    assert "rank 0 step 3 tier local: model.safetensors sha256 mismatch" in res.stderr
+    assert "rank 0 step 1 tier local: optim.safetensors has" in res.stderr
+    assert "Traceback" not in res.stderr
+    # --no-restore starts over; --restore without any copy refuses
+    res = _train(run, "--steps", "1", "--no-restore", "--no-checkpoint")
+    assert res.returncode == 0 and "ckpt_saved" not in read_steps(run, 0)[-1]
+    res = _train(tmp_path / "empty", "--steps", "1", "--restore")
+    assert res.returncode == 1 and res.stderr.strip().startswith("gpt3d: error: checkpoint: --restore was given")
