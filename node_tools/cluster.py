@@ -285,7 +285,7 @@ def start_agent(config_path: Path, *, netns: str = "") -> int:
     return proc.pid
 
 
-def machine_up(config_path: Path, *, netns: str = "", address: str = "", sshd: str = "") -> dict[str, Any]:
+def machine_up(config_path: Path, *, netns: str = "", sshd: str = "") -> dict[str, Any]:
     """Bring one machine's services up from its folder: GPU state, kernel log, sshd, agent.
 
     Used by ``cluster up`` for each namespace and as the node image's entrypoint.
@@ -444,7 +444,7 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
                 host_key = _keygen(mdir / "ssh_host_ed25519_key", f"{spec.name}-{name}")
                 (mdir / "sshd_config").write_text(_sshd_config(mdir, spec.address(i), authorized, env))
                 _namespace_up(spec, i)
-            machine_up(mdir / "node.json", netns=netns, address=spec.address(i), sshd=sshd)
+            machine_up(mdir / "node.json", netns=netns, sshd=sshd)
             machines.append(Machine(
                 name=name,
                 address=spec.address(i) if transport == "ssh" else "127.0.0.1",
@@ -482,7 +482,18 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
 def down(state_dir: Path | None = None, *, name: str | None = None, log: Any = print) -> dict[str, Any]:
     """Remove everything ``up`` made: processes, namespaces, links, mounts, files. Safe to repeat."""
     state_dir = Path(state_dir or default_state_dir()).resolve()
-    report: dict[str, Any] = {"killed": [], "namespaces": [], "links": [], "unmounted": [], "removed": False}
+    report: dict[str, Any] = {"killed": [], "namespaces": [], "links": [], "unmounted": [], "removed": False,
+                              "errors": []}
+
+    def undo(argv: list[str], what: str, into: str) -> None:
+        proc = _run(argv, check=False)
+        if proc.returncode:
+            message = f"could not remove {what}: {proc.stderr.strip()}"
+            report["errors"].append(message)
+            log(message)
+        else:
+            report[into].append(what)
+
     cluster = name
     if cluster is None:
         try:
@@ -497,16 +508,13 @@ def down(state_dir: Path | None = None, *, name: str | None = None, log: Any = p
             pids.update(int(p) for p in out.split() if p.isdigit())
         report["killed"] = procs.terminate(pids, grace_s=5.0)
         for ns in namespaces:
-            _run(["ip", "netns", "del", ns], check=False)
-            report["namespaces"].append(ns)
+            undo(["ip", "netns", "del", ns], ns, "namespaces")
         if _is_root():
             for link in _links():
                 if re.fullmatch(rf"{re.escape(cluster)}(v\d+|br)", link):
-                    _run(["ip", "link", "del", link], check=False)
-                    report["links"].append(link)
+                    undo(["ip", "link", "del", link], link, "links")
             for mount in _mounts_under(state_dir):
-                _run(["umount", "-l", str(mount)], check=False)
-                report["unmounted"].append(str(mount))
+                undo(["umount", "-l", str(mount)], str(mount), "unmounted")
         if state_dir.exists():
             shutil.rmtree(state_dir)
             report["removed"] = True

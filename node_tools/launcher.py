@@ -8,7 +8,6 @@ the error names the machine and what it said.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,23 +149,3 @@ def min_step(statuses: dict[str, Any]) -> int:
     if not steps or any(s is None for s in steps):
         return -1
     return min(steps)
-
-
-def wait_for_step(
-    inv: Inventory, job: str, machines: Sequence[Machine], step: int, *, ranks: int, timeout_s: float = 300.0,
-    poll_s: float = 0.5,
-) -> dict[str, Any]:
-    """Poll until all ``ranks`` ranks report ``step`` or later; raises if the job ends or time runs out."""
-    deadline = time.monotonic() + timeout_s
-    last: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        last = status(inv, job, machines)
-        reported = sum(len(doc.get("ranks", [])) for doc in last.values())
-        if reported >= ranks and min_step(last) >= step:
-            return last
-        ended = [n for n, doc in last.items() if doc.get("state") == "exited"]
-        if ended:
-            codes = {n: last[n].get("returncode") for n in ended}
-            raise ClusterError(f"job {job} ended on {', '.join(ended)} before step {step} (exit codes {codes})")
-        time.sleep(poll_s)
-    raise ClusterError(f"job {job} did not reach step {step} within {timeout_s:.0f}s (last min step {min_step(last)})")
