@@ -162,14 +162,19 @@ def _read(path: Path) -> bytes | None:
         return None
 
 
-def verify_copy(path: Path, *, machine: str = "", deep: bool = True, keep_files: bool = False) -> CopyCheck:
-    """Verify one copy directory (``<root>/<tier>/step_<N>/rank_<R>``); location comes from the path."""
+def _locate(path: Path, machine: str) -> tuple[Path, str, int, int, str]:
+    """``(path, tier, step, rank, machine)`` of a copy directory ``<root>/<tier>/step_<N>/rank_<R>``."""
     path = Path(path)
     where = layout.parse_copy_path(path)
     if where is None:
         raise ValueError(f"{path} is not a checkpoint copy directory (<root>/<tier>/step_<N>/rank_<R>)")
     tier, step, rank = where
-    machine = machine or layout.machine_name(path.parents[2])
+    return path, tier, step, rank, machine or layout.machine_name(path.parents[2])
+
+
+def verify_copy(path: Path, *, machine: str = "", deep: bool = True, keep_files: bool = False) -> CopyCheck:
+    """Verify one copy directory (``<root>/<tier>/step_<N>/rank_<R>``); location comes from the path."""
+    path, tier, step, rank, machine = _locate(path, machine)
     manifest_bytes = _read(path / mf.MANIFEST)
     names: list[str] = []
     if manifest_bytes is not None:
@@ -184,12 +189,7 @@ def verify_copy(path: Path, *, machine: str = "", deep: bool = True, keep_files:
 
 def inspect_copy(path: Path, *, machine: str = "") -> CopyCheck:
     """The cheap check: manifest valid and every file present with its size (no hashing, no loading)."""
-    path = Path(path)
-    where = layout.parse_copy_path(path)
-    if where is None:
-        raise ValueError(f"{path} is not a checkpoint copy directory")
-    tier, step, rank = where
-    machine = machine or layout.machine_name(path.parents[2])
+    path, tier, step, rank, machine = _locate(path, machine)
     check = CopyCheck(machine=machine, rank=rank, step=step, tier=tier, path=str(path), deep=False)
     data = _read(path / mf.MANIFEST)
     try:

@@ -72,6 +72,7 @@ from typing import Any
 
 from node_tools.config import NodeConfig
 from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, TrainguardError
+from node_tools.faults import flip_bit
 
 LEVELS = {1: "quick", 2: "medium", 3: "neighbours"}
 DEFAULT_TIMEOUT_S = {1: 30.0, 2: 60.0, 3: 60.0}
@@ -642,15 +643,6 @@ def _sdc_bit(faults: Any) -> int | None:
     return None if params is None else int(params.get("bit", 22))
 
 
-def _flip_bit(tensor: Any, bit: int) -> None:
-    """Flip ``bit`` of the first element of a float32 tensor, in place (a broken ALU)."""
-    import torch
-
-    with torch.no_grad():
-        flat = tensor.view(-1).view(torch.int32)
-        flat[0] = flat[0] ^ ((1 << bit) if bit < 31 else -(1 << 31))
-
-
 def _os_error(exc: OSError, what: str) -> str:
     code = exc.errno
     name = errno.errorcode.get(code, "?") if code is not None else "?"
@@ -796,7 +788,7 @@ def _w_compute(args: dict[str, Any]) -> dict[str, Any]:
             c = a @ b
             bit = _sdc_bit(faults)
             if bit is not None:
-                _flip_bit(c, bit)  # the emulated broken ALU
+                flip_bit(c, bit)  # the emulated broken ALU
             c = c.cpu()
             busy += time.monotonic() - s
             flops += 2.0 * n**3
@@ -1109,7 +1101,7 @@ def _w_align(args: dict[str, Any]) -> dict[str, Any]:
         loss.backward()
         bit = _sdc_bit(faults)
         if bit is not None:
-            _flip_bit(params["w1"].grad, bit)  # the emulated broken ALU, as corrupt_grads does
+            flip_bit(params["w1"].grad, bit)  # the emulated broken ALU, as corrupt_grads does
             flipped += 1
         feed((h_all, h_out), out)
         feed((h_all, h_out), loss)

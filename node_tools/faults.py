@@ -131,6 +131,15 @@ def write_control(path: Path, faults: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def flip_bit(tensor: Any, bit: int) -> None:
+    """Flip ``bit`` of the first element of a float32 tensor, in place: the emulated broken ALU."""
+    import torch
+
+    with torch.no_grad():
+        flat = tensor.view(-1).view(torch.int32)
+        flat[0] = flat[0] ^ ((1 << bit) if bit < 31 else -(1 << 31))
+
+
 class InJobFaults:
     """Fault points inside a training rank. Inert when there is no control file."""
 
@@ -216,8 +225,6 @@ class InJobFaults:
             grad = getattr(tensor, "grad", tensor)
             if grad is None or grad.dtype != torch.float32 or grad.numel() == 0:
                 continue
-            with torch.no_grad():
-                flat = grad.view(-1).view(torch.int32)
-                flat[0] = flat[0] ^ (1 << bit)
+            flip_bit(grad, bit)
             return True
         return False
