@@ -1,0 +1,49 @@
+"""A machine's life, as a state machine.
+
+::
+
+    provisioning -> self_check -> standby -> active -> suspect -> evicted -> repair -> self_check ...
+                         |            |         |          |                     \\-> retired
+                         \\-> repair   \\-> self_check (periodic re-check)   \\-> active (cleared)
+
+* ``provisioning``: being installed; ``self_check``: running its L2 checks before it may serve;
+* ``standby``: checked, parked warm, ready to replace a failed machine;
+* ``active``: serving a job; ``suspect``: a job's alert or diagnosis points at it, not yet evicted;
+* ``evicted``: taken out of its job; ``repair``: waiting for (or in) repair; ``retired``: gone for good.
+"""
+
+from __future__ import annotations
+
+PROVISIONING = "provisioning"
+SELF_CHECK = "self_check"
+STANDBY = "standby"
+ACTIVE = "active"
+SUSPECT = "suspect"
+EVICTED = "evicted"
+REPAIR = "repair"
+RETIRED = "retired"
+
+STATES = (PROVISIONING, SELF_CHECK, STANDBY, ACTIVE, SUSPECT, EVICTED, REPAIR, RETIRED)
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    PROVISIONING: frozenset({SELF_CHECK, RETIRED}),
+    SELF_CHECK: frozenset({STANDBY, ACTIVE, REPAIR, RETIRED}),
+    STANDBY: frozenset({ACTIVE, SELF_CHECK, REPAIR, RETIRED}),
+    ACTIVE: frozenset({SUSPECT, EVICTED, STANDBY}),
+    SUSPECT: frozenset({ACTIVE, EVICTED}),
+    EVICTED: frozenset({REPAIR, RETIRED}),
+    REPAIR: frozenset({SELF_CHECK, RETIRED}),
+    RETIRED: frozenset(),
+}
+
+# machines that count as serving or able to serve
+IN_SERVICE = frozenset({ACTIVE, SUSPECT})
+
+
+def allowed(from_state: str | None, to_state: str) -> bool:
+    """Whether a machine may go from ``from_state`` (None: not known yet) to ``to_state``."""
+    if to_state not in TRANSITIONS:
+        return False
+    if from_state is None:
+        return to_state in (PROVISIONING, SELF_CHECK, STANDBY, ACTIVE)  # registering an existing machine
+    return to_state in TRANSITIONS.get(from_state, frozenset())

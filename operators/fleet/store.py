@@ -1,0 +1,413 @@
+"""The fleet database: every state change a transaction, every action idempotent.
+
+``FleetStore(url)`` opens (and migrates) a database: a SQLite file by default, Postgres by URL. The
+methods are the only way trainguard changes fleet state; each runs in one transaction (on SQLite
+``BEGIN IMMEDIATE``, so two writers serialise instead of both reading the old state), and applying the
+same change twice is a no-op that says so (``changed`` False), never a second row or a double eviction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from node_tools.errors import EXIT_REFUSED, TrainguardError
+from operators.fleet import states
+from operators.fleet.migrations import migrate
+from operators.fleet.models import (
+    Action,
+    Alert,
+    Checkpoint,
+    EttrEvent,
+    Incident,
+    Job,
+    Machine,
+    MachineEvent,
+    Revision,
+)
+
+OPEN_INCIDENT_STATES = ("open", "waiting_human")
+INCIDENT_STATES = ("open", "waiting_human", "resolved", "failed")
+
+
+class FleetError(TrainguardError):
+    """A fleet change that is not allowed (unknown machine, forbidden transition ...)."""
+
+    exit_code = EXIT_REFUSED
+
+
+def url_for(path_or_url: str | Path) -> str:
+    """A SQLAlchemy URL from a URL or a file path (a path means SQLite)."""
+    text = str(path_or_url)
+    if "://" in text:
+        return text
+    return f"sqlite:///{Path(text).resolve()}"
+
+
+def _sqlite_immediate(engine: sa.Engine) -> None:
+    """pysqlite starts transactions lazily and without a write lock; take it at BEGIN instead."""
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: sa.Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+class FleetStore:
+    """The fleet database of one control plane."""
+
+    def __init__(self, url: str | Path, *, clock: Any = time.time) -> None:
+        self.url = url_for(url)
+        if self.url.startswith("sqlite:///"):
+            Path(self.url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.engine = sa.create_engine(self.url)
+        except (sa.exc.ArgumentError, ImportError) as exc:
+            raise FleetError(f"fleet database URL {url!s} is not usable ({exc}); give a SQLite path or a "
+                             f"postgresql:// URL", exit_code=2) from None
+        if self.engine.dialect.name == "sqlite":
+            _sqlite_immediate(self.engine)
+        try:
+            migrate(self.engine)
+        except sa.exc.OperationalError as exc:
+            raise FleetError(f"fleet database {self.url} cannot be opened ({exc.orig!s}); check the path "
+                             f"or URL and its permissions", exit_code=2) from None
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.clock = clock
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def tx(self) -> Iterator[Session]:
+        """One transaction: committed at the end, rolled back on any error."""
+        with self._sessions() as session, session.begin():
+            yield session
+
+    # ---- machines -----------------------------------------------------------------------------
+    def register_machine(self, name: str, *, address: str = "", state: str = states.STANDBY,
+                         reason: str = "registered") -> bool:
+        """Add a machine in ``state``; a machine already known is left as it is (returns False)."""
+        if state not in states.STATES:
+            raise FleetError(f"unknown machine state {state!r}; use one of {', '.join(states.STATES)}")
+        with self.tx() as s:
+            if s.get(Machine, name) is not None:
+                return False
+            now = self.clock()
+            s.add(Machine(name=name, address=address, state=state, state_since=now, reason=reason, evictions=0))
+            s.add(MachineEvent(machine=name, from_state=None, to_state=state, ts=now, reason=reason))
+            return True
+
+    def machine(self, name: str) -> Machine:
+        with self.tx() as s:
+            m = s.get(Machine, name)
+            if m is None:
+                raise FleetError(f"machine {name} is not in the fleet database; register it first", exit_code=2)
+            return m
+
+    def machines(self, *, state: str | None = None, job: str | None = None) -> list[Machine]:
+        with self.tx() as s:
+            q = select(Machine).order_by(Machine.name)
+            if state is not None:
+                q = q.where(Machine.state == state)
+            if job is not None:
+                q = q.where(Machine.job == job)
+            return list(s.scalars(q))
+
+    def _move(self, s: Session, m: Machine, to_state: str, reason: str, incident_id: int | None) -> bool:
+        if m.state == to_state:
+            return False
+        if not states.allowed(m.state, to_state):
+            raise FleetError(f"machine {m.name} cannot go from {m.state} to {to_state}; allowed: "
+                             f"{', '.join(sorted(states.TRANSITIONS[m.state])) or 'none'}")
+        now = self.clock()
+        s.add(MachineEvent(machine=m.name, from_state=m.state, to_state=to_state, ts=now, reason=reason,
+                           incident_id=incident_id))
+        m.state, m.state_since, m.reason = to_state, now, reason
+        if to_state == states.EVICTED:
+            m.evictions += 1
+        if to_state in (states.EVICTED, states.STANDBY, states.REPAIR, states.RETIRED, states.SELF_CHECK):
+            m.job = None
+        if to_state == states.STANDBY and reason.startswith("self-check passed"):
+            m.checked_ts = now
+        return True
+
+    def transition(self, name: str, to_state: str, *, reason: str, incident_id: int | None = None) -> bool:
+        """Move a machine to ``to_state``. Already there: no-op (False). Not allowed: FleetError."""
+        with self.tx() as s:
+            m = s.get(Machine, name, with_for_update=True)
+            if m is None:
+                raise FleetError(f"machine {name} is not in the fleet database; register it first", exit_code=2)
+            return self._move(s, m, to_state, reason, incident_id)
+
+    def events(self, name: str) -> list[MachineEvent]:
+        with self.tx() as s:
+            return list(s.scalars(select(MachineEvent).where(MachineEvent.machine == name)
+                                  .order_by(MachineEvent.id)))
+
+    # ---- jobs --------------------------------------------------------------------------------
+    def upsert_job(self, name: str, *, tp: int, pp: int, dp: int, ranks_per_machine: int,
+                   machines: Sequence[str], revision: str = "", train_args: Sequence[str] = ()) -> bool:
+        """Record a job running on ``machines`` (node-rank order); they become active for it. A job
+        already recorded keeps its state (returns False)."""
+        with self.tx() as s:
+            if s.get(Job, name) is not None:
+                return False
+            now = self.clock()
+            s.add(Job(name=name, tp=tp, pp=pp, dp=dp, ranks_per_machine=ranks_per_machine,
+                      machine_list=list(machines), state="running", revision=revision,
+                      train_args=list(train_args), created_ts=now, updated_ts=now))
+            s.flush()
+            for mname in machines:
+                m = s.get(Machine, mname, with_for_update=True)
+                if m is None:
+                    raise FleetError(f"job {name}: machine {mname} is not in the fleet database", exit_code=2)
+                if m.job not in (None, name):
+                    raise FleetError(f"job {name}: machine {mname} already serves job {m.job}")
+                self._move(s, m, states.ACTIVE, f"serves job {name}", None)
+                m.job = name
+            if revision:
+                s.add(Revision(job=name, revision=revision, recorded_ts=now, known_good=False,
+                               reason="the job's revision at start"))
+            return True
+
+    def job(self, name: str) -> Job:
+        with self.tx() as s:
+            j = s.get(Job, name)
+            if j is None:
+                raise FleetError(f"job {name} is not in the fleet database", exit_code=2)
+            return j
+
+    def set_job_state(self, name: str, state: str) -> bool:
+        with self.tx() as s:
+            j = s.get(Job, name, with_for_update=True)
+            if j is None:
+                raise FleetError(f"job {name} is not in the fleet database", exit_code=2)
+            if j.state == state:
+                return False
+            j.state, j.updated_ts = state, self.clock()
+            return True
+
+    def swap(self, job: str, replacements: dict[str, str], *, reason: str, incident_id: int | None = None,
+             ) -> dict[str, str]:
+        """Evict each machine of ``replacements`` from ``job`` and put its standby in its place (same
+        node rank), all in one transaction. Returns the swaps done; a swap already done is skipped."""
+        done: dict[str, str] = {}
+        with self.tx() as s:
+            j = s.get(Job, job, with_for_update=True)
+            if j is None:
+                raise FleetError(f"job {job} is not in the fleet database", exit_code=2)
+            order = list(j.machine_list)
+            for old, new in replacements.items():
+                if old not in order and new in order:
+                    continue  # done before
+                if old not in order:
+                    raise FleetError(f"machine {old} does not serve job {job} ({', '.join(order)})")
+                m_old = s.get(Machine, old, with_for_update=True)
+                m_new = s.get(Machine, new, with_for_update=True)
+                if m_new is None or m_new.state != states.STANDBY:
+                    state = m_new.state if m_new else "unknown"
+                    raise FleetError(f"machine {new} cannot replace {old}: it is {state}, not a standby")
+                assert m_old is not None
+                self._move(s, m_old, states.EVICTED, f"evicted from {job}: {reason}", incident_id)
+                self._move(s, m_new, states.ACTIVE, f"replaces {old} in {job}", incident_id)
+                m_new.job = job
+                order[order.index(old)] = new
+                done[old] = new
+            if done:
+                j.machine_list, j.updated_ts = order, self.clock()
+        return done
+
+    # ---- revisions ----------------------------------------------------------------------------
+    def record_revision(self, job: str, revision: str, *, reason: str = "") -> bool:
+        with self.tx() as s:
+            if s.scalar(select(Revision).where(Revision.job == job, Revision.revision == revision)):
+                return False
+            s.add(Revision(job=job, revision=revision, recorded_ts=self.clock(), known_good=False, reason=reason))
+            return True
+
+    def mark_known_good(self, job: str, revision: str) -> bool:
+        with self.tx() as s:
+            r = s.scalar(select(Revision).where(Revision.job == job, Revision.revision == revision))
+            if r is None:
+                raise FleetError(f"job {job} has no revision {revision} recorded", exit_code=2)
+            if r.known_good:
+                return False
+            r.known_good, r.good_ts = True, self.clock()
+            return True
+
+    def last_known_good(self, job: str, *, other_than: str = "") -> str | None:
+        with self.tx() as s:
+            q = (select(Revision.revision).where(Revision.job == job, Revision.known_good.is_(True),
+                                                 Revision.revision != other_than)
+                 .order_by(Revision.good_ts.desc(), Revision.id.desc()))
+            return s.scalar(q)
+
+    def set_revision(self, job: str, revision: str, *, pending: bool = False) -> bool:
+        """Switch the job to ``revision`` now, or (``pending``) at its next restart."""
+        with self.tx() as s:
+            j = s.get(Job, job, with_for_update=True)
+            if j is None:
+                raise FleetError(f"job {job} is not in the fleet database", exit_code=2)
+            if pending:
+                if j.pending_revision == revision:
+                    return False
+                j.pending_revision = revision
+            else:
+                if j.revision == revision and j.pending_revision is None:
+                    return False
+                j.revision, j.pending_revision = revision, None
+            j.updated_ts = self.clock()
+            return True
+
+    # ---- incidents, alerts, actions -----------------------------------------------------------
+    def open_incident(self, job: str, alerts: Iterable[dict[str, Any]], *, category: str = "") -> tuple[Incident, bool]:
+        """Attach ``alerts`` to the job's open incident, or open one. Returns (incident, opened)."""
+        alerts = list(alerts)
+        with self.tx() as s:
+            inc = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(OPEN_INCIDENT_STATES))
+                           .order_by(Incident.id.desc()).with_for_update())
+            opened = inc is None
+            if inc is None:
+                first = min((float(a.get("ts", self.clock())) for a in alerts), default=self.clock())
+                inc = Incident(job=job, state="open", category=category, level=self._next_level(s, job),
+                               opened_ts=self.clock(), first_alert_ts=first, summary="")
+                s.add(inc)
+                s.flush()
+            for a in alerts:
+                if s.get(Alert, str(a["id"])) is not None:
+                    continue
+                s.add(Alert(id=str(a["id"]), ts=float(a.get("ts", 0.0)), job=a.get("job") or "",
+                            machine=a.get("machine") or "", rank=a.get("rank"), kind=a["kind"],
+                            severity=a.get("severity") or "", incident_id=inc.id, document=a))
+            return inc, opened
+
+    def _next_level(self, s: Session, job: str) -> int:
+        """0 for a first failure; a recurrence after a recent recovery starts one level higher."""
+        last = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(("resolved", "failed")))
+                        .order_by(Incident.id.desc()))
+        return (last.level + 1) if last is not None else 0
+
+    def incident(self, incident_id: int) -> Incident:
+        with self.tx() as s:
+            inc = s.get(Incident, incident_id)
+            if inc is None:
+                raise FleetError(f"incident {incident_id} does not exist", exit_code=2)
+            return inc
+
+    def incidents(self, job: str | None = None) -> list[Incident]:
+        with self.tx() as s:
+            q = select(Incident).order_by(Incident.id)
+            if job is not None:
+                q = q.where(Incident.job == job)
+            return list(s.scalars(q))
+
+    def alerts_of(self, incident_id: int) -> list[Alert]:
+        with self.tx() as s:
+            return list(s.scalars(select(Alert).where(Alert.incident_id == incident_id).order_by(Alert.ts)))
+
+    def update_incident(self, incident_id: int, **fields: Any) -> None:
+        allowed = {"state", "category", "level", "diagnosis_start_ts", "decided_ts", "resumed_ts", "closed_ts",
+                   "summary", "lost_steps"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise FleetError(f"incident fields {sorted(unknown)} cannot be set")
+        if "state" in fields and fields["state"] not in INCIDENT_STATES:
+            raise FleetError(f"incident state {fields['state']!r} is not one of {', '.join(INCIDENT_STATES)}")
+        with self.tx() as s:
+            inc = s.get(Incident, incident_id, with_for_update=True)
+            if inc is None:
+                raise FleetError(f"incident {incident_id} does not exist", exit_code=2)
+            for key, value in fields.items():
+                if key.endswith("_ts") and getattr(inc, key) is not None:
+                    continue  # the first time a milestone is reached counts
+                setattr(inc, key, value)
+
+    def record_action(self, key: str, *, kind: str, incident_id: int | None = None,
+                      machines: Sequence[str] = (), evidence: dict[str, Any] | None = None,
+                      dry_run: bool = False) -> tuple[Action, bool]:
+        """Record a decision under an idempotency ``key``; the same key again returns the first record
+        (created False)."""
+        with self.tx() as s:
+            existing = s.scalar(select(Action).where(Action.key == key))
+            if existing is not None:
+                return existing, False
+            a = Action(key=key, kind=kind, incident_id=incident_id, machines=list(machines),
+                       evidence=evidence or {}, outcome="dry_run" if dry_run else "pending", detail="",
+                       dry_run=dry_run, started_ts=self.clock())
+            s.add(a)
+            s.flush()
+            return a, True
+
+    def finish_action(self, action_id: int, outcome: str, detail: str = "") -> bool:
+        with self.tx() as s:
+            a = s.get(Action, action_id, with_for_update=True)
+            if a is None:
+                raise FleetError(f"action {action_id} does not exist", exit_code=2)
+            if a.finished_ts is not None:
+                return False
+            a.outcome, a.detail, a.finished_ts = outcome, detail, self.clock()
+            return True
+
+    def actions(self, incident_id: int | None = None) -> list[Action]:
+        with self.tx() as s:
+            q = select(Action).order_by(Action.id)
+            if incident_id is not None:
+                q = q.where(Action.incident_id == incident_id)
+            return list(s.scalars(q))
+
+    def evicted_recently(self, job: str, window_s: float) -> set[str]:
+        """Machines evicted from ``job`` (for real, not dry runs) within the last ``window_s`` seconds."""
+        since = self.clock() - window_s
+        with self.tx() as s:
+            q = (select(MachineEvent.machine).where(MachineEvent.to_state == states.EVICTED,
+                                                    MachineEvent.ts >= since,
+                                                    MachineEvent.reason.like(f"evicted from {job}:%")))
+            return set(s.scalars(q))
+
+    # ---- checkpoints, ETTR ---------------------------------------------------------------------
+    def record_checkpoint(self, job: str, step: int, *, committed_ts: float | None = None) -> bool:
+        with self.tx() as s:
+            if s.scalar(select(Checkpoint).where(Checkpoint.job == job, Checkpoint.step == step)):
+                return False
+            s.add(Checkpoint(job=job, step=step, committed_ts=committed_ts or self.clock(), problems=[]))
+            return True
+
+    def mark_checkpoint(self, job: str, step: int, *, verified: bool, problems: Sequence[str] = ()) -> None:
+        with self.tx() as s:
+            c = s.scalar(select(Checkpoint).where(Checkpoint.job == job, Checkpoint.step == step)
+                         .with_for_update())
+            if c is None:
+                raise FleetError(f"job {job} has no checkpoint step {step} recorded", exit_code=2)
+            c.verified, c.verified_ts, c.problems = verified, self.clock(), list(problems)
+
+    def checkpoints(self, job: str) -> list[Checkpoint]:
+        with self.tx() as s:
+            return list(s.scalars(select(Checkpoint).where(Checkpoint.job == job).order_by(Checkpoint.step)))
+
+    def add_ettr(self, job: str, kind: str, start_ts: float, end_ts: float, *, incident_id: int | None = None,
+                 detail: str = "") -> None:
+        if end_ts < start_ts:
+            raise FleetError(f"ETTR event {kind} of job {job} ends before it starts ({start_ts} > {end_ts})")
+        with self.tx() as s:
+            s.add(EttrEvent(job=job, kind=kind, start_ts=start_ts, end_ts=end_ts, incident_id=incident_id,
+                            detail=detail))
+
+    def ettr_events(self, job: str) -> list[EttrEvent]:
+        with self.tx() as s:
+            return list(s.scalars(select(EttrEvent).where(EttrEvent.job == job).order_by(EttrEvent.start_ts)))

@@ -1,0 +1,162 @@
+"""The fleet database: migrations, the machine state machine, transactions and idempotency."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from operators.fleet import FleetError, FleetStore, states
+from operators.fleet.migrations import LATEST, VERSION_TABLE, SchemaError, migrate
+from operators.fleet.models import Base
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> FleetStore:
+    s = FleetStore(tmp_path / "fleet.db")
+    for i in range(6):
+        s.register_machine(f"m{i}", address=f"10.0.0.{i + 1}", state=states.STANDBY)
+    s.upsert_job("j", tp=2, pp=2, dp=2, ranks_per_machine=2, machines=["m0", "m1", "m2", "m3"], revision="r1")
+    return s
+
+
+def test_migrating_an_empty_database_gives_exactly_the_models_schema(tmp_path: Path):
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'a.db'}")
+    assert migrate(engine) == [LATEST]
+    assert migrate(engine) == []  # already there
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={
+            "include_name": lambda name, kind, _parent: not (kind == "table" and name == VERSION_TABLE.name)})
+        diff = compare_metadata(ctx, Base.metadata)
+    assert diff == []
+
+
+def test_a_database_newer_than_the_code_is_refused(tmp_path: Path):
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'b.db'}")
+    migrate(engine)
+    with engine.begin() as conn:
+        conn.execute(VERSION_TABLE.insert().values(version=LATEST + 1, description="future", applied_ts=0.0))
+    with pytest.raises(SchemaError, match="newer than this trainguard"):
+        migrate(engine)
+
+
+def test_a_bad_database_url_is_one_line(tmp_path: Path):
+    with pytest.raises(FleetError, match="not usable"):
+        FleetStore("nosuchdialect://x")
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "fleet.db").mkdir()  # a directory where the file should be
+    with pytest.raises(FleetError, match="cannot be opened"):
+        FleetStore(tmp_path / "ro" / "fleet.db")
+
+
+def test_machine_states_follow_the_state_machine_and_repeats_are_no_ops(store: FleetStore):
+    assert store.machine("m0").state == states.ACTIVE and store.machine("m0").job == "j"
+    assert store.transition("m0", states.SUSPECT, reason="xid 79") is True
+    assert store.transition("m0", states.SUSPECT, reason="xid 79") is False  # already suspect
+    with pytest.raises(FleetError, match="cannot go from suspect to standby"):
+        store.transition("m0", states.STANDBY, reason="no")
+    assert store.machine("m0").state == states.SUSPECT  # the refused change left nothing behind
+    store.transition("m0", states.EVICTED, reason="evicted from j: xid")
+    store.transition("m0", states.REPAIR, reason="ticket")
+    store.transition("m0", states.SELF_CHECK, reason="repaired")
+    store.transition("m0", states.STANDBY, reason="self-check passed (L2)")
+    m0 = store.machine("m0")
+    assert m0.evictions == 1 and m0.job is None and m0.checked_ts is not None
+    assert [(e.from_state, e.to_state) for e in store.events("m0")] == [
+        (None, "standby"), ("standby", "active"), ("active", "suspect"), ("suspect", "evicted"),
+        ("evicted", "repair"), ("repair", "self_check"), ("self_check", "standby")]
+    with pytest.raises(FleetError, match="not in the fleet database"):
+        store.transition("m9", states.ACTIVE, reason="x")
+    assert store.register_machine("m0") is False  # known: left as it is
+    assert store.machine("m0").state == states.STANDBY
+
+
+def test_a_swap_is_one_transaction_and_idempotent(store: FleetStore):
+    inc, _ = store.open_incident("j", [{"id": "a1", "kind": "gpu_lost", "machine": "m1", "ts": 1.0}])
+    assert store.swap("j", {"m1": "m4"}, reason="gpu_lost", incident_id=inc.id) == {"m1": "m4"}
+    assert store.job("j").machine_list == ["m0", "m4", "m2", "m3"]  # same node rank
+    assert store.machine("m1").state == states.EVICTED and store.machine("m1").job is None
+    assert store.machine("m4").state == states.ACTIVE and store.machine("m4").job == "j"
+    assert store.swap("j", {"m1": "m4"}, reason="gpu_lost") == {}  # again: nothing
+    assert store.machine("m1").evictions == 1
+    # a replacement that is not a standby refuses the whole swap; the first pair is not half-done
+    with pytest.raises(FleetError, match="m0 cannot replace m2"):
+        store.swap("j", {"m3": "m5", "m2": "m0"}, reason="x")
+    assert store.job("j").machine_list == ["m0", "m4", "m2", "m3"]
+    assert store.machine("m3").state == states.ACTIVE and store.machine("m5").state == states.STANDBY
+    assert store.evicted_recently("j", 3600) == {"m1"}
+
+
+def test_two_controllers_swapping_the_same_machine_evict_it_once(store: FleetStore):
+    results: list[object] = []
+
+    def swap(new: str) -> None:
+        try:
+            results.append(store.swap("j", {"m2": new}, reason="race"))
+        except FleetError as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=swap, args=(n,)) for n in ("m4", "m5")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wins = [r for r in results if isinstance(r, dict) and r]
+    assert len(wins) == 1, results  # the other found m2 already replaced (an error or a no-op)
+    assert store.machine("m2").evictions == 1
+    order = store.job("j").machine_list
+    assert order[2] in ("m4", "m5") and sorted(m.name for m in store.machines(state=states.STANDBY)) == \
+        sorted({"m4", "m5"} - {order[2]})
+
+
+def test_alerts_join_the_open_incident_and_a_recurrence_escalates(store: FleetStore):
+    a, opened = store.open_incident("j", [{"id": "x1", "kind": "rank_exit", "machine": "m0", "ts": 5.0}])
+    b, opened2 = store.open_incident("j", [{"id": "x1", "kind": "rank_exit", "ts": 5.0},
+                                           {"id": "x2", "kind": "rank_exit", "machine": "m1", "ts": 6.0}])
+    assert opened and not opened2 and a.id == b.id and a.level == 0 and a.first_alert_ts == 5.0
+    assert [x.id for x in store.alerts_of(a.id)] == ["x1", "x2"]  # x1 once
+    store.update_incident(a.id, state="resolved", closed_ts=10.0)
+    store.update_incident(a.id, closed_ts=11.0)  # the first time a milestone is reached counts
+    assert store.incident(a.id).closed_ts == 10.0
+    c, opened3 = store.open_incident("j", [{"id": "x3", "kind": "rank_exit", "ts": 20.0}])
+    assert opened3 and c.id != a.id and c.level == 1
+    with pytest.raises(FleetError, match="not one of"):
+        store.update_incident(c.id, state="closed-ish")
+
+
+def test_actions_are_recorded_once_per_key(store: FleetStore):
+    act, created = store.record_action("inc1:evict:m1", kind="evict", machines=["m1"], evidence={"xid": 79})
+    again, created2 = store.record_action("inc1:evict:m1", kind="evict", machines=["m1"])
+    assert created and not created2 and again.id == act.id and again.evidence == {"xid": 79}
+    assert store.finish_action(act.id, "done", "m1 -> m4") is True
+    assert store.finish_action(act.id, "failed") is False  # finished once
+    assert store.actions()[0].outcome == "done"
+    dry, _ = store.record_action("inc1:evict:m2", kind="evict", machines=["m2"], dry_run=True)
+    assert dry.outcome == "dry_run"
+
+
+def test_revisions_and_the_last_known_good(store: FleetStore):
+    assert store.last_known_good("j") is None
+    store.mark_known_good("j", "r1")
+    assert store.record_revision("j", "r2", reason="hot fix") is True
+    assert store.record_revision("j", "r2") is False
+    assert store.set_revision("j", "r2", pending=True) is True
+    assert store.job("j").pending_revision == "r2" and store.job("j").revision == "r1"
+    assert store.set_revision("j", "r2") is True and store.set_revision("j", "r2") is False
+    assert store.last_known_good("j", other_than="r2") == "r1"
+    with pytest.raises(FleetError, match="no revision r9"):
+        store.mark_known_good("j", "r9")
+
+
+def test_checkpoints_and_ettr_events(store: FleetStore):
+    assert store.record_checkpoint("j", 10) is True and store.record_checkpoint("j", 10) is False
+    store.mark_checkpoint("j", 10, verified=False, problems=["m0 rank 1 local: sha256 mismatch"])
+    assert store.checkpoints("j")[0].problems == ["m0 rank 1 local: sha256 mismatch"]
+    store.add_ettr("j", "productive", 0.0, 10.0)
+    with pytest.raises(FleetError, match="ends before it starts"):
+        store.add_ettr("j", "lost_work", 5.0, 4.0)
+    assert [e.kind for e in store.ettr_events("j")] == ["productive"]
