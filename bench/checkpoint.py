@@ -2,9 +2,20 @@
 
 The reference job (TP=1 PP=2 DP=2, 4 ranks, torchrun on 127.0.0.1, each rank its own emulated machine
 with a checkpoint directory of its own) runs, in each trial, once without checkpoints and once with a
-snapshot every step, in alternating order. From the step records (steps after a warm-up):
+snapshot every step, in alternating order, in two settings measured side by side:
+
+* ``cpu``: the job as it is. Its 4 ranks keep both cores of this host busy computing, so every CPU cycle
+  the checkpoint's background threads spend (hashing, writing, sending the replica) is taken from
+  training: the overhead here is the background CPU per step over the cores, not a stall.
+* ``device``: each step also waits ``DEVICE_S`` seconds as a GPU host's training thread waits for its
+  kernels (``--emulate-device-s``): the host CPU idles for part of the step, as on the machines
+  ByteRobust measured (0.71% MFU loss), and the background work can run there.
+
+From the step records (steps after a warm-up), per setting:
 
 * ``step_overhead_ratio``: median step time with checkpoints / without - 1, per trial;
+* ``background_cpu_ms_per_step``: CPU the checkpoint's background threads used per snapshot and rank
+  (``ckpt_bg_cpu_s``), against the training thread's own CPU per step (``train_cpu_ms_per_step``);
 * ``blocking_s``: time each step spent in the checkpointer (``ckpt_blocking_s``);
 * ``blocking_vs_memcpy``: that against a plain copy of the same tensors into a spare buffer, timed in
   the same run right after each snapshot (``ckpt_memcpy_s``; the with-checkpoint runs pay for it);
@@ -46,6 +57,8 @@ REPO = Path(__file__).resolve().parent.parent
 WORLD = 4
 LAYOUT = ["--tp", "1", "--pp", "2", "--dp", "2"]
 WARMUP = 3
+DEVICE_S = 0.5  # emulated accelerator time per step in the ``device`` setting
+SETTINGS = {"cpu": [], "device": ["--emulate-device-s", str(DEVICE_S)]}
 
 
 def free_port() -> int:
@@ -128,22 +141,35 @@ def last_step(run_dir: Path) -> int:
     return max(rec["step"] for rec in records(run_dir))
 
 
-def overhead_trial(job: Job, steps: int, order: list[bool]) -> dict[str, Any]:
+def per_step_ms(run_dir: Path, field: str) -> float:
+    """Median over ranks of a cumulative CPU-time field's growth per step, in ms."""
+    rates = []
+    for r in range(WORLD):
+        recs = [rec for rec in read_steps(run_dir, r) if field in rec]
+        recs = recs[WARMUP:]
+        if len(recs) >= 2:
+            rates.append((recs[-1][field] - recs[0][field]) / (recs[-1]["step"] - recs[0]["step"]) * 1000)
+    return statistics.median(rates)
+
+
+def overhead_trial(job: Job, steps: int, order: list[bool], setting: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for checkpoint in order:
-        args = ["--steps", str(steps)] + (["--checkpoint-measure-memcpy"] if checkpoint else [])
+        args = ["--steps", str(steps), *SETTINGS[setting]] + (["--checkpoint-measure-memcpy"] if checkpoint else [])
         run_dir = job.run(*args, checkpoint=checkpoint)
         recs = steady(run_dir)
         key = "on" if checkpoint else "off"
         out[f"step_time_s.{key}"] = statistics.median(r["step_time_s"] for r in recs)
+        out[f"train_cpu_ms.{key}"] = per_step_ms(run_dir, "cpu_s")
         if checkpoint:
             out["blocking"] = [r["ckpt_blocking_s"] for r in recs if r["ckpt_saved"]]
             out["memcpy"] = [r["ckpt_memcpy_s"] for r in recs if r.get("ckpt_memcpy_s")]
             out["skipped_ratio"] = sum(r["ckpt_skipped"] for r in recs) / len(recs)
+            out["background_cpu_ms"] = per_step_ms(run_dir, "ckpt_bg_cpu_s")
             out["on_run"] = run_dir
     out["step_overhead_ratio"] = out["step_time_s.on"] / out["step_time_s.off"] - 1
     out["blocking_vs_memcpy"] = statistics.median(out["blocking"]) / statistics.median(out["memcpy"])
-    return out
+    return {f"{setting}.{k}": v for k, v in out.items()}
 
 
 def restore_trial(job: Job, newest: int) -> dict[str, float]:
@@ -219,8 +245,11 @@ def main() -> int:
             for i in range(trials):
                 job = Job(Path(tmp) / f"t{i}", endpoint, f"s3://ckpt-bench/t{i}")
                 order = [False, True] if i % 2 == 0 else [True, False]
-                r = overhead_trial(job, steps, order)
-                r.update(restore_trial(job, last_step(r.pop("on_run"))))
+                r = overhead_trial(job, steps, order, "cpu")
+                r.update(overhead_trial(Job(Path(tmp) / f"d{i}", endpoint, f"s3://ckpt-bench/d{i}"), steps,
+                                        order[::-1], "device"))
+                r.pop("device.on_run")
+                r.update(restore_trial(job, last_step(r.pop("cpu.on_run"))))
                 r.update(kill_trial(Job(Path(tmp) / f"k{i}", endpoint, f"s3://ckpt-bench/k{i}"), WARMUP + 3))
                 results.append(r)
                 print(json.dumps({"trial": i, **{k: (round(v, 5) if isinstance(v, float) else v)
@@ -228,14 +257,24 @@ def main() -> int:
     finally:
         moto.terminate()
         moto.wait(timeout=10)
-    metrics = {
-        "step_overhead_ratio": summarize([r["step_overhead_ratio"] for r in results], "ratio", 0.01),
-        "step_time_s.off": summarize([r["step_time_s.off"] for r in results], "s"),
-        "step_time_s.on": summarize([r["step_time_s.on"] for r in results], "s"),
-        "blocking_s": summarize([b for r in results for b in r["blocking"]], "s", 0.04),
-        "memcpy_s": summarize([m for r in results for m in r["memcpy"]], "s"),
-        "blocking_vs_memcpy": summarize([r["blocking_vs_memcpy"] for r in results], "ratio", 1.2),
-        "skipped_ratio": summarize([r["skipped_ratio"] for r in results], "ratio"),
+    metrics: dict[str, Any] = {}
+    for setting in SETTINGS:
+        def values(key: str, setting: str = setting) -> list[Any]:
+            return [r[f"{setting}.{key}"] for r in results]
+
+        metrics |= {
+            f"{setting}.step_overhead_ratio": summarize(values("step_overhead_ratio"), "ratio", 0.01),
+            f"{setting}.step_time_s.off": summarize(values("step_time_s.off"), "s"),
+            f"{setting}.step_time_s.on": summarize(values("step_time_s.on"), "s"),
+            f"{setting}.background_cpu_ms_per_step": summarize(values("background_cpu_ms"), "ms"),
+            f"{setting}.train_cpu_ms_per_step.off": summarize(values("train_cpu_ms.off"), "ms"),
+            f"{setting}.train_cpu_ms_per_step.on": summarize(values("train_cpu_ms.on"), "ms"),
+            f"{setting}.blocking_s": summarize([b for v in values("blocking") for b in v], "s", 0.04),
+            f"{setting}.memcpy_s": summarize([m for v in values("memcpy") for m in v], "s"),
+            f"{setting}.blocking_vs_memcpy": summarize(values("blocking_vs_memcpy"), "ratio", 1.2),
+            f"{setting}.skipped_ratio": summarize(values("skipped_ratio"), "ratio"),
+        }
+    metrics |= {
         "restore_s.local": summarize([r["restore_s.local"] for r in results], "s"),
         "restore_s.peer": summarize([r["restore_s.peer"] for r in results], "s"),
         "restore_s.s3": summarize([r["restore_s.s3"] for r in results], "s"),
@@ -245,7 +284,8 @@ def main() -> int:
     text = write_result("checkpoint", quick=bool(args.quick), out=args.out, metrics=metrics, setup={
         "topology": "tp=1,pp=2,dp=2", "ranks": WORLD, "machines_emulated": WORLD, "model": "gpt3d defaults",
         "steps": steps, "warmup_steps": WARMUP, "trials": trials, "checkpoint_every": 1, "keep": 3,
-        "s3": "moto_server on loopback", "backend": "gloo (CPU)",
+        "s3": "moto_server on loopback", "backend": "gloo (CPU)", "cores": os.cpu_count(),
+        "device_setting_wait_s": DEVICE_S,
         "note": "with-checkpoint runs also time one plain copy per step (ckpt_memcpy_s), inside their step time"})
     print(text)
     return 0

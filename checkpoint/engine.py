@@ -63,7 +63,7 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointError, RestoreError, S3TierError
 from checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
 from checkpoint.s3 import S3Tier
-from checkpoint.shards import STATE_FILES, ShardLayout, apply_state, live_state, meta_json
+from checkpoint.shards import MODEL_FILE, OPTIM_FILE, STATE_FILES, ShardLayout, StateReader, apply_state, meta_json
 from checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
 from node_tools.topology import Topology
 
@@ -113,13 +113,15 @@ class RestoreResult:
 class _Slot:
     """One pre-allocated snapshot buffer: a flat uint8 tensor per file, typed views into it."""
 
-    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], pin: bool) -> None:
+    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], pin: bool,
+                 identity: tuple[Any, ...] | None = None) -> None:
         self.layouts = {name: ShardLayout.for_tensors(ts) for name, ts in tensors.items()}
         self.flats = {name: torch.empty(lay.data_bytes, dtype=torch.uint8, pin_memory=pin)
                       for name, lay in self.layouts.items()}
         self.views = {name: lay.views(self.flats[name]) for name, lay in self.layouts.items()}
         self.signature = {name: lay.signature for name, lay in self.layouts.items()}
-        self.identity = _identity(tensors)
+        self.identity = identity if identity is not None else _identity(tensors)
+        self._pairs: tuple[Any, list[torch.Tensor], list[torch.Tensor], list[tuple[str, str]]] | None = None
         self.busy = False
         self.step = -1
         self.meta: dict[str, Any] = {}
@@ -135,16 +137,27 @@ class _Slot:
             return True
         return False
 
-    def copy_from(self, tensors: dict[str, dict[str, torch.Tensor]], non_blocking: bool) -> None:
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        for name, ts in tensors.items():
-            views = self.views[name]
-            for key, t in ts.items():
-                dst.append(views[key])
-                src.append(t)
+    def copy_from(self, tensors: dict[str, dict[str, torch.Tensor]], non_blocking: bool,
+                  identity: tuple[Any, ...] | None = None) -> None:
+        """Copy ``tensors`` in. With ``identity`` (the same tensor objects as the last copy with it), the
+        pairs of live tensors and buffer views are reused; the RNG states (new objects each step) are
+        paired anew."""
+        if identity is None or self._pairs is None or self._pairs[0] != identity:
+            dst: list[torch.Tensor] = []
+            src: list[torch.Tensor] = []
+            rng: list[tuple[str, str]] = []
+            for name, ts in tensors.items():
+                views = self.views[name]
+                for key, t in ts.items():
+                    if key.startswith("rng."):
+                        rng.append((name, key))
+                    else:
+                        dst.append(views[key])
+                        src.append(t)
+            self._pairs = (identity, dst + [self.views[n][k] for n, k in rng], src, rng)
+        _, dst, src, rng = self._pairs
         with torch.no_grad():
-            _copy_all(dst, src, non_blocking)
+            _copy_all(dst, src + [tensors[n][k] for n, k in rng], non_blocking)
 
     def parts(self, name: str) -> list[Any]:
         return [self.layouts[name].prefix, memoryview(self.flats[name].numpy())]
@@ -209,9 +222,7 @@ class Checkpointer:
         self.distributed = dist.is_available() and dist.is_initialized() and self.world > 1
         self.ctl = self.data = None
         if self.distributed:  # every rank creates both groups, in this order
-            ranks = list(range(self.world))
-            self.ctl = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=config.control_timeout_s))
-            self.data = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=config.replica_timeout_s))
+            self.ctl, self.data = _background_groups(self.world, config)
         self.replicate = config.replicate and self.distributed and self.placement.machines >= 2
         self.backup = self.placement.backup_rank(rank) if self.replicate else None
         self.sources = [s for s in range(self.world) if self.placement.backup_rank(s) == rank] \
@@ -237,6 +248,7 @@ class Checkpointer:
         self._persisted = threading.Condition(self._lock)
         self._processed = 0  # snapshots the writer has finished with (written, replicated, or failed)
         self._slots: list[_Slot] = []
+        self._reader = StateReader(model, optimizer)
         self._spare: _Slot | None = None
         self._pending_event: Any = None
         self._writer_q: queue.Queue[_Slot | None] = queue.Queue()
@@ -258,6 +270,8 @@ class Checkpointer:
         self._threads: list[threading.Thread] = []
         self._commit_thread: threading.Thread | None = None
         self._started = False
+        self._finished_cpu_s = 0.0  # CPU time of background threads that have ended
+        self._finished: set[threading.Thread] = set()
 
     # ---- reporting ---------------------------------------------------------------------
     def _log(self, message: str, *, kind: str = "") -> None:
@@ -287,6 +301,16 @@ class Checkpointer:
                     "s3_uploaded": list(self.s3_uploaded), "s3_superseded": self.s3_superseded,
                     "errors": list(self.errors[-5:])}
 
+    def background_cpu_s(self) -> float:
+        """CPU seconds the checkpoint's background threads have used so far (all tiers, commit, retention)."""
+        with self._lock:
+            total = self._finished_cpu_s
+            threads = [t for t in self._threads if t.ident is not None and t not in self._finished]
+        for t in threads:
+            with contextlib.suppress(OSError, OverflowError):  # it may have just ended
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        return total
+
     @property
     def newest_committed(self) -> int | None:
         with self._lock:
@@ -311,25 +335,26 @@ class Checkpointer:
         if not self._started or not self.due(step):
             return SnapshotInfo()
         t0 = time.perf_counter()
-        tensors, meta = live_state(self.model, self.optimizer)
+        tensors, meta, key = self._reader.read()
+        identity = (key, tuple(tensors[MODEL_FILE]), tuple(tensors[OPTIM_FILE]))
         memcpy = None
         if self.cfg.measure_memcpy and step % 2 == 0:  # the reference copy goes first on even steps, last on odd
             t1 = time.perf_counter()
-            memcpy = self._measure_memcpy(tensors)
+            memcpy = self._measure_memcpy(tensors, identity)
             t0 += time.perf_counter() - t1  # not part of the blocking time
-        slot = self._take_slot(tensors)
+        slot = self._take_slot(tensors, identity)
         if slot is None:
             with self._lock:
                 self.skipped += 1
             return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
         try:
-            self._copy_into(slot, tensors)
+            self._copy_into(slot, tensors, identity)
         except RuntimeError:  # a tensor changed shape in place since the slot was laid out
             with self._lock:
                 index = self._slots.index(slot)
-                self._slots[index] = slot = _Slot(tensors, self.use_cuda)
+                self._slots[index] = slot = _Slot(tensors, self.use_cuda, identity)
                 slot.busy = True
-            self._copy_into(slot, tensors)
+            self._copy_into(slot, tensors, identity)
         slot.step = step
         slot.meta = meta
         slot.data_position = dict(data_position or {"next_step": step + 1})
@@ -338,39 +363,39 @@ class Checkpointer:
         self._writer_q.put(slot)
         blocking = time.perf_counter() - t0
         if self.cfg.measure_memcpy and memcpy is None:
-            memcpy = self._measure_memcpy(tensors)
+            memcpy = self._measure_memcpy(tensors, identity)
         return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy)
 
-    def _copy_into(self, slot: _Slot, tensors: dict[str, dict[str, torch.Tensor]]) -> None:
+    def _copy_into(self, slot: _Slot, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...],
+                   ) -> None:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream):
-                slot.copy_from(tensors, non_blocking=True)
+                slot.copy_from(tensors, non_blocking=True, identity=identity)
                 slot.event = torch.cuda.Event()
                 slot.event.record(self.stream)
             self._pending_event = slot.event
         else:
-            slot.copy_from(tensors, non_blocking=False)
+            slot.copy_from(tensors, non_blocking=False, identity=identity)
 
-    def _take_slot(self, tensors: dict[str, dict[str, torch.Tensor]]) -> _Slot | None:
-        identity = _identity(tensors)
+    def _take_slot(self, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...]) -> _Slot | None:
         with self._lock:
             if not self._slots:
-                self._slots = [_Slot(tensors, self.use_cuda), _Slot(tensors, self.use_cuda)]
+                self._slots = [_Slot(tensors, self.use_cuda, identity), _Slot(tensors, self.use_cuda, identity)]
             for index, slot in enumerate(self._slots):
                 if not slot.busy:
                     if not slot.fits(tensors, identity):  # the state changed shape (new optimizer state)
-                        self._slots[index] = slot = _Slot(tensors, self.use_cuda)
+                        self._slots[index] = slot = _Slot(tensors, self.use_cuda, identity)
                     slot.busy = True
                     return slot
         return None
 
-    def _measure_memcpy(self, tensors: dict[str, dict[str, torch.Tensor]]) -> float:
+    def _measure_memcpy(self, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...]) -> float:
         """A plain copy of the same tensors into a spare buffer (the benchmark's reference)."""
-        if self._spare is None or not self._spare.fits(tensors, _identity(tensors)):
-            self._spare = _Slot(tensors, self.use_cuda)
+        if self._spare is None or not self._spare.fits(tensors, identity):
+            self._spare = _Slot(tensors, self.use_cuda, identity)
         t0 = time.perf_counter()
-        self._spare.copy_from(tensors, non_blocking=self.use_cuda)
+        self._spare.copy_from(tensors, non_blocking=self.use_cuda, identity=identity)
         if self.use_cuda:
             torch.cuda.current_stream().synchronize()
         return time.perf_counter() - t0
@@ -415,11 +440,13 @@ class Checkpointer:
         nice = self.cfg.background_nice
 
         def run() -> None:
-            if nice and hasattr(os, "setpriority"):  # Linux nice values are per thread
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(
-                        os.PRIO_PROCESS, threading.get_native_id()) + nice)
-            target(*args)
+            _lower_priority(nice)
+            try:
+                target(*args)
+            finally:
+                with self._lock:
+                    self._finished_cpu_s += time.thread_time()
+                    self._finished.add(threading.current_thread())
 
         t = threading.Thread(target=run, name=name, daemon=True)
         t.start()
@@ -851,6 +878,39 @@ class Checkpointer:
         except OSError as exc:
             self._error(f"step {step} tier local: keeping the restored copy at {dest} failed "
                         f"({exc.strerror or exc})", kind="local-write")
+
+
+def _lower_priority(nice: int) -> None:
+    """Lower the calling thread's CPU priority by ``nice`` (Linux nice values are per thread; threads
+    it creates inherit it)."""
+    if nice and hasattr(os, "setpriority"):
+        with contextlib.suppress(OSError):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
+
+
+def _background_groups(world: int, config: CheckpointConfig) -> tuple[Any, Any]:
+    """The checkpoint's control and data gloo groups, created on a thread of lowered priority so that
+    the threads gloo starts for them (its transport loop and workers, which copy every replica byte)
+    inherit that priority instead of the training thread's."""
+    made: dict[str, Any] = {}
+
+    def create() -> None:
+        try:
+            _lower_priority(config.background_nice)
+            ranks = list(range(world))
+            made["ctl"] = dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=config.control_timeout_s))
+            made["data"] = dist.new_group(ranks, backend="gloo",
+                                          timeout=timedelta(seconds=config.replica_timeout_s))
+        except BaseException as exc:  # re-raised on the calling thread
+            made["error"] = exc
+
+    t = threading.Thread(target=create, name="tg-ckpt-groups", daemon=True)
+    t.start()
+    t.join()
+    if "error" in made:
+        raise made["error"]
+    return made["ctl"], made["data"]
 
 
 def _json_bytes(doc: dict[str, Any]) -> bytes:

@@ -121,38 +121,96 @@ def _json_value(value: Any) -> Any:
     raise TypeError(f"optimizer setting {value!r} ({type(value).__name__}) cannot be stored as JSON")
 
 
+class StateReader:
+    """Reads a rank's state for a snapshot, cheaply enough to run on the training thread every step.
+
+    :meth:`read` returns ``({file: {name: tensor}}, raw_meta, key)``. The tensors are the live ones
+    (parameters themselves, no copy); ``raw_meta`` holds Python objects as they are (RNG tuples,
+    parameter groups) and becomes JSON later, off the training thread, through :func:`meta_json`.
+    ``key`` changes whenever a different set of tensor objects makes up the state (the optimizer
+    created its state, or a restore replaced it: see :meth:`_scan`); while it stays the same, the
+    model's and optimizer's tensor references are reused instead of walking ``state_dict()`` again,
+    and only the RNG states, the optimizer's non-tensor values and its parameter groups are read anew.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self._key: tuple[Any, ...] | None = None
+        self._model_refs: dict[str, torch.Tensor] = {}
+        self._optim_refs: dict[str, torch.Tensor] = {}
+        self._index: dict[int, int] = {}  # id(parameter) -> its index in the optimizer's state_dict
+        self._scalar_refs: list[tuple[str, Any, str]] = []
+
+    def _scan(self) -> tuple[Any, ...]:
+        """A cheap key of which tensors make up the state: the optimizer's state mapping (a restore
+        replaces it) and how many entries it holds (an optimizer creates its state lazily). torch's
+        optimizers update their state tensors in place once created, so the same key means the same
+        tensor objects."""
+        if self.optimizer is None:
+            return (len(self._model_refs),)
+        state = self.optimizer.state
+        return len(self._model_refs), id(state), len(state), sum(map(len, state.values()))
+
+    def _scalars(self) -> dict[str, Any]:
+        """The optimizer's non-tensor state values (e.g. an integer step), read anew each time."""
+        return {name: self.optimizer.state[param][key] for name, param, key in self._scalar_refs} \
+            if self.optimizer is not None else {}
+
+    def _rebuild(self) -> None:
+        self._model_refs = self.model.state_dict(keep_vars=True)
+        self._optim_refs = {}
+        self._scalar_refs = []
+        self._index = {}
+        if self.optimizer is not None:
+            sd = self.optimizer.state_dict()
+            order = [p for group in self.optimizer.param_groups for p in group["params"]]
+            packed = [i for group in sd["param_groups"] for i in group["params"]]
+            self._index = {id(p): i for p, i in zip(order, packed, strict=True)}
+            for param, values in self.optimizer.state.items():
+                for key, value in values.items():
+                    name = f"{self._index[id(param)]}.{key}"
+                    if isinstance(value, torch.Tensor):
+                        self._optim_refs[f"state.{name}"] = value
+                    else:
+                        self._scalar_refs.append((name, param, key))
+
+    def read(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any], tuple[Any, ...]]:
+        key = self._scan()
+        if key != self._key:
+            self._rebuild()
+            key = self._key = self._scan()
+        scalars = self._scalars()
+        optim_tensors = dict(self._optim_refs)
+        raw: dict[str, Any] = {"optimizer": None}
+        if self.optimizer is not None:
+            groups = []
+            start = 0
+            for group in self.optimizer.param_groups:
+                packed = {k: v for k, v in group.items() if k != "params"}
+                packed["params"] = [self._index[id(p)] for p in group["params"]] if self._index else \
+                    list(range(start, start + len(group["params"])))
+                start += len(group["params"])
+                groups.append(packed)
+            raw["optimizer"] = {"param_groups": groups, "scalars": scalars}
+        optim_tensors["rng.torch"] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for i, s in enumerate(torch.cuda.get_rng_state_all()):
+                optim_tensors[f"rng.cuda.{i}"] = s
+        raw["python_rng"] = random.getstate()
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+            optim_tensors["rng.numpy"] = torch.from_numpy(keys)
+            raw["numpy_rng"] = (kind, pos, has_gauss, cached)
+        return {MODEL_FILE: dict(self._model_refs), OPTIM_FILE: optim_tensors}, raw, key
+
+
 def live_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[
         dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-    """The rank's state now: ``({file: {name: tensor}}, raw_meta)``, cheaply.
-
-    The tensors are the live ones (parameters themselves, no copy); ``raw_meta`` holds
-    Python objects as they are (RNG tuples, parameter groups) and becomes JSON later,
-    off the training thread, through :func:`meta_json`.
-    """
-    model_tensors = model.state_dict(keep_vars=True)
-    optim_tensors: dict[str, torch.Tensor] = {}
-    raw: dict[str, Any] = {"optimizer": None}
-    if optimizer is not None:
-        sd = optimizer.state_dict()
-        scalars: dict[str, Any] = {}
-        for index, state in sd["state"].items():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor):
-                    optim_tensors[f"state.{index}.{key}"] = value
-                else:
-                    scalars[f"{index}.{key}"] = value
-        raw["optimizer"] = {"param_groups": sd["param_groups"], "scalars": scalars}
-    optim_tensors["rng.torch"] = torch.get_rng_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            optim_tensors[f"rng.cuda.{i}"] = s
-    raw["python_rng"] = random.getstate()
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
-        optim_tensors["rng.numpy"] = torch.from_numpy(keys)
-        raw["numpy_rng"] = (kind, pos, has_gauss, cached)
-    return {MODEL_FILE: model_tensors, OPTIM_FILE: optim_tensors}, raw
+    """The rank's state now: ``({file: {name: tensor}}, raw_meta)`` (see :class:`StateReader`)."""
+    tensors, raw, _key = StateReader(model, optimizer).read()
+    return tensors, raw
 
 
 def meta_json(raw: dict[str, Any]) -> dict[str, Any]:

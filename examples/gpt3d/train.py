@@ -36,7 +36,8 @@ step every rank can get (``--restore`` insists, ``--no-restore`` starts from
 step 0) and resumes at the next step, bit for bit. Step records gain
 ``ckpt_blocking_s`` (time the step spent in the checkpointer), ``ckpt_saved``,
 ``ckpt_skipped`` (back-pressure), ``ckpt_committed`` (newest step committed on
-every rank) and, on the first step after a restore, ``ckpt_restored_step``,
+every rank), ``ckpt_bg_cpu_s`` (CPU seconds of the checkpoint's background
+threads so far) and, on the first step after a restore, ``ckpt_restored_step``,
 ``ckpt_restore_s``, ``ckpt_restore_source``.
 """
 
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global grad norm to this; 0 = off")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--step-delay-s", type=float, default=0.0, help="sleep after each step (pace a demo)")
+    p.add_argument("--emulate-device-s", type=float, default=0.0,
+                   help="wait this long inside each step, before the gradient all-reduce, as a GPU host's training "
+                        "thread waits for its kernels with the CPU idle (benchmarks on CPU-only hosts; default 0)")
     p.add_argument("--collective-timeout-s", type=float, default=1800.0,
                    help="timeout of every collective (init_process_group(timeout=...))")
     c = p.add_argument_group("checkpoints")
@@ -345,6 +349,8 @@ class Trainer:
             inputs = shuffle_window(inputs, window=8)
         self.optimizer.zero_grad(set_to_none=True)
         losses = self.forward_backward(inputs, targets)
+        if self.args.emulate_device_s > 0:  # an accelerator's kernels: the host thread waits, its CPU idles
+            time.sleep(self.args.emulate_device_s)
         self.all_reduce_grads()
         self.faults.corrupt_grads(self.params)
         norm = self.grad_norm()
@@ -364,9 +370,11 @@ class Trainer:
         extra: dict[str, Any] = {}
         if snap is not None:
             extra = {"ckpt_blocking_s": round(ckpt_wait + snap.blocking_s, 6), "ckpt_saved": snap.taken,
-                     "ckpt_skipped": snap.skipped, "ckpt_committed": self.ckpt.newest_committed}
+                     "ckpt_skipped": snap.skipped, "ckpt_committed": self.ckpt.newest_committed,
+                     "ckpt_bg_cpu_s": round(self.ckpt.background_cpu_s(), 6)}
             if snap.memcpy_s is not None:
                 extra["ckpt_memcpy_s"] = round(snap.memcpy_s, 6)
+        extra["cpu_s"] = round(time.thread_time(), 6)  # the training thread's CPU time so far
         if self.restored is not None:
             extra.update(ckpt_restored_step=self.restored.step, ckpt_restore_s=round(self.restored.seconds, 4),
                          ckpt_restore_source=self.restored.tier)
