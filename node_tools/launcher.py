@@ -16,7 +16,7 @@ from node_tools.errors import ClusterError
 from node_tools.inventory import Inventory, Machine
 from node_tools.job import check_job_name
 from node_tools.topology import Topology
-from node_tools.transport import RunResult, transport_for
+from node_tools.transport import RunResult, Transport, transport_for
 
 DEFAULT_ENTRY = "examples/gpt3d/train.py"
 
@@ -97,21 +97,23 @@ def _check(results: dict[str, RunResult], what: str) -> dict[str, Any]:
     return docs
 
 
-def launch(inv: Inventory, plan: JobPlan, *, timeout: float = 60.0) -> dict[str, Any]:
+def launch(inv: Inventory, plan: JobPlan, *, timeout: float = 60.0, transport: Transport | None = None,
+           ) -> dict[str, Any]:
     """Start the job on every machine of the plan; all or nothing."""
     plan.validate()
-    transport = transport_for(inv)
+    transport = transport or transport_for(inv)
     results = transport.run_many(plan.machines, lambda m: plan.start_argv(inv, m), timeout=timeout)
     try:
         return _check(results, f"starting job {plan.job}")
     except ClusterError:
-        stop(inv, plan.job, plan.machines)
+        stop(inv, plan.job, plan.machines, transport=transport)
         raise
 
 
-def stop(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: float = 10.0) -> dict[str, Any]:
+def stop(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: float = 10.0,
+         transport: Transport | None = None) -> dict[str, Any]:
     check_job_name(job)
-    transport = transport_for(inv)
+    transport = transport or transport_for(inv)
     results = transport.run_many(
         machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s)],
         timeout=grace_s + 30,
@@ -119,10 +121,11 @@ def stop(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: floa
     return _check(results, f"stopping job {job}")
 
 
-def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: float = 20.0) -> dict[str, Any]:
+def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: float = 20.0,
+           transport: Transport | None = None) -> dict[str, Any]:
     """Each machine's ``tg-node job status``; unreachable machines appear with an "error"."""
     check_job_name(job)
-    transport = transport_for(inv)
+    transport = transport or transport_for(inv)
     results = transport.run_many(machines, lambda m: [inv.tg_node, "job", "status", "--job", job], timeout=timeout)
     out: dict[str, Any] = {}
     for name, res in results.items():
@@ -132,10 +135,11 @@ def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: fl
 
 
 def steps(inv: Inventory, job: str, machine: Machine, *, rank: int, since: int = -1,
-          incarnation: int | None = None, timeout: float = 20.0) -> list[dict[str, Any]]:
+          incarnation: int | None = None, timeout: float = 20.0, transport: Transport | None = None,
+          ) -> list[dict[str, Any]]:
     """A rank's step records (after step ``since``, of one incarnation if given), read on its machine."""
     check_job_name(job)
-    transport = transport_for(inv)
+    transport = transport or transport_for(inv)
     argv = [inv.tg_node, "job", "steps", "--job", job, "--rank", str(rank), "--since", str(since)]
     if incarnation is not None:
         argv += ["--incarnation", str(incarnation)]

@@ -1,0 +1,77 @@
+"""tg_incident: triage one incident and climb the ladder (evict / diagnose / analyse / roll back), then
+recover: standbys in, job restarted, newest committed checkpoint restored, training seen past it."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from airflow.sdk import Param, dag, task
+
+HANDLERS = ["evict_now", "stop_time_diagnosis", "runtime_analysis", "silent_corruption", "roll_back", "no_culprit"]
+
+
+@dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
+     tags=["trainguard"], doc_md=__doc__, params={"incident_id": Param(1, type="integer", minimum=1)})
+def tg_incident():
+    @task
+    def triage(params: dict | None = None) -> dict:
+        from operators.airflow import steps
+
+        return steps.triage(params["incident_id"])
+
+    @task.branch
+    def choose(decision: dict) -> str:
+        from operators.airflow import steps
+
+        return steps.choose(decision)
+
+    def handler(name: str):
+        @task(task_id=name)
+        def run(decision: dict) -> dict:
+            from operators.airflow import steps
+
+            return getattr(steps, name)(decision)
+
+        return run
+
+    @task(trigger_rule="none_failed_min_one_success")
+    def recover(results: list, params: dict | None = None) -> dict:
+        from operators.airflow import steps
+
+        return steps.recover(params["incident_id"], list(results))
+
+    @task.sensor(poke_interval=2, timeout=600, mode="reschedule")
+    def training_resumed(recovery: dict, params: dict | None = None):
+        from airflow.sdk import PokeReturnValue
+
+        from operators.airflow import steps
+
+        info = steps.resumed(params["incident_id"], recovery)
+        return PokeReturnValue(is_done=info is not None, xcom_value=info)
+
+    @task(trigger_rule="all_done")
+    def close(decision: dict | None = None, recovery: dict | None = None, resume: dict | None = None,
+              params: dict | None = None) -> dict:
+        from operators.airflow import steps
+
+        return steps.close(params["incident_id"], decision, recovery, resume)
+
+    @task
+    def no_recovery(decision: dict) -> dict:
+        from operators.airflow import steps
+
+        return steps.no_recovery(decision)
+
+    decision = triage()
+    branch = choose(decision)
+    handled = [handler(name)(decision) for name in HANDLERS]
+    branch >> handled
+    idle = no_recovery(decision)
+    branch >> idle
+    recovery = recover(handled)
+    resume = training_resumed(recovery)
+    done = close(decision, recovery, resume)
+    idle >> done
+
+
+tg_incident()

@@ -1,0 +1,104 @@
+"""Waiting for alerts without holding a worker: ``AlertTrigger`` (runs in the triggerer) and the
+deferrable ``AlertSensor``.
+
+The trigger polls the alert bus (:class:`node_tools.bus.BusReader`, cursor in a file so every alert is
+delivered once across runs and restarts) every ``poll_s``. On the first alert it keeps reading for
+``settle_s`` more (default 3 s), so a burst from a thousand ranks timing out together becomes one
+batch, then fires with every alert of the batch as JSON documents.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import BaseSensorOperator
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+DEFAULT_SETTLE_S = 3.0
+DEFAULT_POLL_S = 0.25
+
+
+def read_batch(bus_url: str, cursor_path: str, lookback_s: float) -> list[dict[str, Any]]:
+    """New alerts on the bus since the cursor (advancing it), as JSON documents."""
+    from node_tools.bus import BusReader, open_bus
+
+    reader = BusReader(open_bus(bus_url), cursor_path=cursor_path, lookback_s=lookback_s)
+    return [a.to_dict() for a in reader.read()]
+
+
+class AlertTrigger(BaseTrigger):
+    """Fires with a batch of alerts: the first one found plus all that arrive within ``settle_s``."""
+
+    def __init__(self, bus_url: str, cursor_path: str, *, settle_s: float = DEFAULT_SETTLE_S,
+                 poll_s: float = DEFAULT_POLL_S, lookback_s: float = 120.0, kinds: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.bus_url = bus_url
+        self.cursor_path = cursor_path
+        self.settle_s = settle_s
+        self.poll_s = poll_s
+        self.lookback_s = lookback_s
+        self.kinds = list(kinds)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"bus_url": self.bus_url, "cursor_path": self.cursor_path, "settle_s": self.settle_s,
+                 "poll_s": self.poll_s, "lookback_s": self.lookback_s, "kinds": self.kinds})
+
+    async def _read(self) -> list[dict[str, Any]]:
+        alerts = await asyncio.to_thread(read_batch, self.bus_url, self.cursor_path, self.lookback_s)
+        return [a for a in alerts if not self.kinds or a["kind"] in self.kinds]
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        batch: list[dict[str, Any]] = []
+        while not batch:
+            batch = await self._read()
+            if not batch:
+                await asyncio.sleep(self.poll_s)
+        first_seen = time.time()
+        deadline = time.monotonic() + self.settle_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+            batch += await self._read()
+        batch.sort(key=lambda a: a["ts"])
+        yield TriggerEvent({"alerts": batch, "first_seen_ts": first_seen, "fired_ts": time.time()})
+
+
+class AlertSensor(BaseSensorOperator):
+    """Waits (deferred, no worker slot held) until alerts arrive on the bus; returns the batch. Without
+    ``bus_url``/``cursor_path``, the control plane's (see :func:`operators.airflow.steps.alert_source`)."""
+
+    template_fields = ("bus_url", "cursor_path")
+
+    def __init__(self, *, bus_url: str = "", cursor_path: str = "", settle_s: float = DEFAULT_SETTLE_S,
+                 poll_s: float = DEFAULT_POLL_S, lookback_s: float = 120.0, kinds: Sequence[str] = (),
+                 max_wait: timedelta | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bus_url = bus_url
+        self.cursor_path = cursor_path
+        self.settle_s = settle_s
+        self.poll_s = poll_s
+        self.lookback_s = lookback_s
+        self.kinds = list(kinds)
+        self.max_wait = max_wait
+
+    def execute(self, context: Any) -> Any:
+        bus_url, cursor_path = self.bus_url, self.cursor_path
+        if not bus_url or not cursor_path:  # the control plane's: the inventory's bus, a cursor by the fleet DB
+            from operators.airflow.steps import alert_source
+
+            default_bus, default_cursor = alert_source()
+            bus_url, cursor_path = bus_url or default_bus, cursor_path or default_cursor
+        self.defer(trigger=AlertTrigger(bus_url, cursor_path, settle_s=self.settle_s,
+                                        poll_s=self.poll_s, lookback_s=self.lookback_s, kinds=self.kinds),
+                   method_name="execute_complete", timeout=self.max_wait)
+
+    def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
+        if not event or not event.get("alerts"):
+            raise RuntimeError("the alert trigger fired without alerts")
+        self.log.info("%d alerts, first at %.3f: %s", len(event["alerts"]), event["alerts"][0]["ts"],
+                      ", ".join(sorted({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})))
+        return event

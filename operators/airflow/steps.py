@@ -1,0 +1,188 @@
+"""The bodies of the control plane's DAG tasks: each takes and returns JSON-able dicts, so the DAG
+files stay wiring. Configuration comes from the environment of the Airflow processes (``TG_FLEET_URL``,
+``TG_INVENTORY``, ``TG_DRY_RUN`` ...; see :class:`operators.control.ControlConfig`), SSH credentials
+from the Airflow connection ``tg_ssh`` (or the inventory), through :class:`NodeHook`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from operators.control import ControlConfig, Controller
+from operators.policy import ladder
+
+BRANCHES = {
+    "evict": "evict_now",
+    "diagnose": "stop_time_diagnosis",
+    "analyze": "runtime_analysis",
+    "replay": "silent_corruption",
+    "rollback": "roll_back",
+    "reattempt": "no_culprit",
+}
+
+
+def controller(**overrides: Any) -> Controller:
+    from operators.airflow.node_hook import NodeHook
+
+    cfg = ControlConfig.from_env(**overrides)
+    hook = NodeHook(cfg.inventory)
+    return Controller(cfg, transport=hook.transport(), inventory=hook.inventory)
+
+
+def alert_source() -> tuple[str, str]:
+    """The bus to watch and the guardian's cursor file (beside the fleet database)."""
+    from node_tools.inventory import Inventory
+
+    cfg = ControlConfig.from_env()
+    inv = Inventory.load(Path(cfg.inventory))
+    home = Path(os.environ.get("TG_CONTROL_HOME") or Path(cfg.fleet_url).parent)
+    return inv.bus_url, str(home / "guardian.cursor.json")
+
+
+# ---- tg_guardian ---------------------------------------------------------------------------------------
+def group_alerts(event: dict[str, Any]) -> list[dict[str, Any]]:
+    """Attach the batch to incidents; returns the confs of incidents newly opened (one tg_incident run each)."""
+    items = controller().ingest(event["alerts"])
+    return [{"incident_id": i["incident"], "job": i["job"], "first_seen_ts": event.get("first_seen_ts")}
+            for i in items if i["opened"]]
+
+
+# ---- tg_incident -----------------------------------------------------------------------------------------
+def triage(incident_id: int) -> dict[str, Any]:
+    return controller().triage(int(incident_id))
+
+
+def choose(decision: dict[str, Any]) -> str:
+    """The task that handles the decision; anything without a recovery goes to ``no_recovery``."""
+    return BRANCHES.get(decision["action"], "no_recovery")
+
+
+def evict_now(decision: dict[str, Any]) -> dict[str, Any]:
+    c = controller()
+    c.stop(decision["job"])
+    return c.evict(decision["incident"], decision["machines"], reason=decision["reason"])
+
+
+def stop_time_diagnosis(decision: dict[str, Any]) -> dict[str, Any]:
+    """Stop the job; logs and exit codes; if not the job's own code, L1 -> L2 -> L3 (+ alignment for NaN);
+    then what the ladder says: evict what failed, roll back, or restart in place."""
+    c = controller()
+    incident = decision["incident"]
+    c.stop(decision["job"])
+    logs = c.log_verdict(decision["job"])
+    t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
+    if logs["verdict"] == "user_code":
+        d = ladder.decide(t, level=decision["level"], log_verdict="user_code", rollback_to=decision["rollback_to"])
+        return _follow(c, incident, d, {"logs": logs}, decision["rollback_to"])
+    diag = c.diagnose(decision["job"], align=bool(decision["diagnose"].get("align")))
+    d = ladder.decide(t, level=decision["level"], rollback_to=decision["rollback_to"], diagnosis_done=True,
+                      diagnosis_failed=sorted(diag["failed"]))
+    return _follow(c, incident, d, {"logs": logs, "diagnosis": diag}, decision["rollback_to"])
+
+
+def runtime_analysis(decision: dict[str, Any]) -> dict[str, Any]:
+    """Stacks of every rank while the job still hangs; over-evict the outliers' parallel group."""
+    c = controller()
+    a = c.analyze(decision["job"])
+    if not a["machines"]:  # nothing stands out: stop-time diagnosis decides instead
+        out = stop_time_diagnosis({**decision, "diagnose": {"align": False}})
+        return {**out, "analysis": a}
+    c.stop(decision["job"])
+    ev = c.evict(decision["incident"], a["machines"],
+                 reason=f"{decision['category']}: ranks {a['outliers']} stand out; {a['group_kind'] or 'machine'} "
+                        f"group evicted")
+    return {**ev, "analysis": a}
+
+
+def silent_corruption(decision: dict[str, Any]) -> dict[str, Any]:
+    """Parameters differ between data-parallel peers: stop, run the alignment test on every machine,
+    evict the machines whose digest differs from the majority."""
+    c = controller()
+    c.stop(decision["job"])
+    diag = c.diagnose(decision["job"], levels=(), align=True)
+    t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
+    d = ladder.decide(t, level=0, diagnosis_done=True, diagnosis_failed=sorted(diag["failed"]),
+                      log_verdict="")
+    return _follow(c, decision["incident"], d, {"diagnosis": diag})
+
+
+def roll_back(decision: dict[str, Any]) -> dict[str, Any]:
+    c = controller()
+    c.stop(decision["job"])
+    return c.rollback(decision["incident"], decision["rollback_to"])
+
+
+def no_culprit(decision: dict[str, Any]) -> dict[str, Any]:
+    controller().stop(decision["job"])
+    return {"swaps": {}, "reattempt": True}
+
+
+def _follow(c: Controller, incident: int, d: ladder.Decision, evidence: dict[str, Any],
+            rollback_to: str | None = None) -> dict[str, Any]:
+    if d.action == "evict":
+        return {**c.evict(incident, d.machines, reason=d.reason), **evidence}
+    if d.action == "rollback" and rollback_to:
+        return {**c.rollback(incident, rollback_to), **evidence}
+    if d.action in ("reattempt", "replay"):
+        return {"swaps": {}, "reattempt": True, "note": d.reason, **evidence}
+    c.fleet.update_incident(incident, state="waiting_human", summary=d.reason)
+    return {"waiting_human": True, "reason": d.reason, **evidence}
+
+
+def recover(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Restart the job on its machine list after whichever handler ran (skipped ones give None)."""
+    done = [r for r in results if r]
+    result = done[0] if done else {}
+    if result.get("waiting_human") or result.get("dry_run"):
+        return {"restarted": False, **result}
+    out = controller().recover(int(incident_id), result.get("swaps") or {})
+    return {"restarted": True, **out}
+
+
+def resumed(incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None:
+    """For the sensor: the resume info once training passed the restored step, else None."""
+    if not recovery.get("restarted"):
+        return {"skipped": True}
+    return controller().resumed(recovery["job"], recovery["restart_ts"])
+
+
+def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
+          resume: dict[str, Any] | None) -> dict[str, Any]:
+    """Close the incident: resolved when training resumed (or nothing needed recovering), failed when a
+    recovery step failed or training did not come back in time; an incident waiting for a human stays so."""
+    c = controller()
+    inc = c.fleet.incident(int(incident_id))
+    if inc.state == "waiting_human":
+        return c.timeline(int(incident_id))
+    if recovery and recovery.get("restarted") and resume and not resume.get("skipped"):
+        return c.close(int(incident_id), outcome="resolved", resumed=resume,
+                       steps_before=int(recovery.get("steps_before", -1)),
+                       note=f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
+                            f"after the first alert)")
+    if decision and decision.get("action") in ("tolerate", "observe"):
+        return c.close(int(incident_id), outcome="resolved", note=f"no recovery needed ({decision['action']})")
+    return c.close(int(incident_id), outcome="failed",
+                   note="recovery did not complete (a step failed or training did not resume); see the run's logs")
+
+
+def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
+    c = controller()
+    if decision["action"] == "wait_human":
+        c.fleet.update_incident(decision["incident"], state="waiting_human", summary=decision["reason"])
+    return {"action": decision["action"], "reason": decision["reason"]}
+
+
+# ---- tg_diagnose ------------------------------------------------------------------------------------------
+def diagnose_by_hand(job: str, machines: list[str], level: int, evict: bool) -> dict[str, Any]:
+    """The stop-time hierarchy on chosen machines, up to ``level``; with ``evict``, failures are replaced
+    (an incident records it)."""
+    c = controller()
+    out = c.diagnose(job, machines or None, levels=tuple(range(1, level + 1)))
+    if evict and out["failed"]:
+        inc, _ = c.fleet.open_incident(job, [], category="manual")
+        out["eviction"] = c.evict(inc.id, sorted(out["failed"]), reason="failed diagnosis run by hand")
+        out["incident"] = inc.id
+    return out

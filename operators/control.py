@@ -1,0 +1,429 @@
+"""The recovery workflow as plain Python: what each task of ``tg_guardian`` / ``tg_incident`` /
+``tg_diagnose`` does, with no Airflow import (the DAGs call these methods and pass their results on).
+
+A :class:`Controller` holds the fleet database, the inventory and a transport (the NodeHook's SSH
+sessions in Airflow; the inventory's own transport elsewhere). Every method that changes fleet state
+goes through :class:`operators.fleet.store.FleetStore` (one transaction, idempotent), records an
+action with its evidence, and in dry-run mode records the decision without acting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from node_tools import launcher
+from node_tools.errors import TrainguardError
+from node_tools.inventory import Inventory, Machine
+from node_tools.topology import Topology
+from node_tools.transport import RunResult, Transport, transport_for
+from operators.fleet import FleetStore, states
+from operators.policy import ladder, runtime
+
+ROLE_STATE = {"active": states.STANDBY, "standby": states.STANDBY, "free": states.PROVISIONING,
+              "evicted": states.REPAIR}
+PORT_BASE = 29400
+PORT_SPAN = 400
+
+
+@dataclass
+class ControlConfig:
+    """Settings of the control plane (Airflow Variables / environment in the DAGs).
+
+    Attributes:
+        fleet_url: the fleet database (a SQLite path or a SQLAlchemy URL).
+        inventory: the inventory file.
+        dry_run: record every decision, act on nothing.
+        breaker_share: at most this share of a job's machines evicted automatically per window.
+        breaker_window_s: the breaker's window.
+        resume_timeout_s: how long recovery waits for training to pass the restored step.
+        diag_timeout_s: per diagnostic level.
+    """
+
+    fleet_url: str
+    inventory: str
+    dry_run: bool = False
+    breaker_share: float = 0.5
+    breaker_window_s: float = 3600.0
+    resume_timeout_s: float = 300.0
+    diag_timeout_s: float = 120.0
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> ControlConfig:
+        """From ``TG_FLEET_URL``, ``TG_INVENTORY``, ``TG_DRY_RUN``, ``TG_BREAKER_SHARE``,
+        ``TG_BREAKER_WINDOW_S``; ``overrides`` win."""
+        env = os.environ
+        values: dict[str, Any] = {
+            "fleet_url": env.get("TG_FLEET_URL", ".tg/fleet.db"),
+            "inventory": env.get("TG_INVENTORY", ".tg/cluster/inventory.json"),
+            "dry_run": env.get("TG_DRY_RUN", "").lower() in ("1", "true", "yes"),
+            "breaker_share": float(env.get("TG_BREAKER_SHARE", "0.5")),
+            "breaker_window_s": float(env.get("TG_BREAKER_WINDOW_S", "3600")),
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+class Controller:
+    """The control plane's actions on one fleet."""
+
+    def __init__(self, config: ControlConfig, *, transport: Transport | None = None,
+                 inventory: Inventory | None = None) -> None:
+        self.cfg = config
+        self.inventory = inventory or Inventory.load(Path(config.inventory))
+        self.transport = transport or transport_for(self.inventory)
+        self.fleet = FleetStore(config.fleet_url)
+
+    # ---- fleet and jobs ---------------------------------------------------------------------------
+    def sync_inventory(self) -> list[str]:
+        """Register the inventory's machines that the fleet database does not know yet."""
+        added = []
+        for m in self.inventory.machines:
+            if self.fleet.register_machine(m.name, address=m.address, state=ROLE_STATE.get(m.role, states.STANDBY),
+                                           reason=f"from the inventory (role {m.role})"):
+                added.append(m.name)
+        return added
+
+    def machines(self, names: Sequence[str]) -> list[Machine]:
+        return [self.inventory.machine(n) for n in names]
+
+    def topology(self, job: str) -> Topology:
+        j = self.fleet.job(job)
+        return Topology(j.tp, j.pp, j.dp, ranks_per_machine=j.ranks_per_machine)
+
+    def launch_job(self, job: str, topology: Topology, machine_names: Sequence[str], *,
+                   train_args: Sequence[str] = (), revision: str = "r0") -> dict[str, Any]:
+        """Record a job in the fleet database and start it on ``machine_names`` (node-rank order)."""
+        self.sync_inventory()
+        self.fleet.upsert_job(job, tp=topology.tp, pp=topology.pp, dp=topology.dp,
+                              ranks_per_machine=topology.ranks_per_machine, machines=machine_names,
+                              revision=revision, train_args=train_args)
+        return self._start(job, warm=set())
+
+    def _plan(self, job: str, warm: set[str]) -> launcher.JobPlan:
+        j = self.fleet.job(job)
+        launches = sum(1 for a in self.fleet.actions() if a.kind == "launch" and a.key.startswith(f"launch:{job}:"))
+        return launcher.JobPlan(job=job, topology=self.topology(job), machines=self.machines(j.machine_list),
+                                train_args=list(j.train_args), master_port=PORT_BASE + launches % PORT_SPAN,
+                                revision=j.revision, warm=warm)
+
+    def _start(self, job: str, *, warm: set[str], incident_id: int | None = None) -> dict[str, Any]:
+        j = self.fleet.job(job)
+        if j.pending_revision:  # a lazy code update waits for the next restart: this one
+            self.fleet.set_revision(job, j.pending_revision)
+        plan = self._plan(job, warm)
+        key = f"launch:{job}:{incident_id if incident_id is not None else 'initial'}:{','.join(j.machine_list)}"
+        action, created = self.fleet.record_action(key, kind="launch", incident_id=incident_id,
+                                                   machines=j.machine_list, dry_run=self.cfg.dry_run,
+                                                   evidence={"revision": plan.revision, "port": plan.master_port,
+                                                             "warm": sorted(warm)})
+        if not created and action.outcome == "done":
+            return {"launched": False, "reason": "already launched", "machines": j.machine_list}
+        if self.cfg.dry_run:
+            return {"launched": False, "dry_run": True, "machines": j.machine_list}
+        try:
+            docs = launcher.launch(self.inventory, plan, transport=self.transport)
+        except TrainguardError as exc:
+            self.fleet.finish_action(action.id, "failed", str(exc))
+            raise
+        self.fleet.finish_action(action.id, "done", f"started on {', '.join(j.machine_list)}")
+        self.fleet.set_job_state(job, "running")
+        return {"launched": True, "machines": j.machine_list, "port": plan.master_port,
+                "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}
+
+    # ---- guardian: alerts -> incidents ------------------------------------------------------------
+    def job_of(self, alert: Mapping[str, Any]) -> str | None:
+        if alert.get("job"):
+            try:
+                return self.fleet.job(alert["job"]).name
+            except TrainguardError:
+                return None
+        try:
+            return self.fleet.machine(alert["machine"]).job
+        except TrainguardError:
+            return None
+
+    def ingest(self, alerts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """Group a batch by job and attach it to the job's open incident (or open one). Alerts about
+        machines serving no job are recorded against nothing; an explicit fault on a standby sends it
+        to repair. Returns ``[{incident, job, opened, alerts}]`` for the incidents to work on."""
+        by_job: dict[str, list[Mapping[str, Any]]] = {}
+        for a in alerts:
+            job = self.job_of(a)
+            if job is not None:
+                by_job.setdefault(job, []).append(a)
+            elif ladder.triage("", [a]).category == "machine_fault":
+                self._standby_fault(a)
+        out = []
+        for job, batch in sorted(by_job.items()):
+            incident, opened = self.fleet.open_incident(job, [dict(a) for a in batch])
+            out.append({"incident": incident.id, "job": job, "opened": opened, "alerts": len(batch)})
+        return out
+
+    def _standby_fault(self, alert: Mapping[str, Any]) -> None:
+        try:
+            m = self.fleet.machine(alert["machine"])
+        except TrainguardError:
+            return
+        if m.state == states.STANDBY and not self.cfg.dry_run:
+            self.fleet.transition(m.name, states.REPAIR, reason=f"{alert['kind']} while standby")
+
+    # ---- incident: triage ---------------------------------------------------------------------------
+    def triage(self, incident_id: int) -> dict[str, Any]:
+        """The incident's category and first decision (recorded on the incident)."""
+        inc = self.fleet.incident(incident_id)
+        job = self.fleet.job(inc.job)
+        alerts = [a.document for a in self.fleet.alerts_of(incident_id)]
+        history = [a.document for i in self.fleet.incidents(inc.job) if i.id != incident_id
+                   for a in self.fleet.alerts_of(i.id) if a.kind in ladder.NETWORK]
+        t = ladder.triage(inc.job, alerts, job_machines=job.machine_list, network_history=history,
+                          now=max((a["ts"] for a in alerts), default=time.time()))
+        rollback_to = self.fleet.last_known_good(inc.job, other_than=job.revision)
+        d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
+        self.fleet.update_incident(incident_id, category=t.category, summary=f"{t.reason}; next: {d.action}")
+        if d.action in ("diagnose", "analyze", "replay"):
+            self.fleet.update_incident(incident_id, diagnosis_start_ts=time.time())
+        return {"incident": incident_id, "job": inc.job, "level": inc.level, "category": t.category,
+                "machines": list(t.machines), "action": d.action, "reason": d.reason, "rollback_to": rollback_to,
+                "diagnose": dict(d.diagnose)}
+
+    # ---- stop-time diagnosis -------------------------------------------------------------------------
+    def _run(self, machines: Sequence[Machine], argv_for: Any, timeout: float) -> dict[str, RunResult]:
+        return self.transport.run_many(list(machines), argv_for, timeout=timeout)
+
+    def stop(self, job: str, *, grace_s: float = 5.0) -> dict[str, str]:
+        """Stop the job on every machine of it that answers; returns what each said."""
+        j = self.fleet.job(job)
+        results = self._run(self.machines(j.machine_list),
+                            lambda m: [self.inventory.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s)],
+                            timeout=grace_s + 30)
+        return {n: ("stopped" if r.ok else r.describe()) for n, r in results.items()}
+
+    def log_verdict(self, job: str, since: float = 0.0) -> dict[str, Any]:
+        """The logs' verdict across the job's machines: user_code if any rank's first failure is the
+        job's own code, infrastructure, unknown, or none."""
+        j = self.fleet.job(job)
+        results = self._run(self.machines(j.machine_list),
+                            lambda m: [self.inventory.tg_node, "logs", "--job", job, "--since", str(since)],
+                            timeout=30)
+        verdicts = {}
+        for name, r in results.items():
+            doc = r.json() if r.reachable and not r.timed_out else None
+            verdicts[name] = (doc or {}).get("verdict") or {"class": "unreachable" if not r.reachable else "unknown"}
+        classes = {v.get("class") for v in verdicts.values()}
+        overall = next((c for c in ("user_code", "infrastructure", "unknown") if c in classes), "none")
+        return {"verdict": overall, "machines": verdicts}
+
+    def diagnose(self, job: str, machine_names: Sequence[str] | None = None, *, levels: Sequence[int] = (1, 2, 3),
+                 align: bool = False) -> dict[str, Any]:
+        """Stop-time diagnosis on the job's machines (or ``machine_names``): L1, then L2, then L3 in pairs
+        of neighbours; a machine failing a level (or unreachable) is not tested further. NaN adds the
+        alignment test: a machine whose digest differs from the majority fails."""
+        names = list(machine_names or self.fleet.job(job).machine_list)
+        failed: dict[str, str] = {}
+        report: dict[str, Any] = {}
+        t0 = time.time()
+        for level in levels:
+            alive = [n for n in names if n not in failed]
+            if not alive:
+                break
+            if level == 3:
+                results = self._l3(alive)
+            else:
+                results = self._run(self.machines(alive), lambda m, lv=level: [
+                    self.inventory.tg_node, "diag", "--level", str(lv)], timeout=self.cfg.diag_timeout_s)
+            report[f"L{level}"] = {}
+            for n, r in results.items():
+                doc = r.json() if r.reachable and not r.timed_out else None
+                healthy = bool(doc and doc.get("healthy"))
+                report[f"L{level}"][n] = {"healthy": healthy, "reasons": (doc or {}).get("reasons") or
+                                          [r.describe()]}
+                if not healthy:
+                    failed[n] = f"L{level}: " + "; ".join((doc or {}).get("reasons") or [r.describe()])[:300]
+        if align:
+            alive = [n for n in names if n not in failed]
+            results = self._run(self.machines(alive), lambda m: [self.inventory.tg_node, "align"], timeout=60)
+            digests = {n: (r.json() or {}).get("digest") for n, r in results.items() if r.ok}
+            counts: dict[str, int] = {}
+            for d in digests.values():
+                counts[d] = counts.get(d, 0) + 1
+            if counts:
+                majority = max(counts, key=lambda d: counts[d])
+                for n in alive:
+                    if digests.get(n) != majority:
+                        failed[n] = f"align: digest {digests.get(n)} differs from the majority's {majority}"
+            report["align"] = digests
+        return {"job": job, "machines": names, "failed": failed, "report": report,
+                "seconds": round(time.time() - t0, 3)}
+
+    def _l3(self, names: Sequence[str]) -> dict[str, RunResult]:
+        """L3 in pairs of neighbours (an odd one out joins the last pair)."""
+        groups = [list(names[i:i + 2]) for i in range(0, len(names), 2)]
+        if len(groups) > 1 and len(groups[-1]) == 1:
+            groups[-2] += groups.pop()
+        argv: dict[str, list[str]] = {}
+        for gi, group in enumerate(groups):
+            master = self.inventory.machine(group[0])
+            for rank, n in enumerate(group):
+                argv[n] = [self.inventory.tg_node, "diag", "--level", "3", "--rank", str(rank), "--world-size",
+                           str(len(group)), "--master-addr", master.address, "--master-port", str(29300 + gi),
+                           "--timeout-s", "60"]
+        if len(names) < 2:
+            return {}
+        return self._run(self.machines(names), lambda m: argv[m.name], timeout=self.cfg.diag_timeout_s)
+
+    # ---- runtime analysis -----------------------------------------------------------------------------
+    def analyze(self, job: str) -> dict[str, Any]:
+        """Stacks and collective counters of every rank, grouped; the outliers' parallel group."""
+        j = self.fleet.job(job)
+        topo = self.topology(job)
+        results = self._run(self.machines(j.machine_list),
+                            lambda m: [self.inventory.tg_node, "stacks", "--job", job], timeout=60)
+        docs = {n: r.json() for n, r in results.items() if r.reachable and not r.timed_out and r.json()}
+        machine_of = {r: j.machine_list[topo.machine_of(r)] for r in range(topo.world_size)}
+        a = runtime.analyze(topo, runtime.rank_stacks(docs, topo.world_size, machine_of))
+        return {"job": job, "outliers": a.outliers, "reasons": {str(k): v for k, v in a.reasons.items()},
+                "group_kind": a.group_kind, "groups": [len(g) for g in a.groups],
+                "machines": [j.machine_list[i] for i in a.evict_machines]}
+
+    # ---- eviction, recovery ---------------------------------------------------------------------------
+    def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str) -> dict[str, Any]:
+        """Replace ``machine_names`` in the incident's job with standbys, through the breaker. Returns the
+        swaps; ``waiting_human`` when the breaker or a lack of standbys stops it."""
+        inc = self.fleet.incident(incident_id)
+        job = self.fleet.job(inc.job)
+        wanted = [n for n in machine_names if n in job.machine_list]
+        if not wanted:
+            return {"swaps": {}, "reason": "nothing to evict"}
+        verdict = ladder.breaker(job_machines=len(job.machine_list),
+                                 evicted_recently=self.fleet.evicted_recently(inc.job, self.cfg.breaker_window_s),
+                                 to_evict=wanted, max_share=self.cfg.breaker_share,
+                                 window_s=self.cfg.breaker_window_s)
+        key = f"evict:{incident_id}:{','.join(sorted(wanted))}"
+        standbys = [m.name for m in self.fleet.machines(state=states.STANDBY)]
+        action, created = self.fleet.record_action(
+            key, kind="evict", incident_id=incident_id, machines=wanted, dry_run=self.cfg.dry_run,
+            evidence={"reason": reason, "breaker": verdict.reason, "standbys": standbys})
+        if not created and action.outcome == "done":
+            return {"swaps": json.loads(action.detail or "{}"), "reason": "done before"}
+        if not verdict.allowed:
+            self.fleet.finish_action(action.id, "skipped", verdict.reason)
+            self.fleet.update_incident(incident_id, state="waiting_human", summary=verdict.reason)
+            return {"swaps": {}, "waiting_human": True, "reason": verdict.reason}
+        if len(standbys) < len(wanted):
+            why = f"{len(wanted)} machines to replace, {len(standbys)} standbys"
+            self.fleet.finish_action(action.id, "skipped", why)
+            self.fleet.update_incident(incident_id, state="waiting_human", summary=why)
+            return {"swaps": {}, "waiting_human": True, "reason": why}
+        plan = dict(zip(sorted(wanted), standbys, strict=False))
+        if self.cfg.dry_run:
+            self.fleet.finish_action(action.id, "dry_run", json.dumps(plan))
+            return {"swaps": plan, "dry_run": True, "reason": reason}
+        swaps = self.fleet.swap(inc.job, plan, reason=reason, incident_id=incident_id)
+        self.fleet.finish_action(action.id, "done", json.dumps(swaps))
+        self.fleet.update_incident(incident_id, decided_ts=time.time())
+        return {"swaps": swaps, "reason": reason}
+
+    def rollback(self, incident_id: int, revision: str) -> dict[str, Any]:
+        inc = self.fleet.incident(incident_id)
+        action, created = self.fleet.record_action(f"rollback:{incident_id}:{revision}", kind="rollback",
+                                                   incident_id=incident_id, dry_run=self.cfg.dry_run,
+                                                   evidence={"to": revision, "from": self.fleet.job(inc.job).revision})
+        if created and not self.cfg.dry_run:
+            self.fleet.set_revision(inc.job, revision)
+            self.fleet.finish_action(action.id, "done", f"revision {revision}")
+        self.fleet.update_incident(incident_id, decided_ts=time.time())
+        return {"revision": revision}
+
+    def parked(self, names: Sequence[str]) -> set[str]:
+        """Which of ``names`` have warm interpreters parked."""
+        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "standby", "status"], timeout=20)
+        return {n for n, r in results.items() if r.ok and (r.json() or {}).get("state") == "parked"}
+
+    def recover(self, incident_id: int, swaps: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Stop the job everywhere it answers, then start it on its (new) machine list: survivors in place,
+        replacements on their warm interpreters when parked; the job restores its newest committed
+        checkpoint itself. Returns the steps every rank had finished before (for the resume check)."""
+        inc = self.fleet.incident(incident_id)
+        job = inc.job
+        before = self.progress(job)
+        stopped = self.stop(job)
+        new = list((swaps or {}).values())
+        warm = self.parked(new) if new else set()
+        started = self._start(job, warm=warm, incident_id=incident_id)
+        self.fleet.update_incident(incident_id, decided_ts=time.time())
+        return {"job": job, "stopped": stopped, "started": started, "warm": sorted(warm),
+                "steps_before": before.get("step", -1), "restart_ts": time.time()}
+
+    def progress(self, job: str) -> dict[str, Any]:
+        """The lowest step every rank finished and each machine's incarnation and state."""
+        j = self.fleet.job(job)
+        st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+        return {"step": launcher.min_step(st),
+                "incarnations": {n: d.get("incarnation") for n, d in st.items()},
+                "states": {n: d.get("state", d.get("error")) for n, d in st.items()}}
+
+    def resumed(self, job: str, restart_ts: float) -> dict[str, Any] | None:
+        """Whether every rank of the restarted job finished a step after ``restart_ts``; then the restored
+        step and the first step run, else None."""
+        j = self.fleet.job(job)
+        m0 = self.inventory.machine(j.machine_list[0])
+        try:
+            records = launcher.steps(self.inventory, job, m0, rank=0, transport=self.transport)
+        except TrainguardError:
+            return None
+        fresh = [r for r in records if r.get("ts", 0) > restart_ts]
+        if not fresh:
+            return None
+        st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+        steps = [r.get("step") for d in st.values() for r in d.get("ranks", [])]
+        if not steps or any(s is None or s < fresh[0]["step"] for s in steps):
+            return None
+        return {"first_step": fresh[0]["step"], "restored_step": fresh[0].get("ckpt_restored_step"),
+                "ts": fresh[0]["ts"]}
+
+    def close(self, incident_id: int, *, outcome: str, resumed: Mapping[str, Any] | None = None,
+              steps_before: int = -1, note: str = "") -> dict[str, Any]:
+        """Close the incident with its timeline; ETTR events for its stretches."""
+        inc = self.fleet.incident(incident_id)
+        now = time.time()
+        fields: dict[str, Any] = {"state": outcome, "closed_ts": now}
+        if resumed:
+            fields["resumed_ts"] = resumed["ts"]
+            restored = resumed.get("restored_step")
+            if restored is not None and steps_before >= 0:
+                fields["lost_steps"] = max(0, steps_before - restored)
+        if note:
+            fields["summary"] = f"{inc.summary}; {note}" if inc.summary else note
+        self.fleet.update_incident(incident_id, **fields)
+        inc = self.fleet.incident(incident_id)
+        for kind, start, end in (("detection", inc.first_alert_ts, inc.opened_ts),
+                                 ("diagnosis", inc.diagnosis_start_ts, inc.decided_ts),
+                                 ("recovery", inc.decided_ts, inc.resumed_ts)):
+            if start is not None and end is not None and end >= start:
+                self.fleet.add_ettr(inc.job, kind, start, end, incident_id=incident_id)
+        return {"incident": incident_id, "state": inc.state, "timeline": self.timeline(incident_id)}
+
+    def timeline(self, incident_id: int) -> dict[str, Any]:
+        inc = self.fleet.incident(incident_id)
+        return {
+            "job": inc.job, "category": inc.category, "level": inc.level, "state": inc.state,
+            "summary": inc.summary, "first_alert_ts": inc.first_alert_ts, "opened_ts": inc.opened_ts,
+            "diagnosis_start_ts": inc.diagnosis_start_ts, "decided_ts": inc.decided_ts,
+            "resumed_ts": inc.resumed_ts, "closed_ts": inc.closed_ts, "lost_steps": inc.lost_steps,
+            "alerts": [f"{a.machine}:{a.kind}" for a in self.fleet.alerts_of(incident_id)],
+            "actions": [{k: v for k, v in asdict_action(a).items() if k != "evidence"}
+                        for a in self.fleet.actions(incident_id)],
+        }
+
+
+def asdict_action(a: Any) -> dict[str, Any]:
+    return {"id": a.id, "kind": a.kind, "machines": a.machines, "outcome": a.outcome, "detail": a.detail,
+            "dry_run": a.dry_run, "evidence": a.evidence}
+
+

@@ -1,0 +1,215 @@
+"""Triage and the decision ladder (ByteRobust, SOSP 2025, Fig. 5), as plain functions.
+
+:func:`triage` reads one batch of alerts of one job and says what kind of failure it is and which
+machines are implicated; :func:`decide` turns that and the incident's position on the ladder into the
+next action; :func:`breaker` is the circuit breaker every automatic eviction passes through.
+
+The ladder::
+
+    explicit machine fault (GPU lost, fatal Xid, uncorrectable ECC, disk, MCE) -> evict at once
+    network alert                    -> tolerate; the same machine again within 5 min -> evict
+    silent data corruption suspected -> dual-phase replay -> evict the culprit
+    user-code error (from the logs)  -> roll back to the last known-good revision, restart in place
+    crash / NaN without a culprit    -> stop-time diagnosis (logs -> L1 -> L2 -> L3; NaN adds the
+                                        alignment test) -> evict what fails; all pass -> reattempt
+                                        again (level 1) -> roll back; again (level 2) -> replay
+    hang / throughput decline        -> runtime analysis (stacks) -> over-evict the parallel group
+    beyond that, or over the breaker -> wait for a human
+
+Nothing here imports Airflow; the DAGs call these functions and record what they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# Xid codes that mean the GPU or its memory is unusable until repaired (NVIDIA's Xid catalogue:
+# 48 DBE, 62/63/64 row remapping, 74 NVLink, 79 fell off the bus, 92 high single-bit ECC rate,
+# 94/95 contained/uncontained ECC, 119/120 GSP errors, 140 unrecovered ECC).
+FATAL_XIDS = frozenset({48, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+
+EXPLICIT = frozenset({"gpu_lost", "gpu_ecc", "disk_full", "disk_readonly", "kernel_mce", "kernel_fs"})
+XID = frozenset({"gpu_xid", "kernel_xid"})
+NETWORK = frozenset({"nic_down", "nic_errors", "kernel_link"})
+HANG = frozenset({"rank_hang", "rank_stopped"})
+SLOW = frozenset({"rank_slow"})
+NUMERIC = frozenset({"nan_loss"})
+SDC = frozenset({"sdc_suspect"})
+CRASH = frozenset({"rank_exit", "kernel_oom"})
+OBSERVE = frozenset({"loss_spike", "grad_spike", "gpu_thermal", "gpu_pcie"})
+
+NETWORK_REPEAT_WINDOW_S = 300.0
+NETWORK_REPEAT_COUNT = 2
+
+# categories, strongest first: the batch is what its strongest alert says
+CATEGORIES = ("machine_fault", "network", "sdc", "nan", "crash", "hang", "slow", "observe")
+
+
+@dataclass(frozen=True)
+class Triage:
+    """What a batch of alerts means for one job."""
+
+    job: str
+    category: str
+    machines: tuple[str, ...] = ()  # implicated machines (the culprits for machine_fault/network)
+    ranks: tuple[int, ...] = ()
+    reason: str = ""
+    alert_kinds: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The next action for an incident.
+
+    ``action``: evict, tolerate, rollback, diagnose, reattempt, replay, analyze, observe, wait_human."""
+
+    action: str
+    machines: tuple[str, ...] = ()
+    reason: str = ""
+    diagnose: Mapping[str, Any] = field(default_factory=dict)  # for "diagnose": levels and options
+
+
+def _xid(alert: Mapping[str, Any]) -> int | None:
+    ev = alert.get("evidence") or {}
+    for key in ("xid", "code"):
+        value = ev.get(key)
+        if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+            return int(value)  # the kernel log's pattern gives digits as text
+    xids = ev.get("xids")
+    if isinstance(xids, list) and xids and isinstance(xids[-1], int):
+        return int(xids[-1])
+    return None
+
+
+def _category(alert: Mapping[str, Any]) -> str:
+    kind = alert.get("kind", "")
+    if kind in EXPLICIT:
+        return "machine_fault"
+    if kind in XID:
+        code = _xid(alert)
+        return "machine_fault" if code is None or code in FATAL_XIDS else "observe"
+    if kind in NETWORK:
+        return "network"
+    if kind in SDC:
+        return "sdc"
+    if kind in NUMERIC:
+        return "nan"
+    if kind in CRASH:
+        return "crash"
+    if kind in HANG:
+        return "hang"
+    if kind in SLOW:
+        return "slow"
+    return "observe"
+
+
+def network_repeats(alerts: Iterable[Mapping[str, Any]], now: float, *, window_s: float = NETWORK_REPEAT_WINDOW_S,
+                    count: int = NETWORK_REPEAT_COUNT) -> set[str]:
+    """Machines with at least ``count`` network alerts, at distinct times, in the last ``window_s``."""
+    times: dict[str, set[float]] = {}
+    for a in alerts:
+        if a.get("kind") in NETWORK and a.get("machine") and now - float(a.get("ts", 0)) <= window_s:
+            times.setdefault(a["machine"], set()).add(round(float(a.get("ts", 0)), 1))
+    return {m for m, ts in times.items() if len(ts) >= count}
+
+
+def triage(job: str, batch: Sequence[Mapping[str, Any]], *, job_machines: Sequence[str] = (),
+           network_history: Sequence[Mapping[str, Any]] = (), now: float | None = None) -> Triage:
+    """Classify one batch of alerts of ``job``.
+
+    ``network_history``: the job's earlier network alerts (for the repeat rule); ``job_machines``:
+    the machines the job runs on (machine-level alerts from other machines do not implicate it)."""
+    relevant = [a for a in batch if not job_machines or a.get("machine") in job_machines or a.get("job") == job]
+    if not relevant:
+        return Triage(job, "observe", reason="no alert concerns this job's machines")
+    by_cat: dict[str, list[Mapping[str, Any]]] = {}
+    for a in relevant:
+        by_cat.setdefault(_category(a), []).append(a)
+    kinds = tuple(sorted({a["kind"] for a in relevant}))
+    now = now if now is not None else max(float(a.get("ts", 0)) for a in relevant)
+    for cat in CATEGORIES:
+        alerts = by_cat.get(cat)
+        if not alerts:
+            continue
+        machines = tuple(sorted({a["machine"] for a in alerts if a.get("machine")}))
+        ranks = tuple(sorted({a["rank"] for a in alerts if isinstance(a.get("rank"), int)}))
+        if cat == "machine_fault":
+            what = ", ".join(sorted({f"{a['machine']}: {a['kind']}" for a in alerts}))
+            return Triage(job, cat, machines, ranks, f"explicit machine fault ({what})", kinds)
+        if cat == "network":
+            repeated = network_repeats([*network_history, *alerts], now)
+            culprits = tuple(sorted(set(machines) & repeated))
+            if culprits:
+                return Triage(job, cat, culprits, ranks,
+                              f"network fault repeated on {', '.join(culprits)} within "
+                              f"{NETWORK_REPEAT_WINDOW_S:.0f}s", kinds)
+            if any(k in by_cat for k in ("crash", "hang", "nan", "sdc")):
+                continue  # a first network blip that also broke the job: handle the breakage
+            return Triage(job, cat, machines, ranks, "first network alert: tolerated until it repeats", kinds)
+        return Triage(job, cat, machines, ranks, f"{cat}: {', '.join(sorted({a['kind'] for a in alerts}))}", kinds)
+    return Triage(job, "observe", reason="nothing actionable", alert_kinds=kinds)
+
+
+def decide(t: Triage, *, level: int = 0, log_verdict: str = "", rollback_to: str | None = None,
+           diagnosis_failed: Sequence[str] = (), diagnosis_done: bool = False) -> Decision:
+    """The next rung for an incident.
+
+    ``level``: how many recoveries of this job failed before (0 = first failure); ``log_verdict``:
+    the logs' classification of the crash (``user_code``, ``infrastructure``, ``unknown``);
+    ``rollback_to``: the last known-good revision other than the current one (None = none);
+    ``diagnosis_failed``/``diagnosis_done``: results of a stop-time diagnosis already run."""
+    if t.category == "machine_fault":
+        return Decision("evict", t.machines, t.reason)
+    if t.category == "network":
+        if "repeated" in t.reason:
+            return Decision("evict", t.machines, t.reason)
+        return Decision("tolerate", t.machines, t.reason)
+    if t.category == "observe":
+        return Decision("observe", (), t.reason)
+    if t.category in ("hang", "slow"):
+        return Decision("analyze", t.machines, f"{t.category}: stacks and collective progress of every rank")
+    if t.category == "sdc":
+        return Decision("replay", t.machines, "parameters differ between data-parallel peers: dual-phase replay")
+    # crash and NaN
+    if log_verdict == "user_code":
+        if rollback_to:
+            return Decision("rollback", (), f"user-code error in the logs: roll back to {rollback_to}")
+        return Decision("wait_human", (), "user-code error in the logs and no known-good revision to roll back to")
+    if diagnosis_done:
+        if diagnosis_failed:
+            return Decision("evict", tuple(sorted(diagnosis_failed)),
+                            f"stop-time diagnosis failed on {', '.join(sorted(diagnosis_failed))}")
+        if level == 0:
+            return Decision("reattempt", (), "every machine passed diagnosis: restart in place")
+    if level == 0:
+        return Decision("diagnose", (), f"{t.category} without a culprit: stop-time diagnosis",
+                        diagnose={"levels": ["L1", "L2", "L3"], "align": t.category == "nan"})
+    if level == 1:
+        if rollback_to:
+            return Decision("rollback", (), f"failed again after recovery: roll back to {rollback_to}")
+        return Decision("replay", (), "failed again after recovery, no other known-good revision: replay")
+    if level == 2:
+        return Decision("replay", (), "failed again after a rollback: dual-phase replay for a silent culprit")
+    return Decision("wait_human", (), f"failed {level + 1} times; automatic recovery stops here")
+
+
+@dataclass(frozen=True)
+class BreakerVerdict:
+    allowed: bool
+    reason: str
+
+
+def breaker(*, job_machines: int, evicted_recently: set[str], to_evict: Iterable[str], max_share: float,
+            window_s: float) -> BreakerVerdict:
+    """Whether evicting ``to_evict`` keeps the job's evictions within ``max_share`` of its machines per
+    ``window_s``. Over it, the incident waits for a human."""
+    wanted = set(to_evict)
+    total = evicted_recently | wanted
+    limit = max(1, int(max_share * job_machines + 1e-9))
+    if len(total) > limit:
+        return BreakerVerdict(False, f"evicting {', '.join(sorted(wanted))} would make {len(total)} machines of "
+                                     f"{job_machines} evicted within {window_s:.0f}s (limit {limit}, "
+                                     f"{max_share:.0%}); waiting for a human")
+    return BreakerVerdict(True, f"{len(total)} of at most {limit} machines evicted in the window")

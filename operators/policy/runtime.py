@@ -1,0 +1,184 @@
+"""Runtime analysis of a hung or slow job: whose stack differs, and which parallel group to evict.
+
+Input: ``tg-node stacks`` documents of every machine of the job (each rank's main-thread frames, and
+its collective counters from the heartbeat). Each rank's stack becomes a normalised signature
+(:func:`node_tools.stacks.stack_signature`: function and file names, no lines or addresses); the
+signatures are grouped with scikit-learn (``DBSCAN`` over one-hot frame vectors with the Hamming
+distance, ``eps`` 0: identical stacks group together, anything else stands apart). The largest group is
+the healthy behaviour (1,000 ranks waiting in the same all-reduce); ranks in minority groups are the
+outliers, and so are ranks whose collective counters lag behind the rest (a rank stuck before a
+collective the others already entered). A rank whose stack could not be taken at all is an outlier too.
+
+Outliers are mapped to the smallest parallel group that holds them all: the TP group (one machine),
+else the PP group (one pipeline, every stage of a data-parallel replica), else the DP group; the
+machines of that group are evicted together. ByteRobust over-evicts this way on purpose: a whole group
+costs little next to a thousand GPUs waiting for a precise diagnosis, and the checkpoint's backup
+placement (no rank's replica inside its own TP, PP or DP group) means no state is lost.
+
+Fail-slow (``rank_slow``): :class:`SlowVoter` gathers rounds (every 10 s, 5 rounds); each round flags the
+group holding the slowest ranks; the group flagged most is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from node_tools.stacks import stack_signature
+from node_tools.topology import Topology
+
+STACK_DEPTH = 12
+GROUP_ORDER = ("tp", "pp", "dp")
+MISSING = "<no stack>"
+
+
+@dataclass(frozen=True)
+class RankStack:
+    rank: int
+    machine: str
+    signature: str
+    collectives: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Analysis:
+    groups: list[list[int]]  # ranks grouped by identical stacks, largest first
+    outliers: list[int]
+    reasons: dict[int, str]
+    group_kind: str  # tp, pp, dp, or "" when no single group holds the outliers
+    evict_ranks: list[int]  # every rank on the machines to evict
+    evict_machines: list[int]  # machine indices (node ranks) in the job
+
+
+def _main_thread(process: Mapping[str, Any]) -> list[dict[str, Any]]:
+    threads = process.get("threads") or []
+    for t in threads:
+        if t.get("name") == "MainThread" or t.get("main"):
+            return list(t.get("frames") or [])
+    return list(threads[0].get("frames") or []) if threads else []
+
+
+def rank_stacks(documents: Mapping[str, Mapping[str, Any]], world_size: int,
+                machine_of_rank: Mapping[int, str]) -> list[RankStack]:
+    """One :class:`RankStack` per rank of the job from ``tg-node stacks`` documents by machine name;
+    ranks of unreachable machines or failed dumps get the signature :data:`MISSING`."""
+    found: dict[int, RankStack] = {}
+    for machine, doc in documents.items():
+        if not isinstance(doc, Mapping):
+            continue
+        counters = doc.get("collectives") or {}
+        for p in doc.get("processes") or []:
+            if p.get("role") != "rank" or not isinstance(p.get("rank"), int):
+                continue
+            frames = _main_thread(p)
+            sig = stack_signature(frames, depth=STACK_DEPTH) if frames and not p.get("error") else MISSING
+            coll = counters.get(str(p["rank"])) or {}
+            started = {g: int(c.get("started", 0)) for g, c in coll.items() if isinstance(c, Mapping)}
+            found[p["rank"]] = RankStack(p["rank"], machine, sig, started)
+    return [found.get(r) or RankStack(r, machine_of_rank.get(r, "?"), MISSING) for r in range(world_size)]
+
+
+def group_stacks(signatures: Sequence[str]) -> list[int]:
+    """Cluster labels for ``signatures``: equal signatures share a label (scikit-learn DBSCAN over one-hot
+    frame vectors, Hamming distance, eps 0, min_samples 1)."""
+    from sklearn.cluster import DBSCAN
+    from sklearn.feature_extraction import DictVectorizer
+
+    if not signatures:
+        return []
+    rows = [{f"{i}:{frame}": 1 for i, frame in enumerate(sig.split(" < "))} for sig in signatures]
+    vectors = DictVectorizer(sparse=False).fit_transform(rows) > 0
+    return [int(x) for x in DBSCAN(eps=1e-9, min_samples=1, metric="hamming").fit_predict(vectors)]
+
+
+def _lagging(stacks: Sequence[RankStack]) -> dict[int, str]:
+    """Ranks whose started-collective count on some group is below that group's most common count."""
+    out: dict[int, str] = {}
+    kinds = {g for s in stacks for g in s.collectives}
+    for g in sorted(kinds):
+        counts = Counter(s.collectives[g] for s in stacks if g in s.collectives)
+        if len(counts) < 2:
+            continue
+        top = max(counts.values())
+        common = max(c for c, n in counts.items() if n == top)
+        for s in stacks:
+            if g in s.collectives and s.collectives[g] < common:
+                out[s.rank] = f"{g} collectives started {s.collectives[g]} < {common} of the others"
+    return out
+
+
+def smallest_group(topo: Topology, ranks: Sequence[int]) -> tuple[str, list[int]]:
+    """The kind and machine indices of the smallest parallel group whose machines hold every rank in
+    ``ranks``: the TP group (the machine), else the PP group (every stage of one pipeline), else the DP
+    group; ("", the ranks' own machines) when no single group holds them all."""
+    ranks = sorted(set(ranks))
+    needed = {topo.machine_of(r) for r in ranks}
+    for kind in GROUP_ORDER:
+        for r in ranks:  # any outlier's group of this kind may be the one holding all of them
+            machines = set(topo.machines_of_group(kind, r))
+            if needed <= machines:
+                return kind, sorted(machines)
+    return "", sorted(needed)
+
+
+def analyze(topo: Topology, stacks: Sequence[RankStack]) -> Analysis:
+    labels = group_stacks([s.signature for s in stacks])
+    members: dict[int, list[int]] = {}
+    for s, label in zip(stacks, labels, strict=True):
+        members.setdefault(label, []).append(s.rank)
+    groups = sorted(members.values(), key=lambda g: (-len(g), g))
+    reasons: dict[int, str] = {}
+    if len(groups) > 1 and len(groups[0]) > len(groups[1]):  # a clear majority behaviour
+        majority = {s.signature for s in stacks if s.rank in groups[0]}.pop()
+        for s in stacks:
+            if s.rank not in groups[0]:
+                reasons[s.rank] = "no stack could be taken" if s.signature == MISSING else \
+                    f"stack differs from the {len(groups[0])} others' ({s.signature[:160]} vs {majority[:160]})"
+    for s in stacks:
+        if s.signature == MISSING and s.rank not in reasons:
+            reasons[s.rank] = "no stack could be taken"
+    for rank, why in _lagging(stacks).items():
+        reasons.setdefault(rank, why)
+    outliers = sorted(reasons)
+    if not outliers:
+        return Analysis(groups, [], {}, "", [], [])
+    kind, machines = smallest_group(topo, outliers)
+    return Analysis(groups, outliers, reasons, kind, sorted(r for m in machines for r in topo.ranks_on(m)), machines)
+
+
+@dataclass
+class SlowVoter:
+    """Fail-slow localisation over rounds: each round, the group holding the slowest ranks gets a vote;
+    after ``rounds`` rounds, the group with most votes is the one to evict."""
+
+    topo: Topology
+    rounds: int = 5
+    votes: Counter[tuple[str, tuple[int, ...]]] = field(default_factory=Counter)
+    seen: int = 0
+
+    def add_round(self, step_times: Mapping[int, float], *, factor: float = 1.5) -> list[int]:
+        """Vote with one round of per-rank recent step times; returns the ranks flagged this round."""
+        if not step_times:
+            return []
+        ordered = sorted(step_times.values())
+        median = ordered[len(ordered) // 2]
+        slow = [r for r, t in step_times.items() if t > factor * median]
+        self.seen += 1
+        if slow:
+            kind, machines = smallest_group(self.topo, slow)
+            self.votes[(kind, tuple(machines))] += 1
+        return sorted(slow)
+
+    @property
+    def done(self) -> bool:
+        return self.seen >= self.rounds
+
+    def verdict(self) -> tuple[str, list[int]] | None:
+        """The group flagged most, as (kind, machine indices) (ties: the first flagged), or None when no
+        round flagged anything."""
+        if not self.votes:
+            return None
+        (kind, machines), _ = self.votes.most_common(1)[0]
+        return kind, list(machines)

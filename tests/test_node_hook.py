@@ -1,0 +1,66 @@
+"""NodeHook (providers-ssh SSHHook, paramiko) against the namespace cluster's real sshd."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from node_tools import inject
+from node_tools.inventory import Inventory
+from operators.airflow.node_hook import NodeHook
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+def test_fan_out_returns_each_machines_json(ns_cluster: Inventory, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("AIRFLOW_CONN_TG_SSH", raising=False)
+    hook = NodeHook(ns_cluster)
+    results = hook.run_many(ns_cluster.machines, ["info"], timeout_s=30)
+    assert sorted(results) == sorted(m.name for m in ns_cluster.machines)
+    for name, r in results.items():
+        assert r.status == "ok" and r.exit_code == 0, r
+        assert r.document["machine"] == name
+
+
+def test_credentials_come_from_the_airflow_connection(ns_cluster: Inventory, monkeypatch: pytest.MonkeyPatch):
+    key = str(ns_cluster.resolve(ns_cluster.ssh["identity_file"]))
+    monkeypatch.setenv("AIRFLOW_CONN_TG_SSH", json.dumps({"conn_type": "ssh", "login": "root",
+                                                           "extra": {"key_file": key}}))
+    hook = NodeHook(ns_cluster)
+    assert hook.credentials() == ("root", key, None)
+    assert hook.run("m0", ["info"]).status == "ok"
+    monkeypatch.setenv("AIRFLOW_CONN_TG_SSH", json.dumps({"conn_type": "ssh", "login": "nobody-here",
+                                                           "extra": {"key_file": key}}))
+    refused = NodeHook(ns_cluster).run("m0", ["info"])
+    assert refused.status == "unreachable" and "Authentication" in refused.stderr
+
+
+def test_a_machine_with_another_host_key_is_refused(ns_cluster: Inventory, tmp_path: Path):
+    doc = ns_cluster.to_dict()
+    keys = {m["name"]: m["host_key"] for m in doc["machines"]}
+    for m in doc["machines"]:
+        if m["name"] == "m0":
+            m["host_key"] = keys["m1"]  # each machine has its own generated key
+    doc["ssh"]["identity_file"] = str(ns_cluster.resolve(ns_cluster.ssh["identity_file"]))
+    path = tmp_path / "inventory.json"
+    path.write_text(json.dumps(doc))
+    hook = NodeHook(Inventory.load(path), ssh_conn_id=None)
+    r = hook.run("m0", ["info"])
+    assert r.status == "host_key_mismatch" and "refused" in r.stderr
+    assert hook.run("m1", ["info"]).status == "ok"
+
+
+def test_unreachable_and_slow_machines_are_explicit_results(ns_cluster: Inventory):
+    hook = NodeHook(ns_cluster, ssh_conn_id=None, connect_timeout_s=2)
+    inject.inject(ns_cluster, "m5", "nic_down")
+    try:
+        results = hook.run_many(["m4", "m5"], ["info"], timeout_s=10)
+    finally:
+        inject.clear(ns_cluster, "m5", "nic_down")
+    assert results["m4"].status == "ok"
+    assert results["m5"].status == "unreachable" and results["m5"].seconds < 10, results["m5"]
+    slow = hook.run("m4", ["diag", "--level", "2"], timeout_s=1)
+    assert slow.status == "timeout" and slow.seconds < 5, slow
+    assert hook.run("m5", ["info"]).status == "ok"  # back once the link is up

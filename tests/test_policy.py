@@ -1,0 +1,215 @@
+"""Control-plane policy without Airflow: triage, the ladder, the breaker, runtime analysis, replay, ETTR."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from node_tools.topology import Topology
+from operators.policy import ettr, ladder, runtime, sdc
+
+JOB = ["m0", "m1", "m2", "m3"]
+TOPO = Topology(tp=2, pp=2, dp=2)  # m0 = dp0 pp0, m1 = dp0 pp1, m2 = dp1 pp0, m3 = dp1 pp1
+
+
+def alert(kind: str, machine: str = "m1", rank: int | None = None, ts: float = 100.0, **evidence: Any) -> dict:
+    return {"id": f"{kind}{machine}{ts}", "job": "j", "machine": machine, "rank": rank, "kind": kind,
+            "severity": "fault", "ts": ts, "evidence": evidence}
+
+
+# ---- triage and the ladder ---------------------------------------------------------------------
+@pytest.mark.parametrize(("batch", "category", "machines", "action"), [
+    ([alert("gpu_lost", "m2")], "machine_fault", ("m2",), "evict"),
+    ([alert("disk_full", "m3")], "machine_fault", ("m3",), "evict"),
+    ([alert("kernel_xid", "m1", line="NVRM: Xid (PCI:0000:3b:00): 79", xid="79")], "machine_fault", ("m1",), "evict"),
+    ([alert("gpu_xid", "m1", xid=13)], "observe", ("m1",), "observe"),  # a graphics-engine exception: not fatal
+    ([alert("nic_down", "m0")], "network", ("m0",), "tolerate"),
+    ([alert("rank_exit", "m0", 1), alert("rank_exit", "m2", 4, ts=101)], "crash", ("m0", "m2"), "diagnose"),
+    ([alert("nan_loss", "m1", 2)], "nan", ("m1",), "diagnose"),
+    ([alert("rank_hang", "m3", 6)], "hang", ("m3",), "analyze"),
+    ([alert("rank_slow", "m2", 5)], "slow", ("m2",), "analyze"),
+    ([alert("sdc_suspect", "m0", 0)], "sdc", ("m0",), "replay"),
+    ([alert("loss_spike", "m0", 0)], "observe", ("m0",), "observe"),
+    # the strongest alert decides: a GPU loss explains the crashes it caused
+    ([alert("rank_exit", "m0", 0), alert("gpu_lost", "m1"), alert("rank_hang", "m3", 7)], "machine_fault",
+     ("m1",), "evict"),
+])
+def test_triage_and_first_decision(batch, category, machines, action):
+    t = ladder.triage("j", batch, job_machines=JOB)
+    assert t.category == category and t.machines == machines, t
+    assert ladder.decide(t).action == action
+
+
+def test_alerts_of_other_machines_do_not_implicate_the_job():
+    t = ladder.triage("j", [{**alert("gpu_lost", "m5"), "job": ""}], job_machines=JOB)
+    assert t.category == "observe"
+
+
+def test_a_network_fault_is_evicted_when_it_repeats_within_five_minutes():
+    first = alert("nic_down", "m2", ts=1000.0)
+    assert ladder.decide(ladder.triage("j", [first], job_machines=JOB)).action == "tolerate"
+    again = alert("nic_errors", "m2", ts=1200.0)
+    t = ladder.triage("j", [again], job_machines=JOB, network_history=[first])
+    assert (ladder.decide(t).action, t.machines) == ("evict", ("m2",))
+    late = alert("nic_down", "m2", ts=1000.0 + 301 + 200)
+    t = ladder.triage("j", [late], job_machines=JOB, network_history=[first])
+    assert ladder.decide(t).action == "tolerate"  # the first one is older than the window
+    # a first blip that also crashed the job: the crash is handled
+    t = ladder.triage("j", [first, alert("rank_exit", "m0", 0, ts=1001)], job_machines=JOB)
+    assert t.category == "crash"
+
+
+def test_the_crash_ladder_escalates_with_each_failed_recovery():
+    t = ladder.triage("j", [alert("rank_exit", "m0", 0)], job_machines=JOB)
+    d = ladder.decide(t, level=0)
+    assert d.action == "diagnose" and d.diagnose["levels"] == ["L1", "L2", "L3"] and not d.diagnose["align"]
+    assert ladder.decide(t, level=0, diagnosis_done=True, diagnosis_failed=["m3"]).machines == ("m3",)
+    assert ladder.decide(t, level=0, diagnosis_done=True).action == "reattempt"
+    assert ladder.decide(t, level=1, rollback_to="r1").action == "rollback"
+    assert ladder.decide(t, level=1).action == "replay"  # nothing to roll back to
+    assert ladder.decide(t, level=2, rollback_to="r1").action == "replay"
+    assert ladder.decide(t, level=3).action == "wait_human"
+    nan = ladder.triage("j", [alert("nan_loss", "m1", 2)], job_machines=JOB)
+    assert ladder.decide(nan).diagnose["align"] is True
+
+
+def test_user_code_errors_roll_back_or_wait_for_a_human():
+    t = ladder.triage("j", [alert("rank_exit", "m0", 0)], job_machines=JOB)
+    assert ladder.decide(t, log_verdict="user_code", rollback_to="r1").action == "rollback"
+    assert ladder.decide(t, log_verdict="user_code").action == "wait_human"
+
+
+def test_the_breaker_caps_evictions_per_window():
+    ok = ladder.breaker(job_machines=100, evicted_recently={"a", "b"}, to_evict=["c"], max_share=0.05,
+                        window_s=3600)
+    assert ok.allowed
+    no = ladder.breaker(job_machines=100, evicted_recently={"a", "b", "c", "d"}, to_evict=["e", "f"],
+                        max_share=0.05, window_s=3600)
+    assert not no.allowed and "limit 5" in no.reason
+    # a small job may always lose one machine
+    assert ladder.breaker(job_machines=4, evicted_recently=set(), to_evict=["m1"], max_share=0.1,
+                          window_s=600).allowed
+    assert not ladder.breaker(job_machines=4, evicted_recently={"m1"}, to_evict=["m2"], max_share=0.1,
+                              window_s=600).allowed
+
+
+# ---- runtime analysis ------------------------------------------------------------------------------
+WAIT = [{"name": "wait", "filename": "/x/torch/distributed/distributed_c10d.py"},
+        {"name": "all_reduce", "filename": "/x/torch/distributed/distributed_c10d.py"},
+        {"name": "step", "filename": "/job/train.py"}]
+COMPUTE = [{"name": "forward", "filename": "/job/model.py"}, {"name": "step", "filename": "/job/train.py"}]
+
+
+def stacks_doc(frames_by_rank: dict[int, list[dict]], counters: dict[int, int] | None = None) -> dict:
+    return {
+        "processes": [{"role": "rank", "rank": r, "error": None,
+                       "threads": [{"name": "MainThread", "frames": f}]} for r, f in frames_by_rank.items()],
+        "collectives": {str(r): {"dp": {"started": c}} for r, c in (counters or {}).items()},
+    }
+
+
+def documents(stuck: dict[int, list[dict]], counters: dict[int, int] | None = None) -> dict[str, dict]:
+    docs = {}
+    for i, m in enumerate(JOB):
+        ranks = TOPO.ranks_on(i)
+        docs[m] = stacks_doc({r: stuck.get(r, WAIT) for r in ranks},
+                             {r: c for r, c in (counters or {}).items() if r in ranks})
+    return docs
+
+
+def test_a_rank_with_a_different_stack_is_evicted_with_its_pipeline_group():
+    docs = documents({5: COMPUTE})  # rank 5 (m2) still computing; the other 7 wait in the all-reduce
+    ranks = runtime.rank_stacks(docs, TOPO.world_size, {r: JOB[TOPO.machine_of(r)] for r in range(8)})
+    a = runtime.analyze(TOPO, ranks)
+    assert a.outliers == [5] and [len(g) for g in a.groups] == [7, 1]
+    assert a.group_kind == "tp" and a.evict_machines == [2]  # one machine holds rank 5's TP group
+    # two stuck ranks on two machines of one pipeline (dp1: m2 and m3): the PP group goes
+    a = runtime.analyze(TOPO, runtime.rank_stacks(documents({5: COMPUTE, 6: COMPUTE}), 8,
+                                                  {r: JOB[TOPO.machine_of(r)] for r in range(8)}))
+    assert a.outliers == [5, 6] and a.group_kind == "pp" and a.evict_machines == [2, 3]
+
+
+def test_a_rank_behind_in_collectives_or_without_a_stack_is_an_outlier():
+    docs = documents({}, counters={r: (40 if r != 3 else 39) for r in range(8)})
+    docs["m1"]["processes"][0]["error"] = "py-spy timed out"  # rank 2
+    a = runtime.analyze(TOPO, runtime.rank_stacks(docs, 8, {r: JOB[TOPO.machine_of(r)] for r in range(8)}))
+    assert a.outliers == [2, 3] and "collectives started 39 < 40" in a.reasons[3]
+    assert a.group_kind == "tp" and a.evict_machines == [1]
+    # an unreachable machine's ranks have no stack at all
+    del docs["m3"]
+    a = runtime.analyze(TOPO, runtime.rank_stacks(docs, 8, {r: JOB[TOPO.machine_of(r)] for r in range(8)}))
+    assert {6, 7} <= set(a.outliers)
+
+
+def test_identical_stacks_everywhere_mean_no_outlier():
+    a = runtime.analyze(TOPO, runtime.rank_stacks(documents({}), 8, {}))
+    assert a.outliers == [] and a.evict_machines == []
+
+
+def test_group_stacks_uses_exact_identity():
+    labels = runtime.group_stacks(["a < b", "a < b", "a < c", "d"])
+    assert labels[0] == labels[1] and len(set(labels)) == 3
+
+
+def test_fail_slow_votes_over_rounds():
+    voter = runtime.SlowVoter(TOPO, rounds=5)
+    base = {r: 0.3 for r in range(8)}
+    for i in range(5):
+        slow = {**base, 6: 0.9, 7: 0.9} if i != 2 else {**base, 1: 0.9}
+        voter.add_round(slow)
+    assert voter.done and voter.verdict() == ("tp", [3])  # ranks 6, 7 share machine m3
+
+
+# ---- dual-phase replay ---------------------------------------------------------------------------------
+def test_replay_groups_intersect_in_one_machine():
+    topo = Topology(tp=1, pp=2, dp=4, ranks_per_machine=1)
+    machines = [f"m{i}" for i in range(8)]  # machine = dp*2 + pp
+    plan = sdc.plan_replay(topo, machines, k=1)
+    assert plan.horizontal == [["m0", "m1"], ["m2", "m3"], ["m4", "m5"], ["m6", "m7"]]
+    assert plan.vertical[0] == ["m0", "m3"]  # stage 0 of replica 0, stage 1 of replica 1
+    for h in plan.horizontal:
+        for v in plan.vertical:
+            assert len(set(h) & set(v)) <= 1
+    bad = "m5"  # replica 2, stage 1
+    h_res = {i: ("bad" if bad in g else "good") for i, g in enumerate(plan.horizontal)}
+    v_res = {j: ("bad" if bad in g else "good") for j, g in enumerate(plan.vertical)}
+    assert sdc.culprits(plan, h_res, v_res) == {bad}
+    assert sdc.culprits(plan, {i: "good" for i in h_res}, {j: "good" for j in v_res}) == set()
+
+
+def test_two_groups_need_a_reference_replay():
+    plan = sdc.plan_replay(TOPO, JOB, k=1)
+    h_res = {i: ("bad" if "m1" in g else "good") for i, g in enumerate(plan.horizontal)}
+    v_res = {j: ("bad" if "m1" in g else "good") for j, g in enumerate(plan.vertical)}
+    assert sdc.culprits(plan, h_res, v_res) == set(JOB)  # no majority: everything is suspect
+    assert sdc.culprits(plan, h_res, v_res, reference="good") == {"m1"}
+    with pytest.raises(Exception, match="must divide"):
+        sdc.plan_replay(TOPO, JOB, k=3)
+
+
+# ---- ETTR ------------------------------------------------------------------------------------------
+def rec(step: int, inc: int, end: float, dt: float = 1.0) -> dict:
+    return {"step": step, "incarnation": inc, "ts": end, "step_time_s": dt}
+
+
+def test_ettr_counts_only_kept_steps():
+    # incarnation 0 runs steps 0..9 (t 1..10), fails; down 10 s; restores step 7, reruns 8.. (t 21..)
+    records = [rec(s, 0, s + 1.0) for s in range(10)] + [rec(s, 1, 21.0 + (s - 8)) for s in range(8, 14)]
+    _good, lost = ettr.kept(ettr.executions(records))
+    assert sorted(e.step for e in lost) == [8, 9]
+    e = ettr.ettr(records, start_ts=0.0, end_ts=26.0)
+    assert e.kept_steps == 14 and e.lost_steps == 2
+    assert e.productive_s == pytest.approx(14.0) and e.lost_work_s == pytest.approx(2.0)
+    assert e.ratio == pytest.approx(14.0 / 26.0)
+    window = ettr.ettr(records, start_ts=16.0, end_ts=26.0)  # sliding: only the recovered stretch
+    assert window.ratio == pytest.approx(6.0 / 10.0)
+    with pytest.raises(ValueError):
+        ettr.ettr(records, start_ts=5.0, end_ts=5.0)
+
+
+def test_incident_time_split():
+    records = [rec(s, 0, s + 1.0) for s in range(10)] + [rec(s, 1, 21.0 + (s - 8)) for s in range(8, 14)]
+    split = ettr.incident_split({"first_alert_ts": 10.5, "opened_ts": 11.0, "diagnosis_start_ts": 11.5,
+                                 "decided_ts": 15.0, "resumed_ts": 20.0}, records)
+    assert split == {"detection_s": 0.5, "diagnosis_s": 3.5, "recovery_s": 5.0, "lost_work_s": 2.0}
