@@ -3,7 +3,7 @@ and starts one tg_incident run per newly opened incident. Continuous, one active
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
 from airflow.sdk import dag, task
@@ -14,7 +14,7 @@ from operators.airflow.alerts import AlertSensor
 @dag(dag_id="tg_guardian", schedule="@continuous", max_active_runs=1, start_date=datetime(2026, 1, 1),
      catchup=False, tags=["trainguard"], doc_md=__doc__)
 def tg_guardian():
-    batch = AlertSensor(task_id="wait_for_alerts", settle_s=3.0)
+    batch = AlertSensor(task_id="wait_for_alerts", settle_s=3.0, retries=3, retry_delay=timedelta(seconds=1))
 
     @task
     def group_into_incidents(event: dict) -> list[dict]:
@@ -22,7 +22,7 @@ def tg_guardian():
 
         return steps.group_alerts(event)
 
-    opened = group_into_incidents(batch.output)
+    opened = group_into_incidents(batch.output)  # records the batch, then commits the bus cursor
     TriggerDagRunOperator.partial(task_id="start_incident", trigger_dag_id="tg_incident").expand(conf=opened)
 
 

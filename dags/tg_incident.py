@@ -40,7 +40,7 @@ def tg_incident():
 
         return steps.recover(params["incident_id"], list(results))
 
-    @task.sensor(poke_interval=2, timeout=600, mode="reschedule")
+    @task.sensor(poke_interval=2, timeout=600, mode="poke")
     def training_resumed(recovery: dict, params: dict | None = None):
         from airflow.sdk import PokeReturnValue
 

@@ -153,7 +153,10 @@ class Controller:
         machines serving no job are recorded against nothing; an explicit fault on a standby sends it
         to repair. Returns ``[{incident, job, opened, alerts}]`` for the incidents to work on."""
         by_job: dict[str, list[Mapping[str, Any]]] = {}
+        known = self.fleet.known_alerts([str(a["id"]) for a in alerts])
         for a in alerts:
+            if str(a["id"]) in known:
+                continue  # delivered again after a failed guardian run: recorded already
             job = self.job_of(a)
             if job is not None:
                 by_job.setdefault(job, []).append(a)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from node_tools.alerts import Alert
 from node_tools.bus import open_bus
-from operators.airflow.alerts import AlertTrigger
+from operators.airflow.alerts import AlertTrigger, commit_cursor
 
 
 def first_event(trigger: AlertTrigger, timeout: float = 20.0) -> dict:
@@ -43,7 +43,11 @@ def test_a_burst_within_the_settle_window_is_one_batch_and_later_alerts_the_next
     first = first_event(trigger)
     assert [a["rank"] for a in first["alerts"]] == list(range(8))
     assert first["fired_ts"] - first["first_seen_ts"] >= 1.0
-    second = first_event(AlertTrigger(url, cursor, settle_s=0.2, poll_s=0.05))  # a new run, same cursor
+    # not committed (the run failed before recording it): the next run gets the same batch
+    again = first_event(AlertTrigger(url, cursor, settle_s=0.1, poll_s=0.05))
+    assert [a["id"] for a in again["alerts"]][:8] == [a["id"] for a in first["alerts"]]
+    commit_cursor(first["cursor_path"], first["cursor"])
+    second = first_event(AlertTrigger(url, cursor, settle_s=0.2, poll_s=0.05))  # a new run, committed cursor
     t.join()
     assert [a["kind"] for a in second["alerts"]] == ["gpu_lost"]  # nothing from the first batch again
 

@@ -1,18 +1,23 @@
 """Waiting for alerts without holding a worker: ``AlertTrigger`` (runs in the triggerer) and the
 deferrable ``AlertSensor``.
 
-The trigger polls the alert bus (:class:`node_tools.bus.BusReader`, cursor in a file so every alert is
-delivered once across runs and restarts) every ``poll_s``. On the first alert it keeps reading for
-``settle_s`` more (default 3 s), so a burst from a thousand ranks timing out together becomes one
-batch, then fires with every alert of the batch as JSON documents.
+The trigger polls the alert bus (:class:`node_tools.bus.BusReader`) every ``poll_s``, starting from the
+cursor in ``cursor_path``. On the first alert it keeps reading for ``settle_s`` more (default 3 s), so a
+burst from a thousand ranks timing out together becomes one batch, then fires with every alert of the
+batch as JSON documents and the advanced cursor. The trigger never writes the cursor: the task that has
+recorded the batch commits it (:func:`commit_cursor`), so a run that fails after the trigger fired
+leaves the alerts for the next run (recording them again is a no-op: alerts are keyed by id).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator
@@ -22,12 +27,31 @@ DEFAULT_SETTLE_S = 3.0
 DEFAULT_POLL_S = 0.25
 
 
-def read_batch(bus_url: str, cursor_path: str, lookback_s: float) -> list[dict[str, Any]]:
-    """New alerts on the bus since the cursor (advancing it), as JSON documents."""
+def load_cursor(cursor_path: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(Path(cursor_path).read_text())
+        return {"horizon_ns": int(doc.get("horizon_ns", 0)), "seen": {str(k): int(v) for k, v in doc["seen"].items()}}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return {"horizon_ns": 0, "seen": {}}
+
+
+def read_batch(bus_url: str, cursor: dict[str, Any], lookback_s: float) -> tuple[list[dict[str, Any]], dict]:
+    """New alerts on the bus after ``cursor`` (JSON documents) and the cursor after them."""
     from node_tools.bus import BusReader, open_bus
 
-    reader = BusReader(open_bus(bus_url), cursor_path=cursor_path, lookback_s=lookback_s)
-    return [a.to_dict() for a in reader.read()]
+    reader = BusReader(open_bus(bus_url), lookback_s=lookback_s, horizon_ns=int(cursor["horizon_ns"]),
+                       seen=dict(cursor["seen"]))
+    alerts = [a.to_dict() for a in reader.read()]
+    return alerts, {"horizon_ns": reader.horizon_ns, "seen": reader.seen}
+
+
+def commit_cursor(cursor_path: str, cursor: dict[str, Any]) -> None:
+    """Persist the cursor a fired trigger reported (after its batch was recorded)."""
+    path = Path(cursor_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"horizon_ns": int(cursor["horizon_ns"]), "seen": cursor["seen"]}))
+    os.replace(tmp, path)
 
 
 class AlertTrigger(BaseTrigger):
@@ -38,6 +62,7 @@ class AlertTrigger(BaseTrigger):
         super().__init__()
         self.bus_url = bus_url
         self.cursor_path = cursor_path
+        self._cursor: dict[str, Any] = {"horizon_ns": 0, "seen": {}}
         self.settle_s = settle_s
         self.poll_s = poll_s
         self.lookback_s = lookback_s
@@ -49,10 +74,11 @@ class AlertTrigger(BaseTrigger):
                  "poll_s": self.poll_s, "lookback_s": self.lookback_s, "kinds": self.kinds})
 
     async def _read(self) -> list[dict[str, Any]]:
-        alerts = await asyncio.to_thread(read_batch, self.bus_url, self.cursor_path, self.lookback_s)
+        alerts, self._cursor = await asyncio.to_thread(read_batch, self.bus_url, self._cursor, self.lookback_s)
         return [a for a in alerts if not self.kinds or a["kind"] in self.kinds]
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        self._cursor = await asyncio.to_thread(load_cursor, self.cursor_path)
         batch: list[dict[str, Any]] = []
         while not batch:
             batch = await self._read()
@@ -64,7 +90,8 @@ class AlertTrigger(BaseTrigger):
             await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
             batch += await self._read()
         batch.sort(key=lambda a: a["ts"])
-        yield TriggerEvent({"alerts": batch, "first_seen_ts": first_seen, "fired_ts": time.time()})
+        yield TriggerEvent({"alerts": batch, "first_seen_ts": first_seen, "fired_ts": time.time(),
+                            "cursor": self._cursor, "cursor_path": self.cursor_path})
 
 
 class AlertSensor(BaseSensorOperator):

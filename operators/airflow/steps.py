@@ -44,8 +44,13 @@ def alert_source() -> tuple[str, str]:
 
 # ---- tg_guardian ---------------------------------------------------------------------------------------
 def group_alerts(event: dict[str, Any]) -> list[dict[str, Any]]:
-    """Attach the batch to incidents; returns the confs of incidents newly opened (one tg_incident run each)."""
+    """Attach the batch to incidents, then commit the bus cursor; returns the confs of incidents newly
+    opened (one tg_incident run each)."""
+    from operators.airflow.alerts import commit_cursor
+
     items = controller().ingest(event["alerts"])
+    if event.get("cursor") and event.get("cursor_path"):
+        commit_cursor(event["cursor_path"], event["cursor"])
     return [{"incident_id": i["incident"], "job": i["job"], "first_seen_ts": event.get("first_seen_ts")}
             for i in items if i["opened"]]
 

@@ -303,6 +303,13 @@ class FleetStore:
                         .order_by(Incident.id.desc()))
         return (last.level + 1) if last is not None else 0
 
+    def known_alerts(self, ids: Sequence[str]) -> set[str]:
+        """Which of ``ids`` are recorded already."""
+        if not ids:
+            return set()
+        with self.tx() as s:
+            return set(s.scalars(select(Alert.id).where(Alert.id.in_(list(ids)))))
+
     def incident(self, incident_id: int) -> Incident:
         with self.tx() as s:
             inc = s.get(Incident, incident_id)

@@ -1,0 +1,120 @@
+"""A real ``airflow standalone`` for tests: its own AIRFLOW_HOME, port and process group; the REST API v2."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import free_port, wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Standalone:
+    def __init__(self, home: Path, env: dict[str, str]) -> None:
+        self.home = home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            **os.environ,
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+            "AIRFLOW__CORE__PARALLELISM": "8",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{self.port}/execution/",
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.25",
+            "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
+            "PYTHONPATH": str(REPO),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # its subprocesses
+            **env,
+        }
+        self.env.pop("AIRFLOW_CONN_TG_SSH", None)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._token: str | None = None
+
+    def start(self, timeout: float = 240) -> None:
+        log = open(self.home / "standalone.log", "wb")  # noqa: SIM115  (closed with the process)
+        airflow = str(Path(sys.executable).parent / "airflow")
+        self.proc = subprocess.Popen([airflow, "standalone"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
+                                                                                             signal.SIG_DFL))
+        wait_until(self._healthy, timeout=timeout, interval=1.0, what=f"airflow standalone on {self.url}")
+        wait_until(lambda: self.dag_ids() >= {"tg_guardian", "tg_incident", "tg_diagnose"}, timeout=120,
+                   interval=1.0, what="the trainguard DAGs to be parsed")
+        self.request("GET", "/execution/health", auth=False)  # warm the execution API (first task waits otherwise)
+
+    def _healthy(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"airflow standalone exited {self.proc.returncode}; see {self.home}/standalone.log")
+        try:
+            with urllib.request.urlopen(f"{self.url}/api/v2/monitor/health", timeout=2) as r:
+                return r.status == 200
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def token(self) -> str:
+        if self._token is None:
+            pw_file = self.home / "simple_auth_manager_passwords.json.generated"
+            wait_until(pw_file.exists, timeout=60, what="the admin password file")
+            password = json.loads(pw_file.read_text())["admin"]
+            doc = self.request("POST", "/auth/token", {"username": "admin", "password": password}, auth=False)
+            self._token = doc["access_token"]
+        return self._token
+
+    def request(self, method: str, path: str, body: Any = None, *, auth: bool = True) -> Any:
+        headers = {"Content-Type": "application/json"}
+        if auth:
+            headers["Authorization"] = f"Bearer {self.token()}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data, headers=headers, method=method)
+        with urllib.request.urlopen(req, timeout=30) as r:
+            text = r.read().decode()
+        return json.loads(text) if text.strip() else None
+
+    def dag_ids(self) -> set[str]:
+        try:
+            return {d["dag_id"] for d in self.request("GET", "/api/v2/dags?limit=100")["dags"]}
+        except (OSError, urllib.error.URLError, KeyError):
+            return set()
+
+    def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
+        doc = self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf})
+        return doc["dag_run_id"]
+
+    def runs(self, dag_id: str) -> list[dict[str, Any]]:
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns?limit=100&order_by=-start_date")["dag_runs"]
+
+    def run_state(self, dag_id: str, run_id: str) -> str:
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}")["state"]
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
+        doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances")
+        return {t["task_id"]: t["state"] for t in doc["task_instances"]}
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            self.proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self.proc = None
