@@ -43,6 +43,7 @@ class ControlConfig:
         breaker_window_s: the breaker's window.
         resume_timeout_s: how long recovery waits for training to pass the restored step.
         diag_timeout_s: per diagnostic level.
+        escalation_window_s: a failure this soon after the job's last recovery climbs the ladder.
     """
 
     fleet_url: str
@@ -52,11 +53,12 @@ class ControlConfig:
     breaker_window_s: float = 3600.0
     resume_timeout_s: float = 300.0
     diag_timeout_s: float = 120.0
+    escalation_window_s: float = 1800.0
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ControlConfig:
         """From ``TG_FLEET_URL``, ``TG_INVENTORY``, ``TG_DRY_RUN``, ``TG_BREAKER_SHARE``,
-        ``TG_BREAKER_WINDOW_S``; ``overrides`` win."""
+        ``TG_BREAKER_WINDOW_S``, ``TG_ESCALATION_WINDOW_S``; ``overrides`` win."""
         env = os.environ
         values: dict[str, Any] = {
             "fleet_url": env.get("TG_FLEET_URL", ".tg/fleet.db"),
@@ -64,6 +66,7 @@ class ControlConfig:
             "dry_run": env.get("TG_DRY_RUN", "").lower() in ("1", "true", "yes"),
             "breaker_share": float(env.get("TG_BREAKER_SHARE", "0.5")),
             "breaker_window_s": float(env.get("TG_BREAKER_WINDOW_S", "3600")),
+            "escalation_window_s": float(env.get("TG_ESCALATION_WINDOW_S", "1800")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -164,7 +167,8 @@ class Controller:
                 self._standby_fault(a)
         out = []
         for job, batch in sorted(by_job.items()):
-            incident, opened = self.fleet.open_incident(job, [dict(a) for a in batch])
+            incident, opened = self.fleet.open_incident(job, [dict(a) for a in batch],
+                                                        escalation_window_s=self.cfg.escalation_window_s)
             out.append({"incident": incident.id, "job": job, "opened": opened, "alerts": len(batch)})
         return out
 

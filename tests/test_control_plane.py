@@ -28,10 +28,11 @@ from tests.conftest import can_namespace, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow]
 
-SPEC = cluster.ClusterSpec(name="tgp", machines=6, standbys=2, subnet="10.213.15.0/24", disk_mb=64, gpus=8)
+SPEC = cluster.ClusterSpec(name="tgp", machines=6, standbys=2, subnet="10.213.15.0/24", disk_mb=256, gpus=8)
 TOPO = Topology(tp=2, pp=2, dp=2)
 JOB = "guarded"
 TRAIN = ["--checkpoint", "--step-delay-s", "0.2"]
+ESCALATION_WINDOW_S = 25  # a failure this soon after a recovery climbs the ladder (production: 30 min)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +62,9 @@ def control(cp_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
     parking = transport_for(cp_cluster)
     standbys = cp_cluster.by_role("standby")
     airflow = Standalone(home / "airflow", {"TG_FLEET_URL": cfg.fleet_url, "TG_INVENTORY": cfg.inventory,
-                                            "TG_CONTROL_HOME": str(home)})
+                                            "TG_CONTROL_HOME": str(home),
+                                            "TG_ESCALATION_WINDOW_S": str(ESCALATION_WINDOW_S),
+                                            "TG_BREAKER_SHARE": "0.75"})  # 3 of the job's 4 machines per hour
     (home / "airflow").mkdir()
     try:
         parked = parking.run_many(standbys, lambda m: [cp_cluster.tg_node, "standby", "park", "--nproc", "2"],
@@ -88,6 +91,70 @@ def _incident_done(ctl: Controller, after_id: int) -> Any:
         if inc.id > after_id and inc.state in ("resolved", "failed", "waiting_human"):
             return inc
     return None
+
+
+def _last_incident(ctl: Controller) -> int:
+    return max((i.id for i in ctl.fleet.incidents(JOB)), default=0)
+
+
+def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, machine: str, fault: str,
+                        rank: int | None = None, *, fresh: bool = True) -> Any:
+    """Inject ``fault`` once the job trains (and, with ``fresh``, the last recovery is older than the
+    escalation window); wait for the incident it causes to close; return it."""
+    last = _last_incident(ctl)
+    if fresh and last:
+        closed = ctl.fleet.incident(last).closed_ts or 0
+        wait_until(lambda: time.time() - closed > ESCALATION_WINDOW_S + 1, timeout=ESCALATION_WINDOW_S + 5,
+                   what="the escalation window to pass")
+    step = ctl.progress(JOB)["step"]
+    wait_until(lambda: ctl.progress(JOB)["step"] >= step + 2, timeout=120, what="the job to train")
+    inject.inject(inv, machine, fault, rank=rank)
+    return wait_until(lambda: _incident_done(ctl, last), timeout=300, interval=1.0,
+                      what=f"the {fault} incident to close (runs: "
+                           f"{[r['state'] for r in airflow.runs('tg_incident')]})")
+
+
+def _branch(airflow: Standalone, incident_id: int) -> str:
+    """The handler task that ran in the incident's tg_incident run."""
+    from operators.airflow import steps
+
+    for run in airflow.runs("tg_incident"):
+        if (run.get("conf") or {}).get("incident_id") == incident_id:
+            tasks = airflow.task_states("tg_incident", run["dag_run_id"])
+            ran = [t for t in [*steps.BRANCHES.values(), "no_recovery"] if tasks.get(t) == "success"]
+            return ran[0] if ran else f"none ran: {tasks}"
+    return "no run"
+
+
+def _why(ctl: Controller, airflow: Standalone, incident_id: int) -> str:
+    """The incident's timeline and what its handler task returned (for failure messages)."""
+    import json
+    import urllib.parse
+
+    from operators.airflow import steps
+
+    out = {"timeline": ctl.timeline(incident_id)}
+    for run in airflow.runs("tg_incident"):
+        if (run.get("conf") or {}).get("incident_id") == incident_id:
+            rid = urllib.parse.quote(run["dag_run_id"])
+            for task in [*steps.BRANCHES.values(), "no_recovery", "recover"]:
+                try:
+                    out[task] = airflow.request(
+                        "GET", f"/api/v2/dags/tg_incident/dagRuns/{rid}/taskInstances/{task}/xcomEntries/"
+                               f"return_value")["value"]
+                except Exception:  # a skipped task has none
+                    continue
+    return json.dumps(out, default=str)[:6000]
+
+
+def _repair(ctl: Controller, inv: Inventory, name: str) -> None:
+    """What a repair crew does for an evicted machine: fix it, self-check, park it warm as a standby."""
+    ctl.fleet.transition(name, states.REPAIR, reason="sent to repair")
+    ctl.fleet.transition(name, states.SELF_CHECK, reason="repaired")
+    parked = transport_for(inv).run(inv.machine(name), [inv.tg_node, "standby", "park", "--nproc", "2"],
+                                    timeout=240)
+    assert parked.ok, parked.describe()
+    ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
 
 
 def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(control, cp_cluster: Inventory):
@@ -121,3 +188,39 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
     assert launch.evidence["warm"] == [job.machine_list[1]]  # the standby joined on its warm interpreters
     print(f"gpu_lost: alert {inc.first_alert_ts - t_fault:.1f}s after the fault, resumed "
           f"{inc.resumed_ts - t_fault:.1f}s after it, lost {inc.lost_steps} steps")
+
+
+def test_a_crash_with_a_clean_diagnosis_restarts_in_place_and_a_second_one_escalates(control, cp_cluster):
+    ctl, airflow = control
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    first = _fault_and_recovery(ctl, airflow, cp_cluster, machines[2], "crash", rank=4)
+    assert first.state == "resolved" and first.category == "crash" and first.level == 0, _why(ctl, airflow, first.id)
+    assert _branch(airflow, first.id) == "stop_time_diagnosis"
+    assert not [a for a in ctl.fleet.actions(first.id) if a.kind == "evict"]  # every machine passed L1-L3
+    assert ctl.fleet.job(JOB).machine_list == machines  # restarted in place
+    assert first.lost_steps is not None and first.lost_steps <= 1
+    # the same job fails again right after: the ladder goes one rung up (no other known-good revision:
+    # the silent-corruption check instead of the same diagnosis again)
+    second = _fault_and_recovery(ctl, airflow, cp_cluster, machines[2], "crash", rank=5, fresh=False)
+    assert second.level == 1 and second.state == "resolved", _why(ctl, airflow, second.id)
+    assert _branch(airflow, second.id) == "silent_corruption"
+    assert ctl.fleet.job(JOB).machine_list == machines
+
+
+def test_a_hung_rank_over_evicts_its_pipeline_and_no_checkpoint_is_lost(control, cp_cluster):
+    ctl, airflow = control
+    for name in [m.name for m in ctl.fleet.machines(state=states.EVICTED)]:
+        inject.clear(cp_cluster, name)
+        _repair(ctl, cp_cluster, name)
+    assert len(ctl.fleet.machines(state=states.STANDBY)) == 2
+    before = list(ctl.fleet.job(JOB).machine_list)
+    stuck_rank = 6  # dp1 pp1 tp0, on node 3
+    inc = _fault_and_recovery(ctl, airflow, cp_cluster, before[3], "hang", rank=stuck_rank)
+    assert inc.state == "resolved" and inc.category == "hang", _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "runtime_analysis"
+    evict = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict")
+    pipeline = {before[i] for i in TOPO.machines_of_group("pp", stuck_rank)}
+    assert set(evict.machines) == pipeline == {before[2], before[3]}  # exactly the stuck rank's PP group
+    after = ctl.fleet.job(JOB).machine_list
+    assert after[:2] == before[:2] and not set(after[2:]) & pipeline
+    assert inc.lost_steps is not None and inc.lost_steps <= 1  # their state came from the replicas

@@ -113,19 +113,29 @@ def test_two_controllers_swapping_the_same_machine_evict_it_once(store: FleetSto
         sorted({"m4", "m5"} - {order[2]})
 
 
-def test_alerts_join_the_open_incident_and_a_recurrence_escalates(store: FleetStore):
-    a, opened = store.open_incident("j", [{"id": "x1", "kind": "rank_exit", "machine": "m0", "ts": 5.0}])
-    b, opened2 = store.open_incident("j", [{"id": "x1", "kind": "rank_exit", "ts": 5.0},
-                                           {"id": "x2", "kind": "rank_exit", "machine": "m1", "ts": 6.0}])
-    assert opened and not opened2 and a.id == b.id and a.level == 0 and a.first_alert_ts == 5.0
+def test_alerts_join_the_open_incident_and_a_recurrence_escalates(tmp_path: Path):
+    now = [1000.0]
+    store = FleetStore(tmp_path / "f.db", clock=lambda: now[0])
+    store.register_machine("m0")
+    store.upsert_job("j", tp=1, pp=1, dp=1, ranks_per_machine=1, machines=["m0"])
+    a, opened = store.open_incident("j", [{"id": "x1", "kind": "rank_exit", "machine": "m0", "ts": 995.0}])
+    b, opened2 = store.open_incident("j", [{"id": "x1", "kind": "rank_exit", "ts": 995.0},
+                                           {"id": "x2", "kind": "rank_exit", "machine": "m1", "ts": 996.0}])
+    assert opened and not opened2 and a.id == b.id and a.level == 0 and a.first_alert_ts == 995.0
     assert [x.id for x in store.alerts_of(a.id)] == ["x1", "x2"]  # x1 once
-    store.update_incident(a.id, state="resolved", closed_ts=10.0)
-    store.update_incident(a.id, closed_ts=11.0)  # the first time a milestone is reached counts
-    assert store.incident(a.id).closed_ts == 10.0
-    c, opened3 = store.open_incident("j", [{"id": "x3", "kind": "rank_exit", "ts": 20.0}])
+    assert store.known_alerts(["x1", "x9"]) == {"x1"}
+    store.update_incident(a.id, state="resolved", closed_ts=1010.0)
+    store.update_incident(a.id, closed_ts=1011.0)  # the first time a milestone is reached counts
+    assert store.incident(a.id).closed_ts == 1010.0
+    now[0] = 1100.0  # fails again 90 s after the recovery: one level up
+    c, opened3 = store.open_incident("j", [{"id": "x3", "kind": "rank_exit", "ts": 1100.0}], escalation_window_s=600)
     assert opened3 and c.id != a.id and c.level == 1
     with pytest.raises(FleetError, match="not one of"):
         store.update_incident(c.id, state="closed-ish")
+    store.update_incident(c.id, state="resolved", closed_ts=1100.0)
+    now[0] = 1100.0 + 601  # long after: a fresh failure
+    d, _ = store.open_incident("j", [{"id": "x4", "kind": "rank_exit", "ts": now[0]}], escalation_window_s=600)
+    assert d.level == 0
 
 
 def test_actions_are_recorded_once_per_key(store: FleetStore):

@@ -276,8 +276,10 @@ class FleetStore:
             return True
 
     # ---- incidents, alerts, actions -----------------------------------------------------------
-    def open_incident(self, job: str, alerts: Iterable[dict[str, Any]], *, category: str = "") -> tuple[Incident, bool]:
-        """Attach ``alerts`` to the job's open incident, or open one. Returns (incident, opened)."""
+    def open_incident(self, job: str, alerts: Iterable[dict[str, Any]], *, category: str = "",
+                      escalation_window_s: float = 1800.0) -> tuple[Incident, bool]:
+        """Attach ``alerts`` to the job's open incident, or open one. Returns (incident, opened). A new
+        incident within ``escalation_window_s`` of the job's last closed one starts a level above it."""
         alerts = list(alerts)
         with self.tx() as s:
             inc = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(OPEN_INCIDENT_STATES))
@@ -285,7 +287,8 @@ class FleetStore:
             opened = inc is None
             if inc is None:
                 first = min((float(a.get("ts", self.clock())) for a in alerts), default=self.clock())
-                inc = Incident(job=job, state="open", category=category, level=self._next_level(s, job),
+                inc = Incident(job=job, state="open", category=category,
+                               level=self._next_level(s, job, escalation_window_s),
                                opened_ts=self.clock(), first_alert_ts=first, summary="")
                 s.add(inc)
                 s.flush()
@@ -297,11 +300,14 @@ class FleetStore:
                             severity=a.get("severity") or "", incident_id=inc.id, document=a))
             return inc, opened
 
-    def _next_level(self, s: Session, job: str) -> int:
-        """0 for a first failure; a recurrence after a recent recovery starts one level higher."""
+    def _next_level(self, s: Session, job: str, window_s: float) -> int:
+        """0 for a first failure; a recurrence within ``window_s`` of the last recovery starts one level
+        higher (the recovery did not hold)."""
         last = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(("resolved", "failed")))
                         .order_by(Incident.id.desc()))
-        return (last.level + 1) if last is not None else 0
+        if last is None or last.closed_ts is None or self.clock() - last.closed_ts > window_s:
+            return 0
+        return last.level + 1
 
     def known_alerts(self, ids: Sequence[str]) -> set[str]:
         """Which of ``ids`` are recorded already."""
