@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     jt = jsub.add_parser("stop")
     jt.add_argument("--job", required=True)
     jt.add_argument("--grace-s", type=float, default=10.0)
+    jt.add_argument("--mark-only", action="store_true",
+                    help="only record that a stop was requested (first phase of a stop across machines)")
     jq = jsub.add_parser("status")
     jq.add_argument("--job", required=True)
     jr = jsub.add_parser("steps", help="a rank's step records")
@@ -196,7 +198,7 @@ def run(argv: list[str]) -> tuple[int, Any]:
         if ns.action == "start":
             return EXIT_OK, job.start(cfg, _job_spec(ns, warm=False))
         if ns.action == "stop":
-            return EXIT_OK, job.stop(cfg, ns.job, grace_s=ns.grace_s)
+            return EXIT_OK, job.stop(cfg, ns.job, grace_s=ns.grace_s, mark_only=ns.mark_only)
         if ns.action == "steps":
             return EXIT_OK, job.steps(cfg, ns.job, ns.rank, since=ns.since, incarnation=ns.incarnation)
         return EXIT_OK, job.status(cfg, job.check_job_name(ns.job))

@@ -204,18 +204,24 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
     return status(cfg, spec.job)
 
 
-def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0) -> dict[str, Any]:
+def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0, mark_only: bool = False) -> dict[str, Any]:
+    """Stop this machine's part of ``job``. With ``mark_only``, only record that a stop was requested:
+    stopping a job across machines marks every machine first, so ranks that die because a peer already
+    stopped are not reported as failures."""
     rd = run_dir(cfg, job)
     record = _read_json(rd / "job.json")
     pids = job_pids(record)
     marked = True
-    if record and pids:
+    if record and pids and not record.get("stop_requested_ts"):
         # tell the agent first: ranks ended on purpose are not failures (best effort: a full disk must not
         # keep the job running)
         try:
             monitor.write_json_atomic(rd / "job.json", record | {"stop_requested_ts": time.time()})
         except OSError:
             marked = False
+    if mark_only:
+        return {"job": job, "machine": cfg.machine, "stopped_pids": [], "state": _state(record),
+                "marked_stopped": marked and bool(pids)}
     signalled = procs.terminate(pids, grace_s=grace_s) if pids else []
     return {"job": job, "machine": cfg.machine, "stopped_pids": signalled, "state": _state(record),
             "marked_stopped": marked}

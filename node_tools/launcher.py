@@ -112,8 +112,11 @@ def launch(inv: Inventory, plan: JobPlan, *, timeout: float = 60.0, transport: T
 
 def stop(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: float = 10.0,
          transport: Transport | None = None) -> dict[str, Any]:
+    """Stop the job on ``machines``: first mark the stop on all of them (so ranks that die because a peer
+    stopped first are not reported as failures), then stop each."""
     check_job_name(job)
     transport = transport or transport_for(inv)
+    transport.run_many(machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--mark-only"], timeout=30)
     results = transport.run_many(
         machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s)],
         timeout=grace_s + 30,

@@ -139,6 +139,25 @@ class Controller:
         return {"launched": True, "machines": j.machine_list, "port": plan.master_port,
                 "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}
 
+    def hot_update(self, job: str, revision: str, *, reason: str = "") -> dict[str, Any]:
+        """Switch the job to ``revision`` now: stop it, record the revision, start it again on the same
+        machines (it restores its newest committed checkpoint). Repeating it is a no-op."""
+        self.fleet.record_revision(job, revision, reason=reason)
+        if self.fleet.job(job).revision == revision:
+            return {"updated": False, "reason": f"job {job} already runs {revision}"}
+        self.stop(job)
+        self.fleet.set_revision(job, revision)
+        j = self.fleet.job(job)
+        plan = self._plan(job, set())
+        action, _ = self.fleet.record_action(f"launch:{job}:update-{revision}:{','.join(j.machine_list)}",
+                                             kind="launch", machines=j.machine_list, dry_run=self.cfg.dry_run,
+                                             evidence={"revision": revision, "port": plan.master_port, "warm": []})
+        if self.cfg.dry_run:
+            return {"updated": False, "dry_run": True}
+        launcher.launch(self.inventory, plan, transport=self.transport)
+        self.fleet.finish_action(action.id, "done", f"hot update to {revision}")
+        return {"updated": True, "revision": revision}
+
     # ---- guardian: alerts -> incidents ------------------------------------------------------------
     def job_of(self, alert: Mapping[str, Any]) -> str | None:
         if alert.get("job"):
@@ -206,9 +225,12 @@ class Controller:
     def stop(self, job: str, *, grace_s: float = 5.0) -> dict[str, str]:
         """Stop the job on every machine of it that answers; returns what each said."""
         j = self.fleet.job(job)
-        results = self._run(self.machines(j.machine_list),
-                            lambda m: [self.inventory.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s)],
-                            timeout=grace_s + 30)
+        machines = self.machines(j.machine_list)
+        # mark everywhere first: ranks ended by a peer's stop are then not reported as new failures
+        self._run(machines, lambda m: [self.inventory.tg_node, "job", "stop", "--job", job, "--mark-only"],
+                  timeout=30)
+        results = self._run(machines, lambda m: [self.inventory.tg_node, "job", "stop", "--job", job,
+                                                 "--grace-s", str(grace_s)], timeout=grace_s + 30)
         return {n: ("stopped" if r.ok else r.describe()) for n, r in results.items()}
 
     def log_verdict(self, job: str, since: float = 0.0) -> dict[str, Any]:
@@ -285,16 +307,28 @@ class Controller:
         return self._run(self.machines(names), lambda m: argv[m.name], timeout=self.cfg.diag_timeout_s)
 
     # ---- runtime analysis -----------------------------------------------------------------------------
-    def analyze(self, job: str) -> dict[str, Any]:
-        """Stacks and collective counters of every rank, grouped; the outliers' parallel group."""
+    def analyze(self, job: str, incident_id: int | None = None) -> dict[str, Any]:
+        """Stacks and collective counters of every rank, grouped; the outliers' parallel group, at least
+        a pipeline (hangs and slow ranks are over-evicted by group). The incident's alerts name the
+        ranks to prefer when the outliers do not fit one group: a stopped process, else the first rank
+        to stall or slow down."""
         j = self.fleet.job(job)
+        named: list[int] = []
+        if incident_id is not None:
+            alerts = sorted(self.fleet.alerts_of(incident_id), key=lambda a: a.ts)
+            named = sorted({a.rank for a in alerts if a.kind == "rank_stopped" and a.rank is not None})
+            if not named:
+                first = next((a for a in alerts if a.kind in ("rank_hang", "rank_slow") and a.rank is not None), None)
+                named = [first.rank] if first is not None else []
         topo = self.topology(job)
         results = self._run(self.machines(j.machine_list),
                             lambda m: [self.inventory.tg_node, "stacks", "--job", job], timeout=60)
         docs = {n: r.json() for n, r in results.items() if r.reachable and not r.timed_out and r.json()}
         machine_of = {r: j.machine_list[topo.machine_of(r)] for r in range(topo.world_size)}
-        a = runtime.analyze(topo, runtime.rank_stacks(docs, topo.world_size, machine_of))
-        return {"job": job, "outliers": a.outliers, "reasons": {str(k): v for k, v in a.reasons.items()},
+        a = runtime.analyze(topo, runtime.rank_stacks(docs, topo.world_size, machine_of), named=named,
+                            kinds=("pp", "dp"))
+        return {"job": job, "outliers": a.outliers, "named": named,
+                "reasons": {str(k): v for k, v in a.reasons.items()},
                 "group_kind": a.group_kind, "groups": [len(g) for g in a.groups],
                 "machines": [j.machine_list[i] for i in a.evict_machines]}
 

@@ -8,6 +8,7 @@ which machines were evicted, which standbys joined, from which step training res
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import time
@@ -47,7 +48,10 @@ def cp_cluster() -> Iterator[Inventory]:
         yield inv
     finally:
         cluster.down(state, name=SPEC.name, log=lambda *_: None)
-        shutil.rmtree(state.parent, ignore_errors=True)
+        if os.environ.get("TG_KEEP_TEST_STATE"):  # the fleet database and Airflow's logs, for a post-mortem
+            print(f"kept {state.parent}")
+        else:
+            shutil.rmtree(state.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +68,9 @@ def control(cp_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
     airflow = Standalone(home / "airflow", {"TG_FLEET_URL": cfg.fleet_url, "TG_INVENTORY": cfg.inventory,
                                             "TG_CONTROL_HOME": str(home),
                                             "TG_ESCALATION_WINDOW_S": str(ESCALATION_WINDOW_S),
-                                            "TG_BREAKER_SHARE": "0.75"})  # 3 of the job's 4 machines per hour
+                                            # 3 of the job's 4 machines per window; scenarios come quicker than
+                                            # production's hour, so the window is short here
+                                            "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "20"})
     (home / "airflow").mkdir()
     try:
         parked = parking.run_many(standbys, lambda m: [cp_cluster.tg_node, "standby", "park", "--nproc", "2"],
@@ -207,11 +213,15 @@ def test_a_crash_with_a_clean_diagnosis_restarts_in_place_and_a_second_one_escal
     assert ctl.fleet.job(JOB).machine_list == machines
 
 
+def _repair_evicted(ctl: Controller, inv: Inventory) -> None:
+    for name in [m.name for m in ctl.fleet.machines(state=states.EVICTED)]:
+        inject.clear(inv, name)
+        _repair(ctl, inv, name)
+
+
 def test_a_hung_rank_over_evicts_its_pipeline_and_no_checkpoint_is_lost(control, cp_cluster):
     ctl, airflow = control
-    for name in [m.name for m in ctl.fleet.machines(state=states.EVICTED)]:
-        inject.clear(cp_cluster, name)
-        _repair(ctl, cp_cluster, name)
+    _repair_evicted(ctl, cp_cluster)
     assert len(ctl.fleet.machines(state=states.STANDBY)) == 2
     before = list(ctl.fleet.job(JOB).machine_list)
     stuck_rank = 6  # dp1 pp1 tp0, on node 3
@@ -224,3 +234,70 @@ def test_a_hung_rank_over_evicts_its_pipeline_and_no_checkpoint_is_lost(control,
     after = ctl.fleet.job(JOB).machine_list
     assert after[:2] == before[:2] and not set(after[2:]) & pipeline
     assert inc.lost_steps is not None and inc.lost_steps <= 1  # their state came from the replicas
+
+
+def test_a_user_code_error_rolls_back_to_the_last_known_good_revision(control, cp_cluster):
+    ctl, airflow = control
+    ctl.fleet.mark_known_good(JOB, "r0")  # it trained healthy for a while
+    assert ctl.hot_update(JOB, "r1", reason="new data pipeline")["updated"]
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    inc = _fault_and_recovery(ctl, airflow, cp_cluster, machines[0], "user_error", rank=0)
+    assert inc.state == "resolved", _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "stop_time_diagnosis"
+    rollback = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "rollback")
+    assert rollback.evidence == {"to": "r0", "from": "r1"}
+    assert ctl.fleet.job(JOB).revision == "r0" and ctl.fleet.job(JOB).machine_list == machines
+    assert not [a for a in ctl.fleet.actions(inc.id) if a.kind == "evict"]
+
+
+def test_a_full_disk_is_an_explicit_fault_evicted_at_once(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    try:
+        inc = _fault_and_recovery(ctl, airflow, cp_cluster, machines[1], "disk_full")
+    finally:
+        inject.clear(cp_cluster, machines[1], "disk_full")
+    assert inc.state == "resolved" and inc.category == "machine_fault", _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "evict_now"
+    assert next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict").machines == [machines[1]]
+    assert machines[1] not in ctl.fleet.job(JOB).machine_list
+
+
+def test_a_network_fault_is_tolerated_once_and_evicted_when_it_repeats(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    flaky = ctl.fleet.job(JOB).machine_list[3]
+
+    def blip() -> Any:
+        last = _last_incident(ctl)
+        inject.inject(cp_cluster, flaky, "nic_down")
+        try:  # down until the agent saw it (NIC check every 5 s)
+            wait_until(lambda: any(a.kind == "nic_down" and a.machine == flaky for i in ctl.fleet.incidents(JOB)
+                                   if i.id > last for a in ctl.fleet.alerts_of(i.id)),
+                       timeout=60, interval=0.5, what=f"the nic_down alert of {flaky}")
+        finally:
+            inject.clear(cp_cluster, flaky, "nic_down")
+        return wait_until(lambda: _incident_done(ctl, last), timeout=300, interval=1.0, what="the incident")
+
+    first = blip()
+    assert first.category == "network" and first.state == "resolved", _why(ctl, airflow, first.id)
+    assert _branch(airflow, first.id) == "no_recovery" and not ctl.fleet.actions(first.id)
+    assert flaky in ctl.fleet.job(JOB).machine_list  # tolerated
+    second = blip()
+    assert second.category == "network" and second.state == "resolved", _why(ctl, airflow, second.id)
+    assert next(a for a in ctl.fleet.actions(second.id) if a.kind == "evict").machines == [flaky]
+    assert flaky not in ctl.fleet.job(JOB).machine_list
+
+
+def test_silent_data_corruption_is_found_by_the_alignment_test_and_evicted(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    bad = ctl.fleet.job(JOB).machine_list[2]
+    try:
+        inc = _fault_and_recovery(ctl, airflow, cp_cluster, bad, "sdc")
+    finally:
+        inject.clear(cp_cluster, bad, "sdc")
+    assert inc.category == "sdc" and inc.state == "resolved", _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "silent_corruption"
+    assert next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict").machines == [bad]

@@ -213,3 +213,18 @@ def test_incident_time_split():
     split = ettr.incident_split({"first_alert_ts": 10.5, "opened_ts": 11.0, "diagnosis_start_ts": 11.5,
                                  "decided_ts": 15.0, "resumed_ts": 20.0}, records)
     assert split == {"detection_s": 0.5, "diagnosis_s": 3.5, "recovery_s": 5.0, "lost_work_s": 2.0}
+
+
+def test_when_the_outliers_fit_no_group_the_named_rank_chooses_and_hangs_evict_a_pipeline():
+    # few ranks: healthy ones also wait in different collectives (grad-norm all-reduce, PP recv, TP)
+    other = [{"name": "all_reduce", "filename": "c10d.py"}, {"name": "grad_norm", "filename": "train.py"}]
+    recv = [{"name": "_recv", "filename": "train.py"}]
+    send = [{"name": "_send", "filename": "train.py"}]
+    docs = documents({3: other, 7: other, 4: recv, 6: send, 5: COMPUTE})
+    stacks = runtime.rank_stacks(docs, 8, {r: JOB[TOPO.machine_of(r)] for r in range(8)})
+    plain = runtime.analyze(TOPO, stacks)
+    assert plain.group_kind == "" and len(plain.evict_machines) == 3  # no single group holds 3..7
+    a = runtime.analyze(TOPO, stacks, named=[6], kinds=("pp", "dp"))
+    assert a.group_kind == "pp" and a.evict_machines == [2, 3]  # rank 6's pipeline: m2, m3
+    one = runtime.analyze(TOPO, runtime.rank_stacks(documents({6: send}), 8, {}), kinds=("pp", "dp"))
+    assert one.outliers == [6] and one.group_kind == "pp" and one.evict_machines == [2, 3]

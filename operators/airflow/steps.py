@@ -91,7 +91,7 @@ def stop_time_diagnosis(decision: dict[str, Any]) -> dict[str, Any]:
 def runtime_analysis(decision: dict[str, Any]) -> dict[str, Any]:
     """Stacks of every rank while the job still hangs; over-evict the outliers' parallel group."""
     c = controller()
-    a = c.analyze(decision["job"])
+    a = c.analyze(decision["job"], decision["incident"])
     if not a["machines"]:  # nothing stands out: stop-time diagnosis decides instead
         out = stop_time_diagnosis({**decision, "diagnose": {"align": False}})
         return {**out, "analysis": a}

@@ -93,6 +93,18 @@ class FleetStore:
     def close(self) -> None:
         self.engine.dispose()
 
+    @staticmethod
+    def _required(s: Session, model: type, key: Any, *, lock: bool = False) -> Any:
+        """The row of ``model`` with primary key ``key``, or a one-line FleetError naming what is missing."""
+        row = s.get(model, key, with_for_update=lock)
+        if row is None:
+            what = {Machine: f"machine {key} is not in the fleet database; register it first",
+                    Job: f"job {key} is not in the fleet database",
+                    Incident: f"incident {key} does not exist",
+                    Action: f"action {key} does not exist"}[model]
+            raise FleetError(what, exit_code=2)
+        return row
+
     @contextmanager
     def tx(self) -> Iterator[Session]:
         """One transaction: committed at the end, rolled back on any error."""
@@ -115,10 +127,7 @@ class FleetStore:
 
     def machine(self, name: str) -> Machine:
         with self.tx() as s:
-            m = s.get(Machine, name)
-            if m is None:
-                raise FleetError(f"machine {name} is not in the fleet database; register it first", exit_code=2)
-            return m
+            return self._required(s, Machine, name)
 
     def machines(self, *, state: str | None = None, job: str | None = None) -> list[Machine]:
         with self.tx() as s:
@@ -150,10 +159,7 @@ class FleetStore:
     def transition(self, name: str, to_state: str, *, reason: str, incident_id: int | None = None) -> bool:
         """Move a machine to ``to_state``. Already there: no-op (False). Not allowed: FleetError."""
         with self.tx() as s:
-            m = s.get(Machine, name, with_for_update=True)
-            if m is None:
-                raise FleetError(f"machine {name} is not in the fleet database; register it first", exit_code=2)
-            return self._move(s, m, to_state, reason, incident_id)
+            return self._move(s, self._required(s, Machine, name, lock=True), to_state, reason, incident_id)
 
     def events(self, name: str) -> list[MachineEvent]:
         with self.tx() as s:
@@ -188,16 +194,11 @@ class FleetStore:
 
     def job(self, name: str) -> Job:
         with self.tx() as s:
-            j = s.get(Job, name)
-            if j is None:
-                raise FleetError(f"job {name} is not in the fleet database", exit_code=2)
-            return j
+            return self._required(s, Job, name)
 
     def set_job_state(self, name: str, state: str) -> bool:
         with self.tx() as s:
-            j = s.get(Job, name, with_for_update=True)
-            if j is None:
-                raise FleetError(f"job {name} is not in the fleet database", exit_code=2)
+            j = self._required(s, Job, name, lock=True)
             if j.state == state:
                 return False
             j.state, j.updated_ts = state, self.clock()
@@ -209,9 +210,7 @@ class FleetStore:
         node rank), all in one transaction. Returns the swaps done; a swap already done is skipped."""
         done: dict[str, str] = {}
         with self.tx() as s:
-            j = s.get(Job, job, with_for_update=True)
-            if j is None:
-                raise FleetError(f"job {job} is not in the fleet database", exit_code=2)
+            j = self._required(s, Job, job, lock=True)
             order = list(j.machine_list)
             for old, new in replacements.items():
                 if old not in order and new in order:
@@ -261,9 +260,7 @@ class FleetStore:
     def set_revision(self, job: str, revision: str, *, pending: bool = False) -> bool:
         """Switch the job to ``revision`` now, or (``pending``) at its next restart."""
         with self.tx() as s:
-            j = s.get(Job, job, with_for_update=True)
-            if j is None:
-                raise FleetError(f"job {job} is not in the fleet database", exit_code=2)
+            j = self._required(s, Job, job, lock=True)
             if pending:
                 if j.pending_revision == revision:
                     return False
@@ -318,10 +315,7 @@ class FleetStore:
 
     def incident(self, incident_id: int) -> Incident:
         with self.tx() as s:
-            inc = s.get(Incident, incident_id)
-            if inc is None:
-                raise FleetError(f"incident {incident_id} does not exist", exit_code=2)
-            return inc
+            return self._required(s, Incident, incident_id)
 
     def incidents(self, job: str | None = None) -> list[Incident]:
         with self.tx() as s:
@@ -343,9 +337,7 @@ class FleetStore:
         if "state" in fields and fields["state"] not in INCIDENT_STATES:
             raise FleetError(f"incident state {fields['state']!r} is not one of {', '.join(INCIDENT_STATES)}")
         with self.tx() as s:
-            inc = s.get(Incident, incident_id, with_for_update=True)
-            if inc is None:
-                raise FleetError(f"incident {incident_id} does not exist", exit_code=2)
+            inc = self._required(s, Incident, incident_id, lock=True)
             for key, value in fields.items():
                 if key.endswith("_ts") and getattr(inc, key) is not None:
                     continue  # the first time a milestone is reached counts
@@ -369,9 +361,7 @@ class FleetStore:
 
     def finish_action(self, action_id: int, outcome: str, detail: str = "") -> bool:
         with self.tx() as s:
-            a = s.get(Action, action_id, with_for_update=True)
-            if a is None:
-                raise FleetError(f"action {action_id} does not exist", exit_code=2)
+            a = self._required(s, Action, action_id, lock=True)
             if a.finished_ts is not None:
                 return False
             a.outcome, a.detail, a.finished_ts = outcome, detail, self.clock()

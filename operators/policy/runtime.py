@@ -109,13 +109,14 @@ def _lagging(stacks: Sequence[RankStack]) -> dict[int, str]:
     return out
 
 
-def smallest_group(topo: Topology, ranks: Sequence[int]) -> tuple[str, list[int]]:
-    """The kind and machine indices of the smallest parallel group whose machines hold every rank in
-    ``ranks``: the TP group (the machine), else the PP group (every stage of one pipeline), else the DP
-    group; ("", the ranks' own machines) when no single group holds them all."""
+def smallest_group(topo: Topology, ranks: Sequence[int], kinds: Sequence[str] = GROUP_ORDER
+                   ) -> tuple[str, list[int]]:
+    """The kind and machine indices of the smallest parallel group (of ``kinds``, in order) whose
+    machines hold every rank in ``ranks``: the TP group (the machine), else the PP group (every stage of
+    one pipeline), else the DP group; ("", the ranks' own machines) when no single group holds them all."""
     ranks = sorted(set(ranks))
     needed = {topo.machine_of(r) for r in ranks}
-    for kind in GROUP_ORDER:
+    for kind in kinds:
         for r in ranks:  # any outlier's group of this kind may be the one holding all of them
             machines = set(topo.machines_of_group(kind, r))
             if needed <= machines:
@@ -123,7 +124,15 @@ def smallest_group(topo: Topology, ranks: Sequence[int]) -> tuple[str, list[int]
     return "", sorted(needed)
 
 
-def analyze(topo: Topology, stacks: Sequence[RankStack]) -> Analysis:
+def analyze(topo: Topology, stacks: Sequence[RankStack], *, named: Sequence[int] = (),
+            kinds: Sequence[str] = GROUP_ORDER) -> Analysis:
+    """Group the stacks, find the outliers, and the parallel group to evict.
+
+    ``named``: ranks the alerts single out (a rank whose process is stopped, the first rank to stall);
+    when the outliers do not fit one group of ``kinds`` (with few ranks, healthy ranks also wait in
+    different collectives), the group is the one holding the named ranks among them. ``kinds``: the
+    group kinds eviction may choose, smallest first (a hang over-evicts at least a pipeline:
+    ``("pp", "dp")``)."""
     labels = group_stacks([s.signature for s in stacks])
     members: dict[int, list[int]] = {}
     for s, label in zip(stacks, labels, strict=True):
@@ -142,9 +151,15 @@ def analyze(topo: Topology, stacks: Sequence[RankStack]) -> Analysis:
     for rank, why in _lagging(stacks).items():
         reasons.setdefault(rank, why)
     outliers = sorted(reasons)
-    if not outliers:
+    if not outliers and not named:
         return Analysis(groups, [], {}, "", [], [])
-    kind, machines = smallest_group(topo, outliers)
+    kind, machines = smallest_group(topo, outliers, kinds) if outliers else ("", [])
+    if not kind and named:
+        suspects = sorted(set(named) & set(outliers)) or sorted(set(named))
+        for r in suspects:
+            reasons.setdefault(r, "named by the alerts (stopped or first to stall)")
+        kind, machines = smallest_group(topo, suspects, kinds)
+        outliers = sorted(reasons)
     return Analysis(groups, outliers, reasons, kind, sorted(r for m in machines for r in topo.ranks_on(m)), machines)
 
 
