@@ -61,8 +61,9 @@ FAULT_KINDS: dict[str, FaultKind] = {
         FaultKind("nan", "rank", "the rank's loss becomes NaN at its next step", in_job=True, once=True),
         FaultKind("bitflip", "rank", "flip one bit of the rank's gradient after its DP all-reduce, every step",
                   in_job=True, params=(("bit", 22),)),
-        FaultKind("user_error", "rank", "the job's own code raises an exception at the rank's next step",
-                  in_job=True, once=True),
+        FaultKind("user_error", "rank", "the job's own code raises an exception at the rank's next step; "
+                  "the bug lives in one code revision (default: the one running), so a rollback cures it",
+                  in_job=True, once=True, params=(("revision", ""),)),
         FaultKind("sdc", "machine", "the machine computes wrong: its ranks' gradients and its diagnostic "
                   "compute get one flipped bit (silent data corruption), until cleared", in_job=True,
                   params=(("bit", 22),)),
@@ -181,6 +182,9 @@ class InJobFaults:
             if fault["kind"] != kind:
                 continue
             fid = str(fault.get("id", ""))
+            revision = (fault.get("params") or {}).get("revision")
+            if revision and revision != os.environ.get("TG_REVISION", ""):
+                continue  # a bug of another code revision than the one this rank runs
             if FAULT_KINDS.get(kind) and FAULT_KINDS[kind].once:
                 if fid in self._fired:
                     continue

@@ -162,6 +162,10 @@ def inject_on_node(
     ledger.append(entry)
     _write_ledger(cfg, ledger)
 
+    if kind.name == "user_error" and not values.get("revision"):  # the revision the job runs now
+        record = job.read_record(cfg, entry["job"]) or {}
+        values["revision"] = str((record.get("spec") or {}).get("revision") or "")
+        entry["params"] = values
     if kind.in_job:
         control = faults.read_control(cfg.fault_file)
         control.append({"id": entry["id"], "kind": kind.name, "rank": entry.get("rank"), "params": values})

@@ -91,6 +91,11 @@ def run_dir(cfg: NodeConfig, job: str) -> Path:
     return cfg.workdir / "jobs" / check_job_name(job)
 
 
+def read_record(cfg: NodeConfig, job: str) -> dict[str, Any] | None:
+    """The job's record on this machine (``job.json``: spec, token, pids, incarnation), or None."""
+    return _read_json(run_dir(cfg, job) / "job.json")
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

@@ -420,6 +420,10 @@ class Controller:
             return None
         fresh = [r for r in records if r.get("ts", 0) > restart_ts]
         if not fresh:
+            st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+            if st and all(d.get("state") == "exited" for d in st.values()):
+                raise TrainguardError(f"job {job} ended on every machine after the restart without a step; "
+                                      f"see 'tg-node logs --job {job}' on its machines")
             return None
         st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
         steps = [r.get("step") for d in st.values() for r in d.get("ranks", [])]
