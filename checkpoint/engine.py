@@ -640,7 +640,9 @@ class Checkpointer:
                     if path.exists():
                         with contextlib.suppress(OSError):
                             layout.write_json(path / layout.COMMITTED, {"step": step, "committed_ts": time.time()})
-                self._retain()
+            # every round, commits or not: a rank whose replica stopped (or a peer that never acknowledges)
+            # must not stop retention, or the disk fills with uncommitted steps
+            self._retain()
             if all(d["stop"] for d in everyone):
                 return
             if not stopping:
