@@ -113,14 +113,13 @@ class RestoreResult:
 class _Slot:
     """One pre-allocated snapshot buffer: a flat uint8 tensor per file, typed views into it."""
 
-    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], pin: bool,
-                 identity: tuple[Any, ...] | None = None) -> None:
+    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], pin: bool, identity: tuple[Any, ...]) -> None:
         self.layouts = {name: ShardLayout.for_tensors(ts) for name, ts in tensors.items()}
         self.flats = {name: torch.empty(lay.data_bytes, dtype=torch.uint8, pin_memory=pin)
                       for name, lay in self.layouts.items()}
         self.views = {name: lay.views(self.flats[name]) for name, lay in self.layouts.items()}
         self.signature = {name: lay.signature for name, lay in self.layouts.items()}
-        self.identity = identity if identity is not None else _identity(tensors)
+        self.identity = identity
         self._pairs: tuple[Any, list[torch.Tensor], list[torch.Tensor], list[tuple[str, str]]] | None = None
         self.busy = False
         self.step = -1
@@ -161,17 +160,6 @@ class _Slot:
 
     def parts(self, name: str) -> list[Any]:
         return [self.layouts[name].prefix, memoryview(self.flats[name].numpy())]
-
-
-def _identity(tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[Any, ...]:
-    """Which tensor objects a state is made of; the same objects need no layout check (a tensor whose
-    shape changed in place is caught by the copy, which then re-lays the buffer out). The RNG tensors
-    are fresh objects each time, of a fixed size: only their names count."""
-    out: list[Any] = []
-    for ts in tensors.values():
-        out.append(tuple(ts))  # the names, in order
-        out.append(tuple(id(t) for key, t in ts.items() if not key.startswith("rng.")))
-    return tuple(out)
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool) -> None:
@@ -606,11 +594,7 @@ class Checkpointer:
 
     def _check_received(self, manifest: bytes, files: list[memoryview], *, rank: int, step: int, tier: str,
                         path: Path, deep: bool = False, keep: bool = False) -> CopyCheck:
-        try:
-            names = [e["name"] for e in mf.parse(manifest)["files"]]
-        except mf.ManifestInvalid:
-            names = []
-        # a manifest that cannot be read still gets a verdict (check_data says why)
+        names = mf.file_names(manifest)
         data = dict(zip(names, files, strict=False))
         return check_data(manifest, data, machine=self.machine, rank=rank, step=step, tier=tier, path=str(path),
                           deep=deep, keep_files=keep)

@@ -67,6 +67,17 @@ def parse(data: bytes) -> dict[str, Any]:
     return doc
 
 
+def file_names(data: bytes | None) -> list[str]:
+    """The file names a manifest lists, in order; [] for a missing or unreadable one (the copy's check
+    then says why)."""
+    if data is None:
+        return []
+    try:
+        return [e["name"] for e in parse(data)["files"]]
+    except ManifestInvalid:
+        return []
+
+
 def build(*, step: int, rank: int, world_size: int, topology: dict[str, int], coords: dict[str, int],
           machine: str, job: str, incarnation: int, created_ts: float, data_position: dict[str, Any],
           state: dict[str, Any], files: list[dict[str, Any]]) -> dict[str, Any]:

@@ -176,13 +176,7 @@ def verify_copy(path: Path, *, machine: str = "", deep: bool = True, keep_files:
     """Verify one copy directory (``<root>/<tier>/step_<N>/rank_<R>``); location comes from the path."""
     path, tier, step, rank, machine = _locate(path, machine)
     manifest_bytes = _read(path / mf.MANIFEST)
-    names: list[str] = []
-    if manifest_bytes is not None:
-        try:
-            names = [e["name"] for e in mf.parse(manifest_bytes)["files"]]
-        except mf.ManifestInvalid:
-            names = []
-    files = {name: _read(path / name) for name in names}
+    files = {name: _read(path / name) for name in mf.file_names(manifest_bytes)}
     return check_data(manifest_bytes, files, machine=machine, rank=rank, step=step, tier=tier, path=str(path),
                       deep=deep, keep_files=keep_files)
 
@@ -292,13 +286,7 @@ def check_s3_copy(tier: Any, step: int, rank: int, *, deep: bool = True, keep_fi
     where = tier.copy_url(step, rank)
     try:
         manifest_bytes = tier.get(step, rank, mf.MANIFEST)
-        names: list[str] = []
-        if manifest_bytes is not None:
-            try:
-                names = [e["name"] for e in mf.parse(manifest_bytes)["files"]]
-            except mf.ManifestInvalid:
-                names = []
-        files = {name: tier.get(step, rank, name) for name in names}
+        files = {name: tier.get(step, rank, name) for name in mf.file_names(manifest_bytes)}
     except S3TierError as exc:
         check = CopyCheck(machine="s3", rank=rank, step=step, tier="s3", path=where, deep=deep)
         check.problems.append(Problem("s3", rank, step, "s3", where, str(exc)))
