@@ -254,6 +254,10 @@ class Checkpointer:
         self.errors: list[str] = []
         self._replica_broken = False
         self._stop = threading.Event()
+        # set by close(flush=False): the job is failing and tears its process groups down; the background
+        # threads stop talking to peers and keep their errors to themselves (a teardown error printed in the
+        # middle of the job's own traceback would hide why it failed)
+        self._abandoned = threading.Event()
         self._writer_finished = threading.Event()
         self._threads: list[threading.Thread] = []
         self._commit_thread: threading.Thread | None = None
@@ -279,7 +283,8 @@ class Checkpointer:
         with self._lock:
             self.errors.append(message)
             del self.errors[:-50]
-        self._log(message, kind=kind)
+        if not self._abandoned.is_set():
+            self._log(message, kind=kind)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -472,7 +477,7 @@ class Checkpointer:
             with self._s3_wake:
                 self._s3_closing = True
                 self._s3_wake.notify_all()
-        if self.replicate and not self._replica_broken:
+        if self.replicate and not self._replica_broken and not self._abandoned.is_set():
             try:
                 wire.end_stream(self.data, self.backup)
             except Exception as exc:
@@ -659,8 +664,10 @@ class Checkpointer:
         rank finished (all ranks must call it); without, just stop (the job is failing)."""
         if not self._started:
             return
+        if not flush:
+            self._abandoned.set()
         self._stop.set()
-        self._writer_q.put(None)  # the writer then ends the S3 thread and the replica stream
+        self._writer_q.put(None)  # the writer then ends the S3 thread and (flushing) the replica stream
         if not flush:
             return
         deadline = time.monotonic() + timeout_s

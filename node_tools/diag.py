@@ -413,7 +413,7 @@ class _Runner:
                            f"{worker.proc.pid}, process state {proc_state(worker.proc.pid)})")
         if worker.aborted:
             return _result(name, FAILED, worker.duration_s, details, f"stopped: {worker.aborted}")
-        if worker.timed_out:
+        if worker.timed_out or worker.proc.returncode == -signal.SIGALRM:  # SIGALRM: the worker's own timer
             return _result(name, FAILED, worker.duration_s, details,
                            f"did not finish within {self.timeout_s:g} s; killed")
         return _result(name, FAILED, worker.duration_s, details, worker.death())

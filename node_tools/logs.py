@@ -132,7 +132,15 @@ def parse_tracebacks(lines: list[str]) -> list[list[dict[str, Any]]]:
             continue
         frames: list[dict[str, Any]] = []
         i += 1
-        while i < n and lines[i].startswith((" ", "\t")):
+        while i < n:
+            if not lines[i].startswith((" ", "\t")):
+                # another thread's line written into the middle of the traceback: frames go on after it
+                nxt = lines[i + 1:i + 3]
+                if nxt and (_FRAME_RE.match(nxt[0]) or (len(nxt) == 2 and nxt[0].startswith((" ", "\t"))
+                                                        and _FRAME_RE.match(nxt[1]))):
+                    i += 1
+                    continue
+                break
             m = _FRAME_RE.match(lines[i])
             if m:
                 frames.append({"file": m["file"], "line": int(m["line"]), "function": m["func"] or ""})

@@ -176,7 +176,8 @@ def test_a_test_past_its_timeout_is_killed_with_its_process(node, monkeypatch):
 
     assert code == 1
     slow = [t for t in report["tests"] if not t["ok"]]
-    assert slow and all("did not finish within 0.05 s" in t["reason"] for t in slow)
+    assert slow and all("did not finish within 0.05 s" in t["reason"] for t in slow), \
+        [(t["name"], t["status"], t["reason"]) for t in slow]
     assert all(w.proc.returncode is not None for w in started)  # reaped: nothing left running
 
 

@@ -183,6 +183,16 @@ RuntimeError: data server went away
     assert classify(bug.splitlines(), ["/srv/job"])["class"] == "user_code"
 
 
+def test_another_threads_line_inside_a_traceback_is_not_taken_for_its_exception():
+    # a background thread's log line lands between the frames of the traceback being printed
+    lines = GLOO_RESET.splitlines()
+    lines.insert(2, "checkpoint: machine m0 rank 0: could not close the replica stream to rank 7: gone")
+    got = classify(lines, ["/srv/job"])
+    assert (got["class"], got["kind"]) == ("infrastructure", "peer_connection")
+    assert got["exception"]["function"] == "all_reduce"
+    assert got["user_frame"] == "/srv/job/model.py:77"
+
+
 def test_no_traceback_nccl_watchdog_warnings_and_exit_codes():
     watchdog = [
         "[rank3]:[E1121 09:12:44.512345 4242 ProcessGroupNCCL.cpp:632] [Rank 3] Watchdog caught collective "
