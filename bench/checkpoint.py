@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
 from node_tools.monitor import read_heartbeat, read_steps
+from operators.airflow.standalone import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 4
@@ -59,14 +60,6 @@ LAYOUT = ["--tp", "1", "--pp", "2", "--dp", "2"]
 WARMUP = 3
 DEVICE_S = 0.5  # emulated accelerator time per step in the ``device`` setting
 SETTINGS = {"cpu": [], "device": ["--emulate-device-s", str(DEVICE_S)]}
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:

@@ -76,12 +76,15 @@ class SnapshotInfo:
         blocking_s: time the training thread spent in the checkpointer this step. Seconds.
         taken: a snapshot of this step was copied and queued.
         skipped: the step was due but both buffers were busy (back-pressure).
+        non_finite: the step was due but its state is not finite (a NaN or infinite gradient norm):
+            not snapshotted, so the newest committed step stays the last good one and retention keeps it.
         memcpy_s: time of a plain copy of the same state (only with ``measure_memcpy``). Seconds.
     """
 
     blocking_s: float = 0.0
     taken: bool = False
     skipped: bool = False
+    non_finite: bool = False
     memcpy_s: float | None = None
 
 
@@ -250,6 +253,7 @@ class Checkpointer:
         self.s3_uploaded: deque[int] = deque()
         self.s3_superseded = 0  # due uploads replaced by a newer snapshot before their turn came
         self.skipped = 0
+        self.non_finite = 0
         self.snapshots = 0
         self.errors: list[str] = []
         self._replica_broken = False
@@ -289,7 +293,8 @@ class Checkpointer:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"machine": self.machine, "rank": self.rank, "snapshots": self.snapshots,
-                    "skipped": self.skipped, "committed": max(self.committed, default=None),
+                    "skipped": self.skipped, "non_finite": self.non_finite,
+                    "committed": max(self.committed, default=None),
                     "replica": self.backup, "replica_broken": self._replica_broken,
                     "s3_uploaded": list(self.s3_uploaded), "s3_superseded": self.s3_superseded,
                     "errors": list(self.errors[-5:])}
@@ -323,10 +328,19 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return (step + 1) % self.cfg.every_steps == 0
 
-    def after_step(self, step: int, data_position: dict[str, Any] | None = None) -> SnapshotInfo:
-        """Snapshot the state at the end of ``step`` into a free buffer and queue it; skip if none is free."""
+    def after_step(self, step: int, data_position: dict[str, Any] | None = None, *,
+                   finite: bool = True) -> SnapshotInfo:
+        """Snapshot the state at the end of ``step`` into a free buffer and queue it; skip if none is free.
+
+        ``finite``: False when the step's gradients were not finite (every rank of the job must say the
+        same, e.g. from the global gradient norm): the poisoned state is not snapshotted."""
         if not self._started or not self.due(step):
             return SnapshotInfo()
+        if not finite:
+            with self._lock:
+                self.non_finite += 1
+            self._log(f"step {step}: not snapshotted, its gradients are not finite", kind="non-finite")
+            return SnapshotInfo(non_finite=True)
         t0 = time.perf_counter()
         tensors, meta, key = self._reader.read()
         identity = (key, tuple(tensors[MODEL_FILE]), tuple(tensors[OPTIM_FILE]))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from node_tools import cluster
 from node_tools.inventory import Inventory
+from operators.airflow.standalone import free_port
 
 # A cluster of its own for the tests, so a demo cluster ("tg") on the same host is left alone.
 TEST_CLUSTER = cluster.ClusterSpec(name="tgt", machines=6, standbys=2, subnet="10.213.9.0/24", disk_mb=64, gpus=8)
@@ -38,12 +38,6 @@ def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, inter
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state_dir() -> Path:

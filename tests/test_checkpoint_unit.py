@@ -185,6 +185,24 @@ def test_back_pressure_skips_a_snapshot_instead_of_blocking(tmp_path: Path, monk
     assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [0, 1, 3]  # 2 was never written
 
 
+def test_a_non_finite_step_is_not_snapshotted_and_the_last_good_one_survives_retention(tmp_path: Path):
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, keep=2)
+    ck.restore()
+    ck.start()
+    digests: dict[int, str] = {}
+    run_steps(ck, model, opt, range(3), digests)
+    with torch.no_grad():
+        next(model.parameters()).fill_(float("nan"))  # a NaN gradient poisoned the update
+    infos = [ck.after_step(step, finite=False) for step in range(3, 9)]
+    assert all(i.non_finite and not i.taken for i in infos) and ck.status()["non_finite"] == 6
+    ck.close()
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [1, 2]
+    model, opt = make_model()
+    result = checkpointer(tmp_path, model, opt).restore()
+    assert result is not None and result.step == 2 and digest(model, opt) == digests[2]
+
+
 def test_retention_keeps_the_newest_committed_and_the_newest_verified(tmp_path: Path):
     model, opt = make_model()
     ck = checkpointer(tmp_path, model, opt, keep=2)

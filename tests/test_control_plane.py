@@ -8,6 +8,7 @@ which machines were evicted, which standbys joined, from which step training res
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -18,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from node_tools import cluster, inject
+from node_tools import cluster, inject, launcher
 from node_tools.inventory import Inventory
 from node_tools.topology import Topology
 from node_tools.transport import transport_for
+from operators.airflow.standalone import Standalone
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
-from tests.airflow_env import Standalone
 from tests.conftest import can_namespace, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow]
@@ -268,3 +269,108 @@ def test_a_full_disk_gets_its_machine_evicted(control, cp_cluster):
     else:
         assert inc.category == "hang" and _branch(airflow, inc.id) == "runtime_analysis"
         assert set(evicted) == {machines[i] for i in TOPO.machines_of_group("pp", TOPO.ranks_on(1)[0])}
+
+
+def _handler_output(airflow: Standalone, incident_id: int, task: str) -> dict[str, Any]:
+    """What ``task`` of the incident's tg_incident run returned (its XCom)."""
+    import urllib.parse
+
+    for run in airflow.runs("tg_incident"):
+        if (run.get("conf") or {}).get("incident_id") == incident_id:
+            rid = urllib.parse.quote(run["dag_run_id"])
+            return airflow.request("GET", f"/api/v2/dags/tg_incident/dagRuns/{rid}/taskInstances/{task}/"
+                                          f"xcomEntries/return_value")["value"]
+    raise AssertionError(f"no tg_incident run for incident {incident_id}")
+
+
+def test_a_nan_loss_is_diagnosed_with_the_alignment_test_and_restarts_from_a_finite_checkpoint(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    inc = _fault_and_recovery(ctl, airflow, cp_cluster, machines[1], "nan", rank=TOPO.ranks_on(1)[0])
+    assert inc.state == "resolved" and inc.category == "nan", _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "stop_time_diagnosis"
+    out = _handler_output(airflow, inc.id, "stop_time_diagnosis")
+    # every machine ran L1-L3 and the alignment test, and they agreed: a transient NaN, restart in place
+    assert sorted(out["diagnosis"]["report"]["align"]) == sorted(machines), out["diagnosis"]
+    assert len(set(out["diagnosis"]["report"]["align"].values())) == 1 and not out["diagnosis"]["failed"]
+    assert not [a for a in ctl.fleet.actions(inc.id) if a.kind == "evict"]
+    assert ctl.fleet.job(JOB).machine_list == machines
+    # restore skipped every step whose parameters were no longer finite: training goes on with finite losses
+    nan_step = min(a.document["evidence"]["step"] for a in ctl.fleet.alerts_of(inc.id) if a.kind == "nan_loss")
+    m0 = ctl.inventory.machine(machines[0])
+    records = [r for r in launcher.steps(ctl.inventory, JOB, m0, rank=0, transport=ctl.transport)
+               if r.get("ts", 0) > inc.decided_ts]
+    assert records and records[0]["ckpt_restored_step"] < nan_step, (nan_step, records[:2])
+    assert all(math.isfinite(r["loss"]) for r in records), [r["loss"] for r in records]
+
+
+def test_silent_data_corruption_finds_and_evicts_the_machine_that_computes_wrong(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    bad = machines[2]
+    try:
+        inc = _fault_and_recovery(ctl, airflow, cp_cluster, bad, "sdc")
+    finally:
+        inject.clear(cp_cluster, bad, "sdc")
+    assert inc.state == "resolved" and inc.category == "sdc", _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "silent_corruption"
+    out = _handler_output(airflow, inc.id, "silent_corruption")
+    digests = out["diagnosis"]["report"]["align"]
+    assert sorted(digests) == sorted(machines) and len({d for n, d in digests.items() if n != bad}) == 1
+    assert digests[bad] != digests[machines[0]]
+    evict = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict")
+    assert evict.machines == [bad]  # only the machine that computes wrong
+    after = ctl.fleet.job(JOB).machine_list
+    assert bad not in after and [m for m in after if m in machines] == [m for m in machines if m != bad]
+
+
+def test_a_slow_rank_over_evicts_its_pipeline(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    before = list(ctl.fleet.job(JOB).machine_list)
+    slow_rank = 2  # dp0 pp1 tp0, on node 1
+    try:
+        inc = _fault_and_recovery(ctl, airflow, cp_cluster, before[1], "slow", rank=slow_rank)
+    finally:
+        inject.clear(cp_cluster, before[1], "slow")
+    assert inc.state == "resolved" and inc.category in ("slow", "hang"), _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "runtime_analysis"
+    evict = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict")
+    pipeline = {before[i] for i in TOPO.machines_of_group("pp", slow_rank)}
+    assert set(evict.machines) == pipeline  # the slow rank's PP group, nothing else
+    assert not set(ctl.fleet.job(JOB).machine_list) & pipeline
+    assert inc.lost_steps is not None and inc.lost_steps <= 1
+
+
+def test_a_nic_that_goes_down_is_tolerated_once_and_evicted_when_it_repeats(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    flaky = machines[3]
+
+    def flap() -> Any:
+        last = _last_incident(ctl)
+        step = ctl.progress(JOB)["step"]
+        wait_until(lambda: ctl.progress(JOB)["step"] >= step + 2, timeout=120, what="the job to train")
+        inject.inject(cp_cluster, flaky, "nic_down")
+        try:
+            opened = wait_until(lambda: next((i for i in ctl.fleet.incidents(JOB)
+                                              if i.id > last and i.category == "network"), None),
+                                timeout=60, interval=0.5, what="a network incident")
+        finally:
+            inject.clear(cp_cluster, flaky, "nic_down")  # the link comes back: a flap
+        return wait_until(lambda: (i := ctl.fleet.incident(opened.id)).state in ("resolved", "failed",
+                                                                                   "waiting_human") and i,
+                          timeout=300, interval=1.0, what="the network incident to close")
+
+    first = flap()
+    assert first.state == "resolved" and "tolerated" in first.summary, _why(ctl, airflow, first.id)
+    assert not [a for a in ctl.fleet.actions(first.id) if a.kind == "evict"]
+    second = flap()
+    assert second.state == "resolved" and "repeated" in second.summary, _why(ctl, airflow, second.id)
+    assert _branch(airflow, second.id) == "evict_now"
+    evict = next(a for a in ctl.fleet.actions(second.id) if a.kind == "evict")
+    assert evict.machines == [flaky] and flaky not in ctl.fleet.job(JOB).machine_list
+    assert second.lost_steps is not None and second.lost_steps <= 1

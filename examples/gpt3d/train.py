@@ -35,7 +35,8 @@ with ``--checkpoint-s3``, uploads it to S3. At start the job restores the newest
 step every rank can get (``--restore`` insists, ``--no-restore`` starts from
 step 0) and resumes at the next step, bit for bit. Step records gain
 ``ckpt_blocking_s`` (time the step spent in the checkpointer), ``ckpt_saved``,
-``ckpt_skipped`` (back-pressure), ``ckpt_committed`` (newest step committed on
+``ckpt_skipped`` (back-pressure), ``ckpt_non_finite`` (not snapshotted: the
+step's gradient norm was NaN or infinite), ``ckpt_committed`` (newest step committed on
 every rank), ``ckpt_bg_cpu_s`` (CPU seconds of the checkpoint's background
 threads so far) and, on the first step after a restore, ``ckpt_restored_step``,
 ``ckpt_restore_s``, ``ckpt_restore_source``.
@@ -50,6 +51,7 @@ if __package__ in (None, ""):  # run by file path (torchrun examples/gpt3d/train
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
+import math
 import os
 import time
 import zlib
@@ -361,7 +363,9 @@ class Trainer:
                     p.grad.mul_(scale)
         ckpt_wait = self.ckpt.before_update() if self.ckpt else 0.0  # the last snapshot's copy must be done
         self.optimizer.step()
-        snap = self.ckpt.after_step(step) if self.ckpt else None  # data position: the next step
+        # data position: the next step; a non-finite update is not worth a snapshot (it must not displace
+        # the last good one)
+        snap = self.ckpt.after_step(step, finite=math.isfinite(norm)) if self.ckpt else None
         loss, replica_loss = self.reported_loss(losses)
         digest = self.param_digest()
         match, peers = self.dp_digests(digest)
@@ -370,7 +374,8 @@ class Trainer:
         extra: dict[str, Any] = {}
         if snap is not None:
             extra = {"ckpt_blocking_s": round(ckpt_wait + snap.blocking_s, 6), "ckpt_saved": snap.taken,
-                     "ckpt_skipped": snap.skipped, "ckpt_committed": self.ckpt.newest_committed,
+                     "ckpt_skipped": snap.skipped, "ckpt_non_finite": snap.non_finite,
+                     "ckpt_committed": self.ckpt.newest_committed,
                      "ckpt_bg_cpu_s": round(self.ckpt.background_cpu_s(), 6)}
             if snap.memcpy_s is not None:
                 extra["ckpt_memcpy_s"] = round(snap.memcpy_s, 6)

@@ -1,20 +1,43 @@
-"""A real ``airflow standalone`` for tests: its own AIRFLOW_HOME, port and process group; the REST API v2."""
+"""A real ``airflow standalone`` with trainguard's DAGs: its own AIRFLOW_HOME, port and process group, and
+a small client of its REST API v2. The end-to-end tests and ``bench/recovery.py`` run the control plane
+in it; an operator would run the same processes (scheduler, triggerer, dag processor, api-server) as
+services."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import free_port, wait_until
+REPO = Path(__file__).resolve().parents[2]
 
-REPO = Path(__file__).resolve().parents[1]
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def poll(predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Call ``predicate`` until it returns something truthy and return that; TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
 
 
 class Standalone:
@@ -51,8 +74,8 @@ class Standalone:
         self.proc = subprocess.Popen([airflow, "standalone"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                                              signal.SIG_DFL))
-        wait_until(self._healthy, timeout=timeout, interval=1.0, what=f"airflow standalone on {self.url}")
-        wait_until(lambda: self.dag_ids() >= {"tg_guardian", "tg_incident", "tg_diagnose"}, timeout=120,
+        poll(self._healthy, timeout=timeout, interval=1.0, what=f"airflow standalone on {self.url}")
+        poll(lambda: self.dag_ids() >= {"tg_guardian", "tg_incident", "tg_diagnose"}, timeout=120,
                    interval=1.0, what="the trainguard DAGs to be parsed")
         self.request("GET", "/execution/health", auth=False)  # warm the execution API (first task waits otherwise)
 
@@ -60,7 +83,7 @@ class Standalone:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"airflow standalone exited {self.proc.returncode}; see {self.home}/standalone.log")
         try:
-            with urllib.request.urlopen(f"{self.url}/api/v2/monitor/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{self.url}/api/v2/monitor/health", timeout=2) as r:  # noqa: S310 (http://127.0.0.1)
                 return r.status == 200
         except (OSError, urllib.error.URLError):
             return False
@@ -68,7 +91,7 @@ class Standalone:
     def token(self) -> str:
         if self._token is None:
             pw_file = self.home / "simple_auth_manager_passwords.json.generated"
-            wait_until(pw_file.exists, timeout=60, what="the admin password file")
+            poll(pw_file.exists, timeout=60, what="the admin password file")
             password = json.loads(pw_file.read_text())["admin"]
             doc = self.request("POST", "/auth/token", {"username": "admin", "password": password}, auth=False)
             self._token = doc["access_token"]
@@ -79,8 +102,8 @@ class Standalone:
         if auth:
             headers["Authorization"] = f"Bearer {self.token()}"
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data=data, headers=headers, method=method)
-        with urllib.request.urlopen(req, timeout=30) as r:
+        req = urllib.request.Request(f"{self.url}{path}", data=data, headers=headers, method=method)  # noqa: S310
+        with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310  (our own api-server on loopback)
             text = r.read().decode()
         return json.loads(text) if text.strip() else None
 
@@ -100,9 +123,12 @@ class Standalone:
     def run_state(self, dag_id: str, run_id: str) -> str:
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}")["state"]
 
-    def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
         doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances")
-        return {t["task_id"]: t["state"] for t in doc["task_instances"]}
+        return doc["task_instances"]
+
+    def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
+        return {t["task_id"]: t["state"] for t in self.task_instances(dag_id, run_id)}
 
     def stop(self) -> None:
         if self.proc is None:
