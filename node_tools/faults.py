@@ -35,7 +35,10 @@ class FaultKind:
         target: "rank" (needs a running job) or "machine".
         summary: what happens, in one line.
         in_job: True when the training process applies it through the control file.
-        once: True when the fault fires once per injection rather than until cleared.
+        once: True when the fault fires once per injection and rank rather than until cleared (a
+            restarted job does not see it again: it was transient).
+        recurs: with ``once``, the fault fires again in every new process of the rank (a bug in the
+            code: restarting the same code meets it again).
         params: parameter names with their defaults.
     """
 
@@ -44,6 +47,7 @@ class FaultKind:
     summary: str
     in_job: bool = False
     once: bool = False
+    recurs: bool = False
     params: tuple[tuple[str, Any], ...] = ()
 
 
@@ -63,7 +67,7 @@ FAULT_KINDS: dict[str, FaultKind] = {
                   in_job=True, params=(("bit", 22),)),
         FaultKind("user_error", "rank", "the job's own code raises an exception at the rank's next step; "
                   "the bug lives in one code revision (default: the one running), so a rollback cures it",
-                  in_job=True, once=True, params=(("revision", ""),)),
+                  in_job=True, once=True, recurs=True, params=(("revision", ""),)),
         FaultKind("sdc", "machine", "the machine computes wrong: its ranks' gradients and its diagnostic "
                   "compute get one flipped bit (silent data corruption), until cleared", in_job=True,
                   params=(("bit", 22),)),
@@ -185,12 +189,37 @@ class InJobFaults:
             revision = (fault.get("params") or {}).get("revision")
             if revision and revision != os.environ.get("TG_REVISION", ""):
                 continue  # a bug of another code revision than the one this rank runs
-            if FAULT_KINDS.get(kind) and FAULT_KINDS[kind].once:
-                if fid in self._fired:
+            fk = FAULT_KINDS.get(kind)
+            if fk and fk.once:
+                if fid in self._fired or (not fk.recurs and fid in self._fired_before()):
                     continue
                 self._fired.add(fid)
+                if not fk.recurs:
+                    self._mark_fired(fid)
             return dict(fault.get("params") or {})
         return None
+
+    def _fired_path(self) -> Path | None:
+        return self.control_path.with_name(f"{self.control_path.name}.fired") if self.control_path else None
+
+    def _fired_before(self) -> set[str]:
+        """One-shot faults this rank fired in an earlier process (lines "rank fault-id")."""
+        path = self._fired_path()
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines() if path else []
+        except OSError:
+            return set()
+        return {fid for rank, _, fid in (line.partition(" ") for line in lines) if rank == str(self.rank)}
+
+    def _mark_fired(self, fid: str) -> None:
+        path = self._fired_path()
+        if path is None:
+            return
+        try:  # one short O_APPEND write: ranks of the machine may append at once
+            with open(path, "a", encoding="utf-8") as fh:
+                fh.write(f"{self.rank} {fid}\n")
+        except OSError:
+            pass  # a full disk: the fault may fire again after a restart, nothing worse
 
     # ---- the points the hook and the training loop call ----------------------------------
     def before_step(self, step: int) -> None:

@@ -53,6 +53,22 @@ def test_nan_fires_once_for_its_rank_only(tmp_path):
     assert other.corrupt_loss(torch.tensor(1.0)).item() == 1.0
     assert math.isnan(target.corrupt_loss(torch.tensor(1.0)).item())
     assert target.corrupt_loss(torch.tensor(1.0)).item() == 1.0  # one-shot
+    # a restarted rank (a new process) does not see the transient fault again; another injection fires
+    restarted = faults.InJobFaults(path, rank=1)
+    assert restarted.corrupt_loss(torch.tensor(1.0)).item() == 1.0
+    faults.write_control(path, [{"id": "a", "kind": "nan", "rank": 1, "params": {}},
+                                {"id": "c", "kind": "nan", "rank": 1, "params": {}}])
+    assert math.isnan(restarted.corrupt_loss(torch.tensor(1.0)).item())
+
+
+def test_a_bug_in_the_code_meets_every_new_process_of_its_revision(tmp_path, monkeypatch):
+    monkeypatch.setenv("TG_REVISION", "r1")
+    path = control(tmp_path, {"id": "u", "kind": "user_error", "rank": 0, "params": {"revision": "r1"}})
+    first = faults.InJobFaults(path, rank=0)
+    assert first.active("user_error") is not None and first.active("user_error") is None  # once per process
+    assert faults.InJobFaults(path, rank=0).active("user_error") is not None  # restarted: the bug is back
+    monkeypatch.setenv("TG_REVISION", "r0")  # rolled back
+    assert faults.InJobFaults(path, rank=0).active("user_error") is None
 
 
 def test_bitflip_flips_exactly_the_requested_bit(tmp_path):
