@@ -1,5 +1,6 @@
 """tg_incident: triage one incident and climb the ladder (evict / diagnose / analyse / roll back), then
-recover: standbys in, job restarted, newest committed checkpoint restored, training seen past it."""
+recover: standbys in, job restarted, newest committed checkpoint restored, training seen past it; after
+the incident closes, warm interpreters are parked again beside the job for the next restart."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ def tg_incident():
 
         return steps.close(params["incident_id"], decision, recovery, resume)
 
+    @task(trigger_rule="all_done")
+    def rearm(recovery: dict | None = None) -> dict:
+        from operators.airflow import steps
+
+        return steps.rearm(recovery)
+
     @task
     def no_recovery(decision: dict) -> dict:
         from operators.airflow import steps
@@ -72,6 +79,7 @@ def tg_incident():
     resume = training_resumed(recovery)
     done = close(decision, recovery, resume)
     idle >> done
+    done >> rearm(recovery)  # after the incident closed: the next restart starts warm everywhere
 
 
 tg_incident()

@@ -100,13 +100,32 @@ class Controller:
         return Topology(j.tp, j.pp, j.dp, ranks_per_machine=j.ranks_per_machine)
 
     def launch_job(self, job: str, topology: Topology, machine_names: Sequence[str], *,
-                   train_args: Sequence[str] = (), revision: str = "r0") -> dict[str, Any]:
-        """Record a job in the fleet database and start it on ``machine_names`` (node-rank order)."""
+                   train_args: Sequence[str] = (), revision: str = "r0", arm: bool = True) -> dict[str, Any]:
+        """Record a job in the fleet database and start it on ``machine_names`` (node-rank order); with
+        ``arm``, then park warm interpreters beside it on every machine (:meth:`arm`)."""
         self.sync_inventory()
         self.fleet.upsert_job(job, tp=topology.tp, pp=topology.pp, dp=topology.dp,
                               ranks_per_machine=topology.ranks_per_machine, machines=machine_names,
                               revision=revision, train_args=train_args)
-        return self._start(job, warm=set())
+        out = self._start(job, warm=set())
+        if arm and out.get("launched"):
+            out["armed"] = self.arm(job)
+        return out
+
+    def arm(self, job: str) -> dict[str, Any]:
+        """Park warm interpreters (one per rank and one for torchrun) on every machine of the job that has
+        none ready, so the next restart starts every part warm, survivors included, as a standby's does.
+        They idle beside the running job (memory, no CPU). Best effort: a machine that cannot park
+        restarts cold. Returns ``{"parked": [...], "failed": {machine: why}}``."""
+        j = self.fleet.job(job)
+        if self.cfg.dry_run:
+            return {"parked": [], "failed": {}, "dry_run": True}
+        ready = self.parked(j.machine_list)
+        todo = [n for n in j.machine_list if n not in ready]
+        results = self._run(self.machines(todo), lambda m: [self.inventory.tg_node, "standby", "park", "--nproc",
+                                                              str(j.ranks_per_machine)], timeout=300)
+        return {"parked": sorted(ready | {n for n, r in results.items() if r.ok}),
+                "failed": {n: r.describe() for n, r in results.items() if not r.ok}}
 
     def _plan(self, job: str, warm: set[str]) -> launcher.JobPlan:
         j = self.fleet.job(job)
@@ -388,14 +407,14 @@ class Controller:
 
     def recover(self, incident_id: int, swaps: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Stop the job everywhere it answers, then start it on its (new) machine list: survivors in place,
-        replacements on their warm interpreters when parked; the job restores its newest committed
-        checkpoint itself. Returns the steps every rank had finished before (for the resume check)."""
+        replacements where they are; every machine with warm interpreters parked (standbys, and survivors
+        armed by :meth:`arm`) starts on them. The job restores its newest committed checkpoint itself.
+        Returns the steps every rank had finished before (for the resume check)."""
         inc = self.fleet.incident(incident_id)
         job = inc.job
         before = self.progress(job)
         stopped = self.stop(job)
-        new = list((swaps or {}).values())
-        warm = self.parked(new) if new else set()
+        warm = self.parked(self.fleet.job(job).machine_list)
         started = self._start(job, warm=warm, incident_id=incident_id)
         self.fleet.update_incident(incident_id, decided_ts=time.time())
         return {"job": job, "stopped": stopped, "started": started, "warm": sorted(warm),

@@ -167,7 +167,8 @@ def _repair(ctl: Controller, inv: Inventory, name: str) -> None:
 def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(control, cp_cluster: Inventory):
     ctl, airflow = control
     active = [m.name for m in cp_cluster.by_role("active")]
-    ctl.launch_job(JOB, TOPO, active, train_args=TRAIN)
+    launched = ctl.launch_job(JOB, TOPO, active, train_args=TRAIN)
+    assert launched["armed"] == {"parked": active, "failed": {}}
     wait_until(lambda: ctl.progress(JOB)["step"] >= 4, timeout=180, what="the guarded job to train 5 steps")
 
     t_fault = time.time()
@@ -192,7 +193,8 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
     tasks = airflow.task_states("tg_incident", run["dag_run_id"])
     assert tasks["evict_now"] == "success" and tasks["stop_time_diagnosis"] == "skipped", tasks
     launch = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "launch")
-    assert launch.evidence["warm"] == [job.machine_list[1]]  # the standby joined on its warm interpreters
+    # the standby joined on its warm interpreters, and the survivors restarted on theirs (armed at launch)
+    assert launch.evidence["warm"] == sorted(job.machine_list)
     print(f"gpu_lost: alert {inc.first_alert_ts - t_fault:.1f}s after the fault, resumed "
           f"{inc.resumed_ts - t_fault:.1f}s after it, lost {inc.lost_steps} steps")
 

@@ -46,6 +46,8 @@ def test_incident_dag_branches_to_every_rung_and_joins_for_recovery(dagbag):
     assert recover.trigger_rule == "none_failed_min_one_success"
     assert {t.task_id for t in recover.upstream_list} >= {"evict_now", "stop_time_diagnosis"}
     assert [t.task_id for t in dag.get_task("training_resumed").downstream_list] == ["close"]
+    rearm = dag.get_task("rearm")  # warm interpreters again, once the incident is closed, whatever happened
+    assert rearm.trigger_rule == "all_done" and "close" in {t.task_id for t in rearm.upstream_list}
     from operators.airflow import steps
 
     assert set(steps.BRANCHES.values()) <= {t.task_id for t in choose.downstream_list}

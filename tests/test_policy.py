@@ -74,6 +74,15 @@ def test_the_crash_ladder_escalates_with_each_failed_recovery():
     assert ladder.decide(nan).diagnose["align"] is True
 
 
+def test_silent_corruption_evicts_the_machine_that_computes_wrong():
+    t = ladder.triage("j", [alert("sdc_suspect", "m0", 0), alert("sdc_suspect", "m2", 4)], job_machines=JOB)
+    assert ladder.decide(t).action == "replay"
+    d = ladder.decide(t, diagnosis_done=True, diagnosis_failed=["m2"])
+    assert (d.action, d.machines) == ("evict", ("m2",))
+    assert ladder.decide(t, diagnosis_done=True).action == "reattempt"
+    assert ladder.decide(t, level=1, diagnosis_done=True).action == "wait_human"
+
+
 def test_user_code_errors_roll_back_or_wait_for_a_human():
     t = ladder.triage("j", [alert("rank_exit", "m0", 0)], job_machines=JOB)
     assert ladder.decide(t, log_verdict="user_code", rollback_to="r1").action == "rollback"

@@ -109,7 +109,7 @@ def silent_corruption(decision: dict[str, Any]) -> dict[str, Any]:
     c.stop(decision["job"])
     diag = c.diagnose(decision["job"], levels=(), align=True)
     t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
-    d = ladder.decide(t, level=0, diagnosis_done=True, diagnosis_failed=sorted(diag["failed"]),
+    d = ladder.decide(t, level=decision["level"], diagnosis_done=True, diagnosis_failed=sorted(diag["failed"]),
                       log_verdict="")
     return _follow(c, decision["incident"], d, {"diagnosis": diag})
 
@@ -171,6 +171,13 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
         return c.close(int(incident_id), outcome="resolved", note=f"no recovery needed ({decision['action']})")
     return c.close(int(incident_id), outcome="failed",
                    note="recovery did not complete (a step failed or training did not resume); see the run's logs")
+
+
+def rearm(recovery: dict[str, Any] | None) -> dict[str, Any]:
+    """After a restart: warm interpreters again on every machine of the job, for the next one."""
+    if not recovery or not recovery.get("restarted"):
+        return {"skipped": True}
+    return controller().arm(recovery["job"])
 
 
 def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:

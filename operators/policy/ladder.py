@@ -8,7 +8,8 @@ The ladder::
 
     explicit machine fault (GPU lost, fatal Xid, uncorrectable ECC, disk, MCE) -> evict at once
     network alert                    -> tolerate; the same machine again within 5 min -> evict
-    silent data corruption suspected -> dual-phase replay -> evict the culprit
+    silent data corruption suspected -> find the machine that computes wrong (alignment test; dual-phase
+                                        replay) -> evict it; none -> restart; again -> wait for a human
     user-code error (from the logs)  -> roll back to the last known-good revision, restart in place
     crash / NaN without a culprit    -> stop-time diagnosis (logs -> L1 -> L2 -> L3; NaN adds the
                                         alignment test) -> evict what fails; all pass -> reattempt
@@ -171,7 +172,15 @@ def decide(t: Triage, *, level: int = 0, log_verdict: str = "", rollback_to: str
     if t.category in ("hang", "slow"):
         return Decision("analyze", t.machines, f"{t.category}: stacks and collective progress of every rank")
     if t.category == "sdc":
-        return Decision("replay", t.machines, "parameters differ between data-parallel peers: dual-phase replay")
+        if not diagnosis_done:
+            return Decision("replay", t.machines, "parameters differ between data-parallel peers: find the "
+                                                  "machine that computes wrong")
+        if diagnosis_failed:
+            return Decision("evict", tuple(sorted(diagnosis_failed)),
+                            f"{', '.join(sorted(diagnosis_failed))} computed differently from the rest")
+        if level == 0:
+            return Decision("reattempt", (), "no machine computed differently: restart from the last checkpoint")
+        return Decision("wait_human", (), "parameters diverged again and no machine computes differently")
     # crash and NaN
     if log_verdict == "user_code":
         if rollback_to:
