@@ -119,7 +119,7 @@ class Bench:
                        timeout=300, interval=0.5, what=f"the {fault} incident to close")
         finally:
             inject.clear(self.inv, machine, fault)
-        tasks = self.task_times(inc.id)
+        conf, tasks = self.incident_run(inc.id)
         triage_start = tasks.get("triage", {}).get("start")
         handler = next((t for t in tasks.values() if t["task_id"] in {"evict_now", "stop_time_diagnosis",
                                                                       "runtime_analysis", "silent_corruption",
@@ -130,6 +130,8 @@ class Bench:
             "category": inc.category, "branch": handler.get("task_id"),
             "evicted": sorted({m for a in self.ctl.fleet.actions(inc.id) if a.kind == "evict" for m in a.machines}),
             "alert_s": inc.first_alert_ts - t_fault,
+            # the triggerer read it off the bus (then the settle window gathers the rest of the burst)
+            "alert_to_trigger_s": conf["first_seen_ts"] - inc.first_alert_ts if conf.get("first_seen_ts") else None,
             "alert_to_incident_s": inc.opened_ts - inc.first_alert_ts,
             "alert_to_first_task_s": triage_start - inc.first_alert_ts if triage_start else None,
             "alert_to_diagnosis_s": ((inc.diagnosis_start_ts or triage_start or 0) - inc.first_alert_ts
@@ -142,13 +144,15 @@ class Bench:
         self.trials.append(trial)
         return trial
 
-    def task_times(self, incident_id: int) -> dict[str, dict[str, Any]]:
+    def incident_run(self, incident_id: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """The incident's tg_incident run (its conf) and its task instances' states and times."""
         for run in self.airflow.runs("tg_incident"):
             if (run.get("conf") or {}).get("incident_id") == incident_id:
-                return {t["task_id"]: {"task_id": t["task_id"], "state": t["state"], "start": _iso(t["start_date"]),
-                                       "end": _iso(t["end_date"])}
-                        for t in self.airflow.task_instances("tg_incident", run["dag_run_id"])}
-        return {}
+                return run["conf"], {
+                    t["task_id"]: {"task_id": t["task_id"], "state": t["state"], "start": _iso(t["start_date"]),
+                                   "end": _iso(t["end_date"])}
+                    for t in self.airflow.task_instances("tg_incident", run["dag_run_id"])}
+        return {}, {}
 
     # ---- cold requeue -------------------------------------------------------------------------------
     def cold(self) -> dict[str, Any]:
@@ -242,6 +246,7 @@ def main() -> int:
             metrics[key] = summarize(got, unit, target)
 
     add("alert_to_first_task_s", [t["alert_to_first_task_s"] for t in warm], target=TARGETS["alert_to_first_task_s"])
+    add("alert_to_trigger_s", [t["alert_to_trigger_s"] for t in warm])
     add("alert_to_incident_s", [t["alert_to_incident_s"] for t in warm])
     for fault in dict.fromkeys(t["fault"] for t in warm):
         these = [t for t in warm if t["fault"] == fault]

@@ -38,6 +38,8 @@ class CheckpointConfig:
         restore: "auto" (restore the newest usable step if any copy exists; refuse to
             start from scratch when copies exist but none is usable), "require" (fail if
             nothing is restorable) or "off" (start from step 0, keep existing copies).
+        restore_max_step: restore no step newer than this (None = no limit): after silent data
+            corruption the newer steps hold corrupted parameters. Steps.
         replicate: send each snapshot to the rank's backup rank (off only for tests and
             single-machine jobs, where it is switched off on its own).
         fsync: fsync files and directories of local copies (off only for throwaway runs).
@@ -66,6 +68,7 @@ class CheckpointConfig:
     s3_endpoint_url: str = ""
     s3_keep: int = 3
     restore: str = "auto"
+    restore_max_step: int | None = None
     replicate: bool = True
     fsync: bool = True
     ranks_per_machine: int = 0
@@ -87,6 +90,8 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint background nice {self.background_nice}: must be 0..19")
         if self.s3_every_steps < 0:
             raise CheckpointError(f"checkpoint S3 every {self.s3_every_steps} steps: must be >= 0")
+        if self.restore_max_step is not None and self.restore_max_step < 0:
+            raise CheckpointError(f"checkpoint restore max step {self.restore_max_step}: must be >= 0")
         if self.restore not in RESTORE_MODES:
             raise CheckpointError(f"checkpoint restore mode {self.restore!r}: use one of {', '.join(RESTORE_MODES)}")
         if self.s3_url and not self.s3_url.startswith("s3://"):

@@ -76,15 +76,16 @@ class SnapshotInfo:
         blocking_s: time the training thread spent in the checkpointer this step. Seconds.
         taken: a snapshot of this step was copied and queued.
         skipped: the step was due but both buffers were busy (back-pressure).
-        non_finite: the step was due but its state is not finite (a NaN or infinite gradient norm):
-            not snapshotted, so the newest committed step stays the last good one and retention keeps it.
+        refused: the step was due but its state is not worth keeping (its gradients were not finite, or
+            its data-parallel replicas disagree): not snapshotted, so the newest committed step stays the
+            last good one and retention keeps it.
         memcpy_s: time of a plain copy of the same state (only with ``measure_memcpy``). Seconds.
     """
 
     blocking_s: float = 0.0
     taken: bool = False
     skipped: bool = False
-    non_finite: bool = False
+    refused: bool = False
     memcpy_s: float | None = None
 
 
@@ -253,7 +254,7 @@ class Checkpointer:
         self.s3_uploaded: deque[int] = deque()
         self.s3_superseded = 0  # due uploads replaced by a newer snapshot before their turn came
         self.skipped = 0
-        self.non_finite = 0
+        self.refused = 0
         self.snapshots = 0
         self.errors: list[str] = []
         self._replica_broken = False
@@ -293,7 +294,7 @@ class Checkpointer:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"machine": self.machine, "rank": self.rank, "snapshots": self.snapshots,
-                    "skipped": self.skipped, "non_finite": self.non_finite,
+                    "skipped": self.skipped, "refused": self.refused,
                     "committed": max(self.committed, default=None),
                     "replica": self.backup, "replica_broken": self._replica_broken,
                     "s3_uploaded": list(self.s3_uploaded), "s3_superseded": self.s3_superseded,
@@ -329,18 +330,19 @@ class Checkpointer:
         return (step + 1) % self.cfg.every_steps == 0
 
     def after_step(self, step: int, data_position: dict[str, Any] | None = None, *,
-                   finite: bool = True) -> SnapshotInfo:
+                   healthy: bool = True, why: str = "") -> SnapshotInfo:
         """Snapshot the state at the end of ``step`` into a free buffer and queue it; skip if none is free.
 
-        ``finite``: False when the step's gradients were not finite (every rank of the job must say the
-        same, e.g. from the global gradient norm): the poisoned state is not snapshotted."""
+        ``healthy``: False when the step's state must not be kept (``why``: its gradients were not
+        finite, its data-parallel replicas disagree); every rank of the job must say the same (a global
+        gradient norm, an all-gathered digest), so no rank commits a step the others refused."""
         if not self._started or not self.due(step):
             return SnapshotInfo()
-        if not finite:
+        if not healthy:
             with self._lock:
-                self.non_finite += 1
-            self._log(f"step {step}: not snapshotted, its gradients are not finite", kind="non-finite")
-            return SnapshotInfo(non_finite=True)
+                self.refused += 1
+            self._log(f"step {step}: not snapshotted: {why or 'its state is not healthy'}", kind="refused")
+            return SnapshotInfo(refused=True)
         t0 = time.perf_counter()
         tensors, meta, key = self._reader.read()
         identity = (key, tuple(tensors[MODEL_FILE]), tuple(tensors[OPTIM_FILE]))
@@ -692,17 +694,22 @@ class Checkpointer:
             self._log(f"closing: {', '.join(stuck)} still running after {timeout_s:.0f}s", kind="close")
 
     # ---- restore -------------------------------------------------------------------------
-    def _scan(self) -> tuple[list[Holding], list[str]]:
-        """The copies this rank holds that pass the cheap check; lines for those that do not."""
-        holdings, problems = [], []
-        candidates = [(p, "local") for _s, _r, p in layout.list_copies(self.root, "local", rank=self.rank)]
-        for _s, owner, p in layout.list_copies(self.root, "replica"):
+    def _my_copies(self) -> list[tuple[int, Path, str]]:
+        """``(step, path, tier)`` of the copies this rank answers for: its local ones and the replicas
+        it holds for others."""
+        found = [(s, p, "local") for s, _r, p in layout.list_copies(self.root, "local", rank=self.rank)]
+        for s, owner, p in layout.list_copies(self.root, "replica"):
             info = layout.read_json(p / layout.REPLICA_INFO) or {}
             holder = info.get("holder")
             if holder == self.rank or (holder is None and self.replicate
                                        and self.placement.backup_rank(owner) == self.rank):
-                candidates.append((p, "replica"))
-        for path, tier in candidates:
+                found.append((s, p, "replica"))
+        return found
+
+    def _scan(self) -> tuple[list[Holding], list[str]]:
+        """The copies this rank holds that pass the cheap check; lines for those that do not."""
+        holdings, problems = [], []
+        for _step, path, tier in self._my_copies():
             check = inspect_copy(path, machine=self.machine)
             if not check.ok or check.manifest is None:
                 problems += [p.line() for p in check.problems]
@@ -729,7 +736,7 @@ class Checkpointer:
             self._log(line)
         if mode == "off":
             return None
-        every = [Holding.from_list(item) for doc in everyone for item in doc["holdings"]]
+        every = self._not_after(Holding.from_list(item) for doc in everyone for item in doc["holdings"])
         # S3 is the last resort: listed (a boto3 import and a listing, ~0.5 s) only once disks and
         # replicas cannot give every rank the newest step some rank holds; the same decision on every rank
         newest = max((h.step for h in every if h.layout == self.layout_key), default=-1)
@@ -740,7 +747,7 @@ class Checkpointer:
         while True:
             plan = plan_restore(every, world_size=self.world, layout=self.layout_key, excluded=excluded)
             if not s3_asked and (plan is None or plan.step < newest):
-                every += self._list_s3()
+                every += self._not_after(self._list_s3())
                 s3_asked = True
                 continue
             if not every:
@@ -770,6 +777,7 @@ class Checkpointer:
         src = plan.sources[self.rank]
         if src.tier != "local":  # this machine gets its own copy back
             self._keep_locally(plan.step, got)
+        self._drop_newer(plan.step)
         with self._lock:
             self.committed.add(plan.step)
         result = RestoreResult(step=plan.step, tier=src.tier, holder=src.holder if src.tier == "replica" else -1,
@@ -782,6 +790,23 @@ class Checkpointer:
                                "seconds": result.seconds, "counts": result.counts, "rounds": rounds,
                                "problems": bad_lines, "segment": self.segment, "ts": time.time()})
         return result
+
+    def _not_after(self, holdings: Any) -> list[Holding]:
+        limit = self.cfg.restore_max_step
+        return [h for h in holdings if limit is None or h.step <= limit]
+
+    def _drop_newer(self, step: int) -> None:
+        """Training goes on from ``step``: the copies of later steps here (local, and replicas held for
+        others) belong to the timeline that was left and must never be restored; they go. (Copies in
+        S3 are superseded as the new timeline uploads the same steps again.)"""
+        newer = [(s, p) for s, p, _tier in self._my_copies() if s > step]
+        for _s, p in newer:
+            with contextlib.suppress(OSError):
+                layout.remove_copy(p)
+        dropped = sorted({s for s, _p in newer})
+        if dropped:
+            self._log(f"restored step {step}: dropped this rank's copies of the later steps "
+                      f"{', '.join(map(str, dropped))} (the timeline they belong to was left)", kind="drop-newer")
 
     def _list_s3(self) -> list[Holding]:
         """What the S3 tier holds: rank 0 lists, every rank takes part in sharing it."""

@@ -127,23 +127,27 @@ class Controller:
         return {"parked": sorted(ready | {n for n, r in results.items() if r.ok}),
                 "failed": {n: r.describe() for n, r in results.items() if not r.ok}}
 
-    def _plan(self, job: str, warm: set[str]) -> launcher.JobPlan:
+    def _plan(self, job: str, warm: set[str], extra_args: Sequence[str] = ()) -> launcher.JobPlan:
         j = self.fleet.job(job)
         launches = sum(1 for a in self.fleet.actions() if a.kind == "launch" and a.key.startswith(f"launch:{job}:"))
         return launcher.JobPlan(job=job, topology=self.topology(job), machines=self.machines(j.machine_list),
-                                train_args=list(j.train_args), master_port=PORT_BASE + launches % PORT_SPAN,
+                                train_args=[*j.train_args, *extra_args], master_port=PORT_BASE + launches % PORT_SPAN,
                                 revision=j.revision, warm=warm)
 
-    def _start(self, job: str, *, warm: set[str], incident_id: int | None = None) -> dict[str, Any]:
+    def _start(self, job: str, *, warm: set[str], incident_id: int | None = None,
+               restore_max_step: int | None = None) -> dict[str, Any]:
         j = self.fleet.job(job)
         if j.pending_revision:  # a lazy code update waits for the next restart: this one
             self.fleet.set_revision(job, j.pending_revision)
-        plan = self._plan(job, warm)
+        # this launch only: later restarts restore the newest step again
+        extra = ["--restore-max-step", str(restore_max_step)] if restore_max_step is not None else []
+        plan = self._plan(job, warm, extra)
         key = f"launch:{job}:{incident_id if incident_id is not None else 'initial'}:{','.join(j.machine_list)}"
         action, created = self.fleet.record_action(key, kind="launch", incident_id=incident_id,
                                                    machines=j.machine_list, dry_run=self.cfg.dry_run,
                                                    evidence={"revision": plan.revision, "port": plan.master_port,
-                                                             "warm": sorted(warm)})
+                                                             "warm": sorted(warm),
+                                                             "restore_max_step": restore_max_step})
         if not created and action.outcome == "done":
             return {"launched": False, "reason": "already launched", "machines": j.machine_list}
         if self.cfg.dry_run:
@@ -405,7 +409,14 @@ class Controller:
         results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "standby", "status"], timeout=20)
         return {n for n, r in results.items() if r.ok and (r.json() or {}).get("state") == "parked"}
 
-    def recover(self, incident_id: int, swaps: Mapping[str, str] | None = None) -> dict[str, Any]:
+    def first_step_of(self, incident_id: int, kinds: Sequence[str]) -> int | None:
+        """The earliest training step the incident's alerts of ``kinds`` name (their evidence's step)."""
+        steps = [a.document.get("evidence", {}).get("step") for a in self.fleet.alerts_of(incident_id)
+                 if a.kind in kinds]
+        return min((s for s in steps if isinstance(s, int)), default=None)
+
+    def recover(self, incident_id: int, swaps: Mapping[str, str] | None = None, *,
+                restore_max_step: int | None = None) -> dict[str, Any]:
         """Stop the job everywhere it answers, then start it on its (new) machine list: survivors in place,
         replacements where they are; every machine with warm interpreters parked (standbys, and survivors
         armed by :meth:`arm`) starts on them. The job restores its newest committed checkpoint itself.
@@ -415,7 +426,7 @@ class Controller:
         before = self.progress(job)
         stopped = self.stop(job)
         warm = self.parked(self.fleet.job(job).machine_list)
-        started = self._start(job, warm=warm, incident_id=incident_id)
+        started = self._start(job, warm=warm, incident_id=incident_id, restore_max_step=restore_max_step)
         self.fleet.update_incident(incident_id, decided_ts=time.time())
         return {"job": job, "stopped": stopped, "started": started, "warm": sorted(warm),
                 "steps_before": before.get("step", -1), "restart_ts": time.time()}

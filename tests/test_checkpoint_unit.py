@@ -194,13 +194,28 @@ def test_a_non_finite_step_is_not_snapshotted_and_the_last_good_one_survives_ret
     run_steps(ck, model, opt, range(3), digests)
     with torch.no_grad():
         next(model.parameters()).fill_(float("nan"))  # a NaN gradient poisoned the update
-    infos = [ck.after_step(step, finite=False) for step in range(3, 9)]
-    assert all(i.non_finite and not i.taken for i in infos) and ck.status()["non_finite"] == 6
+    infos = [ck.after_step(step, healthy=False, why="gradient norm nan") for step in range(3, 9)]
+    assert all(i.refused and not i.taken for i in infos) and ck.status()["refused"] == 6
     ck.close()
     assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [1, 2]
     model, opt = make_model()
     result = checkpointer(tmp_path, model, opt).restore()
     assert result is not None and result.step == 2 and digest(model, opt) == digests[2]
+
+
+def test_a_restore_capped_below_corrupted_steps_starts_a_new_timeline(tmp_path: Path):
+    digests = saved_run(tmp_path, steps=6)  # keep=3: steps 3, 4, 5 on disk
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [3, 4, 5]
+    model, opt = make_model()
+    lines: list[str] = []
+    ck = checkpointer(tmp_path, model, opt, lines, restore_max_step=4)  # step 5 holds corrupted parameters
+    result = ck.restore()
+    assert result is not None and result.step == 4 and digest(model, opt) == digests[4]
+    # the left timeline's step 5 is gone: a later restore can never pick it
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [3, 4]
+    assert any("dropped this rank's copies of the later steps 5" in line for line in lines), lines
+    with pytest.raises(CheckpointError, match="restore max step -1"):
+        CheckpointConfig(root=tmp_path, restore_max_step=-1)
 
 
 def test_retention_keeps_the_newest_committed_and_the_newest_verified(tmp_path: Path):

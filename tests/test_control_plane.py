@@ -326,6 +326,16 @@ def test_silent_data_corruption_finds_and_evicts_the_machine_that_computes_wrong
     assert evict.machines == [bad]  # only the machine that computes wrong
     after = ctl.fleet.job(JOB).machine_list
     assert bad not in after and [m for m in after if m in machines] == [m for m in machines if m != bad]
+    # the steps from the divergence on hold corrupted parameters: the restart restored the one before it,
+    # and the data-parallel replicas agree again
+    diverged = ctl.first_step_of(inc.id, ["sdc_suspect"])
+    launch = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "launch")
+    assert launch.evidence["restore_max_step"] == diverged - 1
+    m0 = ctl.inventory.machine(after[0])
+    records = [r for r in launcher.steps(ctl.inventory, JOB, m0, rank=0, transport=ctl.transport)
+               if r.get("ts", 0) > inc.decided_ts]
+    assert records and records[0]["ckpt_restored_step"] <= diverged - 1, (diverged, records[:1])
+    assert all(r["dp_digests_match"] for r in records)
 
 
 def test_a_slow_rank_over_evicts_its_pipeline(control, cp_cluster):

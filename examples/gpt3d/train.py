@@ -35,8 +35,9 @@ with ``--checkpoint-s3``, uploads it to S3. At start the job restores the newest
 step every rank can get (``--restore`` insists, ``--no-restore`` starts from
 step 0) and resumes at the next step, bit for bit. Step records gain
 ``ckpt_blocking_s`` (time the step spent in the checkpointer), ``ckpt_saved``,
-``ckpt_skipped`` (back-pressure), ``ckpt_non_finite`` (not snapshotted: the
-step's gradient norm was NaN or infinite), ``ckpt_committed`` (newest step committed on
+``ckpt_skipped`` (back-pressure), ``ckpt_refused`` (not snapshotted: the step's
+gradient norm was not finite, or its parameters differ from the data-parallel
+peers'), ``ckpt_committed`` (newest step committed on
 every rank), ``ckpt_bg_cpu_s`` (CPU seconds of the checkpoint's background
 threads so far) and, on the first step after a restore, ``ckpt_restored_step``,
 ``ckpt_restore_s``, ``ckpt_restore_source``.
@@ -120,6 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="restore from a checkpoint or fail (default: restore if anything usable exists)")
     r.add_argument("--no-restore", dest="restore", action="store_const", const="off",
                    help="start from step 0 even if checkpoints exist")
+    c.add_argument("--restore-max-step", type=int, default=None, metavar="N",
+                   help="restore no step newer than N (after silent data corruption: the last step before it)")
     p.set_defaults(restore="auto", checkpoint=False)
     return p.parse_args(argv)
 
@@ -170,7 +173,8 @@ def make_checkpointer(args: argparse.Namespace, topo: Topology, rank: int, local
         every_steps=args.checkpoint_every, keep=args.checkpoint_keep,
         s3_url=args.checkpoint_s3 if args.checkpoint_s3 is not None else default_s3_url(),
         s3_every_steps=args.checkpoint_s3_every, s3_endpoint_url=os.environ.get("TG_S3_ENDPOINT_URL", ""),
-        restore=args.restore, ranks_per_machine=args.checkpoint_ranks_per_machine,
+        restore=args.restore, restore_max_step=args.restore_max_step,
+        ranks_per_machine=args.checkpoint_ranks_per_machine,
         control_timeout_s=args.collective_timeout_s, measure_memcpy=args.checkpoint_measure_memcpy,
         background_nice=args.checkpoint_nice)
     return Checkpointer(cfg, topology=topo, rank=rank, model=model, optimizer=optimizer,
@@ -363,18 +367,20 @@ class Trainer:
                     p.grad.mul_(scale)
         ckpt_wait = self.ckpt.before_update() if self.ckpt else 0.0  # the last snapshot's copy must be done
         self.optimizer.step()
-        # data position: the next step; a non-finite update is not worth a snapshot (it must not displace
-        # the last good one)
-        snap = self.ckpt.after_step(step, finite=math.isfinite(norm)) if self.ckpt else None
-        loss, replica_loss = self.reported_loss(losses)
         digest = self.param_digest()
         match, peers = self.dp_digests(digest)
+        # a state not worth keeping is not snapshotted, so it cannot displace the last good one: a
+        # non-finite update, or parameters that differ from the data-parallel peers' (silent corruption)
+        why = "" if math.isfinite(norm) else f"gradient norm {norm}"
+        why = why or ("" if match else "parameters differ from the data-parallel peers'")
+        snap = self.ckpt.after_step(step, healthy=not why, why=why) if self.ckpt else None
+        loss, replica_loss = self.reported_loss(losses)
         step_time = time.perf_counter() - t0
         tokens_per_s = self.global_tokens / step_time
         extra: dict[str, Any] = {}
         if snap is not None:
             extra = {"ckpt_blocking_s": round(ckpt_wait + snap.blocking_s, 6), "ckpt_saved": snap.taken,
-                     "ckpt_skipped": snap.skipped, "ckpt_non_finite": snap.non_finite,
+                     "ckpt_skipped": snap.skipped, "ckpt_refused": snap.refused,
                      "ckpt_committed": self.ckpt.newest_committed,
                      "ckpt_bg_cpu_s": round(self.ckpt.background_cpu_s(), 6)}
             if snap.memcpy_s is not None:

@@ -111,7 +111,11 @@ def silent_corruption(decision: dict[str, Any]) -> dict[str, Any]:
     t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
     d = ladder.decide(t, level=decision["level"], diagnosis_done=True, diagnosis_failed=sorted(diag["failed"]),
                       log_verdict="")
-    return _follow(c, decision["incident"], d, {"diagnosis": diag})
+    evidence: dict[str, Any] = {"diagnosis": diag}
+    diverged = c.first_step_of(decision["incident"], ["sdc_suspect"])
+    if diverged is not None:  # the steps from the divergence on hold corrupted parameters: restore before it
+        evidence["restore_max_step"] = max(0, diverged - 1)
+    return _follow(c, decision["incident"], d, evidence)
 
 
 def roll_back(decision: dict[str, Any]) -> dict[str, Any]:
@@ -143,7 +147,8 @@ def recover(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str,
     result = done[0] if done else {}
     if result.get("waiting_human") or result.get("dry_run"):
         return {"restarted": False, **result}
-    out = controller().recover(int(incident_id), result.get("swaps") or {})
+    out = controller().recover(int(incident_id), result.get("swaps") or {},
+                               restore_max_step=result.get("restore_max_step"))
     return {"restarted": True, **out}
 
 
