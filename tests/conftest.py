@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 
 from node_tools import cluster
 from node_tools.inventory import Inventory
-from operators.airflow.standalone import free_port
+from operators.airflow.standalone import free_port, poll
 
 # A cluster of its own for the tests, so a demo cluster ("tg") on the same host is left alone.
 TEST_CLUSTER = cluster.ClusterSpec(name="tgt", machines=6, standbys=2, subnet="10.213.9.0/24", disk_mb=64, gpus=8)
@@ -30,14 +29,10 @@ def can_namespace() -> str:
 
 def wait_until(predicate: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.2) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail the test with ``what`` otherwise."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+    try:
+        return poll(predicate, timeout=timeout, what=what, interval=interval)
+    except TimeoutError as exc:
+        pytest.fail(str(exc))
 
 
 def _state_dir() -> Path:

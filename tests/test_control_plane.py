@@ -105,7 +105,7 @@ def _last_incident(ctl: Controller) -> int:
 
 
 def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, machine: str, fault: str,
-                        rank: int | None = None, *, fresh: bool = True) -> Any:
+                        rank: int | None = None, *, fresh: bool = True, params: dict[str, str] | None = None) -> Any:
     """Inject ``fault`` once the job trains (and, with ``fresh``, the last recovery is older than the
     escalation window); wait for the incident it causes to close; return it."""
     last = _last_incident(ctl)
@@ -115,7 +115,7 @@ def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, ma
                    what="the escalation window to pass")
     step = ctl.progress(JOB)["step"]
     wait_until(lambda: ctl.progress(JOB)["step"] >= step + 2, timeout=120, what="the job to train")
-    inject.inject(inv, machine, fault, rank=rank)
+    inject.inject(inv, machine, fault, rank=rank, params=params)
     return wait_until(lambda: _incident_done(ctl, last), timeout=300, interval=1.0,
                       what=f"the {fault} incident to close (runs: "
                            f"{[r['state'] for r in airflow.runs('tg_incident')]})")
@@ -344,7 +344,9 @@ def test_a_slow_rank_over_evicts_its_pipeline(control, cp_cluster):
     before = list(ctl.fleet.job(JOB).machine_list)
     slow_rank = 2  # dp0 pp1 tp0, on node 1
     try:
-        inc = _fault_and_recovery(ctl, airflow, cp_cluster, before[1], "slow", rank=slow_rank)
+        # 2 s more per step: well past the checks' 2.5x of the job's ~0.5 s steps (with their 0.2 s delay)
+        inc = _fault_and_recovery(ctl, airflow, cp_cluster, before[1], "slow", rank=slow_rank,
+                                  params={"seconds": "2.0"})
     finally:
         inject.clear(cp_cluster, before[1], "slow")
     assert inc.state == "resolved" and inc.category in ("slow", "hang"), _why(ctl, airflow, inc.id)
