@@ -99,7 +99,7 @@ def _fill_disk(path: Path) -> int:
     """Fill the file system holding ``path``; returns the bytes written."""
     filler = path / DISK_FILLER
     written = 0
-    with open(filler, "ab") as fh:
+    with open(filler, "ab", buffering=0) as fh:  # unbuffered: nothing is left to flush (and fail) at close
         st = os.statvfs(path)
         want = st.f_bavail * st.f_frsize
         if want > 0:

@@ -136,6 +136,11 @@ def test_alerts_join_the_open_incident_and_a_recurrence_escalates(tmp_path: Path
     now[0] = 1100.0 + 601  # long after: a fresh failure
     d, _ = store.open_incident("j", [{"id": "x4", "kind": "rank_exit", "ts": now[0]}], escalation_window_s=600)
     assert d.level == 0
+    # the failure's own time counts: alerts from 30 s after the recovery, recorded only 700 s later
+    store.update_incident(d.id, state="resolved", resumed_ts=now[0] + 5, closed_ts=now[0] + 6)
+    failed_at, now[0] = now[0] + 35, now[0] + 700
+    e, _ = store.open_incident("j", [{"id": "x5", "kind": "rank_exit", "ts": failed_at}], escalation_window_s=600)
+    assert e.level == 1
 
 
 def test_actions_are_recorded_once_per_key(store: FleetStore):

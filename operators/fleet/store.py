@@ -285,7 +285,7 @@ class FleetStore:
             if inc is None:
                 first = min((float(a.get("ts", self.clock())) for a in alerts), default=self.clock())
                 inc = Incident(job=job, state="open", category=category,
-                               level=self._next_level(s, job, escalation_window_s),
+                               level=self._next_level(s, job, escalation_window_s, failed_ts=first),
                                opened_ts=self.clock(), first_alert_ts=first, summary="")
                 s.add(inc)
                 s.flush()
@@ -297,12 +297,14 @@ class FleetStore:
                             severity=a.get("severity") or "", incident_id=inc.id, document=a))
             return inc, opened
 
-    def _next_level(self, s: Session, job: str, window_s: float) -> int:
-        """0 for a first failure; a recurrence within ``window_s`` of the last recovery starts one level
-        higher (the recovery did not hold)."""
+    def _next_level(self, s: Session, job: str, window_s: float, *, failed_ts: float) -> int:
+        """0 for a first failure; a failure (its first alert at ``failed_ts``) within ``window_s`` of the
+        last recovery's end starts one level higher (the recovery did not hold). The failure's own time
+        counts, not when the control plane got to it."""
         last = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(("resolved", "failed")))
                         .order_by(Incident.id.desc()))
-        if last is None or last.closed_ts is None or self.clock() - last.closed_ts > window_s:
+        end = None if last is None else (last.resumed_ts or last.closed_ts)
+        if last is None or end is None or failed_ts - end > window_s:
             return 0
         return last.level + 1
 
