@@ -101,12 +101,19 @@ class Bench:
         poll(lambda: self.ctl.progress(JOB)["step"] >= start + steps, timeout=180, interval=0.5,
              what="the job to train")
 
+    def settled(self) -> None:
+        """Wait until no tg_incident run is left running (the last one's rearm included): each trial starts
+        from a job with warm interpreters parked on every machine."""
+        poll(lambda: all(r["state"] in ("success", "failed") for r in self.airflow.runs("tg_incident")),
+             timeout=300, interval=1.0, what="the last incident's run to finish")
+
     def last_incident(self) -> int:
         return max((i.id for i in self.ctl.fleet.incidents(JOB)), default=0)
 
     # ---- warm path --------------------------------------------------------------------------------
     def warm(self, fault: str) -> dict[str, Any]:
         rank, node = WARM_FAULTS[fault]
+        self.settled()
         self.repair()
         self.training()
         last = self.last_incident()
@@ -157,9 +164,8 @@ class Bench:
     # ---- cold requeue -------------------------------------------------------------------------------
     def cold(self) -> dict[str, Any]:
         self.repair()
-        standbys = [m.name for m in self.ctl.fleet.machines(state=states.STANDBY)]
-        self.transport.run_many([self.inv.machine(n) for n in standbys],
-                                lambda m: [self.inv.tg_node, "standby", "unpark"], timeout=60)
+        # nothing pre-warmed anywhere: the standbys' and the job's own parked interpreters end
+        self.transport.run_many(self.inv.machines, lambda m: [self.inv.tg_node, "standby", "unpark"], timeout=60)
         self.training()
         machine = self.ctl.fleet.job(JOB).machine_list[1]
         reader = BusReader(open_bus(self.inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
@@ -225,6 +231,7 @@ def main() -> int:
             b.training(4)
             for fault in ["gpu_lost"] * gpu_trials + extra:
                 b.warm(fault)
+            b.settled()
             b.airflow.stop()  # the requeue baseline runs without the control plane
             for _ in range(cold_trials):
                 b.cold()
