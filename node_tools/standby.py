@@ -334,19 +334,32 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
 
 
 def unpark(cfg: Any) -> dict[str, Any]:
-    """End every warm interpreter of this machine (a no-op when none is parked)."""
+    """End the free warm interpreters of this machine (a no-op when none is parked). Interpreters that
+    serve a job (claimed: its torchrun agent and ranks) are the job's; they end with it."""
     from node_tools import procs
 
     state = read_state(cfg.workdir) or {}
-    pids = procs.pids_with_env("TG_STANDBY_TOKEN", state["token"]) if state.get("token") else []
-    ended = procs.terminate(pids, grace_s=3) if pids else []
+    free = free_slots(cfg.workdir)
+    ended = procs.terminate([int(slot["pid"]) for slot in free], grace_s=3) if free else []
     d = standby_dir(cfg.workdir)
-    for pattern in ("slot*.sock", "slot*.ready", "slot*.claim"):
-        for p in d.glob(pattern):
-            p.unlink(missing_ok=True)
+    for slot in free:
+        for suffix in (".sock", ".ready"):
+            (d / f"{slot['slot']}{suffix}").unlink(missing_ok=True)
+    for claim in d.glob("slot*.claim"):  # claims of interpreters that are gone
+        doc = _read_claim(claim)
+        if not procs.alive(int(doc.get("pid", 0))):
+            for suffix in (".sock", ".ready", ".claim"):
+                claim.with_suffix(suffix).unlink(missing_ok=True)
     if state:
         _write_state(cfg.workdir, {"state": "empty", "token": state.get("token")})
     return {"machine": cfg.machine, "state": "empty", "ended_pids": ended}
+
+
+def _read_claim(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def status(cfg: Any) -> dict[str, Any]:

@@ -80,6 +80,21 @@ def test_stop_ends_every_warm_process_of_the_job(node):
     assert all(not procs.alive(p) for p in running)
 
 
+def test_spares_parked_beside_a_warm_job_are_unparked_without_touching_it(node):
+    standby.park(node, nproc=2)
+    job.start(node, spec("warm"))
+    rd = job.run_dir(node, "warm")
+    wait_until(lambda: all(monitor.read_steps(rd, r) for r in (0, 1)), timeout=120, what="both ranks to step")
+    running = job.job_pids(json.loads((rd / "job.json").read_text()))
+    spares = standby.park(node, nproc=2)  # armed for the next restart, beside the running job
+    assert spares["started"] == 3 and standby.status(node)["state"] == "parked"
+    ended = standby.unpark(node)["ended_pids"]
+    assert sorted(ended) == sorted(s["pid"] for s in spares["slots"])
+    assert all(procs.alive(p) for p in running)  # the job's own interpreters are its, not spares
+    step = len(monitor.read_steps(rd, 0))
+    wait_until(lambda: len(monitor.read_steps(rd, 0)) > step, timeout=60, what="the job to go on training")
+
+
 def test_a_killed_warm_rank_fails_the_job_like_a_cold_one(node):
     standby.park(node, nproc=2)
     job.start(node, spec("crash"))
