@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -217,7 +218,9 @@ def main() -> int:
         return 2
     gpu_trials, cold_trials = (1, 1) if args.quick else (args.trials, args.cold_trials)
     extra = [] if args.quick else ["crash", "hang"]
-    with tempfile.TemporaryDirectory(prefix="tg-bench-recovery-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="tg-bench-recovery-")
+    ok = False
+    try:
         state = Path(tmp) / "state"
         cluster.down(state, name=SPEC.name, log=lambda *_: None)
         inv = cluster.up(SPEC, state, log=lambda *_: None)
@@ -235,6 +238,7 @@ def main() -> int:
             b.airflow.stop()  # the requeue baseline runs without the control plane
             for _ in range(cold_trials):
                 b.cold()
+            ok = True
         finally:
             b.airflow.stop()
             try:
@@ -242,6 +246,11 @@ def main() -> int:
             except Exception as exc:  # the cluster goes down next anyway
                 print(f"stopping the job: {exc}", file=sys.stderr)
             cluster.down(state, name=SPEC.name, log=lambda *_: None)
+    finally:
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # the fleet database and Airflow's logs, for a post-mortem
+            print(f"kept {tmp}/control", file=sys.stderr)
 
     warm = [t for t in b.trials if t["path"] == "warm"]
     cold = [t for t in b.trials if t["path"] == "cold"]
