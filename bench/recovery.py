@@ -67,10 +67,12 @@ class Bench:
     def __init__(self, inv: Inventory, home: Path) -> None:
         self.inv = inv
         self.transport = transport_for(inv)
-        cfg = ControlConfig(fleet_url=str(home / "fleet.db"), inventory=str(inv.path))
+        # every trial is a first failure (level 0) and within the breaker: the trials come seconds apart;
+        # the same settings for the DAGs and for this process's controller (the cold requeue's evictions)
+        cfg = ControlConfig(fleet_url=str(home / "fleet.db"), inventory=str(inv.path), escalation_window_s=1.0,
+                            breaker_share=0.75, breaker_window_s=1.0)
         self.ctl = Controller(cfg)
         self.ctl.sync_inventory()
-        # every trial is a first failure (level 0) and within the breaker: the trials come seconds apart
         self.airflow = Standalone(home / "airflow", {"TG_FLEET_URL": cfg.fleet_url, "TG_INVENTORY": cfg.inventory,
                                                      "TG_CONTROL_HOME": str(home), "TG_ESCALATION_WINDOW_S": "1",
                                                      "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1"})
