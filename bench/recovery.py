@@ -156,13 +156,13 @@ class Bench:
 
     def incident_run(self, incident_id: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """The incident's tg_incident run (its conf) and its task instances' states and times."""
-        for run in self.airflow.runs("tg_incident"):
-            if (run.get("conf") or {}).get("incident_id") == incident_id:
-                return run["conf"], {
-                    t["task_id"]: {"task_id": t["task_id"], "state": t["state"], "start": _iso(t["start_date"]),
-                                   "end": _iso(t["end_date"])}
-                    for t in self.airflow.task_instances("tg_incident", run["dag_run_id"])}
-        return {}, {}
+        run = self.airflow.incident_run(incident_id)
+        if run is None:
+            return {}, {}
+        return run["conf"], {
+            t["task_id"]: {"task_id": t["task_id"], "state": t["state"], "start": _iso(t["start_date"]),
+                           "end": _iso(t["end_date"])}
+            for t in self.airflow.task_instances("tg_incident", run["dag_run_id"])}
 
     # ---- cold requeue -------------------------------------------------------------------------------
     def cold(self) -> dict[str, Any]:
@@ -181,13 +181,13 @@ class Bench:
             t_alert = time.time()
             inc, _ = self.ctl.fleet.open_incident(JOB, [], category="requeue")
             self.ctl.stop(JOB)
-            swaps = self.ctl.evict(inc.id, [machine], reason="cold requeue: new allocation")["swaps"]
+            self.ctl.evict(inc.id, [machine], reason="cold requeue: new allocation")
             allocation = list(self.ctl.fleet.job(JOB).machine_list)
             check = self.ctl.diagnose(JOB, allocation, levels=(1, 2))
             if check["failed"]:
                 raise RuntimeError(f"the requeue's self-check failed: {check['failed']}")
             t_checked = time.time()
-            restart = self.ctl.recover(inc.id, swaps)
+            restart = self.ctl.recover(inc.id)
             resumed = poll(lambda: self.ctl.resumed(JOB, restart["restart_ts"]), timeout=300, interval=0.5,
                            what="training after the cold requeue")
             self.ctl.close(inc.id, outcome="resolved", resumed=resumed, steps_before=restart["steps_before"],

@@ -157,7 +157,8 @@ class InJobFaults:
         self.local_rank = local_rank
         self._mtime_ns = -1
         self._active: list[dict[str, Any]] = []
-        self._fired: set[str] = set()
+        # one-shot faults this rank already fired: in this process, and (transient ones) in earlier ones
+        self._fired: set[str] = self._fired_before()
 
     @classmethod
     def from_env(cls, *, rank: int, local_rank: int = 0) -> InJobFaults:
@@ -191,7 +192,7 @@ class InJobFaults:
                 continue  # a bug of another code revision than the one this rank runs
             fk = FAULT_KINDS.get(kind)
             if fk and fk.once:
-                if fid in self._fired or (not fk.recurs and fid in self._fired_before()):
+                if fid in self._fired:
                     continue
                 self._fired.add(fid)
                 if not fk.recurs:

@@ -255,15 +255,19 @@ def claimed_pids(slot_dir: Path, job_token: str) -> list[int]:
     """Warm interpreters serving the job with ``job_token`` (its torchrun agent and ranks), alive."""
     from node_tools import procs
 
-    pids = []
-    for claim in Path(slot_dir).glob("slot*.claim"):
+    return sorted(int(doc["pid"]) for _path, doc in _claims(Path(slot_dir))
+                  if doc.get("job_token") == job_token and procs.alive(int(doc.get("pid", 0))))
+
+
+def _claims(slot_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Every slot's claim file and what it says (an unreadable one says nothing)."""
+    out = []
+    for path in slot_dir.glob("slot*.claim"):
         try:
-            doc = json.loads(claim.read_text())
+            out.append((path, json.loads(path.read_text())))
         except (OSError, ValueError):
-            continue
-        if doc.get("job_token") == job_token and procs.alive(int(doc.get("pid", 0))):
-            pids.append(int(doc["pid"]))
-    return sorted(pids)
+            out.append((path, {}))
+    return out
 
 
 def free_slots(workdir: Path) -> list[dict[str, Any]]:
@@ -345,8 +349,7 @@ def unpark(cfg: Any) -> dict[str, Any]:
     for slot in free:
         for suffix in (".sock", ".ready"):
             (d / f"{slot['slot']}{suffix}").unlink(missing_ok=True)
-    for claim in d.glob("slot*.claim"):  # claims of interpreters that are gone
-        doc = _read_claim(claim)
+    for claim, doc in _claims(d):  # claims of interpreters that are gone
         if not procs.alive(int(doc.get("pid", 0))):
             for suffix in (".sock", ".ready", ".claim"):
                 claim.with_suffix(suffix).unlink(missing_ok=True)
@@ -355,28 +358,14 @@ def unpark(cfg: Any) -> dict[str, Any]:
     return {"machine": cfg.machine, "state": "empty", "ended_pids": ended}
 
 
-def _read_claim(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def status(cfg: Any) -> dict[str, Any]:
     """``parked`` (enough free warm interpreters for its nproc), ``in_use`` (a job runs on them), or ``empty``."""
     state = read_state(cfg.workdir) or {}
     free = free_slots(cfg.workdir)
     nproc = state.get("nproc")
-    busy = []
-    for claim in standby_dir(cfg.workdir).glob("slot*.claim"):
-        try:
-            doc = json.loads(claim.read_text())
-        except (OSError, ValueError):
-            continue
-        from node_tools import procs
+    from node_tools import procs
 
-        if procs.alive(int(doc.get("pid", 0))):
-            busy.append(doc)
+    busy = [doc for _path, doc in _claims(standby_dir(cfg.workdir)) if procs.alive(int(doc.get("pid", 0)))]
     if nproc and len(free) >= nproc + 1:
         name = "parked"
     elif busy:

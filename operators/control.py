@@ -415,10 +415,9 @@ class Controller:
                  if a.kind in kinds]
         return min((s for s in steps if isinstance(s, int)), default=None)
 
-    def recover(self, incident_id: int, swaps: Mapping[str, str] | None = None, *,
-                restore_max_step: int | None = None) -> dict[str, Any]:
-        """Stop the job everywhere it answers, then start it on its (new) machine list: survivors in place,
-        replacements where they are; every machine with warm interpreters parked (standbys, and survivors
+    def recover(self, incident_id: int, *, restore_max_step: int | None = None) -> dict[str, Any]:
+        """Stop the job everywhere it answers, then start it on its machine list (replacements already
+        swapped in by :meth:`evict`): every machine with warm interpreters parked (standbys, and survivors
         armed by :meth:`arm`) starts on them. The job restores its newest committed checkpoint itself.
         Returns the steps every rank had finished before (for the resume check)."""
         inc = self.fleet.incident(incident_id)

@@ -125,32 +125,27 @@ def _branch(airflow: Standalone, incident_id: int) -> str:
     """The handler task that ran in the incident's tg_incident run."""
     from operators.airflow import steps
 
-    for run in airflow.runs("tg_incident"):
-        if (run.get("conf") or {}).get("incident_id") == incident_id:
-            tasks = airflow.task_states("tg_incident", run["dag_run_id"])
-            ran = [t for t in [*steps.BRANCHES.values(), "no_recovery"] if tasks.get(t) == "success"]
-            return ran[0] if ran else f"none ran: {tasks}"
-    return "no run"
+    run = airflow.incident_run(incident_id)
+    if run is None:
+        return "no run"
+    tasks = airflow.task_states("tg_incident", run["dag_run_id"])
+    ran = [t for t in [*steps.BRANCHES.values(), "no_recovery"] if tasks.get(t) == "success"]
+    return ran[0] if ran else f"none ran: {tasks}"
 
 
 def _why(ctl: Controller, airflow: Standalone, incident_id: int) -> str:
     """The incident's timeline and what its handler task returned (for failure messages)."""
     import json
-    import urllib.parse
 
     from operators.airflow import steps
 
     out = {"timeline": ctl.timeline(incident_id)}
-    for run in airflow.runs("tg_incident"):
-        if (run.get("conf") or {}).get("incident_id") == incident_id:
-            rid = urllib.parse.quote(run["dag_run_id"])
-            for task in [*steps.BRANCHES.values(), "no_recovery", "recover"]:
-                try:
-                    out[task] = airflow.request(
-                        "GET", f"/api/v2/dags/tg_incident/dagRuns/{rid}/taskInstances/{task}/xcomEntries/"
-                               f"return_value")["value"]
-                except Exception:  # a skipped task has none
-                    continue
+    run = airflow.incident_run(incident_id)
+    for task in [*steps.BRANCHES.values(), "no_recovery", "recover"] if run else []:
+        try:
+            out[task] = airflow.xcom("tg_incident", run["dag_run_id"], task)
+        except Exception:  # a skipped task has none
+            continue
     return json.dumps(out, default=str)[:6000]
 
 
@@ -275,14 +270,9 @@ def test_a_full_disk_gets_its_machine_evicted(control, cp_cluster):
 
 def _handler_output(airflow: Standalone, incident_id: int, task: str) -> dict[str, Any]:
     """What ``task`` of the incident's tg_incident run returned (its XCom)."""
-    import urllib.parse
-
-    for run in airflow.runs("tg_incident"):
-        if (run.get("conf") or {}).get("incident_id") == incident_id:
-            rid = urllib.parse.quote(run["dag_run_id"])
-            return airflow.request("GET", f"/api/v2/dags/tg_incident/dagRuns/{rid}/taskInstances/{task}/"
-                                          f"xcomEntries/return_value")["value"]
-    raise AssertionError(f"no tg_incident run for incident {incident_id}")
+    run = airflow.incident_run(incident_id)
+    assert run is not None, f"no tg_incident run for incident {incident_id}"
+    return airflow.xcom("tg_incident", run["dag_run_id"], task)
 
 
 def test_a_nan_loss_is_diagnosed_with_the_alignment_test_and_restarts_from_a_finite_checkpoint(control, cp_cluster):

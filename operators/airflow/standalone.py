@@ -130,6 +130,16 @@ class Standalone:
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
         return {t["task_id"]: t["state"] for t in self.task_instances(dag_id, run_id)}
 
+    def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
+        """What a task returned (its ``return_value`` XCom); HTTPError 404 when it has none."""
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances/"
+                                   f"{task_id}/xcomEntries/return_value")["value"]
+
+    def incident_run(self, incident_id: int) -> dict[str, Any] | None:
+        """The tg_incident run started for ``incident_id`` (None when there is none yet)."""
+        return next((run for run in self.runs("tg_incident")
+                     if (run.get("conf") or {}).get("incident_id") == incident_id), None)
+
     def stop(self) -> None:
         if self.proc is None:
             return

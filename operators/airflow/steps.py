@@ -147,8 +147,7 @@ def recover(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str,
     result = done[0] if done else {}
     if result.get("waiting_human") or result.get("dry_run"):
         return {"restarted": False, **result}
-    out = controller().recover(int(incident_id), result.get("swaps") or {},
-                               restore_max_step=result.get("restore_max_step"))
+    out = controller().recover(int(incident_id), restore_max_step=result.get("restore_max_step"))
     return {"restarted": True, **out}
 
 
