@@ -300,6 +300,8 @@ class RankTimeouts:
         spike_history: steps of history needed before spikes are judged.
         slow_factor: a step time above this multiple of the recent median counts as slow.
         slow_steps: consecutive slow steps that make a ``rank_slow`` finding.
+        slow_history: normal steps of an incarnation needed before step times are judged (a rank slow
+            from its first steps is learned as normal: keep this short).
         ignore_longest: longest step intervals left out of the calibration (see above).
     """
 
@@ -313,6 +315,7 @@ class RankTimeouts:
     spike_history: int = 10
     slow_factor: float = 2.5
     slow_steps: int = 3
+    slow_history: int = 5
     ignore_longest: int = 2
 
 
@@ -485,7 +488,7 @@ class RankCheck(Check):
         if not math.isfinite(step_time):
             return []
         hist = st.step_times
-        baseline = statistics.median(hist) if len(hist) >= self.t.spike_history else None
+        baseline = statistics.median(hist) if len(hist) >= self.t.slow_history else None
         is_slow = baseline is not None and step_time > self.t.slow_factor * baseline
         st.slow_run = st.slow_run + 1 if is_slow else 0
         if not is_slow:

@@ -44,6 +44,8 @@ class ControlConfig:
         resume_timeout_s: how long recovery waits for training to pass the restored step.
         diag_timeout_s: per diagnostic level.
         escalation_window_s: a failure this soon after the job's last recovery climbs the ladder.
+        slow_rounds: rounds of the fail-slow vote (ByteRobust: 5).
+        slow_interval_s: seconds between the vote's rounds (ByteRobust: 10).
     """
 
     fleet_url: str
@@ -54,11 +56,14 @@ class ControlConfig:
     resume_timeout_s: float = 300.0
     diag_timeout_s: float = 120.0
     escalation_window_s: float = 1800.0
+    slow_rounds: int = 5
+    slow_interval_s: float = 10.0
 
     @classmethod
     def from_env(cls, **overrides: Any) -> ControlConfig:
         """From ``TG_FLEET_URL``, ``TG_INVENTORY``, ``TG_DRY_RUN``, ``TG_BREAKER_SHARE``,
-        ``TG_BREAKER_WINDOW_S``, ``TG_ESCALATION_WINDOW_S``; ``overrides`` win."""
+        ``TG_BREAKER_WINDOW_S``, ``TG_ESCALATION_WINDOW_S``, ``TG_SLOW_ROUNDS``, ``TG_SLOW_INTERVAL_S``;
+        ``overrides`` win."""
         env = os.environ
         values: dict[str, Any] = {
             "fleet_url": env.get("TG_FLEET_URL", ".tg/fleet.db"),
@@ -67,6 +72,8 @@ class ControlConfig:
             "breaker_share": float(env.get("TG_BREAKER_SHARE", "0.5")),
             "breaker_window_s": float(env.get("TG_BREAKER_WINDOW_S", "3600")),
             "escalation_window_s": float(env.get("TG_ESCALATION_WINDOW_S", "1800")),
+            "slow_rounds": int(env.get("TG_SLOW_ROUNDS", "5")),
+            "slow_interval_s": float(env.get("TG_SLOW_INTERVAL_S", "10")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -211,8 +218,32 @@ class Controller:
         for job, batch in sorted(by_job.items()):
             incident, opened = self.fleet.open_incident(job, [dict(a) for a in batch],
                                                         escalation_window_s=self.cfg.escalation_window_s)
-            out.append({"incident": incident.id, "job": job, "opened": opened, "alerts": len(batch)})
+            taken_over = not opened and self._take_over(incident.id)
+            out.append({"incident": incident.id, "job": job, "opened": opened, "taken_over": taken_over,
+                        "alerts": len(batch)})
         return out
+
+    def _take_over(self, incident_id: int) -> bool:
+        """An incident still being watched (a slow vote, the job training on) whose alerts now say
+        something stronger gets the stronger category; its vote stops at its next round and a new
+        tg_incident run handles it. Returns whether that happened."""
+        inc = self.fleet.incident(incident_id)
+        if inc.state != "open" or inc.category not in ladder.WATCHED or self.fleet.actions(incident_id):
+            return False
+        t = self._triage(inc.job, incident_id)
+        if not ladder.supersedes(inc.category, t):
+            return False
+        self.fleet.update_incident(incident_id, category=t.category,
+                                   summary=f"{inc.category} vote taken over: {t.reason}")
+        return True
+
+    def _triage(self, job_name: str, incident_id: int) -> ladder.Triage:
+        job = self.fleet.job(job_name)
+        alerts = [a.document for a in self.fleet.alerts_of(incident_id)]
+        history = [a.document for i in self.fleet.incidents(job_name) if i.id != incident_id
+                   for a in self.fleet.alerts_of(i.id) if a.kind in ladder.NETWORK]
+        return ladder.triage(job_name, alerts, job_machines=job.machine_list, network_history=history,
+                             now=max((a["ts"] for a in alerts), default=time.time()))
 
     def _standby_fault(self, alert: Mapping[str, Any]) -> None:
         try:
@@ -227,15 +258,11 @@ class Controller:
         """The incident's category and first decision (recorded on the incident)."""
         inc = self.fleet.incident(incident_id)
         job = self.fleet.job(inc.job)
-        alerts = [a.document for a in self.fleet.alerts_of(incident_id)]
-        history = [a.document for i in self.fleet.incidents(inc.job) if i.id != incident_id
-                   for a in self.fleet.alerts_of(i.id) if a.kind in ladder.NETWORK]
-        t = ladder.triage(inc.job, alerts, job_machines=job.machine_list, network_history=history,
-                          now=max((a["ts"] for a in alerts), default=time.time()))
+        t = self._triage(inc.job, incident_id)
         rollback_to = self.fleet.last_known_good(inc.job, other_than=job.revision)
         d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
         self.fleet.update_incident(incident_id, category=t.category, summary=f"{t.reason}; next: {d.action}")
-        if d.action in ("diagnose", "analyze", "replay"):
+        if d.action in ("diagnose", "analyze", "replay", "vote"):
             self.fleet.update_incident(incident_id, diagnosis_start_ts=time.time())
         return {"incident": incident_id, "job": inc.job, "level": inc.level, "category": t.category,
                 "machines": list(t.machines), "action": d.action, "reason": d.reason, "rollback_to": rollback_to,
@@ -354,6 +381,42 @@ class Controller:
                 "reasons": {str(k): v for k, v in a.reasons.items()},
                 "group_kind": a.group_kind, "groups": [len(g) for g in a.groups],
                 "machines": [j.machine_list[i] for i in a.evict_machines]}
+
+    def compute_times(self, job: str) -> dict[int, float]:
+        """Each rank's compute time in its last step (step time less the time spent in collectives),
+        from every machine's ``tg-node job status``: one round of the fail-slow vote."""
+        j = self.fleet.job(job)
+        st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+        out: dict[int, float] = {}
+        for doc in st.values():
+            for r in doc.get("ranks", []):
+                last = r.get("last_step") or {}
+                step_time, comm = last.get("step_time_s"), last.get("comm_s")
+                if isinstance(step_time, (int, float)) and isinstance(comm, (int, float)):
+                    out[int(r["rank"])] = max(0.0, float(step_time) - float(comm))
+        return out
+
+    def vote_slow(self, incident_id: int, *, sleep: Any = time.sleep) -> dict[str, Any]:
+        """The fail-slow vote (:class:`operators.policy.runtime.SlowVoter`): ``slow_rounds`` rounds,
+        ``slow_interval_s`` apart, while the job trains. Stops early, with ``superseded``, when stronger
+        alerts took the incident over. Returns the rounds, the verdict (kind and machines) or None."""
+        inc = self.fleet.incident(incident_id)
+        voter = runtime.SlowVoter(self.topology(inc.job), rounds=self.cfg.slow_rounds)
+        j = self.fleet.job(inc.job)
+        rounds: list[list[int]] = []
+        while not voter.done:
+            if rounds:
+                sleep(self.cfg.slow_interval_s)
+            if self.fleet.incident(incident_id).category not in ladder.WATCHED:
+                return {"job": inc.job, "superseded": True, "rounds": rounds}
+            rounds.append(voter.add_round(self.compute_times(inc.job)))
+        verdict = voter.verdict()
+        if self.fleet.incident(incident_id).category not in ladder.WATCHED:
+            return {"job": inc.job, "superseded": True, "rounds": rounds}
+        if verdict is None:
+            return {"job": inc.job, "rounds": rounds, "verdict": None, "machines": []}
+        kind, indices = verdict
+        return {"job": inc.job, "rounds": rounds, "verdict": kind, "machines": [j.machine_list[i] for i in indices]}
 
     # ---- eviction, recovery ---------------------------------------------------------------------------
     def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str) -> dict[str, Any]:

@@ -143,10 +143,10 @@ class FakeJob:
             "alive_ts": now - alive_age, "progress_ts": now - progress_age, "step": 5, "collectives": {"dp": 3},
         })
 
-    def step(self, r: int, step: int, loss, grad=1.0, ts=None) -> None:
+    def step(self, r: int, step: int, loss, grad=1.0, ts=None, **extra) -> None:
         with open(monitor.steps_path(self.dir, r), "a") as fh:
             fh.write(json.dumps({"step": step, "loss": loss, "grad_norm": grad, "ts": ts or time.time(),
-                                 "incarnation": self.inc}) + "\n")
+                                 "incarnation": self.inc, **extra}) + "\n")
 
     def close(self):
         for p in self.procs.values():
@@ -224,6 +224,23 @@ def test_hang_timeout_is_calibrated_from_observed_steps(tmp_path, fake_job):
     fake_job.step(0, 5, 2.0, ts=t0 + 3.0)
     slow = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0, factor=5.0, startup_s=120))
     assert slow.run(time.time()) == []
+
+
+def test_a_rank_slowed_soon_after_a_restart_is_flagged_once(tmp_path, fake_job):
+    fake_job.rank(0)
+    check = RankCheck(tmp_path)
+    for s in range(5):  # five normal steps of the new incarnation are the baseline
+        fake_job.step(0, s, 2.0, step_time_s=0.2, comm_s=0.05)
+    assert check.run(time.time()) == []
+    for s in range(5, 7):
+        fake_job.step(0, s, 2.0, step_time_s=2.2, comm_s=0.05)
+    assert check.run(time.time()) == []  # two slow steps: not yet
+    fake_job.step(0, 7, 2.0, step_time_s=2.2, comm_s=0.05)
+    (f,) = check.run(time.time())
+    assert f.kind == "rank_slow" and f.evidence["baseline_s"] == pytest.approx(0.2)
+    assert f.evidence["compute_s"] == pytest.approx(2.15)
+    fake_job.step(0, 8, 2.0, step_time_s=2.2, comm_s=0.05)
+    assert check.run(time.time()) == []  # still slow: reported once
 
 
 def test_a_one_off_stall_does_not_inflate_the_hang_timeout(tmp_path, fake_job):

@@ -71,7 +71,8 @@ def control(cp_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
                                             "TG_ESCALATION_WINDOW_S": str(ESCALATION_WINDOW_S),
                                             # 3 of the job's 4 machines per window; scenarios come quicker than
                                             # production's hour, so the window is short here
-                                            "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "20"})
+                                            "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "20",
+                                            "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "2"})
     (home / "airflow").mkdir()
     try:
         parked = parking.run_many(standbys, lambda m: [cp_cluster.tg_node, "standby", "park", "--nproc", "2"],
@@ -93,9 +94,12 @@ def _has_job(ctl: Controller) -> bool:
         return False
 
 
-def _incident_done(ctl: Controller, after_id: int) -> Any:
+def _incident_done(ctl: Controller, after_id: int, since_ts: float = 0.0) -> Any:
+    """The first closed incident after ``after_id`` holding an alert raised at ``since_ts`` or later (one
+    that closed on alerts from before, say a passing slowdown, is not the fault's)."""
     for inc in ctl.fleet.incidents(JOB):
-        if inc.id > after_id and inc.state in ("resolved", "failed", "waiting_human"):
+        if inc.id > after_id and inc.state in ("resolved", "failed", "waiting_human") and \
+                any(a.ts >= since_ts for a in ctl.fleet.alerts_of(inc.id)):
             return inc
     return None
 
@@ -105,7 +109,7 @@ def _last_incident(ctl: Controller) -> int:
 
 
 def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, machine: str, fault: str,
-                        rank: int | None = None, *, fresh: bool = True) -> Any:
+                        rank: int | None = None, *, fresh: bool = True, params: dict[str, str] | None = None) -> Any:
     """Inject ``fault`` once the job trains (and, with ``fresh``, the last recovery is older than the
     escalation window); wait for the incident it causes to close; return it."""
     last = _last_incident(ctl)
@@ -115,8 +119,9 @@ def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, ma
                    what="the escalation window to pass")
     step = ctl.progress(JOB)["step"]
     wait_until(lambda: ctl.progress(JOB)["step"] >= step + 2, timeout=120, what="the job to train")
-    inject.inject(inv, machine, fault, rank=rank)
-    return wait_until(lambda: _incident_done(ctl, last), timeout=300, interval=1.0,
+    injected = time.time()
+    inject.inject(inv, machine, fault, rank=rank, params=params)
+    return wait_until(lambda: _incident_done(ctl, last, injected), timeout=300, interval=1.0,
                       what=f"the {fault} incident to close (runs: "
                            f"{[r['state'] for r in airflow.runs('tg_incident')]})")
 
@@ -326,3 +331,26 @@ def test_silent_data_corruption_finds_and_evicts_the_machine_that_computes_wrong
                if r.get("ts", 0) > inc.decided_ts]
     assert records and records[0]["ckpt_restored_step"] <= diverged - 1, (diverged, records[:1])
     assert all(r["dp_digests_match"] for r in records)
+
+
+def test_a_slow_rank_is_voted_out_with_its_group_while_the_job_trains(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    slow_rank = TOPO.ranks_on(1)[0]
+    try:
+        inc = _fault_and_recovery(ctl, airflow, cp_cluster, machines[1], "slow", rank=slow_rank,
+                                  params={"seconds": "2.0"})
+    finally:
+        inject.clear(cp_cluster, machines[1], "slow")
+    assert inc.state == "resolved" and inc.category == "slow", _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "slow_vote"
+    vote = _handler_output(airflow, inc.id, "slow_vote")["vote"]
+    assert len(vote["rounds"]) == 5 and sum(slow_rank in r for r in vote["rounds"]) >= 3, vote
+    evicted = set(next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict").machines)
+    # the slow rank's machine, and at most its pipeline (the ranks waiting on it downstream may vote too)
+    assert machines[1] in evicted <= {machines[i] for i in TOPO.machines_of_group("pp", slow_rank)}, vote
+    after = ctl.fleet.job(JOB).machine_list
+    assert not evicted & set(after) and [m for m in after if m in machines] == [m for m in machines
+                                                                              if m not in evicted]
+    assert inc.lost_steps is not None and inc.lost_steps <= 1

@@ -40,8 +40,8 @@ def test_incident_dag_branches_to_every_rung_and_joins_for_recovery(dagbag):
     dag = dagbag.get_dag("tg_incident")
     choose = dag.get_task("choose")
     assert {t.task_id for t in choose.downstream_list} == {
-        "evict_now", "stop_time_diagnosis", "runtime_analysis", "silent_corruption", "roll_back", "no_culprit",
-        "no_recovery"}
+        "evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption", "roll_back",
+        "no_culprit", "no_recovery"}
     recover = dag.get_task("recover")
     assert recover.trigger_rule == "none_failed_min_one_success"
     assert {t.task_id for t in recover.upstream_list} >= {"evict_now", "stop_time_diagnosis"}

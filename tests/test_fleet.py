@@ -124,7 +124,7 @@ def test_alerts_join_the_open_incident_and_a_recurrence_escalates(tmp_path: Path
     assert opened and not opened2 and a.id == b.id and a.level == 0 and a.first_alert_ts == 995.0
     assert [x.id for x in store.alerts_of(a.id)] == ["x1", "x2"]  # x1 once
     assert store.known_alerts(["x1", "x9"]) == {"x1"}
-    store.update_incident(a.id, state="resolved", closed_ts=1010.0)
+    store.update_incident(a.id, state="resolved", resumed_ts=1008.0, closed_ts=1010.0)
     store.update_incident(a.id, closed_ts=1011.0)  # the first time a milestone is reached counts
     assert store.incident(a.id).closed_ts == 1010.0
     now[0] = 1100.0  # fails again 90 s after the recovery: one level up
@@ -141,6 +141,21 @@ def test_alerts_join_the_open_incident_and_a_recurrence_escalates(tmp_path: Path
     failed_at, now[0] = now[0] + 35, now[0] + 700
     e, _ = store.open_incident("j", [{"id": "x5", "kind": "rank_exit", "ts": failed_at}], escalation_window_s=600)
     assert e.level == 1
+
+
+def test_an_incident_closed_without_a_recovery_does_not_escalate_the_next(tmp_path: Path):
+    now = [1000.0]
+    store = FleetStore(tmp_path / "f.db", clock=lambda: now[0])
+    store.register_machine("m0")
+    store.upsert_job("j", tp=1, pp=1, dp=1, ranks_per_machine=1, machines=["m0"])
+    a, _ = store.open_incident("j", [{"id": "s1", "kind": "rank_slow", "ts": 999.0}])
+    store.update_incident(a.id, state="resolved", closed_ts=1040.0)  # a passing slowdown: nothing done
+    now[0] = 1050.0
+    b, _ = store.open_incident("j", [{"id": "n1", "kind": "nan_loss", "ts": 1050.0}], escalation_window_s=600)
+    assert b.level == 0
+    store.update_incident(b.id, state="failed", closed_ts=1060.0)  # a failed recovery does count
+    c, _ = store.open_incident("j", [{"id": "n2", "kind": "nan_loss", "ts": 1070.0}], escalation_window_s=600)
+    assert c.level == 1
 
 
 def test_actions_are_recorded_once_per_key(store: FleetStore):

@@ -28,7 +28,7 @@ def alert(kind: str, machine: str = "m1", rank: int | None = None, ts: float = 1
     ([alert("rank_exit", "m0", 1), alert("rank_exit", "m2", 4, ts=101)], "crash", ("m0", "m2"), "diagnose"),
     ([alert("nan_loss", "m1", 2)], "nan", ("m1",), "diagnose"),
     ([alert("rank_hang", "m3", 6)], "hang", ("m3",), "analyze"),
-    ([alert("rank_slow", "m2", 5)], "slow", ("m2",), "analyze"),
+    ([alert("rank_slow", "m2", 5)], "slow", ("m2",), "vote"),
     ([alert("sdc_suspect", "m0", 0)], "sdc", ("m0",), "replay"),
     ([alert("loss_spike", "m0", 0)], "observe", ("m0",), "observe"),
     # the strongest alert decides: a GPU loss explains the crashes it caused
@@ -168,6 +168,45 @@ def test_fail_slow_votes_over_rounds():
         slow = {**base, 6: 0.9, 7: 0.9} if i != 2 else {**base, 1: 0.9}
         voter.add_round(slow)
     assert voter.done and voter.verdict() == ("tp", [3])  # ranks 6, 7 share machine m3
+
+
+def test_a_slowdown_every_rank_shares_or_one_that_passes_evicts_nobody():
+    shared = runtime.SlowVoter(TOPO, rounds=5)
+    for i in range(5):
+        shared.add_round({r: 0.3 * (1 + i) for r in range(8)})  # the hosts are loaded: everyone slows
+    assert shared.done and shared.verdict() is None
+    passing = runtime.SlowVoter(TOPO, rounds=5)
+    for i in range(5):
+        passing.add_round({**{r: 0.3 for r in range(8)}, **({6: 0.9} if i < 2 else {})})
+    assert passing.verdict() is None  # flagged in 2 rounds of 5: below half
+    assert passing.verdict(min_share=0.4) == ("tp", [3])
+
+
+def test_stages_are_compared_within_themselves_and_a_whole_slow_machine_stands_out():
+    # the last stage (ranks with pp 1: 2, 3, 6, 7) computes the loss too: twice the others, by design
+    uneven = {r: (0.6 if TOPO.coords(r).pp == 1 else 0.3) for r in range(8)}
+    voter = runtime.SlowVoter(TOPO, rounds=3)
+    for _ in range(3):
+        assert voter.add_round(uneven) == []
+    assert voter.verdict() is None
+    voter = runtime.SlowVoter(TOPO, rounds=3)
+    for _ in range(3):  # both TP ranks of m2 (dp1 pp0: ranks 4, 5) throttled
+        assert voter.add_round({**uneven, 4: 0.9, 5: 0.9}) == [4, 5]
+    assert voter.verdict() == ("tp", [2])
+
+
+@pytest.mark.parametrize(("current", "kinds", "taken_over"), [
+    ("slow", ["rank_slow", "nan_loss"], True),
+    ("slow", ["rank_slow", "rank_hang"], True),
+    ("slow", ["rank_slow", "gpu_lost"], True),
+    ("slow", ["rank_slow", "nic_down"], False),  # a first network blip is tolerated: the vote goes on
+    ("slow", ["rank_slow", "loss_spike"], False),
+    ("slow", ["rank_slow"], False),
+    ("hang", ["rank_hang", "nan_loss"], False),  # acting already (the job is stopped): not taken over
+])
+def test_stronger_alerts_take_over_an_incident_still_being_watched(current, kinds, taken_over):
+    t = ladder.triage("j", [alert(k, "m1", 2) for k in kinds])
+    assert ladder.supersedes(current, t) is taken_over
 
 
 # ---- dual-phase replay ---------------------------------------------------------------------------------

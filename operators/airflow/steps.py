@@ -18,6 +18,7 @@ BRANCHES = {
     "evict": "evict_now",
     "diagnose": "stop_time_diagnosis",
     "analyze": "runtime_analysis",
+    "vote": "slow_vote",
     "replay": "silent_corruption",
     "rollback": "roll_back",
     "reattempt": "no_culprit",
@@ -45,14 +46,14 @@ def alert_source() -> tuple[str, str]:
 # ---- tg_guardian ---------------------------------------------------------------------------------------
 def group_alerts(event: dict[str, Any]) -> list[dict[str, Any]]:
     """Attach the batch to incidents, then commit the bus cursor; returns the confs of incidents newly
-    opened (one tg_incident run each)."""
+    opened, or taken over by stronger alerts during a slow vote (one tg_incident run each)."""
     from operators.airflow.alerts import commit_cursor
 
     items = controller().ingest(event["alerts"])
     if event.get("cursor") and event.get("cursor_path"):
         commit_cursor(event["cursor_path"], event["cursor"])
     return [{"incident_id": i["incident"], "job": i["job"], "first_seen_ts": event.get("first_seen_ts")}
-            for i in items if i["opened"]]
+            for i in items if i["opened"] or i["taken_over"]]
 
 
 # ---- tg_incident -----------------------------------------------------------------------------------------
@@ -102,6 +103,20 @@ def runtime_analysis(decision: dict[str, Any]) -> dict[str, Any]:
     return {**ev, "analysis": a}
 
 
+def slow_vote(decision: dict[str, Any]) -> dict[str, Any]:
+    """Throughput decline: vote over rounds on each rank's compute time while the job trains; evict the
+    group flagged in most rounds (then recover), or nothing when the slowdown was shared or passed."""
+    c = controller()
+    vote = c.vote_slow(decision["incident"])
+    if vote.get("superseded") or not vote["machines"]:
+        return {"swaps": {}, "no_restart": True, "vote": vote}
+    c.stop(decision["job"])
+    ev = c.evict(decision["incident"], vote["machines"],
+                 reason=f"slow: the {vote['verdict'] or 'machine'} group of {', '.join(vote['machines'])} held the "
+                        f"slowest ranks in most of {len(vote['rounds'])} rounds")
+    return {**ev, "vote": vote}
+
+
 def silent_corruption(decision: dict[str, Any]) -> dict[str, Any]:
     """Parameters differ between data-parallel peers: stop, run the alignment test on every machine,
     evict the machines whose digest differs from the majority."""
@@ -145,7 +160,7 @@ def recover(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str,
     """Restart the job on its machine list after whichever handler ran (skipped ones give None)."""
     done = [r for r in results if r]
     result = done[0] if done else {}
-    if result.get("waiting_human") or result.get("dry_run"):
+    if result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"):
         return {"restarted": False, **result}
     out = controller().recover(int(incident_id), restore_max_step=result.get("restore_max_step"))
     return {"restarted": True, **out}
@@ -171,6 +186,13 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
                        steps_before=int(recovery.get("steps_before", -1)),
                        note=f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
                             f"after the first alert)")
+    vote = (recovery or {}).get("vote") or {}
+    if vote.get("superseded"):  # stronger alerts took the incident over: its new run closes it
+        return c.timeline(int(incident_id))
+    if vote and not vote.get("machines"):
+        return c.close(int(incident_id), outcome="resolved",
+                       note=f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing "
+                            f"slowdown, nothing evicted")
     if decision and decision.get("action") in ("tolerate", "observe"):
         return c.close(int(incident_id), outcome="resolved", note=f"no recovery needed ({decision['action']})")
     return c.close(int(incident_id), outcome="failed",

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy import event, select
+from sqlalchemy import and_, event, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from node_tools.errors import EXIT_REFUSED, TrainguardError
@@ -300,9 +300,12 @@ class FleetStore:
     def _next_level(self, s: Session, job: str, window_s: float, *, failed_ts: float) -> int:
         """0 for a first failure; a failure (its first alert at ``failed_ts``) within ``window_s`` of the
         last recovery's end starts one level higher (the recovery did not hold). The failure's own time
-        counts, not when the control plane got to it."""
-        last = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(("resolved", "failed")))
-                        .order_by(Incident.id.desc()))
+        counts, not when the control plane got to it. Incidents closed without a recovery (a tolerated
+        network blip, a passing slowdown) are not recoveries and do not count."""
+        last = s.scalar(select(Incident).where(
+            Incident.job == job,
+            or_(Incident.state == "failed", and_(Incident.state == "resolved", Incident.resumed_ts.is_not(None))))
+            .order_by(Incident.id.desc()))
         end = None if last is None else (last.resumed_ts or last.closed_ts)
         if last is None or end is None or failed_ts - end > window_s:
             return 0

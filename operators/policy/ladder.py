@@ -14,7 +14,9 @@ The ladder::
     crash / NaN without a culprit    -> stop-time diagnosis (logs -> L1 -> L2 -> L3; NaN adds the
                                         alignment test) -> evict what fails; all pass -> reattempt
                                         again (level 1) -> roll back; again (level 2) -> replay
-    hang / throughput decline        -> runtime analysis (stacks) -> over-evict the parallel group
+    hang                             -> runtime analysis (stacks) -> over-evict the parallel group
+    throughput decline               -> vote over rounds while the job trains: the group holding the slowest
+                                        ranks in most rounds is evicted; none in most rounds -> transient
     beyond that, or over the breaker -> wait for a human
 
 Nothing here imports Airflow; the DAGs call these functions and record what they return.
@@ -169,8 +171,11 @@ def decide(t: Triage, *, level: int = 0, log_verdict: str = "", rollback_to: str
         return Decision("tolerate", t.machines, t.reason)
     if t.category == "observe":
         return Decision("observe", (), t.reason)
-    if t.category in ("hang", "slow"):
-        return Decision("analyze", t.machines, f"{t.category}: stacks and collective progress of every rank")
+    if t.category == "hang":
+        return Decision("analyze", t.machines, "hang: stacks and collective progress of every rank")
+    if t.category == "slow":
+        return Decision("vote", t.machines, "throughput decline: per-rank compute time over several rounds, "
+                                            "while the job keeps training")
     if t.category == "sdc":
         if not diagnosis_done:
             return Decision("replay", t.machines, "parameters differ between data-parallel peers: find the "
@@ -202,6 +207,22 @@ def decide(t: Triage, *, level: int = 0, log_verdict: str = "", rollback_to: str
     if level == 2:
         return Decision("replay", (), "failed again after a rollback: dual-phase replay for a silent culprit")
     return Decision("wait_human", (), f"failed {level + 1} times; automatic recovery stops here")
+
+
+# an incident still being watched (the job trains on while the slow ranks are voted on) is taken over
+# by stronger alerts that arrive meanwhile: a NaN, a crash or a hang during the vote is handled as such
+WATCHED = frozenset({"slow"})
+
+
+def supersedes(current: str, t: Triage) -> bool:
+    """Whether the incident's alerts, triaged again as ``t``, take over an incident of category
+    ``current`` that is still being watched (no action taken yet): a stronger category that calls for
+    more than tolerating or observing."""
+    if current not in WATCHED or t.category == current or t.category not in CATEGORIES:
+        return False
+    if CATEGORIES.index(t.category) > CATEGORIES.index(current):
+        return False
+    return decide(t).action not in ("tolerate", "observe")
 
 
 @dataclass(frozen=True)

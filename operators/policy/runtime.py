@@ -15,14 +15,18 @@ machines of that group are evicted together. ByteRobust over-evicts this way on 
 costs little next to a thousand GPUs waiting for a precise diagnosis, and the checkpoint's backup
 placement (no rank's replica inside its own TP, PP or DP group) means no state is lost.
 
-Fail-slow (``rank_slow``): :class:`SlowVoter` gathers rounds (every 10 s, 5 rounds); each round flags the
-group holding the slowest ranks; the group flagged most is evicted.
+Fail-slow (``rank_slow``): :class:`SlowVoter` gathers rounds (every 10 s, 5 rounds) of each rank's compute
+time (its step time less the time it waited in collectives: in a synchronous job every rank's step takes
+as long as the straggler's, but the straggler is the one that waits least); each round flags the group
+holding the ranks well above the median; the group flagged in most rounds, and in at least half of them,
+is evicted. A slowdown every rank shares (load on the hosts, a slow file system) flags nobody, and one
+that passes within the rounds is transient: nothing is evicted.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +167,12 @@ def analyze(topo: Topology, stacks: Sequence[RankStack], *, named: Sequence[int]
     return Analysis(groups, outliers, reasons, kind, sorted(r for m in machines for r in topo.ranks_on(m)), machines)
 
 
+def _median(values: Iterable[float]) -> float:
+    """The lower median: with half the ranks slow (a whole machine of a small stage), still a normal one."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
 @dataclass
 class SlowVoter:
     """Fail-slow localisation over rounds: each round, the group holding the slowest ranks gets a vote;
@@ -174,12 +184,22 @@ class SlowVoter:
     seen: int = 0
 
     def add_round(self, step_times: Mapping[int, float], *, factor: float = 1.5) -> list[int]:
-        """Vote with one round of per-rank recent step times; returns the ranks flagged this round."""
+        """Vote with one round of per-rank recent compute times; returns the ranks flagged this round.
+
+        A rank is compared with the ranks doing the same work, those of its pipeline stage (the last
+        stage also computes the loss, the first the embeddings: stages differ by design); a stage with
+        fewer than three ranks reported is compared with the whole job."""
         if not step_times:
             return []
-        ordered = sorted(step_times.values())
-        median = ordered[len(ordered) // 2]
-        slow = [r for r, t in step_times.items() if t > factor * median]
+        everyone = _median(step_times.values())
+        stages: dict[int, list[float]] = {}
+        for r, t in step_times.items():
+            stages.setdefault(self.topo.coords(r).pp, []).append(t)
+        slow = []
+        for r, t in step_times.items():
+            peers = stages[self.topo.coords(r).pp]
+            if t > factor * (_median(peers) if len(peers) >= 3 else everyone):
+                slow.append(r)
         self.seen += 1
         if slow:
             kind, machines = smallest_group(self.topo, slow)
@@ -190,10 +210,12 @@ class SlowVoter:
     def done(self) -> bool:
         return self.seen >= self.rounds
 
-    def verdict(self) -> tuple[str, list[int]] | None:
+    def verdict(self, min_share: float = 0.5) -> tuple[str, list[int]] | None:
         """The group flagged most, as (kind, machine indices) (ties: the first flagged), or None when no
-        round flagged anything."""
+        group was flagged in at least ``min_share`` of the rounds seen (a passing slowdown)."""
         if not self.votes:
             return None
-        (kind, machines), _ = self.votes.most_common(1)[0]
+        (kind, machines), count = self.votes.most_common(1)[0]
+        if count < min_share * max(self.seen, 1):
+            return None
         return kind, list(machines)

@@ -1,0 +1,51 @@
+"""The controller's bookkeeping that needs no machine: alerts into incidents, and stronger alerts taking
+over an incident whose slow vote is still running (the end-to-end paths are in test_control_plane.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from node_tools.inventory import Inventory, Machine
+from operators.control import ControlConfig, Controller
+
+
+def _alert(kind: str, machine: str, rank: int, ts: float) -> dict:
+    return {"id": f"{kind}-{machine}-{ts}", "job": "j", "machine": machine, "rank": rank, "kind": kind,
+            "severity": "fault", "ts": ts, "evidence": {}}
+
+
+@pytest.fixture
+def ctl(tmp_path: Path) -> Controller:
+    inv = Inventory(cluster="t", transport="local", machines=[Machine(name=f"m{i}", address="127.0.0.1")
+                                                              for i in range(4)])
+    inv.save(tmp_path / "inventory.json")
+    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(inv.path)), inventory=inv)
+    c.sync_inventory()
+    c.fleet.upsert_job("j", tp=1, pp=2, dp=2, ranks_per_machine=1, machines=["m0", "m1", "m2", "m3"])
+    return c
+
+
+def test_a_nan_during_a_slow_vote_takes_the_incident_over_once(ctl: Controller):
+    [first] = ctl.ingest([_alert("rank_slow", "m0", 0, 100.0), _alert("rank_slow", "m1", 1, 100.5)])
+    assert first["opened"] and not first["taken_over"]
+    decision = ctl.triage(first["incident"])
+    assert (decision["category"], decision["action"]) == ("slow", "vote")
+    [more_slow] = ctl.ingest([_alert("rank_slow", "m2", 2, 101.0)])
+    assert more_slow["incident"] == first["incident"] and not more_slow["taken_over"]
+    [nan] = ctl.ingest([_alert("nan_loss", "m1", 1, 102.0)])
+    assert nan["incident"] == first["incident"] and not nan["opened"] and nan["taken_over"]
+    assert ctl.fleet.incident(first["incident"]).category == "nan"  # the vote sees this and stops
+    assert ctl.triage(first["incident"])["action"] == "diagnose"
+    [again] = ctl.ingest([_alert("nan_loss", "m3", 3, 102.5)])
+    assert not again["taken_over"]  # handled as a NaN now: one new run, not one per batch
+
+
+def test_an_incident_being_acted_on_is_not_taken_over(ctl: Controller):
+    [hang] = ctl.ingest([_alert("rank_hang", "m0", 0, 100.0)])
+    assert ctl.triage(hang["incident"])["action"] == "analyze"
+    [nan] = ctl.ingest([_alert("nan_loss", "m1", 1, 101.0)])
+    assert not nan["taken_over"] and ctl.fleet.incident(hang["incident"]).category == "hang"
+    [blip] = ctl.ingest([_alert("nic_down", "m2", 2, 102.0)])
+    assert not blip["taken_over"]
