@@ -421,7 +421,7 @@ class RankCheck(Check):
             st.steps_seen += 1
         status = hb.get("status")
         pid = hb.get("pid")
-        state = procs.proc_state(pid) if pid else None
+        state = procs.proc_state(pid, hb.get("pid_start")) if pid else None  # a reused pid is not the rank
         base = {"pid": pid, "step": hb.get("step"), "collectives": hb.get("collectives", {})}
         if status in ("finished",):
             return found

@@ -63,8 +63,9 @@ FAULT_KINDS: dict[str, FaultKind] = {
         FaultKind("slow", "rank", "the rank sleeps before every step until cleared", in_job=True,
                   params=(("seconds", 0.5),)),
         FaultKind("nan", "rank", "the rank's loss becomes NaN at its next step", in_job=True, once=True),
-        FaultKind("bitflip", "rank", "flip one bit of the rank's gradient after its DP all-reduce, every step",
-                  in_job=True, params=(("bit", 22),)),
+        FaultKind("bitflip", "rank", "the rank's GPU computes wrong in training only: one bit of the gradient "
+                  "flipped after the DP all-reduce, every step, in any job using that GPU (local rank); the "
+                  "alignment test's compute is unaffected", in_job=True, params=(("bit", 22),)),
         FaultKind("user_error", "rank", "the job's own code raises an exception at the rank's next step; "
                   "the bug lives in one code revision (default: the one running), so a rollback cures it",
                   in_job=True, once=True, recurs=True, params=(("revision", ""),)),
@@ -145,6 +146,10 @@ def flip_bit(tensor: Any, bit: int) -> None:
         flat[0] = flat[0] ^ ((1 << bit) if bit < 31 else -(1 << 31))
 
 
+# faults of a machine's hardware that a rank's number only located: they stay with the device
+DEVICE_FAULTS = frozenset({"bitflip"})
+
+
 class InJobFaults:
     """Fault points inside a training rank. Inert when there is no control file."""
 
@@ -175,10 +180,13 @@ class InJobFaults:
         if mtime == self._mtime_ns:
             return
         self._mtime_ns = mtime
-        self._active = [
-            f for f in read_control(self.control_path)
-            if f.get("rank") is None or f.get("rank") == self.rank
-        ]
+        self._active = [f for f in read_control(self.control_path) if self._mine(f)]
+
+    def _mine(self, fault: dict[str, Any]) -> bool:
+        """A device fault follows the GPU (the local rank) into any job; the others target a job's rank."""
+        if fault.get("kind") in DEVICE_FAULTS and fault.get("local_rank") is not None:
+            return fault["local_rank"] == self.local_rank
+        return fault.get("rank") is None or fault.get("rank") == self.rank
 
     def active(self, kind: str) -> dict[str, Any] | None:
         """The parameters of an active fault of ``kind`` for this rank, consuming one-shot faults."""

@@ -77,7 +77,7 @@ def _running_job(cfg: NodeConfig, name: str | None) -> str:
     raise FaultError(f"several jobs run on machine {cfg.machine} ({', '.join(running)}); name one with --job")
 
 
-def _rank_process(cfg: NodeConfig, job_name: str, rank: int | None) -> tuple[int, int]:
+def _rank_process(cfg: NodeConfig, job_name: str, rank: int | None) -> tuple[int, int, int]:
     rd = job.run_dir(cfg, job_name)
     ranks = sorted(int(p.stem[4:]) for p in (rd / "ranks").glob("rank*.json") if p.stem[4:].isdigit())
     if not ranks:
@@ -92,7 +92,7 @@ def _rank_process(cfg: NodeConfig, job_name: str, rank: int | None) -> tuple[int
     pid = hb.get("pid")
     if not pid or not procs.alive(pid):
         raise FaultError(f"rank {rank} of job {job_name} on machine {cfg.machine} is not running")
-    return rank, int(pid)
+    return rank, int(pid), int(hb.get("local_rank", 0))
 
 
 def _fill_disk(path: Path) -> int:
@@ -143,7 +143,7 @@ def inject_on_node(
     }
     if kind.target == "rank":
         entry["job"] = _running_job(cfg, job_name)
-        entry["rank"], entry["pid"] = _rank_process(cfg, entry["job"], rank)
+        entry["rank"], entry["pid"], entry["local_rank"] = _rank_process(cfg, entry["job"], rank)
     elif rank is not None:
         raise FaultError(f"fault {kind.name} acts on a whole machine; drop --rank")
     # Validate everything before recording anything: a refused fault leaves no trace.
@@ -168,7 +168,8 @@ def inject_on_node(
         entry["params"] = values
     if kind.in_job:
         control = faults.read_control(cfg.fault_file)
-        control.append({"id": entry["id"], "kind": kind.name, "rank": entry.get("rank"), "params": values})
+        control.append({"id": entry["id"], "kind": kind.name, "rank": entry.get("rank"),
+                        "local_rank": entry.get("local_rank"), "params": values})
         faults.write_control(cfg.fault_file, control)
         who = f"rank {entry['rank']}" if kind.target == "rank" else f"every rank and diagnostic on {cfg.machine}"
         entry["effect"] = f"{who} picks it up at its next step"
@@ -240,7 +241,23 @@ def _netns_link(inventory: Inventory, machine_name: str, up: bool) -> dict[str, 
     )
     if proc.returncode:
         raise FaultError(f"could not set {iface} {state} on machine {machine_name}: {proc.stderr.strip()}")
+    kmsg = _emulated_kmsg(machine)
+    if kmsg is not None:  # what the NIC driver prints: the kernel log check sees it as on a real machine
+        with open(kmsg, "a", encoding="utf-8") as fh:
+            fh.write(f"emulated-nic: {iface}: Link is {'Up' if up else 'Down'}\n")
     return {"kind": "nic_down", "machine": machine_name, "effect": f"{iface} set {state} in {netns}", "ts": time.time()}
+
+
+def _emulated_kmsg(machine: Any) -> Path | None:
+    """The kernel log file of an emulated machine (from its node configuration), else None."""
+    try:
+        doc = json.loads(Path(machine.extra.get("node_config", "")).read_text())
+    except (OSError, ValueError):
+        return None
+    path = doc.get("kmsg_path") if isinstance(doc, dict) else None
+    if not path or path == "/dev/kmsg" or not Path(path).exists():
+        return None
+    return Path(path)
 
 
 def inject(

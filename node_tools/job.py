@@ -244,7 +244,7 @@ def rank_status(rd: Path, rank: int, now: float) -> dict[str, Any]:
     hb = monitor.read_heartbeat(rd, rank) or {}
     steps = monitor.read_steps(rd, rank)
     pid = hb.get("pid")
-    state = procs.proc_state(pid) if pid else None
+    state = procs.proc_state(pid, hb.get("pid_start")) if pid else None
     return {
         "rank": rank,
         "pid": pid,

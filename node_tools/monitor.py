@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from node_tools import procs
 from node_tools.faults import InJobFaults
 
 SCHEMA_VERSION = 1
@@ -103,6 +104,7 @@ class JobMonitor:
         self._status = "starting"
         now = time.time()
         self._started_ts = now
+        self._pid_start = procs.start_ticks(os.getpid())  # with the pid: this process, not a later namesake
         self._progress_ts = now
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -168,6 +170,7 @@ class JobMonitor:
                 "world_size": self.world_size,
                 "machine": self.machine,
                 "pid": os.getpid(),
+                "pid_start": self._pid_start,
                 "coords": self.coords,
                 "status": self._status,
                 "started_ts": self._started_ts,

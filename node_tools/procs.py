@@ -25,14 +25,33 @@ def alive(pid: int) -> bool:
     return state is not None and state not in ("Z", "X")
 
 
-def proc_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` (R, S, D, T for stopped, Z ...), or None if it is gone."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from its third field (state) on, or None if the process is gone."""
     try:
         stat = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
     # the command name is in parentheses and may contain spaces
-    return stat.rsplit(")", 1)[1].split()[0]
+    return stat.rsplit(")", 1)[1].split()
+
+
+def proc_state(pid: int, start_ticks: int | None = None) -> str | None:
+    """The one-letter state of ``pid`` (R, S, D, T for stopped, Z ...), or None if it is gone. With
+    ``start_ticks`` (what :func:`start_ticks` said for the process once), None also when the pid now
+    belongs to another process (pids are reused)."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    if start_ticks is not None and len(fields) > 19 and fields[19] != str(start_ticks):
+        return None
+    return fields[0]
+
+
+def start_ticks(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22): with the pid,
+    it names one process for good."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 and fields[19].isdigit() else None
 
 
 def environ(pid: int) -> dict[str, str]:

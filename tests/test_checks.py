@@ -134,13 +134,15 @@ class FakeJob:
                                                           "log_dir": str(self.dir / "logs")})
         self.procs: dict[int, subprocess.Popen] = {}
 
-    def rank(self, r: int, *, status="running", alive_age=0.0, progress_age=0.0) -> None:
+    def rank(self, r: int, *, status="running", alive_age=0.0, progress_age=0.0, pid_start_shift=0) -> None:
         if r not in self.procs:
             self.procs[r] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         now = time.time()
+        pid = self.procs[r].pid
         monitor.write_json_atomic(monitor.heartbeat_path(self.dir, r), {
-            "rank": r, "local_rank": r, "pid": self.procs[r].pid, "status": status, "incarnation": self.inc,
-            "alive_ts": now - alive_age, "progress_ts": now - progress_age, "step": 5, "collectives": {"dp": 3},
+            "rank": r, "local_rank": r, "pid": pid, "pid_start": procs.start_ticks(pid) + pid_start_shift,
+            "status": status, "incarnation": self.inc, "alive_ts": now - alive_age, "progress_ts": now - progress_age,
+            "step": 5, "collectives": {"dp": 3},
         })
 
     def step(self, r: int, step: int, loss, grad=1.0, ts=None, **extra) -> None:
@@ -206,6 +208,14 @@ def test_a_stopped_process_and_a_stale_heartbeat(tmp_path, fake_job):
         os.kill(fake_job.procs[0].pid, signal.SIGCONT)
     fake_job.rank(0, alive_age=10)
     assert kinds(RankCheck(tmp_path).run(time.time())) == ["rank_stopped"]
+
+
+def test_a_rank_whose_pid_was_reused_by_another_process_has_exited(tmp_path, fake_job):
+    fake_job.rank(0, alive_age=300.0)  # the heartbeat stopped long ago ...
+    assert kinds(RankCheck(tmp_path).run(time.time())) == ["rank_stopped"]
+    fake_job.rank(0, alive_age=300.0, pid_start_shift=-1)  # ... and its pid is another process's now
+    (f,) = RankCheck(tmp_path).run(time.time())
+    assert f.kind == "rank_exit"
 
 
 def test_hang_timeout_is_calibrated_from_observed_steps(tmp_path, fake_job):

@@ -27,6 +27,7 @@ from operators.airflow.standalone import Standalone
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
 from tests.conftest import can_namespace, wait_until
+from tests.jobs import AlertWatch
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow]
 
@@ -109,9 +110,11 @@ def _last_incident(ctl: Controller) -> int:
 
 
 def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, machine: str, fault: str,
-                        rank: int | None = None, *, fresh: bool = True, params: dict[str, str] | None = None) -> Any:
+                        rank: int | None = None, *, fresh: bool = True, params: dict[str, str] | None = None,
+                        flap_until: tuple[str, ...] = (), timeout: float = 300) -> Any:
     """Inject ``fault`` once the job trains (and, with ``fresh``, the last recovery is older than the
-    escalation window); wait for the incident it causes to close; return it."""
+    escalation window); with ``flap_until``, clear it again once the machine raised one of those alert
+    kinds; wait for the incident it causes to close; return it."""
     last = _last_incident(ctl)
     if fresh and last:
         closed = ctl.fleet.incident(last).closed_ts or 0
@@ -120,8 +123,15 @@ def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, ma
     step = ctl.progress(JOB)["step"]
     wait_until(lambda: ctl.progress(JOB)["step"] >= step + 2, timeout=120, what="the job to train")
     injected = time.time()
+    watch = AlertWatch(inv) if flap_until else None
     inject.inject(inv, machine, fault, rank=rank, params=params)
-    return wait_until(lambda: _incident_done(ctl, last, injected), timeout=300, interval=1.0,
+    if watch is not None:  # a flap: the fault is undone as soon as the machine reported it
+        try:
+            wait_until(lambda: [a for a in watch.poll() if a.kind in flap_until and a.machine == machine],
+                       timeout=30, what=f"{machine} to report {' or '.join(flap_until)}")
+        finally:
+            inject.clear(inv, machine, fault)
+    return wait_until(lambda: _incident_done(ctl, last, injected), timeout=timeout, interval=1.0,
                       what=f"the {fault} incident to close (runs: "
                            f"{[r['state'] for r in airflow.runs('tg_incident')]})")
 
@@ -354,3 +364,50 @@ def test_a_slow_rank_is_voted_out_with_its_group_while_the_job_trains(control, c
     assert not evicted & set(after) and [m for m in after if m in machines] == [m for m in machines
                                                                               if m not in evicted]
     assert inc.lost_steps is not None and inc.lost_steps <= 1
+
+
+def test_a_nic_that_flaps_twice_gets_its_machine_evicted(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    flaky = machines[2]
+    link = ("kernel_link", "nic_down")
+    first = _fault_and_recovery(ctl, airflow, cp_cluster, flaky, "nic_down", flap_until=link)
+    assert first.state == "resolved" and first.category == "network", _why(ctl, airflow, first.id)
+    assert _branch(airflow, first.id) == "no_recovery" and not ctl.fleet.actions(first.id)  # tolerated once
+    assert ctl.fleet.job(JOB).machine_list == machines
+    second = _fault_and_recovery(ctl, airflow, cp_cluster, flaky, "nic_down", fresh=False, flap_until=link)
+    assert second.state == "resolved" and second.category == "network", _why(ctl, airflow, second.id)
+    assert "repeated" in second.summary and _branch(airflow, second.id) == "evict_now"
+    assert next(a for a in ctl.fleet.actions(second.id) if a.kind == "evict").machines == [flaky]
+    after = ctl.fleet.job(JOB).machine_list
+    assert flaky not in after and [m for m in after if m in machines] == [m for m in machines if m != flaky]
+    assert second.lost_steps is not None and second.lost_steps <= 1
+
+
+def test_a_gpu_that_computes_wrong_only_in_training_is_found_by_dual_phase_replay(control, cp_cluster):
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    bad = machines[3]
+    try:  # one GPU of the machine flips a gradient bit in every training step; the alignment test is clean
+        inc = _fault_and_recovery(ctl, airflow, cp_cluster, bad, "bitflip", rank=TOPO.ranks_on(3)[0], timeout=480)
+    finally:
+        inject.clear(cp_cluster, bad, "bitflip")
+    assert inc.state == "resolved" and inc.category == "sdc", _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "silent_corruption"
+    out = _handler_output(airflow, inc.id, "silent_corruption")
+    assert not out["diagnosis"]["failed"] and len(set(out["diagnosis"]["report"]["align"].values())) == 1
+    replay = out["replay"]
+    # horizontal: [m0 m1] [m2 m3] beside the standbys' reference pipeline; vertical: [m0 m3] [m2 m1]
+    assert replay["horizontal"] == [machines[:2], machines[2:]] and len(replay["reference"]) == TOPO.pp
+    h, v = replay["horizontal_results"], replay["vertical_results"]
+    assert h["h0"] == h["ref"] != h["h1"] and v["v0"] != v["v1"] == h["ref"], replay
+    assert replay["culprits"] == [bad] and not replay["inconclusive"]
+    evict = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict")
+    assert evict.machines == [bad]
+    after = ctl.fleet.job(JOB).machine_list
+    assert bad not in after and after[:3] == machines[:3]
+    diverged = ctl.first_step_of(inc.id, ["sdc_suspect"])
+    launch = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "launch")
+    assert launch.evidence["restore_max_step"] == diverged - 1

@@ -49,3 +49,37 @@ def test_an_incident_being_acted_on_is_not_taken_over(ctl: Controller):
     assert not nan["taken_over"] and ctl.fleet.incident(hang["incident"]).category == "hang"
     [blip] = ctl.ingest([_alert("nic_down", "m2", 2, 102.0)])
     assert not blip["taken_over"]
+
+
+def _status(state: str, rc: int | None, inc: int, ranks: dict[int, tuple[int, str]]) -> dict:
+    return {"state": state, "returncode": rc, "incarnation": inc,
+            "ranks": [{"rank": r, "last_step": {"step": s, "param_digest": d, "incarnation": inc}}
+                      for r, (s, d) in ranks.items()]}
+
+
+def test_a_replay_group_result_is_its_ranks_digests_once_every_part_ended():
+    from operators.control import _replay_result
+
+    done = {"m0": _status("exited", 0, 2, {0: (1, "aa"), 1: (1, "bb")}),
+            "m1": _status("exited", 0, 2, {2: (1, "cc"), 3: (1, "dd")})}
+    assert _replay_result(done, 2, 4) == "0:aa,1:bb,2:cc,3:dd"
+    assert _replay_result({**done, "m1": _status("running", None, 2, {})}, 2, 4) is None
+    assert _replay_result({**done, "m1": _status("exited", 1, 2, {})}, 2, 4).startswith("failed: exit codes")
+    stale = {**done, "m1": {**done["m1"], "incarnation": 3}}  # crashed before a step: old records
+    assert _replay_result(stale, 2, 4).startswith("failed: rank 2")
+    assert _replay_result({"m0": done["m0"]}, 2, 4) == "failed: 2 of 4 ranks reported"
+    assert _replay_result({**done, "m1": {"error": "m1: unreachable"}}, 2, 4).startswith("failed: m1")
+
+
+def test_the_replay_verdict_places_the_culprit_with_the_reference_or_says_it_cannot():
+    plan = {"k": 1, "horizontal": [["m0", "m1"], ["m2", "m3"]], "vertical": [["m0", "m3"], ["m2", "m1"]]}
+    good, bad = "0:aa,1:bb,2:cc,3:dd", "0:aa,1:bb,2:xx,3:dd"
+    with_ref = Controller.replay_verdict(plan, {"h0": good, "h1": bad, "ref": good}, {"v0": good, "v1": bad})
+    assert with_ref["culprits"] == ["m2"] and not with_ref["inconclusive"]
+    clean = Controller.replay_verdict(plan, {"h0": good, "h1": good, "ref": good}, {"v0": good, "v1": good})
+    assert clean["culprits"] == [] and not clean["inconclusive"]
+    blind = Controller.replay_verdict(plan, {"h0": good, "h1": bad}, {"v0": good, "v1": bad})
+    assert blind["inconclusive"] and blind["culprits"] == []
+    failed_ref = Controller.replay_verdict(plan, {"h0": good, "h1": bad, "ref": "failed: m4 unreachable"},
+                                           {"v0": good, "v1": bad})
+    assert failed_ref["inconclusive"] and failed_ref["reference_result"] is None

@@ -23,7 +23,17 @@ def dagbag(tmp_path_factory: pytest.TempPathFactory):
 
 def test_dag_files_import_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert {"tg_guardian", "tg_incident", "tg_diagnose"} <= set(dagbag.dag_ids)
+    assert {"tg_guardian", "tg_incident", "tg_diagnose", "tg_sdc_replay"} <= set(dagbag.dag_ids)
+
+
+def test_replay_dag_runs_its_phases_in_turn_and_always_restarts_the_job(dagbag):
+    dag = dagbag.get_dag("tg_sdc_replay")
+    assert [t.task_id for t in dag.get_task("prepare").downstream_list] != []
+    assert {t.task_id for t in dag.get_task("horizontal").downstream_list} == {"vertical", "conclude"}
+    assert dag.get_task("vertical").upstream_task_ids == {"prepare", "horizontal"}
+    conclude = dag.get_task("conclude")
+    assert conclude.trigger_rule == "all_done" and conclude.upstream_task_ids == {"prepare", "horizontal", "vertical"}
+    assert dag.max_active_runs == 1 and set(dag.params.keys()) == {"job", "k", "evict"}
 
 
 def test_guardian_is_continuous_with_one_run_and_a_deferrable_sensor(dagbag):

@@ -81,6 +81,15 @@ def test_bitflip_flips_exactly_the_requested_bit(tmp_path):
     assert torch.equal(p.grad[1:], before[1:])
 
 
+def test_a_bitflip_stays_with_its_gpu_in_any_job_while_a_slow_rank_is_the_jobs(tmp_path):
+    path = control(tmp_path, {"id": "b", "kind": "bitflip", "rank": 4, "local_rank": 0, "params": {"bit": 22}},
+                   {"id": "s", "kind": "slow", "rank": 4, "local_rank": 0, "params": {"seconds": 0.5}})
+    main_job, replay = faults.InJobFaults(path, rank=4, local_rank=0), faults.InJobFaults(path, rank=2, local_rank=0)
+    other_gpu = faults.InJobFaults(path, rank=4, local_rank=1)  # rank 4 of another layout, on another GPU
+    assert main_job.active("bitflip") and replay.active("bitflip") and other_gpu.active("bitflip") is None
+    assert main_job.active("slow") and replay.active("slow") is None
+
+
 def test_exit_raises_systemexit_with_the_code(tmp_path):
     path = control(tmp_path, {"id": "e", "kind": "exit", "rank": 0, "params": {"code": 7}})
     with pytest.raises(SystemExit) as info:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from node_tools.errors import TrainguardError
 from operators.control import ControlConfig, Controller
 from operators.policy import ladder
 
@@ -118,15 +119,22 @@ def slow_vote(decision: dict[str, Any]) -> dict[str, Any]:
 
 
 def silent_corruption(decision: dict[str, Any]) -> dict[str, Any]:
-    """Parameters differ between data-parallel peers: stop, run the alignment test on every machine,
-    evict the machines whose digest differs from the majority."""
+    """Parameters differ between data-parallel peers (or a failure recurred past a rollback): stop, run
+    the alignment test on every machine; when every machine agrees, replay real training steps in groups
+    (dual-phase replay); evict the machines either finds."""
     c = controller()
     c.stop(decision["job"])
     diag = c.diagnose(decision["job"], levels=(), align=True)
-    t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
-    d = ladder.decide(t, level=decision["level"], diagnosis_done=True, diagnosis_failed=sorted(diag["failed"]),
-                      log_verdict="")
+    failed = sorted(diag["failed"])
     evidence: dict[str, Any] = {"diagnosis": diag}
+    if not failed:  # the alignment test's compute is clean; the fault may show only in training
+        try:
+            evidence["replay"] = c.dual_phase_replay(decision["job"])
+            failed = evidence["replay"]["culprits"]
+        except TrainguardError as exc:  # a layout the replay cannot split, too few machines ...
+            evidence["replay"] = {"error": str(exc)}
+    t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
+    d = ladder.decide(t, level=decision["level"], diagnosis_done=True, diagnosis_failed=failed, log_verdict="")
     diverged = c.first_step_of(decision["incident"], ["sdc_suspect"])
     if diverged is not None:  # the steps from the divergence on hold corrupted parameters: restore before it
         evidence["restore_max_step"] = max(0, diverged - 1)
@@ -211,6 +219,55 @@ def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
     if decision["action"] == "wait_human":
         c.fleet.update_incident(decision["incident"], state="waiting_human", summary=decision["reason"])
     return {"action": decision["action"], "reason": decision["reason"]}
+
+
+# ---- tg_sdc_replay --------------------------------------------------------------------------------------
+def replay_prepare(job: str, k: int) -> dict[str, Any]:
+    """A dual-phase replay by hand: an incident records it (refused while the job has one open); the
+    job is stopped; returns the plan."""
+    c = controller()
+    busy = [i.id for i in c.fleet.incidents(job) if i.state in ("open", "waiting_human")]
+    if busy:
+        raise TrainguardError(f"job {job} has incident {busy[-1]} open; replay by hand once it is closed")
+    plan = c.replay_plan(job, k=k)
+    inc, _ = c.fleet.open_incident(job, [], category="manual")
+    c.fleet.update_incident(inc.id, summary=f"dual-phase replay by hand (k={k})", diagnosis_start_ts=time.time())
+    c.stop(job)
+    return {**plan, "incident": inc.id}
+
+
+def replay_phase(plan: dict[str, Any], phase: str) -> dict[str, str]:
+    """One phase of the replay: ``horizontal`` (with the standbys' reference group) or ``vertical``."""
+    groups = {f"{phase[0]}{i}": g for i, g in enumerate(plan[phase])}
+    if phase == "horizontal" and plan["reference"]:
+        groups["ref"] = plan["reference"]
+    return controller().replay(plan["job"], groups, k=int(plan["k"]))
+
+
+def replay_conclude(plan: dict[str, Any] | None, h: dict[str, str] | None, v: dict[str, str] | None,
+                    evict: bool) -> dict[str, Any]:
+    """The culprits; with ``evict``, replace them with standbys; then restart the job (its newest
+    committed checkpoint) and close the incident. A phase that failed leaves no verdict; the job is
+    restarted all the same."""
+    if not plan:
+        raise TrainguardError("the replay was not prepared (see the prepare task's log); nothing to conclude")
+    c = controller()
+    incident = int(plan["incident"])
+    out: dict[str, Any] = {"incident": incident, "culprits": [], "verdict": None}
+    if h is not None and v is not None:
+        out["verdict"] = c.replay_verdict(plan, h, v)
+        out["culprits"] = out["verdict"]["culprits"]
+    c.fleet.update_incident(incident, decided_ts=time.time())
+    if evict and out["culprits"]:
+        out["eviction"] = c.evict(incident, out["culprits"], reason=f"dual-phase replay by hand: "
+                                                                    f"{', '.join(out['culprits'])} computed wrong")
+    if c.fleet.incident(incident).state == "waiting_human":  # the breaker stopped the eviction
+        return out
+    out["recovery"] = c.recover(incident)
+    note = (f"culprits {', '.join(out['culprits'])}" if out["culprits"] else
+            "no culprit" if out["verdict"] else "a phase failed: no verdict") + "; job restarted"
+    out["closed"] = c.close(incident, outcome="resolved", note=note)["state"]
+    return out
 
 
 # ---- tg_diagnose ------------------------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""tg_sdc_replay: dual-phase replay by hand, to find a machine that silently computes wrong (ByteRobust
+§5.3). The job stops; its machines replay the same training steps in horizontal groups (whole replicas,
+beside a reference group of self-checked standbys), then in vertical groups (shifted diagonals); the
+culprit is in both a failing horizontal and a failing vertical group. With "evict", culprits are replaced
+by standbys; the job then restarts from its newest committed checkpoint. An incident records the run.
+tg_incident runs the same replay when the alignment test finds nothing."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from airflow.sdk import Param, dag, task
+
+
+@dag(dag_id="tg_sdc_replay", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
+     doc_md=__doc__, max_active_runs=1, params={
+         "job": Param("demo", type="string", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
+                      description="the job whose machines are replayed"),
+         "k": Param(1, type="integer", minimum=1, description="replicas per replay group (must divide DP)"),
+         "evict": Param(False, type="boolean", description="replace the culprits with standbys"),
+     })
+def tg_sdc_replay():
+    @task
+    def prepare(params: dict | None = None) -> dict:
+        from operators.airflow import steps
+
+        return steps.replay_prepare(params["job"], int(params["k"]))
+
+    @task
+    def horizontal(plan: dict) -> dict:
+        from operators.airflow import steps
+
+        return steps.replay_phase(plan, "horizontal")
+
+    @task
+    def vertical(plan: dict) -> dict:
+        from operators.airflow import steps
+
+        return steps.replay_phase(plan, "vertical")
+
+    @task(trigger_rule="all_done")
+    def conclude(plan: dict, h: dict | None = None, v: dict | None = None, params: dict | None = None) -> dict:
+        from operators.airflow import steps
+
+        return steps.replay_conclude(plan, h, v, bool(params["evict"]))
+
+    plan = prepare()
+    h = horizontal(plan)
+    v = vertical(plan)
+    h >> v  # the phases share machines: one after the other
+    conclude(plan, h, v)
+
+
+tg_sdc_replay()
