@@ -1,6 +1,8 @@
-"""tg_diagnose: the stop-time diagnosis hierarchy on chosen machines, by hand from the UI (L1 quick health,
-L2 compute + memory + intra-machine collective, L3 collective with neighbours). With "evict", machines that
-fail are replaced by standbys and an incident records it."""
+"""tg_diagnose: the stop-time diagnosis hierarchy on chosen machines, by hand from the UI. Each machine is
+one mapped task (L1 quick health, then L2 compute + memory + intra-machine collective), run in the
+``tg_ssh`` pool that caps concurrent SSH sessions; L3 (collectives with neighbours, in pairs) follows on
+the machines that passed. With "evict", machines that fail are replaced by standbys, the job restarts on
+its new machine list, and an incident records it."""
 
 from __future__ import annotations
 
@@ -8,25 +10,47 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+
 
 @dag(dag_id="tg_diagnose", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
      doc_md=__doc__, params={
-         "job": Param("demo", type="string", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
-                      description="the job whose machines are diagnosed"),
-         "machines": Param([], type="array", items={"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"},
+         "job": Param("demo", type="string", pattern=NAME, description="the job whose machines are diagnosed"),
+         "machines": Param([], type="array", items={"type": "string", "pattern": NAME},
                            description="machine names; empty = every machine of the job"),
          "level": Param(2, type="integer", enum=[1, 2, 3], description="run levels 1 .. this"),
          "evict": Param(False, type="boolean", description="replace machines that fail with standbys"),
      })
 def tg_diagnose():
     @task
-    def diagnose(params: dict | None = None) -> dict:
+    def targets(params: dict | None = None) -> list:
         from operators.airflow import steps
 
-        return steps.diagnose_by_hand(params["job"], list(params["machines"]), int(params["level"]),
-                                      bool(params["evict"]))
+        return steps.diagnose_targets(params["job"], list(params["machines"]), int(params["level"]))
 
-    diagnose()
+    @task(pool="tg_ssh", map_index_template="{{ machine }}")
+    def check_machine(target: dict) -> dict:
+        from airflow.sdk import get_current_context
+
+        from operators.airflow import steps
+
+        get_current_context()["machine"] = target["machine"]  # names the mapped task in the UI
+        return steps.diagnose_machine(target)
+
+    @task(pool="tg_ssh")
+    def neighbours(results: list, params: dict | None = None) -> dict:
+        from operators.airflow import steps
+
+        return steps.diagnose_neighbours(params["job"], list(results), int(params["level"]))
+
+    @task
+    def conclude(results: list, l3: dict, params: dict | None = None) -> dict:
+        from operators.airflow import steps
+
+        return steps.diagnose_conclude(params["job"], list(results), l3, bool(params["evict"]))
+
+    checked = check_machine.expand(target=targets())
+    conclude(checked, neighbours(checked))
 
 
 tg_diagnose()

@@ -12,6 +12,7 @@ Commands::
     trainguard job stop --job J
     trainguard job status --job J
     trainguard demo [--steps 40] [--keep]
+    trainguard ettr --job J [--window-s 3600]   (the control plane's fleet database: $TG_FLEET_URL, $TG_INVENTORY)
 
 Exit codes: 0 success, 1 the job or check failed, 2 bad input or missing
 prerequisite (a one-line message says what to do), 3 refused, 130 interrupted.
@@ -87,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--name", default=d.name, help="cluster name (prefixes its namespaces and links)")
     dp.add_argument("--subnet", default=d.subnet)
     dp.add_argument("--keep", action="store_true", help="leave the cluster up at the end")
+
+    ep = sub.add_parser("ettr", help="a job's effective training time ratio and its losses by failure cause")
+    ep.add_argument("--job", required=True)
+    ep.add_argument("--window-s", type=float, default=3600.0, help="the sliding window (default 3600)")
     return p
 
 
@@ -193,6 +198,22 @@ def cmd_job(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_ettr(args: argparse.Namespace) -> int:
+    from operators.control import ControlConfig, Controller
+
+    if args.window_s <= 0:
+        raise TrainguardError(f"--window-s {args.window_s} must be above 0", exit_code=2)
+    report = Controller(ControlConfig.from_env()).ettr_report(args.job, window_s=args.window_s)
+    c, w = report["cumulative"], report["sliding"]
+    lines = [f"job {args.job}: ETTR {c['ettr']:.2%} since its first step ({c['kept_steps']} steps kept, "
+             f"{c['lost_steps']} recomputed, {c['lost_work_s']:.1f}s of lost work); "
+             f"{w['ettr']:.2%} over the last {w['window_s']:.0f}s"]
+    lines += [f"  {cause:14} {v['incidents']} incidents, {v['seconds']:.1f}s"
+              for cause, v in report["by_cause"].items()]
+    _print(args, report, "\n".join(lines))
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     try:
@@ -207,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             from operators.demo import run_demo
 
             return run_demo(args)
+        if args.command == "ettr":
+            return cmd_ettr(args)
     except TrainguardError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -24,7 +24,7 @@ from node_tools.inventory import Inventory, Machine
 from node_tools.topology import Topology
 from node_tools.transport import RunResult, Transport, transport_for
 from operators.fleet import FleetStore, states
-from operators.policy import ladder, runtime, sdc
+from operators.policy import ettr, ladder, runtime, sdc
 
 ROLE_STATE = {"active": states.STANDBY, "standby": states.STANDBY, "free": states.PROVISIONING,
               "evicted": states.REPAIR}
@@ -628,6 +628,51 @@ class Controller:
             if start is not None and end is not None and end >= start:
                 self.fleet.add_ettr(inc.job, kind, start, end, incident_id=incident_id)
         return {"incident": incident_id, "state": inc.state, "timeline": self.timeline(incident_id)}
+
+    # ---- ETTR ------------------------------------------------------------------------------------------
+    def step_history(self, job: str, rank: int = 0) -> list[dict[str, Any]]:
+        """Every step record of ``rank`` of the job, from every machine that ran it (the rank moves when
+        its machine is evicted), oldest first. Each machine counts its own incarnations; here
+        ``incarnation`` is renumbered across machines in the order the parts started, so a later restart
+        always has the higher number."""
+        argv = [self.inventory.tg_node, "job", "steps", "--job", job, "--rank", str(rank)]
+        results = self._run(self.inventory.machines, lambda m: argv, timeout=30)
+        records = [dict(r, machine=name) for name, res in results.items() if res.ok
+                   for r in (res.json() or {}).get("steps", [])]
+        records.sort(key=lambda r: float(r.get("ts", 0.0)))
+        order: dict[tuple[str, int], int] = {}
+        for r in records:
+            key = (r["machine"], int(r.get("incarnation", 0)))
+            r["incarnation"] = order.setdefault(key, len(order))
+        return records
+
+    def ettr_report(self, job: str, *, window_s: float = 3600.0) -> dict[str, Any]:
+        """The job's effective training time ratio, cumulative (since its first step) and over the last
+        ``window_s``, and each closed incident's time split into detection, diagnosis, recovery and lost
+        work (steps recomputed after the restore), summed by failure cause."""
+        records = self.step_history(job)
+        if not records:
+            raise TrainguardError(f"job {job} has no step records on any machine of the inventory; has it run?")
+        now = time.time()
+        first = min(float(r["ts"]) - float(r.get("step_time_s") or 0.0) for r in records)
+        incidents, by_cause = [], {}
+        since = first
+        for inc in self.fleet.incidents(job):
+            if inc.state not in ("resolved", "failed") or inc.first_alert_ts is None:
+                continue
+            split = ettr.incident_split({"first_alert_ts": inc.first_alert_ts, "opened_ts": inc.opened_ts,
+                                         "diagnosis_start_ts": inc.diagnosis_start_ts, "decided_ts": inc.decided_ts,
+                                         "resumed_ts": inc.resumed_ts}, records, since_ts=since)
+            incidents.append({"incident": inc.id, "category": inc.category, "state": inc.state,
+                              **{k: round(v, 3) for k, v in split.items()}})
+            cause = by_cause.setdefault(inc.category or "unknown", {"incidents": 0, "seconds": 0.0})
+            cause["incidents"] += 1
+            cause["seconds"] = round(cause["seconds"] + sum(split.values()), 3)
+            since = inc.resumed_ts or since
+        return {"job": job, "cumulative": ettr.ettr(records, start_ts=first, end_ts=now).as_dict(),
+                "sliding": {"window_s": window_s,
+                            **ettr.ettr(records, start_ts=max(first, now - window_s), end_ts=now).as_dict()},
+                "incidents": incidents, "by_cause": by_cause}
 
     def timeline(self, incident_id: int) -> dict[str, Any]:
         inc = self.fleet.incident(incident_id)

@@ -411,3 +411,47 @@ def test_a_gpu_that_computes_wrong_only_in_training_is_found_by_dual_phase_repla
     diverged = ctl.first_step_of(inc.id, ["sdc_suspect"])
     launch = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "launch")
     assert launch.evidence["restore_max_step"] == diverged - 1
+
+
+def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(control, cp_cluster):
+    ctl, airflow = control
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    assert airflow.request("GET", "/api/v2/pools/tg_ssh")["slots"] == 16  # created when Airflow started
+    run_id = airflow.trigger("tg_diagnose", {"job": JOB, "machines": [], "level": 1, "evict": False})
+    state = wait_until(lambda: (s := airflow.run_state("tg_diagnose", run_id)) in ("success", "failed") and s,
+                       timeout=240, what="the tg_diagnose run to end")
+    tis = airflow.task_instances("tg_diagnose", run_id)
+    assert state == "success", [(t["task_id"], t["state"]) for t in tis]
+    mapped = [t for t in tis if t["task_id"] == "check_machine"]
+    assert sorted(t["rendered_map_index"] for t in mapped) == sorted(machines)  # one task per machine, named
+    assert {(t["pool"], t["state"]) for t in mapped} == {("tg_ssh", "success")}
+    out = airflow.xcom("tg_diagnose", run_id, "conclude")
+    assert out["failed"] == {} and sorted(out["machines"]) == sorted(machines)
+    assert ctl.fleet.job(JOB).machine_list == machines  # nothing evicted without "evict"
+
+
+def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_cluster):
+    import json
+    import subprocess
+    import sys
+
+    ctl, _airflow = control
+    closed = [i for i in ctl.fleet.incidents(JOB) if i.state in ("resolved", "failed")]
+    trained = ctl.progress(JOB)["step"]
+    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory}
+    cli = subprocess.run([sys.executable, "-m", "operators.cli", "--json", "ettr", "--job", JOB, "--window-s", "600"],
+                         capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert cli.returncode == 0, cli.stderr
+    report = json.loads(cli.stdout)
+    total = report["cumulative"]
+    assert 0 < total["ettr"] < 1 and total["kept_steps"] >= trained + 1, (trained, total)  # steps 0 .. trained
+    assert [x["incident"] for x in report["incidents"]] == [i.id for i in closed]
+    assert set(report["by_cause"]) == {i.category for i in closed}
+    assert sum(v["incidents"] for v in report["by_cause"].values()) == len(closed)
+    # every step an incident lost was run again: the ledger counts it as lost work, not as progress
+    assert total["lost_steps"] >= sum(i.lost_steps or 0 for i in closed)
+    recovered = [x for x in report["incidents"] if x["recovery_s"] > 0]
+    assert len(recovered) == len([i for i in closed if i.resumed_ts]), report["incidents"]
+    bad = subprocess.run([sys.executable, "-m", "operators.cli", "ettr", "--job", "nosuchjob"],
+                         capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nosuchjob" in bad.stderr, bad.stderr

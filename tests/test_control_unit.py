@@ -16,15 +16,48 @@ def _alert(kind: str, machine: str, rank: int, ts: float) -> dict:
             "severity": "fault", "ts": ts, "evidence": {}}
 
 
-@pytest.fixture
-def ctl(tmp_path: Path) -> Controller:
-    inv = Inventory(cluster="t", transport="local", machines=[Machine(name=f"m{i}", address="127.0.0.1")
-                                                              for i in range(4)])
+def _controller(tmp_path: Path, **settings) -> Controller:
+    inv = Inventory(cluster="t", transport="local", machines=[
+        Machine(name=f"m{i}", address="127.0.0.1", role="active" if i < 4 else "standby") for i in range(6)])
     inv.save(tmp_path / "inventory.json")
-    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(inv.path)), inventory=inv)
+    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(inv.path), **settings),
+                   inventory=inv)
     c.sync_inventory()
     c.fleet.upsert_job("j", tp=1, pp=2, dp=2, ranks_per_machine=1, machines=["m0", "m1", "m2", "m3"])
     return c
+
+
+@pytest.fixture
+def ctl(tmp_path: Path) -> Controller:
+    return _controller(tmp_path)
+
+
+def test_a_dry_run_records_the_eviction_it_would_make_and_changes_nothing(tmp_path: Path):
+    c = _controller(tmp_path, dry_run=True)
+    [lost] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
+    decision = c.triage(lost["incident"])
+    assert decision["action"] == "evict" and decision["machines"] == ["m1"]
+    out = c.evict(lost["incident"], decision["machines"], reason=decision["reason"])
+    assert out["dry_run"] and out["swaps"] == {"m1": "m4"}
+    [action] = c.fleet.actions(lost["incident"])
+    assert action.kind == "evict" and action.outcome == "dry_run" and action.dry_run
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
+    assert c.fleet.machine("m1").state == "active" and c.fleet.machine("m4").state == "standby"
+    assert c.arm("j")["dry_run"]
+
+
+def test_the_breaker_stops_an_eviction_over_its_share_and_the_incident_waits_for_a_human(tmp_path: Path):
+    c = _controller(tmp_path, breaker_share=0.25)  # one machine of four per window
+    [first] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
+    assert c.evict(first["incident"], ["m1"], reason="gpu lost")["swaps"] == {"m1": "m4"}
+    c.fleet.update_incident(first["incident"], state="resolved", resumed_ts=110.0, closed_ts=111.0)
+    [second] = c.ingest([_alert("gpu_lost", "m2", 2, 120.0)])
+    out = c.evict(second["incident"], ["m2"], reason="gpu lost")
+    assert out["waiting_human"] and "limit 1" in out["reason"]
+    assert c.fleet.incident(second["incident"]).state == "waiting_human"
+    assert c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"] and c.fleet.machine("m5").state == "standby"
+    again = c.evict(second["incident"], ["m2"], reason="gpu lost")  # repeating it changes nothing either
+    assert again["waiting_human"] and c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]
 
 
 def test_a_nan_during_a_slow_vote_takes_the_incident_over_once(ctl: Controller):

@@ -76,3 +76,12 @@ def test_the_diagnose_form_refuses_bad_input(dagbag):
         with pytest.raises(ParamValidationError):
             params.update(bad)
             params.validate()
+
+
+def test_diagnosis_fans_out_one_mapped_task_per_machine_in_the_ssh_pool(dagbag):
+    dag = dagbag.get_dag("tg_diagnose")
+    check = dag.get_task("check_machine")
+    assert type(check).__name__.endswith("MappedOperator") and check.pool == "tg_ssh"
+    assert check.upstream_task_ids == {"targets"}
+    assert dag.get_task("neighbours").pool == "tg_ssh"
+    assert dag.get_task("conclude").upstream_task_ids == {"check_machine", "neighbours"}

@@ -40,6 +40,9 @@ def poll(predicate: Callable[[], Any], *, timeout: float, what: str, interval: f
         time.sleep(interval)
 
 
+SSH_POOL = "tg_ssh"
+
+
 class Standalone:
     def __init__(self, home: Path, env: dict[str, str]) -> None:
         self.home = home
@@ -75,9 +78,35 @@ class Standalone:
                                      start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                                              signal.SIG_DFL))
         poll(self._healthy, timeout=timeout, interval=1.0, what=f"airflow standalone on {self.url}")
-        poll(lambda: self.dag_ids() >= {"tg_guardian", "tg_incident", "tg_diagnose"}, timeout=120,
+        poll(lambda: self.dag_ids() >= {"tg_guardian", "tg_incident", "tg_diagnose", "tg_sdc_replay"}, timeout=120,
                    interval=1.0, what="the trainguard DAGs to be parsed")
         self.request("GET", "/execution/health", auth=False)  # warm the execution API (first task waits otherwise)
+        slots = int(self.env.get("TG_SSH_POOL_SLOTS", "16"))
+        # the metadata database is busy while the scheduler starts (SQLite): a write may fail once
+        poll(lambda: self._try(lambda: self.ensure_pool(SSH_POOL, slots)), timeout=60, interval=1.0,
+             what=f"the {SSH_POOL} pool to be created")
+
+    @staticmethod
+    def _try(action: Callable[[], Any]) -> bool:
+        try:
+            action()
+            return True
+        except urllib.error.HTTPError as exc:
+            if exc.code < 500:
+                raise
+            return False
+
+    def ensure_pool(self, name: str, slots: int) -> None:
+        """The pool (``tg_ssh``: concurrent SSH sessions of the mapped node tasks) with ``slots`` slots."""
+        settings = {"slots": slots, "description": "concurrent SSH sessions of trainguard's node tasks"}
+        try:
+            self.request("GET", f"/api/v2/pools/{name}")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 404:
+                raise
+            self.request("POST", "/api/v2/pools", {"name": name, **settings})
+            return
+        self.request("PATCH", f"/api/v2/pools/{name}", settings)
 
     def _healthy(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:

@@ -221,19 +221,41 @@ def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
     return {"action": decision["action"], "reason": decision["reason"]}
 
 
-# ---- tg_sdc_replay --------------------------------------------------------------------------------------
-def replay_prepare(job: str, k: int) -> dict[str, Any]:
-    """A dual-phase replay by hand: an incident records it (refused while the job has one open); the
-    job is stopped; returns the plan."""
-    c = controller()
+# ---- by hand: tg_sdc_replay, tg_diagnose --------------------------------------------------------------
+def _incident_by_hand(c: Controller, job: str, summary: str) -> int:
+    """An incident recording an operation run by hand (refused while the job has one open: alerts join
+    the open incident, and two hands on one job is one too many)."""
     busy = [i.id for i in c.fleet.incidents(job) if i.state in ("open", "waiting_human")]
     if busy:
-        raise TrainguardError(f"job {job} has incident {busy[-1]} open; replay by hand once it is closed")
-    plan = c.replay_plan(job, k=k)
+        raise TrainguardError(f"job {job} has incident {busy[-1]} open; run this by hand once it is closed")
     inc, _ = c.fleet.open_incident(job, [], category="manual")
-    c.fleet.update_incident(inc.id, summary=f"dual-phase replay by hand (k={k})", diagnosis_start_ts=time.time())
+    c.fleet.update_incident(inc.id, summary=summary, diagnosis_start_ts=time.time())
+    return inc.id
+
+
+def _finish_by_hand(c: Controller, incident: int, culprits: list[str], *, evict: bool, reason: str,
+                    restart: bool, note: str) -> dict[str, Any]:
+    """Evict ``culprits`` (if asked, through the breaker), restart the job when it was stopped or its
+    machines changed, close the incident. Over the breaker, the incident waits for a human."""
+    out: dict[str, Any] = {"incident": incident}
+    c.fleet.update_incident(incident, decided_ts=time.time())
+    if evict and culprits:
+        out["eviction"] = c.evict(incident, culprits, reason=reason)
+    if c.fleet.incident(incident).state == "waiting_human":
+        return out
+    if restart or (out.get("eviction") or {}).get("swaps"):
+        out["recovery"] = c.recover(incident)
+    out["closed"] = c.close(incident, outcome="resolved", note=note)["state"]
+    return out
+
+
+def replay_prepare(job: str, k: int) -> dict[str, Any]:
+    """A dual-phase replay by hand: an incident records it; the job is stopped; returns the plan."""
+    c = controller()
+    plan = c.replay_plan(job, k=k)
+    incident = _incident_by_hand(c, job, f"dual-phase replay by hand (k={k})")
     c.stop(job)
-    return {**plan, "incident": inc.id}
+    return {**plan, "incident": incident}
 
 
 def replay_phase(plan: dict[str, Any], phase: str) -> dict[str, str]:
@@ -252,32 +274,68 @@ def replay_conclude(plan: dict[str, Any] | None, h: dict[str, str] | None, v: di
     if not plan:
         raise TrainguardError("the replay was not prepared (see the prepare task's log); nothing to conclude")
     c = controller()
-    incident = int(plan["incident"])
-    out: dict[str, Any] = {"incident": incident, "culprits": [], "verdict": None}
-    if h is not None and v is not None:
-        out["verdict"] = c.replay_verdict(plan, h, v)
-        out["culprits"] = out["verdict"]["culprits"]
-    c.fleet.update_incident(incident, decided_ts=time.time())
-    if evict and out["culprits"]:
-        out["eviction"] = c.evict(incident, out["culprits"], reason=f"dual-phase replay by hand: "
-                                                                    f"{', '.join(out['culprits'])} computed wrong")
-    if c.fleet.incident(incident).state == "waiting_human":  # the breaker stopped the eviction
-        return out
-    out["recovery"] = c.recover(incident)
-    note = (f"culprits {', '.join(out['culprits'])}" if out["culprits"] else
-            "no culprit" if out["verdict"] else "a phase failed: no verdict") + "; job restarted"
-    out["closed"] = c.close(incident, outcome="resolved", note=note)["state"]
-    return out
+    verdict = c.replay_verdict(plan, h, v) if h is not None and v is not None else None
+    culprits = verdict["culprits"] if verdict else []
+    note = (f"culprits {', '.join(culprits)}" if culprits else "no culprit" if verdict else
+            "a phase failed: no verdict") + "; job restarted"
+    done = _finish_by_hand(c, int(plan["incident"]), culprits, evict=evict, restart=True, note=note,
+                           reason=f"dual-phase replay by hand: {', '.join(culprits)} computed wrong")
+    return {**done, "verdict": verdict, "culprits": culprits}
 
 
 # ---- tg_diagnose ------------------------------------------------------------------------------------------
-def diagnose_by_hand(job: str, machines: list[str], level: int, evict: bool) -> dict[str, Any]:
-    """The stop-time hierarchy on chosen machines, up to ``level``; with ``evict``, failures are replaced
-    (an incident records it)."""
+def diagnose_targets(job: str, machines: list[str], level: int) -> list[dict[str, Any]]:
+    """One target per machine to diagnose (the job's machines when none are named)."""
     c = controller()
-    out = c.diagnose(job, machines or None, levels=tuple(range(1, level + 1)))
-    if evict and out["failed"]:
-        inc, _ = c.fleet.open_incident(job, [], category="manual")
-        out["eviction"] = c.evict(inc.id, sorted(out["failed"]), reason="failed diagnosis run by hand")
-        out["incident"] = inc.id
+    names = list(machines) or list(c.fleet.job(job).machine_list)
+    for n in names:
+        c.inventory.machine(n)  # an unknown name: a one-line error naming the machines there are
+    return [{"job": job, "machine": n, "level": int(level)} for n in names]
+
+
+def diagnose_machine(target: dict[str, Any]) -> dict[str, Any]:
+    """L1, then L2 (when the level asks) on one machine: one mapped task each, in the SSH pool."""
+    levels = tuple(range(1, min(int(target["level"]), 2) + 1))
+    out = controller().diagnose(target["job"], [target["machine"]], levels=levels)
+    return {"machine": target["machine"], "failed": out["failed"].get(target["machine"]),
+            "report": {lv: r.get(target["machine"]) for lv, r in out["report"].items()}, "seconds": out["seconds"]}
+
+
+def diagnose_neighbours(job: str, results: list[dict[str, Any]], level: int) -> dict[str, Any]:
+    """L3 (collectives with neighbours, in pairs) on the machines that passed L1/L2, when asked."""
+    passed = [r["machine"] for r in results if not r["failed"]]
+    if int(level) < 3 or len(passed) < 2:
+        return {"failed": {}, "skipped": True}
+    out = controller().diagnose(job, passed, levels=(3,))
+    return {"failed": out["failed"], "report": out["report"].get("L3", {})}
+
+
+def diagnose_conclude(job: str, results: list[dict[str, Any]], neighbours: dict[str, Any] | None,
+                      evict: bool) -> dict[str, Any]:
+    """Every machine's verdict; with ``evict``, the failed ones are replaced by standbys, the job restarts
+    on its new machine list, and an incident records it."""
+    failed = {r["machine"]: r["failed"] for r in results if r["failed"]}
+    failed.update((neighbours or {}).get("failed") or {})
+    out: dict[str, Any] = {"job": job, "machines": [r["machine"] for r in results], "failed": failed}
+    if evict and failed:
+        c = controller()
+        incident = _incident_by_hand(c, job, f"diagnosis by hand: {', '.join(sorted(failed))} failed")
+        out.update(_finish_by_hand(c, incident, sorted(failed), evict=True, restart=False,
+                                   reason="failed a diagnosis run by hand",
+                                   note=f"{', '.join(sorted(failed))} failed a diagnosis run by hand"))
+    return out
+
+
+# ---- tg_ettr ----------------------------------------------------------------------------------------------
+def ettr_reports(job: str, window_s: float) -> dict[str, Any]:
+    """The ETTR report of ``job`` (every job in the fleet database when empty); a job with no steps yet
+    is listed with its error."""
+    c = controller()
+    names = [job] if job else [j.name for j in c.fleet.jobs()]
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            out[name] = c.ettr_report(name, window_s=window_s)
+        except TrainguardError as exc:
+            out[name] = {"error": str(exc)}
     return out

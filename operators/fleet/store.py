@@ -192,6 +192,10 @@ class FleetStore:
                                reason="the job's revision at start"))
             return True
 
+    def jobs(self) -> list[Job]:
+        with self.tx() as s:
+            return list(s.scalars(select(Job).order_by(Job.name)))
+
     def job(self, name: str) -> Job:
         with self.tx() as s:
             return self._required(s, Job, name)
