@@ -343,6 +343,13 @@ def test_silent_data_corruption_finds_and_evicts_the_machine_that_computes_wrong
     assert all(r["dp_digests_match"] for r in records)
 
 
+def _assert_replaced(ctl: Controller, inc: Any, before: list[str], evicted: set[str]) -> None:
+    """The evicted machines left the job, the survivors kept their places, and at most one step was lost."""
+    after = ctl.fleet.job(JOB).machine_list
+    assert not evicted & set(after) and [m for m in after if m in before] == [m for m in before if m not in evicted]
+    assert inc.lost_steps is not None and inc.lost_steps <= 1, ctl.timeline(inc.id)
+
+
 def test_a_slow_rank_is_voted_out_with_its_group_while_the_job_trains(control, cp_cluster):
     ctl, airflow = control
     _repair_evicted(ctl, cp_cluster)
@@ -360,10 +367,7 @@ def test_a_slow_rank_is_voted_out_with_its_group_while_the_job_trains(control, c
     evicted = set(next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict").machines)
     # the slow rank's machine, and at most its pipeline (the ranks waiting on it downstream may vote too)
     assert machines[1] in evicted <= {machines[i] for i in TOPO.machines_of_group("pp", slow_rank)}, vote
-    after = ctl.fleet.job(JOB).machine_list
-    assert not evicted & set(after) and [m for m in after if m in machines] == [m for m in machines
-                                                                              if m not in evicted]
-    assert inc.lost_steps is not None and inc.lost_steps <= 1
+    _assert_replaced(ctl, inc, machines, evicted)
 
 
 def test_a_nic_that_flaps_twice_gets_its_machine_evicted(control, cp_cluster):
@@ -380,9 +384,7 @@ def test_a_nic_that_flaps_twice_gets_its_machine_evicted(control, cp_cluster):
     assert second.state == "resolved" and second.category == "network", _why(ctl, airflow, second.id)
     assert "repeated" in second.summary and _branch(airflow, second.id) == "evict_now"
     assert next(a for a in ctl.fleet.actions(second.id) if a.kind == "evict").machines == [flaky]
-    after = ctl.fleet.job(JOB).machine_list
-    assert flaky not in after and [m for m in after if m in machines] == [m for m in machines if m != flaky]
-    assert second.lost_steps is not None and second.lost_steps <= 1
+    _assert_replaced(ctl, second, machines, {flaky})
 
 
 def test_a_gpu_that_computes_wrong_only_in_training_is_found_by_dual_phase_replay(control, cp_cluster):

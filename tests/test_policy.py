@@ -182,6 +182,15 @@ def test_a_slowdown_every_rank_shares_or_one_that_passes_evicts_nobody():
     assert passing.verdict(min_share=0.4) == ("tp", [3])
 
 
+def test_a_rank_flagged_now_and_then_does_not_split_the_vote_for_the_straggler():
+    voter = runtime.SlowVoter(TOPO, rounds=5)
+    base = {r: 0.3 for r in range(8)}
+    for i in range(5):  # rank 2 (m1) every round; rank 6 (m3) and rank 5 (m2) once or twice, on a loaded host
+        noise = {6: 0.9} if i in (1, 3) else {5: 0.9} if i == 4 else {}
+        voter.add_round({**base, 2: 2.3, **noise})
+    assert voter.persistent() == [2] and voter.verdict() == ("tp", [1])
+
+
 def test_stages_are_compared_within_themselves_and_a_whole_slow_machine_stands_out():
     # the last stage (ranks with pp 1: 2, 3, 6, 7) computes the loss too: twice the others, by design
     uneven = {r: (0.6 if TOPO.coords(r).pp == 1 else 0.3) for r in range(8)}

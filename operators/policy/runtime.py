@@ -17,9 +17,9 @@ placement (no rank's replica inside its own TP, PP or DP group) means no state i
 
 Fail-slow (``rank_slow``): :class:`SlowVoter` gathers rounds (every 10 s, 5 rounds) of each rank's compute
 time (its step time less the time it waited in collectives: in a synchronous job every rank's step takes
-as long as the straggler's, but the straggler is the one that waits least); each round flags the group
-holding the ranks well above the median; the group flagged in most rounds, and in at least half of them,
-is evicted. A slowdown every rank shares (load on the hosts, a slow file system) flags nobody, and one
+as long as the straggler's, but the straggler is the one that waits least); each round flags the ranks
+well above their stage's median; the smallest group holding the ranks flagged in at least half of the
+rounds is evicted. A slowdown every rank shares (load on the hosts, a slow file system) flags nobody, and one
 that passes within the rounds is transient: nothing is evicted.
 """
 
@@ -175,12 +175,14 @@ def _median(values: Iterable[float]) -> float:
 
 @dataclass
 class SlowVoter:
-    """Fail-slow localisation over rounds: each round, the group holding the slowest ranks gets a vote;
-    after ``rounds`` rounds, the group with most votes is the one to evict."""
+    """Fail-slow localisation over rounds: each round flags the ranks well above their stage's median;
+    after ``rounds`` rounds, the ranks flagged in at least half of them are the persistent stragglers,
+    and the smallest parallel group holding them all is the one to evict. A rank flagged now and then
+    (noise on a loaded host) splits no vote: it simply does not persist."""
 
     topo: Topology
     rounds: int = 5
-    votes: Counter[tuple[str, tuple[int, ...]]] = field(default_factory=Counter)
+    votes: Counter[int] = field(default_factory=Counter)  # rank -> rounds it was flagged in
     seen: int = 0
 
     def add_round(self, step_times: Mapping[int, float], *, factor: float = 1.5) -> list[int]:
@@ -201,21 +203,22 @@ class SlowVoter:
             if t > factor * (_median(peers) if len(peers) >= 3 else everyone):
                 slow.append(r)
         self.seen += 1
-        if slow:
-            kind, machines = smallest_group(self.topo, slow)
-            self.votes[(kind, tuple(machines))] += 1
+        self.votes.update(slow)
         return sorted(slow)
 
     @property
     def done(self) -> bool:
         return self.seen >= self.rounds
 
+    def persistent(self, min_share: float = 0.5) -> list[int]:
+        """Ranks flagged in at least ``min_share`` of the rounds seen."""
+        return sorted(r for r, n in self.votes.items() if n >= min_share * max(self.seen, 1))
+
     def verdict(self, min_share: float = 0.5) -> tuple[str, list[int]] | None:
-        """The group flagged most, as (kind, machine indices) (ties: the first flagged), or None when no
-        group was flagged in at least ``min_share`` of the rounds seen (a passing slowdown)."""
-        if not self.votes:
+        """The smallest group holding every persistent straggler, as (kind, machine indices), or None
+        when no rank was flagged in at least ``min_share`` of the rounds (a passing slowdown)."""
+        stragglers = self.persistent(min_share)
+        if not stragglers:
             return None
-        (kind, machines), count = self.votes.most_common(1)[0]
-        if count < min_share * max(self.seen, 1):
-            return None
+        kind, machines = smallest_group(self.topo, stragglers)
         return kind, list(machines)
