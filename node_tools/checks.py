@@ -319,6 +319,9 @@ class RankTimeouts:
     ignore_longest: int = 2
 
 
+LEARN_FACTOR = 1.5  # a step time above this multiple of the baseline does not teach the baseline
+
+
 @dataclass
 class _RankState:
     offset: int = 0
@@ -492,7 +495,10 @@ class RankCheck(Check):
         is_slow = baseline is not None and step_time > self.t.slow_factor * baseline
         st.slow_run = st.slow_run + 1 if is_slow else 0
         if not is_slow:
-            hist.append(step_time)  # the baseline learns only from normal steps
+            # the baseline learns only from normal steps: not from elevated ones either, or a slowdown
+            # that starts below the threshold would raise the baseline until it is never judged slow
+            if baseline is None or step_time <= LEARN_FACTOR * baseline:
+                hist.append(step_time)
             st.slow = False
             return []
         if st.slow_run < self.t.slow_steps or st.slow:

@@ -253,6 +253,20 @@ def test_a_rank_slowed_soon_after_a_restart_is_flagged_once(tmp_path, fake_job):
     assert check.run(time.time()) == []  # still slow: reported once
 
 
+def test_a_slowdown_that_creeps_up_does_not_teach_the_baseline(tmp_path, fake_job):
+    fake_job.rank(0)
+    check = RankCheck(tmp_path)
+    for s in range(5):
+        fake_job.step(0, s, 2.0, step_time_s=0.2, comm_s=0.05)
+    for s, t in enumerate([0.32, 0.35, 0.4, 0.45, 0.48, 0.5], start=5):  # elevated, not above 2.5x
+        fake_job.step(0, s, 2.0, step_time_s=t, comm_s=0.05)
+    assert check.run(time.time()) == []
+    for s in range(11, 14):
+        fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.05)  # 3x the baseline it kept: 0.2 s
+    (f,) = check.run(time.time())
+    assert f.kind == "rank_slow" and f.evidence["baseline_s"] == pytest.approx(0.2)
+
+
 def test_a_one_off_stall_does_not_inflate_the_hang_timeout(tmp_path, fake_job):
     t = time.time() - 1000
     fake_job.rank(0, progress_age=4.0)
