@@ -120,9 +120,10 @@ def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, ma
         closed = ctl.fleet.incident(last).closed_ts or 0
         wait_until(lambda: time.time() - closed > ESCALATION_WINDOW_S + 1, timeout=ESCALATION_WINDOW_S + 5,
                    what="the escalation window to pass")
-    # the last incident's run is over (its rearm parks interpreters: load that slows every rank here)
-    wait_until(lambda: all(r["state"] in ("success", "failed") for r in airflow.runs("tg_incident")),
-               timeout=300, interval=1.0, what="the last tg_incident run to end")
+        # and its run is over (its rearm parks interpreters: load that slows every rank here); a failure
+        # meant to escalate (not fresh) comes at once instead, within the escalation window
+        wait_until(lambda: all(r["state"] in ("success", "failed") for r in airflow.runs("tg_incident")),
+                   timeout=300, interval=1.0, what="the last tg_incident run to end")
     step = ctl.progress(JOB)["step"]
     wait_until(lambda: ctl.progress(JOB)["step"] >= step + 2, timeout=120, what="the job to train")
     injected = time.time()
