@@ -55,6 +55,11 @@ def test_a_network_fault_is_evicted_when_it_repeats_within_five_minutes():
     late = alert("nic_down", "m2", ts=1000.0 + 301 + 200)
     t = ladder.triage("j", [late], job_machines=JOB, network_history=[first])
     assert ladder.decide(t).action == "tolerate"  # the first one is older than the window
+    # one flap raises the kernel log's line and, seconds later, the link check's: one episode, tolerated
+    flap = [alert("kernel_link", "m2", ts=1000.0), alert("nic_down", "m2", ts=1004.5)]
+    assert ladder.decide(ladder.triage("j", flap, job_machines=JOB)).action == "tolerate"
+    t = ladder.triage("j", [alert("kernel_link", "m2", ts=1060.0)], job_machines=JOB, network_history=flap)
+    assert (ladder.decide(t).action, t.machines) == ("evict", ("m2",))  # the second flap
     # a first blip that also crashed the job: the crash is handled
     t = ladder.triage("j", [first, alert("rank_exit", "m0", 0, ts=1001)], job_machines=JOB)
     assert t.category == "crash"

@@ -24,6 +24,7 @@ Nothing here imports Airflow; the DAGs call these functions and record what they
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ OBSERVE = frozenset({"loss_spike", "grad_spike", "gpu_thermal", "gpu_pcie"})
 
 NETWORK_REPEAT_WINDOW_S = 300.0
 NETWORK_REPEAT_COUNT = 2
+NETWORK_EPISODE_S = 10.0  # network alerts of one machine closer than this are one event (one flap)
 
 # categories, strongest first: the batch is what its strongest alert says
 CATEGORIES = ("machine_fault", "network", "sdc", "nan", "crash", "hang", "slow", "observe")
@@ -110,12 +112,20 @@ def _category(alert: Mapping[str, Any]) -> str:
 
 def network_repeats(alerts: Iterable[Mapping[str, Any]], now: float, *, window_s: float = NETWORK_REPEAT_WINDOW_S,
                     count: int = NETWORK_REPEAT_COUNT) -> set[str]:
-    """Machines with at least ``count`` network alerts, at distinct times, in the last ``window_s``."""
-    times: dict[str, set[float]] = {}
+    """Machines with at least ``count`` network episodes in the last ``window_s``. One link event raises
+    several alerts (the driver's kernel log line, the link check a few seconds later): alerts of a machine
+    less than ``NETWORK_EPISODE_S`` apart are one episode."""
+    times: dict[str, list[float]] = {}
     for a in alerts:
         if a.get("kind") in NETWORK and a.get("machine") and now - float(a.get("ts", 0)) <= window_s:
-            times.setdefault(a["machine"], set()).add(round(float(a.get("ts", 0)), 1))
-    return {m for m, ts in times.items() if len(ts) >= count}
+            times.setdefault(a["machine"], []).append(float(a.get("ts", 0)))
+    repeated = set()
+    for machine, ts in times.items():
+        ordered = sorted(ts)
+        episodes = 1 + sum(1 for prev, cur in itertools.pairwise(ordered) if cur - prev >= NETWORK_EPISODE_S)
+        if episodes >= count:
+            repeated.add(machine)
+    return repeated
 
 
 def triage(job: str, batch: Sequence[Mapping[str, Any]], *, job_machines: Sequence[str] = (),
