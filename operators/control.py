@@ -418,12 +418,17 @@ class Controller:
         a difference cannot be placed: ``inconclusive``."""
         plan = self.replay_plan(job, k=k)
         t0 = time.time()
-        first = {f"h{i}": g for i, g in enumerate(plan["horizontal"])}
-        if plan["reference"]:
-            first["ref"] = plan["reference"]
-        h = self.replay(job, first, k=k)
-        v = self.replay(job, {f"v{i}": g for i, g in enumerate(plan["vertical"])}, k=k)
+        h = self.replay_phase(plan, "horizontal")
+        v = self.replay_phase(plan, "vertical")
         return {**plan, **self.replay_verdict(plan, h, v), "seconds": round(time.time() - t0, 3)}
+
+    def replay_phase(self, plan: Mapping[str, Any], phase: str) -> dict[str, str]:
+        """One phase of :meth:`replay_plan`'s replay: ``horizontal`` (groups ``h0``.., with the standbys'
+        reference group ``ref``) or ``vertical`` (``v0``..)."""
+        groups = {f"{phase[0]}{i}": g for i, g in enumerate(plan[phase])}
+        if phase == "horizontal" and plan["reference"]:
+            groups["ref"] = plan["reference"]
+        return self.replay(plan["job"], groups, k=int(plan["k"]))
 
     @staticmethod
     def replay_verdict(plan: Mapping[str, Any], h: Mapping[str, str], v: Mapping[str, str]) -> dict[str, Any]:
@@ -479,7 +484,7 @@ class Controller:
                     out[int(r["rank"])] = max(0.0, float(step_time) - float(comm))
         return out
 
-    def vote_slow(self, incident_id: int, *, sleep: Any = time.sleep) -> dict[str, Any]:
+    def vote_slow(self, incident_id: int) -> dict[str, Any]:
         """The fail-slow vote (:class:`operators.policy.runtime.SlowVoter`): ``slow_rounds`` rounds,
         ``slow_interval_s`` apart, while the job trains. Stops early, with ``superseded``, when stronger
         alerts took the incident over. Returns the rounds, the verdict (kind and machines) or None."""
@@ -489,7 +494,7 @@ class Controller:
         rounds: list[list[int]] = []
         while not voter.done:
             if rounds:
-                sleep(self.cfg.slow_interval_s)
+                time.sleep(self.cfg.slow_interval_s)  # the sampling interval of the vote
             if self.fleet.incident(incident_id).category not in ladder.WATCHED:
                 return {"job": inc.job, "superseded": True, "rounds": rounds}
             rounds.append(voter.add_round(self.compute_times(inc.job)))

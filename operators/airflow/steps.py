@@ -13,6 +13,7 @@ from typing import Any
 
 from node_tools.errors import TrainguardError
 from operators.control import ControlConfig, Controller
+from operators.fleet.store import OPEN_INCIDENT_STATES
 from operators.policy import ladder
 
 BRANCHES = {
@@ -225,7 +226,7 @@ def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
 def _incident_by_hand(c: Controller, job: str, summary: str) -> int:
     """An incident recording an operation run by hand (refused while the job has one open: alerts join
     the open incident, and two hands on one job is one too many)."""
-    busy = [i.id for i in c.fleet.incidents(job) if i.state in ("open", "waiting_human")]
+    busy = [i.id for i in c.fleet.incidents(job) if i.state in OPEN_INCIDENT_STATES]
     if busy:
         raise TrainguardError(f"job {job} has incident {busy[-1]} open; run this by hand once it is closed")
     inc, _ = c.fleet.open_incident(job, [], category="manual")
@@ -260,10 +261,7 @@ def replay_prepare(job: str, k: int) -> dict[str, Any]:
 
 def replay_phase(plan: dict[str, Any], phase: str) -> dict[str, str]:
     """One phase of the replay: ``horizontal`` (with the standbys' reference group) or ``vertical``."""
-    groups = {f"{phase[0]}{i}": g for i, g in enumerate(plan[phase])}
-    if phase == "horizontal" and plan["reference"]:
-        groups["ref"] = plan["reference"]
-    return controller().replay(plan["job"], groups, k=int(plan["k"]))
+    return controller().replay_phase(plan, phase)
 
 
 def replay_conclude(plan: dict[str, Any] | None, h: dict[str, str] | None, v: dict[str, str] | None,
