@@ -3,7 +3,9 @@
 On an emulated cluster of its own (6 machines: the guarded job, TP=2 PP=2 DP=2, on m0..m3, standbys
 m4 and m5 parked warm) with a real ``airflow standalone`` running tg_guardian and tg_incident:
 
-* **warm path**, per fault kind: inject the fault, let the DAGs detect, decide, evict, swap in a warm
+* **warm path**, per fault kind (GPU lost, NIC flapping twice, disk full, crash, hang, user-code error,
+  NaN, silent data corruption caught by the alignment test, a gradient bit flip caught only by
+  dual-phase replay, slow rank): inject the fault, let the DAGs detect, decide, evict, swap in a warm
   standby (or restart in place) and wait for training to pass the restored checkpoint. Measured from
   the fleet database and Airflow's task instances: alert -> first tg_incident task (triage start),
   alert -> diagnosis start, localization (triage start -> the handler that named the culprit ends),
@@ -14,7 +16,7 @@ m4 and m5 parked warm) with a real ``airflow standalone`` running tg_guardian an
   runs the self-check (L1 + L2) a scheduler runs on machines it hands out, then every part starts cold
   and restores the newest committed checkpoint.
 
-    python bench/recovery.py [--quick] [--trials N] [--out FILE]
+    python bench/recovery.py [--quick] [--trials N] [--faults gpu_lost,hang,...] [--out FILE]
 
 Targets (the control-plane issue): alert -> first task <= 2 s; fault -> resumed <= 30 s for explicit
 faults with a warm standby; warm path >= 10x faster than the cold requeue (ByteRobust: 10.87x).
@@ -32,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -53,9 +56,38 @@ SPEC = cluster.ClusterSpec(name="tgr", machines=6, standbys=2, subnet="10.213.16
 TOPO = Topology(tp=2, pp=2, dp=2)
 JOB = "bench"
 TRAIN = ["--checkpoint", "--step-delay-s", "0.2"]
-# fault -> (the rank it hits, or None for a machine fault; the node rank of the machine it hits)
-WARM_FAULTS = {"gpu_lost": (None, 1), "crash": (4, 2), "hang": (6, 3)}
-TARGETS = {"alert_to_first_task_s": 2.0, "fault_to_resumed_s.gpu_lost": 30.0, "cold_over_warm": 10.0}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """How a warm trial injects its fault."""
+
+    node: int  # the node rank of the machine it hits
+    rank: int | None = None  # the rank it hits; None: the machine
+    params: dict[str, str] = field(default_factory=dict)
+    flap: tuple[str, ...] = ()  # undo the fault once the machine reported one of these alert kinds
+    repeats: int = 1  # injections in a row (a repeated network fault); the trial measures the last
+    bad_revision: bool = False  # the job first switches to a revision that fails (a user-code error)
+    timeout: float = 300.0
+
+
+SCENARIOS = {
+    "gpu_lost": Scenario(node=1),
+    "nic_down": Scenario(node=2, flap=("kernel_link", "nic_down"), repeats=2),
+    "disk_full": Scenario(node=1),
+    "crash": Scenario(node=2, rank=4),
+    "hang": Scenario(node=3, rank=6),
+    "user_error": Scenario(node=0, rank=0, bad_revision=True),
+    "nan": Scenario(node=1, rank=TOPO.ranks_on(1)[0]),
+    "sdc": Scenario(node=2),
+    "bitflip": Scenario(node=3, rank=TOPO.ranks_on(3)[0], timeout=480.0),
+    "slow": Scenario(node=1, rank=TOPO.ranks_on(1)[0], params={"seconds": "3.0"}),
+}
+HANDLERS = {"evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption", "roll_back",
+            "no_culprit"}
+# alert -> first task; fault -> resumed for explicit faults with a warm standby; cold requeue over warm path
+TARGETS = {"alert_to_task_s": 2.0, "resume_s.gpu_lost": 30.0, "resume_s.disk_full": 30.0, "resume_s.nic_down": 30.0,
+           "warm_vs_cold_speedup": 10.0}
 PARK = ["standby", "park", "--nproc", "2"]
 
 
@@ -115,26 +147,25 @@ class Bench:
 
     # ---- warm path --------------------------------------------------------------------------------
     def warm(self, fault: str) -> dict[str, Any]:
-        rank, node = WARM_FAULTS[fault]
+        sc = SCENARIOS[fault]
         self.settled()
         self.repair()
+        if sc.bad_revision:  # the running revision trained healthy; the new one fails in user code
+            job = self.ctl.fleet.job(JOB)
+            self.ctl.fleet.mark_known_good(JOB, job.revision)
+            self.ctl.hot_update(JOB, f"{job.revision}-next", reason="benchmark: a revision with a bug")
         self.training()
-        last = self.last_incident()
-        machine = self.ctl.fleet.job(JOB).machine_list[node]
-        t_fault = time.time()
-        inject.inject(self.inv, machine, fault, rank=rank)
-        try:
-            inc = poll(lambda: next((i for i in self.ctl.fleet.incidents(JOB) if i.id > last
-                                     and i.state in ("resolved", "failed", "waiting_human")), None),
-                       timeout=300, interval=0.5, what=f"the {fault} incident to close")
-        finally:
-            inject.clear(self.inv, machine, fault)
+        machine = self.ctl.fleet.job(JOB).machine_list[sc.node]
+        for attempt in range(sc.repeats):
+            if attempt:  # the next one comes once the last has been handled, within the repeat window
+                self.settled()
+                self.training()
+            last = self.last_incident()
+            t_fault = time.time()
+            inc = self.fault_and_incident(machine, fault, sc, last, t_fault)
         conf, tasks = self.incident_run(inc.id)
         triage_start = tasks.get("triage", {}).get("start")
-        handler = next((t for t in tasks.values() if t["task_id"] in {"evict_now", "stop_time_diagnosis",
-                                                                      "runtime_analysis", "silent_corruption",
-                                                                      "roll_back", "no_culprit"}
-                        and t["state"] == "success"), {})
+        handler = next((t for t in tasks.values() if t["task_id"] in HANDLERS and t["state"] == "success"), {})
         trial = {
             "path": "warm", "fault": fault, "machine": machine, "incident": inc.id, "state": inc.state,
             "category": inc.category, "branch": handler.get("task_id"),
@@ -153,6 +184,25 @@ class Bench:
         print(f"warm {fault}: {_fmt(trial)}", flush=True)
         self.trials.append(trial)
         return trial
+
+    def fault_and_incident(self, machine: str, fault: str, sc: Scenario, last: int, t_fault: float) -> Any:
+        """Inject, wait for the incident that holds an alert raised since, clear; return the incident."""
+        reader = BusReader(open_bus(self.inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
+        inject.inject(self.inv, machine, fault, rank=sc.rank, params=sc.params or None)
+        try:
+            if sc.flap:
+                poll(lambda: [a for a in reader.read() if a.machine == machine and a.kind in sc.flap],
+                     timeout=30, interval=0.1, what=f"{machine} to report {' or '.join(sc.flap)}")
+                inject.clear(self.inv, machine, fault)
+
+            def closed() -> Any:
+                return next((i for i in self.ctl.fleet.incidents(JOB) if i.id > last
+                             and i.state in ("resolved", "failed", "waiting_human")
+                             and any(a.ts >= t_fault for a in self.ctl.fleet.alerts_of(i.id))), None)
+
+            return poll(closed, timeout=sc.timeout, interval=0.5, what=f"the {fault} incident to close")
+        finally:
+            inject.clear(self.inv, machine, fault)
 
     def incident_run(self, incident_id: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """The incident's tg_incident run (its conf) and its task instances' states and times."""
@@ -203,6 +253,36 @@ class Bench:
         return trial
 
 
+def metrics_of(trials: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result's metrics (names of ../shared/DESIGN.md's results format) from the trials."""
+    warm = [t for t in trials if t["path"] == "warm" and t["state"] != "error"]
+    cold = [t for t in trials if t["path"] == "cold"]
+    metrics: dict[str, Any] = {}
+
+    def add(key: str, values: list[float | None], unit: str = "s", target: float | None = None) -> None:
+        got = [v for v in values if v is not None]
+        if got:
+            metrics[key] = summarize(got, unit, target)
+
+    add("alert_to_task_s", [t["alert_to_first_task_s"] for t in warm], target=TARGETS["alert_to_task_s"])
+    add("alert_to_trigger_s", [t["alert_to_trigger_s"] for t in warm])
+    add("alert_to_incident_s", [t["alert_to_incident_s"] for t in warm])
+    for fault in dict.fromkeys(t["fault"] for t in warm):
+        these = [t for t in warm if t["fault"] == fault]
+        add(f"alert_to_diagnosis_s.{fault}", [t["alert_to_diagnosis_s"] for t in these])
+        add(f"localize_s.{fault}", [t["localization_s"] for t in these])
+        add(f"resume_s.{fault}", [t["fault_to_resumed_s"] for t in these], target=TARGETS.get(f"resume_s.{fault}"))
+        add(f"lost_steps.{fault}", [t["lost_steps"] for t in these], unit="steps", target=1)
+    add("cold_requeue_s", [t["fault_to_resumed_s"] for t in cold])
+    add("cold_requeue.self_check_s", [t["self_check_s"] for t in cold])
+    warm_gpu = [t["fault_to_resumed_s"] for t in warm if t["fault"] == "gpu_lost" and t["fault_to_resumed_s"]]
+    if warm_gpu and cold:
+        ratio = statistics.median(t["fault_to_resumed_s"] for t in cold) / statistics.median(warm_gpu)
+        metrics["warm_vs_cold_speedup"] = {"median": round(ratio, 2), "p90": None, "n": 1, "unit": "x",
+                                           "target": TARGETS["warm_vs_cold_speedup"]}
+    return metrics
+
+
 def _fmt(trial: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in trial.items()
                      if k not in ("path", "fault"))
@@ -210,8 +290,11 @@ def _fmt(trial: dict[str, Any]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one GPU-loss trial each way, no crash or hang trials")
+    ap.add_argument("--quick", action="store_true", help="one GPU-loss trial each way, no other fault kind")
     ap.add_argument("--trials", type=int, default=3, help="GPU-loss trials on the warm path (default 3)")
+    ap.add_argument("--faults", default=",".join(k for k in SCENARIOS if k != "gpu_lost"),
+                    help="the other fault kinds, one warm trial each, comma-separated (default: all of "
+                         f"{', '.join(SCENARIOS)}; empty for none)")
     ap.add_argument("--cold-trials", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -219,7 +302,12 @@ def main() -> int:
         print("bench/recovery.py needs root (network namespaces)", file=sys.stderr)
         return 2
     gpu_trials, cold_trials = (1, 1) if args.quick else (args.trials, args.cold_trials)
-    extra = [] if args.quick else ["crash", "hang"]
+    extra = [] if args.quick else [f for f in args.faults.split(",") if f]
+    unknown = [f for f in extra if f not in SCENARIOS]
+    if unknown:
+        print(f"--faults: unknown fault kind {', '.join(unknown)}; use some of {', '.join(SCENARIOS)}",
+              file=sys.stderr)
+        return 2
     tmp = tempfile.mkdtemp(prefix="tg-bench-recovery-")
     ok = False
     try:
@@ -235,7 +323,11 @@ def main() -> int:
             b.ctl.launch_job(JOB, TOPO, [m.name for m in inv.by_role("active")], train_args=TRAIN)
             b.training(4)
             for fault in ["gpu_lost"] * gpu_trials + extra:
-                b.warm(fault)
+                try:
+                    b.warm(fault)
+                except (RuntimeError, TimeoutError) as exc:  # recorded as a failed trial; the next kind runs
+                    print(f"warm {fault}: failed: {exc}", file=sys.stderr, flush=True)
+                    b.trials.append({"path": "warm", "fault": fault, "state": "error", "error": str(exc)[:500]})
             b.settled()
             b.airflow.stop()  # the requeue baseline runs without the control plane
             for _ in range(cold_trials):
@@ -254,38 +346,16 @@ def main() -> int:
         else:  # the fleet database and Airflow's logs, for a post-mortem
             print(f"kept {tmp}/control", file=sys.stderr)
 
-    warm = [t for t in b.trials if t["path"] == "warm"]
+    failed = [t for t in b.trials if t["path"] == "warm" and t["state"] != "resolved"]
+    warm = [t for t in b.trials if t["path"] == "warm" and t["state"] != "error"]
     cold = [t for t in b.trials if t["path"] == "cold"]
-    metrics: dict[str, Any] = {}
-
-    def add(key: str, values: list[float | None], unit: str = "s", target: float | None = None) -> None:
-        got = [v for v in values if v is not None]
-        if got:
-            metrics[key] = summarize(got, unit, target)
-
-    add("alert_to_first_task_s", [t["alert_to_first_task_s"] for t in warm], target=TARGETS["alert_to_first_task_s"])
-    add("alert_to_trigger_s", [t["alert_to_trigger_s"] for t in warm])
-    add("alert_to_incident_s", [t["alert_to_incident_s"] for t in warm])
-    for fault in dict.fromkeys(t["fault"] for t in warm):
-        these = [t for t in warm if t["fault"] == fault]
-        add(f"alert_to_diagnosis_s.{fault}", [t["alert_to_diagnosis_s"] for t in these])
-        add(f"localization_s.{fault}", [t["localization_s"] for t in these])
-        add(f"fault_to_resumed_s.{fault}", [t["fault_to_resumed_s"] for t in these],
-            target=TARGETS.get(f"fault_to_resumed_s.{fault}"))
-        add(f"lost_steps.{fault}", [t["lost_steps"] for t in these], unit="steps", target=1)
-    add("fault_to_resumed_s.cold_requeue", [t["fault_to_resumed_s"] for t in cold])
-    add("cold_requeue.self_check_s", [t["self_check_s"] for t in cold])
-    warm_gpu = [t["fault_to_resumed_s"] for t in warm if t["fault"] == "gpu_lost" and t["fault_to_resumed_s"]]
-    if warm_gpu and cold:
-        ratio = statistics.median(t["fault_to_resumed_s"] for t in cold) / statistics.median(warm_gpu)
-        metrics["cold_over_warm"] = {"median": round(ratio, 2), "p90": None, "n": 1, "unit": "x",
-                                     "target": TARGETS["cold_over_warm"]}
-    failed = [t for t in warm if t["state"] != "resolved"]
-    text = write_result("recovery", quick=bool(args.quick), out=args.out, metrics=metrics, setup={
+    text = write_result("recovery", quick=bool(args.quick), out=args.out, metrics=metrics_of(b.trials), setup={
         "cluster": "6 emulated machines (network namespaces, real sshd), 4 active, 2 warm standbys",
         "job": f"reference GPT, {TOPO.tp}x{TOPO.pp}x{TOPO.dp} (TP x PP x DP), checkpoint every step, "
                f"step delay 0.2 s",
-        "control_plane": "airflow standalone (LocalExecutor), tg_guardian + tg_incident, settle window 3 s",
+        "control_plane": "airflow standalone (LocalExecutor), tg_guardian + tg_incident + tg_sdc_replay, settle "
+                         "window 3 s (none once a batch holds an explicit machine fault), fail-slow vote 5 rounds "
+                         "10 s apart",
         "warm_trials": {f: sum(1 for t in warm if t["fault"] == f) for f in dict.fromkeys(t["fault"] for t in warm)},
         "cold_trials": len(cold),
         "cold_requeue": "alert seen on the bus; job stopped everywhere; replacement not pre-warmed; L1+L2 "

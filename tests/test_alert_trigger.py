@@ -67,3 +67,18 @@ def test_kinds_filter_what_fires(tmp_path: Path):
     bus.publish(Alert("nan_loss", "m0", job="j", rank=0))
     event = first_event(AlertTrigger(url, str(tmp_path / "c"), settle_s=0.1, poll_s=0.05, kinds=["nan_loss"]))
     assert [a["kind"] for a in event["alerts"]] == ["nan_loss"]
+
+
+def test_an_explicit_machine_fault_fires_without_waiting_out_the_settle_window(tmp_path: Path):
+    url = f"spool://{tmp_path / 'bus'}"
+    bus = open_bus(url)
+    bus.publish(Alert("rank_slow", "m1", job="j", rank=2, severity="warning"))
+    bus.publish(Alert("gpu_lost", "m0", job="j"))
+    event = first_event(AlertTrigger(url, str(tmp_path / "c"), settle_s=10.0, poll_s=0.05), timeout=5.0)
+    assert [a["kind"] for a in event["alerts"]] == ["rank_slow", "gpu_lost"]
+    assert event["fired_ts"] - event["first_seen_ts"] < 1.0
+    # a benign Xid (13: a user's illegal memory access) is not decisive: the window is waited out
+    other = f"spool://{tmp_path / 'bus2'}"
+    open_bus(other).publish(Alert("kernel_xid", "m0", job="j", evidence={"xid": "13"}))
+    slow = first_event(AlertTrigger(other, str(tmp_path / "c2"), settle_s=1.0, poll_s=0.05))
+    assert slow["fired_ts"] - slow["first_seen_ts"] >= 1.0

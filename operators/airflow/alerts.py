@@ -3,7 +3,9 @@ deferrable ``AlertSensor``.
 
 The trigger polls the alert bus (:class:`node_tools.bus.BusReader`) every ``poll_s``, starting from the
 cursor in ``cursor_path``. On the first alert it keeps reading for ``settle_s`` more (default 3 s), so a
-burst from a thousand ranks timing out together becomes one batch, then fires with every alert of the
+burst from a thousand ranks timing out together becomes one batch, then fires (at once instead when the
+batch holds an alert the ladder acts on by itself, an explicit machine fault: waiting would only delay the
+eviction; what comes later joins the open incident) with every alert of the
 batch as JSON documents and the advanced cursor. The trigger never writes the cursor: the task that has
 recorded the batch commits it (:func:`commit_cursor`), so a run that fails after the trigger fired
 leaves the alerts for the next run (recording them again is a no-op: alerts are keyed by id).
@@ -22,6 +24,8 @@ from typing import Any
 
 from airflow.sdk import BaseSensorOperator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+from operators.policy import ladder
 
 DEFAULT_SETTLE_S = 3.0
 DEFAULT_POLL_S = 0.25
@@ -55,7 +59,8 @@ def commit_cursor(cursor_path: str, cursor: dict[str, Any]) -> None:
 
 
 class AlertTrigger(BaseTrigger):
-    """Fires with a batch of alerts: the first one found plus all that arrive within ``settle_s``."""
+    """Fires with a batch of alerts: the first one found plus all that arrive within ``settle_s`` (or the
+    batch so far, once it holds an explicit machine fault)."""
 
     def __init__(self, bus_url: str, cursor_path: str, *, settle_s: float = DEFAULT_SETTLE_S,
                  poll_s: float = DEFAULT_POLL_S, lookback_s: float = 120.0, kinds: Sequence[str] = ()) -> None:
@@ -86,7 +91,7 @@ class AlertTrigger(BaseTrigger):
                 await asyncio.sleep(self.poll_s)
         first_seen = time.time()
         deadline = time.monotonic() + self.settle_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not any(ladder.decisive(a) for a in batch):
             await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
             batch += await self._read()
         batch.sort(key=lambda a: a["ts"])

@@ -110,6 +110,12 @@ def _category(alert: Mapping[str, Any]) -> str:
     return "observe"
 
 
+def decisive(alert: Mapping[str, Any]) -> bool:
+    """An alert the ladder acts on by itself, whatever else arrives with it: an explicit machine fault (the
+    first rung evicts at once). A batch holding one needs no settle window."""
+    return _category(alert) == "machine_fault"
+
+
 def network_repeats(alerts: Iterable[Mapping[str, Any]], now: float, *, window_s: float = NETWORK_REPEAT_WINDOW_S,
                     count: int = NETWORK_REPEAT_COUNT) -> set[str]:
     """Machines with at least ``count`` network episodes in the last ``window_s``. One link event raises
