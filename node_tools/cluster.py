@@ -55,6 +55,8 @@ class ClusterSpec:
         name: short name (1-6 lower-case letters/digits); prefixes namespaces and links.
         machines: machines in all.
         standbys: how many of them start as warm standbys (the rest are active).
+        free: how many (after the standbys) start unprovisioned, role "free": the inventory the standby
+            pool job provisions from.
         subnet: the /24 (or larger) private network of the bridge; the host takes .1.
         disk_mb: size of each machine's local disk (tmpfs), in MiB.
         gpus: emulated GPUs per machine.
@@ -68,6 +70,13 @@ class ClusterSpec:
     disk_mb: int = 256
     gpus: int = 8
     transport: str = "auto"
+    free: int = 0
+
+    def role(self, i: int) -> str:
+        """Machine ``i``'s role at start: active first, then standbys, then free machines."""
+        if i >= self.machines - self.free:
+            return "free"
+        return "standby" if i >= self.machines - self.free - self.standbys else "active"
 
     def validate(self) -> None:
         if not _CLUSTER_NAME_RE.match(self.name):
@@ -80,6 +89,9 @@ class ClusterSpec:
             raise ClusterError(
                 f"--standbys {self.standbys} must be 0..{self.machines - 1} (at least one active machine)"
             )
+        if not 0 <= self.free < self.machines - self.standbys:
+            raise ClusterError(f"--free {self.free} must be 0..{self.machines - self.standbys - 1} "
+                               f"(at least one active machine besides {self.standbys} standbys)")
         try:
             net = ipaddress.ip_network(self.subnet)
         except ValueError:
@@ -449,7 +461,7 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
                 name=name,
                 address=spec.address(i) if transport == "ssh" else "127.0.0.1",
                 port=22,
-                role="standby" if i >= spec.machines - spec.standbys else "active",
+                role=spec.role(i),
                 host_key=host_key,
                 workdir=str(workdir),
                 gpus=spec.gpus,

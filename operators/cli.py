@@ -2,7 +2,7 @@
 
 Commands::
 
-    trainguard cluster up [--machines 6 --standbys 2 --name tg --subnet ... --disk-mb 256 --gpus 8
+    trainguard cluster up [--machines 6 --standbys 2 --free 0 --name tg --subnet ... --disk-mb 256 --gpus 8
                            --transport auto|ssh|local]
     trainguard cluster down
     trainguard cluster status
@@ -12,6 +12,7 @@ Commands::
     trainguard job stop --job J
     trainguard job status --job J
     trainguard demo [--steps 40] [--keep]
+    trainguard revision add --job J --revision R [--reason TEXT] | list --job J
     trainguard ettr --job J [--window-s 3600]   (the control plane's fleet database: $TG_FLEET_URL, $TG_INVENTORY)
 
 Exit codes: 0 success, 1 the job or check failed, 2 bad input or missing
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     cu.add_argument("--name", default=d.name)
     cu.add_argument("--machines", type=int, default=d.machines)
     cu.add_argument("--standbys", type=int, default=d.standbys)
+    cu.add_argument("--free", type=int, default=d.free, help="unprovisioned machines for the standby pool job")
     cu.add_argument("--subnet", default=d.subnet)
     cu.add_argument("--disk-mb", type=int, default=d.disk_mb)
     cu.add_argument("--gpus", type=int, default=d.gpus)
@@ -89,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--subnet", default=d.subnet)
     dp.add_argument("--keep", action="store_true", help="leave the cluster up at the end")
 
+    rp = sub.add_parser("revision", help="a job's code revisions: record one (before tg_code_update may use it), list")
+    rsub = rp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
+    ra = rsub.add_parser("add", help="record a revision of the job's code")
+    ra.add_argument("--job", required=True)
+    ra.add_argument("--revision", required=True)
+    ra.add_argument("--reason", default="")
+    rl = rsub.add_parser("list", help="the job's revisions, which one runs, which wait, which are known good")
+    rl.add_argument("--job", required=True)
+
     ep = sub.add_parser("ettr", help="a job's effective training time ratio and its losses by failure cause")
     ep.add_argument("--job", required=True)
     ep.add_argument("--window-s", type=float, default=3600.0, help="the sliding window (default 3600)")
@@ -123,7 +134,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     if args.action == "up":
         spec = cluster.ClusterSpec(
             name=args.name, machines=args.machines, standbys=args.standbys, subnet=args.subnet,
-            disk_mb=args.disk_mb, gpus=args.gpus, transport=args.transport,
+            disk_mb=args.disk_mb, gpus=args.gpus, transport=args.transport, free=args.free,
         )
         inv = cluster.up(spec, args.state_dir, log=lambda msg: print(msg, file=sys.stderr))
         lines = [f"cluster {inv.cluster} is up ({inv.transport}); inventory {inv.path}"]
@@ -214,6 +225,32 @@ def cmd_ettr(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_revision(args: argparse.Namespace) -> int:
+    import re
+
+    from operators.control import ControlConfig
+    from operators.fleet import FleetStore
+
+    fleet = FleetStore(ControlConfig.from_env().fleet_url)
+    job = fleet.job(args.job)  # an unknown job: a one-line error naming the jobs there are
+    if args.action == "add":
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}", args.revision):
+            raise TrainguardError(f"--revision {args.revision!r} must be 1-128 letters, digits or ._+- (a tag or "
+                                  f"commit id)", exit_code=2)
+        added = fleet.record_revision(args.job, args.revision, reason=args.reason)
+        _print(args, {"job": args.job, "revision": args.revision, "added": added},
+               f"revision {args.revision} of job {args.job} " + ("recorded" if added else "was already recorded"))
+        return EXIT_OK
+    revs = fleet.revisions(args.job)
+    doc = {"job": args.job, "running": job.revision, "pending": job.pending_revision,
+           "revisions": [{"revision": r.revision, "known_good": r.known_good, "recorded_ts": r.recorded_ts,
+                          "reason": r.reason} for r in revs]}
+    lines = [f"{'*' if r.revision == job.revision else ('>' if r.revision == job.pending_revision else ' ')} "
+             f"{r.revision:24} {'known good' if r.known_good else '':10} {r.reason}" for r in revs]
+    _print(args, doc, "\n".join([f"job {args.job} (* runs, > waits for the next restart)", *lines]))
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     try:
@@ -230,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args)
         if args.command == "ettr":
             return cmd_ettr(args)
+        if args.command == "revision":
+            return cmd_revision(args)
     except TrainguardError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return exc.exit_code

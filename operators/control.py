@@ -144,14 +144,15 @@ class Controller:
                                 revision=j.revision, warm=warm)
 
     def _start(self, job: str, *, warm: set[str], incident_id: int | None = None,
-               restore_max_step: int | None = None) -> dict[str, Any]:
+               restore_max_step: int | None = None, tag: str = "") -> dict[str, Any]:
         j = self.fleet.job(job)
         if j.pending_revision:  # a lazy code update waits for the next restart: this one
             self.fleet.set_revision(job, j.pending_revision)
         # this launch only: later restarts restore the newest step again
         extra = ["--restore-max-step", str(restore_max_step)] if restore_max_step is not None else []
         plan = self._plan(job, warm, extra)
-        key = f"launch:{job}:{incident_id if incident_id is not None else 'initial'}:{','.join(j.machine_list)}"
+        tag = tag or (str(incident_id) if incident_id is not None else "initial")
+        key = f"launch:{job}:{tag}:{','.join(j.machine_list)}"
         action, created = self.fleet.record_action(key, kind="launch", incident_id=incident_id,
                                                    machines=j.machine_list, dry_run=self.cfg.dry_run,
                                                    evidence={"revision": plan.revision, "port": plan.master_port,
@@ -172,23 +173,23 @@ class Controller:
                 "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}
 
     def hot_update(self, job: str, revision: str, *, reason: str = "") -> dict[str, Any]:
-        """Switch the job to ``revision`` now: stop it, record the revision, start it again on the same
-        machines (it restores its newest committed checkpoint). Repeating it is a no-op."""
+        """Switch the job to ``revision`` now, in place: stop it, record the revision, start it again on
+        the same machines (on their parked warm interpreters where there are some; nothing rescheduled),
+        restoring its newest committed checkpoint. Repeating it is a no-op."""
         self.fleet.record_revision(job, revision, reason=reason)
         if self.fleet.job(job).revision == revision:
-            return {"updated": False, "reason": f"job {job} already runs {revision}"}
-        self.stop(job)
+            return {"updated": False, "job": job, "reason": f"job {job} already runs {revision}"}
+        before = self.progress(job)
+        stopped = self.stop(job)
         self.fleet.set_revision(job, revision)
-        j = self.fleet.job(job)
-        plan = self._plan(job, set())
-        action, _ = self.fleet.record_action(f"launch:{job}:update-{revision}:{','.join(j.machine_list)}",
-                                             kind="launch", machines=j.machine_list, dry_run=self.cfg.dry_run,
-                                             evidence={"revision": revision, "port": plan.master_port, "warm": []})
-        if self.cfg.dry_run:
-            return {"updated": False, "dry_run": True}
-        launcher.launch(self.inventory, plan, transport=self.transport)
-        self.fleet.finish_action(action.id, "done", f"hot update to {revision}")
-        return {"updated": True, "revision": revision}
+        machines = self.fleet.job(job).machine_list
+        warm = self.parked(machines)
+        restart_ts = time.time()
+        updates = sum(1 for a in self.fleet.actions() if a.key.startswith(f"launch:{job}:update-"))
+        started = self._start(job, warm=warm, tag=f"update-{updates + 1}-{revision}")
+        return {"updated": bool(started.get("launched")), "job": job, "revision": revision, "machines": machines,
+                "stopped": stopped, "started": started, "warm": sorted(warm),
+                "steps_before": before.get("step", -1), "restart_ts": restart_ts}
 
     # ---- guardian: alerts -> incidents ------------------------------------------------------------
     def job_of(self, alert: Mapping[str, Any]) -> str | None:
@@ -344,9 +345,7 @@ class Controller:
 
     def _l3(self, names: Sequence[str]) -> dict[str, RunResult]:
         """L3 in pairs of neighbours (an odd one out joins the last pair)."""
-        groups = [list(names[i:i + 2]) for i in range(0, len(names), 2)]
-        if len(groups) > 1 and len(groups[-1]) == 1:
-            groups[-2] += groups.pop()
+        groups = neighbour_groups(names)
         argv: dict[str, list[str]] = {}
         for gi, group in enumerate(groups):
             master = self.inventory.machine(group[0])
@@ -690,6 +689,15 @@ class Controller:
             "actions": [{k: v for k, v in asdict_action(a).items() if k != "evidence"}
                         for a in self.fleet.actions(incident_id)],
         }
+
+
+def neighbour_groups(names: Sequence[str]) -> list[list[str]]:
+    """L3's groups: neighbours in pairs, an odd one out joining the last pair."""
+    groups = [list(names[i:i + 2]) for i in range(0, len(names), 2)]
+    if len(groups) > 1 and len(groups[-1]) == 1:
+        odd = groups.pop()
+        groups[-1] += odd
+    return groups
 
 
 def _replay_result(statuses: Mapping[str, Any], steps: int, world_size: int) -> str | None:

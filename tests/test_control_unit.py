@@ -116,3 +116,12 @@ def test_the_replay_verdict_places_the_culprit_with_the_reference_or_says_it_can
     failed_ref = Controller.replay_verdict(plan, {"h0": good, "h1": bad, "ref": "failed: m4 unreachable"},
                                            {"v0": good, "v1": bad})
     assert failed_ref["inconclusive"] and failed_ref["reference_result"] is None
+
+
+def test_l3_pairs_neighbours_and_an_odd_one_out_joins_the_last_pair():
+    from operators.control import neighbour_groups
+
+    # three machines left after one failed L1 (a full disk): one group of three, not a crash
+    assert neighbour_groups(["m0", "m1", "m3"]) == [["m0", "m1", "m3"]]
+    assert neighbour_groups(["a", "b", "c", "d", "e"]) == [["a", "b"], ["c", "d", "e"]]
+    assert neighbour_groups(["a", "b", "c", "d"]) == [["a", "b"], ["c", "d"]]

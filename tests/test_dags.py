@@ -23,7 +23,8 @@ def dagbag(tmp_path_factory: pytest.TempPathFactory):
 
 def test_dag_files_import_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert {"tg_guardian", "tg_incident", "tg_diagnose", "tg_sdc_replay"} <= set(dagbag.dag_ids)
+    assert {"tg_guardian", "tg_incident", "tg_diagnose", "tg_sdc_replay", "tg_ettr", "tg_standby_pool"} <= set(
+        dagbag.dag_ids)
 
 
 def test_replay_dag_runs_its_phases_in_turn_and_always_restarts_the_job(dagbag):
@@ -85,3 +86,19 @@ def test_diagnosis_fans_out_one_mapped_task_per_machine_in_the_ssh_pool(dagbag):
     assert check.upstream_task_ids == {"targets"}
     assert dag.get_task("neighbours").pool == "tg_ssh"
     assert dag.get_task("conclude").upstream_task_ids == {"check_machine", "neighbours"}
+
+
+def test_the_standby_pool_dag_checks_each_machine_in_the_ssh_pool_and_always_concludes(dagbag):
+    dag = dagbag.get_dag("tg_standby_pool")
+    assert dag.max_active_runs == 1 and set(dag.params.keys()) == {"target"}
+    check = dag.get_task("self_check")
+    assert check.pool == "tg_ssh" and check.upstream_task_ids == {"machines"}
+    conclude = dag.get_task("conclude")  # also when there is nothing to check (no mapped task at all)
+    assert conclude.trigger_rule == "none_failed" and conclude.upstream_task_ids == {"plan", "self_check"}
+    from airflow.sdk.definitions.param import ParamsDict
+    from airflow.sdk.exceptions import ParamValidationError
+
+    params = ParamsDict(dag.params)
+    with pytest.raises(ParamValidationError):
+        params.update({"target": -5})
+        params.validate()

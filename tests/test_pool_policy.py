@@ -60,3 +60,48 @@ def test_the_plan_fills_the_shortfall_rechecks_stale_standbys_and_retires_repeat
 def test_bad_input_says_what_is_wrong(call, message: str):
     with pytest.raises(PoolError, match=message):
         call()
+
+
+# ---- the pool job's plan and claim against a fleet database (self-checks need machines: the e2e test) ----
+def _fleet(tmp_path, free: int = 3):
+    from node_tools.inventory import Inventory, Machine
+    from operators.control import ControlConfig, Controller
+
+    roles = ["active"] * 4 + ["standby"] + ["free"] * free
+    inv = Inventory(cluster="t", transport="local",
+                    machines=[Machine(name=f"m{i}", address="127.0.0.1", role=r) for i, r in enumerate(roles)])
+    inv.save(tmp_path / "inventory.json")
+    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(inv.path)), inventory=inv)
+    c.sync_inventory()
+    c.fleet.upsert_job("j", tp=1, pp=2, dp=2, ranks_per_machine=2, machines=["m0", "m1", "m2", "m3"])
+    return c
+
+
+def test_the_pool_job_claims_free_machines_for_a_target_and_refuses_one_it_cannot_fill(tmp_path):
+    from operators import standby_pool
+    from operators.fleet import states
+
+    c = _fleet(tmp_path)
+    plan = standby_pool.plan(c)
+    assert plan["computed_target"] == 0 and plan["serving_machines"] == 4  # 4 machines at 0.0012/day: none
+    assert plan["provision"] == [] and plan["recheck"] == []  # the inventory's standby counts as checked
+    assert standby_pool.claim(c, plan) == []
+    before = {m.name: m.state for m in c.fleet.machines()}
+    with pytest.raises(PoolError, match=r"pool target 9 is larger than the free inventory \(4 machines"):
+        standby_pool.plan(c, target=9)
+    assert {m.name: m.state for m in c.fleet.machines()} == before  # refused: nothing changed
+    plan = standby_pool.plan(c, target=3)
+    assert plan["provision"] == ["m5", "m6"] and plan["nproc"] == 2
+    targets = standby_pool.claim(c, plan)
+    assert [t["machine"] for t in targets] == ["m5", "m6"]
+    assert {c.fleet.machine(n).state for n in ("m5", "m6")} == {states.SELF_CHECK}
+    assert standby_pool.claim(c, plan) == targets  # claiming again is a no-op on the fleet
+    assert [e.to_state for e in c.fleet.events("m5")].count(states.SELF_CHECK) == 1
+    # the next run does not pick them again while they are being checked
+    again = standby_pool.plan(c, target=3)
+    assert again["have"] == 3 and again["provision"] == []
+    assert standby_pool.plan(c, target=4)["provision"] == ["m7"]
+    note = standby_pool.summary(plan, [{"machine": "m5", "why": "provision", "healthy": True, "failed": None},
+                                       {"machine": "m6", "why": "provision", "healthy": False, "failed": "L2: gemm"}])
+    assert note["note"] == "pool 2/3; joined or re-checked: m5; to repair: m6 (L2: gemm); short by 1: the next " \
+                           "run provisions more"

@@ -337,3 +337,34 @@ def ettr_reports(job: str, window_s: float) -> dict[str, Any]:
         except TrainguardError as exc:
             out[name] = {"error": str(exc)}
     return out
+
+
+# ---- tg_standby_pool --------------------------------------------------------------------------------------
+def pool_schedule() -> str | None:
+    """The pool job's schedule: ``TG_POOL_SCHEDULE`` (a cron expression or preset; empty or "none": by
+    hand only), every 10 minutes by default."""
+    value = os.environ.get("TG_POOL_SCHEDULE", "*/10 * * * *").strip()
+    return None if value.lower() in ("", "none") else value
+
+
+def pool_plan(target: int) -> dict[str, Any]:
+    """Size the pool (``target`` < 0: from the fleet's failure history), retire repeat offenders and claim
+    the machines to self-check; returns the plan and one target per machine."""
+    from operators import standby_pool
+
+    c = controller()
+    the_plan = standby_pool.plan(c, target=None if int(target) < 0 else int(target))
+    return {"plan": the_plan, "targets": standby_pool.claim(c, the_plan)}
+
+
+def pool_check(target: dict[str, Any]) -> dict[str, Any]:
+    """One machine's self-check (L1 + L2); healthy ones are parked warm as standbys, the rest repaired."""
+    from operators import standby_pool
+
+    return standby_pool.check(controller(), target)
+
+
+def pool_conclude(planned: dict[str, Any], results: list[dict[str, Any]] | None) -> dict[str, Any]:
+    from operators import standby_pool
+
+    return standby_pool.summary(planned["plan"], list(results or []))

@@ -166,6 +166,16 @@ class FleetStore:
             return list(s.scalars(select(MachineEvent).where(MachineEvent.machine == name)
                                   .order_by(MachineEvent.id)))
 
+    def all_events(self, *, since: float = 0.0) -> list[MachineEvent]:
+        """Every machine's state changes at ``since`` or later, oldest first, with each machine's last
+        change before ``since`` (the state it entered the period in)."""
+        with self.tx() as s:
+            later = list(s.scalars(select(MachineEvent).where(MachineEvent.ts >= since).order_by(MachineEvent.id)))
+            last_before = (select(sa.func.max(MachineEvent.id)).where(MachineEvent.ts < since)
+                           .group_by(MachineEvent.machine))
+            before = list(s.scalars(select(MachineEvent).where(MachineEvent.id.in_(last_before))))
+            return sorted(before + later, key=lambda e: e.id)
+
     # ---- jobs --------------------------------------------------------------------------------
     def upsert_job(self, name: str, *, tp: int, pp: int, dp: int, ranks_per_machine: int,
                    machines: Sequence[str], revision: str = "", train_args: Sequence[str] = ()) -> bool:
@@ -243,6 +253,12 @@ class FleetStore:
                 return False
             s.add(Revision(job=job, revision=revision, recorded_ts=self.clock(), known_good=False, reason=reason))
             return True
+
+    def revisions(self, job: str) -> list[Revision]:
+        """The job's recorded revisions, oldest first."""
+        with self.tx() as s:
+            self._required(s, Job, job)
+            return list(s.scalars(select(Revision).where(Revision.job == job).order_by(Revision.id)))
 
     def mark_known_good(self, job: str, revision: str) -> bool:
         with self.tx() as s:

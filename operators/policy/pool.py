@@ -16,6 +16,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from node_tools.errors import TrainguardError
+
 DAY_S = 86400.0
 PRIOR_RATE = 0.0012  # failures per machine-day (reproduces ByteRobust's Table 5)
 PRIOR_MACHINE_DAYS = 5000.0  # the prior weighs as much as this much observed exposure
@@ -25,7 +27,7 @@ RECHECK_AGE_S = 6 * 3600.0  # a standby idle longer than this is self-checked ag
 RETIRE_AFTER = 3  # evictions within the history window that retire a machine
 
 
-class PoolError(ValueError):
+class PoolError(TrainguardError):
     """Bad pool input: what is wrong and what to do, in one line."""
 
 
@@ -106,18 +108,21 @@ class PoolPlan:
 
 
 def plan_pool(target: int, standbys: Sequence[Standby], free: Sequence[str], evictions: Mapping[str, int], now: float,
-              *, recheck_age_s: float = RECHECK_AGE_S, retire_after: int = RETIRE_AFTER) -> PoolPlan:
+              *, checking: Sequence[str] = (), recheck_age_s: float = RECHECK_AGE_S,
+              retire_after: int = RETIRE_AFTER) -> PoolPlan:
     """The pool run's plan. ``free``: machines no job holds and that may join the pool (in inventory
-    order, the provider's preference); ``evictions``: each machine's evictions within the history
-    window. A machine evicted ``retire_after`` times or more is retired instead of used again."""
+    order, the provider's preference); ``checking``: machines in their self-check now (counted as
+    coming); ``evictions``: each machine's evictions within the history window. A machine evicted
+    ``retire_after`` times or more is retired instead of used again."""
     if target < 0:
         raise PoolError(f"pool target {target} must be 0 or more")
     retire = sorted(n for n, count in evictions.items() if count >= retire_after)
     usable = [s for s in standbys if s.name not in retire]
     candidates = [n for n in free if n not in retire and n not in {s.name for s in standbys}]
-    short = max(0, target - len(usable))
+    have = len(usable) + len([n for n in checking if n not in retire])
+    short = max(0, target - have)
     provision = candidates[:short]
     stale = [s.name for s in usable if s.checked_ts is None or now - s.checked_ts > recheck_age_s]
-    return PoolPlan(target=target, have=len(usable), provision=provision, recheck=stale,
+    return PoolPlan(target=target, have=have, provision=provision, recheck=stale,
                     retire=[n for n in retire if n in {s.name for s in standbys} or n in free],
                     unmet=short - len(provision))
