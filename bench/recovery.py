@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -289,6 +290,10 @@ def _fmt(trial: dict[str, Any]) -> str:
                      if k not in ("path", "fault"))
 
 
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one GPU-loss trial each way, no other fault kind")
@@ -299,6 +304,9 @@ def main() -> int:
     ap.add_argument("--cold-trials", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    # a stop (kill, or Ctrl-C where SIGINT reaches it) ends the run with its clean-up: Airflow, the job,
+    # the cluster's namespaces and mounts
+    signal.signal(signal.SIGTERM, _stop)
     if os.geteuid() != 0:
         print("bench/recovery.py needs root (network namespaces)", file=sys.stderr)
         return 2
