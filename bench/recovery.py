@@ -109,7 +109,8 @@ class Bench:
         self.airflow = Standalone(home / "airflow", {"TG_FLEET_URL": cfg.fleet_url, "TG_INVENTORY": cfg.inventory,
                                                      "TG_CONTROL_HOME": str(home), "TG_ESCALATION_WINDOW_S": "1",
                                                      "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1",
-                                                     "TG_POOL_SCHEDULE": ""})  # the bench repairs its standbys
+                                                     # the bench repairs its own standbys
+                                                     "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": ""})
         (home / "airflow").mkdir()
         self.trials: list[dict[str, Any]] = []
 

@@ -11,10 +11,11 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.airflow.steps import pool_schedule
+from operators.airflow.schedules import schedule_from_env
 
 
-@dag(dag_id="tg_standby_pool", schedule=pool_schedule(), start_date=datetime(2026, 1, 1), catchup=False,
+@dag(dag_id="tg_standby_pool", schedule=schedule_from_env("TG_POOL_SCHEDULE", "*/10 * * * *"),
+     start_date=datetime(2026, 1, 1), catchup=False,
      max_active_runs=1, tags=["trainguard"], doc_md=__doc__, params={
          "target": Param(-1, type="integer", minimum=-1,
                          description="standbys to keep; -1 = computed from the fleet's failure history"),

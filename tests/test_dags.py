@@ -102,3 +102,21 @@ def test_the_standby_pool_dag_checks_each_machine_in_the_ssh_pool_and_always_con
     with pytest.raises(ParamValidationError):
         params.update({"target": -5})
         params.validate()
+
+
+def test_the_code_update_form_takes_an_urgency_of_its_enum_and_waits_for_training_before_rearming(dagbag):
+    from airflow.sdk.definitions.param import ParamsDict
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag = dagbag.get_dag("tg_code_update")
+    assert set(dag.params.keys()) == {"job", "revision", "urgency", "reason"} and dag.max_active_runs == 1
+    assert dag.get_task("training_resumed").upstream_task_ids == {"update"}
+    assert dag.get_task("rearm").upstream_task_ids == {"update", "conclude"}
+    good = ParamsDict(dag.params)
+    good.update({"job": "llm", "revision": "v1.2+fix", "urgency": "urgent", "reason": "loader fix"})
+    good.validate()
+    for bad in ({"urgency": "asap"}, {"revision": "r1; reboot"}, {"job": "$(id)"}):
+        params = ParamsDict(dag.params)
+        with pytest.raises(ParamValidationError):
+            params.update(bad)
+            params.validate()

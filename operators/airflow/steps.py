@@ -340,13 +340,6 @@ def ettr_reports(job: str, window_s: float) -> dict[str, Any]:
 
 
 # ---- tg_standby_pool --------------------------------------------------------------------------------------
-def pool_schedule() -> str | None:
-    """The pool job's schedule: ``TG_POOL_SCHEDULE`` (a cron expression or preset; empty or "none": by
-    hand only), every 10 minutes by default."""
-    value = os.environ.get("TG_POOL_SCHEDULE", "*/10 * * * *").strip()
-    return None if value.lower() in ("", "none") else value
-
-
 def pool_plan(target: int) -> dict[str, Any]:
     """Size the pool (``target`` < 0: from the fleet's failure history), retire repeat offenders and claim
     the machines to self-check; returns the plan and one target per machine."""
@@ -368,3 +361,56 @@ def pool_conclude(planned: dict[str, Any], results: list[dict[str, Any]] | None)
     from operators import standby_pool
 
     return standby_pool.summary(planned["plan"], list(results or []))
+
+
+# ---- tg_code_update ---------------------------------------------------------------------------------------
+def code_update(job: str, revision: str, urgency: str, reason: str) -> dict[str, Any]:
+    """A request from the form (job given): urgent/rollback -> hot update now, lazy -> pending. Without a
+    job (the schedule): the sweep, forcing overdue lazy updates and marking known-good revisions."""
+    from operators import code_updates
+
+    c = controller()
+    if not job:
+        swept = code_updates.sweep(c, force_after_s=float(os.environ.get("TG_LAZY_FORCE_S", "86400")),
+                                   known_good_steps=int(os.environ.get("TG_KNOWN_GOOD_STEPS", "200")))
+        forced = [dict(f["forced"]) for f in swept.values() if f.get("forced", {}).get("restarted")]
+        return {"sweep": swept, "restarted": bool(forced), "restarts": forced}
+    out = code_updates.request(c, job, revision, urgency, reason)
+    return {**out, "restarts": [out] if out.get("restarted") else []}
+
+
+def code_resumed(update: dict[str, Any]) -> dict[str, Any] | None:
+    """For the sensor: every restarted job trained past its restored step (None until then)."""
+    c = controller()
+    seen = {}
+    for r in update.get("restarts", []):
+        info = c.resumed(r["job"], r["restart_ts"])
+        if info is None:
+            return None
+        seen[r["job"]] = info
+    return {"resumed": seen}
+
+
+def code_rearm(update: dict[str, Any]) -> dict[str, Any]:
+    """Warm interpreters again beside every restarted job (the update consumed them)."""
+    c = controller()
+    return {r["job"]: c.arm(r["job"]) for r in update.get("restarts", [])}
+
+
+def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's one-line note."""
+    if "sweep" in update:
+        parts = [f"{job}: forced {v['forced']['revision']}" if v.get("forced") else
+                 f"{job}: {v['revision']} known good" if v.get("known_good") else
+                 f"{job}: {v.get('error') or 'nothing due'}" for job, v in update["sweep"].items()]
+        return {**update, "note": "; ".join(parts) or "no running job"}
+    if update["action"] == "hot":
+        info = (resumed_info or {}).get("resumed", {}).get(update["job"], {})
+        note = (f"{update['job']}: {update['from']} -> {update['revision']} in place on "
+                f"{', '.join(update['machines'])}, resumed at step {info.get('first_step')} "
+                f"({float(info.get('ts', update['restart_ts'])) - update['restart_ts']:.0f}s after the restart)")
+    elif update["action"] == "pending":
+        note = f"{update['job']}: {update['revision']} waits for the next restart ({update['reason']})"
+    else:
+        note = f"{update['job']}: nothing to do ({update['reason']})"
+    return {**update, "resumed": resumed_info, "note": note}
