@@ -164,6 +164,20 @@ class Standalone:
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances/"
                                    f"{task_id}/xcomEntries/return_value")["value"]
 
+    def finished(self, dag_id: str, run_id: str, *, timeout: float = 300) -> str:
+        """Wait for the run to end; its final state (success or failed)."""
+        return poll(lambda: (lambda st: st if st in ("success", "failed") else None)(self.run_state(dag_id, run_id)),
+                    timeout=timeout, interval=1.0, what=f"{dag_id} run {run_id} to end")
+
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
+        """A task's log of one try, as text (one event per line)."""
+        doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances/"
+                                  f"{task_id}/logs/{try_number}?full_content=true")
+        content = doc.get("content") if isinstance(doc, dict) else doc
+        if isinstance(content, list):
+            return "\n".join(c.get("event", "") if isinstance(c, dict) else str(c) for c in content)
+        return str(content)
+
     def incident_run(self, incident_id: int) -> dict[str, Any] | None:
         """The tg_incident run started for ``incident_id`` (None when there is none yet)."""
         return next((run for run in self.runs("tg_incident")

@@ -380,21 +380,34 @@ def code_update(job: str, revision: str, urgency: str, reason: str) -> dict[str,
 
 
 def code_resumed(update: dict[str, Any]) -> dict[str, Any] | None:
-    """For the sensor: every restarted job trained past its restored step (None until then)."""
+    """For the sensor: every restarted job trained past its restored step, or ended without a step
+    (then the ladder handles it as an incident); None until each did one or the other."""
     c = controller()
-    seen = {}
+    seen: dict[str, Any] = {}
+    ended: dict[str, str] = {}
     for r in update.get("restarts", []):
-        info = c.resumed(r["job"], r["restart_ts"])
+        try:
+            info = c.resumed(r["job"], r["restart_ts"])
+        except TrainguardError as exc:
+            ended[r["job"]] = str(exc)
+            continue
         if info is None:
             return None
         seen[r["job"]] = info
-    return {"resumed": seen}
+    return {"resumed": seen, "ended": ended}
 
 
 def code_rearm(update: dict[str, Any]) -> dict[str, Any]:
-    """Warm interpreters again beside every restarted job (the update consumed them)."""
+    """Warm interpreters again beside every restarted job (the update consumed them), unless an incident
+    of the job is open: its own run re-arms after its recovery."""
     c = controller()
-    return {r["job"]: c.arm(r["job"]) for r in update.get("restarts", [])}
+    out: dict[str, Any] = {}
+    for r in update.get("restarts", []):
+        if any(i.state in OPEN_INCIDENT_STATES for i in c.fleet.incidents(r["job"])):
+            out[r["job"]] = {"skipped": "an incident of the job is open; it re-arms after its recovery"}
+        else:
+            out[r["job"]] = c.arm(r["job"])
+    return out
 
 
 def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -> dict[str, Any]:
@@ -409,6 +422,14 @@ def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -
         note = (f"{update['job']}: {update['from']} -> {update['revision']} in place on "
                 f"{', '.join(update['machines'])}, resumed at step {info.get('first_step')} "
                 f"({float(info.get('ts', update['restart_ts'])) - update['restart_ts']:.0f}s after the restart)")
+        ended = (resumed_info or {}).get("ended", {}).get(update["job"])
+        if ended:
+            note = (f"{update['job']}: {update['from']} -> {update['revision']} in place on "
+                    f"{', '.join(update['machines'])}; the job ended after the restart without a step ({ended}); "
+                    f"the ladder handles it as an incident")
+        now = controller().fleet.job(update["job"]).revision
+        if now != update["revision"]:  # it failed and the ladder rolled it back meanwhile
+            note += f"; {update['revision']} did not stay: the job runs {now} now (see its incidents)"
     elif update["action"] == "pending":
         note = f"{update['job']}: {update['revision']} waits for the next restart ({update['reason']})"
     else:
