@@ -30,11 +30,8 @@ def tg_diagnose():
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
     def check_machine(target: dict) -> dict:
-        from airflow.sdk import get_current_context
-
         from operators.airflow import steps
 
-        get_current_context()["machine"] = target["machine"]  # names the mapped task in the UI
         return steps.diagnose_machine(target)
 
     @task(pool="tg_ssh")

@@ -33,11 +33,8 @@ def tg_standby_pool():
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
     def self_check(target: dict) -> dict:
-        from airflow.sdk import get_current_context
-
         from operators.airflow import steps
 
-        get_current_context()["machine"] = target["machine"]  # names the mapped task in the UI
         return steps.pool_check(target)
 
     @task(trigger_rule="none_failed")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -40,6 +41,28 @@ def _state_dir() -> Path:
     import tempfile
 
     return Path(tempfile.mkdtemp(prefix="tg-test-cluster-")) / "state"
+
+
+@contextlib.contextmanager
+def own_cluster(spec: cluster.ClusterSpec, prefix: str) -> Iterator[Inventory]:
+    """A namespace cluster of a test module's own (its control plane's home beside its state), brought
+    down at the end; ``TG_KEEP_TEST_STATE=1`` keeps the folder (fleet database, Airflow logs)."""
+    reason = can_namespace()
+    if reason:
+        pytest.skip(reason)
+    import tempfile
+
+    state = Path(tempfile.mkdtemp(prefix=prefix)) / "state"
+    cluster.down(state, name=spec.name, log=lambda *_: None)
+    inv = cluster.up(spec, state, log=lambda *_: None)
+    try:
+        yield inv
+    finally:
+        cluster.down(state, name=spec.name, log=lambda *_: None)
+        if os.environ.get("TG_KEEP_TEST_STATE"):
+            print(f"kept {state.parent}")
+        else:
+            shutil.rmtree(state.parent, ignore_errors=True)
 
 
 @pytest.fixture

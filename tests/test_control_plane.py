@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,7 +23,7 @@ from node_tools.transport import transport_for
 from operators.airflow.standalone import Standalone
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
-from tests.conftest import can_namespace, wait_until
+from tests.conftest import own_cluster, wait_until
 from tests.jobs import AlertWatch
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow]
@@ -40,20 +37,8 @@ ESCALATION_WINDOW_S = 25  # a failure this soon after a recovery climbs the ladd
 
 @pytest.fixture(scope="module")
 def cp_cluster() -> Iterator[Inventory]:
-    reason = can_namespace()
-    if reason:
-        pytest.skip(reason)
-    state = Path(tempfile.mkdtemp(prefix="tg-test-cp-")) / "state"
-    cluster.down(state, name=SPEC.name, log=lambda *_: None)
-    inv = cluster.up(SPEC, state, log=lambda *_: None)
-    try:
+    with own_cluster(SPEC, "tg-test-cp-") as inv:
         yield inv
-    finally:
-        cluster.down(state, name=SPEC.name, log=lambda *_: None)
-        if os.environ.get("TG_KEEP_TEST_STATE"):  # the fleet database and Airflow's logs, for a post-mortem
-            print(f"kept {state.parent}")
-        else:
-            shutil.rmtree(state.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

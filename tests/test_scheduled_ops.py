@@ -8,12 +8,8 @@ read what they did from the fleet database, the machines and the runs' results a
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +21,7 @@ from node_tools.transport import transport_for
 from operators.airflow.standalone import Standalone
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
-from tests.conftest import can_namespace, wait_until
+from tests.conftest import own_cluster, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow]
 
@@ -38,20 +34,8 @@ KNOWN_GOOD_STEPS = 5
 
 @pytest.fixture(scope="module")
 def ops_cluster() -> Iterator[Inventory]:
-    reason = can_namespace()
-    if reason:
-        pytest.skip(reason)
-    state = Path(tempfile.mkdtemp(prefix="tg-test-ops-")) / "state"
-    cluster.down(state, name=SPEC.name, log=lambda *_: None)
-    inv = cluster.up(SPEC, state, log=lambda *_: None)
-    try:
+    with own_cluster(SPEC, "tg-test-ops-") as inv:
         yield inv
-    finally:
-        cluster.down(state, name=SPEC.name, log=lambda *_: None)
-        if os.environ.get("TG_KEEP_TEST_STATE"):
-            print(f"kept {state.parent}")
-        else:
-            shutil.rmtree(state.parent, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -291,8 +291,16 @@ def diagnose_targets(job: str, machines: list[str], level: int) -> list[dict[str
     return [{"job": job, "machine": n, "level": int(level)} for n in names]
 
 
+def _name_mapped_task(machine: str) -> None:
+    """Names the running mapped task after its machine in the UI (its ``map_index_template``)."""
+    from airflow.sdk import get_current_context
+
+    get_current_context()["machine"] = machine
+
+
 def diagnose_machine(target: dict[str, Any]) -> dict[str, Any]:
     """L1, then L2 (when the level asks) on one machine: one mapped task each, in the SSH pool."""
+    _name_mapped_task(target["machine"])
     levels = tuple(range(1, min(int(target["level"]), 2) + 1))
     out = controller().diagnose(target["job"], [target["machine"]], levels=levels)
     return {"machine": target["machine"], "failed": out["failed"].get(target["machine"]),
@@ -352,6 +360,7 @@ def pool_plan(target: int) -> dict[str, Any]:
 
 def pool_check(target: dict[str, Any]) -> dict[str, Any]:
     """One machine's self-check (L1 + L2); healthy ones are parked warm as standbys, the rest repaired."""
+    _name_mapped_task(target["machine"])
     from operators import standby_pool
 
     return standby_pool.check(controller(), target)
