@@ -170,12 +170,13 @@ class Standalone:
                     timeout=timeout, interval=1.0, what=f"{dag_id} run {run_id} to end")
 
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
-        """A task's log of one try, as text (one event per line)."""
+        """A task's log of one try, as text: one line per entry, each entry's JSON (an error's message is
+        in its ``error_detail``, not its ``event``)."""
         doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances/"
                                   f"{task_id}/logs/{try_number}?full_content=true")
         content = doc.get("content") if isinstance(doc, dict) else doc
         if isinstance(content, list):
-            return "\n".join(c.get("event", "") if isinstance(c, dict) else str(c) for c in content)
+            return "\n".join(json.dumps(c) if isinstance(c, dict) else str(c) for c in content)
         return str(content)
 
     def incident_run(self, incident_id: int) -> dict[str, Any] | None:
