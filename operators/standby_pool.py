@@ -71,7 +71,7 @@ def plan(ctl: Controller, *, target: int | None = None, provider: Provider | Non
                                  f"standbys plus free); add machines to the inventory or ask for at most {room}")
     p = pool.plan_pool(computed if target is None else target, standbys, free, evictions, now, checking=checking,
                        recheck_age_s=recheck_age_s, retire_after=retire_after)
-    return {**p.as_dict(), "computed_target": computed, "serving_machines": serving,
+    return {**p.as_dict(), "free": free, "computed_target": computed, "serving_machines": serving,
             "failure_rate": {k: round(v, 6) if isinstance(v, float) else v for k, v in rate.items()},
             "nproc": _ranks_per_machine(ctl)}
 
@@ -124,7 +124,9 @@ def summary(the_plan: dict[str, Any], results: list[dict[str, Any]]) -> dict[str
     if the_plan["retire"]:
         parts.append(f"retired: {', '.join(the_plan['retire'])}")
     if have < the_plan["target"]:
-        parts.append(f"short by {the_plan['target'] - have}: " + ("add machines to the inventory" if the_plan["unmet"]
-                                                                  else "the next run provisions more"))
+        left = [n for n in the_plan.get("free", []) if n not in the_plan["provision"]]
+        short = the_plan["target"] - have
+        parts.append(f"short by {short}: " + ("the next run provisions more" if len(left) >= short
+                                              else "add machines to the inventory"))
     return {"standbys": have, "target": the_plan["target"], "joined": joined, "failed": failed,
             "retired": the_plan["retire"], "note": "; ".join(parts)}

@@ -104,4 +104,8 @@ def test_the_pool_job_claims_free_machines_for_a_target_and_refuses_one_it_canno
     note = standby_pool.summary(plan, [{"machine": "m5", "why": "provision", "healthy": True, "failed": None},
                                        {"machine": "m6", "why": "provision", "healthy": False, "failed": "L2: gemm"}])
     assert note["note"] == "pool 2/3; joined or re-checked: m5; to repair: m6 (L2: gemm); short by 1: the next " \
-                           "run provisions more"
+                           "run provisions more"  # m7 is still free
+    last = standby_pool.summary({**plan, "free": ["m5", "m6"]}, [
+        {"machine": "m5", "why": "provision", "healthy": True, "failed": None},
+        {"machine": "m6", "why": "provision", "healthy": False, "failed": "L2: gemm"}])
+    assert last["note"].endswith("short by 1: add machines to the inventory")  # none left to provision
