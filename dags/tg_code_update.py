@@ -62,7 +62,9 @@ def tg_code_update():
 
     result = update()
     resumed = training_resumed(result)
-    conclude(result, resumed) >> rearm(result)
+    rearmed = rearm(result)
+    resumed >> rearmed
+    rearmed >> conclude(result, resumed)  # last: the run fails when the update or its resume did
 
 
 tg_code_update()

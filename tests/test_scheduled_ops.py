@@ -108,10 +108,10 @@ def test_the_pool_fills_its_target_with_checked_standbys_and_refuses_a_faulty_ma
     # each machine was one mapped task, named after it
     tasks = airflow.task_instances("tg_standby_pool", run_id)
     assert sorted(t.get("rendered_map_index") for t in tasks if t["task_id"] == "self_check") == ["m3", "m4"]
-    # again: the pool holds what it can; m4 waits for repair, so nothing is provisioned twice
-    run_id, state = _run(airflow, "tg_standby_pool", {"target": 3})
+    # a full pool: the run changes nothing (m4 waits for repair; 3 is now more than the inventory holds)
+    run_id, state = _run(airflow, "tg_standby_pool", {"target": 2})
     again = airflow.xcom("tg_standby_pool", run_id, "conclude")
-    assert state == "success" and again["joined"] == [] and again["standbys"] == 2
+    assert state == "success" and again["joined"] == [] and again["standbys"] == 2 and again["note"] == "pool 2/2"
     assert [e.to_state for e in ctl.fleet.events("m3")].count(states.STANDBY) == 1
 
 
