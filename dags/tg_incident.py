@@ -64,6 +64,12 @@ def tg_incident():
 
         return steps.rearm(recovery)
 
+    @task(trigger_rule="all_done")
+    def outcome(params: dict | None = None) -> dict:
+        from operators.airflow import steps
+
+        return steps.outcome(params["incident_id"])
+
     @task
     def no_recovery(decision: dict) -> dict:
         from operators.airflow import steps
@@ -80,7 +86,9 @@ def tg_incident():
     resume = training_resumed(recovery)
     done = close(decision, recovery, resume)
     idle >> done
-    done >> rearm(recovery)  # after the incident closed: the next restart starts warm everywhere
+    # after the incident closed: the next restart starts warm everywhere; then the run ends failed if the
+    # incident did
+    done >> rearm(recovery) >> outcome()
 
 
 tg_incident()

@@ -125,3 +125,21 @@ def test_l3_pairs_neighbours_and_an_odd_one_out_joins_the_last_pair():
     assert neighbour_groups(["m0", "m1", "m3"]) == [["m0", "m1", "m3"]]
     assert neighbour_groups(["a", "b", "c", "d", "e"]) == [["a", "b"], ["c", "d", "e"]]
     assert neighbour_groups(["a", "b", "c", "d"]) == [["a", "b"], ["c", "d"]]
+
+
+def test_an_incident_run_ends_failed_when_its_incident_failed_or_waits_for_a_human(tmp_path: Path, monkeypatch):
+    from node_tools.errors import TrainguardError
+    from operators.airflow import steps
+
+    c = _controller(tmp_path)
+    monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
+    monkeypatch.setenv("TG_INVENTORY", c.cfg.inventory)
+    [inc] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
+    c.fleet.update_incident(inc["incident"], state="resolved", closed_ts=120.0)
+    assert steps.outcome(inc["incident"])["state"] == "resolved"
+    c.fleet.update_incident(inc["incident"], state="waiting_human", summary="breaker: limit 1")
+    with pytest.raises(TrainguardError, match=r"incident \d+ waiting for a human: breaker: limit 1"):
+        steps.outcome(inc["incident"])
+    c.fleet.update_incident(inc["incident"], state="failed", summary="training did not resume")
+    with pytest.raises(TrainguardError, match=r"incident \d+ failed: training did not resume"):
+        steps.outcome(inc["incident"])

@@ -59,6 +59,8 @@ def test_incident_dag_branches_to_every_rung_and_joins_for_recovery(dagbag):
     assert [t.task_id for t in dag.get_task("training_resumed").downstream_list] == ["close"]
     rearm = dag.get_task("rearm")  # warm interpreters again, once the incident is closed, whatever happened
     assert rearm.trigger_rule == "all_done" and "close" in {t.task_id for t in rearm.upstream_list}
+    last = dag.get_task("outcome")  # the run's colour: failed when the incident failed
+    assert last.trigger_rule == "all_done" and last.upstream_task_ids == {"rearm"} and last.downstream_list == []
     from operators.airflow import steps
 
     assert set(steps.BRANCHES.values()) <= {t.task_id for t in choose.downstream_list}

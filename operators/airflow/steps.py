@@ -215,6 +215,15 @@ def rearm(recovery: dict[str, Any] | None) -> dict[str, Any]:
     return controller().arm(recovery["job"])
 
 
+def outcome(incident_id: int) -> dict[str, Any]:
+    """The run's last task: fails when the incident failed or waits for a human, so the run's colour in
+    the UI says how the incident ended (its record holds the details)."""
+    inc = controller().fleet.incident(int(incident_id))
+    if inc.state in ("failed", "waiting_human"):
+        raise TrainguardError(f"incident {inc.id} {inc.state.replace('_', ' for a ')}: {inc.summary}")
+    return {"incident": inc.id, "state": inc.state, "summary": inc.summary}
+
+
 def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
     c = controller()
     if decision["action"] == "wait_human":
@@ -440,7 +449,7 @@ def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -
         if now != update["revision"]:  # it failed and the ladder rolled it back meanwhile
             note += f"; {update['revision']} did not stay: the job runs {now} now (see its incidents)"
     elif update["action"] == "pending":
-        note = f"{update['job']}: {update['revision']} waits for the next restart ({update['reason']})"
+        note = f"{update['job']}: {update['reason']}"
     else:
         note = f"{update['job']}: nothing to do ({update['reason']})"
     return {**update, "resumed": resumed_info, "note": note}
