@@ -13,6 +13,7 @@ Commands::
     trainguard job status --job J
     trainguard demo [--steps 40] [--keep]
     trainguard revision add --job J --revision R [--reason TEXT] | list --job J
+    trainguard metrics [--port 9464 --addr 127.0.0.1]   (Prometheus; without --port: print one scrape)
     trainguard ettr --job J [--window-s 3600]   (the control plane's fleet database: $TG_FLEET_URL, $TG_INVENTORY)
 
 Exit codes: 0 success, 1 the job or check failed, 2 bad input or missing
@@ -99,6 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     ra.add_argument("--reason", default="")
     rl = rsub.add_parser("list", help="the job's revisions, which one runs, which wait, which are known good")
     rl.add_argument("--job", required=True)
+
+    mp = sub.add_parser("metrics", help="the control plane's Prometheus metrics, from the fleet database")
+    mp.add_argument("--port", type=int, default=0, help="serve on this port until interrupted; 0: print once")
+    mp.add_argument("--addr", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
 
     ep = sub.add_parser("ettr", help="a job's effective training time ratio and its losses by failure cause")
     ep.add_argument("--job", required=True)
@@ -225,6 +230,32 @@ def cmd_ettr(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_metrics(args: argparse.Namespace) -> int:
+    import time
+
+    from operators import metrics
+    from operators.control import ControlConfig
+    from operators.fleet import FleetStore
+
+    fleet = FleetStore(ControlConfig.from_env().fleet_url)
+    if not args.port:
+        sys.stdout.write(metrics.exposition(fleet))
+        return EXIT_OK
+    if not 0 < args.port < 65536:
+        raise TrainguardError(f"--port {args.port} must be 1..65535", exit_code=2)
+    try:
+        server = metrics.serve(fleet, args.port, args.addr)
+    except OSError as exc:
+        raise TrainguardError(f"cannot serve on {args.addr}:{args.port}: {exc.strerror}; pick another --port",
+                              exit_code=2) from None
+    print(f"serving Prometheus metrics on http://{args.addr}:{args.port}/metrics (Ctrl-C stops)", file=sys.stderr)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        server.shutdown()
+
+
 def cmd_revision(args: argparse.Namespace) -> int:
     import re
 
@@ -269,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ettr(args)
         if args.command == "revision":
             return cmd_revision(args)
+        if args.command == "metrics":
+            return cmd_metrics(args)
     except TrainguardError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -1,0 +1,111 @@
+"""Prometheus metrics of the control plane, read from the fleet database at each scrape
+(prometheus-client custom collector: no state of its own, so every Airflow process and the exporter
+agree, and a restart loses nothing).
+
+    trainguard metrics [--port 9464]      serve them (one scrape per request); without --port, print once
+
+Metrics (``job``, ``category``, ``outcome``, ``phase``, ``state`` labels):
+
+* ``trainguard_incidents_total``: incidents by job, category and outcome (open, resolved, failed,
+  waiting_human);
+* ``trainguard_incident_phase_seconds``: summary (count, sum) of detection, diagnosis and recovery
+  time of closed incidents, by job and phase;
+* ``trainguard_evictions_total``: machines evicted automatically or by hand, by job;
+* ``trainguard_machines``: machines by state (standby, active, repair ...);
+* ``trainguard_standby_pool_target``: the pool target from the fleet's failure history, and
+  ``trainguard_failure_rate_per_machine_day`` the rate it comes from;
+* ``trainguard_job_revision_info``: the revision each job runs (and the one pending, if any).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
+from prometheus_client.registry import Collector
+
+from operators.fleet import FleetStore, states
+from operators.policy import pool
+
+PHASES = ("detection", "diagnosis", "recovery")
+
+
+class FleetCollector(Collector):
+    """Every scrape reads the fleet database once."""
+
+    def __init__(self, fleet: FleetStore, *, clock: Any = time.time) -> None:
+        self.fleet = fleet
+        self.clock = clock
+
+    def collect(self) -> Iterator[Any]:
+        jobs = self.fleet.jobs()
+        incidents = CounterMetricFamily("trainguard_incidents", "Incidents by job, category and outcome",
+                                        labels=["job", "category", "outcome"])
+        phases = SummaryMetricFamily("trainguard_incident_phase_seconds",
+                                     "Detection, diagnosis and recovery time of closed incidents",
+                                     labels=["job", "phase"])
+        evictions = CounterMetricFamily("trainguard_evictions", "Machines evicted, by job", labels=["job"])
+        revisions = InfoMetricFamily("trainguard_job_revision", "The code revision each job runs",
+                                     labels=["job"])
+        for j in jobs:
+            counts: dict[tuple[str, str], int] = {}
+            for inc in self.fleet.incidents(j.name):
+                key = (inc.category or "untriaged", inc.state)
+                counts[key] = counts.get(key, 0) + 1
+            for (category, outcome), n in sorted(counts.items()):
+                incidents.add_metric([j.name, category, outcome], n)
+            spans: dict[str, list[float]] = {p: [] for p in PHASES}
+            for e in self.fleet.ettr_events(j.name):
+                if e.kind in spans:
+                    spans[e.kind].append(e.end_ts - e.start_ts)
+            for phase in PHASES:
+                phases.add_metric([j.name, phase], count_value=len(spans[phase]), sum_value=sum(spans[phase]))
+            evicted = sum(len(a.machines) for a in self.fleet.actions() if a.kind == "evict" and a.outcome == "done"
+                          and a.incident_id is not None and self.fleet.incident(a.incident_id).job == j.name)
+            evictions.add_metric([j.name], evicted)
+            revisions.add_metric([j.name], {"revision": j.revision, "pending": j.pending_revision or ""})
+        yield from (incidents, phases, evictions, revisions)
+
+        machines = GaugeMetricFamily("trainguard_machines", "Machines by state", labels=["state"])
+        by_state: dict[str, int] = dict.fromkeys(states.STATES, 0)
+        for m in self.fleet.machines():
+            by_state[m.state] = by_state.get(m.state, 0) + 1
+        for state, n in by_state.items():
+            machines.add_metric([state], n)
+        yield machines
+
+        now = self.clock()
+        history = [pool.Event(e.machine, e.to_state, e.ts, e.reason)
+                   for e in self.fleet.all_events(since=now - pool.HISTORY_WINDOW_S)]
+        rate = pool.failure_rate(history, now)["rate"]
+        serving = sum(len(j.machine_list) for j in jobs if j.state == "running")
+        yield GaugeMetricFamily("trainguard_failure_rate_per_machine_day",
+                                "Machine failures per machine-day in service (fleet history with a prior)", value=rate)
+        yield GaugeMetricFamily("trainguard_standby_pool_target",
+                                "Standbys the pool keeps: P99 of Binomial(machines serving, daily failure rate)",
+                                value=pool.pool_target(serving, rate))
+
+
+def registry(fleet: FleetStore) -> Any:
+    from prometheus_client import CollectorRegistry
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(FleetCollector(fleet))
+    return reg
+
+
+def exposition(fleet: FleetStore) -> str:
+    """One scrape, in Prometheus's text format."""
+    from prometheus_client import generate_latest
+
+    return generate_latest(registry(fleet)).decode()
+
+
+def serve(fleet: FleetStore, port: int, addr: str = "127.0.0.1") -> Any:
+    """Serve the metrics on ``addr:port`` (a thread of this process); returns the server."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=addr, registry=registry(fleet))
+    return server

@@ -1,0 +1,90 @@
+"""The control plane's Prometheus metrics, scraped from a fleet database the way Prometheus does
+(text format parsed with prometheus-client's own parser)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from node_tools.inventory import Inventory, Machine
+from operators import metrics
+from operators.airflow.standalone import free_port
+from operators.control import ControlConfig, Controller
+from operators.fleet import states
+from tests.conftest import wait_until
+
+
+def _fleet(tmp_path: Path) -> Controller:
+    inv = Inventory(cluster="t", transport="local", machines=[
+        Machine(name=f"m{i}", address="127.0.0.1", role="active" if i < 4 else "standby") for i in range(6)])
+    inv.save(tmp_path / "inventory.json")
+    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(inv.path)), inventory=inv)
+    c.sync_inventory()
+    c.fleet.upsert_job("j", tp=1, pp=2, dp=2, ranks_per_machine=1, machines=["m0", "m1", "m2", "m3"], revision="r0")
+    for n in ("m0", "m1", "m2", "m3"):
+        c.fleet.transition(n, states.ACTIVE, reason="job j")
+    return c
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_a_scrape_counts_incidents_phases_evictions_machines_and_the_pool_target(tmp_path: Path):
+    c = _fleet(tmp_path)
+    t0 = time.time() - 60
+    [lost] = c.ingest([{"id": "a1", "job": "j", "machine": "m1", "rank": 1, "kind": "gpu_lost", "severity": "fault",
+                        "ts": t0, "evidence": {}}])
+    inc = lost["incident"]
+    c.fleet.update_incident(inc, category="machine_fault", diagnosis_start_ts=t0 + 3)
+    c.evict(inc, ["m1"], reason="gpu lost")  # decided now
+    c.fleet.update_incident(inc, resumed_ts=time.time() + 1)
+    c.close(inc, outcome="resolved", note="resumed")
+    before = _samples(metrics.exposition(c.fleet))
+    assert before[("trainguard_incidents_total", (("category", "machine_fault"), ("job", "j"),
+                                                   ("outcome", "resolved")))] == 1
+    assert before[("trainguard_evictions_total", (("job", "j"),))] == 1
+    assert before[("trainguard_incident_phase_seconds_count", (("job", "j"), ("phase", "recovery")))] == 1
+    assert before[("trainguard_incident_phase_seconds_sum", (("job", "j"), ("phase", "diagnosis")))] > 50
+    assert before[("trainguard_machines", (("state", "evicted"),))] == 1
+    assert before[("trainguard_machines", (("state", "standby"),))] == 1  # m4 took m1's place
+    assert before[("trainguard_job_revision_info", (("job", "j"), ("pending", ""), ("revision", "r0")))] == 1
+    assert before[("trainguard_standby_pool_target", ())] == 0  # 4 machines at ~0.0012/day
+    # a second eviction shows on the next scrape: nothing is cached between scrapes
+    [again] = c.ingest([{"id": "a2", "job": "j", "machine": "m2", "rank": 2, "kind": "gpu_lost",
+                         "severity": "fault", "ts": time.time(), "evidence": {}}])
+    c.evict(again["incident"], ["m2"], reason="gpu lost")
+    after = _samples(metrics.exposition(c.fleet))
+    assert after[("trainguard_evictions_total", (("job", "j"),))] == 2
+    assert after[("trainguard_incidents_total", (("category", "untriaged"), ("job", "j"), ("outcome", "open")))] \
+        == 1
+
+
+def test_the_command_serves_a_scrape_over_http_and_refuses_a_bad_port(tmp_path: Path):
+    c = _fleet(tmp_path)
+    env = {"TG_FLEET_URL": c.cfg.fleet_url, "PATH": str(Path(sys.executable).parent)}
+    bad = subprocess.run([sys.executable, "-m", "operators.cli", "metrics", "--port", "70000"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == "trainguard: --port 70000 must be 1..65535"
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "operators.cli", "metrics", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def scrape() -> str | None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                    return r.read().decode()
+            except OSError:
+                return None
+
+        text = wait_until(scrape, timeout=30, what="the metrics endpoint")
+        assert _samples(text)[("trainguard_machines", (("state", "active"),))] == 4
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
