@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -41,3 +43,43 @@ def write_result(name: str, *, quick: bool, setup: dict[str, Any], metrics: dict
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
     return text
+
+
+def stop_on_sigterm() -> None:
+    """A kill ends the run through its clean-up (Airflow, the job, the cluster's namespaces and mounts)."""
+    import signal
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+@contextlib.contextmanager
+def emulated_cluster(spec: Any, prefix: str) -> Iterator[tuple[Any, Path]]:
+    """The benchmark's own namespace cluster and a control folder (fleet database, Airflow home) beside
+    it. Brought down at the end; the folder is removed after a complete run, kept after a failed one."""
+    import shutil
+    import sys
+    import tempfile
+
+    from node_tools import cluster
+
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    state = tmp / "state"
+    ok = False
+    try:
+        cluster.down(state, name=spec.name, log=lambda *_: None)
+        inv = cluster.up(spec, state, log=lambda *_: None)
+        home = tmp / "control"
+        home.mkdir()
+        try:
+            yield inv, home
+            ok = True
+        finally:
+            cluster.down(state, name=spec.name, log=lambda *_: None)
+    finally:
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"kept {tmp} for a post-mortem (control/: fleet database, Airflow logs)", file=sys.stderr)

@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import summarize, write_result
+from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
 from checkpoint import layout
 from checkpoint.verify import verify_step
 from node_tools import cluster
@@ -50,10 +47,6 @@ TOPO = Topology(tp=2, pp=1, dp=2)
 JOB = "bench-ops"
 TRAIN = ["--checkpoint", "--step-delay-s", "0.2"]
 TARGETS = {"hot_vs_full_speedup": 10.0}
-
-
-def _stop(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)
 
 
 class Bench:
@@ -192,19 +185,12 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    signal.signal(signal.SIGTERM, _stop)
+    stop_on_sigterm()
     if os.geteuid() != 0:
         print("bench/operations.py needs root (network namespaces)", file=sys.stderr)
         return 2
     trials = 1 if args.quick else args.trials
-    tmp = tempfile.mkdtemp(prefix="tg-bench-ops-")
-    ok = False
-    try:
-        state = Path(tmp) / "state"
-        cluster.down(state, name=SPEC.name, log=lambda *_: None)
-        inv = cluster.up(SPEC, state, log=lambda *_: None)
-        home = Path(tmp) / "control"
-        home.mkdir()
+    with emulated_cluster(SPEC, "tg-bench-ops-") as (inv, home):
         b = Bench(inv, home)
         try:
             b.ctl.transport.run(inv.machine("m2"), [inv.tg_node, "standby", "park", "--nproc", "2"], timeout=240)
@@ -219,18 +205,11 @@ def main() -> int:
             b.ctl.stop(JOB)
             for _ in range(trials):
                 b.verify()
-            ok = True
         finally:
             try:
                 b.ctl.stop(JOB)
             except Exception as exc:  # the cluster goes down next anyway
                 print(f"stopping the job: {exc}", file=sys.stderr)
-            cluster.down(state, name=SPEC.name, log=lambda *_: None)
-    finally:
-        if ok:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            print(f"kept {tmp}/control", file=sys.stderr)
 
     def of(kind: str, key: str = "seconds") -> list[float]:
         return [t[key] for t in b.trials if t["kind"] == kind]

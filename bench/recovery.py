@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -42,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import summarize, write_result
+from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
 from node_tools import cluster, inject
 from node_tools.bus import BusReader, open_bus
 from node_tools.inventory import Inventory
@@ -291,10 +288,6 @@ def _fmt(trial: dict[str, Any]) -> str:
                      if k not in ("path", "fault"))
 
 
-def _stop(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one GPU-loss trial each way, no other fault kind")
@@ -305,9 +298,7 @@ def main() -> int:
     ap.add_argument("--cold-trials", type=int, default=2)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    # a stop (kill, or Ctrl-C where SIGINT reaches it) ends the run with its clean-up: Airflow, the job,
-    # the cluster's namespaces and mounts
-    signal.signal(signal.SIGTERM, _stop)
+    stop_on_sigterm()
     if os.geteuid() != 0:
         print("bench/recovery.py needs root (network namespaces)", file=sys.stderr)
         return 2
@@ -318,14 +309,7 @@ def main() -> int:
         print(f"--faults: unknown fault kind {', '.join(unknown)}; use some of {', '.join(SCENARIOS)}",
               file=sys.stderr)
         return 2
-    tmp = tempfile.mkdtemp(prefix="tg-bench-recovery-")
-    ok = False
-    try:
-        state = Path(tmp) / "state"
-        cluster.down(state, name=SPEC.name, log=lambda *_: None)
-        inv = cluster.up(SPEC, state, log=lambda *_: None)
-        home = Path(tmp) / "control"
-        home.mkdir()
+    with emulated_cluster(SPEC, "tg-bench-recovery-") as (inv, home):
         b = Bench(inv, home)
         try:
             b.park([m.name for m in inv.by_role("standby")])
@@ -342,19 +326,12 @@ def main() -> int:
             b.airflow.stop()  # the requeue baseline runs without the control plane
             for _ in range(cold_trials):
                 b.cold()
-            ok = True
         finally:
             b.airflow.stop()
             try:
                 b.ctl.stop(JOB)
             except Exception as exc:  # the cluster goes down next anyway
                 print(f"stopping the job: {exc}", file=sys.stderr)
-            cluster.down(state, name=SPEC.name, log=lambda *_: None)
-    finally:
-        if ok:
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:  # the fleet database and Airflow's logs, for a post-mortem
-            print(f"kept {tmp}/control", file=sys.stderr)
 
     failed = [t for t in b.trials if t["path"] == "warm" and t["state"] != "resolved"]
     warm = [t for t in b.trials if t["path"] == "warm" and t["state"] != "error"]
