@@ -26,8 +26,8 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from operators import standby_pool
 from operators.fleet import FleetStore, states
-from operators.policy import pool
 
 PHASES = ("detection", "diagnosis", "recovery")
 
@@ -41,6 +41,7 @@ class FleetCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         jobs = self.fleet.jobs()
+        actions = self.fleet.actions()
         incidents = CounterMetricFamily("trainguard_incidents", "Incidents by job, category and outcome",
                                         labels=["job", "category", "outcome"])
         phases = SummaryMetricFamily("trainguard_incident_phase_seconds",
@@ -51,7 +52,8 @@ class FleetCollector(Collector):
                                      labels=["job"])
         for j in jobs:
             counts: dict[tuple[str, str], int] = {}
-            for inc in self.fleet.incidents(j.name):
+            of_job = self.fleet.incidents(j.name)
+            for inc in of_job:
                 key = (inc.category or "untriaged", inc.state)
                 counts[key] = counts.get(key, 0) + 1
             for (category, outcome), n in sorted(counts.items()):
@@ -62,8 +64,9 @@ class FleetCollector(Collector):
                     spans[e.kind].append(e.end_ts - e.start_ts)
             for phase in PHASES:
                 phases.add_metric([j.name, phase], count_value=len(spans[phase]), sum_value=sum(spans[phase]))
-            evicted = sum(len(a.machines) for a in self.fleet.actions() if a.kind == "evict" and a.outcome == "done"
-                          and a.incident_id is not None and self.fleet.incident(a.incident_id).job == j.name)
+            ids = {inc.id for inc in of_job}
+            evicted = sum(len(a.machines) for a in actions if a.kind == "evict" and a.outcome == "done"
+                          and a.incident_id in ids)
             evictions.add_metric([j.name], evicted)
             revisions.add_metric([j.name], {"revision": j.revision, "pending": j.pending_revision or ""})
         yield from (incidents, phases, evictions, revisions)
@@ -76,16 +79,13 @@ class FleetCollector(Collector):
             machines.add_metric([state], n)
         yield machines
 
-        now = self.clock()
-        history = [pool.Event(e.machine, e.to_state, e.ts, e.reason)
-                   for e in self.fleet.all_events(since=now - pool.HISTORY_WINDOW_S)]
-        rate = pool.failure_rate(history, now)["rate"]
-        serving = sum(len(j.machine_list) for j in jobs if j.state == "running")
+        _history, rate, _serving, target = standby_pool.sizing(self.fleet, self.clock())
         yield GaugeMetricFamily("trainguard_failure_rate_per_machine_day",
-                                "Machine failures per machine-day in service (fleet history with a prior)", value=rate)
+                                "Machine failures per machine-day in service (fleet history with a prior)",
+                                value=rate["rate"])
         yield GaugeMetricFamily("trainguard_standby_pool_target",
                                 "Standbys the pool keeps: P99 of Binomial(machines serving, daily failure rate)",
-                                value=pool.pool_target(serving, rate))
+                                value=target)
 
 
 def registry(fleet: FleetStore) -> Any:

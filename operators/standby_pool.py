@@ -18,7 +18,7 @@ import time
 from typing import Any, Protocol
 
 from operators.control import Controller
-from operators.fleet import states
+from operators.fleet import FleetStore, states
 from operators.policy import pool
 
 PARK_TIMEOUT_S = 240.0
@@ -44,6 +44,16 @@ def _ranks_per_machine(ctl: Controller) -> int:
     return max((j.ranks_per_machine for j in jobs), default=0) or 2
 
 
+def sizing(fleet: FleetStore, now: float) -> tuple[list[pool.Event], dict[str, float], int, int]:
+    """The fleet's last window of machine state changes, the failure rate they give, the machines
+    serving running jobs, and the pool target those make."""
+    history = [pool.Event(e.machine, e.to_state, e.ts, e.reason)
+               for e in fleet.all_events(since=now - pool.HISTORY_WINDOW_S)]
+    rate = pool.failure_rate(history, now)
+    serving = sum(len(j.machine_list) for j in fleet.jobs() if j.state == "running")
+    return history, rate, serving, pool.pool_target(serving, rate["rate"])
+
+
 def plan(ctl: Controller, *, target: int | None = None, provider: Provider | None = None,
          now: float | None = None, recheck_age_s: float = pool.RECHECK_AGE_S,
          retire_after: int = pool.RETIRE_AFTER) -> dict[str, Any]:
@@ -52,10 +62,7 @@ def plan(ctl: Controller, *, target: int | None = None, provider: Provider | Non
     now = time.time() if now is None else now
     ctl.sync_inventory()
     since = now - pool.HISTORY_WINDOW_S
-    history = [pool.Event(e.machine, e.to_state, e.ts, e.reason) for e in ctl.fleet.all_events(since=since)]
-    rate = pool.failure_rate(history, now)
-    serving = sum(len(j.machine_list) for j in ctl.fleet.jobs() if j.state == "running")
-    computed = pool.pool_target(serving, rate["rate"])
+    history, rate, serving, computed = sizing(ctl.fleet, now)
     evictions: dict[str, int] = {}
     for e in history:
         if e.to_state == states.EVICTED and e.ts >= since:
