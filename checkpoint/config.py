@@ -35,6 +35,10 @@ class CheckpointConfig:
         s3_endpoint_url: endpoint of an S3-compatible store; "" = boto3's default (AWS,
             or ``AWS_ENDPOINT_URL_S3``).
         s3_keep: snapshots kept per rank in S3 (the newest verified one on top). Steps.
+        verify_every_steps: every this many steps a committed snapshot is a *verification candidate*:
+            its ``committed.json`` says ``"verify": true`` (the node agent announces it to the control
+            plane, whose ``tg_checkpoint_verify`` checks and marks it), and retention keeps the two
+            newest candidates newer than the newest verified step until then. 0 = none. Steps.
         restore: "auto" (restore the newest usable step if any copy exists; refuse to
             start from scratch when copies exist but none is usable), "require" (fail if
             nothing is restorable) or "off" (start from step 0, keep existing copies).
@@ -67,6 +71,7 @@ class CheckpointConfig:
     s3_every_steps: int = 10
     s3_endpoint_url: str = ""
     s3_keep: int = 3
+    verify_every_steps: int = 0
     restore: str = "auto"
     restore_max_step: int | None = None
     replicate: bool = True
@@ -88,6 +93,8 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint keep={self.keep}, s3 keep={self.s3_keep}: both must be >= 1")
         if not 0 <= self.background_nice <= 19:
             raise CheckpointError(f"checkpoint background nice {self.background_nice}: must be 0..19")
+        if self.verify_every_steps < 0:
+            raise CheckpointError(f"checkpoint verify every {self.verify_every_steps} steps: must be >= 0")
         if self.s3_every_steps < 0:
             raise CheckpointError(f"checkpoint S3 every {self.s3_every_steps} steps: must be >= 0")
         if self.restore_max_step is not None and self.restore_max_step < 0:
@@ -96,6 +103,11 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint restore mode {self.restore!r}: use one of {', '.join(RESTORE_MODES)}")
         if self.s3_url and not self.s3_url.startswith("s3://"):
             raise CheckpointError(f"checkpoint S3 location {self.s3_url!r} must look like s3://bucket/prefix")
+
+
+    def is_candidate(self, step: int) -> bool:
+        """Whether ``step`` is a verification candidate (see ``verify_every_steps``)."""
+        return bool(self.verify_every_steps) and (step + 1) % self.verify_every_steps == 0
 
 
 def default_s3_url() -> str:

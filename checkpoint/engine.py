@@ -644,7 +644,8 @@ class Checkpointer:
                     path = layout.copy_dir(self.root, "local", step, self.rank)
                     if path.exists():
                         with contextlib.suppress(OSError):
-                            layout.write_json(path / layout.COMMITTED, {"step": step, "committed_ts": time.time()})
+                            layout.write_json(path / layout.COMMITTED, {"step": step, "committed_ts": time.time(),
+                                                                        "verify": self.cfg.is_candidate(step)})
             # every round, commits or not: a rank whose replica stopped (or a peer that never acknowledges)
             # must not stop retention, or the disk fills with uncommitted steps
             self._retain()
@@ -658,7 +659,8 @@ class Checkpointer:
     def _retain(self) -> None:
         """Delete old copies here. Kept: the newest ``keep`` steps that are committed or still in
         flight (newer than the newest committed), and always the newest committed and the newest
-        verified step. Older uncommitted steps (skipped by some rank) go."""
+        verified step, and the two newest verification candidates newer than it (the control plane
+        verifies them later). Older uncommitted steps (skipped by some rank) go."""
         groups = [("local", self.rank)] + [("replica", s) for s in self.sources]
         with self._lock:
             committed = set(self.committed)
@@ -668,8 +670,12 @@ class Checkpointer:
             candidates = sorted((s for s, _r, _p in copies if s in committed or s > newest_committed), reverse=True)
             keep = set(candidates[:self.cfg.keep]) | {newest_committed}
             verified = [s for s, _r, p in copies if (p / layout.VERIFIED).exists()]
+            newest_verified = max(verified, default=-1)
             if verified:
-                keep.add(max(verified))
+                keep.add(newest_verified)
+            waiting = sorted((s for s, _r, _p in copies if s in committed and s > newest_verified
+                              and self.cfg.is_candidate(s)), reverse=True)
+            keep.update(waiting[:2])
             for step, _r, path in copies:
                 if step not in keep:
                     layout.remove_copy(path)

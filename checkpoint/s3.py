@@ -9,6 +9,7 @@ never blocks training (uploads run on a background thread).
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -46,10 +47,11 @@ class S3Tier:
     endpoint_url: str = ""
     timeout_s: float = 5.0
     attempts: int = 2
+    client_: Any = None  # a ready boto3 S3 client (the control plane's, from its Airflow connection)
 
     def __post_init__(self) -> None:
         self.bucket, self.prefix = split_url(self.url)
-        self._client: Any = None
+        self._client: Any = self.client_
 
     @property
     def where(self) -> str:
@@ -85,13 +87,15 @@ class S3Tier:
 
     # ---- writing --------------------------------------------------------------------------
     def upload_copy(self, step: int, rank: int, files: Iterable[tuple[str, bytes]], manifest: bytes) -> None:
-        """Upload a rank's copy of a step: the tensor files, then the manifest."""
+        """Upload a rank's copy of a step: the tensor files, then the manifest. Each object carries an
+        S3-side SHA-256 checksum of its body (the store refuses a body that does not match it, and
+        reports it later: :meth:`remote_checksums`)."""
         c = self.client()
         for name, data in files:
             self._call(f"upload of {self.key(step, rank, name)}", c.put_object, Bucket=self.bucket,
-                       Key=self.key(step, rank, name), Body=data)
+                       Key=self.key(step, rank, name), Body=data, ChecksumAlgorithm="SHA256")
         self._call(f"upload of {self.key(step, rank, MANIFEST)}", c.put_object, Bucket=self.bucket,
-                   Key=self.key(step, rank, MANIFEST), Body=manifest)
+                   Key=self.key(step, rank, MANIFEST), Body=manifest, ChecksumAlgorithm="SHA256")
 
     def put(self, step: int, rank: int, name: str, data: bytes) -> None:
         self._call(f"upload of {self.key(step, rank, name)}", self.client().put_object, Bucket=self.bucket,
@@ -147,3 +151,31 @@ class S3Tier:
 
     def is_verified(self, step: int, rank: int) -> bool:
         return self.get(step, rank, VERIFIED) is not None
+
+    def remote_checksums(self, step: int, rank: int, name: str) -> tuple[str, int] | None:
+        """``(sha256 hex, size)`` the store reports for an object (no download), or None when it has no
+        SHA-256 checksum for it (uploaded without one) or the object does not exist."""
+        from botocore.exceptions import ClientError
+
+        key = self.key(step, rank, name)
+        try:
+            attrs = self.client().get_object_attributes(Bucket=self.bucket, Key=key,
+                                                        ObjectAttributes=["Checksum", "ObjectSize"])
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            code = exc.response.get("Error", {}).get("Code", "?")
+            raise S3TierError(f"S3 tier {self.where}: attributes of {key} refused ({code})") from None
+        except Exception as exc:  # connection errors, timeouts
+            raise S3TierError(f"S3 tier {self.where}: attributes of {key} failed: {type(exc).__name__}: {exc}") from None
+        b64 = (attrs.get("Checksum") or {}).get("ChecksumSHA256")
+        if not b64 or "-" in b64:  # a multipart object's checksum is of its parts, not of the body
+            return None
+        return base64.b64decode(b64).hex(), int(attrs.get("ObjectSize", -1))
+
+    def steps(self) -> dict[int, dict[int, bool]]:
+        """Every step with copies here: ``{step: {rank: verified}}`` (copies with a manifest only)."""
+        out: dict[int, dict[int, bool]] = {}
+        for (step, rank), names in self.list_copies().items():
+            out.setdefault(step, {})[rank] = VERIFIED in names
+        return out

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from node_tools import __version__, monitor
-from node_tools.alerts import Alert
-from node_tools.bus import AlertBus, BusError, open_bus
-from node_tools.checks import Check, DiskCheck, Finding, GpuCheck, KernelLogCheck, NicCheck, RankCheck
+from node_tools.alerts import NOTICE_KINDS, Alert
+from node_tools.bus import NOTICES, AlertBus, BusError, open_bus
+from node_tools.checks import CheckpointCheck, Check, DiskCheck, Finding, GpuCheck, KernelLogCheck, NicCheck, RankCheck
 from node_tools.config import NodeConfig
 from node_tools.nvml import NvmlUnavailable, backend_for
 
@@ -62,7 +62,7 @@ class AgentSettings:
 
 def default_checks(cfg: NodeConfig, *, kernel_from_start: bool = False) -> tuple[list[Check], list[str]]:
     """The checks this machine can run, and notes on those it cannot."""
-    checks: list[Check] = [RankCheck(cfg.workdir), DiskCheck(cfg.workdir)]
+    checks: list[Check] = [RankCheck(cfg.workdir), DiskCheck(cfg.workdir), CheckpointCheck(cfg.workdir)]
     notes = []
     checks.append(KernelLogCheck(cfg.kmsg_path or Path("/dev/kmsg"), from_start=kernel_from_start))
     if cfg.iface and cfg.iface != "lo":
@@ -81,9 +81,10 @@ def default_checks(cfg: NodeConfig, *, kernel_from_start: bool = False) -> tuple
 class Agent:
     def __init__(self, cfg: NodeConfig, bus: AlertBus, checks: list[Check], *,
                  settings: AgentSettings | None = None, status_path: Path | None = None,
-                 notes: list[str] | None = None) -> None:
+                 notes: list[str] | None = None, notices: AlertBus | None = None) -> None:
         self.cfg = cfg
         self.bus = bus
+        self.notices = notices or bus  # where notice kinds go (the bus's notices folder)
         self.checks = checks
         self.settings = settings or AgentSettings()
         for c in checks:
@@ -154,7 +155,7 @@ class Agent:
         while self.outbox:
             alert = self.outbox[0]
             try:
-                self.bus.publish(alert)
+                (self.notices if alert.kind in NOTICE_KINDS else self.bus).publish(alert)
             except BusError as exc:
                 self.errors["bus"] = str(exc)[:500]
                 return
@@ -211,7 +212,8 @@ def build(cfg: NodeConfig) -> Agent:
         raise TrainguardError(f"machine {cfg.machine}: no alert bus configured (bus_url in its node config)")
     checks, notes = default_checks(cfg)
     settings = AgentSettings(intervals=dict(cfg.agent_intervals or {}))
-    return Agent(cfg, open_bus(cfg.bus_url), checks, settings=settings, status_path=status_path(cfg), notes=notes)
+    return Agent(cfg, open_bus(cfg.bus_url), checks, settings=settings, status_path=status_path(cfg), notes=notes,
+                 notices=open_bus(cfg.bus_url, folder=NOTICES))
 
 
 def run(cfg: NodeConfig) -> int:

@@ -56,7 +56,12 @@ ALERT_KINDS: dict[str, str] = {
     "kernel_oom": "the kernel's OOM killer killed a process",
     "kernel_fs": "the kernel log reports a file-system error",
     "kernel_link": "the kernel log reports a network link going down",
+    # notices (severity info, on the bus's notices folder: they start scheduled work, never an incident)
+    "checkpoint_committed": "a job committed a checkpoint step on every rank (the verification DAG's cue)",
 }
+
+#: Kinds published to the bus's notices folder instead of its alerts.
+NOTICE_KINDS = frozenset({"checkpoint_committed"})
 
 ALERT_JSON_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",

@@ -21,6 +21,10 @@ and never read again; the reader does not crash.
 Bus locations are URLs: ``spool:///abs/dir`` (or a plain path) and
 ``s3://bucket/prefix`` (endpoint from ``endpoint_url=`` in the query string or
 ``$TG_S3_ENDPOINT_URL``; credentials from boto3's usual chain).
+
+A bus has two folders of the same documents: ``alerts/`` (faults and warnings, the
+guardian's) and ``notices/`` (``info`` events that start scheduled work, such as
+``checkpoint_committed``; their own watcher reads them, the guardian never does).
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ from typing import Any
 
 from node_tools.alerts import Alert, AlertError
 from node_tools.errors import TrainguardError
+
+
+#: The folders of a bus: ``alerts`` (read by the control plane's guardian) and ``notices`` (events that
+#: start scheduled work, such as a committed checkpoint; read by their own watcher, never by the guardian).
+ALERTS = "alerts"
+NOTICES = "notices"
 
 
 class BusError(TrainguardError):
@@ -80,10 +90,10 @@ class AlertBus(ABC):
 
 
 class SpoolBus(AlertBus):
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, folder: str = ALERTS) -> None:
         self.root = Path(root)
         self.url = f"spool://{self.root}"
-        self.alerts = self.root / "alerts"
+        self.alerts = self.root / folder
         self.tmp = self.root / ".tmp"
         self.quarantined = self.root / "quarantine"
 
@@ -128,8 +138,9 @@ class SpoolBus(AlertBus):
 
 class S3Bus(AlertBus):
     def __init__(self, bucket: str, prefix: str = "", *, endpoint_url: str | None = None,
-                 client: Any = None, timeout_s: float = 5.0) -> None:
+                 client: Any = None, timeout_s: float = 5.0, folder: str = ALERTS) -> None:
         self.bucket = bucket
+        self.folder = folder
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url or os.environ.get("TG_S3_ENDPOINT_URL") or None
         self.url = f"s3://{bucket}/{self.prefix}"
@@ -161,11 +172,11 @@ class S3Bus(AlertBus):
                            f"{exc}".replace("\n", " ")) from None
 
     def put(self, name: str, body: bytes) -> None:
-        self._call("put", self.s3.put_object, Bucket=self.bucket, Key=self._key("alerts", name), Body=body,
+        self._call("put", self.s3.put_object, Bucket=self.bucket, Key=self._key(self.folder, name), Body=body,
                    ContentType="application/json")
 
     def list_after(self, start_after: str) -> list[str]:
-        base = self._key("alerts", "") + "/"
+        base = self._key(self.folder, "") + "/"
         names: list[str] = []
         kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "StartAfter": base + start_after}
         while True:
@@ -177,30 +188,31 @@ class S3Bus(AlertBus):
             kwargs.pop("StartAfter", None)
 
     def get(self, name: str) -> bytes:
-        return self._call("get", self.s3.get_object, Bucket=self.bucket, Key=self._key("alerts", name))["Body"].read()
+        return self._call("get", self.s3.get_object, Bucket=self.bucket, Key=self._key(self.folder, name))["Body"].read()
 
     def quarantine(self, name: str, reason: str) -> None:
-        src = self._key("alerts", name)
+        src = self._key(self.folder, name)
         self._call("copy", self.s3.copy_object, Bucket=self.bucket, Key=self._key("quarantine", name),
                    CopySource={"Bucket": self.bucket, "Key": src}, Metadata={"reason": reason[:1000]},
                    MetadataDirective="REPLACE")
         self._call("delete", self.s3.delete_object, Bucket=self.bucket, Key=src)
 
 
-def open_bus(url: str, **kwargs: Any) -> AlertBus:
-    """The bus at ``url`` (``spool:///dir``, a plain path, or ``s3://bucket/prefix?endpoint_url=...``)."""
+def open_bus(url: str, *, folder: str = ALERTS, **kwargs: Any) -> AlertBus:
+    """The bus at ``url`` (``spool:///dir``, a plain path, or ``s3://bucket/prefix?endpoint_url=...``);
+    ``folder``: :data:`ALERTS` or :data:`NOTICES`."""
     parsed = urllib.parse.urlparse(url)
     if parsed.scheme in ("", "spool", "file"):
         path = parsed.path if parsed.scheme else url
         if not path:
             raise BusError(f"alert bus {url!r} names no directory")
-        return SpoolBus(Path(path))
+        return SpoolBus(Path(path), folder=folder)
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise BusError(f"alert bus {url!r} names no bucket; write s3://bucket/prefix")
         query = urllib.parse.parse_qs(parsed.query)
         endpoint = (query.get("endpoint_url") or [None])[0]
-        return S3Bus(parsed.netloc, parsed.path, endpoint_url=endpoint, **kwargs)
+        return S3Bus(parsed.netloc, parsed.path, endpoint_url=endpoint, folder=folder, **kwargs)
     raise BusError(f"alert bus {url!r} has an unknown scheme; use spool:///dir or s3://bucket/prefix")
 
 

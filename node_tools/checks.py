@@ -274,6 +274,42 @@ class DiskCheck(Check):
         return found
 
 
+class CheckpointCheck(Check):
+    """Announces verification candidates: when rank 0 of a job on this machine has committed a step its
+    checkpointer marked for verification (``committed.json`` with ``"verify": true``), one
+    ``checkpoint_committed`` notice (severity info) for the newest such step. Only the machine holding
+    rank 0's own copy speaks, so a thousand machines make one notice per candidate, not a thousand."""
+
+    name, group, interval_s = "checkpoints", "disk", 2.0
+
+    def __init__(self, workdir: Path) -> None:
+        self.jobs_dir = Path(workdir) / "jobs"
+        self.workdir = Path(workdir)
+
+    def run(self, now: float) -> list[Finding]:
+        from node_tools.ckpt import checkpoint_root, newest_candidate
+        from node_tools.config import NodeConfig
+
+        found: list[Finding] = []
+        try:
+            entries = sorted(self.jobs_dir.iterdir())
+        except OSError:
+            return []
+        cfg = NodeConfig(machine="", workdir=self.workdir, install_dir=self.workdir)
+        for d in entries:
+            record = _read_json(d / "job.json")
+            if not record:
+                continue
+            root = checkpoint_root(cfg, d.name, record)
+            step = newest_candidate(root, 0)
+            if step is None:
+                continue
+            found.append(Finding("checkpoint_committed", f"ckpt:{d.name}:{step}",
+                                 f"job {d.name} committed checkpoint step {step}", severity="info", job=d.name,
+                                 rank=0, evidence={"step": step, "root": str(root)}))
+        return found
+
+
 # ---------------------------------------------------------------------------------------
 # Training ranks
 # ---------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ Commands::
     tg-node job status --job J
     tg-node job steps --job J --rank R [--since STEP]
     tg-node standby park --nproc N | activate <job start arguments> | status | unpark
+    tg-node ckpt list --job J | verify --job J --step N [--mark] | upload --job J --step N --s3 URL
     tg-node fault inject --kind K [--rank R] [--job J] [--param k=v ...]
     tg-node fault clear [--kind K]
     tg-node fault list
@@ -120,6 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     sbsub.add_parser("status")
     sbsub.add_parser("unpark")
 
+    kp = sub.add_parser("ckpt", help="a job's checkpoint copies here: list, verify (and mark), upload to S3")
+    ksub = kp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
+    kl = ksub.add_parser("list")
+    kl.add_argument("--job", required=True)
+    kv = ksub.add_parser("verify")
+    kv.add_argument("--job", required=True)
+    kv.add_argument("--step", type=int, required=True)
+    kv.add_argument("--mark", action="store_true", help="write verified markers if every copy here passes")
+    kv.add_argument("--no-metrics", action="store_true", help="skip the checks of the step records")
+    ku = ksub.add_parser("upload")
+    ku.add_argument("--job", required=True)
+    ku.add_argument("--step", type=int, required=True)
+    ku.add_argument("--s3", required=True, help="s3://bucket/prefix of the job's S3 tier")
+    ku.add_argument("--endpoint-url", default="", help="S3-compatible endpoint (default: boto3's)")
+
     fp = sub.add_parser("fault", help="inject or clear faults (emulated machines only)")
     fsub = fp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     fi = fsub.add_parser("inject")
@@ -212,6 +228,14 @@ def run(argv: list[str]) -> tuple[int, Any]:
         if ns.action == "unpark":
             return EXIT_OK, standby.unpark(cfg)
         return EXIT_OK, standby.status(cfg)
+    if ns.command == "ckpt":
+        from node_tools import ckpt
+
+        if ns.action == "list":
+            return EXIT_OK, ckpt.listing(cfg, ns.job)
+        if ns.action == "verify":
+            return ckpt.verify(cfg, ns.job, ns.step, mark=ns.mark, metrics=not ns.no_metrics)
+        return ckpt.upload(cfg, ns.job, ns.step, s3_url=ns.s3, endpoint_url=ns.endpoint_url)
     if ns.command == "fault":
         from node_tools import inject
 

@@ -249,6 +249,8 @@ def _sshd_config(mdir: Path, address: str, authorized_keys: Path, env: dict[str,
         "MaxStartups 200:30:400",
         "MaxSessions 64",
         f"SetEnv {setenv}",
+        # S3 credentials the control plane hands a command inside its session (checkpoint uploads)
+        "AcceptEnv AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN AWS_DEFAULT_REGION",
         "",
     ])
 

@@ -17,7 +17,7 @@ import os
 import shlex
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,10 +75,16 @@ class Transport:
         return [self.inventory.tg_node, *args]
 
     def run(
-        self, machine: Machine, argv: Sequence[str], *, timeout: float = 30.0, stdin: str | None = None
+        self, machine: Machine, argv: Sequence[str], *, timeout: float = 30.0, stdin: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> RunResult:
+        """Run ``argv`` on ``machine``. ``env``: variables for the remote command, sent inside the session
+        (secrets such as S3 credentials: never on a command line); the node's sshd must accept them
+        (``AcceptEnv``, as the emulated cluster's does)."""
         argv = [str(a) for a in argv]
-        local_argv, env = self.command(machine, argv)
+        local_argv, local_env = self.command(machine, argv)
+        if env:
+            local_argv, local_env = self.with_env(local_argv, local_env, env)
         start = time.monotonic()
         try:
             proc = subprocess.run(
@@ -87,7 +93,7 @@ class Transport:
                 capture_output=True,
                 text=True,
                 timeout=timeout,
-                env=env,
+                env=local_env,
                 stdin=None if stdin is not None else subprocess.DEVNULL,
             )
         except subprocess.TimeoutExpired as exc:
@@ -103,17 +109,23 @@ class Transport:
             reachable=reachable,
         )
 
+    def with_env(self, argv: list[str], env: dict[str, str] | None, extra: Mapping[str, str]
+                 ) -> tuple[list[str], dict[str, str]]:
+        """The local command and environment that hand ``extra`` to the remote command."""
+        return argv, {**(env if env is not None else os.environ), **extra}
+
     def unreachable(self, returncode: int, stderr: str) -> bool:
         return False
 
     def run_many(
-        self, machines: Sequence[Machine], argv_for: Any, *, timeout: float = 30.0, parallel: int = 32
+        self, machines: Sequence[Machine], argv_for: Any, *, timeout: float = 30.0, parallel: int = 32,
+        env: Mapping[str, str] | None = None,
     ) -> dict[str, RunResult]:
         """Run on many machines at once; ``argv_for(machine)`` gives each one's argument list."""
         if not machines:
             return {}
         with ThreadPoolExecutor(max_workers=min(parallel, len(machines))) as pool:
-            futures = {m.name: pool.submit(self.run, m, argv_for(m), timeout=timeout) for m in machines}
+            futures = {m.name: pool.submit(self.run, m, argv_for(m), timeout=timeout, env=env) for m in machines}
             return {name: f.result() for name, f in futures.items()}
 
 
@@ -140,6 +152,12 @@ class SshTransport(Transport):
             cmd += ["-i", str(self.inventory.resolve(identity)), "-o", "IdentitiesOnly=yes"]
         cmd += ["-l", str(ssh.get("user", "root")), machine.address, "--", shlex.join(argv)]
         return cmd, None
+
+    def with_env(self, argv: list[str], env: dict[str, str] | None, extra: Mapping[str, str]
+                 ) -> tuple[list[str], dict[str, str]]:
+        at = argv.index("-l")  # options go before the destination
+        send = [o for name in sorted(extra) for o in ("-o", f"SendEnv={name}")]
+        return argv[:at] + send + argv[at:], {**(env if env is not None else os.environ), **extra}
 
     def unreachable(self, returncode: int, stderr: str) -> bool:
         return returncode == SSH_UNREACHABLE

@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "endpoint from TG_S3_ENDPOINT_URL")
     c.add_argument("--checkpoint-s3-every", type=int, default=10,
                    help="upload to S3 every K steps; 0 = only on request (default 10)")
+    c.add_argument("--checkpoint-verify-every", type=int, default=20,
+                   help="every N steps a committed snapshot is a verification candidate, kept until the "
+                        "control plane verified it (0 = none; default 20)")
     c.add_argument("--checkpoint-ranks-per-machine", type=int, default=0,
                    help="ranks per machine for replica placement (default: torchrun's LOCAL_WORLD_SIZE); "
                         "set it to emulate several machines on one host")
@@ -150,8 +153,9 @@ def check_layout(args: argparse.Namespace, world_size: int, ranks_per_machine: i
         for name in ("checkpoint_every", "checkpoint_keep"):
             if getattr(args, name) < 1:
                 raise TrainguardError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
-        if args.checkpoint_s3_every < 0 or args.checkpoint_ranks_per_machine < 0:
-            raise TrainguardError("--checkpoint-s3-every and --checkpoint-ranks-per-machine must be >= 0")
+        if min(args.checkpoint_s3_every, args.checkpoint_ranks_per_machine, args.checkpoint_verify_every) < 0:
+            raise TrainguardError("--checkpoint-s3-every, --checkpoint-ranks-per-machine and "
+                                  "--checkpoint-verify-every must be >= 0")
         if not 0 <= args.checkpoint_nice <= 19:
             raise TrainguardError(f"--checkpoint-nice {args.checkpoint_nice} must be 0..19")
         rpm = args.checkpoint_ranks_per_machine
@@ -172,7 +176,8 @@ def make_checkpointer(args: argparse.Namespace, topo: Topology, rank: int, local
         root=expand_root(root_template(args.checkpoint_dir), machine=machine, rank=rank, local_rank=local_rank),
         every_steps=args.checkpoint_every, keep=args.checkpoint_keep,
         s3_url=args.checkpoint_s3 if args.checkpoint_s3 is not None else default_s3_url(),
-        s3_every_steps=args.checkpoint_s3_every, s3_endpoint_url=os.environ.get("TG_S3_ENDPOINT_URL", ""),
+        s3_every_steps=args.checkpoint_s3_every, verify_every_steps=args.checkpoint_verify_every,
+        s3_endpoint_url=os.environ.get("TG_S3_ENDPOINT_URL", ""),
         restore=args.restore, restore_max_step=args.restore_max_step,
         ranks_per_machine=args.checkpoint_ranks_per_machine,
         control_timeout_s=args.collective_timeout_s, measure_memcpy=args.checkpoint_measure_memcpy,

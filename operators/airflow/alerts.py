@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator
-from airflow.triggers.base import BaseTrigger, TriggerEvent
+from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
 from operators.policy import ladder
 
@@ -39,11 +39,12 @@ def load_cursor(cursor_path: str) -> dict[str, Any]:
         return {"horizon_ns": 0, "seen": {}}
 
 
-def read_batch(bus_url: str, cursor: dict[str, Any], lookback_s: float) -> tuple[list[dict[str, Any]], dict]:
-    """New alerts on the bus after ``cursor`` (JSON documents) and the cursor after them."""
+def read_batch(bus_url: str, cursor: dict[str, Any], lookback_s: float, folder: str = "alerts"
+               ) -> tuple[list[dict[str, Any]], dict]:
+    """New documents in a bus folder after ``cursor`` (JSON documents) and the cursor after them."""
     from node_tools.bus import BusReader, open_bus
 
-    reader = BusReader(open_bus(bus_url), lookback_s=lookback_s, horizon_ns=int(cursor["horizon_ns"]),
+    reader = BusReader(open_bus(bus_url, folder=folder), lookback_s=lookback_s, horizon_ns=int(cursor["horizon_ns"]),
                        seen=dict(cursor["seen"]))
     alerts = [a.to_dict() for a in reader.read()]
     return alerts, {"horizon_ns": reader.horizon_ns, "seen": reader.seen}
@@ -134,3 +135,41 @@ class AlertSensor(BaseSensorOperator):
         self.log.info("%d alerts, first at %.3f: %s", len(event["alerts"]), event["alerts"][0]["ts"],
                       ", ".join(sorted({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})))
         return event
+
+
+class CheckpointNoticeTrigger(BaseEventTrigger):
+    """The watcher of the ``checkpoint_committed`` asset: fires once with the notices found on the bus's
+    notices folder (``{"notices": [{"job", "step", "machine", "ts"}]}``), then ends; the triggerer starts
+    it again for the next ones. Its cursor (beside the fleet database unless given) is committed as it
+    fires: a notice lost to a crash right then is covered by the verification DAG's schedule."""
+
+    def __init__(self, bus_url: str = "", cursor_path: str = "", *, poll_s: float = 1.0,
+                 lookback_s: float = 120.0) -> None:
+        super().__init__()
+        self.bus_url = bus_url
+        self.cursor_path = cursor_path
+        self.poll_s = poll_s
+        self.lookback_s = lookback_s
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"bus_url": self.bus_url, "cursor_path": self.cursor_path, "poll_s": self.poll_s,
+                 "lookback_s": self.lookback_s})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        bus_url, cursor_path = self.bus_url, self.cursor_path
+        if not bus_url or not cursor_path:
+            from operators.airflow.steps import notice_source
+
+            default_bus, default_cursor = await asyncio.to_thread(notice_source)
+            bus_url, cursor_path = bus_url or default_bus, cursor_path or default_cursor
+        cursor = await asyncio.to_thread(load_cursor, cursor_path)
+        while True:
+            docs, cursor = await asyncio.to_thread(read_batch, bus_url, cursor, self.lookback_s, "notices")
+            notices = [{"job": d["job"], "step": d["evidence"].get("step"), "machine": d["machine"], "ts": d["ts"]}
+                       for d in docs if d["kind"] == "checkpoint_committed"]
+            if notices:
+                await asyncio.to_thread(commit_cursor, cursor_path, cursor)
+                yield TriggerEvent({"notices": notices})
+                return
+            await asyncio.sleep(self.poll_s)

@@ -18,7 +18,7 @@ import io
 import json
 import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,9 +107,11 @@ class NodeHook(BaseHook):
         hook.look_for_keys = False
         return hook
 
-    def exec(self, machine: Machine, argv: Sequence[str], *, timeout_s: float = 60.0) -> RunResult:
+    def exec(self, machine: Machine, argv: Sequence[str], *, timeout_s: float = 60.0,
+             env: Mapping[str, str] | None = None) -> RunResult:
         """Run an argument list on ``machine`` (joined with :func:`shlex.join`), as a transport result:
-        ``reachable`` False for no session or a refused host key, ``timed_out`` past ``timeout_s``."""
+        ``reachable`` False for no session or a refused host key, ``timed_out`` past ``timeout_s``.
+        ``env`` is sent inside the session (the node's sshd must accept the names: ``AcceptEnv``)."""
         argv = [str(a) for a in argv]
         t0 = time.monotonic()
 
@@ -131,7 +133,8 @@ class NodeHook(BaseHook):
                                     f"{exc}", reachable=False, extra={"status": "unreachable"})
         try:
             code, out, err = hook.exec_ssh_client_command(client, shlex.join(argv), get_pty=False,
-                                                          environment=None, timeout=timeout_s)
+                                                          environment=dict(env) if env else None,
+                                                          timeout=timeout_s)
         except Exception as exc:  # providers-ssh raises AirflowException when its command timeout passes
             text = str(exc)
             if "timed out" in text.lower():
@@ -175,11 +178,11 @@ class HookTransport(Transport):
         super().__init__(hook.inventory)
         self.hook = hook
 
-    def run(self, machine: Machine, argv: Sequence[str], *, timeout: float = 30.0, stdin: str | None = None
-            ) -> RunResult:
+    def run(self, machine: Machine, argv: Sequence[str], *, timeout: float = 30.0, stdin: str | None = None,
+            env: Mapping[str, str] | None = None) -> RunResult:
         if stdin is not None:
             raise ValueError("NodeHook sessions take no standard input")
-        return self.hook.exec(machine, argv, timeout_s=timeout)
+        return self.hook.exec(machine, argv, timeout_s=timeout, env=env)
 
 
 def _node_result(res: RunResult) -> NodeResult:

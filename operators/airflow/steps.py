@@ -45,6 +45,12 @@ def alert_source() -> tuple[str, str]:
     return inv.bus_url, str(home / "guardian.cursor.json")
 
 
+def notice_source() -> tuple[str, str]:
+    """The bus whose notices folder the checkpoint watcher reads, and its cursor file."""
+    bus_url, cursor = alert_source()
+    return bus_url, str(Path(cursor).with_name("checkpoints.cursor.json"))
+
+
 # ---- tg_guardian ---------------------------------------------------------------------------------------
 def group_alerts(event: dict[str, Any]) -> list[dict[str, Any]]:
     """Attach the batch to incidents, then commit the bus cursor; returns the confs of incidents newly
@@ -453,3 +459,83 @@ def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -
     else:
         note = f"{update['job']}: nothing to do ({update['reason']})"
     return {**update, "resumed": resumed_info, "note": note}
+
+
+# ---- tg_checkpoint_verify ---------------------------------------------------------------------------------
+def _announced(asset_events: Any) -> list[dict[str, Any]]:
+    """The notices carried by the asset events that started the run (none for a scheduled or manual run)."""
+    out: list[dict[str, Any]] = []
+    for events in (dict(asset_events) if asset_events else {}).values():
+        for e in events:
+            extra = getattr(e, "extra", None) if not isinstance(e, dict) else e.get("extra")
+            out += ((extra or {}).get("payload") or {}).get("notices", [])
+    return out
+
+
+def ckpt_targets(job: str, step: int | None, asset_events: Any = None) -> list[dict[str, Any]]:
+    """The (job, step) pairs this run verifies: the form's, the notices', or the schedule's sweep."""
+    from operators import checkpoints
+
+    return checkpoints.targets(controller(), job=(job or "").strip(), step=step, announced=_announced(asset_events))
+
+
+def ckpt_verify(target: dict[str, Any]) -> dict[str, Any]:
+    from airflow.sdk import get_current_context
+
+    from operators import checkpoints
+
+    get_current_context()["target"] = f"{target['job']} step {target['step']}"
+    return checkpoints.verify(controller(), target)
+
+
+def _s3() -> tuple[Any, Any, dict[str, str]]:
+    """Settings, a boto3 client and the machines' credentials, from the Airflow connection
+    ``TG_S3_CONN_ID`` (default ``tg_s3``: type aws, ``endpoint_url`` in its extra for an S3-compatible
+    store); short timeouts, so an endpoint that is down fails the task in seconds."""
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    from botocore.config import Config
+
+    from operators import checkpoints
+
+    hook = S3Hook(aws_conn_id=os.environ.get("TG_S3_CONN_ID", "tg_s3"),
+                  config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"}))
+    settings = checkpoints.S3Settings.from_env(endpoint_url=hook.conn_config.endpoint_url or "")
+    creds = hook.get_credentials()
+    env = checkpoints.s3_credentials(creds.access_key, creds.secret_key, creds.token, hook.conn_region_name)
+    return settings, hook.get_conn(), env
+
+
+def ckpt_promote(verdict: dict[str, Any]) -> dict[str, Any]:
+    from airflow.sdk import get_current_context
+
+    from operators import checkpoints
+
+    get_current_context()["target"] = f"{verdict['job']} step {verdict['step']}"
+    if not verdict.get("ok"):
+        return {"job": verdict["job"], "step": verdict["step"], "promoted": False, "why": "not verified: nothing uploaded"}
+    if not checkpoints.S3Settings.from_env().url:
+        return {"job": verdict["job"], "step": verdict["step"], "promoted": False,
+                "why": "no S3 tier configured (TG_CHECKPOINT_S3_URL)"}
+    settings, client, env = _s3()
+    return checkpoints.promote(controller(), verdict, settings, client=client, credentials=env)
+
+
+def ckpt_conclude(verdicts: list[dict[str, Any]] | None, promotions: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The run's one-line note; the run fails (its ``outcome`` task) when a step was not verified or not
+    promoted."""
+    from operators import checkpoints
+
+    verdicts, promotions = list(verdicts or []), [p for p in (promotions or []) if p]
+    done = {(p["job"], p["step"]) for p in promotions}
+    promotions += [{"job": v["job"], "step": v["step"], "promoted": False,
+                    "problems": ["the promote task failed: see its log"]}
+                   for v in verdicts if v["ok"] and (v["job"], v["step"]) not in done]
+    failed = [v for v in verdicts if not v["ok"]] + [p for p in promotions if p.get("problems")]
+    return {"note": checkpoints.note(verdicts, promotions), "ok": not failed, "verdicts": verdicts,
+            "promotions": promotions}
+
+
+def ckpt_outcome(concluded: dict[str, Any]) -> dict[str, Any]:
+    if not concluded.get("ok"):
+        raise TrainguardError(concluded.get("note") or "checkpoint verification failed")
+    return {"note": concluded["note"]}

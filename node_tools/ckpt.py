@@ -1,0 +1,137 @@
+"""``tg-node ckpt``: a job's checkpoint copies on this machine, for the control plane's verification.
+
+Commands (each prints one JSON document)::
+
+    tg-node ckpt list   --job J                 the copies here: tier, step, rank, committed, verified
+    tg-node ckpt verify --job J --step N [--mark] [--no-metrics]
+    tg-node ckpt upload --job J --step N --s3 s3://bucket/prefix [--endpoint-url E]
+
+``verify`` runs :func:`checkpoint.verify.verify_step` on every copy of the step held
+here (the ranks' own copies and the replicas kept for others) and, unless
+``--no-metrics``, the great-expectations checks of the step records around it; it
+writes ``verified.json`` markers only with ``--mark`` (the control plane marks a
+step only after every machine passed). Exit 1 when a copy or the metrics fail.
+
+``upload`` puts this machine's own copies of a step that carries a verified marker
+into the S3 tier, each file with an S3-side SHA-256 checksum (the store refuses a body
+that does not match it). A copy without the marker, or one that no longer matches its
+manifest, is refused (exit 3) and not uploaded: an unverified copy is never promoted.
+S3 credentials come from the environment of the session (boto3's chain).
+
+The checkpoint root of a job is its ``TG_CHECKPOINT`` path when the job was started
+with one, else ``<run dir>/checkpoints``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from node_tools.config import NodeConfig
+from node_tools.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY, TrainguardError
+
+
+def checkpoint_root(cfg: NodeConfig, job: str, record: dict[str, Any] | None = None) -> Path:
+    """Where job ``job`` keeps its checkpoint copies on this machine."""
+    from node_tools.job import read_record, run_dir
+
+    record = record if record is not None else (read_record(cfg, job) or {})
+    location = str((record.get("spec") or {}).get("checkpoint") or "")
+    if location and not location.startswith("s3://") and "{" not in location:
+        return Path(location)
+    return run_dir(cfg, job) / "checkpoints"
+
+
+def _root(cfg: NodeConfig, job: str) -> Path:
+    from node_tools.job import check_job_name
+
+    root = checkpoint_root(cfg, check_job_name(job))
+    if not root.is_dir():
+        raise TrainguardError(f"machine {cfg.machine}: job {job} has no checkpoint root here ({root}); "
+                              f"is the job started with --checkpoint?")
+    return root
+
+
+def newest_candidate(root: Path, rank: int = 0) -> int | None:
+    """The newest step of ``rank``'s own copies that is committed and marked as a verification candidate."""
+    from checkpoint import layout
+
+    for step, _rank, path in layout.list_copies(root, "local", rank=rank):
+        doc = layout.read_json(path / layout.COMMITTED)
+        if doc and doc.get("verify"):
+            return step
+    return None
+
+
+def listing(cfg: NodeConfig, job: str) -> dict[str, Any]:
+    from checkpoint import layout
+
+    root = _root(cfg, job)
+    copies = []
+    for tier in layout.TIERS:
+        for step, rank, path in layout.list_copies(root, tier):
+            committed = layout.read_json(path / layout.COMMITTED)
+            copies.append({"tier": tier, "step": step, "rank": rank, "committed": committed is not None,
+                           "candidate": bool(committed and committed.get("verify")),
+                           "verified": (path / layout.VERIFIED).exists()})
+    return {"machine": cfg.machine, "job": job, "root": str(root), "copies": copies}
+
+
+def _size(report: Any) -> int:
+    total = 0
+    for c in report.copies:
+        for entry in (c.manifest or {}).get("files", []):
+            total += int(entry.get("size", 0))
+    return total
+
+
+def verify(cfg: NodeConfig, job: str, step: int, *, mark: bool, metrics: bool = True) -> tuple[int, dict[str, Any]]:
+    from checkpoint.verify import verify_step
+    from node_tools.job import run_dir
+
+    root = _root(cfg, job)
+    t0 = time.monotonic()
+    report = verify_step(root, step, run_dir=run_dir(cfg, job) if metrics else None, machine=cfg.machine, mark=mark)
+    doc = report.as_dict() | {"machine": cfg.machine, "job": job, "step": step, "bytes": _size(report),
+                              "seconds": round(time.monotonic() - t0, 3)}
+    return (EXIT_OK if report.ok else EXIT_UNHEALTHY), doc
+
+
+def upload(cfg: NodeConfig, job: str, step: int, *, s3_url: str, endpoint_url: str = "") -> tuple[int, dict[str, Any]]:
+    from checkpoint import layout
+    from checkpoint import manifest as mf
+    from checkpoint.errors import S3TierError
+    from checkpoint.s3 import S3Tier
+    from checkpoint.verify import verify_copy
+
+    root = _root(cfg, job)
+    try:
+        tier = S3Tier(s3_url, endpoint_url=endpoint_url)
+    except S3TierError as exc:
+        raise TrainguardError(str(exc)) from None
+    own = [(r, p) for s, r, p in layout.list_copies(root, "local") if s == step]
+    if not own:
+        raise TrainguardError(f"machine {cfg.machine}: job {job} has no own copy of step {step} here")
+    t0 = time.monotonic()
+    uploaded, refused, total = [], [], 0
+    for rank, path in sorted(own):
+        if not (path / layout.VERIFIED).exists():
+            refused.append({"rank": rank, "path": str(path), "why": "not verified: run tg_checkpoint_verify first"})
+            continue
+        check = verify_copy(path, machine=cfg.machine, deep=False, keep_files=True)  # bytes as they are now
+        if not check.ok:
+            refused.append({"rank": rank, "path": str(path), "why": "; ".join(p.what for p in check.problems)})
+            continue
+        manifest_bytes = (path / mf.MANIFEST).read_bytes()
+        try:
+            tier.upload_copy(step, rank, sorted(check.files.items()), manifest_bytes)
+        except S3TierError as exc:
+            raise TrainguardError(f"machine {cfg.machine}: {exc}") from None
+        size = sum(len(b) for b in check.files.values())
+        total += size
+        uploaded.append({"rank": rank, "url": tier.copy_url(step, rank), "bytes": size,
+                         "manifest_sha256": (check.manifest or {}).get("manifest_sha256", "")})
+    doc = {"machine": cfg.machine, "job": job, "step": step, "uploaded": uploaded, "refused": refused,
+           "bytes": total, "seconds": round(time.monotonic() - t0, 3)}
+    return (EXIT_REFUSED if refused else EXIT_OK), doc

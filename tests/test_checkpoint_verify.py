@@ -1,0 +1,194 @@
+"""Checkpoint verification pieces without Airflow: verification candidates and their retention, the node
+agent's ``checkpoint_committed`` notice (on the bus's notices folder, never among the alerts), the
+``tg-node ckpt`` commands on a real checkpoint, the upload of verified copies to a real moto_server with
+the remote checksum check, the watcher trigger, and the policy (which step, what S3 retention deletes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from checkpoint import layout
+from checkpoint.s3 import S3Tier
+from checkpoint.shards import MODEL_FILE
+from node_tools import ckpt
+from node_tools.agent import Agent
+from node_tools.bus import NOTICES, BusReader, SpoolBus, open_bus
+from node_tools.checks import CheckpointCheck
+from node_tools.config import NodeConfig
+from node_tools.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY
+from operators import checkpoints
+from operators.policy import checkpoints as policy
+from tests.test_checkpoint_unit import flip_byte, saved_run
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = "vjob"
+
+
+def _node(tmp_path: Path, steps: int = 6, **cfg) -> tuple[NodeConfig, Path]:
+    """A machine whose job ``vjob`` saved ``steps`` steps (one rank), candidates every 2 steps."""
+    workdir = tmp_path / "disk"
+    run_dir = workdir / "jobs" / JOB
+    run_dir.mkdir(parents=True)
+    (run_dir / "job.json").write_text(json.dumps({"job": JOB, "spec": {"checkpoint": ""}, "incarnation": 0}))
+    root = run_dir / "checkpoints"
+    saved_run(root, steps=steps, **({"verify_every_steps": 2, "keep": 1} | cfg))
+    return NodeConfig(machine="m0", workdir=workdir, install_dir=REPO), root
+
+
+def _steps(root: Path) -> list[int]:
+    return sorted(s for s, _r, _p in layout.list_copies(root, "local"))
+
+
+# ---- candidates and retention ------------------------------------------------------------------------
+def test_retention_keeps_unverified_candidates_until_they_are_verified(tmp_path: Path):
+    _cfg, root = _node(tmp_path)
+    # keep=1: the newest step (5), plus the two newest candidates (3, 5) not verified yet; 1 is gone
+    assert _steps(root) == [3, 5]
+    committed = json.loads((layout.copy_dir(root, "local", 3, 0) / layout.COMMITTED).read_text())
+    assert committed["verify"] is True
+    plain = tmp_path / "plain"
+    saved_run(plain, steps=6, keep=1)  # without candidates only the newest step stays
+    assert _steps(plain) == [5]
+
+
+# ---- the agent's notice -------------------------------------------------------------------------------
+def test_the_agent_announces_the_newest_candidate_once_on_the_notices_folder(tmp_path: Path):
+    cfg, root = _node(tmp_path)
+    bus = tmp_path / "bus"
+    agent = Agent(cfg, open_bus(str(bus)), [CheckpointCheck(cfg.workdir)],
+                  notices=open_bus(str(bus), folder=NOTICES))
+    made = agent.tick(now=1000.0)
+    assert [(a.kind, a.severity, a.job, a.rank, a.evidence["step"]) for a in made] == [
+        ("checkpoint_committed", "info", JOB, 0, 5)]
+    assert agent.tick(now=1010.0) == []  # the same step is not announced twice
+    assert BusReader(SpoolBus(bus)).read() == []  # the guardian's folder stays empty
+    notices = BusReader(SpoolBus(bus, folder=NOTICES)).read()
+    assert [(n.kind, n.evidence["step"]) for n in notices] == [("checkpoint_committed", 5)]
+
+
+def test_a_machine_without_rank_0_says_nothing(tmp_path: Path):
+    cfg, root = _node(tmp_path)
+    for _s, _r, path in layout.list_copies(root, "local"):
+        path.rename(path.with_name("rank_1"))  # this machine holds rank 1 only
+    assert CheckpointCheck(cfg.workdir).run(0.0) == []
+
+
+# ---- tg-node ckpt -------------------------------------------------------------------------------------
+def test_verify_marks_nothing_unless_asked_and_names_a_corrupt_copy(tmp_path: Path):
+    cfg, root = _node(tmp_path)
+    code, doc = ckpt.verify(cfg, JOB, 5, mark=False, metrics=False)
+    assert code == EXIT_OK and doc["ok"] and doc["marked"] == [] and doc["bytes"] > 0
+    assert not (layout.copy_dir(root, "local", 5, 0) / layout.VERIFIED).exists()
+    code, doc = ckpt.verify(cfg, JOB, 5, mark=True, metrics=False)
+    assert code == EXIT_OK and doc["marked"] == [str(layout.copy_dir(root, "local", 5, 0))]
+    flip_byte(layout.copy_dir(root, "local", 3, 0) / MODEL_FILE)
+    code, doc = ckpt.verify(cfg, JOB, 3, mark=True, metrics=False)
+    assert code == EXIT_UNHEALTHY and doc["marked"] == []
+    assert doc["problem_lines"] == [f"machine m0 rank 0 step 3 tier local: {MODEL_FILE} sha256 mismatch (corrupt) "
+                                    f"({layout.copy_dir(root, 'local', 3, 0)})"]
+    listing = {(c["step"], c["verified"]) for c in ckpt.listing(cfg, JOB)["copies"]}
+    assert listing == {(3, False), (5, True)}
+
+
+def test_upload_refuses_an_unverified_copy_and_the_remote_checksums_are_checked(tmp_path: Path, s3_endpoint: str):
+    import boto3
+
+    cfg, root = _node(tmp_path)
+    client = boto3.client("s3", endpoint_url=s3_endpoint)
+    client.create_bucket(Bucket="verify-unit")
+    url = "s3://verify-unit/ckpt/vjob"
+    code, doc = ckpt.upload(cfg, JOB, 5, s3_url=url, endpoint_url=s3_endpoint)
+    assert code == EXIT_REFUSED and doc["uploaded"] == []
+    assert doc["refused"][0]["why"].startswith("not verified")
+    tier = S3Tier(url, endpoint_url=s3_endpoint)
+    assert tier.list_copies() == {}  # an unverified copy is never promoted
+
+    ckpt.verify(cfg, JOB, 5, mark=True, metrics=False)
+    code, doc = ckpt.upload(cfg, JOB, 5, s3_url=url, endpoint_url=s3_endpoint)
+    assert code == EXIT_OK and [u["rank"] for u in doc["uploaded"]] == [0]
+    from checkpoint import manifest as mf
+
+    sha = doc["uploaded"][0]["manifest_sha256"]
+    assert checkpoints._remote_mismatch(tier, 5, 0, sha, mf) == ""
+    # an object replaced behind our back (no checksum, other bytes): the check says which
+    tier.put(5, 0, MODEL_FILE, b"not the model")
+    assert checkpoints._remote_mismatch(tier, 5, 0, sha, mf) == f"{MODEL_FILE} missing or without a SHA-256 checksum"
+    assert checkpoints._remote_mismatch(tier, 5, 0, "0" * 64, mf) == "manifest differs from the verified copy's"
+
+
+# ---- the watcher ------------------------------------------------------------------------------------
+def test_the_notice_trigger_fires_once_per_batch_and_keeps_its_cursor(tmp_path: Path):
+    from node_tools.alerts import Alert
+    from operators.airflow.alerts import CheckpointNoticeTrigger
+
+    bus = open_bus(str(tmp_path / "bus"), folder=NOTICES)
+    cursor = tmp_path / "cursor.json"
+    trigger = CheckpointNoticeTrigger(str(tmp_path / "bus"), str(cursor), poll_s=0.05)
+
+    async def first_event(timeout: float):
+        gen = trigger.run()
+        try:
+            return await asyncio.wait_for(gen.__anext__(), timeout)
+        finally:
+            await gen.aclose()
+
+    bus.publish(Alert(kind="checkpoint_committed", machine="m0", severity="info", job=JOB, rank=0,
+                      evidence={"step": 19}))
+    open_bus(str(tmp_path / "bus")).publish(Alert(kind="gpu_lost", machine="m1", job=JOB))  # an alert: not ours
+    event = asyncio.run(first_event(10))
+    assert [(n["job"], n["step"], n["machine"]) for n in event.payload["notices"]] == [(JOB, 19, "m0")]
+    assert cursor.exists()
+    with pytest.raises(TimeoutError):  # nothing new: the restarted trigger waits
+        asyncio.run(first_event(0.5))
+
+
+# ---- policy -----------------------------------------------------------------------------------------
+def test_the_newest_announced_step_per_job_wins():
+    assert policy.newest_per_job([{"job": "a", "step": 19}, {"job": "a", "step": 39}, {"job": "b", "step": 9},
+                                  {"job": "c", "step": -1}, {"job": "", "step": 3}, {"job": "d"}]) == {"a": 39, "b": 9}
+
+
+def test_the_newest_candidate_is_rank_0s_own_committed_one():
+    copies = [{"tier": "local", "rank": 0, "step": 39, "committed": False, "candidate": False},
+              {"tier": "local", "rank": 0, "step": 19, "committed": True, "candidate": True},
+              {"tier": "replica", "rank": 0, "step": 59, "committed": True, "candidate": True},
+              {"tier": "local", "rank": 1, "step": 79, "committed": True, "candidate": True}]
+    assert policy.newest_candidate(copies) == 19
+    assert policy.newest_candidate([]) is None
+
+
+@pytest.mark.parametrize(("steps", "keep", "deleted"), [
+    ({19: {0: True, 1: True}, 39: {0: True, 1: True}, 59: {0: True, 1: True}, 79: {0: True, 1: True}}, 2, [19, 39]),
+    # the newest step is not verified on every rank: it stays (in flight), and so do 2 verified ones
+    ({19: {0: True, 1: True}, 39: {0: True, 1: True}, 59: {0: True, 1: True}, 79: {0: True}}, 2, [19]),
+    # nothing verified anywhere: nothing deleted (the tier may be all a restore has)
+    ({19: {0: False, 1: False}, 39: {0: False, 1: False}}, 1, []),
+    # an old unverified step below the newest verified one goes; the newest verified one always stays
+    ({19: {0: False, 1: False}, 39: {0: True, 1: True}, 59: {0: False, 1: True}}, 1, [19]),
+])
+def test_s3_retention_never_deletes_the_newest_verified_step(steps, keep, deleted):
+    assert policy.s3_deletions(steps, world_size=2, keep=keep) == deleted
+
+
+def test_s3_retention_refuses_keep_0():
+    with pytest.raises(policy.VerifyError, match="keep=0: must be >= 1"):
+        policy.s3_deletions({}, world_size=1, keep=0)
+
+
+def test_the_note_says_what_was_verified_and_what_is_corrupt():
+    ok = {"job": "ops", "step": 39, "ok": True, "copies": 4, "bytes": 2_500_000, "seconds": 1.24,
+          "machines": {"m0": {}, "m1": {}}, "problems": []}
+    bad = {"job": "ops2", "step": 19, "ok": False, "copies": 4, "bytes": 0, "seconds": 1.0, "machines": {"m2": {}},
+           "problems": ["machine m2 rank 1 step 19 tier replica: model.safetensors sha256 mismatch (/x)", "p2"]}
+    promoted = {"job": "ops", "step": 39, "promoted": True, "url": "s3://b/p/ops", "kept_steps": [19, 39],
+                "problems": []}
+    assert checkpoints.note([ok, bad], [promoted]) == (
+        "ops step 39: 4 copies on m0, m1 verified and marked (2.5 MB, 1.2s); uploaded to s3://b/p/ops, remote "
+        "checksums match; S3 keeps steps 19, 39; ops2 step 19: NOT verified, nothing marked or uploaded: "
+        "machine m2 rank 1 step 19 tier replica: model.safetensors sha256 mismatch (/x) (+1 more)")
+    assert checkpoints.note([], []) == "nothing to verify: no new verification candidate"
