@@ -167,7 +167,8 @@ class S3Tier:
             code = exc.response.get("Error", {}).get("Code", "?")
             raise S3TierError(f"S3 tier {self.where}: attributes of {key} refused ({code})") from None
         except Exception as exc:  # connection errors, timeouts
-            raise S3TierError(f"S3 tier {self.where}: attributes of {key} failed: {type(exc).__name__}: {exc}") from None
+            raise S3TierError(f"S3 tier {self.where}: attributes of {key} failed: "
+                              f"{type(exc).__name__}: {exc}") from None
         b64 = (attrs.get("Checksum") or {}).get("ChecksumSHA256")
         if not b64 or "-" in b64:  # a multipart object's checksum is of its parts, not of the body
             return None

@@ -33,7 +33,7 @@ from typing import Any
 from node_tools import __version__, monitor
 from node_tools.alerts import NOTICE_KINDS, Alert
 from node_tools.bus import NOTICES, AlertBus, BusError, open_bus
-from node_tools.checks import CheckpointCheck, Check, DiskCheck, Finding, GpuCheck, KernelLogCheck, NicCheck, RankCheck
+from node_tools.checks import Check, CheckpointCheck, DiskCheck, Finding, GpuCheck, KernelLogCheck, NicCheck, RankCheck
 from node_tools.config import NodeConfig
 from node_tools.nvml import NvmlUnavailable, backend_for
 

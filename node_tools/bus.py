@@ -41,7 +41,6 @@ from typing import Any
 from node_tools.alerts import Alert, AlertError
 from node_tools.errors import TrainguardError
 
-
 #: The folders of a bus: ``alerts`` (read by the control plane's guardian) and ``notices`` (events that
 #: start scheduled work, such as a committed checkpoint; read by their own watcher, never by the guardian).
 ALERTS = "alerts"
@@ -188,7 +187,8 @@ class S3Bus(AlertBus):
             kwargs.pop("StartAfter", None)
 
     def get(self, name: str) -> bytes:
-        return self._call("get", self.s3.get_object, Bucket=self.bucket, Key=self._key(self.folder, name))["Body"].read()
+        obj = self._call("get", self.s3.get_object, Bucket=self.bucket, Key=self._key(self.folder, name))
+        return obj["Body"].read()
 
     def quarantine(self, name: str, reason: str) -> None:
         src = self._key(self.folder, name)

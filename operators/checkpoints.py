@@ -165,7 +165,8 @@ def promote(ctl: Controller, verdict: Mapping[str, Any], settings: S3Settings, *
         client.head_bucket(Bucket=tier.bucket)
     except Exception as exc:
         raise TrainguardError(f"S3 tier {tier.where} is not usable ({_why(exc)}); start the endpoint or fix "
-                              f"TG_CHECKPOINT_S3_URL / the S3 connection, then run tg_checkpoint_verify again") from None
+                              f"TG_CHECKPOINT_S3_URL / the S3 connection, then run tg_checkpoint_verify "
+                              f"again") from None
     t0 = time.monotonic()
     args = ["upload", "--job", job, "--step", str(step), "--s3", tier.url]
     if settings.endpoint_url:
@@ -194,8 +195,8 @@ def promote(ctl: Controller, verdict: Mapping[str, Any], settings: S3Settings, *
                 tier.delete_copy(step, rank)
                 deleted_bad.append(rank)
                 continue
-            tier.put(step, rank, layout.VERIFIED, json.dumps({"step": step, "rank": rank, "verified_ts": time.time(),
-                                                               "checks": ["remote-sha256"]}).encode())
+            marker = {"step": step, "rank": rank, "verified_ts": time.time(), "checks": ["remote-sha256"]}
+            tier.put(step, rank, layout.VERIFIED, json.dumps(marker).encode())
             checked.append(rank)
         except S3TierError as exc:
             problems.append(str(exc))

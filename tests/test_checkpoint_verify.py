@@ -58,7 +58,7 @@ def test_retention_keeps_unverified_candidates_until_they_are_verified(tmp_path:
 
 # ---- the agent's notice -------------------------------------------------------------------------------
 def test_the_agent_announces_the_newest_candidate_once_on_the_notices_folder(tmp_path: Path):
-    cfg, root = _node(tmp_path)
+    cfg, _root = _node(tmp_path)
     bus = tmp_path / "bus"
     agent = Agent(cfg, open_bus(str(bus)), [CheckpointCheck(cfg.workdir)],
                   notices=open_bus(str(bus), folder=NOTICES))
@@ -98,7 +98,7 @@ def test_verify_marks_nothing_unless_asked_and_names_a_corrupt_copy(tmp_path: Pa
 def test_upload_refuses_an_unverified_copy_and_the_remote_checksums_are_checked(tmp_path: Path, s3_endpoint: str):
     import boto3
 
-    cfg, root = _node(tmp_path)
+    cfg, _root = _node(tmp_path)
     client = boto3.client("s3", endpoint_url=s3_endpoint)
     client.create_bucket(Bucket="verify-unit")
     url = "s3://verify-unit/ckpt/vjob"

@@ -512,7 +512,8 @@ def ckpt_promote(verdict: dict[str, Any]) -> dict[str, Any]:
 
     get_current_context()["target"] = f"{verdict['job']} step {verdict['step']}"
     if not verdict.get("ok"):
-        return {"job": verdict["job"], "step": verdict["step"], "promoted": False, "why": "not verified: nothing uploaded"}
+        return {"job": verdict["job"], "step": verdict["step"], "promoted": False,
+                "why": "not verified: nothing uploaded"}
     if not checkpoints.S3Settings.from_env().url:
         return {"job": verdict["job"], "step": verdict["step"], "promoted": False,
                 "why": "no S3 tier configured (TG_CHECKPOINT_S3_URL)"}
