@@ -107,7 +107,8 @@ class Bench:
                                                      "TG_CONTROL_HOME": str(home), "TG_ESCALATION_WINDOW_S": "1",
                                                      "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1",
                                                      # the bench repairs its own standbys
-                                                     "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": ""})
+                                                     "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
+                                                     "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0"})
         (home / "airflow").mkdir()
         self.trials: list[dict[str, Any]] = []
 

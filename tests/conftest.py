@@ -95,18 +95,19 @@ def state_dir(ns_cluster: Inventory) -> Path:
     return ns_cluster.path.parent
 
 
-@pytest.fixture(scope="session")
-def s3_endpoint() -> Iterator[str]:
-    """A real moto_server on loopback: the S3 endpoint of the tests. Ended by pid at the end."""
+@contextlib.contextmanager
+def moto_server(host: str = "127.0.0.1") -> Iterator[tuple[str, Any]]:
+    """A real moto_server listening on ``host`` (loopback, or the cluster bridge's address so that the
+    machines reach it too): ``(endpoint URL, process)``; ended by pid at the end."""
     import subprocess
     import sys
     import urllib.request
 
     port = free_port()
     server = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen([str(server), "-H", host, "-p", str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{host}:{port}"
 
     def answers() -> bool:
         try:
@@ -119,7 +120,14 @@ def s3_endpoint() -> Iterator[str]:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
         os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real moto_server on loopback: the S3 endpoint of the tests."""
+    with moto_server() as (url, _proc):
+        yield url

@@ -60,7 +60,8 @@ def control(cp_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
                                             "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "20",
                                             "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "2",
                                             # the scenarios' own repairs keep the pool; no scheduled pool job
-                                            "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": ""})
+                                            "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
+                                            "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0"})
     (home / "airflow").mkdir()
     try:
         parked = parking.run_many(standbys, lambda m: [cp_cluster.tg_node, "standby", "park", "--nproc", "2"],

@@ -1,6 +1,8 @@
-"""Scheduled operations end to end: a real ``airflow standalone`` runs tg_standby_pool and tg_code_update
-(with tg_guardian and tg_incident behind them) against a namespace cluster of its own: a guarded job
-(TP=2 DP=2) on m0 and m1, standby m2 parked warm, and m3, m4 free (unprovisioned) inventory.
+"""Scheduled operations end to end: a real ``airflow standalone`` runs tg_checkpoint_verify, tg_standby_pool
+and tg_code_update (with tg_guardian and tg_incident behind them) against a namespace cluster of its own: a
+guarded job (TP=2 DP=2) on m0 and m1, standby m2 parked warm, and m3, m4 free (unprovisioned) inventory; a
+real moto_server on the cluster's bridge is the S3 tier (the machines upload to it, the control plane
+checks it through its Airflow connection ``tg_s3``).
 
 The DAGs are triggered by hand through the REST API, as an operator does from the UI's form; the tests
 read what they did from the fleet database, the machines and the runs' results and logs.
@@ -8,8 +10,11 @@ read what they did from the fleet database, the machines and the runs' results a
 
 from __future__ import annotations
 
+import contextlib
+import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,15 +26,18 @@ from node_tools.transport import transport_for
 from operators.airflow.standalone import Standalone
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
-from tests.conftest import own_cluster, wait_until
+from tests.conftest import moto_server, own_cluster, wait_until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow]
 
 SPEC = cluster.ClusterSpec(name="tgs", machines=5, standbys=1, free=2, subnet="10.213.18.0/24", disk_mb=256, gpus=8)
 TOPO = Topology(tp=2, pp=1, dp=2)
 JOB = "ops"
-TRAIN = ["--checkpoint", "--step-delay-s", "0.2"]
+VERIFY_EVERY = 50  # a verification candidate every 50 steps (~20 s), each held until verified
+TRAIN = ["--checkpoint", "--step-delay-s", "0.2", "--checkpoint-verify-every", str(VERIFY_EVERY)]
 KNOWN_GOOD_STEPS = 5
+BUCKET = "tg-ckpt"
+S3_URL = f"s3://{BUCKET}/tier"
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,17 @@ def ops_cluster() -> Iterator[Inventory]:
 
 
 @pytest.fixture(scope="module")
-def ops(ops_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
+def ops_s3(ops_cluster: Inventory) -> Iterator[tuple[str, Any]]:
+    """moto_server on the bridge's host address (the machines reach it there), with the tier's bucket."""
+    import boto3
+
+    with moto_server(SPEC.host_address) as (url, proc):
+        boto3.client("s3", endpoint_url=url).create_bucket(Bucket=BUCKET)
+        yield url, proc
+
+
+@pytest.fixture(scope="module")
+def ops(ops_cluster: Inventory, ops_s3: tuple[str, Any]) -> Iterator[tuple[Controller, Standalone]]:
     assert ops_cluster.path is not None
     home = ops_cluster.path.parent.parent / "control"
     home.mkdir()
@@ -50,7 +68,13 @@ def ops(ops_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
                                             "TG_CONTROL_HOME": str(home), "TG_ESCALATION_WINDOW_S": "5",
                                             # by hand here (the tests trigger them), as from the UI's form
                                             "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
-                                            "TG_KNOWN_GOOD_STEPS": str(KNOWN_GOOD_STEPS)})
+                                            "TG_KNOWN_GOOD_STEPS": str(KNOWN_GOOD_STEPS),
+                                            # checkpoints: verified when committed, by hand, not every 30 min
+                                            "TG_VERIFY_SCHEDULE": "", "TG_CHECKPOINT_S3_URL": S3_URL,
+                                            "TG_CHECKPOINT_S3_KEEP": "2",
+                                            "AIRFLOW_CONN_TG_S3": json.dumps({
+                                                "conn_type": "aws", "login": "testing", "password": "testing",
+                                                "extra": {"endpoint_url": ops_s3[0], "region_name": "us-east-1"}})})
     (home / "airflow").mkdir()
     try:
         parked = transport_for(ops_cluster).run(ops_cluster.machine("m2"), [ops_cluster.tg_node, "standby", "park",
@@ -79,6 +103,92 @@ def _revisions(ctl: Controller, inv: Inventory) -> set[str]:
     j = ctl.fleet.job(JOB)
     st = launcher.status(inv, JOB, [inv.machine(n) for n in j.machine_list], transport=ctl.transport)
     return {d.get("revision") for d in st.values()}
+
+
+def _disk(inv: Inventory, machine: str) -> Path:
+    """A machine's checkpoint root (the emulated machines' disks are folders of this host)."""
+    assert inv.path is not None
+    return inv.path.parent / "machines" / machine / "disk" / "jobs" / JOB / "checkpoints"
+
+
+def _copies(inv: Inventory, step: int) -> list[Path]:
+    return sorted(p for m in ("m0", "m1") for p in _disk(inv, m).glob(f"*/step_{step}/rank_*")
+                  if (p / "manifest.json").exists())
+
+
+def _s3_steps(endpoint: str) -> dict[int, dict[int, bool]]:
+    from checkpoint.s3 import S3Tier
+
+    return S3Tier(f"{S3_URL}/{JOB}", endpoint_url=endpoint).steps()
+
+
+def _conclusions(airflow: Standalone) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    out = []
+    for r in airflow.runs("tg_checkpoint_verify"):
+        if r["state"] in ("success", "failed"):
+            with contextlib.suppress(Exception):
+                out.append((r, airflow.xcom("tg_checkpoint_verify", r["dag_run_id"], "conclude")))
+    return out
+
+
+def test_a_committed_checkpoint_is_verified_marked_and_promoted_to_s3_on_its_asset_event(ops, ops_cluster, ops_s3):
+    ctl, airflow = ops
+    # the job commits candidate 49; m0's agent announces it; the watcher's asset event starts a run
+    ran = wait_until(lambda: next(((r, c) for r, c in _conclusions(airflow)
+                                   if r["run_type"] == "asset_triggered" and r["state"] == "success"), None),
+                     timeout=300, interval=2.0, what="an asset-triggered verification run to succeed")
+    run, concluded = ran
+    verdict, promotion = concluded["verdicts"][0], concluded["promotions"][0]
+    step = verdict["step"]
+    assert (step + 1) % VERIFY_EVERY == 0 and verdict["ok"] and verdict["copies"] == 8, verdict  # 4 ranks x 2 tiers
+    assert concluded["note"].startswith(f"{JOB} step {step}: 8 copies on m0, m1 verified and marked ("), concluded
+    assert f"uploaded to {S3_URL}/{JOB}, remote checksums match" in concluded["note"]
+    # every copy of the step, on both machines and both tiers, carries the marker
+    assert len(_copies(ops_cluster, step)) == 8
+    assert all((p / "verified.json").exists() for p in _copies(ops_cluster, step))
+    # S3 holds every rank of it, each remote copy checked and marked; the fleet database has the verdict
+    assert _s3_steps(ops_s3[0])[step] == {0: True, 1: True, 2: True, 3: True}
+    assert promotion["checked"] == 4 and promotion["problems"] == []
+    record = next(c for c in ctl.fleet.checkpoints(JOB) if c.step == step)
+    assert record.verified is True and record.problems == []
+    # each (job, step) was one mapped task, named after it
+    names = {t.get("rendered_map_index") for t in airflow.task_instances("tg_checkpoint_verify", run["dag_run_id"])
+             if t["task_id"] == "verify"}
+    assert names == {f"{JOB} step {step}"}
+
+
+def test_a_corrupted_checkpoint_copy_is_caught_and_never_promoted(ops, ops_cluster, ops_s3):
+    ctl, airflow = ops
+    verified = max((c.step for c in ctl.fleet.checkpoints(JOB) if c.verified), default=-1)
+    # the next candidate, as soon as it is committed: damage rank 0's replica on m1 before anyone verifies it
+    def committed_candidate() -> int | None:
+        for step_dir in sorted(_disk(ops_cluster, "m0").glob("local/step_*")):
+            step = int(step_dir.name.split("_")[1])
+            marker = step_dir / "rank_0" / "committed.json"
+            if step > verified and marker.exists() and json.loads(marker.read_text()).get("verify"):
+                return step
+        return None
+
+    step = wait_until(committed_candidate, timeout=240, interval=0.1, what="a new verification candidate")
+    replica = next(p for p in _copies(ops_cluster, step) if "/m1/" in str(p) and p.parent.parent.name == "replica")
+    model = replica / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    model.write_bytes(bytes(data))
+    run_id = airflow.trigger("tg_checkpoint_verify", {"job": JOB, "step": step})
+    assert airflow.finished("tg_checkpoint_verify", run_id, timeout=300) == "failed"
+    concluded = airflow.xcom("tg_checkpoint_verify", run_id, "conclude")
+    rank = int(replica.name.split("_")[1])
+    assert concluded["note"].startswith(
+        f"{JOB} step {step}: NOT verified, nothing marked or uploaded: machine m1 rank {rank} step {step} tier "
+        f"replica: model.safetensors sha256 mismatch"), concluded["note"]
+    # never promoted: no copy of the step carries a marker, S3 has none of it, the fleet says why
+    assert _copies(ops_cluster, step) and not any((p / "verified.json").exists() for p in _copies(ops_cluster, step))
+    assert step not in _s3_steps(ops_s3[0])
+    record = next(c for c in ctl.fleet.checkpoints(JOB) if c.step == step)
+    assert record.verified is False and any(f"tier replica: model.safetensors sha256 mismatch ({replica})" in p
+                                            for p in record.problems), record.problems
+    assert airflow.task_states("tg_checkpoint_verify", run_id)["outcome"] == "failed"
 
 
 def test_the_pool_fills_its_target_with_checked_standbys_and_refuses_a_faulty_machine(ops, ops_cluster):
@@ -192,3 +302,30 @@ def test_the_sweep_marks_a_healthy_revision_good_and_the_ladder_rolls_a_buggy_on
     note = airflow.xcom("tg_code_update", run_id, "conclude")["note"]
     # the update reports what it saw: r3 ended without a step, or the rollback had already replaced it
     assert "r3 did not stay: the job runs r2 now" in note or "ended after the restart without a step" in note, note
+
+
+def test_an_s3_endpoint_that_is_down_fails_the_promotion_with_a_reason(ops, ops_cluster, ops_s3):
+    ctl, airflow = ops
+    endpoint, proc = ops_s3
+    proc.terminate()
+    proc.wait(timeout=10)
+    verified = max((c.step for c in ctl.fleet.checkpoints(JOB) if c.verified), default=-1)
+    wait_until(lambda: any(s > verified for s in _candidates(ops_cluster)), timeout=240, interval=0.5,
+               what="a new verification candidate")
+    run_id, state = _run(airflow, "tg_checkpoint_verify", {"job": JOB, "step": None})
+    assert state == "failed"
+    step = airflow.xcom("tg_checkpoint_verify", run_id, "conclude")["verdicts"][0]["step"]
+    log = airflow.task_log("tg_checkpoint_verify", run_id, "promote", map_index=0)
+    assert f"S3 tier {S3_URL}/{JOB} at {endpoint} is not usable (EndpointConnectionError" in log, log[-2000:]
+    assert "start the endpoint or fix TG_CHECKPOINT_S3_URL / the S3 connection" in log
+    # the copies themselves are fine: verified and marked; only the upload waits for the endpoint
+    assert next(c for c in ctl.fleet.checkpoints(JOB) if c.step == step).verified is True
+
+
+def _candidates(inv: Inventory) -> list[int]:
+    out = []
+    for marker in _disk(inv, "m0").glob("local/step_*/rank_0/committed.json"):
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(marker.read_text()).get("verify"):
+                out.append(int(marker.parent.parent.name.split("_")[1]))
+    return out

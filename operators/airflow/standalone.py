@@ -169,11 +169,11 @@ class Standalone:
         return poll(lambda: (lambda st: st if st in ("success", "failed") else None)(self.run_state(dag_id, run_id)),
                     timeout=timeout, interval=1.0, what=f"{dag_id} run {run_id} to end")
 
-    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1) -> str:
+    def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1, *, map_index: int = -1) -> str:
         """A task's log of one try, as text: one line per entry, each entry's JSON (an error's message is
-        in its ``error_detail``, not its ``event``)."""
+        in its ``error_detail``, not its ``event``). ``map_index``: which instance of a mapped task."""
         doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances/"
-                                  f"{task_id}/logs/{try_number}?full_content=true")
+                                  f"{task_id}/logs/{try_number}?full_content=true&map_index={map_index}")
         content = doc.get("content") if isinstance(doc, dict) else doc
         if isinstance(content, list):
             return "\n".join(json.dumps(c) if isinstance(c, dict) else str(c) for c in content)
