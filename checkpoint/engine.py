@@ -642,10 +642,9 @@ class Checkpointer:
                         self.committed.discard(min(self.committed))
                 for step in fresh:
                     path = layout.copy_dir(self.root, "local", step, self.rank)
-                    if path.exists():
-                        with contextlib.suppress(OSError):
-                            layout.write_json(path / layout.COMMITTED, {"step": step, "committed_ts": time.time(),
-                                                                        "verify": self.cfg.is_candidate(step)})
+                    with contextlib.suppress(OSError):
+                        layout.write_marker(path, layout.COMMITTED, {"step": step, "committed_ts": time.time(),
+                                                                     "verify": self.cfg.is_candidate(step)})
             # every round, commits or not: a rank whose replica stopped (or a peer that never acknowledges)
             # must not stop retention, or the disk fills with uncommitted steps
             self._retain()
@@ -673,8 +672,10 @@ class Checkpointer:
             newest_verified = max(verified, default=-1)
             if verified:
                 keep.add(newest_verified)
-            waiting = sorted((s for s, _r, _p in copies if s in committed and s > newest_verified
-                              and self.cfg.is_candidate(s)), reverse=True)
+            # held by their step number alone: a restart (empty committed set) or a long wait for the
+            # verifier must not drop them; an uncommitted one is displaced by the next candidates
+            waiting = sorted((s for s, _r, _p in copies if s > newest_verified and self.cfg.is_candidate(s)),
+                             reverse=True)
             keep.update(waiting[:2])
             for step, _r, path in copies:
                 if step not in keep:

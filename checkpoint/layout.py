@@ -170,6 +170,21 @@ def write_json(path: Path, doc: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def write_marker(copy: Path, name: str, doc: dict[str, Any]) -> bool:
+    """A marker (``committed.json``, ``verified.json``) into an existing copy; False when the copy is gone
+    (retention removed it meanwhile): the copy's directory is never made again around a lone marker."""
+    copy = Path(copy)
+    if not (copy / MANIFEST).exists():
+        return False
+    tmp = copy / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        tmp.write_text(json.dumps(doc, sort_keys=True), encoding="utf-8")
+        os.replace(tmp, copy / name)
+    except FileNotFoundError:  # removed between the check and the write
+        return False
+    return True
+
+
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         doc = json.loads(Path(path).read_text(encoding="utf-8"))

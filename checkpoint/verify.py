@@ -411,9 +411,11 @@ def verify_step(root: Path, step: int, *, run_dir: Path | None = None, s3_url: s
                     report.marked.append(c.path)
                 except S3TierError as exc:
                     report.extra_problems.append(Problem("s3", c.rank, step, "s3", c.path, str(exc)))
-            else:
-                layout.write_json(Path(c.path) / layout.VERIFIED, doc | {"rank": c.rank, "tier": c.tier})
+            elif layout.write_marker(Path(c.path), layout.VERIFIED, doc | {"rank": c.rank, "tier": c.tier}):
                 report.marked.append(c.path)
+            else:
+                report.extra_problems.append(Problem(machine, c.rank, step, c.tier, c.path,
+                                                     "copy removed before it could be marked (retention)"))
     return report
 
 
