@@ -38,6 +38,7 @@ from node_tools.config import NodeConfig
 from node_tools.nvml import NvmlUnavailable, backend_for
 
 NETWORK_KINDS = ("nic_down", "nic_errors", "kernel_link")
+METRICS_FILE = "metrics.prom"  # beside the status file
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Agent:
         self.outbox: deque[Alert] = deque(maxlen=self.settings.outbox_max)
         self.errors: dict[str, str] = {}
         self.published = 0
+        self.published_by_kind: dict[str, int] = {}
         self.started = time.time()
         self._status_written = 0.0
         self._stop = threading.Event()
@@ -162,6 +164,7 @@ class Agent:
             self.errors.pop("bus", None)
             self.outbox.popleft()
             self.published += 1
+            self.published_by_kind[alert.kind] = self.published_by_kind.get(alert.kind, 0) + 1
 
     # ---- status -----------------------------------------------------------------------------
     def status(self, now: float | None = None) -> dict[str, Any]:
@@ -188,6 +191,16 @@ class Agent:
         with contextlib.suppress(OSError):
             self.status_path.parent.mkdir(parents=True, exist_ok=True)
             monitor.write_json_atomic(self.status_path, self.status(now))
+            self.write_metrics(self.status_path.with_name(METRICS_FILE), now)
+
+    def write_metrics(self, path: Path, now: float) -> None:
+        """The agent's Prometheus metrics as a node_exporter textfile (``--collector.textfile.directory``
+        pointed at the agent's folder publishes them with the machine's other metrics)."""
+        from prometheus_client import CollectorRegistry, write_to_textfile
+
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(_AgentCollector(self, now))  # type: ignore[arg-type]
+        write_to_textfile(str(path), reg)
 
     # ---- the loop ---------------------------------------------------------------------------
     def stop(self) -> None:
@@ -199,6 +212,39 @@ class Agent:
             wait = min(self.next_due.values()) - time.time()
             self._stop.wait(max(0.01, min(wait, 1.0)))
         self.write_status(time.time())
+
+
+class _AgentCollector:
+    """One scrape of an agent's state (see :meth:`Agent.write_metrics`)."""
+
+    def __init__(self, agent: Agent, now: float) -> None:
+        self.agent, self.now = agent, now
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        a, m = self.agent, self.agent.cfg.machine
+        published = CounterMetricFamily("trainguard_agent_alerts_published", "Alerts and notices published",
+                                        labels=["machine", "kind"])
+        for kind, n in sorted(a.published_by_kind.items()):
+            published.add_metric([m, kind], n)
+        active = GaugeMetricFamily("trainguard_agent_active_findings", "Conditions that hold now",
+                                   labels=["machine", "kind"])
+        kinds: dict[str, int] = {}
+        for v in a.active.values():
+            kinds[v["kind"]] = kinds.get(v["kind"], 0) + 1
+        for kind, n in sorted(kinds.items()):
+            active.add_metric([m, kind], n)
+        failing = GaugeMetricFamily("trainguard_agent_check_failing", "1 when a check raised at its last run",
+                                    labels=["machine", "check"])
+        for c in a.checks:
+            failing.add_metric([m, c.name], 1.0 if a.errors.get(c.name) else 0.0)
+        outbox = GaugeMetricFamily("trainguard_agent_outbox", "Alerts waiting for the bus", labels=["machine"])
+        outbox.add_metric([m], len(a.outbox))
+        tick = GaugeMetricFamily("trainguard_agent_last_status_timestamp_seconds",
+                                 "When the agent last wrote its status", labels=["machine"])
+        tick.add_metric([m], self.now)
+        yield from (published, active, failing, outbox, tick)
 
 
 def status_path(cfg: NodeConfig) -> Path:

@@ -14,7 +14,16 @@ Metrics (``job``, ``category``, ``outcome``, ``phase``, ``state`` labels):
 * ``trainguard_machines``: machines by state (standby, active, repair ...);
 * ``trainguard_standby_pool_target``: the pool target from the fleet's failure history, and
   ``trainguard_failure_rate_per_machine_day`` the rate it comes from;
-* ``trainguard_job_revision_info``: the revision each job runs (and the one pending, if any).
+* ``trainguard_job_revision_info``: the revision each job runs (and the one pending, if any);
+* ``trainguard_ettr_ratio``: each job's effective training time ratio, ``window`` "cumulative" and
+  "sliding", from the newest ``tg_ettr`` report (hourly);
+* ``trainguard_checkpoint_step``: each job's newest checkpoint step announced for verification
+  (``state`` "announced") and newest verified one ("verified");
+  ``trainguard_checkpoint_verified_age_seconds``: how old the newest verified step is (since its
+  commit); ``trainguard_checkpoint_verifications_total``: verdicts by ``result`` (verified, corrupt,
+  pending).
+
+Agents write metrics of their own on every machine (:mod:`node_tools.agent`: a node_exporter textfile).
 """
 
 from __future__ import annotations
@@ -70,6 +79,8 @@ class FleetCollector(Collector):
             evictions.add_metric([j.name], evicted)
             revisions.add_metric([j.name], {"revision": j.revision, "pending": j.pending_revision or ""})
         yield from (incidents, phases, evictions, revisions)
+        yield from self._ettr(jobs, actions)
+        yield from self._checkpoints(jobs)
 
         machines = GaugeMetricFamily("trainguard_machines", "Machines by state", labels=["state"])
         by_state: dict[str, int] = dict.fromkeys(states.STATES, 0)
@@ -86,6 +97,46 @@ class FleetCollector(Collector):
         yield GaugeMetricFamily("trainguard_standby_pool_target",
                                 "Standbys the pool keeps: P99 of Binomial(machines serving, daily failure rate)",
                                 value=target)
+
+
+    def _ettr(self, jobs: Any, actions: Any) -> Iterator[Any]:
+        ratio = GaugeMetricFamily("trainguard_ettr_ratio", "Effective training time ratio (newest tg_ettr report)",
+                                  labels=["job", "window"])
+        newest: dict[str, Any] = {}
+        for a in actions:
+            if a.kind == "ettr_report":
+                job = a.key.split(":")[1]
+                if job not in newest or a.started_ts >= newest[job].started_ts:
+                    newest[job] = a
+        for j in jobs:
+            a = newest.get(j.name)
+            if a is not None:
+                ratio.add_metric([j.name, "cumulative"], float(a.evidence["cumulative"]))
+                ratio.add_metric([j.name, "sliding"], float(a.evidence["sliding"]))
+        yield ratio
+
+    def _checkpoints(self, jobs: Any) -> Iterator[Any]:
+        step = GaugeMetricFamily("trainguard_checkpoint_step", "Newest checkpoint step announced / verified",
+                                 labels=["job", "state"])
+        age = GaugeMetricFamily("trainguard_checkpoint_verified_age_seconds",
+                                "Seconds since the newest verified checkpoint step was committed", labels=["job"])
+        verdicts = CounterMetricFamily("trainguard_checkpoint_verifications", "Checkpoint verdicts by result",
+                                       labels=["job", "result"])
+        now = self.clock()
+        for j in jobs:
+            records = self.fleet.checkpoints(j.name)
+            if not records:
+                continue
+            step.add_metric([j.name, "announced"], max(c.step for c in records))
+            good = [c for c in records if c.verified]
+            if good:
+                newest = max(good, key=lambda c: c.step)
+                step.add_metric([j.name, "verified"], newest.step)
+                age.add_metric([j.name], max(0.0, now - newest.committed_ts))
+            for result, n in (("verified", len(good)), ("corrupt", sum(c.verified is False for c in records)),
+                              ("pending", sum(c.verified is None for c in records))):
+                verdicts.add_metric([j.name, result], n)
+        yield from (step, age, verdicts)
 
 
 def registry(fleet: FleetStore) -> Any:

@@ -61,7 +61,7 @@ def test_the_agent_announces_the_newest_candidate_once_on_the_notices_folder(tmp
     cfg, _root = _node(tmp_path)
     bus = tmp_path / "bus"
     agent = Agent(cfg, open_bus(str(bus)), [CheckpointCheck(cfg.workdir)],
-                  notices=open_bus(str(bus), folder=NOTICES))
+                  notices=open_bus(str(bus), folder=NOTICES), status_path=tmp_path / "agent" / "status.json")
     made = agent.tick(now=1000.0)
     assert [(a.kind, a.severity, a.job, a.rank, a.evidence["step"]) for a in made] == [
         ("checkpoint_committed", "info", JOB, 0, 5)]
@@ -69,6 +69,16 @@ def test_the_agent_announces_the_newest_candidate_once_on_the_notices_folder(tmp
     assert BusReader(SpoolBus(bus)).read() == []  # the guardian's folder stays empty
     notices = BusReader(SpoolBus(bus, folder=NOTICES)).read()
     assert [(n.kind, n.evidence["step"]) for n in notices] == [("checkpoint_committed", 5)]
+    # the agent's own metrics, a node_exporter textfile beside its status
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (tmp_path / "agent" / "metrics.prom").read_text()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    assert samples[("trainguard_agent_alerts_published_total",
+                    (("kind", "checkpoint_committed"), ("machine", "m0")))] == 1
+    assert samples[("trainguard_agent_check_failing", (("check", "checkpoints"), ("machine", "m0")))] == 0
+    assert samples[("trainguard_agent_outbox", (("machine", "m0"),))] == 0
 
 
 def test_a_machine_without_rank_0_says_nothing(tmp_path: Path):

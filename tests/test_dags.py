@@ -126,3 +126,58 @@ def test_the_code_update_form_takes_an_urgency_of_its_enum_and_waits_for_trainin
         with pytest.raises(ParamValidationError):
             params.update(bad)
             params.validate()
+
+
+def test_checkpoint_verification_runs_on_commit_events_and_a_schedule_and_always_concludes(dagbag):
+    from airflow.sdk.definitions.param import ParamsDict
+    from airflow.sdk.exceptions import ParamValidationError
+
+    dag = dagbag.get_dag("tg_checkpoint_verify")
+    assert dag.max_active_runs == 1 and set(dag.params.keys()) == {"job", "step"}
+    timetable = dag.timetable  # the asset's watcher (commit notices) or every 30 minutes
+    assert type(timetable).__name__ == "AssetOrTimeSchedule" and timetable.timetable.expression == "*/30 * * * *"
+    (asset,) = timetable.asset_condition.objects
+    assert asset.name == "trainguard-checkpoint-committed"
+    assert [type(w.trigger).__name__ for w in asset.watchers] == ["CheckpointNoticeTrigger"]
+    verify = dag.get_task("verify")
+    assert type(verify).__name__.endswith("MappedOperator") and verify.pool == "tg_ssh"
+    assert verify.upstream_task_ids == {"pick"} and dag.get_task("promote").upstream_task_ids == {"verify"}
+    conclude = dag.get_task("conclude")  # says what happened also when a step failed its verification
+    assert conclude.trigger_rule == "all_done" and conclude.upstream_task_ids == {"verify", "promote"}
+    assert dag.get_task("outcome").upstream_task_ids == {"conclude"} and dag.get_task("outcome").downstream_list == []
+    good = ParamsDict(dag.params)
+    good.update({"job": "llm", "step": 1999})
+    good.validate()
+    for bad in ({"step": -1}, {"job": "a b"}, {"step": "latest"}):
+        params = ParamsDict(dag.params)
+        with pytest.raises(ParamValidationError):
+            params.update(bad)
+            params.validate()
+
+
+def test_the_verification_schedule_follows_the_environment():
+    from airflow.sdk import Asset
+
+    from operators.airflow.schedules import asset_or_cron
+
+    asset = Asset("a")
+    env = {"TG_X_SCHEDULE": "", "TG_X_ON": "1"}
+    import os
+
+    def schedule() -> object:
+        return asset_or_cron(asset, cron_variable="TG_X_SCHEDULE", cron_default="@daily", on_variable="TG_X_ON")
+
+    old = {k: os.environ.get(k) for k in env}
+    try:
+        os.environ.update(env)
+        assert schedule() == [asset]
+        os.environ["TG_X_ON"] = "0"
+        assert schedule() is None
+        os.environ["TG_X_SCHEDULE"] = "@hourly"
+        assert schedule() == "@hourly"
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

@@ -66,6 +66,27 @@ def test_a_scrape_counts_incidents_phases_evictions_machines_and_the_pool_target
         == 1
 
 
+def test_a_scrape_says_how_old_the_newest_verified_checkpoint_is_and_the_newest_ettr(tmp_path: Path):
+    c = _fleet(tmp_path)
+    now = time.time()
+    c.fleet.record_checkpoint("j", 49, committed_ts=now - 300)
+    c.fleet.mark_checkpoint("j", 49, verified=True)
+    c.fleet.record_checkpoint("j", 99, committed_ts=now - 200)
+    c.fleet.mark_checkpoint("j", 99, verified=False, problems=["machine m1 rank 0 step 99 tier replica: ..."])
+    c.fleet.record_checkpoint("j", 149, committed_ts=now - 100)  # not checked yet
+    for ts, cumulative in ((now - 7200, 0.91), (now - 3600, 0.95)):
+        c.fleet.record_action(f"ettr_report:j:{ts:.3f}", kind="ettr_report",
+                              evidence={"cumulative": cumulative, "sliding": cumulative - 0.1, "window_s": 3600})
+    got = _samples(metrics.exposition(c.fleet))
+    assert got[("trainguard_checkpoint_step", (("job", "j"), ("state", "announced")))] == 149
+    assert got[("trainguard_checkpoint_step", (("job", "j"), ("state", "verified")))] == 49
+    assert 299 < got[("trainguard_checkpoint_verified_age_seconds", (("job", "j"),))] < 360
+    assert [got[("trainguard_checkpoint_verifications_total", (("job", "j"), ("result", r)))]
+            for r in ("verified", "corrupt", "pending")] == [1, 1, 1]
+    assert got[("trainguard_ettr_ratio", (("job", "j"), ("window", "cumulative")))] == 0.95  # the newest report
+    assert abs(got[("trainguard_ettr_ratio", (("job", "j"), ("window", "sliding")))] - 0.85) < 1e-9
+
+
 def test_the_command_serves_a_scrape_over_http_and_refuses_a_bad_port(tmp_path: Path):
     c = _fleet(tmp_path)
     env = {"TG_FLEET_URL": c.cfg.fleet_url, "PATH": str(Path(sys.executable).parent)}

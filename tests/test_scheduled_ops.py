@@ -182,8 +182,10 @@ def test_a_corrupted_checkpoint_copy_is_caught_and_never_promoted(ops, ops_clust
     assert concluded["note"].startswith(
         f"{JOB} step {step}: NOT verified, nothing marked or uploaded: machine m1 rank {rank} step {step} tier "
         f"replica: model.safetensors sha256 mismatch"), concluded["note"]
-    # never promoted: no copy of the step carries a marker, S3 has none of it, the fleet says why
-    assert _copies(ops_cluster, step) and not any((p / "verified.json").exists() for p in _copies(ops_cluster, step))
+    # never promoted: nothing was marked, no copy still on disk carries a marker (retention may drop the step
+    # once a newer candidate is verified), S3 has none of it, and the fleet database says why
+    assert concluded["verdicts"][0]["marked"] == 0 and concluded["promotions"][0]["promoted"] is False
+    assert not any((p / "verified.json").exists() for p in _copies(ops_cluster, step))
     assert step not in _s3_steps(ops_s3[0])
     record = next(c for c in ctl.fleet.checkpoints(JOB) if c.step == step)
     assert record.verified is False and any(f"tier replica: model.safetensors sha256 mismatch ({replica})" in p

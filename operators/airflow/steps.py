@@ -359,6 +359,12 @@ def ettr_reports(job: str, window_s: float) -> dict[str, Any]:
             out[name] = c.ettr_report(name, window_s=window_s)
         except TrainguardError as exc:
             out[name] = {"error": str(exc)}
+            continue
+        # kept in the audit trail: the metrics exporter publishes the newest report of each job
+        rep = out[name]
+        c.fleet.record_action(f"ettr_report:{name}:{time.time():.3f}", kind="ettr_report",
+                              evidence={"cumulative": rep["cumulative"]["ettr"], "sliding": rep["sliding"]["ettr"],
+                                        "window_s": window_s, "by_cause": rep["by_cause"]})
     return out
 
 
