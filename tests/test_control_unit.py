@@ -143,3 +143,24 @@ def test_an_incident_run_ends_failed_when_its_incident_failed_or_waits_for_a_hum
     c.fleet.update_incident(inc["incident"], state="failed", summary="training did not resume")
     with pytest.raises(TrainguardError, match=r"incident \d+ failed: training did not resume"):
         steps.outcome(inc["incident"])
+
+
+def test_an_incident_runs_note_says_in_one_line_what_happened(tmp_path: Path, monkeypatch):
+    from operators.airflow import steps
+
+    c = _controller(tmp_path)
+    [lost] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
+    inc = lost["incident"]
+    c.fleet.update_incident(inc, category="machine_fault")
+    c.evict(inc, ["m1"], reason="gpu lost")
+    c.fleet.update_incident(inc, resumed_ts=121.4, lost_steps=0)
+    c.close(inc, outcome="resolved")
+    assert steps.incident_note(c, inc) == (f"incident {inc} resolved (machine_fault): evicted m1 -> standby m4; "
+                                           f"resumed 21s after the first alert, 0 steps lost")
+    [other] = c.ingest([_alert("rank_hang", "m2", 2, 200.0)])
+    c.fleet.update_incident(other["incident"], state="waiting_human", summary="hang; next: analyze; breaker: limit 1")
+    assert steps.incident_note(c, other["incident"]) == \
+        f"incident {other['incident']} waiting human (untriaged): breaker: limit 1"
+    monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
+    monkeypatch.setenv("TG_INVENTORY", c.cfg.inventory)
+    assert steps.outcome(inc)["note"] == steps.incident_note(c, inc)  # outside a task: no run to annotate

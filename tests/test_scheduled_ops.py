@@ -142,6 +142,7 @@ def test_a_committed_checkpoint_is_verified_marked_and_promoted_to_s3_on_its_ass
     step = verdict["step"]
     assert (step + 1) % VERIFY_EVERY == 0 and verdict["ok"] and verdict["copies"] == 8, verdict  # 4 ranks x 2 tiers
     assert concluded["note"].startswith(f"{JOB} step {step}: 8 copies on m0, m1 verified and marked ("), concluded
+    assert airflow.run_note("tg_checkpoint_verify", run["dag_run_id"]) == concluded["note"]  # the UI's run note
     assert f"uploaded to {S3_URL}/{JOB}, remote checksums match" in concluded["note"]
     # every copy of the step, on both machines and both tiers, carries the marker
     assert len(_copies(ops_cluster, step)) == 8
@@ -212,6 +213,7 @@ def test_the_pool_fills_its_target_with_checked_standbys_and_refuses_a_faulty_ma
     out = airflow.xcom("tg_standby_pool", run_id, "conclude")
     assert out["joined"] == ["m3"] and list(out["failed"]) == ["m4"], out
     assert out["note"].startswith("pool 2/3; joined or re-checked: m3; to repair: m4 (L2: "), out["note"]
+    assert airflow.run_note("tg_standby_pool", run_id) == out["note"]
     assert out["note"].endswith("short by 1: add machines to the inventory")
     m3, m4 = ctl.fleet.machine("m3"), ctl.fleet.machine("m4")
     assert m3.state == states.STANDBY and m3.checked_ts is not None

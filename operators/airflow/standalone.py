@@ -41,6 +41,7 @@ def poll(predicate: Callable[[], Any], *, timeout: float, what: str, interval: f
 
 
 SSH_POOL = "tg_ssh"
+API_CONN = "tg_airflow_api"  # what the DAGs' tasks set their run's note through (operators.airflow.notes)
 
 
 class Standalone:
@@ -85,6 +86,8 @@ class Standalone:
         # the metadata database is busy while the scheduler starts (SQLite): a write may fail once
         poll(lambda: self._try(lambda: self.ensure_pool(SSH_POOL, slots)), timeout=60, interval=1.0,
              what=f"the {SSH_POOL} pool to be created")
+        poll(lambda: self._try(self.ensure_api_connection), timeout=60, interval=1.0,
+             what=f"the {API_CONN} connection to be created")
 
     @staticmethod
     def _try(action: Callable[[], Any]) -> bool:
@@ -107,6 +110,21 @@ class Standalone:
             self.request("POST", "/api/v2/pools", {"name": name, **settings})
             return
         self.request("PATCH", f"/api/v2/pools/{name}", settings)
+
+    def ensure_api_connection(self) -> None:
+        """The connection the tasks use to set their run's note: this api-server, as its admin."""
+        pw_file = self.home / "simple_auth_manager_passwords.json.generated"
+        body = {"connection_id": API_CONN, "conn_type": "http", "host": "127.0.0.1", "port": self.port,
+                "login": "admin", "password": json.loads(pw_file.read_text())["admin"], "schema": "http"}
+        try:
+            self.request("POST", "/api/v2/connections", body)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:
+                raise
+            self.request("PATCH", f"/api/v2/connections/{API_CONN}", body)
+
+    def run_note(self, dag_id: str, run_id: str) -> str | None:
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}").get("note")
 
     def _healthy(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:

@@ -224,10 +224,43 @@ def rearm(recovery: dict[str, Any] | None) -> dict[str, Any]:
 def outcome(incident_id: int) -> dict[str, Any]:
     """The run's last task: fails when the incident failed or waits for a human, so the run's colour in
     the UI says how the incident ended (its record holds the details)."""
-    inc = controller().fleet.incident(int(incident_id))
+    c = controller()
+    inc = c.fleet.incident(int(incident_id))
+    note = incident_note(c, int(incident_id))
+    _note(note)
     if inc.state in ("failed", "waiting_human"):
         raise TrainguardError(f"incident {inc.id} {inc.state.replace('_', ' for a ')}: {inc.summary}")
-    return {"incident": inc.id, "state": inc.state, "summary": inc.summary}
+    return {"incident": inc.id, "state": inc.state, "summary": inc.summary, "note": note}
+
+
+def incident_note(c: Controller, incident_id: int) -> str:
+    """The incident's run in one line: outcome, category, evictions with their standbys, rollback, and the
+    resume (step, seconds after the first alert)."""
+    import json
+
+    inc = c.fleet.incident(incident_id)
+    parts = []
+    for a in c.fleet.actions(incident_id):
+        if a.kind == "evict" and a.outcome == "done":
+            swaps = json.loads(a.detail or "{}")
+            parts.append("evicted " + ", ".join(f"{old} -> standby {new}" for old, new in sorted(swaps.items())))
+        elif a.kind == "rollback" and a.outcome == "done":
+            parts.append(f"rolled back {a.evidence.get('from')} -> {a.evidence.get('to')}")
+    if inc.resumed_ts and inc.first_alert_ts:
+        steps = c.fleet.incident(incident_id).lost_steps
+        parts.append(f"resumed {inc.resumed_ts - inc.first_alert_ts:.0f}s after the first alert"
+                     + (f", {steps} steps lost" if steps is not None else ""))
+    elif inc.summary:
+        parts.append(inc.summary.split("; ")[-1])
+    head = f"incident {inc.id} {inc.state.replace('_', ' ')} ({inc.category or 'untriaged'})"
+    return head + (": " + "; ".join(parts) if parts else "")
+
+
+def _note(text: str) -> None:
+    """The run's one-line note, in the UI (see :mod:`operators.airflow.notes`)."""
+    from operators.airflow.notes import set_run_note
+
+    set_run_note(text)
 
 
 def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
@@ -293,6 +326,7 @@ def replay_conclude(plan: dict[str, Any] | None, h: dict[str, str] | None, v: di
             "a phase failed: no verdict") + "; job restarted"
     done = _finish_by_hand(c, int(plan["incident"]), culprits, evict=evict, restart=True, note=note,
                            reason=f"dual-phase replay by hand: {', '.join(culprits)} computed wrong")
+    _note(f"{plan.get('job', '')}: replay {note}" + (" (culprits evicted)" if evict and culprits else ""))
     return {**done, "verdict": verdict, "culprits": culprits}
 
 
@@ -344,6 +378,9 @@ def diagnose_conclude(job: str, results: list[dict[str, Any]], neighbours: dict[
         out.update(_finish_by_hand(c, incident, sorted(failed), evict=True, restart=False,
                                    reason="failed a diagnosis run by hand",
                                    note=f"{', '.join(sorted(failed))} failed a diagnosis run by hand"))
+    verdicts = "; ".join(f"{m} failed {str(why)[:80]}" for m, why in sorted(failed.items()))
+    _note(f"{job}: {len(out['machines'])} machines diagnosed; " + (verdicts + ("; evicted" if evict else "")
+                                                                    if failed else "all passed"))
     return out
 
 
@@ -365,6 +402,9 @@ def ettr_reports(job: str, window_s: float) -> dict[str, Any]:
         c.fleet.record_action(f"ettr_report:{name}:{time.time():.3f}", kind="ettr_report",
                               evidence={"cumulative": rep["cumulative"]["ettr"], "sliding": rep["sliding"]["ettr"],
                                         "window_s": window_s, "by_cause": rep["by_cause"]})
+    _note("; ".join(f"{n}: {r['error']}" if "error" in r else
+                    f"{n}: ETTR {r['cumulative']['ettr']:.1%} since its first step, {r['sliding']['ettr']:.1%} over "
+                    f"the last {window_s:.0f}s" for n, r in out.items()) or "no job")
     return out
 
 
@@ -390,7 +430,9 @@ def pool_check(target: dict[str, Any]) -> dict[str, Any]:
 def pool_conclude(planned: dict[str, Any], results: list[dict[str, Any]] | None) -> dict[str, Any]:
     from operators import standby_pool
 
-    return standby_pool.summary(planned["plan"], list(results or []))
+    out = standby_pool.summary(planned["plan"], list(results or []))
+    _note(out["note"])
+    return out
 
 
 # ---- tg_code_update ---------------------------------------------------------------------------------------
@@ -446,6 +488,7 @@ def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -
         parts = [f"{job}: forced {v['forced']['revision']}" if v.get("forced") else
                  f"{job}: {v['revision']} known good" if v.get("known_good") else
                  f"{job}: {v.get('error') or 'nothing due'}" for job, v in update["sweep"].items()]
+        _note("; ".join(parts) or "no running job")
         return {**update, "note": "; ".join(parts) or "no running job"}
     if update["action"] == "hot":
         info = (resumed_info or {}).get("resumed", {}).get(update["job"], {})
@@ -464,6 +507,7 @@ def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -
         note = f"{update['job']}: {update['reason']}"
     else:
         note = f"{update['job']}: nothing to do ({update['reason']})"
+    _note(note)
     return {**update, "resumed": resumed_info, "note": note}
 
 
@@ -538,7 +582,9 @@ def ckpt_conclude(verdicts: list[dict[str, Any]] | None, promotions: list[dict[s
                     "problems": ["the promote task failed: see its log"]}
                    for v in verdicts if v["ok"] and (v["job"], v["step"]) not in done]
     failed = [v for v in verdicts if not v["ok"]] + [p for p in promotions if p.get("problems")]
-    return {"note": checkpoints.note(verdicts, promotions), "ok": not failed, "verdicts": verdicts,
+    note = checkpoints.note(verdicts, promotions)
+    _note(note)
+    return {"note": note, "ok": not failed, "verdicts": verdicts,
             "promotions": promotions}
 
 
