@@ -189,8 +189,8 @@ def test_a_corrupted_checkpoint_copy_is_caught_and_never_promoted(ops, ops_clust
     assert not any((p / "verified.json").exists() for p in _copies(ops_cluster, step))
     assert step not in _s3_steps(ops_s3[0])
     record = next(c for c in ctl.fleet.checkpoints(JOB) if c.step == step)
-    assert record.verified is False and any(f"tier replica: model.safetensors sha256 mismatch ({replica})" in p
-                                            for p in record.problems), record.problems
+    named = f"tier replica: model.safetensors sha256 mismatch (corrupt) ({replica})"
+    assert record.verified is False and any(named in p for p in record.problems), record.problems
     assert airflow.task_states("tg_checkpoint_verify", run_id)["outcome"] == "failed"
 
 
