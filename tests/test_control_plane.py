@@ -194,6 +194,10 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
     run = airflow.runs("tg_incident")[0]
     tasks = airflow.task_states("tg_incident", run["dag_run_id"])
     assert tasks["evict_now"] == "success" and tasks["stop_time_diagnosis"] == "skipped", tasks
+    # the run's note in the UI says it in one line
+    note = airflow.run_note("tg_incident", run["dag_run_id"])
+    assert note.startswith(f"incident {inc.id} resolved (machine_fault): evicted m1 -> standby {job.machine_list[1]}; "
+                           f"resumed "), note
     launch = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "launch")
     # the standby joined on its warm interpreters, and the survivors restarted on theirs (armed at launch)
     assert launch.evidence["warm"] == sorted(job.machine_list)
