@@ -194,7 +194,8 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
     run = airflow.runs("tg_incident")[0]
     tasks = airflow.task_states("tg_incident", run["dag_run_id"])
     assert tasks["evict_now"] == "success" and tasks["stop_time_diagnosis"] == "skipped", tasks
-    # the run's note in the UI says it in one line
+    # the run's note in the UI says it in one line (its last task sets it)
+    assert airflow.finished("tg_incident", run["dag_run_id"], timeout=120) == "success"
     note = airflow.run_note("tg_incident", run["dag_run_id"])
     assert note.startswith(f"incident {inc.id} resolved (machine_fault): evicted m1 -> standby {job.machine_list[1]}; "
                            f"resumed "), note
