@@ -103,17 +103,23 @@ def _on_machines(ctl: Controller, target: Mapping[str, Any], *args: str, timeout
                                   env=env)
 
 
+def _doc(res: Any) -> dict[str, Any] | None:
+    """A machine's JSON answer, or None when the command did not answer (unreachable, timed out, garbled)."""
+    try:
+        doc = res.json() if res.reachable and not res.timed_out else None
+    except Exception:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def _phase(ctl: Controller, target: Mapping[str, Any], *, mark: bool, timeout: float) -> dict[str, Any]:
     args = ["verify", "--job", target["job"], "--step", str(target["step"])] + (["--mark"] if mark else [])
     results = _on_machines(ctl, target, *args, timeout=timeout)
     machines: dict[str, Any] = {}
     problems: list[str] = []
     for name, res in sorted(results.items()):
-        try:
-            doc = res.json() if res.reachable and not res.timed_out else None
-        except Exception:
-            doc = None
-        if not isinstance(doc, dict) or "ok" not in doc:
+        doc = _doc(res)
+        if doc is None or "ok" not in doc:
             line = f"machine {name}: verification did not run: {res.describe()}"
             machines[name] = {"ok": False, "problems": [line]}
             problems.append(line)
@@ -175,11 +181,8 @@ def promote(ctl: Controller, verdict: Mapping[str, Any], settings: S3Settings, *
     problems: list[str] = []
     uploaded: list[dict[str, Any]] = []
     for name, res in sorted(results.items()):
-        try:
-            doc = res.json() if res.reachable and not res.timed_out else None
-        except Exception:
-            doc = None
-        if not isinstance(doc, dict) or "uploaded" not in doc:
+        doc = _doc(res)
+        if doc is None or "uploaded" not in doc:
             problems.append(f"machine {name}: upload failed: {(doc or {}).get('error') or res.describe()}")
             continue
         uploaded += doc["uploaded"]
