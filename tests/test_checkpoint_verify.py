@@ -202,3 +202,25 @@ def test_the_note_says_what_was_verified_and_what_is_corrupt():
         "checksums match; S3 keeps steps 19, 39; ops2 step 19: NOT verified, nothing marked or uploaded: "
         "machine m2 rank 1 step 19 tier replica: model.safetensors sha256 mismatch (/x) (+1 more)")
     assert checkpoints.note([], []) == "nothing to verify: no new verification candidate"
+
+
+def test_a_bad_verification_request_is_refused_before_anything_is_recorded(tmp_path: Path):
+    from node_tools.inventory import Inventory, Machine
+    from operators.control import ControlConfig, Controller
+    from operators.fleet.store import FleetError
+
+    inv = Inventory(cluster="t", transport="local", machines=[Machine(name="m0", address="127.0.0.1")])
+    inv.save(tmp_path / "inventory.json")
+    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(inv.path)), inventory=inv)
+    c.sync_inventory()
+    c.fleet.upsert_job("idle", tp=1, pp=1, dp=1, ranks_per_machine=1, machines=[])
+    with pytest.raises(FleetError, match="nojob"):
+        checkpoints.targets(c, job="nojob")
+    with pytest.raises(policy.VerifyError, match="job idle has no machines; launch it before verifying"):
+        checkpoints.targets(c, job="idle")
+    with pytest.raises(policy.VerifyError, match="step -3 is negative"):
+        checkpoints.targets(c, job="idle", step=-3)
+    assert c.fleet.checkpoints("idle") == []
+    # announced steps of a job that has no machines any more: nothing to do, nothing recorded
+    assert checkpoints.targets(c, announced=[{"job": "idle", "step": 19}]) == []
+    assert c.fleet.checkpoints("idle") == []
