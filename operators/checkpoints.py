@@ -76,12 +76,16 @@ def targets(ctl: Controller, *, job: str = "", step: int | None = None,
         j = ctl.fleet.job(name)
         if not j.machine_list:
             continue
-        if s is None:
-            s = _newest_candidate(ctl, name, j.machine_list[0])
-            if s is None:
+        if not (job and step is not None):
+            # announced or swept: the newest candidate the job holds now (a run that waited behind another
+            # verifies what is newest, not a step retention may already have dropped), unless it has its verdict
+            try:
+                newest = _newest_candidate(ctl, name, j.machine_list[0])
+            except TrainguardError:
+                newest = None
+            s = max((x for x in (s, newest) if x is not None), default=None)
+            if s is None or any(c.step == s and c.verified is not None for c in ctl.fleet.checkpoints(name)):
                 continue
-            if any(c.step == s and c.verified is not None for c in ctl.fleet.checkpoints(name)):
-                continue  # the schedule's sweep: this one has its verdict already
         ctl.fleet.record_checkpoint(name, s)
         out.append({"job": name, "step": s, "machines": list(j.machine_list), "world_size": j.tp * j.pp * j.dp})
     return out

@@ -314,11 +314,11 @@ def test_an_s3_endpoint_that_is_down_fails_the_promotion_with_a_reason(ops, ops_
     proc.terminate()
     proc.wait(timeout=10)
     verified = max((c.step for c in ctl.fleet.checkpoints(JOB) if c.verified), default=-1)
-    wait_until(lambda: any(s > verified for s in _candidates(ops_cluster)), timeout=240, interval=0.5,
-               what="a new verification candidate")
-    run_id, state = _run(airflow, "tg_checkpoint_verify", {"job": JOB, "step": None})
+    step = wait_until(lambda: max((s for s in _candidates(ops_cluster) if s > verified), default=None),
+                      timeout=240, interval=0.5, what="a new verification candidate")
+    run_id, state = _run(airflow, "tg_checkpoint_verify", {"job": JOB, "step": step})
     assert state == "failed"
-    step = airflow.xcom("tg_checkpoint_verify", run_id, "conclude")["verdicts"][0]["step"]
+    assert airflow.xcom("tg_checkpoint_verify", run_id, "conclude")["verdicts"][0]["step"] == step
     log = airflow.task_log("tg_checkpoint_verify", run_id, "promote", map_index=0)
     assert f"S3 tier {S3_URL}/{JOB} at {endpoint} is not usable (EndpointConnectionError" in log, log[-2000:]
     assert "start the endpoint or fix TG_CHECKPOINT_S3_URL / the S3 connection" in log
