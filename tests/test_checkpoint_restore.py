@@ -35,8 +35,10 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = "examples/gpt3d/train.py"
+# no verification candidates: retention here is exactly the newest three, the newest committed and the newest
+# verified step (candidates held for the verifier are test_checkpoint_verify.py's)
 SMALL = ["--checkpoint", "--layers", "2", "--d-model", "64", "--heads", "4", "--seq-len", "32",
-         "--micro-batches", "2", "--micro-batch-size", "2", "--vocab", "128"]
+         "--micro-batches", "2", "--micro-batch-size", "2", "--vocab", "128", "--checkpoint-verify-every", "0"]
 TOPO = Topology(1, 2, 2, ranks_per_machine=1)
 WORLD = TOPO.world_size
 REF_STEPS = 40
