@@ -272,9 +272,12 @@ def test_a_full_disk_gets_its_machine_evicted(control, cp_cluster):
     evicted = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict").machines
     assert machines[1] in evicted and machines[1] not in ctl.fleet.job(JOB).machine_list
     # the disk check (every 10 s) says disk_full; the ranks' heartbeat writes may fail first and
-    # make it look like a hang: then the machine's whole pipeline goes, which still holds the culprit
+    # make it look like a hang: then the machine's whole pipeline goes, which still holds the culprit;
+    # or a rank dies of a failed write first: the crash's stop-time diagnosis (L1 disk check) finds it
     if inc.category == "machine_fault":
         assert _branch(airflow, inc.id) == "evict_now" and evicted == [machines[1]]
+    elif inc.category == "crash":
+        assert _branch(airflow, inc.id) == "stop_time_diagnosis" and evicted == [machines[1]]
     else:
         assert inc.category == "hang" and _branch(airflow, inc.id) == "runtime_analysis"
         assert set(evicted) == {machines[i] for i in TOPO.machines_of_group("pp", TOPO.ranks_on(1)[0])}

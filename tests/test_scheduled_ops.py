@@ -33,7 +33,10 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow]
 SPEC = cluster.ClusterSpec(name="tgs", machines=5, standbys=1, free=2, subnet="10.213.18.0/24", disk_mb=256, gpus=8)
 TOPO = Topology(tp=2, pp=1, dp=2)
 JOB = "ops"
-VERIFY_EVERY = 50  # a verification candidate every 50 steps (~20 s), each held until verified
+# a verification candidate every 150 steps (~1-2 min here): the background runs each take ~30-60 s on a
+# loaded host, so a candidate a test targets stays held (two newer ones, or a newer verified one, drop it)
+# long after a run queued behind another has verified it
+VERIFY_EVERY = 150
 TRAIN = ["--checkpoint", "--step-delay-s", "0.2", "--checkpoint-verify-every", str(VERIFY_EVERY)]
 KNOWN_GOOD_STEPS = 5
 BUCKET = "tg-ckpt"
@@ -136,7 +139,7 @@ def test_a_committed_checkpoint_is_verified_marked_and_promoted_to_s3_on_its_ass
     # the job commits candidate 49; m0's agent announces it; the watcher's asset event starts a run
     ran = wait_until(lambda: next(((r, c) for r, c in _conclusions(airflow)
                                    if r["run_type"] == "asset_triggered" and r["state"] == "success"), None),
-                     timeout=300, interval=2.0, what="an asset-triggered verification run to succeed")
+                     timeout=480, interval=2.0, what="an asset-triggered verification run to succeed")
     run, concluded = ran
     verdict, promotion = concluded["verdicts"][0], concluded["promotions"][0]
     step = verdict["step"]
@@ -160,17 +163,11 @@ def test_a_committed_checkpoint_is_verified_marked_and_promoted_to_s3_on_its_ass
 
 def test_a_corrupted_checkpoint_copy_is_caught_and_never_promoted(ops, ops_cluster, ops_s3):
     ctl, airflow = ops
-    verified = max((c.step for c in ctl.fleet.checkpoints(JOB) if c.verified), default=-1)
-    # the next candidate, as soon as it is committed: damage rank 0's replica on m1 before anyone verifies it
-    def committed_candidate() -> int | None:
-        for step_dir in sorted(_disk(ops_cluster, "m0").glob("local/step_*")):
-            step = int(step_dir.name.split("_")[1])
-            marker = step_dir / "rank_0" / "committed.json"
-            if step > verified and marker.exists() and json.loads(marker.read_text()).get("verify"):
-                return step
-        return None
-
-    step = wait_until(committed_candidate, timeout=240, interval=0.1, what="a new verification candidate")
+    # the next candidate, as soon as it is committed (newer than any the job held when the test began, so no
+    # run has started on it): damage rank 0's replica on m1 before anyone verifies it
+    held = max(_candidates(ops_cluster), default=-1)
+    step = wait_until(lambda: max((s for s in _candidates(ops_cluster) if s > held), default=None),
+                      timeout=420, interval=0.1, what="a new verification candidate")
     replica = next(p for p in _copies(ops_cluster, step) if "/m1/" in str(p) and p.parent.parent.name == "replica")
     model = replica / "model.safetensors"
     data = bytearray(model.read_bytes())
@@ -315,7 +312,7 @@ def test_an_s3_endpoint_that_is_down_fails_the_promotion_with_a_reason(ops, ops_
     proc.wait(timeout=10)
     verified = max((c.step for c in ctl.fleet.checkpoints(JOB) if c.verified), default=-1)
     step = wait_until(lambda: max((s for s in _candidates(ops_cluster) if s > verified), default=None),
-                      timeout=240, interval=0.5, what="a new verification candidate")
+                      timeout=420, interval=0.5, what="a new verification candidate")
     run_id, state = _run(airflow, "tg_checkpoint_verify", {"job": JOB, "step": step})
     assert state == "failed"
     assert airflow.xcom("tg_checkpoint_verify", run_id, "conclude")["verdicts"][0]["step"] == step
