@@ -39,6 +39,7 @@ from node_tools.nvml import NvmlUnavailable, backend_for
 
 NETWORK_KINDS = ("nic_down", "nic_errors", "kernel_link")
 METRICS_FILE = "metrics.prom"  # beside the status file
+METRICS_EVERY_S = 15.0
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Agent:
         self.published_by_kind: dict[str, int] = {}
         self.started = time.time()
         self._status_written = 0.0
+        self._metrics_written = 0.0
         self._stop = threading.Event()
 
     # ---- one pass -------------------------------------------------------------------------
@@ -191,7 +193,9 @@ class Agent:
         with contextlib.suppress(OSError):
             self.status_path.parent.mkdir(parents=True, exist_ok=True)
             monitor.write_json_atomic(self.status_path, self.status(now))
-            self.write_metrics(self.status_path.with_name(METRICS_FILE), now)
+            if now - self._metrics_written >= METRICS_EVERY_S:  # a scrape interval, not every status write
+                self._metrics_written = now
+                self.write_metrics(self.status_path.with_name(METRICS_FILE), now)
 
     def write_metrics(self, path: Path, now: float) -> None:
         """The agent's Prometheus metrics as a node_exporter textfile (``--collector.textfile.directory``
