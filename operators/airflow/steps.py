@@ -247,9 +247,8 @@ def incident_note(c: Controller, incident_id: int) -> str:
         elif a.kind == "rollback" and a.outcome == "done":
             parts.append(f"rolled back {a.evidence.get('from')} -> {a.evidence.get('to')}")
     if inc.resumed_ts and inc.first_alert_ts:
-        steps = c.fleet.incident(incident_id).lost_steps
         parts.append(f"resumed {inc.resumed_ts - inc.first_alert_ts:.0f}s after the first alert"
-                     + (f", {steps} steps lost" if steps is not None else ""))
+                     + (f", {inc.lost_steps} steps lost" if inc.lost_steps is not None else ""))
     elif inc.summary:
         parts.append(inc.summary.split("; ")[-1])
     head = f"incident {inc.id} {inc.state.replace('_', ' ')} ({inc.category or 'untriaged'})"
@@ -561,13 +560,9 @@ def ckpt_promote(verdict: dict[str, Any]) -> dict[str, Any]:
     from operators import checkpoints
 
     get_current_context()["target"] = f"{verdict['job']} step {verdict['step']}"
-    if not verdict.get("ok"):
-        return {"job": verdict["job"], "step": verdict["step"], "promoted": False,
-                "why": "not verified: nothing uploaded"}
-    if not checkpoints.S3Settings.from_env().url:
-        return {"job": verdict["job"], "step": verdict["step"], "promoted": False,
-                "why": "no S3 tier configured (TG_CHECKPOINT_S3_URL)"}
-    settings, client, env = _s3()
+    settings, client, env = checkpoints.S3Settings.from_env(), None, {}
+    if verdict.get("ok") and settings.url:  # the S3 connection only when there is something to upload
+        settings, client, env = _s3()
     return checkpoints.promote(controller(), verdict, settings, client=client, credentials=env)
 
 
