@@ -104,6 +104,7 @@ def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, ma
     escalation window); with ``flap_until``, clear it again once the machine raised one of those alert
     kinds; wait for the incident it causes to close; return it."""
     last = _last_incident(ctl)
+    machines = list(ctl.fleet.job(JOB).machine_list)
     if fresh and last:
         closed = ctl.fleet.incident(last).closed_ts or 0
         wait_until(lambda: time.time() - closed > ESCALATION_WINDOW_S + 1, timeout=ESCALATION_WINDOW_S + 5,
@@ -114,6 +115,8 @@ def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, ma
                    timeout=300, interval=1.0, what="the last tg_incident run to end")
     step = ctl.progress(JOB)["step"]
     wait_until(lambda: ctl.progress(JOB)["step"] >= step + 2, timeout=120, what="the job to train")
+    assert ctl.fleet.job(JOB).machine_list == machines, f"the job's machines changed before the fault: " \
+                                                          f"{_recent(ctl, last)}"
     injected = time.time()
     watch = AlertWatch(inv) if flap_until else None
     inject.inject(inv, machine, fault, rank=rank, params=params)
@@ -343,10 +346,19 @@ def test_silent_data_corruption_finds_and_evicts_the_machine_that_computes_wrong
     assert all(r["dp_digests_match"] for r in records)
 
 
+def _recent(ctl: Controller, since_id: int) -> str:
+    """Every incident from ``since_id`` on with its timeline (for failure messages)."""
+    import json
+
+    return json.dumps({i.id: ctl.timeline(i.id) for i in ctl.fleet.incidents(JOB) if i.id >= since_id},
+                      default=str)[:8000]
+
+
 def _assert_replaced(ctl: Controller, inc: Any, before: list[str], evicted: set[str]) -> None:
     """The evicted machines left the job, the survivors kept their places, and at most one step was lost."""
     after = ctl.fleet.job(JOB).machine_list
-    assert not evicted & set(after) and [m for m in after if m in before] == [m for m in before if m not in evicted]
+    assert not evicted & set(after) and [m for m in after if m in before] == [m for m in before if m not in evicted], \
+        _recent(ctl, inc.id - 2)
     assert inc.lost_steps is not None and inc.lost_steps <= 1, ctl.timeline(inc.id)
 
 
