@@ -32,8 +32,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,108 +41,29 @@ from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_res
 from node_tools import cluster, inject
 from node_tools.bus import BusReader, open_bus
 from node_tools.inventory import Inventory
-from node_tools.topology import Topology
-from node_tools.transport import transport_for
-from operators.airflow.standalone import Standalone, poll
-from operators.control import ControlConfig, Controller
-from operators.fleet import states
+from operators.airflow.standalone import poll
+from operators.guarded import FAULTS, TOPOLOGY, GuardedJob
 from operators.policy import ladder
 
 SPEC = cluster.ClusterSpec(name="tgr", machines=6, standbys=2, subnet="10.213.16.0/24", disk_mb=256, gpus=8)
-TOPO = Topology(tp=2, pp=2, dp=2)
+TOPO = TOPOLOGY
 JOB = "bench"
-TRAIN = ["--checkpoint", "--step-delay-s", "0.2"]
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """How a warm trial injects its fault."""
-
-    node: int  # the node rank of the machine it hits
-    rank: int | None = None  # the rank it hits; None: the machine
-    params: dict[str, str] = field(default_factory=dict)
-    flap: tuple[str, ...] = ()  # undo the fault once the machine reported one of these alert kinds
-    repeats: int = 1  # injections in a row (a repeated network fault); the trial measures the last
-    bad_revision: bool = False  # the job first switches to a revision that fails (a user-code error)
-    timeout: float = 300.0
-
-
-SCENARIOS = {
-    "gpu_lost": Scenario(node=1),
-    "nic_down": Scenario(node=2, flap=("kernel_link", "nic_down"), repeats=2),
-    "disk_full": Scenario(node=1),
-    "crash": Scenario(node=2, rank=4),
-    "hang": Scenario(node=3, rank=6),
-    "user_error": Scenario(node=0, rank=0, bad_revision=True),
-    "nan": Scenario(node=1, rank=TOPO.ranks_on(1)[0]),
-    "sdc": Scenario(node=2),
-    "bitflip": Scenario(node=3, rank=TOPO.ranks_on(3)[0], timeout=480.0),
-    "slow": Scenario(node=1, rank=TOPO.ranks_on(1)[0], params={"seconds": "3.0"}),
-}
-HANDLERS = {"evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption", "roll_back",
-            "no_culprit"}
+SCENARIOS = FAULTS
 # alert -> first task; fault -> resumed for explicit faults with a warm standby; cold requeue over warm path
 TARGETS = {"alert_to_task_s": 2.0, "resume_s.gpu_lost": 30.0, "resume_s.disk_full": 30.0, "resume_s.nic_down": 30.0,
            "warm_vs_cold_speedup": 10.0}
-PARK = ["standby", "park", "--nproc", "2"]
 
 
-def _iso(ts: str | None) -> float | None:
-    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() if ts else None
-
-
-class Bench:
+class Bench(GuardedJob):
     def __init__(self, inv: Inventory, home: Path) -> None:
-        self.inv = inv
-        self.transport = transport_for(inv)
         # every trial is a first failure (level 0) and within the breaker: the trials come seconds apart;
         # the same settings for the DAGs and for this process's controller (the cold requeue's evictions)
-        cfg = ControlConfig(fleet_url=str(home / "fleet.db"), inventory=str(inv.path), escalation_window_s=1.0,
-                            breaker_share=0.75, breaker_window_s=1.0)
-        self.ctl = Controller(cfg)
-        self.ctl.sync_inventory()
-        self.airflow = Standalone(home / "airflow", {"TG_FLEET_URL": cfg.fleet_url, "TG_INVENTORY": cfg.inventory,
-                                                     "TG_CONTROL_HOME": str(home), "TG_ESCALATION_WINDOW_S": "1",
-                                                     "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1",
-                                                     # the bench repairs its own standbys
-                                                     "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
-                                                     "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0"})
-        (home / "airflow").mkdir()
+        super().__init__(inv, home, job=JOB, settings={
+            "TG_ESCALATION_WINDOW_S": "1", "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1",
+            # the bench repairs its own standbys
+            "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "", "TG_VERIFY_SCHEDULE": "",
+            "TG_VERIFY_ON_COMMIT": "0"})
         self.trials: list[dict[str, Any]] = []
-
-    # ---- fleet chores between trials ------------------------------------------------------------
-    def park(self, names: list[str]) -> None:
-        done = self.transport.run_many([self.inv.machine(n) for n in names], lambda m: [self.inv.tg_node, *PARK],
-                                       timeout=240)
-        bad = {n: r.describe() for n, r in done.items() if not r.ok}
-        if bad:
-            raise RuntimeError(f"parking standbys failed: {bad}")
-
-    def repair(self) -> None:
-        """What a repair crew does for evicted machines: clear the fault, self-check, park warm."""
-        evicted = [m.name for m in self.ctl.fleet.machines(state=states.EVICTED)]
-        for name in evicted:
-            inject.clear(self.inv, name)
-            self.ctl.fleet.transition(name, states.REPAIR, reason="sent to repair")
-            self.ctl.fleet.transition(name, states.SELF_CHECK, reason="repaired")
-        if evicted:
-            self.park(evicted)
-        for name in evicted:
-            self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
-
-    def training(self, steps: int = 2) -> None:
-        start = self.ctl.progress(JOB)["step"]
-        poll(lambda: self.ctl.progress(JOB)["step"] >= start + steps, timeout=180, interval=0.5,
-             what="the job to train")
-
-    def settled(self) -> None:
-        """Wait until no tg_incident run is left running (the last one's rearm included): each trial starts
-        from a job with warm interpreters parked on every machine."""
-        poll(lambda: all(r["state"] in ("success", "failed") for r in self.airflow.runs("tg_incident")),
-             timeout=300, interval=1.0, what="the last incident's run to finish")
-
-    def last_incident(self) -> int:
-        return max((i.id for i in self.ctl.fleet.incidents(JOB)), default=0)
 
     # ---- warm path --------------------------------------------------------------------------------
     def warm(self, fault: str) -> dict[str, Any]:
@@ -152,21 +71,12 @@ class Bench:
         self.settled()
         self.repair()
         if sc.bad_revision:  # the running revision trained healthy; the new one fails in user code
-            job = self.ctl.fleet.job(JOB)
-            self.ctl.fleet.mark_known_good(JOB, job.revision)
-            self.ctl.hot_update(JOB, f"{job.revision}-next", reason="benchmark: a revision with a bug")
+            self.deploy_bad_revision()
         self.training()
-        machine = self.ctl.fleet.job(JOB).machine_list[sc.node]
-        for attempt in range(sc.repeats):
-            if attempt:  # the next one comes once the last has been handled, within the repeat window
-                self.settled()
-                self.training()
-            last = self.last_incident()
-            t_fault = time.time()
-            inc = self.fault_and_incident(machine, fault, sc, last, t_fault)
+        inc, machine, t_fault = self.fault_and_incident(sc)
         conf, tasks = self.incident_run(inc.id)
         triage_start = tasks.get("triage", {}).get("start")
-        handler = next((t for t in tasks.values() if t["task_id"] in HANDLERS and t["state"] == "success"), {})
+        handler = self.branch(tasks)
         trial = {
             "path": "warm", "fault": fault, "machine": machine, "incident": inc.id, "state": inc.state,
             "category": inc.category, "branch": handler.get("task_id"),
@@ -185,35 +95,6 @@ class Bench:
         print(f"warm {fault}: {_fmt(trial)}", flush=True)
         self.trials.append(trial)
         return trial
-
-    def fault_and_incident(self, machine: str, fault: str, sc: Scenario, last: int, t_fault: float) -> Any:
-        """Inject, wait for the incident that holds an alert raised since, clear; return the incident."""
-        reader = BusReader(open_bus(self.inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
-        inject.inject(self.inv, machine, fault, rank=sc.rank, params=sc.params or None)
-        try:
-            if sc.flap:
-                poll(lambda: [a for a in reader.read() if a.machine == machine and a.kind in sc.flap],
-                     timeout=30, interval=0.1, what=f"{machine} to report {' or '.join(sc.flap)}")
-                inject.clear(self.inv, machine, fault)
-
-            def closed() -> Any:
-                return next((i for i in self.ctl.fleet.incidents(JOB) if i.id > last
-                             and i.state in ("resolved", "failed", "waiting_human")
-                             and any(a.ts >= t_fault for a in self.ctl.fleet.alerts_of(i.id))), None)
-
-            return poll(closed, timeout=sc.timeout, interval=0.5, what=f"the {fault} incident to close")
-        finally:
-            inject.clear(self.inv, machine, fault)
-
-    def incident_run(self, incident_id: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-        """The incident's tg_incident run (its conf) and its task instances' states and times."""
-        run = self.airflow.incident_run(incident_id)
-        if run is None:
-            return {}, {}
-        return run["conf"], {
-            t["task_id"]: {"task_id": t["task_id"], "state": t["state"], "start": _iso(t["start_date"]),
-                           "end": _iso(t["end_date"])}
-            for t in self.airflow.task_instances("tg_incident", run["dag_run_id"])}
 
     # ---- cold requeue -------------------------------------------------------------------------------
     def cold(self) -> dict[str, Any]:
@@ -313,10 +194,8 @@ def main() -> int:
     with emulated_cluster(SPEC, "tg-bench-recovery-") as (inv, home):
         b = Bench(inv, home)
         try:
-            b.park([m.name for m in inv.by_role("standby")])
-            b.airflow.start()
-            b.ctl.launch_job(JOB, TOPO, [m.name for m in inv.by_role("active")], train_args=TRAIN)
-            b.training(4)
+            b.start()
+            b.training(2)
             for fault in ["gpu_lost"] * gpu_trials + extra:
                 try:
                     b.warm(fault)
@@ -328,11 +207,7 @@ def main() -> int:
             for _ in range(cold_trials):
                 b.cold()
         finally:
-            b.airflow.stop()
-            try:
-                b.ctl.stop(JOB)
-            except Exception as exc:  # the cluster goes down next anyway
-                print(f"stopping the job: {exc}", file=sys.stderr)
+            b.stop()
 
     failed = [t for t in b.trials if t["path"] == "warm" and t["state"] != "resolved"]
     warm = [t for t in b.trials if t["path"] == "warm" and t["state"] != "error"]

@@ -8,6 +8,8 @@ Commands::
 
     tg-node version
     tg-node info                                  this machine's configuration
+    tg-node up [--config P --sshd BIN --listen A --authorized-keys F --netns NS --foreground]
+                                                  bring sshd and the agent up (the node image's entrypoint)
     tg-node gpu                                   NVML snapshot (real or emulated backend)
     tg-node agent [--supervise|--once]            the real-time checks, publishing alerts
     tg-node status                                the agent's status
@@ -69,6 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     sub.add_parser("version", help="print the version")
     sub.add_parser("info", help="this machine's node configuration")
+    up = sub.add_parser("up", help="bring this machine's services up: sshd and the agent (a node image's entrypoint)")
+    up.add_argument("--config", help="the node configuration (default $TG_NODE_CONFIG); made from TG_MACHINE, "
+                                     "TG_BUS_URL, ... when it does not exist")
+    up.add_argument("--sshd", default="", help="sshd binary: start sshd (key-only) for the control plane")
+    up.add_argument("--listen", default="0.0.0.0", help="sshd's listen address")  # noqa: S104  (a machine's sshd)
+    up.add_argument("--authorized-keys", help="the control plane's public keys (default beside the configuration)")
+    up.add_argument("--netns", default="", help="the network namespace to start sshd and the agent in")
+    up.add_argument("--host-key-dir", help="publish the host public key there as MACHINE.pub "
+                                           "(default $TG_HOST_KEY_DIR; none when unset)")
+    up.add_argument("--foreground", action="store_true", help="stay until SIGTERM, then end them (PID 1)")
     sub.add_parser("gpu", help="GPU snapshot through NVML (real or emulated)")
     ap = sub.add_parser("agent", help="run the real-time checks and publish alerts (a daemon)")
     ap.add_argument("--supervise", action="store_true", help="restart the agent whenever it dies")
@@ -149,12 +161,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _up(ns: argparse.Namespace) -> dict[str, Any]:
+    import os
+    from pathlib import Path
+
+    from node_tools import cluster
+
+    if not ns.config and not os.environ.get("TG_NODE_CONFIG"):
+        raise TrainguardError("tg-node up needs --config PATH or TG_NODE_CONFIG")
+    path = Path(ns.config or os.environ["TG_NODE_CONFIG"]).resolve()
+    if not path.exists():
+        cluster.node_config_from_env(path, dict(os.environ))
+    host_key_dir = ns.host_key_dir or os.environ.get("TG_HOST_KEY_DIR")
+    doc = cluster.machine_up(path, netns=ns.netns, sshd=ns.sshd, listen=ns.listen,
+                             authorized_keys=Path(ns.authorized_keys) if ns.authorized_keys else None,
+                             host_key_dir=Path(host_key_dir) if host_key_dir else None)
+    if ns.foreground:
+        print(json.dumps(doc), flush=True)
+        cluster.serve_forever(path, ns.netns)
+        return {**doc, "stopped": True}
+    return doc
+
+
 def run(argv: list[str]) -> tuple[int, Any]:
     from node_tools.config import NodeConfig
 
     ns = build_parser().parse_args(argv)
     if ns.command == "version":
         return EXIT_OK, {"version": __version__}
+    if ns.command == "up":
+        return EXIT_OK, _up(ns)
     cfg = NodeConfig.current()
     if ns.command == "info":
         return EXIT_OK, cfg.to_dict()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import json
 import os
 import re
 import shutil
@@ -262,8 +263,9 @@ def _sshd_running(mdir: Path, netns: str) -> int | None:
         return None
     if not procs.alive(pid):
         return None
-    try:
-        if os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat(f"/run/netns/{netns}").st_ino:
+    try:  # the sshd of this machine's namespace (a leftover pid file may name another process)
+        ours = f"/run/netns/{netns}" if netns else "/proc/self/ns/net"
+        if os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat(ours).st_ino:
             return None
     except OSError:
         return None
@@ -299,11 +301,17 @@ def start_agent(config_path: Path, *, netns: str = "") -> int:
     return proc.pid
 
 
-def machine_up(config_path: Path, *, netns: str = "", sshd: str = "") -> dict[str, Any]:
+def machine_up(config_path: Path, *, netns: str = "", sshd: str = "", listen: str = "0.0.0.0",  # noqa: S104
+               authorized_keys: Path | None = None, host_key_dir: Path | None = None) -> dict[str, Any]:
     """Bring one machine's services up from its folder: GPU state, kernel log, sshd, agent.
 
-    Used by ``cluster up`` for each namespace and as the node image's entrypoint.
-    Idempotent: what runs is left running. Returns the pids of sshd (0 without) and the agent.
+    With ``sshd`` (its binary), the machine's host key is made once (``ssh_host_ed25519_key`` beside
+    the configuration) and its ``sshd_config`` written: key-only login for ``authorized_keys`` (default
+    ``authorized_keys`` beside the configuration) on ``listen``, every session seeing this machine's
+    configuration; with ``host_key_dir``, its public half is published there as ``<machine>.pub`` (where
+    a provisioner builds known_hosts from). This is ``tg-node up``: ``cluster up`` runs it for each
+    namespace and the node image (``docker/node.Dockerfile``) has it as its entrypoint. Idempotent:
+    what runs is left running. Returns the machine, the pids of sshd (0 without) and the agent, and the host public key.
     """
     cfg = NodeConfig.load(config_path)
     mdir = config_path.parent
@@ -312,13 +320,92 @@ def machine_up(config_path: Path, *, netns: str = "", sshd: str = "") -> dict[st
         EmulatedNvml(cfg.nvml_state, machine=cfg.machine, gpus=cfg.gpus).reset()
     if cfg.kmsg_path and str(cfg.kmsg_path) != "/dev/kmsg":
         cfg.kmsg_path.touch()
-    sshd_pid = _sshd_up(cfg, mdir, netns, sshd) if sshd else 0
+    host_key = ""
+    sshd_pid = 0
+    if sshd:
+        host_key = _keygen(mdir / "ssh_host_ed25519_key", cfg.machine)
+        if host_key_dir is not None:
+            host_key_dir.mkdir(parents=True, exist_ok=True)
+            tmp = host_key_dir / f".{cfg.machine}.pub.tmp"
+            tmp.write_text(host_key + "\n")
+            os.replace(tmp, host_key_dir / f"{cfg.machine}.pub")
+        env = {"TG_NODE_CONFIG": str(config_path.resolve()),
+               "PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+        (mdir / "sshd_config").write_text(_sshd_config(mdir, listen, authorized_keys or mdir / "authorized_keys", env))
+        sshd_pid = _sshd_up(cfg, mdir, netns, sshd)
     agent_pid = start_agent(config_path, netns=netns) if cfg.bus_url else 0
-    return {"machine": cfg.machine, "sshd_pid": sshd_pid, "agent_pid": agent_pid}
+    return {"machine": cfg.machine, "sshd_pid": sshd_pid, "agent_pid": agent_pid, "host_key": host_key}
+
+
+def _tg_node_up(tg_node: str, config: Path, *, netns: str, sshd: str, listen: str, authorized_keys: Path) -> str:
+    """``tg-node up`` for one machine, the same command a node container starts with; its host key."""
+    argv = [tg_node, "up", "--config", str(config)]
+    if sshd:
+        argv += ["--sshd", sshd, "--listen", listen, "--authorized-keys", str(authorized_keys), "--netns", netns]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False,
+                          env={k: v for k, v in os.environ.items() if k != "TG_NODE_CONFIG"})
+    try:
+        doc = json.loads(proc.stdout)
+    except ValueError:
+        doc = {"error": (proc.stderr or proc.stdout).strip()[-500:]}
+    if proc.returncode or "error" in doc:
+        raise ClusterError(f"'tg-node up' for {config.parent.name} failed: {doc.get('error')}")
+    return str(doc.get("host_key", ""))
+
+
+def node_config_from_env(path: Path, env: dict[str, str]) -> NodeConfig:
+    """A machine's configuration from ``TG_MACHINE`` (required), ``TG_WORKDIR``, ``TG_BUS_URL``,
+    ``TG_GPUS``, ``TG_NVML_BACKEND``, ``TG_IFACE`` (a node container's environment), saved at ``path``."""
+    machine = env.get("TG_MACHINE", "")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", machine):
+        raise ClusterError(f"no node configuration at {path} and TG_MACHINE={machine!r} is not a machine name; "
+                           f"set TG_MACHINE (letters, digits, '.', '_', '-') or mount a node.json")
+    try:
+        gpus = int(env.get("TG_GPUS", "0"))
+    except ValueError:
+        raise ClusterError(f"TG_GPUS={env['TG_GPUS']!r} is not a number of GPUs") from None
+    cfg = NodeConfig(machine=machine, workdir=Path(env.get("TG_WORKDIR", "/var/lib/trainguard")),
+                     install_dir=Path(__file__).resolve().parent.parent, gpus=gpus,
+                     nvml_backend=env.get("TG_NVML_BACKEND", "auto"), iface=env.get("TG_IFACE", ""),
+                     bus_url=env.get("TG_BUS_URL", ""))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cfg.save(path)
+    return cfg
+
+
+def serve_forever(config_path: Path, netns: str = "") -> int:
+    """Stay in the foreground (a container's PID 1) until SIGTERM or SIGINT, then end the machine's
+    agent and sshd. Returns 0."""
+    import signal
+
+    stop = {"now": False}
+
+    def on_signal(_signum: int, _frame: Any) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    mdir = config_path.parent
+    while not stop["now"]:
+        try:
+            os.waitpid(-1, os.WNOHANG)  # reap what PID 1 inherits
+        except ChildProcessError:
+            pass
+        time.sleep(0.5)
+    ours = procs.pids_with_env("TG_NODE_CONFIG", str(config_path.resolve()))  # the agent, sshd, their sessions
+    procs.terminate([*ours, *(p for p in (_agent_running(mdir), _pid_in(mdir / "sshd.pid")) if p)])
+    return 0
+
+
+def _pid_in(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _sshd_up(cfg: NodeConfig, mdir: Path, netns: str, sshd: str) -> int:
-    pid = _sshd_running(mdir, netns) if netns else None
+    pid = _sshd_running(mdir, netns)
     if pid:
         return pid
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)
@@ -331,7 +418,7 @@ def _sshd_up(cfg: NodeConfig, mdir: Path, netns: str, sshd: str) -> int:
         raise ClusterError(f"sshd for machine {cfg.machine} did not start: {proc.stderr.strip()}")
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        pid = _sshd_running(mdir, netns) if netns else None
+        pid = _sshd_running(mdir, netns)
         if pid:
             return pid
         time.sleep(0.05)
@@ -449,16 +536,10 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
                 status_path=mdir / "agent" / "status.json",
             )
             cfg.save(mdir / "node.json")
-            env = {
-                "TG_NODE_CONFIG": str(mdir / "node.json"),
-                "PATH": f"{venv_bin}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-            }
-            host_key = ""
             if transport == "ssh":
-                host_key = _keygen(mdir / "ssh_host_ed25519_key", f"{spec.name}-{name}")
-                (mdir / "sshd_config").write_text(_sshd_config(mdir, spec.address(i), authorized, env))
                 _namespace_up(spec, i)
-            machine_up(mdir / "node.json", netns=netns, sshd=sshd)
+            host_key = _tg_node_up(tg_node, mdir / "node.json", netns=netns, sshd=sshd,
+                                   listen=spec.address(i) if netns else "", authorized_keys=authorized)
             machines.append(Machine(
                 name=name,
                 address=spec.address(i) if transport == "ssh" else "127.0.0.1",

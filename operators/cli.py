@@ -11,7 +11,7 @@ Commands::
     trainguard job launch --job J [--topology tp=2,pp=2,dp=2] [--steps N] [--machines m0,m1,..] [-- ARGS]
     trainguard job stop --job J
     trainguard job status --job J
-    trainguard demo [--steps 40] [--keep]
+    trainguard demo [--faults gpu_lost,hang,nan,user_error,slow --every 90 --machines 6 --port 8080 --keep]
     trainguard revision add --job J --revision R [--reason TEXT] | list --job J
     trainguard metrics [--port 9464 --addr 127.0.0.1]   (Prometheus; without --port: print one scrape)
     trainguard ettr --job J [--window-s 3600]   (the control plane's fleet database: $TG_FLEET_URL, $TG_INVENTORY)
@@ -83,14 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
         js.add_argument("--job", default="demo")
         js.add_argument("--machines", default="")
 
-    dp = sub.add_parser("demo", help="the main job: cluster up, guarded training run, report")
-    dp.add_argument("--steps", type=int, default=40)
-    dp.add_argument("--topology", default="tp=2,pp=2,dp=2")
-    dp.add_argument("--machines", type=int, default=d.machines)
-    dp.add_argument("--standbys", type=int, default=d.standbys)
+    dp = sub.add_parser("demo", help="the main job: a guarded training run through a scripted series of faults")
+    dp.add_argument("--faults", default="gpu_lost,hang,nan,user_error,slow",
+                    help="the fault schedule, in order (default gpu_lost,hang,nan,user_error,slow; also nic_down, "
+                         "disk_full, crash, sdc, bitflip)")
+    dp.add_argument("--every", type=float, default=90.0, help="seconds between faults (default 90)")
+    dp.add_argument("--first", type=float, default=20.0, help="seconds of training before the first fault")
+    dp.add_argument("--machines", type=int, default=6, help="cluster size (default 6: the job's 4 and 2 standbys)")
+    dp.add_argument("--standbys", type=int, default=2)
     dp.add_argument("--name", default=d.name, help="cluster name (prefixes its namespaces and links)")
     dp.add_argument("--subnet", default=d.subnet)
-    dp.add_argument("--keep", action="store_true", help="leave the cluster up at the end")
+    dp.add_argument("--port", type=int, default=8080, help="Airflow's port (default 8080; 0: any free one)")
+    dp.add_argument("--report-dir", help="where the report and the timeline chart go (default .tg/report)")
+    dp.add_argument("--keep", action="store_true",
+                    help="leave Airflow, the cluster and the job up at the end ('trainguard cluster down' ends them)")
 
     rp = sub.add_parser("revision", help="a job's code revisions: record one (before tg_code_update may use it), list")
     rsub = rp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
@@ -146,10 +152,15 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         lines += [f"  {m.name:4} {m.role:8} {m.address}" for m in inv.machines]
         _print(args, inv.to_dict(), "\n".join(lines))
     elif args.action == "down":
+        from operators.airflow.standalone import Standalone
+
+        state = Path(args.state_dir or cluster.default_state_dir())
+        airflow = Standalone.stop_kept(state.parent / "control" / "airflow")  # a demo's, kept with --keep
         report = cluster.down(args.state_dir)
-        _print(args, report, (
+        _print(args, {**report, "airflow_stopped": airflow}, (
             f"cluster down: {len(report['killed'])} processes ended, {len(report['namespaces'])} namespaces, "
             f"{len(report['links'])} links, {len(report['unmounted'])} mounts removed"
+            + ("; the demo's Airflow stopped" if airflow else "")
         ))
     else:
         doc = cluster.status(args.state_dir)

@@ -62,11 +62,11 @@ class ControlConfig:
     slow_interval_s: float = 10.0
 
     @classmethod
-    def from_env(cls, **overrides: Any) -> ControlConfig:
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ControlConfig:
         """From ``TG_FLEET_URL``, ``TG_INVENTORY``, ``TG_DRY_RUN``, ``TG_BREAKER_SHARE``,
-        ``TG_BREAKER_WINDOW_S``, ``TG_ESCALATION_WINDOW_S``, ``TG_SLOW_ROUNDS``, ``TG_SLOW_INTERVAL_S``;
-        ``overrides`` win."""
-        env = os.environ
+        ``TG_BREAKER_WINDOW_S``, ``TG_ESCALATION_WINDOW_S``, ``TG_SLOW_ROUNDS``, ``TG_SLOW_INTERVAL_S`` of
+        ``env`` (default: this process's environment); ``overrides`` win."""
+        env = os.environ if env is None else env
         values: dict[str, Any] = {
             "fleet_url": env.get("TG_FLEET_URL", ".tg/fleet.db"),
             "inventory": env.get("TG_INVENTORY", ".tg/cluster/inventory.json"),

@@ -1,131 +1,376 @@
-"""The main job on the embedded default: an emulated cluster and a training job on it.
+"""The main job on the embedded default: a guarded training run through a scripted series of faults.
 
-``trainguard demo`` brings the emulated cluster up, launches the reference
-TP x PP x DP job on its active machines, follows it over ssh and prints its
-progress, then reports and cleans up (the cluster stays with ``--keep``).
-Ctrl-C at any moment stops the job and brings the cluster down.
+``trainguard demo`` brings up the emulated cluster (6 machines: the job on 4, 2 warm standbys),
+starts ``airflow standalone`` with trainguard's DAGs unpaused and its pool and connections
+provisioned, launches the reference job (TP=2 PP=2 DP=2, a checkpoint every step) under guard, and
+injects one fault of each rung of the decision ladder in turn: an explicit GPU fault, a hang, a NaN
+loss, a user-code bug in a new revision, a slow rank. The control plane detects, decides, evicts,
+swaps in standbys and resumes on its own; the demo only plays the repair crew (evicted machines are
+fixed, self-checked and parked warm again) and narrates what the fleet database records, live.
+
+It ends with a report (per incident: what happened, how long each phase took, steps lost; the run's
+ETTR) and a timeline chart (HTML) in the report folder. ``--keep`` leaves Airflow at
+http://localhost:8080 and the cluster up to explore (``trainguard cluster down`` ends both). Ctrl-C
+at any moment stops the job and Airflow and brings the cluster down.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
+import json
+import shutil
+import signal
+import socket
 import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-from node_tools import cluster, launcher
-from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY
-from node_tools.inventory import Inventory
-from node_tools.topology import Topology
+from node_tools import cluster
+from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
+from operators.guarded import FAULTS, TOPOLOGY, Fault, GuardedJob
 
-POLL_S = 1.0
-
-
-def _say(t0: float, message: str) -> None:
-    print(f"[{time.monotonic() - t0:7.1f}s] {message}", flush=True)
-
-
-def follow(inv: Inventory, plan: launcher.JobPlan, t0: float, *, steps: int, timeout_s: float) -> dict[str, Any]:
-    """Print progress until every machine's part has ended; returns the last statuses."""
-    shown = -1
-    first_step_s = None
-    deadline = time.monotonic() + timeout_s
-    while True:
-        statuses = launcher.status(inv, plan.job, plan.machines)
-        ranks = [r for doc in statuses.values() for r in doc.get("ranks", [])]
-        done = launcher.min_step(statuses)
-        if done > shown and len(ranks) == plan.topology.world_size:
-            if first_step_s is None:
-                first_step_s = time.monotonic() - t0
-            last = next((r["last_step"] for r in ranks if r["rank"] == 0 and r["last_step"]), None)
-            if last:
-                _say(t0, f"step {last['step']:4d}/{steps}  loss {_fmt(last['loss'])}  "
-                     f"step time {last['step_time_s']:.3f}s  {last['tokens_per_s']:.0f} tokens/s  "
-                     f"({len(ranks)} ranks on {len(statuses)} machines)")
-            shown = done
-        unreachable = [n for n, d in statuses.items() if "error" in d]
-        if unreachable:
-            _say(t0, f"cannot reach {', '.join(unreachable)}")
-        if statuses and all(d.get("state") == "exited" for d in statuses.values()):
-            return {"statuses": statuses, "first_step_s": first_step_s}
-        if time.monotonic() > deadline:
-            _say(t0, f"the job did not finish within {timeout_s:.0f}s; stopping it")
-            return {"statuses": statuses, "first_step_s": first_step_s, "timed_out": True}
-        time.sleep(POLL_S)
+JOB = "demo"
+DEFAULT_FAULTS = ("gpu_lost", "hang", "nan", "user_error", "slow")
+# the ladder's clocks, compressed so that five faults fit in ten minutes (production in brackets)
+SETTINGS = {
+    "TG_ESCALATION_WINDOW_S": "20",  # a failure this soon after a recovery climbs the ladder (1800)
+    "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "60",  # evictions per window (0.5 per 3600 s)
+    "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "3",  # the fail-slow vote (5 rounds, 10 s apart)
+    # the demo is the repair crew and deploys its own revisions; checkpoints are verified by hand
+    "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "", "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0",
+}
+PHASES = (("detection", "first_alert_ts", "opened_ts", "#f0a030"), ("diagnosis", "opened_ts", "decided_ts", "#d04040"),
+          ("recovery", "decided_ts", "resumed_ts", "#4070d0"))
 
 
-def _fmt(value: Any) -> str:
-    return f"{value:.4f}" if isinstance(value, float) else str(value)
+class Clock:
+    def __init__(self) -> None:
+        self.t0 = time.time()
+
+    def say(self, message: str) -> None:
+        print(f"[{time.time() - self.t0:6.1f}s] {message}", flush=True)
 
 
-def report(inv: Inventory, plan: launcher.JobPlan, result: dict[str, Any], t0: float) -> int:
-    statuses = result["statuses"]
-    codes = {name: doc.get("returncode") for name, doc in statuses.items()}
-    first = plan.machines[0]
-    steps = statuses.get(first.name, {})
-    ok = all(c == 0 for c in codes.values()) and not result.get("timed_out")
-    print()
-    print("=== run report ===")
-    print(f"job           {plan.job}  ({plan.topology}, {plan.topology.world_size} ranks on "
-          f"{', '.join(m.name for m in plan.machines)})")
-    print(f"exit codes    {codes}")
-    if result.get("first_step_s") is not None:
-        print(f"first step    {result['first_step_s']:.1f}s after the demo started")
-    last = [r["last_step"] for r in steps.get("ranks", []) if r.get("last_step")]
-    if last:
-        print(f"final step    {last[0]['step']}  loss {_fmt(last[0]['loss'])}")
-    records = launcher.steps(inv, plan.job, plan.machines[0], rank=0, incarnation=steps.get("incarnation"))
-    if records:
-        losses = [r["loss"] for r in records if isinstance(r["loss"], float)]
-        times = [r["step_time_s"] for r in records[1:]]
-        print(f"loss          {losses[0]:.4f} -> {losses[-1]:.4f}")
-        if times:
-            print(f"step time     median {statistics.median(times):.3f}s over {len(times)} steps")
-    print(f"wall time     {time.monotonic() - t0:.1f}s")
-    print("result        " + ("OK: the job trained to the end" if ok else "FAILED: see the machines' job logs"))
-    return EXIT_OK if ok else EXIT_UNHEALTHY
+class Narrator:
+    """Prints what the fleet database records about the job as it happens: alerts, incidents, their
+    triage, evictions, restarts, resumption."""
+
+    def __init__(self, g: GuardedJob, clock: Clock) -> None:
+        self.g, self.clock = g, clock
+        self.seen_alerts: set[str] = set()
+        self.seen_actions: set[int] = set()
+        self.state: dict[int, dict[str, Any]] = {}
+        self.fault_ts: float | None = None
+        self.last_progress = 0.0
+
+    def _at(self, ts: float | None) -> str:
+        return f" (+{ts - self.fault_ts:.1f}s after the fault)" if ts and self.fault_ts else ""
+
+    def tick(self) -> None:
+        fleet = self.g.ctl.fleet
+        for inc in fleet.incidents(JOB):
+            old = self.state.get(inc.id)
+            if old is not None and old.get("closed"):
+                continue
+            if old is None:
+                old = self.state[inc.id] = {}
+                self.clock.say(f"incident {inc.id} opened (level {inc.level}){self._at(inc.opened_ts)}")
+            alerts = fleet.alerts_of(inc.id)
+            new = [a for a in alerts if a.id not in self.seen_alerts]
+            self.seen_alerts.update(a.id for a in new)
+            if new:
+                kinds = sorted({f"{a.machine}:{a.kind}" for a in new})
+                first = min(new, key=lambda a: a.ts)
+                self.clock.say(f"  detected: {', '.join(kinds[:6])}{' ...' if len(kinds) > 6 else ''}"
+                               f"{self._at(first.ts)}")
+            if inc.category and inc.summary != old.get("summary"):
+                old["summary"] = inc.summary
+                self.clock.say(f"  decision: {inc.category}: {inc.summary}")
+            for a in fleet.actions(inc.id):
+                if a.id in self.seen_actions or a.outcome == "pending":
+                    continue
+                self.seen_actions.add(a.id)
+                self.clock.say(f"  {_action_line(a)}{self._at(a.finished_ts)}")
+            if inc.resumed_ts and not old.get("resumed"):
+                old["resumed"] = True
+                lost = "unknown" if inc.lost_steps is None else inc.lost_steps
+                self.clock.say(f"  training resumed; steps lost: {lost}{self._at(inc.resumed_ts)}")
+            if inc.state not in ("open", "diagnosing", "recovering") and inc.closed_ts:
+                old["closed"] = True
+                self.clock.say(f"incident {inc.id} {inc.state}: {inc.category}"
+                               f"{self._at(inc.closed_ts)}")
+
+    def progress(self, every_s: float = 20.0) -> None:
+        """A line on the job's training every ``every_s``."""
+        if time.time() - self.last_progress < every_s:
+            return
+        self.last_progress = time.time()
+        p = self.g.ctl.progress(JOB)
+        machines = self.g.ctl.fleet.job(JOB).machine_list
+        self.clock.say(f"training: step {p['step']} on {', '.join(machines)}")
+
+
+def _action_line(a: Any) -> str:
+    detail = a.detail or ""
+    if a.kind == "evict":
+        try:
+            swaps = json.loads(detail) if a.outcome == "done" else {}
+        except ValueError:
+            swaps = {}
+        moved = ", ".join(f"{old} -> standby {new}" for old, new in swaps.items())
+        return f"evicted {moved}" if moved else f"eviction of {', '.join(a.machines)}: {a.outcome} {detail}"
+    if a.kind == "launch":
+        return f"restarted the job on {', '.join(a.machines)} ({a.outcome})"
+    if a.kind == "rollback":
+        return f"rolled back: {detail or a.outcome}"
+    return f"{a.kind} {', '.join(a.machines)}: {a.outcome} {detail[:120]}"
+
+
+def _wait(until_ts: float, narrator: Narrator) -> None:
+    while time.time() < until_ts:
+        narrator.tick()
+        narrator.progress()
+        time.sleep(0.5)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _validate(args: argparse.Namespace) -> list[Fault]:
+    kinds = [k.strip() for k in args.faults.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in FAULTS]
+    if unknown:
+        raise TrainguardError(f"--faults: unknown fault {', '.join(unknown)}; use some of {', '.join(FAULTS)}")
+    if args.every < 30:
+        raise TrainguardError(f"--every {args.every:g} must be at least 30 (seconds between faults)")
+    if args.standbys < 2:
+        raise TrainguardError(f"--standbys {args.standbys} must be at least 2 (a hang evicts a pipeline of 2)")
+    if args.machines - args.standbys < TOPOLOGY.machines:
+        raise TrainguardError(f"--machines {args.machines} with --standbys {args.standbys} leaves "
+                              f"{args.machines - args.standbys} for the job; it needs {TOPOLOGY.machines}")
+    if args.port and not _port_free(args.port):
+        raise TrainguardError(f"port {args.port} is in use (another Airflow?); pass --port with a free one, "
+                              f"or 0 for any")
+    return [FAULTS[k] for k in kinds]
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    t0 = time.monotonic()
-    topo = Topology.parse(args.topology)
-    spec = cluster.ClusterSpec(name=args.name, machines=args.machines, standbys=args.standbys, subnet=args.subnet)
+    faults = _validate(args)
+    spec = cluster.ClusterSpec(name=args.name, machines=args.machines, standbys=args.standbys, subnet=args.subnet,
+                               disk_mb=256, gpus=8)
     spec.validate()
-    active_needed = topo.machines
-    if spec.machines - spec.standbys < active_needed:
-        from node_tools.errors import TrainguardError
+    state_dir = Path(args.state_dir or cluster.default_state_dir())
+    home = state_dir.parent / "control"
+    report_dir = Path(args.report_dir) if args.report_dir else state_dir.parent / "report"
+    clock = Clock()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    from operators.airflow.standalone import Standalone
 
-        raise TrainguardError(
-            f"topology {topo} needs {active_needed} active machines; --machines {spec.machines} with "
-            f"--standbys {spec.standbys} gives {spec.machines - spec.standbys}"
-        )
-    if args.steps < 1:
-        from node_tools.errors import TrainguardError
-
-        raise TrainguardError(f"--steps {args.steps} must be at least 1")
-    _say(t0, f"bringing up the emulated cluster ({spec.machines} machines, {spec.standbys} standbys)")
-    inv = cluster.up(spec, args.state_dir, log=lambda msg: _say(t0, msg))
-    plan = None
+    if Standalone.stop_kept(home / "airflow"):
+        clock.say("stopped the Airflow a kept demo left running")
+    shutil.rmtree(home, ignore_errors=True)  # a fresh fleet database and Airflow home
+    clock.say(f"bringing up the emulated cluster ({spec.machines} machines, {spec.standbys} warm standbys)")
+    inv = cluster.up(spec, state_dir, log=lambda m: clock.say(f"  {m}"))
+    g: GuardedJob | None = None
+    keep = False
     try:
-        for m in inv.machines:
-            _say(t0, f"  {m.name}  {m.role:8} {m.address}")
-        active = inv.by_role("active")[:active_needed]
-        plan = launcher.JobPlan(job="demo", topology=topo, machines=active, train_args=["--steps", str(args.steps)])
-        launcher.stop(inv, plan.job, inv.machines, grace_s=3)  # a leftover of an interrupted demo
-        launcher.launch(inv, plan)
-        _say(t0, f"launched job demo ({topo}) on {', '.join(m.name for m in active)}; waiting for the first step")
-        result = follow(inv, plan, t0, steps=args.steps, timeout_s=max(300.0, 10.0 * args.steps))
-        return report(inv, plan, result, t0)
+        g = GuardedJob(inv, home, job=JOB, settings=SETTINGS, port=args.port or None)
+        g.start(log=clock.say)
+        clock.say(f"Airflow UI {g.airflow.url}  (user admin, password in "
+                  f"{g.airflow.home / 'simple_auth_manager_passwords.json.generated'})")
+        narrator = Narrator(g, clock)
+        results = _play(g, faults, args, clock, narrator)
+        narrator.tick()
+        code = _report(g, faults, results, clock, report_dir)
+        keep = args.keep
+        return code
     except KeyboardInterrupt:
-        _say(t0, "interrupted: cleaning up")
+        clock.say("interrupted: stopping the job and Airflow, bringing the cluster down")
         raise
     finally:
-        if plan is not None:
-            launcher.stop(inv, plan.job, plan.machines, grace_s=3)
-        if args.keep:
-            _say(t0, f"cluster left up (--keep); inventory {inv.path}; 'trainguard cluster down' removes it")
+        if keep and g is not None:
+            clock.say(f"kept: Airflow at {g.airflow.url}, the cluster and the job; "
+                      f"'trainguard cluster down' ends them all")
         else:
-            cluster.down(args.state_dir, name=spec.name, log=lambda msg: _say(t0, msg))
-            _say(t0, "cluster down; nothing left running")
-        sys.stdout.flush()
+            if g is not None:
+                g.stop()
+            cluster.down(state_dir, name=spec.name, log=lambda m: None)
+            clock.say("cluster down, Airflow stopped; nothing left running")
+
+
+def _play(g: GuardedJob, faults: Sequence[Fault], args: argparse.Namespace, clock: Clock,
+          narrator: Narrator) -> list[dict[str, Any]]:
+    """Each fault at its time (or once the last was handled, when that is later); returns what
+    happened to each."""
+    start = time.time()
+    results = []
+    for i, fault in enumerate(faults):
+        _wait(start + args.first + i * args.every, narrator)
+        g.settled()
+        back = g.repair()
+        if back:
+            clock.say(f"repair crew: {', '.join(back)} fixed, self-checked, parked warm as standbys")
+        if fault.bad_revision:
+            revision = g.deploy_bad_revision()
+            clock.say(f"deployed revision {revision} (hot update); its training loop has a bug")
+        g.training(2)
+        machine = g.ctl.fleet.job(JOB).machine_list[fault.node]
+        clock.say(f"FAULT {i + 1}/{len(faults)}: {fault.what} on {machine}"
+                  f"{'' if fault.rank is None else f' (rank {fault.rank})'}")
+        narrator.fault_ts = time.time()
+        try:
+            inc, machine, t_fault = g.fault_and_incident(fault, machine=machine, on_tick=narrator.tick)
+        except TimeoutError as exc:
+            clock.say(f"  not recovered: {exc}")
+            results.append({"fault": fault.kind, "machine": machine, "t_fault": narrator.fault_ts, "incident": None})
+            continue
+        narrator.tick()
+        results.append({"fault": fault.kind, "machine": machine, "t_fault": t_fault, "incident": inc.id})
+    _wait(start + args.first + len(faults) * args.every, narrator)
+    return results
+
+
+def _report(g: GuardedJob, faults: Sequence[Fault], results: list[dict[str, Any]], clock: Clock,
+            report_dir: Path) -> int:
+    fleet = g.ctl.fleet
+    ettr = g.ctl.ettr_report(JOB)
+    records = g.ctl.step_history(JOB)
+    rows = []
+    for r in results:
+        inc = fleet.incident(r["incident"]) if r["incident"] else None
+        row: dict[str, Any] = {"fault": r["fault"], "machine": r["machine"], "t_fault": r["t_fault"]}
+        if inc is not None:
+            evicted = {m: new for a in fleet.actions(inc.id) if a.kind == "evict" and a.outcome == "done"
+                       for m, new in json.loads(a.detail or "{}").items()}
+            row.update({"incident": inc.id, "state": inc.state, "category": inc.category, "summary": inc.summary,
+                        "evicted": evicted, "lost_steps": inc.lost_steps, "level": inc.level,
+                        **{k: getattr(inc, k) for k in ("first_alert_ts", "opened_ts", "diagnosis_start_ts",
+                                                        "decided_ts", "resumed_ts", "closed_ts")}})
+            row["fault_to_resumed_s"] = inc.resumed_ts - r["t_fault"] if inc.resumed_ts else None
+            row["phases_s"] = {name: _span(row.get(a), row.get(b)) for name, a, b, _ in PHASES}
+        rows.append(row)
+    recovered = [row for row in rows if row.get("state") == "resolved" and row.get("resumed_ts")]
+    cum = ettr["cumulative"]
+    print()
+    print("=== trainguard demo: report ===")
+    print(f"job {JOB} ({TOPOLOGY}, {TOPOLOGY.world_size} ranks), {cum['wall_s']:.0f} s of wall time since its "
+          f"first step, {cum['kept_steps']} steps kept")
+    print(f"{'#':>2} {'fault':11} {'machine':7} {'handled as':14} {'evicted -> standby':22} {'detect':>7} "
+          f"{'diagnose':>8} {'recover':>8} {'to resume':>9} {'lost':>5}  outcome")
+    for i, row in enumerate(rows, 1):
+        ph = row.get("phases_s", {})
+        swaps = ", ".join(f"{a}->{b}" for a, b in row.get("evicted", {}).items()) or "-"
+        print(f"{i:>2} {row['fault']:11} {row['machine']:7} {row.get('category') or '-':14} {swaps:22} "
+              f"{_s(ph.get('detection')):>7} {_s(ph.get('diagnosis')):>8} {_s(ph.get('recovery')):>8} "
+              f"{_s(row.get('fault_to_resumed_s')):>9} {_n(row.get('lost_steps')):>5}  "
+              f"{row.get('state', 'not handled')}")
+    print(f"recovered automatically: {len(recovered)} of {len(faults)} faults")
+    print(f"ETTR {cum['ettr'] * 100:.1f}%  (productive {cum['productive_s']:.1f} s of {cum['wall_s']:.1f} s; "
+          f"work lost and recomputed {cum['lost_work_s']:.1f} s)")
+    by_cause = ", ".join(f"{k} {v['seconds']:.1f} s" for k, v in ettr["by_cause"].items())
+    if by_cause:
+        print(f"time lost by cause: {by_cause}")
+    report_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"job": JOB, "topology": str(TOPOLOGY), "faults": rows, "ettr": ettr,
+           "recovered": len(recovered), "injected": len(faults)}
+    (report_dir / "report.json").write_text(json.dumps(doc, indent=2, default=str))
+    html = report_dir / "timeline.html"
+    html.write_text(timeline_html(records, rows, ettr))
+    print(f"timeline chart: {html}  (report.json beside it)")
+    ok = len(recovered) == len(faults)
+    clock.say("demo " + ("OK: every fault was recovered automatically" if ok else "FAILED: see the rows above"))
+    return EXIT_OK if ok else EXIT_UNHEALTHY
+
+
+def _span(a: float | None, b: float | None) -> float | None:
+    return b - a if a is not None and b is not None and b >= a else None
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}s"
+
+
+def _n(v: Any) -> str:
+    return "?" if v is None else str(v)
+
+
+def timeline_html(records: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]],
+                  ettr: Mapping[str, Any]) -> str:
+    """A self-contained HTML page: the job's steps over time (each incarnation its own colour, work that
+    was lost and recomputed in grey), each incident's detection / diagnosis / recovery as bands, and
+    each fault as a marked line."""
+    from operators.policy import ettr as ettr_policy
+
+    execs = ettr_policy.executions(records)
+    if not execs:
+        return "<html><body><p>no step records</p></body></html>"
+    _, lost = ettr_policy.kept(execs)
+    lost_ids = {id(e) for e in lost}
+    t0 = min(e.start_ts for e in execs)
+    t1 = max([e.end_ts for e in execs] + [r.get("closed_ts") or 0 for r in rows])
+    smax = max(e.step for e in execs) or 1
+    w, h, left, top, bottom = 1000, 420, 60, 30, 60
+    pw, ph = w - left - 20, h - top - bottom
+
+    def x(ts: float) -> float:
+        return left + (ts - t0) / max(t1 - t0, 1e-9) * pw
+
+    def y(step: float) -> float:
+        return top + ph - step / smax * ph
+
+    palette = ["#2a9d8f", "#264653", "#e76f51", "#8a5a9e", "#e9c46a", "#3a86ff", "#06d6a0", "#ef476f"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+             f'font-size="11">', f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="#fafafa" '
+             f'stroke="#ccc"/>']
+    for i, row in enumerate(rows):
+        for name, a, b, colour in PHASES:
+            if row.get(a) and row.get(b) and row[b] >= row[a]:
+                parts.append(f'<rect x="{x(row[a]):.1f}" y="{top}" width="{max(x(row[b]) - x(row[a]), 1):.1f}" '
+                             f'height="{ph}" fill="{colour}" opacity="0.25"><title>incident {row.get("incident")}: '
+                             f'{name} {row[b] - row[a]:.1f}s</title></rect>')
+        if row.get("t_fault"):
+            fx = x(row["t_fault"])
+            parts.append(f'<line x1="{fx:.1f}" y1="{top}" x2="{fx:.1f}" y2="{top + ph}" stroke="#b00" '
+                         f'stroke-dasharray="4,3"/>')
+            parts.append(f'<text x="{fx + 3:.1f}" y="{top + 12 + 13 * (i % 3)}" fill="#b00">{i + 1}. {row["fault"]} '
+                         f'({row["machine"]})</text>')
+    for e in execs:
+        colour = "#aaa" if id(e) in lost_ids else palette[e.incarnation % len(palette)]
+        parts.append(f'<circle cx="{x(e.end_ts):.1f}" cy="{y(e.step):.1f}" r="1.6" fill="{colour}"/>')
+    for frac in (0, 0.25, 0.5, 0.75, 1):
+        ts = t0 + frac * (t1 - t0)
+        parts.append(f'<text x="{x(ts):.1f}" y="{top + ph + 16}" text-anchor="middle">{ts - t0:.0f}s</text>')
+        parts.append(f'<text x="{left - 6}" y="{y(frac * smax) + 4:.1f}" text-anchor="end">{frac * smax:.0f}</text>')
+    parts.append(f'<text x="{left + pw / 2}" y="{h - 22}" text-anchor="middle">seconds since the first step'
+                 f'</text><text x="14" y="{top + ph / 2}" transform="rotate(-90 14 {top + ph / 2})" '
+                 f'text-anchor="middle">step</text>')
+    legend = [("detection", PHASES[0][3]), ("diagnosis", PHASES[1][3]), ("recovery", PHASES[2][3]),
+              ("lost, recomputed", "#aaa")]
+    for i, (name, colour) in enumerate(legend):
+        parts.append(f'<rect x="{left + 150 * i}" y="{h - 14}" width="10" height="10" fill="{colour}" '
+                     f'opacity="0.6"/><text x="{left + 150 * i + 14}" y="{h - 5}">{name}</text>')
+    parts.append("</svg>")
+    cum = ettr["cumulative"]
+    rows_html = "".join(
+        f"<tr><td>{i}</td><td>{r['fault']}</td><td>{r['machine']}</td><td>{r.get('category', '-')}</td>"
+        f"<td>{', '.join(f'{a} &rarr; {b}' for a, b in r.get('evicted', {}).items()) or '-'}</td>"
+        + "".join(f"<td>{_s(r.get('phases_s', {}).get(n))}</td>" for n, *_ in PHASES)
+        + f"<td>{_s(r.get('fault_to_resumed_s'))}</td><td>{_n(r.get('lost_steps'))}</td>"
+          f"<td>{r.get('state', 'not handled')}</td></tr>"
+        for i, r in enumerate(rows, 1))
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>trainguard demo timeline</title>"
+            f"<style>body{{font-family:sans-serif;margin:24px}}td,th{{padding:3px 10px;text-align:left}}"
+            f"tr:nth-child(even){{background:#f3f3f3}}</style></head><body>"
+            f"<h2>trainguard demo: ETTR {cum['ettr'] * 100:.1f}%</h2>"
+            f"<p>productive {cum['productive_s']:.1f} s of {cum['wall_s']:.1f} s; {cum['kept_steps']} steps kept, "
+            f"{cum['lost_steps']} executions lost and recomputed</p>{''.join(parts)}"
+            f"<table><tr><th>#</th><th>fault</th><th>machine</th><th>handled as</th><th>evicted</th>"
+            f"<th>detection</th><th>diagnosis</th><th>recovery</th><th>fault &rarr; resumed</th><th>steps lost</th>"
+            f"<th>outcome</th></tr>{rows_html}</table></body></html>")

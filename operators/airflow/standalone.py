@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +45,9 @@ API_CONN = "tg_airflow_api"  # what the DAGs' tasks set their run's note through
 
 
 class Standalone:
-    def __init__(self, home: Path, env: dict[str, str]) -> None:
+    def __init__(self, home: Path, env: Mapping[str, str], *, port: int | None = None) -> None:
         self.home = home
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {
             **os.environ,
@@ -78,6 +78,7 @@ class Standalone:
         self.proc = subprocess.Popen([airflow, "standalone"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                                              signal.SIG_DFL))
+        (self.home / "standalone.pid").write_text(str(self.proc.pid))  # its process group, for a later stop
         poll(self._healthy, timeout=timeout, interval=1.0, what=f"airflow standalone on {self.url}")
         poll(lambda: self.dag_ids() >= {"tg_guardian", "tg_incident", "tg_diagnose", "tg_sdc_replay"}, timeout=120,
                    interval=1.0, what="the trainguard DAGs to be parsed")
@@ -205,14 +206,45 @@ class Standalone:
     def stop(self) -> None:
         if self.proc is None:
             return
-        try:
-            os.killpg(self.proc.pid, signal.SIGINT)
-            self.proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stop_group(self.proc.pid)
         self.proc.wait(timeout=10)
         self.proc = None
+        (self.home / "standalone.pid").unlink(missing_ok=True)
+
+    @staticmethod
+    def stop_kept(home: Path) -> bool:
+        """Stop the standalone a finished process left running in ``home`` (a demo run with ``--keep``);
+        True when there was one."""
+        pid_file = home / "standalone.pid"
+        try:
+            pid = int(pid_file.read_text())
+        except (OSError, ValueError):
+            return False
+        running = stop_group(pid)
+        pid_file.unlink(missing_ok=True)
+        return running
+
+
+def stop_group(pid: int, grace_s: float = 30.0) -> bool:
+    """End the process group ``pid`` leads: SIGINT (airflow standalone ends its components), SIGKILL
+    after ``grace_s``. True when it was running."""
+    try:
+        os.killpg(pid, signal.SIGINT)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.waitpid(pid, os.WNOHANG)  # our own child: reap it, or killpg(0) sees a zombie forever
+        except ChildProcessError:
+            pass
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True

@@ -1,0 +1,229 @@
+"""A guarded job on an emulated cluster, under the real control plane.
+
+:class:`GuardedJob` runs ``airflow standalone`` with trainguard's DAGs over a namespace cluster and a
+fleet database, launches the reference job on the cluster's active machines, and does the chores a
+person or a repair crew does around it: park standbys warm, send evicted machines through repair,
+inject a fault and wait for the incident it causes to close. ``trainguard demo``, the recovery
+benchmark and the fault campaign are built on it.
+
+:data:`FAULTS` names the faults it can script, one per rung of the decision ladder and more: where
+each hits (a node of the job, a rank of it), how it is undone, how long its recovery may take.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from node_tools import inject
+from node_tools.bus import BusReader, open_bus
+from node_tools.inventory import Inventory
+from node_tools.topology import Topology
+from node_tools.transport import transport_for
+from operators.airflow.standalone import Standalone, poll
+from operators.control import ControlConfig, Controller
+from operators.fleet import states
+
+TOPOLOGY = Topology(tp=2, pp=2, dp=2)
+TRAIN_ARGS = ("--checkpoint", "--step-delay-s", "0.2")
+PARK = ("standby", "park", "--nproc", "2")
+# the tg_incident tasks that decide an incident (the branches of the ladder)
+HANDLERS = frozenset({"evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption",
+                      "roll_back", "no_culprit"})
+
+
+@dataclass(frozen=True)
+class Fault:
+    """How a scripted fault is injected (with :func:`node_tools.inject.inject`)."""
+
+    kind: str  # the injector's fault kind
+    node: int  # the node rank (index in the job's machine list) of the machine it hits
+    rank: int | None = None  # the rank it hits; None: the whole machine
+    params: Mapping[str, str] = field(default_factory=dict)
+    flap: tuple[str, ...] = ()  # undo the fault once the machine reported one of these alert kinds
+    repeats: int = 1  # injections in a row (a repeated network fault); the last one's incident counts
+    bad_revision: bool = False  # the job first switches to a revision whose code fails (a user-code error)
+    timeout: float = 300.0  # seconds its incident may take to close
+    what: str = ""  # one line for people
+
+
+def faults_for(topo: Topology) -> dict[str, Fault]:
+    """The scriptable faults for a job of ``topo`` (at least 4 machines: the faults spread over them)."""
+    first = [topo.ranks_on(n)[0] for n in range(topo.machines)]
+    n = topo.machines
+    return {
+        "gpu_lost": Fault("gpu_lost", node=1 % n, what="a GPU falls off the bus (explicit fault)"),
+        "nic_down": Fault("nic_down", node=2 % n, flap=("kernel_link", "nic_down"), repeats=2,
+                          what="a NIC flaps twice within the hour"),
+        "disk_full": Fault("disk_full", node=1 % n, what="the checkpoint disk fills up"),
+        "crash": Fault("crash", node=2 % n, rank=first[2 % n], what="a rank dies with no log to blame"),
+        "hang": Fault("hang", node=(n - 1), rank=first[n - 1], what="a rank stops in a collective (hang)"),
+        "user_error": Fault("user_error", node=0, rank=0, bad_revision=True,
+                            what="a new code revision raises in the training loop"),
+        "nan": Fault("nan", node=1 % n, rank=first[1 % n], what="the loss turns NaN"),
+        "sdc": Fault("sdc", node=2 % n, what="a GPU computes wrong (silent data corruption)"),
+        "bitflip": Fault("bitflip", node=n - 1, rank=first[n - 1], timeout=480.0,
+                         what="a GPU flips a gradient bit only while training"),
+        "slow": Fault("slow", node=1 % n, rank=first[1 % n], params={"seconds": "3.0"},
+                      what="a rank slows down 3 s per step (fail-slow)"),
+    }
+
+
+FAULTS = faults_for(TOPOLOGY)
+
+
+def iso_ts(ts: str | None) -> float | None:
+    """An Airflow API timestamp as epoch seconds."""
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp() if ts else None
+
+
+class GuardedJob:
+    """The control plane and one guarded job on an emulated cluster (``inv``); ``home`` holds the fleet
+    database and the Airflow home. ``settings`` are the control plane's ``TG_*`` environment (they go
+    to the DAGs' tasks and to this process's :class:`Controller` alike)."""
+
+    def __init__(self, inv: Inventory, home: Path, *, job: str, topology: Topology = TOPOLOGY,
+                 train_args: Sequence[str] = TRAIN_ARGS, settings: Mapping[str, str] | None = None,
+                 port: int | None = None) -> None:
+        self.inv, self.home, self.job, self.topology = inv, home, job, topology
+        self.train_args = list(train_args)
+        self.transport = transport_for(inv)
+        env = {"TG_FLEET_URL": str(home / "fleet.db"), "TG_INVENTORY": str(inv.path), "TG_CONTROL_HOME": str(home),
+               **(settings or {})}
+        self.ctl = Controller(ControlConfig.from_env(env))
+        self.ctl.sync_inventory()
+        (home / "airflow").mkdir(parents=True, exist_ok=True)
+        self.airflow = Standalone(home / "airflow", env, port=port)
+
+    # ---- bring-up and teardown --------------------------------------------------------------------
+    def start(self, *, log: Callable[[str], None] = lambda _m: None) -> None:
+        """Park the standbys warm while Airflow starts, then launch the job and wait for it to train."""
+        standbys = [m.name for m in self.inv.by_role("standby")]
+        log(f"parking warm standbys {', '.join(standbys)}; starting airflow standalone on {self.airflow.url}")
+        self.park(standbys)
+        self.airflow.start()
+        log(f"airflow up: DAGs {', '.join(sorted(self.airflow.dag_ids()))}")
+        active = [m.name for m in self.inv.by_role("active")][: self.topology.machines]
+        self.ctl.launch_job(self.job, self.topology, active, train_args=self.train_args)
+        log(f"launched job {self.job} ({self.topology}) on {', '.join(active)}")
+        self.training(2, timeout=300)
+
+    def stop(self) -> None:
+        """Stop Airflow and the job (the cluster is its owner's to bring down)."""
+        try:
+            self.airflow.stop()
+        finally:
+            if any(j.name == self.job for j in self.ctl.fleet.jobs()):
+                self.ctl.stop(self.job)
+
+    # ---- chores between faults ---------------------------------------------------------------------
+    def park(self, names: Sequence[str]) -> None:
+        if not names:
+            return
+        done = self.transport.run_many([self.inv.machine(n) for n in names],
+                                       lambda m: [self.inv.tg_node, *PARK], timeout=240)
+        bad = {n: r.describe() for n, r in done.items() if not r.ok}
+        if bad:
+            raise RuntimeError(f"parking standbys failed: {bad}")
+
+    def repair(self) -> list[str]:
+        """What a repair crew does for evicted machines: clear the fault, self-check, park warm.
+        Returns the machines that went back to the pool."""
+        evicted = [m.name for m in self.ctl.fleet.machines(state=states.EVICTED)]
+        for name in evicted:
+            inject.clear(self.inv, name)
+            self.ctl.fleet.transition(name, states.REPAIR, reason="sent to repair")
+            self.ctl.fleet.transition(name, states.SELF_CHECK, reason="repaired")
+        self.park(evicted)
+        for name in evicted:
+            self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
+        return evicted
+
+    def step(self) -> int:
+        return int(self.ctl.progress(self.job)["step"])
+
+    def training(self, steps: int = 2, *, timeout: float = 180) -> None:
+        start = self.step()
+        poll(lambda: self.step() >= start + steps, timeout=timeout, interval=0.5, what="the job to train")
+
+    def settled(self, timeout: float = 300) -> None:
+        """Wait until no tg_incident run is left running (the last one's rearm included)."""
+        poll(lambda: all(r["state"] in ("success", "failed") for r in self.airflow.runs("tg_incident")),
+             timeout=timeout, interval=1.0, what="the last incident's run to finish")
+
+    def last_incident(self) -> int:
+        return max((i.id for i in self.ctl.fleet.incidents(self.job)), default=0)
+
+    def deploy_bad_revision(self) -> str:
+        """Mark the running revision known-good and hot-update to a next one (whose code will fail)."""
+        job = self.ctl.fleet.job(self.job)
+        self.ctl.fleet.mark_known_good(self.job, job.revision)
+        revision = f"{job.revision}-next"
+        self.ctl.hot_update(self.job, revision, reason="a revision with a bug")
+        return revision
+
+    # ---- faults --------------------------------------------------------------------------------------
+    def inject(self, fault: Fault, *, machine: str | None = None) -> tuple[str, float]:
+        """Inject ``fault`` (undone at once for a flap, once the machine reported it); returns the machine
+        and the time of the injection."""
+        machine = machine or self.ctl.fleet.job(self.job).machine_list[fault.node]
+        reader = BusReader(open_bus(self.inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
+        t_fault = time.time()
+        inject.inject(self.inv, machine, fault.kind, rank=fault.rank, params=dict(fault.params) or None)
+        if fault.flap:
+            try:
+                poll(lambda: [a for a in reader.read() if a.machine == machine and a.kind in fault.flap],
+                     timeout=30, interval=0.1, what=f"{machine} to report {' or '.join(fault.flap)}")
+            finally:
+                inject.clear(self.inv, machine, fault.kind)
+        return machine, t_fault
+
+    def incident_since(self, after_id: int, since_ts: float) -> Any:
+        """The first closed incident after ``after_id`` holding an alert raised at ``since_ts`` or later
+        (one that closed on alerts from before is not the fault's); None while there is none."""
+        for inc in self.ctl.fleet.incidents(self.job):
+            if inc.id > after_id and inc.state in ("resolved", "failed", "waiting_human") and \
+                    any(a.ts >= since_ts for a in self.ctl.fleet.alerts_of(inc.id)):
+                return inc
+        return None
+
+    def fault_and_incident(self, fault: Fault, *, machine: str | None = None,
+                           on_tick: Callable[[], None] = lambda: None) -> tuple[Any, str, float]:
+        """Inject ``fault`` (``repeats`` times, each after the last was handled), wait for the incident
+        it causes to close, undo it; returns (incident, machine, time of the last injection)."""
+        machine = machine or self.ctl.fleet.job(self.job).machine_list[fault.node]
+        inc, t_fault = None, time.time()
+        for attempt in range(fault.repeats):
+            if attempt:  # the next one comes once the last was handled, within the repeat window
+                self.settled()
+                self.training()
+            last = self.last_incident()
+            try:
+                _, t_fault = self.inject(fault, machine=machine)
+
+                def closed(after: int = last, since: float = t_fault) -> Any:
+                    on_tick()
+                    return self.incident_since(after, since)
+
+                inc = poll(closed, timeout=fault.timeout, interval=0.5, what=f"the {fault.kind} incident to close")
+            finally:
+                inject.clear(self.inv, machine, fault.kind)
+        return inc, machine, t_fault
+
+    def incident_run(self, incident_id: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """The incident's tg_incident run (its conf) and its task instances' states and times."""
+        run = self.airflow.incident_run(incident_id)
+        if run is None:
+            return {}, {}
+        return run["conf"], {
+            t["task_id"]: {"task_id": t["task_id"], "state": t["state"], "start": iso_ts(t["start_date"]),
+                           "end": iso_ts(t["end_date"])}
+            for t in self.airflow.task_instances("tg_incident", run["dag_run_id"])}
+
+    def branch(self, tasks: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
+        """The handler task that decided the incident (from :meth:`incident_run`'s tasks)."""
+        return next((t for t in tasks.values() if t["task_id"] in HANDLERS and t["state"] == "success"), {})
