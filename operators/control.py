@@ -236,9 +236,9 @@ class Controller:
         t = self._triage(inc.job, incident_id)
         if not ladder.supersedes(inc.category, t):
             return False
-        self.fleet.update_incident(incident_id, category=t.category,
-                                   summary=f"{inc.category} vote taken over: {t.reason}")
-        return True
+        # atomic against the vote's claim of its verdict: exactly one of the two acts on the incident
+        return self.fleet.take_over(incident_id, watched=ladder.WATCHED, category=t.category,
+                                    summary=f"{inc.category} vote taken over: {t.reason}")
 
     def _triage(self, job_name: str, incident_id: int) -> ladder.Triage:
         job = self.fleet.job(job_name)
@@ -498,12 +498,14 @@ class Controller:
                 return {"job": inc.job, "superseded": True, "rounds": rounds}
             rounds.append(voter.add_round(self.compute_times(inc.job)))
         verdict = voter.verdict()
-        if self.fleet.incident(incident_id).category not in ladder.WATCHED:
+        kind, machines = (None, []) if verdict is None else (verdict[0], [j.machine_list[i] for i in verdict[1]])
+        # the verdict is claimed before anything is acted on: stronger alerts arriving from here on (the
+        # job being stopped, say) cannot start a second handler on the same incident
+        if not self.fleet.claim_watched(incident_id, f"vote:{incident_id}", watched=ladder.WATCHED, kind="vote",
+                                        machines=machines, evidence={"rounds": rounds, "verdict": kind},
+                                        detail=f"{kind or 'no'} group flagged in most of {len(rounds)} rounds"):
             return {"job": inc.job, "superseded": True, "rounds": rounds}
-        if verdict is None:
-            return {"job": inc.job, "rounds": rounds, "verdict": None, "machines": []}
-        kind, indices = verdict
-        return {"job": inc.job, "rounds": rounds, "verdict": kind, "machines": [j.machine_list[i] for i in indices]}
+        return {"job": inc.job, "rounds": rounds, "verdict": kind, "machines": machines}
 
     # ---- eviction, recovery ---------------------------------------------------------------------------
     def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str) -> dict[str, Any]:

@@ -31,6 +31,8 @@ from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
 from operators.guarded import FAULTS, TOPOLOGY, Fault, GuardedJob
 
 JOB = "demo"
+# an accelerator's 0.2 s of kernels per step: the host thread waits inside the step (it counts as training)
+TRAIN_ARGS = ("--checkpoint", "--emulate-device-s", "0.2")
 DEFAULT_FAULTS = ("gpu_lost", "hang", "nan", "user_error", "slow")
 # the ladder's clocks, compressed so that five faults fit in ten minutes (production in brackets)
 SETTINGS = {
@@ -181,7 +183,7 @@ def run_demo(args: argparse.Namespace) -> int:
     g: GuardedJob | None = None
     keep = False
     try:
-        g = GuardedJob(inv, home, job=JOB, settings=SETTINGS, port=args.port or None)
+        g = GuardedJob(inv, home, job=JOB, settings=SETTINGS, port=args.port or None, train_args=TRAIN_ARGS)
         g.start(log=clock.say)
         clock.say(f"Airflow UI {g.airflow.url}  (user admin, password in "
                   f"{g.airflow.home / 'simple_auth_manager_passwords.json.generated'})")

@@ -75,6 +75,27 @@ def test_a_nan_during_a_slow_vote_takes_the_incident_over_once(ctl: Controller):
     assert not again["taken_over"]  # handled as a NaN now: one new run, not one per batch
 
 
+def test_a_claimed_vote_verdict_cannot_be_taken_over_and_a_taken_over_vote_claims_nothing(ctl: Controller):
+    from operators.policy import ladder
+
+    [slow] = ctl.ingest([_alert("rank_slow", "m1", 1, 100.0)])
+    ctl.triage(slow["incident"])
+    # the vote concluded and claimed its verdict; the job is stopped next, and its ranks' alerts come in
+    assert ctl.fleet.claim_watched(slow["incident"], "vote:x", watched=ladder.WATCHED, kind="vote", machines=["m1"])
+    [stopped] = ctl.ingest([_alert("nan_loss", "m1", 1, 101.0)])
+    assert not stopped["taken_over"] and ctl.fleet.incident(slow["incident"]).category == "slow"
+    assert ctl.fleet.claim_watched(slow["incident"], "vote:x", watched=ladder.WATCHED, kind="vote")  # a no-op
+    assert [a.kind for a in ctl.fleet.actions(slow["incident"])] == ["vote"]
+    # the other order: stronger alerts first, then the vote's verdict is refused and nothing is recorded
+    ctl.fleet.update_incident(slow["incident"], state="resolved", closed_ts=102.0)
+    [second] = ctl.ingest([_alert("rank_slow", "m2", 2, 200.0)])
+    ctl.triage(second["incident"])
+    [nan] = ctl.ingest([_alert("nan_loss", "m2", 2, 201.0)])
+    assert nan["taken_over"]
+    assert not ctl.fleet.claim_watched(second["incident"], "vote:y", watched=ladder.WATCHED, kind="vote")
+    assert not ctl.fleet.actions(second["incident"])
+
+
 def test_an_incident_being_acted_on_is_not_taken_over(ctl: Controller):
     [hang] = ctl.ingest([_alert("rank_hang", "m0", 0, 100.0)])
     assert ctl.triage(hang["incident"])["action"] == "analyze"

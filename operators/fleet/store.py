@@ -9,7 +9,7 @@ same change twice is a no-op that says so (``changed`` False), never a second ro
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -383,6 +383,35 @@ class FleetStore:
             s.add(a)
             s.flush()
             return a, True
+
+    def claim_watched(self, incident_id: int, key: str, *, watched: Collection[str], kind: str,
+                      machines: Sequence[str] = (), evidence: dict[str, Any] | None = None, detail: str = "") -> bool:
+        """A watched incident's verdict (a fail-slow vote's), recorded as a done action in the same
+        transaction that checks the incident is still of a ``watched`` category: after it, stronger
+        alerts can no longer take the incident over (:meth:`take_over`); when they did first, nothing is
+        recorded and the answer is False. Claiming twice is a no-op (True)."""
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            if s.scalar(select(Action).where(Action.key == key)) is not None:
+                return True
+            if inc.category not in watched:
+                return False
+            now = self.clock()
+            s.add(Action(key=key, kind=kind, incident_id=incident_id, machines=list(machines), evidence=evidence or {},
+                         outcome="done", detail=detail, dry_run=False, started_ts=now, finished_ts=now))
+            return True
+
+    def take_over(self, incident_id: int, *, watched: Collection[str], category: str, summary: str) -> bool:
+        """Give an open incident of a ``watched`` category on which nothing was acted yet (no action, no
+        claimed verdict) the stronger ``category``, in one transaction; False when it is too late."""
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            if inc.state != "open" or inc.category not in watched:
+                return False
+            if s.scalar(select(Action.id).where(Action.incident_id == incident_id).limit(1)) is not None:
+                return False
+            inc.category, inc.summary = category, summary
+            return True
 
     def finish_action(self, action_id: int, outcome: str, detail: str = "") -> bool:
         with self.tx() as s:
