@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
@@ -442,6 +443,61 @@ def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(contr
     out = airflow.xcom("tg_diagnose", run_id, "conclude")
     assert out["failed"] == {} and sorted(out["machines"]) == sorted(machines)
     assert ctl.fleet.job(JOB).machine_list == machines  # nothing evicted without "evict"
+
+
+def test_an_operator_triggers_a_diagnosis_from_the_airflow_ui_in_a_browser(control, cp_cluster):
+    """Headless Chromium: log in, open tg_diagnose, fill its Params form for one machine, trigger; the
+    run page then shows the run succeeded, its one mapped task named after the machine, and its note."""
+    import json
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.browser import artifacts_dir, chrome
+
+    ctl, airflow = control
+    machine = ctl.fleet.job(JOB).machine_list[0]
+    password = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+    before = {r["dag_run_id"] for r in airflow.runs("tg_diagnose")}
+    d = chrome()
+    shot = artifacts_dir() / "airflow-ui-tg_diagnose-run.png"
+    try:
+        wait = WebDriverWait(d, 120)
+        d.get(f"{airflow.url}/auth/login")
+        wait.until(ec.presence_of_element_located((By.NAME, "username"))).send_keys("admin")
+        d.find_element(By.NAME, "password").send_keys(password)
+        d.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        wait.until(lambda drv: "/auth/login" not in drv.current_url)
+        d.get(f"{airflow.url}/dags/tg_diagnose")
+        wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "button[aria-label='Trigger Dag']"))).click()
+        form = wait.until(ec.presence_of_element_located(
+            (By.XPATH, "//*[@role='dialog'][.//textarea[@name='element_machines']]")))
+        job = form.find_element(By.NAME, "element_job")
+        job.clear()
+        job.send_keys(JOB)
+        form.find_element(By.NAME, "element_machines").send_keys(machine)
+        trigger = next(b for b in form.find_elements(By.TAG_NAME, "button")
+                       if b.get_attribute("textContent").strip() == "Trigger")
+        d.execute_script("arguments[0].scrollIntoView(true);", trigger)
+        trigger.click()
+        wait.until(lambda drv: "/dags/tg_diagnose/runs/" in drv.current_url)
+        run_id = urllib.parse.unquote(d.current_url.split("/runs/", 1)[1].split("?")[0])
+        assert run_id not in before
+        # the run the form started has the form's parameters
+        run = airflow.request("GET", f"/api/v2/dags/tg_diagnose/dagRuns/{urllib.parse.quote(run_id)}")
+        assert run["conf"]["job"] == JOB and run["conf"]["machines"] == [machine], run["conf"]
+        assert airflow.finished("tg_diagnose", run_id, timeout=300) == "success"
+        note = airflow.run_note("tg_diagnose", run_id)
+        assert note == f"{JOB}: 1 machine diagnosed; all passed", note
+        d.refresh()
+        wait.until(ec.text_to_be_present_in_element((By.TAG_NAME, "body"), note))
+        body = d.find_element(By.TAG_NAME, "body").text
+        assert "Success" in body and "check_machine" in body and machine in body
+    finally:
+        d.save_screenshot(str(shot))
+        d.quit()
+    assert shot.stat().st_size > 10_000
 
 
 def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_cluster):

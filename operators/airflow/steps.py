@@ -378,8 +378,9 @@ def diagnose_conclude(job: str, results: list[dict[str, Any]], neighbours: dict[
                                    reason="failed a diagnosis run by hand",
                                    note=f"{', '.join(sorted(failed))} failed a diagnosis run by hand"))
     verdicts = "; ".join(f"{m} failed {str(why)[:80]}" for m, why in sorted(failed.items()))
-    _note(f"{job}: {len(out['machines'])} machines diagnosed; " + (verdicts + ("; evicted" if evict else "")
-                                                                    if failed else "all passed"))
+    n = len(out["machines"])
+    _note(f"{job}: {n} machine{'' if n == 1 else 's'} diagnosed; " + (verdicts + ("; evicted" if evict else "")
+                                                                      if failed else "all passed"))
     return out
 
 
