@@ -86,9 +86,10 @@ class Narrator:
                 first = min(new, key=lambda a: a.ts)
                 self.clock.say(f"  detected: {', '.join(kinds[:6])}{' ...' if len(kinds) > 6 else ''}"
                                f"{self._at(first.ts)}")
-            if inc.category and inc.summary != old.get("summary"):
-                old["summary"] = inc.summary
-                self.clock.say(f"  decision: {inc.category}: {inc.summary}")
+            decision = inc.summary.split("; resumed at", 1)[0]
+            if inc.category and decision != old.get("decision"):
+                old["decision"] = decision
+                self.clock.say(f"  decision: {inc.category}: {decision}")
             for a in fleet.actions(inc.id):
                 if a.id in self.seen_actions or a.outcome == "pending":
                     continue
@@ -180,6 +181,8 @@ def run_demo(args: argparse.Namespace) -> int:
     shutil.rmtree(home, ignore_errors=True)  # a fresh fleet database and Airflow home
     clock.say(f"bringing up the emulated cluster ({spec.machines} machines, {spec.standbys} warm standbys)")
     inv = cluster.up(spec, state_dir, log=lambda m: clock.say(f"  {m}"))
+    for m in inv.machines:
+        clock.say(f"  {m.name}  {m.role:8} {m.address}")
     g: GuardedJob | None = None
     keep = False
     try:
@@ -218,7 +221,8 @@ def _play(g: GuardedJob, faults: Sequence[Fault], args: argparse.Namespace, cloc
         g.settled()
         back = g.repair()
         if back:
-            clock.say(f"repair crew: {', '.join(back)} fixed, self-checked, parked warm as standbys")
+            clock.say(f"repair crew: {', '.join(back)} fixed, self-checked and parked warm "
+                      f"({'a standby' if len(back) == 1 else 'standbys'} again)")
         if fault.bad_revision:
             revision = g.deploy_bad_revision()
             clock.say(f"deployed revision {revision} (hot update); its training loop has a bug")
@@ -252,7 +256,8 @@ def _report(g: GuardedJob, faults: Sequence[Fault], results: list[dict[str, Any]
             evicted = {m: new for a in fleet.actions(inc.id) if a.kind == "evict" and a.outcome == "done"
                        for m, new in json.loads(a.detail or "{}").items()}
             row.update({"incident": inc.id, "state": inc.state, "category": inc.category, "summary": inc.summary,
-                        "evicted": evicted, "lost_steps": inc.lost_steps, "level": inc.level,
+                        "evicted": evicted, "actions": [a.kind for a in fleet.actions(inc.id)],
+                        "lost_steps": inc.lost_steps, "level": inc.level,
                         **{k: getattr(inc, k) for k in ("first_alert_ts", "opened_ts", "diagnosis_start_ts",
                                                         "decided_ts", "resumed_ts", "closed_ts")}})
             row["fault_to_resumed_s"] = inc.resumed_ts - r["t_fault"] if inc.resumed_ts else None

@@ -40,7 +40,7 @@ def test_the_demo_recovers_every_scripted_fault_reports_and_leaves_nothing_behin
     assert list(faults["gpu_lost"]["evicted"]) == [faults["gpu_lost"]["machine"]]
     assert faults["hang"]["machine"] in faults["hang"]["evicted"] and len(faults["hang"]["evicted"]) == 2
     assert faults["nan"]["category"] == "nan" and not faults["nan"]["evicted"]
-    assert "roll" in faults["user_error"]["summary"] and not faults["user_error"]["evicted"]
+    assert "rollback" in faults["user_error"]["actions"] and not faults["user_error"]["evicted"]
     assert faults["slow"]["category"] == "slow" and faults["slow"]["machine"] in faults["slow"]["evicted"]
     # the live timeline told the story as it happened, and the report's ETTR is the ledger's
     for i in range(1, 6):
