@@ -53,6 +53,21 @@ SETTINGS = {"TG_ESCALATION_WINDOW_S": "1", "TG_BREAKER_SHARE": "0.75", "TG_BREAK
             "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0"}
 
 
+def where(kind: str, topo: Topology) -> list[tuple[int, int | None]]:
+    """The (node, rank) places a fault of ``kind`` can hit: a machine fault any machine, a rank fault
+    any rank where it acts (only the last pipeline stage computes the loss a NaN corrupts; the bad
+    revision's bug is in the first rank's data path)."""
+    base = FAULTS[kind]
+    if base.rank is None:
+        return [(n, None) for n in range(topo.machines)]
+    if base.bad_revision:
+        return [(base.node, base.rank)]
+    ranks = range(topo.world_size)
+    if kind == "nan":
+        ranks = [r for r in ranks if topo.coords(r).pp == topo.pp - 1]
+    return [(topo.machine_of(r), r) for r in ranks]
+
+
 def groups_of(topo: Topology, node: int) -> list[set[int]]:
     """The node indices of each parallel group (pipeline, data-parallel) holding a rank of ``node``."""
     out = []
@@ -157,10 +172,8 @@ class Campaign(GuardedJob):
         self.settled()
         self.repair()
         machines = list(self.ctl.fleet.job(JOB).machine_list)
-        node = self.rng.randrange(len(machines))
-        base = FAULTS[kind]
-        rank = None if base.rank is None else self.rng.choice(self.topology.ranks_on(node))
-        fault: Fault = replace(base, node=node, rank=rank)
+        node, rank = self.rng.choice(where(kind, self.topology))
+        fault: Fault = replace(FAULTS[kind], node=node, rank=rank)
         if fault.bad_revision:
             self.deploy_bad_revision()
             machines = list(self.ctl.fleet.job(JOB).machine_list)

@@ -104,8 +104,9 @@ class GuardedJob:
         """Park the standbys warm while Airflow starts, then launch the job and wait for it to train."""
         standbys = [m.name for m in self.inv.by_role("standby")]
         log(f"parking warm standbys {', '.join(standbys)}; starting airflow standalone on {self.airflow.url}")
+        self.airflow.launch()  # it boots while the standbys park
         self.park(standbys)
-        self.airflow.start()
+        self.airflow.ready()
         log(f"airflow up: DAGs {', '.join(sorted(self.airflow.dag_ids()))}")
         active = [m.name for m in self.inv.by_role("active")][: self.topology.machines]
         self.ctl.launch_job(self.job, self.topology, active, train_args=self.train_args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.campaign import metrics_of, over_eviction_groups, score
+from bench.campaign import metrics_of, over_eviction_groups, score, where
 from node_tools.topology import Topology
 
 TOPO = Topology(tp=2, pp=2, dp=2)
@@ -49,3 +49,11 @@ def test_campaign_metrics_count_rates_over_the_trials_that_apply():
     assert m["over_eviction_groups_max"]["value"] == 1 and m["healthy_evicted_quiet"]["value"] == 0
     assert m["false_incidents_quiet"]["value"] == 1 and m["ettr"]["value"] == 0.9
     assert m["healthy_evicted_per_incident"]["value"] == round(1 / 3, 3)
+
+
+def test_faults_are_drawn_only_where_they_act():
+    assert where("gpu_lost", TOPO) == [(n, None) for n in range(4)]
+    assert {r for _, r in where("hang", TOPO)} == set(range(8))
+    # only the last pipeline stage computes the loss a NaN corrupts: ranks 2, 3, 6, 7 on nodes 1 and 3
+    assert where("nan", TOPO) == [(1, 2), (1, 3), (3, 6), (3, 7)]
+    assert where("user_error", TOPO) == [(0, 0)]

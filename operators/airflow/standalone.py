@@ -73,12 +73,21 @@ class Standalone:
         self._token: str | None = None
 
     def start(self, timeout: float = 240) -> None:
+        self.launch()
+        self.ready(timeout)
+
+    def launch(self) -> None:
+        """Start ``airflow standalone`` and return at once (:meth:`ready` waits for it)."""
         log = open(self.home / "standalone.log", "wb")  # noqa: SIM115  (closed with the process)
         airflow = str(Path(sys.executable).parent / "airflow")
         self.proc = subprocess.Popen([airflow, "standalone"], env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                                              signal.SIG_DFL))
         (self.home / "standalone.pid").write_text(str(self.proc.pid))  # its process group, for a later stop
+
+    def ready(self, timeout: float = 240) -> None:
+        """Wait until the api-server answers and trainguard's DAGs are parsed; then provision the
+        ``tg_ssh`` pool and the ``tg_airflow_api`` connection."""
         poll(self._healthy, timeout=timeout, interval=1.0, what=f"airflow standalone on {self.url}")
         poll(lambda: self.dag_ids() >= {"tg_guardian", "tg_incident", "tg_diagnose", "tg_sdc_replay"}, timeout=120,
                    interval=1.0, what="the trainguard DAGs to be parsed")
