@@ -23,8 +23,9 @@ def rows() -> list[str]:
         for key, m in doc["metrics"].items():
             target = m.get("target")
             p90 = "" if m.get("p90") is None else f"{m['p90']:g}"
+            value = m["median"] if "median" in m else m["value"]  # a rate or count has one value, not a spread
             out.append(
-                f"| {doc['name']} | {key} | {m['median']:g} {m['unit']} | {p90} | {m['n']} | "
+                f"| {doc['name']} | {key} | {value:g} {m['unit']} | {p90} | {m['n']} | "
                 f"{'' if target is None else target} | {cmd} |"
             )
     return out
