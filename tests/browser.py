@@ -36,11 +36,11 @@ def ensure_chromium() -> tuple[str, str]:
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         pytest.skip(f"needs {' and '.join(PACKAGES)} (apt-get install {' '.join(PACKAGES)}) or root to install them")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    proc = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES], env=env,
+    proc = subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env,
                           capture_output=True, text=True, timeout=900, check=False)
     if proc.returncode:  # the package lists may be stale: refresh once
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600, check=False)
-        proc = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES], env=env,
+        proc = subprocess.run(["apt-get", "install", "-y", "-q", *PACKAGES], env=env,
                               capture_output=True, text=True, timeout=900, check=False)
     browser, driver = _binaries()
     if proc.returncode or not (browser and driver):
