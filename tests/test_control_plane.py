@@ -445,6 +445,7 @@ def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(contr
     assert ctl.fleet.job(JOB).machine_list == machines  # nothing evicted without "evict"
 
 
+@pytest.mark.timeout(1200)  # a first run installs chromium
 def test_an_operator_triggers_a_diagnosis_from_the_airflow_ui_in_a_browser(control, cp_cluster):
     """Headless Chromium: log in, open tg_diagnose, fill its Params form for one machine, trigger; the
     run page then shows the run succeeded, its one mapped task named after the machine, and its note."""
