@@ -116,8 +116,10 @@ def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, ma
                    timeout=300, interval=1.0, what="the last tg_incident run to end")
     step = ctl.progress(JOB)["step"]
     wait_until(lambda: ctl.progress(JOB)["step"] >= step + 2, timeout=120, what="the job to train")
+    _quiet(ctl, airflow, inv)
     assert ctl.fleet.job(JOB).machine_list == machines, f"the job's machines changed before the fault: " \
                                                           f"{_recent(ctl, last)}"
+    last = _last_incident(ctl)  # an incident the harness's own load raised before the fault is not the fault's
     injected = time.time()
     watch = AlertWatch(inv) if flap_until else None
     inject.inject(inv, machine, fault, rank=rank, params=params)
@@ -130,6 +132,26 @@ def _fault_and_recovery(ctl: Controller, airflow: Standalone, inv: Inventory, ma
     return wait_until(lambda: _incident_done(ctl, last, injected), timeout=timeout, interval=1.0,
                       what=f"the {fault} incident to close (runs: "
                            f"{[r['state'] for r in airflow.runs('tg_incident')]})")
+
+
+QUIET_S = 6.0
+
+
+def _quiet(ctl: Controller, airflow: Standalone, inv: Inventory) -> None:
+    """Wait until no alert came for ``QUIET_S``, no incident is open and no tg_incident run is left: the
+    repair crew's parking of standbys shares these 2 cores with the job and may slow every rank enough
+    for a ``rank_slow`` alert; its incident must be over before a fault is injected."""
+    watch = AlertWatch(inv)
+    state = {"alerts": 0, "last": time.time()}
+
+    def quiet() -> bool:
+        if len(watch.poll()) > state["alerts"]:
+            state["alerts"], state["last"] = len(watch.seen), time.time()
+        return (time.time() - state["last"] >= QUIET_S
+                and not [i for i in ctl.fleet.incidents(JOB) if i.state == "open"]
+                and all(r["state"] in ("success", "failed") for r in airflow.runs("tg_incident")))
+
+    wait_until(quiet, timeout=300, interval=1.0, what="a quiet job (no alert, incident or incident run)")
 
 
 def _branch(airflow: Standalone, incident_id: int) -> str:

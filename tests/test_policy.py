@@ -196,6 +196,22 @@ def test_a_rank_flagged_now_and_then_does_not_split_the_vote_for_the_straggler()
     assert voter.persistent() == [2] and voter.verdict() == ("tp", [1])
 
 
+def test_stragglers_that_fit_no_single_group_evict_nobody_unless_one_group_was_slow_every_round():
+    # ranks on m0, m1 and m3 (no pipeline or data-parallel group holds all three) slow in most rounds:
+    # a slowdown they share, the way a loaded host or a stalled link shows; no eviction of 3 of 4 machines
+    spread = runtime.SlowVoter(TOPO, rounds=5)
+    base = {r: 0.3 for r in range(8)}
+    for i in range(5):
+        spread.add_round({**base, 0: 0.9, 2: 0.9, 6: 0.9} if i != 1 else {**base, 0: 0.9, 6: 0.9})
+    assert runtime.smallest_group(TOPO, [0, 2, 6])[0] == ""
+    assert spread.persistent() == [0, 2, 6] and spread.verdict() is None
+    # the same noise beside a rank slow in every round: that rank's machine is the verdict
+    clear = runtime.SlowVoter(TOPO, rounds=5)
+    for i in range(5):
+        clear.add_round({**base, 4: 2.0, **({0: 0.9, 6: 0.9} if i in (0, 2, 4) else {})})
+    assert clear.persistent() == [0, 4, 6] and clear.verdict() == ("tp", [2])
+
+
 def test_stages_are_compared_within_themselves_and_a_whole_slow_machine_stands_out():
     # the last stage (ranks with pp 1: 2, 3, 6, 7) computes the loss too: twice the others, by design
     uneven = {r: (0.6 if TOPO.coords(r).pp == 1 else 0.3) for r in range(8)}

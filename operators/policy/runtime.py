@@ -216,9 +216,16 @@ class SlowVoter:
 
     def verdict(self, min_share: float = 0.5) -> tuple[str, list[int]] | None:
         """The smallest group holding every persistent straggler, as (kind, machine indices), or None
-        when no rank was flagged in at least ``min_share`` of the rounds (a passing slowdown)."""
+        when no rank was flagged in at least ``min_share`` of the rounds (a passing slowdown), or when
+        the stragglers fit no single parallel group even counting only those flagged in every round: a
+        slowdown spread over unrelated machines is shared (load, the network), not a straggler, and
+        evicting all of them is no answer (over-eviction stays within one group)."""
         stragglers = self.persistent(min_share)
         if not stragglers:
             return None
         kind, machines = smallest_group(self.topo, stragglers)
-        return kind, list(machines)
+        if kind:
+            return kind, list(machines)
+        always = [r for r in stragglers if self.votes[r] >= self.seen]
+        kind, machines = smallest_group(self.topo, always) if always else ("", [])
+        return (kind, list(machines)) if kind else None
