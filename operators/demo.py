@@ -217,12 +217,16 @@ def _play(g: GuardedJob, faults: Sequence[Fault], args: argparse.Namespace, cloc
     start = time.time()
     results = []
     for i, fault in enumerate(faults):
+        if i:
+            # the repair crew works right after an incident: parking warm interpreters shares these cores
+            # with the job, and its load passes before the next fault comes
+            g.settled()
+            back = g.repair()
+            if back:
+                clock.say(f"repair crew: {', '.join(back)} fixed, self-checked and parked warm "
+                          f"({'a standby' if len(back) == 1 else 'standbys'} again)")
         _wait(start + args.first + i * args.every, narrator)
         g.settled()
-        back = g.repair()
-        if back:
-            clock.say(f"repair crew: {', '.join(back)} fixed, self-checked and parked warm "
-                      f"({'a standby' if len(back) == 1 else 'standbys'} again)")
         if fault.bad_revision:
             revision = g.deploy_bad_revision()
             clock.say(f"deployed revision {revision} (hot update); its training loop has a bug")
