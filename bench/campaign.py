@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
 from node_tools import cluster
 from node_tools.topology import Topology
-from operators.guarded import FAULTS, TOPOLOGY, Fault, GuardedJob
+from operators.guarded import DEVICE_TRAIN_ARGS, FAULTS, NO_SCHEDULES, TOPOLOGY, Fault, GuardedJob
 
 SPEC = cluster.ClusterSpec(name="tgc", machines=8, standbys=4, subnet="10.213.20.0/24", disk_mb=256, gpus=8)
 JOB = "campaign"
@@ -49,8 +49,7 @@ KINDS = ("gpu_lost", "disk_full", "nic_down", "crash", "hang", "nan", "sdc", "sl
 TARGETS = {"detection_rate": 0.98, "faulty_evicted_rate": 1.0, "healthy_evicted_quiet": 0,
            "over_eviction_groups_max": 1}
 SETTINGS = {"TG_ESCALATION_WINDOW_S": "1", "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1",
-            "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "3", "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
-            "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0"}
+            "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "3", **NO_SCHEDULES}
 
 
 def where(kind: str, topo: Topology) -> list[tuple[int, int | None]]:
@@ -143,18 +142,15 @@ def metrics_of(trials: Sequence[Mapping[str, Any]], quiet: Mapping[str, Any], et
 
 class Campaign(GuardedJob):
     def __init__(self, inv: Any, home: Path, *, seed: int) -> None:
-        super().__init__(inv, home, job=JOB, settings=SETTINGS,
-                         train_args=("--checkpoint", "--emulate-device-s", "0.2"))
+        super().__init__(inv, home, job=JOB, settings=SETTINGS, train_args=DEVICE_TRAIN_ARGS)
         self.rng = random.Random(seed)
         self.trials: list[dict[str, Any]] = []
         self.quiet = {"periods": 0, "seconds": 0.0, "incidents": 0, "evicted": 0, "details": []}
 
     def quiet_period(self, seconds: float) -> None:
         """Train with no fault for ``seconds``; count incidents opened and machines evicted meanwhile."""
-        last, start = self.last_incident(), time.time()
-        deadline = start + seconds
-        while time.time() < deadline:
-            time.sleep(0.5)
+        last = self.last_incident()
+        time.sleep(seconds)
         self.settled()
         new = [i for i in self.ctl.fleet.incidents(JOB) if i.id > last]
         evicted = sorted({m for i in new for a in self.ctl.fleet.actions(i.id) if a.kind == "evict"
@@ -187,8 +183,7 @@ class Campaign(GuardedJob):
             alerts = self.ctl.fleet.alerts_of(inc.id)
             trial.update({
                 "incident": inc.id, "state": inc.state, "category": inc.category,
-                "evicted": sorted({m for a in self.ctl.fleet.actions(inc.id) if a.kind == "evict"
-                                   and a.outcome == "done" for m in a.machines}),
+                "evicted": sorted(self.swaps(inc.id)),
                 "detect_s": min((a.ts for a in alerts if a.ts >= t_fault), default=t_fault) - t_fault,
                 "fault_to_resumed_s": inc.resumed_ts - t_fault if inc.resumed_ts else None,
                 "lost_steps": inc.lost_steps})

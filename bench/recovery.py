@@ -42,7 +42,7 @@ from node_tools import cluster, inject
 from node_tools.bus import BusReader, open_bus
 from node_tools.inventory import Inventory
 from operators.airflow.standalone import poll
-from operators.guarded import FAULTS, TOPOLOGY, GuardedJob
+from operators.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob
 from operators.policy import ladder
 
 SPEC = cluster.ClusterSpec(name="tgr", machines=6, standbys=2, subnet="10.213.16.0/24", disk_mb=256, gpus=8)
@@ -59,10 +59,7 @@ class Bench(GuardedJob):
         # every trial is a first failure (level 0) and within the breaker: the trials come seconds apart;
         # the same settings for the DAGs and for this process's controller (the cold requeue's evictions)
         super().__init__(inv, home, job=JOB, settings={
-            "TG_ESCALATION_WINDOW_S": "1", "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1",
-            # the bench repairs its own standbys
-            "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "", "TG_VERIFY_SCHEDULE": "",
-            "TG_VERIFY_ON_COMMIT": "0"})
+            "TG_ESCALATION_WINDOW_S": "1", "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1", **NO_SCHEDULES})
         self.trials: list[dict[str, Any]] = []
 
     # ---- warm path --------------------------------------------------------------------------------

@@ -28,19 +28,16 @@ from typing import Any
 
 from node_tools import cluster
 from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
-from operators.guarded import FAULTS, TOPOLOGY, Fault, GuardedJob
+from operators.guarded import DEVICE_TRAIN_ARGS, FAULTS, NO_SCHEDULES, TOPOLOGY, Fault, GuardedJob, action_swaps
 
 JOB = "demo"
-# an accelerator's 0.2 s of kernels per step: the host thread waits inside the step (it counts as training)
-TRAIN_ARGS = ("--checkpoint", "--emulate-device-s", "0.2")
 DEFAULT_FAULTS = ("gpu_lost", "hang", "nan", "user_error", "slow")
 # the ladder's clocks, compressed so that five faults fit in ten minutes (production in brackets)
 SETTINGS = {
     "TG_ESCALATION_WINDOW_S": "20",  # a failure this soon after a recovery climbs the ladder (1800)
     "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "60",  # evictions per window (0.5 per 3600 s)
     "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "3",  # the fail-slow vote (5 rounds, 10 s apart)
-    # the demo is the repair crew and deploys its own revisions; checkpoints are verified by hand
-    "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "", "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0",
+    **NO_SCHEDULES,  # the demo is the repair crew and deploys its own revisions
 }
 PHASES = (("detection", "first_alert_ts", "opened_ts", "#f0a030"), ("diagnosis", "opened_ts", "decided_ts", "#d04040"),
           ("recovery", "decided_ts", "resumed_ts", "#4070d0"))
@@ -117,11 +114,7 @@ class Narrator:
 def _action_line(a: Any) -> str:
     detail = a.detail or ""
     if a.kind == "evict":
-        try:
-            swaps = json.loads(detail) if a.outcome == "done" else {}
-        except ValueError:
-            swaps = {}
-        moved = ", ".join(f"{old} -> standby {new}" for old, new in swaps.items())
+        moved = ", ".join(f"{old} -> standby {new}" for old, new in action_swaps(a).items())
         return f"evicted {moved}" if moved else f"eviction of {', '.join(a.machines)}: {a.outcome} {detail}"
     if a.kind == "launch":
         return f"restarted the job on {', '.join(a.machines)} ({a.outcome})"
@@ -186,7 +179,7 @@ def run_demo(args: argparse.Namespace) -> int:
     g: GuardedJob | None = None
     keep = False
     try:
-        g = GuardedJob(inv, home, job=JOB, settings=SETTINGS, port=args.port or None, train_args=TRAIN_ARGS)
+        g = GuardedJob(inv, home, job=JOB, settings=SETTINGS, port=args.port or None, train_args=DEVICE_TRAIN_ARGS)
         g.start(log=clock.say)
         clock.say(f"Airflow UI {g.airflow.url}  (user admin, password in "
                   f"{g.airflow.home / 'simple_auth_manager_passwords.json.generated'})")
@@ -257,10 +250,8 @@ def _report(g: GuardedJob, faults: Sequence[Fault], results: list[dict[str, Any]
         inc = fleet.incident(r["incident"]) if r["incident"] else None
         row: dict[str, Any] = {"fault": r["fault"], "machine": r["machine"], "t_fault": r["t_fault"]}
         if inc is not None:
-            evicted = {m: new for a in fleet.actions(inc.id) if a.kind == "evict" and a.outcome == "done"
-                       for m, new in json.loads(a.detail or "{}").items()}
             row.update({"incident": inc.id, "state": inc.state, "category": inc.category, "summary": inc.summary,
-                        "evicted": evicted, "actions": [a.kind for a in fleet.actions(inc.id)],
+                        "evicted": g.swaps(inc.id), "actions": [a.kind for a in fleet.actions(inc.id)],
                         "lost_steps": inc.lost_steps, "level": inc.level,
                         **{k: getattr(inc, k) for k in ("first_alert_ts", "opened_ts", "diagnosis_start_ts",
                                                         "decided_ts", "resumed_ts", "closed_ts")}})

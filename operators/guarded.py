@@ -12,6 +12,7 @@ each hits (a node of the job, a rank of it), how it is undone, how long its reco
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,11 @@ from operators.fleet import states
 
 TOPOLOGY = Topology(tp=2, pp=2, dp=2)
 TRAIN_ARGS = ("--checkpoint", "--step-delay-s", "0.2")
+# an accelerator's 0.2 s of kernels per step: the host thread waits inside the step (it counts as training)
+DEVICE_TRAIN_ARGS = ("--checkpoint", "--emulate-device-s", "0.2")
+# the harness is the repair crew and deploys its own revisions: no scheduled pool, code or checkpoint runs
+NO_SCHEDULES = {"TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "", "TG_VERIFY_SCHEDULE": "",
+                "TG_VERIFY_ON_COMMIT": "0"}
 PARK = ("standby", "park", "--nproc", "2")
 # the tg_incident tasks that decide an incident (the branches of the ladder)
 HANDLERS = frozenset({"evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption",
@@ -215,6 +221,11 @@ class GuardedJob:
                 inject.clear(self.inv, machine, fault.kind)
         return inc, machine, t_fault
 
+    def swaps(self, incident_id: int) -> dict[str, str]:
+        """The incident's evictions done: evicted machine -> the standby in its place."""
+        return {old: new for a in self.ctl.fleet.actions(incident_id) if a.kind == "evict" and a.outcome == "done"
+                for old, new in action_swaps(a).items()}
+
     def incident_run(self, incident_id: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """The incident's tg_incident run (its conf) and its task instances' states and times."""
         run = self.airflow.incident_run(incident_id)
@@ -228,3 +239,13 @@ class GuardedJob:
     def branch(self, tasks: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
         """The handler task that decided the incident (from :meth:`incident_run`'s tasks)."""
         return next((t for t in tasks.values() if t["task_id"] in HANDLERS and t["state"] == "success"), {})
+
+
+def action_swaps(action: Any) -> dict[str, str]:
+    """What an eviction action did (its detail: evicted machine -> standby); empty unless it was done."""
+    if action.kind != "evict" or action.outcome != "done":
+        return {}
+    try:
+        return dict(json.loads(action.detail or "{}"))
+    except ValueError:
+        return {}
