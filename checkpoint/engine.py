@@ -659,7 +659,8 @@ class Checkpointer:
         """Delete old copies here. Kept: the newest ``keep`` steps that are committed or still in
         flight (newer than the newest committed), and always the newest committed and the newest
         verified step, and the two newest verification candidates newer than it (the control plane
-        verifies them later). Older uncommitted steps (skipped by some rank) go."""
+        verifies them later), and any copy a verification has pinned (``verifying.json``, younger than
+        ``layout.PIN_TTL_S``). Older uncommitted steps (skipped by some rank) go."""
         groups = [("local", self.rank)] + [("replica", s) for s in self.sources]
         with self._lock:
             committed = set(self.committed)
@@ -677,6 +678,7 @@ class Checkpointer:
             waiting = sorted((s for s, _r, _p in copies if s > newest_verified and self.cfg.is_candidate(s)),
                              reverse=True)
             keep.update(waiting[:2])
+            keep.update(s for s, _r, p in copies if layout.pinned(p))  # a verification is reading it
             for step, _r, path in copies:
                 if step not in keep:
                     layout.remove_copy(path)

@@ -7,6 +7,8 @@ Layout of a checkpoint root (one per machine)::
         model.safetensors  optim.safetensors  manifest.json
         committed.json                 every rank has step N locally and its replica landed
         verified.json                  the control plane verified step N (checksums, tensors, metrics)
+        verifying.json                 a verification is reading step N: retention keeps the copy while
+                                       this pin is younger than PIN_TTL_S
     replica/step_<N>/rank_<R>/         rank R's copy kept here for it (this machine holds R's backup)
         ... the same files, plus replica.json (which rank holds it)
     s3-request                         touch it: the next snapshot also goes to S3
@@ -38,8 +40,10 @@ COMMITTED = "committed.json"
 VERIFIED = "verified.json"
 REPLICA_INFO = "replica.json"
 MACHINE_INFO = "machine.json"
+VERIFYING = "verifying.json"
 S3_REQUEST = "s3-request"
-MARKERS = (COMMITTED, VERIFIED, REPLICA_INFO)
+MARKERS = (COMMITTED, VERIFIED, REPLICA_INFO, VERIFYING)
+PIN_TTL_S = 900.0  # a verification that died leaves its pin; retention ignores it after this long
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _RANK_RE = re.compile(r"^rank_(\d+)$")
@@ -183,6 +187,27 @@ def write_marker(copy: Path, name: str, doc: dict[str, Any]) -> bool:
     except FileNotFoundError:  # removed between the check and the write
         return False
     return True
+
+
+def pin(copies: Iterable[Path]) -> None:
+    """Hold copies against retention while a verification reads them (``verifying.json``)."""
+    for copy in copies:
+        write_marker(copy, VERIFYING, {"pinned_ts": time.time(), "pid": os.getpid()})
+
+
+def unpin(copies: Iterable[Path]) -> None:
+    for copy in copies:
+        with contextlib.suppress(OSError):
+            (Path(copy) / VERIFYING).unlink()
+
+
+def pinned(copy: Path, *, now: float | None = None, ttl_s: float = PIN_TTL_S) -> bool:
+    """True while a verification's pin on ``copy`` is younger than ``ttl_s``."""
+    try:
+        age = (time.time() if now is None else now) - (Path(copy) / VERIFYING).stat().st_mtime
+    except OSError:
+        return False
+    return age < ttl_s
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

@@ -385,6 +385,24 @@ def verify_step(root: Path, step: int, *, run_dir: Path | None = None, s3_url: s
     here), and the metrics of those ranks from ``run_dir``; if all pass and ``mark``, mark them verified."""
     root = Path(root)
     machine = machine or layout.machine_name(root)
+    # a verification reads for seconds to minutes; the job's retention must not remove the step meanwhile
+    # (a newer candidate verified by another run would otherwise release it). The pin stays between the
+    # control plane's check and mark calls; the marking call, or a failed check, lifts it.
+    held = [p for tier in layout.TIERS for s, _r, p in layout.list_copies(root, tier) if s == step]
+    layout.pin(held)
+    try:
+        report = _verify_step(root, step, run_dir=run_dir, s3_url=s3_url, endpoint_url=endpoint_url,
+                              machine=machine, mark=mark, limits=limits, s3_timeout_s=s3_timeout_s)
+    except BaseException:
+        layout.unpin(held)
+        raise
+    if mark or not report.ok:
+        layout.unpin(held)
+    return report
+
+
+def _verify_step(root: Path, step: int, *, run_dir: Path | None, s3_url: str, endpoint_url: str, machine: str,
+                 mark: bool, limits: MetricLimits | None, s3_timeout_s: float) -> Report:
     report = verify_root(root, machine=machine, steps=[step])
     own_ranks = sorted({c.rank for c in report.copies if c.tier == "local"})
     if s3_url:

@@ -56,6 +56,35 @@ def test_retention_keeps_unverified_candidates_until_they_are_verified(tmp_path:
     assert _steps(plain) == [5]
 
 
+def test_a_step_under_verification_is_pinned_against_retention_until_it_is_marked(tmp_path: Path):
+    """Another run verifying a newer candidate must not release the step this run is still reading."""
+    from tests.test_checkpoint_unit import checkpointer, make_model, run_steps
+
+    cfg, root = _node(tmp_path)
+    three = layout.copy_dir(root, "local", 3, 0)
+    code, doc = ckpt.verify(cfg, JOB, 3, mark=False, metrics=False)  # the first of the two calls: pins 3
+    assert code == EXIT_OK and layout.pinned(three)
+    assert ckpt.verify(cfg, JOB, 5, mark=True, metrics=False)[0] == EXIT_OK  # a newer one verified meanwhile
+
+    def more(steps: range) -> None:
+        model, opt = make_model()
+        ck = checkpointer(root, model, opt, verify_every_steps=2, keep=1)
+        ck.restore()
+        ck.start()
+        run_steps(ck, model, opt, steps)
+        ck.close()
+
+    more(range(6, 10))
+    assert _steps(root) == [3, 5, 7, 9]  # 3 is pinned; 5 newest verified; 7, 9 the new candidates
+    code, doc = ckpt.verify(cfg, JOB, 3, mark=True, metrics=False)  # the marking call lifts the pin
+    assert code == EXIT_OK and doc["marked"] == [str(three)] and not layout.pinned(three)
+    more(range(10, 12))
+    assert 3 not in _steps(root)
+    # a pin older than its lifetime holds nothing (a verification that died)
+    layout.pin([layout.copy_dir(root, "local", 9, 0)])
+    assert not layout.pinned(layout.copy_dir(root, "local", 9, 0), now=layout.time.time() + layout.PIN_TTL_S + 1)
+
+
 # ---- the agent's notice -------------------------------------------------------------------------------
 def test_the_agent_announces_the_newest_candidate_once_on_the_notices_folder(tmp_path: Path):
     cfg, _root = _node(tmp_path)

@@ -474,6 +474,7 @@ def test_an_operator_triggers_a_diagnosis_from_the_airflow_ui_in_a_browser(contr
     run page then shows the run succeeded, its one mapped task named after the machine, and its note."""
     import json
 
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
@@ -515,9 +516,19 @@ def test_an_operator_triggers_a_diagnosis_from_the_airflow_ui_in_a_browser(contr
         note = airflow.run_note("tg_diagnose", run_id)
         assert note == f"{JOB}: 1 machine diagnosed; all passed", note
         d.refresh()
-        wait.until(ec.text_to_be_present_in_element((By.TAG_NAME, "body"), note))
-        body = d.find_element(By.TAG_NAME, "body").text
-        assert "Success" in body and "check_machine" in body and machine in body
+        # the page renders in parts (header, note, then the task table): wait for one rendering that shows
+        # the note, the task and its state together
+        wanted = (note, "Success", "check_machine", machine)
+
+        def shown(drv):
+            text = drv.find_element(By.TAG_NAME, "body").text
+            return text if all(w in text for w in wanted) else False
+
+        try:
+            body = wait.until(shown)
+        except TimeoutException:
+            body = d.find_element(By.TAG_NAME, "body").text
+        assert all(w in body for w in wanted), body
     finally:
         d.save_screenshot(str(shot))
         d.quit()
