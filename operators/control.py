@@ -575,7 +575,9 @@ class Controller:
         inc = self.fleet.incident(incident_id)
         job = inc.job
         before = self.progress(job)
-        stopped = self.stop(job)
+        # the handler has usually stopped it already: two rounds of sessions saved when no machine runs it
+        done = before["states"] and all(s in ("exited", "absent") for s in before["states"].values())
+        stopped = {n: "not running" for n in before["states"]} if done else self.stop(job)
         warm = self.parked(self.fleet.job(job).machine_list)
         started = self._start(job, warm=warm, incident_id=incident_id, restore_max_step=restore_max_step)
         self.fleet.update_incident(incident_id, decided_ts=time.time())
