@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ class ControlConfig:
         escalation_window_s: a failure this soon after the job's last recovery climbs the ladder.
         slow_rounds: rounds of the fail-slow vote (ByteRobust: 5).
         slow_interval_s: seconds between the vote's rounds (ByteRobust: 10).
+        stop_grace_s: a stopped job's processes get this long after SIGTERM before SIGKILL.
     """
 
     fleet_url: str
@@ -60,12 +63,13 @@ class ControlConfig:
     escalation_window_s: float = 1800.0
     slow_rounds: int = 5
     slow_interval_s: float = 10.0
+    stop_grace_s: float = 5.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ControlConfig:
         """From ``TG_FLEET_URL``, ``TG_INVENTORY``, ``TG_DRY_RUN``, ``TG_BREAKER_SHARE``,
-        ``TG_BREAKER_WINDOW_S``, ``TG_ESCALATION_WINDOW_S``, ``TG_SLOW_ROUNDS``, ``TG_SLOW_INTERVAL_S`` of
-        ``env`` (default: this process's environment); ``overrides`` win."""
+        ``TG_BREAKER_WINDOW_S``, ``TG_ESCALATION_WINDOW_S``, ``TG_SLOW_ROUNDS``, ``TG_SLOW_INTERVAL_S``,
+        ``TG_STOP_GRACE_S`` of ``env`` (default: this process's environment); ``overrides`` win."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {
             "fleet_url": env.get("TG_FLEET_URL", ".tg/fleet.db"),
@@ -76,6 +80,7 @@ class ControlConfig:
             "escalation_window_s": float(env.get("TG_ESCALATION_WINDOW_S", "1800")),
             "slow_rounds": int(env.get("TG_SLOW_ROUNDS", "5")),
             "slow_interval_s": float(env.get("TG_SLOW_INTERVAL_S", "10")),
+            "stop_grace_s": float(env.get("TG_STOP_GRACE_S", "5")),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -275,8 +280,10 @@ class Controller:
     def _run(self, machines: Sequence[Machine], argv_for: Any, timeout: float) -> dict[str, RunResult]:
         return self.transport.run_many(list(machines), argv_for, timeout=timeout)
 
-    def stop(self, job: str, *, grace_s: float = 5.0) -> dict[str, str]:
-        """Stop the job on every machine of it that answers; returns what each said."""
+    def stop(self, job: str, *, grace_s: float | None = None) -> dict[str, str]:
+        """Stop the job on every machine of it that answers (SIGKILL after ``grace_s``, default the
+        configured ``stop_grace_s``); returns what each said."""
+        grace_s = self.cfg.stop_grace_s if grace_s is None else grace_s
         j = self.fleet.job(job)
         machines = self.machines(j.machine_list)
         # mark everywhere first: ranks ended by a peer's stop are then not reported as new failures
@@ -304,17 +311,25 @@ class Controller:
     def diagnose(self, job: str, machine_names: Sequence[str] | None = None, *, levels: Sequence[int] = (1, 2, 3),
                  align: bool = False) -> dict[str, Any]:
         """Stop-time diagnosis on the job's machines (or ``machine_names``): L1, then L2, then L3 in pairs
-        of neighbours; a machine failing a level (or unreachable) is not tested further. NaN adds the
-        alignment test: a machine whose digest differs from the majority fails."""
+        of neighbours; a machine failing a level (or unreachable) is not tested further. L2 runs every test
+        of L1 in the same process, so with both asked only L2 runs (one round of sessions and one import
+        of torch per machine less; the report has no ``L1`` then). NaN adds the alignment test, run beside
+        L3: a machine whose digest differs from the majority fails."""
         names = list(machine_names or self.fleet.job(job).machine_list)
         failed: dict[str, str] = {}
         report: dict[str, Any] = {}
         t0 = time.time()
-        for level in levels:
+        aligned: dict[str, RunResult] | None = None
+        for level in [lv for lv in levels if not (lv == 1 and 2 in levels)]:
             alive = [n for n in names if n not in failed]
             if not alive:
                 break
-            if level == 3:
+            if level == 3 and align:  # independent tests: both rounds at once
+                with ThreadPoolExecutor(max_workers=1) as pool:
+                    pending = pool.submit(self._align, alive)
+                    results = self._l3(alive)
+                    aligned = pending.result()
+            elif level == 3:
                 results = self._l3(alive)
             else:
                 results = self._run(self.machines(alive), lambda m, lv=level: [
@@ -329,8 +344,9 @@ class Controller:
                     failed[n] = f"L{level}: " + "; ".join((doc or {}).get("reasons") or [r.describe()])[:300]
         if align:
             alive = [n for n in names if n not in failed]
-            results = self._run(self.machines(alive), lambda m: [self.inventory.tg_node, "align"], timeout=60)
-            digests = {n: (r.json() or {}).get("digest") for n, r in results.items() if r.ok}
+            if aligned is None:
+                aligned = self._align(alive)
+            digests = {n: (r.json() or {}).get("digest") for n, r in aligned.items() if r.ok and n in alive}
             counts: dict[str, int] = {}
             for d in digests.values():
                 counts[d] = counts.get(d, 0) + 1
@@ -342,6 +358,9 @@ class Controller:
             report["align"] = digests
         return {"job": job, "machines": names, "failed": failed, "report": report,
                 "seconds": round(time.time() - t0, 3)}
+
+    def _align(self, names: Sequence[str]) -> dict[str, RunResult]:
+        return self._run(self.machines(names), lambda m: [self.inventory.tg_node, "align"], timeout=60)
 
     def _l3(self, names: Sequence[str]) -> dict[str, RunResult]:
         """L3 in pairs of neighbours (an odd one out joins the last pair)."""
@@ -458,8 +477,12 @@ class Controller:
                 first = next((a for a in alerts if a.kind in ("rank_hang", "rank_slow") and a.rank is not None), None)
                 named = [first.rank] if first is not None else []
         topo = self.topology(job)
+        # scikit-learn takes seconds to import: in the background while the stacks are taken
+        preload = threading.Thread(target=runtime.preload, name="preload-sklearn", daemon=True)
+        preload.start()
         results = self._run(self.machines(j.machine_list),
                             lambda m: [self.inventory.tg_node, "stacks", "--job", job], timeout=60)
+        preload.join()
         docs = {n: r.json() for n, r in results.items() if r.reachable and not r.timed_out and r.json()}
         machine_of = {r: j.machine_list[topo.machine_of(r)] for r in range(topo.world_size)}
         a = runtime.analyze(topo, runtime.rank_stacks(docs, topo.world_size, machine_of), named=named,

@@ -84,6 +84,15 @@ def rank_stacks(documents: Mapping[str, Mapping[str, Any]], world_size: int,
     return [found.get(r) or RankStack(r, machine_of_rank.get(r, "?"), MISSING) for r in range(world_size)]
 
 
+def preload() -> None:
+    """Import what :func:`group_stacks` needs (seconds of CPU on a busy machine), e.g. in a thread while
+    the stacks are being taken."""
+    import importlib
+
+    for name in ("sklearn.cluster", "sklearn.feature_extraction"):
+        importlib.import_module(name)
+
+
 def group_stacks(signatures: Sequence[str]) -> list[int]:
     """Cluster labels for ``signatures``: equal signatures share a label (scikit-learn DBSCAN over one-hot
     frame vectors, Hamming distance, eps 0, min_samples 1)."""
