@@ -14,7 +14,8 @@ from operators.airflow.alerts import AlertSensor
 @dag(dag_id="tg_guardian", schedule="@continuous", max_active_runs=1, start_date=datetime(2026, 1, 1),
      catchup=False, tags=["trainguard"], doc_md=__doc__)
 def tg_guardian():
-    batch = AlertSensor(task_id="wait_for_alerts", settle_s=3.0, retries=3, retry_delay=timedelta(seconds=1))
+    # settle window: TG_ALERT_SETTLE_S (3 s)
+    batch = AlertSensor(task_id="wait_for_alerts", retries=3, retry_delay=timedelta(seconds=1))
 
     @task
     def group_into_incidents(event: dict) -> list[dict]:

@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from node_tools.alerts import Alert
 from node_tools.bus import open_bus
 from operators.airflow.alerts import AlertTrigger, commit_cursor
@@ -82,3 +84,14 @@ def test_an_explicit_machine_fault_fires_without_waiting_out_the_settle_window(t
     open_bus(other).publish(Alert("kernel_xid", "m0", job="j", evidence={"xid": "13"}))
     slow = first_event(AlertTrigger(other, str(tmp_path / "c2"), settle_s=1.0, poll_s=0.05))
     assert slow["fired_ts"] - slow["first_seen_ts"] >= 1.0
+
+
+def test_the_settle_window_comes_from_the_environment_and_bad_values_are_named():
+    from operators.airflow.alerts import DEFAULT_SETTLE_S, settle_from_env
+
+    assert settle_from_env({}) == DEFAULT_SETTLE_S
+    assert settle_from_env({"TG_ALERT_SETTLE_S": "1"}) == 1.0
+    with pytest.raises(ValueError, match="TG_ALERT_SETTLE_S='soon' is not a number"):
+        settle_from_env({"TG_ALERT_SETTLE_S": "soon"})
+    with pytest.raises(ValueError, match="outside 0..60"):
+        settle_from_env({"TG_ALERT_SETTLE_S": "600"})

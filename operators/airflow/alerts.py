@@ -100,13 +100,26 @@ class AlertTrigger(BaseTrigger):
                             "cursor": self._cursor, "cursor_path": self.cursor_path})
 
 
+def settle_from_env(env: Any = None) -> float:
+    """``TG_ALERT_SETTLE_S`` (default 3 s): how long a batch keeps collecting after its first alert."""
+    env = os.environ if env is None else env
+    raw = env.get("TG_ALERT_SETTLE_S", "")
+    try:
+        value = float(raw) if raw else DEFAULT_SETTLE_S
+    except ValueError:
+        raise ValueError(f"TG_ALERT_SETTLE_S={raw!r} is not a number of seconds; set it to e.g. 3") from None
+    if not 0 <= value <= 60:
+        raise ValueError(f"TG_ALERT_SETTLE_S={raw} is outside 0..60 s; set it to e.g. 3")
+    return value
+
+
 class AlertSensor(BaseSensorOperator):
     """Waits (deferred, no worker slot held) until alerts arrive on the bus; returns the batch. Without
     ``bus_url``/``cursor_path``, the control plane's (see :func:`operators.airflow.steps.alert_source`)."""
 
     template_fields = ("bus_url", "cursor_path")
 
-    def __init__(self, *, bus_url: str = "", cursor_path: str = "", settle_s: float = DEFAULT_SETTLE_S,
+    def __init__(self, *, bus_url: str = "", cursor_path: str = "", settle_s: float | None = None,
                  poll_s: float = DEFAULT_POLL_S, lookback_s: float = 120.0, kinds: Sequence[str] = (),
                  max_wait: timedelta | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -125,7 +138,8 @@ class AlertSensor(BaseSensorOperator):
 
             default_bus, default_cursor = alert_source()
             bus_url, cursor_path = bus_url or default_bus, cursor_path or default_cursor
-        self.defer(trigger=AlertTrigger(bus_url, cursor_path, settle_s=self.settle_s,
+        settle_s = self.settle_s if self.settle_s is not None else settle_from_env()
+        self.defer(trigger=AlertTrigger(bus_url, cursor_path, settle_s=settle_s,
                                         poll_s=self.poll_s, lookback_s=self.lookback_s, kinds=self.kinds),
                    method_name="execute_complete", timeout=self.max_wait)
 
