@@ -93,5 +93,5 @@ def test_the_settle_window_comes_from_the_environment_and_bad_values_are_named()
     assert settle_from_env({"TG_ALERT_SETTLE_S": "1"}) == 1.0
     with pytest.raises(ValueError, match="TG_ALERT_SETTLE_S='soon' is not a number"):
         settle_from_env({"TG_ALERT_SETTLE_S": "soon"})
-    with pytest.raises(ValueError, match="outside 0..60"):
+    with pytest.raises(ValueError, match=r"outside 0\.\.60"):
         settle_from_env({"TG_ALERT_SETTLE_S": "600"})
