@@ -42,9 +42,9 @@ def test_guardian_is_continuous_with_one_run_and_a_deferrable_sensor(dagbag):
     assert dag.max_active_runs == 1
     assert type(dag.timetable).__name__ == "ContinuousTimetable"
     sensor = dag.get_task("wait_for_alerts")
-    assert type(sensor).__name__ == "AlertSensor"
+    assert type(sensor).__name__ == "IncidentSensor"  # records the batch as it resumes
     assert dag.get_task("start_incident").downstream_list == []
-    assert [t.task_id for t in sensor.downstream_list] == ["group_into_incidents"]
+    assert [t.task_id for t in sensor.downstream_list] == ["start_incident"]
 
 
 def test_incident_dag_branches_to_every_rung_and_joins_for_recovery(dagbag):

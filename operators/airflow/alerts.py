@@ -151,6 +151,19 @@ class AlertSensor(BaseSensorOperator):
         return event
 
 
+class IncidentSensor(AlertSensor):
+    """An :class:`AlertSensor` that records its batch as soon as it resumes: the alerts join incidents (or
+    open new ones), the bus cursor is committed, and it returns the confs of the incidents to start (one
+    ``tg_incident`` run each). One task less between an alert and its incident's run; a failure here
+    fails the task before the cursor moves, so its retry reads the same alerts again."""
+
+    def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        batch = super().execute_complete(context, event)
+        from operators.airflow import steps
+
+        return steps.group_alerts(batch)
+
+
 class CheckpointNoticeTrigger(BaseEventTrigger):
     """The watcher of the ``checkpoint_committed`` asset: fires once with the notices found on the bus's
     notices folder (``{"notices": [{"job", "step", "machine", "ts"}]}``), then ends; the triggerer starts
