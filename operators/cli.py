@@ -11,7 +11,7 @@ Commands::
     trainguard job launch --job J [--topology tp=2,pp=2,dp=2] [--steps N] [--machines m0,m1,..] [-- ARGS]
     trainguard job stop --job J
     trainguard job status --job J
-    trainguard demo [--faults user_error,gpu_lost,hang,nan,slow --every 90 --machines 6 --port 8080 --keep]
+    trainguard demo [--faults gpu_lost,hang,nan,user_error,slow --every 90 --machines 6 --port 8080 --keep]
     trainguard revision add --job J --revision R [--reason TEXT] | list --job J
     trainguard metrics [--port 9464 --addr 127.0.0.1]   (Prometheus; without --port: print one scrape)
     trainguard ettr --job J [--window-s 3600]   (the control plane's fleet database: $TG_FLEET_URL, $TG_INVENTORY)
@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         js.add_argument("--machines", default="")
 
     dp = sub.add_parser("demo", help="the main job: a guarded training run through a scripted series of faults")
-    dp.add_argument("--faults", default="user_error,gpu_lost,hang,nan,slow",
-                    help="the fault schedule, in order (default user_error,gpu_lost,hang,nan,slow; also nic_down, "
+    dp.add_argument("--faults", default="gpu_lost,hang,nan,user_error,slow",
+                    help="the fault schedule, in order (default gpu_lost,hang,nan,user_error,slow; also nic_down, "
                          "disk_full, crash, sdc, bitflip)")
     dp.add_argument("--every", type=float, default=90.0, help="seconds between faults (default 90)")
     dp.add_argument("--first", type=float, default=20.0, help="seconds of training before the first fault")

@@ -31,9 +31,7 @@ from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
 from operators.guarded import DEVICE_TRAIN_ARGS, FAULTS, NO_SCHEDULES, TOPOLOGY, Fault, GuardedJob, action_swaps
 
 JOB = "demo"
-# the bad revision is deployed while the job starts (a hot update restarts the job, and its machines need
-# about 45 s on these 2 cores to park warm interpreters again), so its failure comes first
-DEFAULT_FAULTS = ("user_error", "gpu_lost", "hang", "nan", "slow")
+DEFAULT_FAULTS = ("gpu_lost", "hang", "nan", "user_error", "slow")
 # the ladder's clocks, compressed so that five faults fit in ten minutes (production in brackets)
 SETTINGS = {
     "TG_ESCALATION_WINDOW_S": "20",  # a failure this soon after a recovery climbs the ladder (1800)
@@ -184,7 +182,7 @@ def run_demo(args: argparse.Namespace) -> int:
     keep = False
     try:
         g = GuardedJob(inv, home, job=JOB, settings=SETTINGS, port=args.port or None, train_args=DEVICE_TRAIN_ARGS)
-        g.start(log=clock.say, bad_revision=faults[0].bad_revision)
+        g.start(log=clock.say)
         clock.say(f"Airflow UI {g.airflow.url}  (user admin, password in "
                   f"{g.airflow.home / 'simple_auth_manager_passwords.json.generated'})")
         narrator = Narrator(g, clock)
@@ -224,7 +222,7 @@ def _play(g: GuardedJob, faults: Sequence[Fault], args: argparse.Namespace, cloc
                           f"({'a standby' if len(back) == 1 else 'standbys'} again)")
         _wait(start + args.first + i * args.every, narrator)
         g.settled()
-        if fault.bad_revision and i:  # the first fault's was deployed at the start
+        if fault.bad_revision:
             revision = g.deploy_bad_revision()
             clock.say(f"deployed revision {revision} (hot update); its training loop has a bug")
         g.training(2)

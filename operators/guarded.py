@@ -106,11 +106,8 @@ class GuardedJob:
         self.airflow = Standalone(home / "airflow", env, port=port)
 
     # ---- bring-up and teardown --------------------------------------------------------------------
-    def start(self, *, log: Callable[[str], None] = lambda _m: None, bad_revision: bool = False) -> None:
-        """Park the standbys warm while Airflow starts, then launch the job and wait for it to train.
-        ``bad_revision``: once it trains, switch it to a revision whose code will fail (see
-        :meth:`deploy_bad_revision`) before its machines park warm interpreters, so that the restart after
-        that failure starts warm too."""
+    def start(self, *, log: Callable[[str], None] = lambda _m: None) -> None:
+        """Park the standbys warm while Airflow starts, then launch the job and wait for it to train."""
         standbys = [m.name for m in self.inv.by_role("standby")]
         log(f"parking warm standbys {', '.join(standbys)}; starting airflow standalone on {self.airflow.url}")
         self.airflow.launch()  # it boots while the standbys park
@@ -118,15 +115,9 @@ class GuardedJob:
         self.airflow.ready()
         log(f"airflow up: DAGs {', '.join(sorted(self.airflow.dag_ids()))}")
         active = [m.name for m in self.inv.by_role("active")][: self.topology.machines]
-        self.ctl.launch_job(self.job, self.topology, active, train_args=self.train_args, arm=not bad_revision)
+        self.ctl.launch_job(self.job, self.topology, active, train_args=self.train_args)
         log(f"launched job {self.job} ({self.topology}) on {', '.join(active)}")
         self.training(2, timeout=300)
-        if bad_revision:
-            revision = self.deploy_bad_revision()
-            self.training(2, timeout=300)
-            self.ctl.arm(self.job)
-            log(f"deployed revision {revision} (hot update); its training loop has a bug; warm interpreters "
-                f"parked on {', '.join(active)}")
 
     def stop(self) -> None:
         """Stop Airflow and the job (the cluster is its owner's to bring down)."""

@@ -30,7 +30,7 @@ def test_the_demo_recovers_every_scripted_fault_reports_and_leaves_nothing_behin
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
     doc = json.loads((report / "report.json").read_text())
     faults = {f["fault"]: f for f in doc["faults"]}
-    assert list(faults) == ["user_error", "gpu_lost", "hang", "nan", "slow"]
+    assert list(faults) == ["gpu_lost", "hang", "nan", "user_error", "slow"]
     assert doc["recovered"] == doc["injected"] == 5
     for f in faults.values():
         assert f["state"] == "resolved" and f["resumed_ts"] > f["t_fault"], f
