@@ -211,6 +211,7 @@ def _play(g: GuardedJob, faults: Sequence[Fault], args: argparse.Namespace, cloc
     happened to each."""
     start = time.time()
     results = []
+    bad = ""  # the revision with the bug, once deployed
     for i, fault in enumerate(faults):
         if i:
             # the repair crew works right after an incident: parking warm interpreters shares these cores
@@ -222,9 +223,13 @@ def _play(g: GuardedJob, faults: Sequence[Fault], args: argparse.Namespace, cloc
                           f"({'a standby' if len(back) == 1 else 'standbys'} again)")
         _wait(start + args.first + i * args.every, narrator)
         g.settled()
-        if fault.bad_revision:
-            revision = g.deploy_bad_revision()
-            clock.say(f"deployed revision {revision} (hot update); its training loop has a bug")
+        if fault.bad_revision and g.ctl.fleet.job(JOB).revision != bad:  # no restart applied the lazy one
+            bad = g.deploy_bad_revision()
+            clock.say(f"deployed revision {bad} (hot update); its training loop has a bug")
+        elif not fault.bad_revision and i + 1 < len(faults) and faults[i + 1].bad_revision and not bad:
+            bad = g.deploy_bad_revision(lazy=True)
+            clock.say(f"queued revision {bad} as a lazy update (the next restart applies it); its training loop "
+                      f"has a bug")
         g.training(2)
         machine = g.ctl.fleet.job(JOB).machine_list[fault.node]
         clock.say(f"FAULT {i + 1}/{len(faults)}: {fault.what} on {machine}"

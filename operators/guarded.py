@@ -165,12 +165,21 @@ class GuardedJob:
     def last_incident(self) -> int:
         return max((i.id for i in self.ctl.fleet.incidents(self.job)), default=0)
 
-    def deploy_bad_revision(self) -> str:
-        """Mark the running revision known-good and hot-update to a next one (whose code will fail)."""
+    def deploy_bad_revision(self, *, lazy: bool = False) -> str:
+        """Mark the running revision known-good and update to a next one (whose code will fail): a hot
+        update now, or with ``lazy`` a lazy one, which the next restart applies (the restart after the
+        next incident: its machines park warm interpreters afterwards, so a failure of the new code
+        restarts warm, where one right after a hot update finds them used up)."""
         job = self.ctl.fleet.job(self.job)
         self.ctl.fleet.mark_known_good(self.job, job.revision)
         revision = f"{job.revision}-next"
-        self.ctl.hot_update(self.job, revision, reason="a revision with a bug")
+        if lazy:
+            from operators import code_updates
+
+            self.ctl.fleet.record_revision(self.job, revision, reason="a revision with a bug")
+            code_updates.request(self.ctl, self.job, revision, "lazy", reason="a revision with a bug")
+        else:
+            self.ctl.hot_update(self.job, revision, reason="a revision with a bug")
         return revision
 
     # ---- faults --------------------------------------------------------------------------------------
