@@ -122,7 +122,8 @@ class GuardedJob:
     def stop(self) -> None:
         """Stop Airflow and the job (the cluster is its owner's to bring down)."""
         try:
-            self.airflow.stop()
+            # its components are given 10 s: this Airflow home is the run's own, nothing in it is kept
+            self.airflow.stop(grace_s=10.0)
         finally:
             if any(j.name == self.job for j in self.ctl.fleet.jobs()):
                 self.ctl.stop(self.job)

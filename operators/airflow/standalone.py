@@ -212,10 +212,11 @@ class Standalone:
         return next((run for run in self.runs("tg_incident")
                      if (run.get("conf") or {}).get("incident_id") == incident_id), None)
 
-    def stop(self) -> None:
+    def stop(self, *, grace_s: float = 30.0) -> None:
+        """End airflow standalone and its components (SIGKILL for what is left after ``grace_s``)."""
         if self.proc is None:
             return
-        stop_group(self.proc.pid)
+        stop_group(self.proc.pid, grace_s=grace_s)
         self.proc.wait(timeout=10)
         self.proc = None
         (self.home / "standalone.pid").unlink(missing_ok=True)
