@@ -677,11 +677,13 @@ class Controller:
             r["incarnation"] = order.setdefault(key, len(order))
         return records
 
-    def ettr_report(self, job: str, *, window_s: float = 3600.0) -> dict[str, Any]:
+    def ettr_report(self, job: str, *, window_s: float = 3600.0,
+                    records: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
         """The job's effective training time ratio, cumulative (since its first step) and over the last
         ``window_s``, and each closed incident's time split into detection, diagnosis, recovery and lost
-        work (steps recomputed after the restore), summed by failure cause."""
-        records = self.step_history(job)
+        work (steps recomputed after the restore), summed by failure cause. ``records``: the job's
+        :meth:`step_history` when the caller has it already (one round of sessions less)."""
+        records = list(self.step_history(job) if records is None else records)
         if not records:
             raise TrainguardError(f"job {job} has no step records on any machine of the inventory; has it run?")
         now = time.time()

@@ -250,8 +250,8 @@ def _play(g: GuardedJob, faults: Sequence[Fault], args: argparse.Namespace, cloc
 def _report(g: GuardedJob, faults: Sequence[Fault], results: list[dict[str, Any]], clock: Clock,
             report_dir: Path) -> int:
     fleet = g.ctl.fleet
-    ettr = g.ctl.ettr_report(JOB)
     records = g.ctl.step_history(JOB)
+    ettr = g.ctl.ettr_report(JOB, records=records)
     rows = []
     for r in results:
         inc = fleet.incident(r["incident"]) if r["incident"] else None
