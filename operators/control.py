@@ -470,9 +470,10 @@ class Controller:
         to stall or slow down."""
         j = self.fleet.job(job)
         named: list[int] = []
+        stopped: list[int] = []
         if incident_id is not None:
             alerts = sorted(self.fleet.alerts_of(incident_id), key=lambda a: a.ts)
-            named = sorted({a.rank for a in alerts if a.kind == "rank_stopped" and a.rank is not None})
+            named = stopped = sorted({a.rank for a in alerts if a.kind == "rank_stopped" and a.rank is not None})
             if not named:
                 first = next((a for a in alerts if a.kind in ("rank_hang", "rank_slow") and a.rank is not None), None)
                 named = [first.rank] if first is not None else []
@@ -486,7 +487,7 @@ class Controller:
         docs = {n: r.json() for n, r in results.items() if r.reachable and not r.timed_out and r.json()}
         machine_of = {r: j.machine_list[topo.machine_of(r)] for r in range(topo.world_size)}
         a = runtime.analyze(topo, runtime.rank_stacks(docs, topo.world_size, machine_of), named=named,
-                            kinds=("pp", "dp"))
+                            kinds=("pp", "dp"), stopped=stopped)
         return {"job": job, "outliers": a.outliers, "named": named,
                 "reasons": {str(k): v for k, v in a.reasons.items()},
                 "group_kind": a.group_kind, "groups": [len(g) for g in a.groups],

@@ -293,6 +293,18 @@ def test_incident_time_split():
     assert split == {"detection_s": 0.5, "diagnosis_s": 3.5, "recovery_s": 5.0, "lost_work_s": 2.0}
 
 
+def test_a_stopped_rank_chooses_its_pipeline_whatever_its_peers_stacks_show():
+    # stacks taken early: rank 6's data-parallel peer (rank 2) is still on its way into the all-reduce, so
+    # the outliers {2, 6} fit the DP group; the alerts saw rank 6's process stopped: its pipeline goes
+    docs = documents({2: COMPUTE, 6: [{"name": "_send", "filename": "train.py"}]})
+    stacks = runtime.rank_stacks(docs, 8, {r: JOB[TOPO.machine_of(r)] for r in range(8)})
+    by_stacks = runtime.analyze(TOPO, stacks, named=[6], kinds=("pp", "dp"))
+    assert by_stacks.group_kind == "dp" and by_stacks.evict_machines == [1, 3]
+    a = runtime.analyze(TOPO, stacks, named=[6], kinds=("pp", "dp"), stopped=[6])
+    assert a.group_kind == "pp" and a.evict_machines == [2, 3]
+    assert a.reasons[6] == "its process is stopped (the alerts)"
+
+
 def test_when_the_outliers_fit_no_group_the_named_rank_chooses_and_hangs_evict_a_pipeline():
     # few ranks: healthy ones also wait in different collectives (grad-norm all-reduce, PP recv, TP)
     other = [{"name": "all_reduce", "filename": "c10d.py"}, {"name": "grad_norm", "filename": "train.py"}]

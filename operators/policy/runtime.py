@@ -138,14 +138,16 @@ def smallest_group(topo: Topology, ranks: Sequence[int], kinds: Sequence[str] = 
 
 
 def analyze(topo: Topology, stacks: Sequence[RankStack], *, named: Sequence[int] = (),
-            kinds: Sequence[str] = GROUP_ORDER) -> Analysis:
+            kinds: Sequence[str] = GROUP_ORDER, stopped: Sequence[int] = ()) -> Analysis:
     """Group the stacks, find the outliers, and the parallel group to evict.
 
     ``named``: ranks the alerts single out (a rank whose process is stopped, the first rank to stall);
     when the outliers do not fit one group of ``kinds`` (with few ranks, healthy ranks also wait in
-    different collectives), the group is the one holding the named ranks among them. ``kinds``: the
-    group kinds eviction may choose, smallest first (a hang over-evicts at least a pipeline:
-    ``("pp", "dp")``)."""
+    different collectives), the group is the one holding the named ranks among them. ``stopped``: ranks
+    whose process the alerts saw stopped: that is proof, not a symptom, so the group is the smallest one
+    holding them whatever the other stacks show (which of their peers stand out depends on when the stacks
+    were taken: a peer still on its way into the collective it will wait in). ``kinds``: the group kinds
+    eviction may choose, smallest first (a hang over-evicts at least a pipeline: ``("pp", "dp")``)."""
     labels = group_stacks([s.signature for s in stacks])
     members: dict[int, list[int]] = {}
     for s, label in zip(stacks, labels, strict=True):
@@ -163,6 +165,12 @@ def analyze(topo: Topology, stacks: Sequence[RankStack], *, named: Sequence[int]
             reasons[s.rank] = "no stack could be taken"
     for rank, why in _lagging(stacks).items():
         reasons.setdefault(rank, why)
+    if stopped:
+        for r in stopped:
+            reasons[r] = "its process is stopped (the alerts)"
+        kind, machines = smallest_group(topo, stopped, kinds)
+        return Analysis(groups, sorted(reasons), reasons, kind,
+                        sorted(r for m in machines for r in topo.ranks_on(m)), machines)
     outliers = sorted(reasons)
     if not outliers and not named:
         return Analysis(groups, [], {}, "", [], [])
