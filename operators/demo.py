@@ -21,7 +21,6 @@ import json
 import shutil
 import signal
 import socket
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -200,15 +199,9 @@ def run_demo(args: argparse.Namespace) -> int:
             clock.say(f"kept: Airflow at {g.airflow.url}, the cluster and the job; "
                       f"'trainguard cluster down' ends them all")
         else:
-            # Airflow's components get 10 s to end while the cluster goes down (and the job with it)
-            stopper = None if g is None else threading.Thread(target=g.airflow.stop, kwargs={"grace_s": 10.0})
-            if stopper is not None:
-                stopper.start()
-            try:
-                cluster.down(state_dir, name=spec.name, log=lambda m: None)
-            finally:
-                if stopper is not None:
-                    stopper.join()
+            if g is not None:
+                g.stop()
+            cluster.down(state_dir, name=spec.name, log=lambda m: None)
             clock.say("cluster down, Airflow stopped; nothing left running")
 
 
