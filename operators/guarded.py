@@ -233,8 +233,7 @@ class GuardedJob:
 
     def swaps(self, incident_id: int) -> dict[str, str]:
         """The incident's evictions done: evicted machine -> the standby in its place."""
-        return {old: new for a in self.ctl.fleet.actions(incident_id) if a.kind == "evict" and a.outcome == "done"
-                for old, new in action_swaps(a).items()}
+        return {old: new for a in self.ctl.fleet.actions(incident_id) for old, new in action_swaps(a).items()}
 
     def incident_run(self, incident_id: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """The incident's tg_incident run (its conf) and its task instances' states and times."""
