@@ -10,9 +10,10 @@ suspect machine and ask whether it is fit to go back into service::
                    write/read in the work directory.
     diag(cfg, 2)   level 1, plus: a verified compute burn (float32 matmuls on every
                    device checked against a float64 reference, so wrong arithmetic is
-                   caught, not only crashes), memory bandwidth, a collective between
-                   local processes (NCCL across the GPUs, else gloo between 2 CPU
-                   processes) with exact checks, and a disk write/fsync/read/verify.
+                   caught, not only crashes), memory bandwidth, a local collective
+                   with exact checks (NCCL across the GPUs, one process per GPU;
+                   without GPUs gloo between 2 ranks that are threads of the test
+                   process), and a disk write/fsync/read/verify.
     diag(cfg, 3, l3=L3Spec(...))
                    a collective with neighbour machines: every machine runs its rank
                    at the same time; all_reduce, all_gather and all_to_all of seeded
@@ -30,7 +31,8 @@ JSON-able document ``{"machine", "level", "healthy", "tests": [{"name", "ok",
 
 The tests run in worker processes (``python -m node_tools.diag --worker ARGS``),
 each in a session of its own; the quick tests, the compute, memory and disk tests
-share one worker (torch is imported once), each collective rank has its own. This
+share one worker (torch is imported once), and so does the local collective of a
+machine without GPUs (its ranks are threads); each NCCL or level-3 rank has its own. This
 process follows every test and kills its worker, with all its children, when the
 test passes its timeout, so a test that hangs (a GPU that stops answering, a peer
 that never comes, a disk that blocks) fails instead of hanging the diagnostic; the
@@ -164,12 +166,17 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
             # workdir first: it creates the work directory when missing, which the disk check needs
             specs: list[tuple[str, dict[str, Any]]] = [("workdir", {}), ("checks", {}), ("gpu", {}), ("torch", {})]
             if level == 2:
-                specs += [("compute", {}), ("memory", {"floor_gbps": float(mem_floor_gbps)}), ("disk", {})]
+                specs += [("compute", {}), ("memory", {"floor_gbps": float(mem_floor_gbps)}), ("disk", {}),
+                          ("collective_threads", {"world_size": 2})]
             if level in (1, 2):
                 tests += runner.batch(specs)  # one process, one import of torch
             if level == 2:
-                torch_info = next(t["details"] for t in tests if t["name"] == "torch")
-                tests.append(runner.local_collective(torch_info))
+                local = tests.pop()
+                local["name"] = "collective_local"
+                if local["ok"] and local["details"].get("deferred"):  # GPUs: one process per GPU
+                    torch_info = next(t["details"] for t in tests if t["name"] == "torch")
+                    local = runner.local_collective(torch_info)
+                tests.append(local)
             if level == 3:
                 assert l3 is not None
                 tests.append(runner.neighbour_collective(l3))
@@ -959,10 +966,51 @@ def _w_collective(args: dict[str, Any]) -> dict[str, Any]:
             dist.destroy_process_group()
 
 
+class _DistOps:
+    """The collectives of ``_collective_checks`` on the process's default group."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.dist = dist
+
+    def all_reduce(self, t: Any) -> None:
+        self.dist.all_reduce(t)
+
+    def all_gather(self, outs: list[Any], t: Any) -> None:
+        self.dist.all_gather(outs, t)
+
+    def all_to_all_single(self, recv: Any, send: Any) -> None:
+        self.dist.all_to_all_single(recv, send)
+
+    def barrier(self) -> None:
+        self.dist.barrier()
+
+
+class _BackendOps:
+    """The same collectives on a bare gloo backend object (one per thread; no default group needed)."""
+
+    def __init__(self, pg: Any) -> None:
+        self.pg = pg
+
+    def all_reduce(self, t: Any) -> None:
+        self.pg.allreduce([t]).wait()
+
+    def all_gather(self, outs: list[Any], t: Any) -> None:
+        self.pg.allgather([outs], [t]).wait()
+
+    def all_to_all_single(self, recv: Any, send: Any) -> None:
+        self.pg.alltoall_base(recv, send, [], []).wait()
+
+    def barrier(self) -> None:
+        self.pg.barrier().wait()
+
+
 def _collective_checks(args: dict[str, Any], rank: int, world: int, seed: int, dev: Any,
-                       details: dict[str, Any]) -> dict[str, Any]:
+                       details: dict[str, Any], ops: Any = None) -> dict[str, Any]:
     import torch
-    import torch.distributed as dist
+
+    dist = ops or _DistOps()
 
     def sync() -> None:
         if dev.type == "cuda":
@@ -1052,6 +1100,60 @@ def _collective_checks(args: dict[str, Any], rank: int, world: int, seed: int, d
     return _done(not reasons, details, "; ".join(reasons))
 
 
+def _w_collective_threads(args: dict[str, Any]) -> dict[str, Any]:
+    """The local collective of level 2 with its ranks as threads of this process (gloo over loopback,
+    each rank its own gloo context, as nccl-tests runs ranks as threads): the same exact checks as the
+    one-process-per-rank test without an interpreter and an ``import torch`` per rank, which on a
+    machine emulated on a few shared cores cost more than the collective. On a machine with GPUs and
+    NCCL it defers (``details.deferred``) to one process per GPU."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0 and dist.is_nccl_available():
+        return _done(True, {"deferred": "nccl: one process per GPU"})
+    world, seed = int(args.get("world_size", 2)), int(args.get("seed", 0))
+    timeout = max(1.0, float(args["deadline_unix"]) - time.time() - 1.0)
+    store = dist.HashStore()
+    out: dict[int, dict[str, Any]] = {}
+
+    def rank_main(rank: int) -> None:
+        details: dict[str, Any] = {"rank": rank, "world_size": world, "backend": "gloo", "device": "cpu"}
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("tg-diag-local", store), rank, world,
+                                       timedelta(seconds=timeout))
+            out[rank] = _collective_checks(args, rank, world, seed, torch.device("cpu"), details,
+                                           _BackendOps(pg))
+        except Exception as exc:
+            out[rank] = _done(False, details, f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}")
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # one intra-op thread per rank, as each rank process has (OMP_NUM_THREADS=1)
+    try:
+        threads = [threading.Thread(target=rank_main, args=(r,), name=f"rank{r}", daemon=True) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+    finally:
+        torch.set_num_threads(before)
+    per_rank = [out.get(r) or _done(False, {"rank": r}, f"did not finish within {timeout:.0f} s")
+                for r in range(world)]
+    first = per_rank[0]["details"]
+    details = {
+        "backend": "gloo", "threads": world, "devices": ["cpu"] * world,
+        **{k: first.get(k) for k in ("allreduce_busbw_gbps", "allreduce_algbw_gbps", "allgather_algbw_gbps",
+                                     "bytes")},
+        "ranks": [{"rank": r, "ok": d["ok"], "reason": d["reason"],
+                   **{k: d["details"].get(k) for k in ("device", "allreduce_ok", "allgather_ok", "alltoall_ok",
+                                                      "bad_peers")}} for r, d in enumerate(per_rank)],
+    }
+    bad = [f"rank {r}: {d['reason']}" for r, d in enumerate(per_rank) if not d["ok"]]
+    return _done(not bad, details, "; ".join(bad))
+
+
 # ---- the alignment test ------------------------------------------------------------------
 def _w_align(args: dict[str, Any]) -> dict[str, Any]:
     import torch
@@ -1132,6 +1234,7 @@ def _w_align(args: dict[str, Any]) -> dict[str, Any]:
 _WORKERS = {
     "checks": _w_checks, "gpu": _w_gpu, "torch": _w_torch, "workdir": _w_workdir, "compute": _w_compute,
     "memory": _w_memory, "disk": _w_disk, "collective": _w_collective, "align": _w_align,
+    "collective_threads": _w_collective_threads,
 }
 
 

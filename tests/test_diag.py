@@ -100,7 +100,7 @@ def test_level_2_healthy_within_a_minute_with_bandwidths(node):
     assert compute["device"] == "cpu" and compute["wrong"] == 0 and compute["results"] >= 6
     assert tests["memory"]["details"]["gbps"] > 0
     coll = tests["collective_local"]["details"]
-    assert coll["backend"] == "gloo" and coll["processes"] == 2
+    assert coll["backend"] == "gloo" and coll["threads"] == 2  # no GPUs: the ranks are threads of the batch
     assert coll["allreduce_busbw_gbps"] > 0 and coll["allgather_algbw_gbps"] > 0
     assert all(r["ok"] and r["allreduce_ok"] and r["allgather_ok"] and r["alltoall_ok"] for r in coll["ranks"])
     disk = tests["disk"]["details"]
@@ -203,6 +203,38 @@ def test_a_batch_goes_on_in_a_fresh_process_after_a_test_times_out(tmp_path, nod
     assert workdir["ok"] and gpu["ok"], (workdir, gpu)
     assert not collective["ok"] and collective["reason"] == "did not finish within 3 s; killed"
     assert len(started) == 2 and all(w.proc.returncode is not None for w in started)
+
+
+def test_local_collective_with_one_process_per_rank(node, tmp_path):
+    """The path of a machine with GPUs (one process per device), here with gloo on the CPU."""
+    runner = d._Runner(node, tmp_path, timeout_s=60, seed=0)
+    try:
+        result = runner.local_collective({"cuda_device_count": 0})
+    finally:
+        assert runner.sweep() == []
+    details = result["details"]
+    assert result["ok"], result["reason"]
+    assert details["backend"] == "gloo" and details["processes"] == 2
+    assert details["allreduce_busbw_gbps"] > 0
+    assert all(r["ok"] and r["allreduce_ok"] and r["alltoall_ok"] for r in details["ranks"])
+
+
+def test_threaded_collective_names_the_rank_that_failed(node, tmp_path, monkeypatch):
+    """A rank thread that raises fails the test with its rank named; its peer is not left waiting forever."""
+    real = d._collective_checks
+
+    def broken(args, rank, world, seed, dev, details, ops=None):
+        if rank == 1:
+            raise RuntimeError("emulated broken rank")
+        return real(args, rank, world, seed, dev, details, ops)
+
+    monkeypatch.setattr(d, "_collective_checks", broken)
+    t0 = time.monotonic()
+    result = d._w_collective_threads({"world_size": 2, "seed": 0, "deadline_unix": time.time() + 6})
+    assert time.monotonic() - t0 < 10
+    assert not result["ok"]
+    assert "rank 1: RuntimeError: emulated broken rank" in result["reason"]
+    assert [r["ok"] for r in result["details"]["ranks"]] == [False, False]
 
 
 def test_disk_errors_carry_the_errno(tmp_path):
