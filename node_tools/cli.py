@@ -14,7 +14,7 @@ Commands::
     tg-node agent [--supervise|--once]            the real-time checks, publishing alerts
     tg-node status                                the agent's status
     tg-node check [gpu|host|net|disk|all]         the real-time checks once (exit 1 on a fault)
-    tg-node diag --level 1|2|3 [L3: --rank --world-size --master-addr --master-port]
+    tg-node diag --level 1|2|3 [L3: --rank --world-size --master-addr --master-port [--align]]
     tg-node align [--seed S --steps N]            bit-wise alignment digest
     tg-node stacks --job J [--native]             py-spy stacks of the job's processes
     tg-node logs --job J [--since T]              exit codes and classified log tails
@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--master-addr", help="L3: address of rank 0")
     dg.add_argument("--master-port", type=int, help="L3: rendezvous port on rank 0")
     dg.add_argument("--iface", default="", help="L3: network interface (default: the node's)")
+    dg.add_argument("--align", action="store_true",
+                    help="L3: then the bit-wise alignment test in the same process (its digest: the report's align)")
     al = sub.add_parser("align", help="bit-wise alignment test: digest of one fixed reference step")
     al.add_argument("--seed", type=int, default=0)
     al.add_argument("--steps", type=int, default=1)
@@ -231,7 +233,9 @@ def run(argv: list[str]) -> tuple[int, Any]:
                 )
             l3 = diag.L3Spec(rank=ns.rank, world_size=ns.world_size, master_addr=ns.master_addr,
                              master_port=ns.master_port, iface=ns.iface)
-        return diag.diag(cfg, ns.level, timeout_s=ns.timeout_s, l3=l3)
+        if ns.align and ns.level != 3:
+            raise TrainguardError("diag --align runs beside level 3 only; use --level 3, or 'tg-node align'")
+        return diag.diag(cfg, ns.level, timeout_s=ns.timeout_s, l3=l3, align_steps=1 if ns.align else 0)
     if ns.command == "align":
         from node_tools import diag
 

@@ -133,7 +133,7 @@ class L3Spec:
 # Public entry points
 # =======================================================================================
 def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3Spec | None = None,
-         mem_floor_gbps: float = 0.5, seed: int = 0) -> tuple[int, dict[str, Any]]:
+         mem_floor_gbps: float = 0.5, seed: int = 0, align_steps: int = 0) -> tuple[int, dict[str, Any]]:
     """Run diagnostic ``level`` (1, 2 or 3) on this machine: (exit code, report).
 
     Args:
@@ -144,6 +144,9 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
         l3: the group of a level-3 run.
         mem_floor_gbps: memory copy bandwidth below which level 2 fails, GB/s.
         seed: seed of every generated input.
+        align_steps: at level 3, also the alignment test (:func:`align`, this many steps) in the same
+            test process, right after the collective (one ``import torch`` for both); its digest is the
+            report's ``align`` (it does not judge the level's verdict: machines are compared).
     Raises:
         TrainguardError: (exit 2) a level other than 1-3, level 3 without ``l3``, a bad
             timeout or group.
@@ -179,7 +182,8 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
                 tests.append(local)
             if level == 3:
                 assert l3 is not None
-                tests.append(runner.neighbour_collective(l3))
+                tests += runner.neighbour_collective(l3, align_steps=align_steps)
+                aligned = tests.pop() if align_steps else None
         finally:
             stragglers = runner.sweep()
     code, healthy = _verdict(tests)
@@ -200,6 +204,8 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
     if level == 3:
         assert l3 is not None
         report["l3"] = asdict(l3)
+        if aligned is not None:
+            report["align"] = _align_fields(aligned, seed, align_steps)
     return code, report
 
 
@@ -222,11 +228,16 @@ def align(cfg: NodeConfig, *, seed: int = 0, steps: int = 1,
             test = runner.simple("align", {"steps": steps}, env=ALIGN_ENV)
         finally:
             runner.sweep()
+    report = {"machine": cfg.machine, "test": "align", **_align_fields(test, seed, steps), "tests": [test],
+              "started_ts": started, "duration_s": round(time.monotonic() - t0, 3)}
+    return report["exit_code"], report
+
+
+def _align_fields(test: dict[str, Any], seed: int, steps: int) -> dict[str, Any]:
+    """What a report says of an alignment test's result."""
     code, _ = _verdict([test])
     details = test["details"]
-    report = {
-        "machine": cfg.machine,
-        "test": "align",
+    return {
         "healthy": code == EXIT_OK,  # it ran; agreement is judged across machines
         "exit_code": code,
         "digest": details.get("digest") if test["ok"] else None,
@@ -236,11 +247,7 @@ def align(cfg: NodeConfig, *, seed: int = 0, steps: int = 1,
         "seed": seed,
         "steps": steps,
         "reasons": [] if test["ok"] else [f"align: {test['reason']}"],
-        "tests": [test],
-        "started_ts": started,
-        "duration_s": round(time.monotonic() - t0, 3),
     }
-    return code, report
 
 
 @contextlib.contextmanager
@@ -541,25 +548,40 @@ class _Runner:
         return _result(name, FAILED, duration, details, reason)
 
     # ---- level 3: collective with the neighbours ------------------------------------------
-    def neighbour_collective(self, spec: L3Spec) -> dict[str, Any]:
+    def neighbour_collective(self, spec: L3Spec, *, align_steps: int = 0) -> list[dict[str, Any]]:
+        """The level-3 collective's result; with ``align_steps``, then the alignment test's, run by the
+        same worker after the collective (or by a fresh one when the collective's was killed)."""
         name = "collective_neighbours"
         iface = spec.iface or self.cfg.iface or ("lo" if _is_loopback(spec.master_addr) else "")
-        env = {"OMP_NUM_THREADS": "1"}
+        env = {"OMP_NUM_THREADS": "1", **(ALIGN_ENV if align_steps else {})}
         if iface:
             env.update(GLOO_SOCKET_IFNAME=iface, NCCL_SOCKET_IFNAME=iface)
         args = {"rank": spec.rank, "world_size": spec.world_size, "master_addr": spec.master_addr,
                 "master_port": spec.master_port, "backend": "auto", "device": "auto", "all_to_all": True,
                 "size_mib": 4, "iters": 5}
         t0 = time.monotonic()
+        tests: list[tuple[str, dict[str, Any]]] = [("collective", args)]
+        if align_steps:
+            tests.append(("align", {"steps": align_steps}))
         try:
-            worker = self._start([("collective", args)], env=env)
+            worker = self._start(tests, env=env)
         except OSError as exc:
-            return _result(name, NOT_RUN, time.monotonic() - t0, reason=f"could not start the test process: {exc}")
+            failed = _result(name, NOT_RUN, time.monotonic() - t0, reason=f"could not start the test process: {exc}")
+            return [failed, self.simple("align", {"steps": align_steps}, env=ALIGN_ENV)] if align_steps else [failed]
         try:
-            worker.wait()
+            if align_steps:  # each test within the timeout
+                self._follow(worker, [n for n, _ in tests])
+            else:
+                worker.wait()
         finally:
             worker.kill()
         result = self._judge(name, worker)
+        extra: list[dict[str, Any]] = []
+        if align_steps:
+            if worker.outcome("align") is not None:
+                extra = [self._judge("align", worker, "align")]
+            else:  # the collective's worker ended first: align on its own
+                extra = [self.simple("align", {"steps": align_steps}, env=ALIGN_ENV)]
         result["details"].setdefault("iface", iface)
         where = f"rendezvous {spec.master_addr}:{spec.master_port}, rank {spec.rank} of {spec.world_size}"
         joined = "joined" in worker.stages()
@@ -573,7 +595,7 @@ class _Runner:
         elif worker.timed_out:
             result["reason"] = (f"the collective did not finish within {self.timeout_s:g} s after every peer joined "
                                 f"({where}); a peer or the network hangs")
-        return result
+        return [result, *extra]
 
 
 def _wait_all(workers: list[_Worker], why: str, *, grace_s: float = 2.0) -> None:

@@ -15,7 +15,6 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -313,8 +312,9 @@ class Controller:
         """Stop-time diagnosis on the job's machines (or ``machine_names``): L1, then L2, then L3 in pairs
         of neighbours; a machine failing a level (or unreachable) is not tested further. L2 runs every test
         of L1 in the same process, so with both asked only L2 runs (one round of sessions and one import
-        of torch per machine less; the report has no ``L1`` then). NaN adds the alignment test, run beside
-        L3: a machine whose digest differs from the majority fails."""
+        of torch per machine less; the report has no ``L1`` then). NaN adds the alignment test, run in
+        L3's test process after its collective (alone when L3 does not run): a machine whose digest differs
+        from the majority fails."""
         names = list(machine_names or self.fleet.job(job).machine_list)
         failed: dict[str, str] = {}
         report: dict[str, Any] = {}
@@ -324,13 +324,10 @@ class Controller:
             alive = [n for n in names if n not in failed]
             if not alive:
                 break
-            if level == 3 and align:  # independent tests: both rounds at once
-                with ThreadPoolExecutor(max_workers=1) as pool:
-                    pending = pool.submit(self._align, alive)
-                    results = self._l3(alive)
-                    aligned = pending.result()
-            elif level == 3:
-                results = self._l3(alive)
+            if level == 3:
+                results = self._l3(alive, align=align)
+                if align and results:
+                    aligned = results
             else:
                 results = self._run(self.machines(alive), lambda m, lv=level: [
                     self.inventory.tg_node, "diag", "--level", str(lv)], timeout=self.cfg.diag_timeout_s)
@@ -346,7 +343,7 @@ class Controller:
             alive = [n for n in names if n not in failed]
             if aligned is None:
                 aligned = self._align(alive)
-            digests = {n: (r.json() or {}).get("digest") for n, r in aligned.items() if r.ok and n in alive}
+            digests = {n: _digest(r) for n, r in aligned.items() if n in alive}
             counts: dict[str, int] = {}
             for d in digests.values():
                 counts[d] = counts.get(d, 0) + 1
@@ -362,8 +359,9 @@ class Controller:
     def _align(self, names: Sequence[str]) -> dict[str, RunResult]:
         return self._run(self.machines(names), lambda m: [self.inventory.tg_node, "align"], timeout=60)
 
-    def _l3(self, names: Sequence[str]) -> dict[str, RunResult]:
-        """L3 in pairs of neighbours (an odd one out joins the last pair)."""
+    def _l3(self, names: Sequence[str], *, align: bool = False) -> dict[str, RunResult]:
+        """L3 in pairs of neighbours (an odd one out joins the last pair); with ``align``, each machine's
+        alignment test in the same test process, after the collective."""
         groups = neighbour_groups(names)
         argv: dict[str, list[str]] = {}
         for gi, group in enumerate(groups):
@@ -371,7 +369,7 @@ class Controller:
             for rank, n in enumerate(group):
                 argv[n] = [self.inventory.tg_node, "diag", "--level", "3", "--rank", str(rank), "--world-size",
                            str(len(group)), "--master-addr", master.address, "--master-port", str(29300 + gi),
-                           "--timeout-s", "60"]
+                           "--timeout-s", "60", *(["--align"] if align else [])]
         if len(names) < 2:
             return {}
         return self._run(self.machines(names), lambda m: argv[m.name], timeout=self.cfg.diag_timeout_s)
@@ -719,6 +717,16 @@ class Controller:
             "actions": [{k: v for k, v in asdict_action(a).items() if k != "evidence"}
                         for a in self.fleet.actions(incident_id)],
         }
+
+
+def _digest(r: RunResult) -> str | None:
+    """The alignment digest of a ``tg-node align`` or ``tg-node diag --level 3 --align`` run (None when
+    it did not run through: that machine disagrees with any majority)."""
+    doc = r.json() if r.reachable and not r.timed_out else None
+    if not doc:
+        return None
+    part = doc.get("align", doc) if doc.get("test") != "align" else doc
+    return part.get("digest") if part.get("exit_code", 1) == 0 else None
 
 
 def neighbour_groups(names: Sequence[str]) -> list[list[str]]:

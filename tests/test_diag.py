@@ -152,6 +152,28 @@ def test_level_3_two_machines_on_loopback(tmp_path):
         assert det["allreduce_algbw_gbps"] > 0 and det["iface"] == "lo"
 
 
+def test_level_3_with_align_reports_each_machines_digest_from_the_same_process(tmp_path):
+    """NaN's stop-time diagnosis: the alignment test after the collective, in its process; a machine
+    with a broken ALU passes the collective (integer-valued data) and differs in its digest."""
+    port = free_port()
+    cfgs = [NodeConfig(machine=f"m{i}", workdir=tmp_path / f"m{i}", install_dir=tmp_path, nvml_backend="none",
+                       fault_file=tmp_path / f"faults{i}.json") for i in range(2)]
+    sdc(cfgs[1])
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(d.diag, cfgs[i], 3, timeout_s=60, l3=d.L3Spec(i, 2, "127.0.0.1", port),
+                               align_steps=1) for i in range(2)]
+        results = [f.result() for f in futures]
+    _, alone = d.align(cfgs[0])
+
+    for code, report in results:
+        assert code == 0 and report["healthy"], report["reasons"]
+        assert [t["name"] for t in report["tests"]] == ["collective_neighbours"]  # align does not judge
+        assert report["align"]["exit_code"] == 0 and len(report["align"]["digest"]) == 64
+    good, bad = (r["align"] for _, r in results)
+    assert good["digest"] == alone["digest"] and good["compare_key"] == alone["compare_key"]
+    assert bad["digest"] != good["digest"] and bad["compare_key"] == good["compare_key"]
+
+
 def test_level_3_peer_never_comes(node):
     t0 = time.monotonic()
     code, report = d.diag(node, 3, timeout_s=8, l3=d.L3Spec(0, 2, "127.0.0.1", free_port()))
@@ -161,6 +183,12 @@ def test_level_3_peer_never_comes(node):
     assert took < 8 + 4
     assert "timed out waiting for peers" in report["tests"][0]["reason"]
     assert "127.0.0.1" in report["tests"][0]["reason"]
+
+
+def test_level_3_peer_never_comes_align_still_runs(node):
+    code, report = d.diag(node, 3, timeout_s=8, l3=d.L3Spec(0, 2, "127.0.0.1", free_port()), align_steps=1)
+    assert code in (1, 2) and "timed out waiting for peers" in report["tests"][0]["reason"]
+    assert report["align"]["exit_code"] == 0 and len(report["align"]["digest"]) == 64
 
 
 def test_a_test_past_its_timeout_is_killed_with_its_process(node, monkeypatch):
