@@ -113,14 +113,16 @@ class Controller:
         return Topology(j.tp, j.pp, j.dp, ranks_per_machine=j.ranks_per_machine)
 
     def launch_job(self, job: str, topology: Topology, machine_names: Sequence[str], *,
-                   train_args: Sequence[str] = (), revision: str = "r0", arm: bool = True) -> dict[str, Any]:
-        """Record a job in the fleet database and start it on ``machine_names`` (node-rank order); with
+                   train_args: Sequence[str] = (), revision: str = "r0", arm: bool = True,
+                   warm: Sequence[str] = ()) -> dict[str, Any]:
+        """Record a job in the fleet database and start it on ``machine_names`` (node-rank order); the
+        machines in ``warm`` (parked beforehand, as standbys are) start on their warm interpreters. With
         ``arm``, then park warm interpreters beside it on every machine (:meth:`arm`)."""
         self.sync_inventory()
         self.fleet.upsert_job(job, tp=topology.tp, pp=topology.pp, dp=topology.dp,
                               ranks_per_machine=topology.ranks_per_machine, machines=machine_names,
                               revision=revision, train_args=train_args)
-        out = self._start(job, warm=set())
+        out = self._start(job, warm=set(warm) & set(machine_names))
         if arm and out.get("launched"):
             out["armed"] = self.arm(job)
         return out

@@ -230,6 +230,7 @@ def _play(g: GuardedJob, faults: Sequence[Fault], args: argparse.Namespace, cloc
             bad = g.deploy_bad_revision(lazy=True)
             clock.say(f"queued revision {bad} as a lazy update (the next restart applies it); its training loop "
                       f"has a bug")
+        g.armed()
         g.training(2)
         machine = g.ctl.fleet.job(JOB).machine_list[fault.node]
         clock.say(f"FAULT {i + 1}/{len(faults)}: {fault.what} on {machine}"

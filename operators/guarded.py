@@ -13,6 +13,7 @@ each hits (a node of the job, a rank of it), how it is undone, how long its reco
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -107,17 +108,31 @@ class GuardedJob:
 
     # ---- bring-up and teardown --------------------------------------------------------------------
     def start(self, *, log: Callable[[str], None] = lambda _m: None) -> None:
-        """Park the standbys warm while Airflow starts, then launch the job and wait for it to train."""
+        """Park every machine warm (the standbys, and the job's own machines) while Airflow starts, then
+        launch the job on its warm interpreters and wait for it to train. The job's machines are armed
+        again (warm interpreters for the first restart) while it trains: :meth:`armed` waits for that."""
         standbys = [m.name for m in self.inv.by_role("standby")]
-        log(f"parking warm standbys {', '.join(standbys)}; starting airflow standalone on {self.airflow.url}")
-        self.airflow.launch()  # it boots while the standbys park
-        self.park(standbys)
+        active = [m.name for m in self.inv.by_role("active")][: self.topology.machines]
+        log(f"parking warm standbys {', '.join(standbys)} and the job's machines; starting airflow standalone "
+            f"on {self.airflow.url}")
+        self.airflow.launch()  # it boots while the machines park
+        self.park(standbys + active)
         self.airflow.ready()
         log(f"airflow up: DAGs {', '.join(sorted(self.airflow.dag_ids()))}")
-        active = [m.name for m in self.inv.by_role("active")][: self.topology.machines]
-        self.ctl.launch_job(self.job, self.topology, active, train_args=self.train_args)
-        log(f"launched job {self.job} ({self.topology}) on {', '.join(active)}")
+        self.ctl.launch_job(self.job, self.topology, active, train_args=self.train_args, arm=False, warm=active)
+        log(f"launched job {self.job} ({self.topology}) on {', '.join(active)} (warm)")
         self.training(2, timeout=300)
+        self._arming = threading.Thread(target=self.ctl.arm, args=(self.job,), name="arm", daemon=True)
+        self._arming.start()
+
+    def armed(self, timeout: float = 300) -> None:
+        """Wait until the job's machines have their warm interpreters for a restart (see :meth:`start`)."""
+        arming = getattr(self, "_arming", None)
+        if arming is not None:
+            arming.join(timeout)
+            if arming.is_alive():
+                raise TimeoutError(f"the job's machines were not armed within {timeout:g} s")
+            self._arming = None
 
     def stop(self) -> None:
         """Stop Airflow and the job (the cluster is its owner's to bring down)."""
@@ -187,6 +202,7 @@ class GuardedJob:
     def inject(self, fault: Fault, *, machine: str | None = None) -> tuple[str, float]:
         """Inject ``fault`` (undone at once for a flap, once the machine reported it); returns the machine
         and the time of the injection."""
+        self.armed()
         machine = machine or self.ctl.fleet.job(self.job).machine_list[fault.node]
         reader = BusReader(open_bus(self.inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
         t_fault = time.time()
