@@ -5,7 +5,8 @@ for the torchrun agent and for every rank (seconds each; on a 2-core machine
 the imports of 3 processes take longer than the first training step). A
 parked standby keeps ``nproc + 1`` *warm interpreters*: processes that have
 imported torch, torch.distributed and the job's own modules and then wait on a
-unix socket.
+unix socket. One interpreter imports; the others are forked copies of it (the
+imports start no thread, so the copies are sound), each in a session of its own.
 
 Activation runs the job exactly as ``tg-node job start`` does, with torchrun
 and its static rendezvous, but nothing is imported again:
@@ -108,16 +109,30 @@ def _preload(extra: list[str]) -> list[str]:
     return loaded
 
 
-def serve(slot_dir: Path, slot: int, preload: list[str]) -> int:
-    """Import, then wait for one piece of work on ``slot<N>.sock``; run it; exit as it did."""
+def serve(slot_dir: Path, slots: list[int], preload: list[str]) -> int:
+    """Import once, then be the warm interpreter of every slot in ``slots``: one forked copy per slot
+    but the last, which this process serves itself. Each waits for one piece of work on its
+    ``slot<N>.sock``, runs it and exits as it did.
+
+    The copies are forked after the imports (which start no thread: fork-safe), so a machine pays one
+    ``import torch`` for all its interpreters instead of one each; each copy leads a session of its own,
+    as a separately started interpreter would, so ending one's process group spares the others."""
+    started = time.monotonic()
+    loaded = _preload(preload)
+    warm_s = time.monotonic() - started
+    for slot in slots[:-1]:
+        if os.fork() == 0:
+            os.setsid()
+            return _serve_slot(slot_dir, slot, loaded, warm_s)  # the copy's own exit: os._exit there
+    return _serve_slot(slot_dir, slots[-1], loaded, warm_s)
+
+
+def _serve_slot(slot_dir: Path, slot: int, loaded: list[str], warm_s: float) -> int:
     sock_path = slot_dir / f"slot{slot}.sock"
     sock_path.unlink(missing_ok=True)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(sock_path))
     server.listen(1)
-    started = time.monotonic()
-    loaded = _preload(preload)
-    warm_s = time.monotonic() - started
     ready = slot_dir / f"slot{slot}.ready"
     ready.write_text(json.dumps({"pid": os.getpid(), "warm_s": warm_s, "preloaded": loaded}))
     conn, _ = server.accept()
@@ -308,12 +323,12 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
     modules = list(preload if preload is not None else ["examples.gpt3d.train", "node_tools.monitor"])
     env = dict(os.environ, TG_STANDBY_TOKEN=token, PYTHONPATH=os.pathsep.join(
         filter(None, [str(cfg.install_dir), os.environ.get("PYTHONPATH", "")])), OMP_NUM_THREADS="1")
-    for i in range(max(0, want - len(have))):
-        slot = next_slot + i
-        with open(d / f"slot{slot}.log", "ab") as log:
+    new_slots = [next_slot + i for i in range(max(0, want - len(have)))]
+    if new_slots:  # one interpreter imports, then forks one copy per slot
+        with open(d / f"slot{new_slots[0]}.log", "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "node_tools.standby", "serve", "--dir", str(d), "--slot", str(slot),
-                 "--preload", ",".join(modules)],
+                [sys.executable, "-m", "node_tools.standby", "serve", "--dir", str(d),
+                 "--slot", ",".join(map(str, new_slots)), "--preload", ",".join(modules)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 cwd=str(cfg.install_dir), env=env,
             )
@@ -334,7 +349,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
     state = {"state": "parked", "token": token, "nproc": nproc, "parked_ts": time.time(),
              "park_s": round(time.monotonic() - started, 3), "slots": slots}
     _write_state(cfg.workdir, state)
-    return {"machine": cfg.machine, **state, "started": len(new_pids)}
+    return {"machine": cfg.machine, **state, "started": len(new_slots)}
 
 
 def unpark(cfg: Any) -> dict[str, Any]:
@@ -386,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sv = sub.add_parser("serve")
     sv.add_argument("--dir", type=Path, required=True)
-    sv.add_argument("--slot", type=int, required=True)
+    sv.add_argument("--slot", required=True, help="slot number(s), comma-separated: one interpreter each")
     sv.add_argument("--preload", default="")
     cl = sub.add_parser("client")
     cl.add_argument("--dir", type=Path, required=True)
@@ -395,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     cl.add_argument("argv", nargs=argparse.REMAINDER)
     ns = ap.parse_args(argv)
     if ns.cmd == "serve":
-        return serve(ns.dir, ns.slot, [m for m in ns.preload.split(",") if m])
+        return serve(ns.dir, [int(x) for x in ns.slot.split(",")], [m for m in ns.preload.split(",") if m])
     rest = ns.argv[1:] if ns.argv[:1] == ["--"] else ns.argv
     return client(ns.dir, "module" if ns.module else "path", ns.target, rest)
 

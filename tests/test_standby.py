@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def test_park_is_idempotent_and_activation_runs_torchrun_on_warm_interpreters(no
     parked = standby.park(node, nproc=2)
     assert parked["state"] == "parked" and len(parked["slots"]) == 3 and parked["started"] == 3
     assert all("torch" in s["preloaded"] for s in parked["slots"])
+    # one interpreter imported, the others are forked copies of it: distinct processes, each leading
+    # a session of its own, with the same import time
+    pids = [s["pid"] for s in parked["slots"]]
+    assert len(set(pids)) == 3 and all(os.getsid(pid) == pid for pid in pids)
+    assert len({s["warm_s"] for s in parked["slots"]}) == 1
     again = standby.park(node, nproc=2)
     assert again["started"] == 0 and standby.status(node)["state"] == "parked"
     interpreters = warm_pids(node)
