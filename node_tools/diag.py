@@ -1184,11 +1184,13 @@ def _w_align(args: dict[str, Any]) -> dict[str, Any]:
     faults = _faults(cfg)
     seed, steps = int(args.get("seed", 0)), int(args.get("steps", 1))
     torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
     torch.set_float32_matmul_precision("highest")
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda:0" if cuda else "cpu")
     if cuda:
+        # deterministic cuBLAS/cuDNN kernels; on the CPU the pins of ALIGN_ENV do that, and the switch
+        # would import torch._dynamo and torch._inductor (seconds of CPU on every machine at once)
+        torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     # Weights from Python's generator (the same on every platform) rounded to float32:
     # torch's own randn takes a different path on different vector units.
@@ -1236,7 +1238,7 @@ def _w_align(args: dict[str, Any]) -> dict[str, Any]:
                 p -= lr * p.grad
         for p in params.values():
             feed((h_all, h_weight), p)
-        losses.append(_finite(float(loss)))
+        losses.append(_finite(float(loss.detach())))
     name = torch.cuda.get_device_name(dev) if cuda else "cpu"
     capability = torch.backends.cpu.get_cpu_capability()
     details = {
