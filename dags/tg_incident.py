@@ -15,16 +15,15 @@ HANDLERS = ["evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote",
 @dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
      tags=["trainguard"], doc_md=__doc__, params={"incident_id": Param(1, type="integer", minimum=1)})
 def tg_incident():
-    @task
-    def triage(params: dict | None = None) -> dict:
-        from operators.airflow import steps
-
-        return steps.triage(params["incident_id"])
-
     @task.branch
-    def choose(decision: dict) -> str:
+    def triage(params: dict | None = None) -> str:
+        """The decision (XCom ``decision``), and the rung that handles it (the branch to follow)."""
+        from airflow.sdk import get_current_context
+
         from operators.airflow import steps
 
+        decision = steps.triage(params["incident_id"])
+        get_current_context()["ti"].xcom_push(key="decision", value=decision)
         return steps.choose(decision)
 
     def handler(name: str):
@@ -76,16 +75,16 @@ def tg_incident():
 
         return steps.no_recovery(decision)
 
-    decision = triage()
-    branch = choose(decision)
+    branch = triage()  # one task for the triage and the branch: a task hop less before every rung
+    decision = branch["decision"]
     handled = [handler(name)(decision) for name in HANDLERS]
     branch >> handled
     idle = no_recovery(decision)
     branch >> idle
     recovery = recover(handled)
     resume = training_resumed(recovery)
-    done = close(decision, recovery, resume)
-    idle >> done
+    # what no_recovery says stands for the decision here: a task downstream of the branch would be skipped
+    done = close(idle, recovery, resume)
     # after the incident closed: the next restart starts warm everywhere; then the run ends failed if the
     # incident did
     done >> rearm(recovery) >> outcome()

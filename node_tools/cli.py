@@ -15,6 +15,7 @@ Commands::
     tg-node status                                the agent's status
     tg-node check [gpu|host|net|disk|all]         the real-time checks once (exit 1 on a fault)
     tg-node diag --level 1|2|3 [L3: --rank --world-size --master-addr --master-port [--align]]
+                                                  (level 2 with the L3 options: both, one process)
     tg-node align [--seed S --steps N]            bit-wise alignment digest
     tg-node stacks --job J [--native]             py-spy stacks of the job's processes
     tg-node logs --job J [--since T]              exit codes and classified log tails
@@ -225,16 +226,17 @@ def run(argv: list[str]) -> tuple[int, Any]:
         from node_tools import diag
 
         l3 = None
-        if ns.level == 3:
-            missing = [f for f in ("rank", "world_size", "master_addr", "master_port") if getattr(ns, f) is None]
+        group = ("rank", "world_size", "master_addr", "master_port")
+        if ns.level == 3 or any(getattr(ns, f) is not None for f in group):  # at level 2: then L3, one process
+            missing = [f for f in group if getattr(ns, f) is None]
             if missing:
-                raise TrainguardError(
-                    f"diag --level 3 needs --{' --'.join(m.replace('_', '-') for m in missing)}"
-                )
+                flags = " --".join(m.replace("_", "-") for m in missing)
+                raise TrainguardError(f"diag --level {ns.level} with neighbours needs --{flags}")
             l3 = diag.L3Spec(rank=ns.rank, world_size=ns.world_size, master_addr=ns.master_addr,
                              master_port=ns.master_port, iface=ns.iface)
-        if ns.align and ns.level != 3:
-            raise TrainguardError("diag --align runs beside level 3 only; use --level 3, or 'tg-node align'")
+        if ns.align and l3 is None:
+            raise TrainguardError("diag --align runs after the neighbour collective: give --rank --world-size "
+                                  "--master-addr --master-port, or use 'tg-node align'")
         return diag.diag(cfg, ns.level, timeout_s=ns.timeout_s, l3=l3, align_steps=1 if ns.align else 0)
     if ns.command == "align":
         from node_tools import diag

@@ -141,10 +141,13 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
         level: 1 quick health, 2 with load (compute, memory, local collective, disk),
             3 collective with neighbour machines (needs ``l3``).
         timeout_s: limit of each test in seconds (default 30 at level 1, 60 at 2 and 3).
-        l3: the group of a level-3 run.
+        l3: the group of a level-3 run. At level 2 it asks for level 3 in the same test process after
+            level 2's tests (one ``import torch`` and one session for both; the machines of the group
+            meet at the collective): the report's ``level`` stays 2, its tests end with
+            ``collective_neighbours``.
         mem_floor_gbps: memory copy bandwidth below which level 2 fails, GB/s.
         seed: seed of every generated input.
-        align_steps: at level 3, also the alignment test (:func:`align`, this many steps) in the same
+        align_steps: with ``l3``, also the alignment test (:func:`align`, this many steps) in the same
             test process, right after the collective (one ``import torch`` for both); its digest is the
             report's ``align`` (it does not judge the level's verdict: machines are compared).
     Raises:
@@ -153,13 +156,17 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
     """
     if isinstance(level, bool) or not isinstance(level, int) or level not in LEVELS:
         raise TrainguardError(f"diag level {level!r} is unknown; use 1 (quick), 2 (medium) or 3 (neighbours)")
-    if level == 3:
-        if l3 is None:
-            raise TrainguardError(
-                "diag level 3 runs with neighbour machines and needs the group: rank, world size, master "
-                "address and port (L3Spec)"
-            )
+    if level == 3 and l3 is None:
+        raise TrainguardError(
+            "diag level 3 runs with neighbour machines and needs the group: rank, world size, master "
+            "address and port (L3Spec)"
+        )
+    if l3 is not None:
+        if level == 1:
+            raise TrainguardError("diag: a neighbour group (L3) goes with level 2 or 3, not level 1")
         l3.validate()
+    if align_steps and l3 is None:
+        raise TrainguardError("diag: the alignment test runs after the neighbour collective; give the group (L3)")
     timeout = _check_timeout(DEFAULT_TIMEOUT_S[level] if timeout_s is None else timeout_s)
     started, t0 = time.time(), time.monotonic()
     with _scratch("tg-diag-") as tmp:
@@ -171,8 +178,16 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
             if level == 2:
                 specs += [("compute", {}), ("memory", {"floor_gbps": float(mem_floor_gbps)}), ("disk", {}),
                           ("collective_threads", {"world_size": 2})]
+            env: dict[str, str] | None = None
+            if level == 2 and l3 is not None:  # then L3 (and align) in the same process
+                l3_args, env = runner.l3_plan(l3, align_steps)
+                specs.append(("collective", l3_args))
+                if align_steps:
+                    specs.append(("align", {"steps": align_steps}))
             if level in (1, 2):
-                tests += runner.batch(specs)  # one process, one import of torch
+                tests += runner.batch(specs, env=env)  # one process, one import of torch
+            aligned = tests.pop() if level == 2 and align_steps else None
+            neighbours = runner.l3_result(tests.pop(), l3) if level == 2 and l3 is not None else None
             if level == 2:
                 local = tests.pop()
                 local["name"] = "collective_local"
@@ -180,6 +195,8 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
                     torch_info = next(t["details"] for t in tests if t["name"] == "torch")
                     local = runner.local_collective(torch_info)
                 tests.append(local)
+            if neighbours is not None:
+                tests.append(neighbours)
             if level == 3:
                 assert l3 is not None
                 tests += runner.neighbour_collective(l3, align_steps=align_steps)
@@ -201,8 +218,7 @@ def diag(cfg: NodeConfig, level: int, *, timeout_s: float | None = None, l3: L3S
     }
     if stragglers:
         report["stragglers_killed"] = stragglers
-    if level == 3:
-        assert l3 is not None
+    if l3 is not None:
         report["l3"] = asdict(l3)
         if aligned is not None:
             report["align"] = _align_fields(aligned, seed, align_steps)
@@ -548,17 +564,38 @@ class _Runner:
         return _result(name, FAILED, duration, details, reason)
 
     # ---- level 3: collective with the neighbours ------------------------------------------
-    def neighbour_collective(self, spec: L3Spec, *, align_steps: int = 0) -> list[dict[str, Any]]:
-        """The level-3 collective's result; with ``align_steps``, then the alignment test's, run by the
-        same worker after the collective (or by a fresh one when the collective's was killed)."""
-        name = "collective_neighbours"
-        iface = spec.iface or self.cfg.iface or ("lo" if _is_loopback(spec.master_addr) else "")
+    def _iface(self, spec: L3Spec) -> str:
+        return spec.iface or self.cfg.iface or ("lo" if _is_loopback(spec.master_addr) else "")
+
+    def l3_plan(self, spec: L3Spec, align_steps: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
+        """The level-3 collective's test arguments and its process's environment."""
+        iface = self._iface(spec)
         env = {"OMP_NUM_THREADS": "1", **(ALIGN_ENV if align_steps else {})}
         if iface:
             env.update(GLOO_SOCKET_IFNAME=iface, NCCL_SOCKET_IFNAME=iface)
         args = {"rank": spec.rank, "world_size": spec.world_size, "master_addr": spec.master_addr,
                 "master_port": spec.master_port, "backend": "auto", "device": "auto", "all_to_all": True,
                 "size_mib": 4, "iters": 5}
+        return args, env
+
+    def l3_result(self, result: dict[str, Any], spec: L3Spec) -> dict[str, Any]:
+        """The collective's result from a batch (after level 2's tests) as level 3's test."""
+        where = f"rendezvous {spec.master_addr}:{spec.master_port}, rank {spec.rank} of {spec.world_size}"
+        result["name"] = "collective_neighbours"
+        result["details"].setdefault("iface", self._iface(spec))
+        if result["reason"].startswith("did not finish within"):
+            result["reason"] = (f"the collective with the neighbours did not finish within {self.timeout_s:g} s "
+                                f"({where}): a peer never came, or a peer or the network hangs")
+        elif result["status"] == NOT_RUN and result["reason"].startswith(("timed out waiting", "could not join")):
+            result["reason"] = f"{result['reason'].split(': ', 1)[0]} ({where}): {result['reason'].split(': ', 1)[-1]}"
+        return result
+
+    def neighbour_collective(self, spec: L3Spec, *, align_steps: int = 0) -> list[dict[str, Any]]:
+        """The level-3 collective's result; with ``align_steps``, then the alignment test's, run by the
+        same worker after the collective (or by a fresh one when the collective's was killed)."""
+        name = "collective_neighbours"
+        iface = self._iface(spec)
+        args, env = self.l3_plan(spec, align_steps)
         t0 = time.monotonic()
         tests: list[tuple[str, dict[str, Any]]] = [("collective", args)]
         if align_steps:

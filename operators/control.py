@@ -314,15 +314,20 @@ class Controller:
         """Stop-time diagnosis on the job's machines (or ``machine_names``): L1, then L2, then L3 in pairs
         of neighbours; a machine failing a level (or unreachable) is not tested further. L2 runs every test
         of L1 in the same process, so with both asked only L2 runs (one round of sessions and one import
-        of torch per machine less; the report has no ``L1`` then). NaN adds the alignment test, run in
-        L3's test process after its collective (alone when L3 does not run): a machine whose digest differs
-        from the majority fails."""
+        of torch per machine less; the report has no ``L1`` then), and with L3 asked too, L2 and L3 run in
+        one test process per machine (:meth:`_l2_l3`). NaN adds the alignment test, run in L3's test process
+        after its collective (alone when L3 does not run): a machine whose digest differs from the
+        majority fails."""
         names = list(machine_names or self.fleet.job(job).machine_list)
         failed: dict[str, str] = {}
         report: dict[str, Any] = {}
         t0 = time.time()
         aligned: dict[str, RunResult] | None = None
-        for level in [lv for lv in levels if not (lv == 1 and 2 in levels)]:
+        todo = [lv for lv in levels if not (lv == 1 and 2 in levels)]
+        if 2 in todo and 3 in todo and len(names) >= 2:
+            aligned = self._l2_l3(names, align=align, failed=failed, report=report)
+            todo = [lv for lv in todo if lv not in (2, 3)]
+        for level in todo:
             alive = [n for n in names if n not in failed]
             if not alive:
                 break
@@ -358,18 +363,63 @@ class Controller:
         return {"job": job, "machines": names, "failed": failed, "report": report,
                 "seconds": round(time.time() - t0, 3)}
 
+    def _l2_l3(self, names: Sequence[str], *, align: bool, failed: dict[str, str],
+               report: dict[str, Any]) -> dict[str, RunResult] | None:
+        """L2 and then L3 (and the alignment test) in one round of sessions and one test process per
+        machine: every machine of a pair runs its L2 tests, then they meet at the collective. A machine
+        failing L2 fails; a failed collective counts against a machine whose partners passed L2, and one
+        whose partner failed L2 is tested again with a healthy peer (L3 alone). Fills ``failed`` and
+        ``report`` (``L2``, ``L3``); returns the runs when they carry the alignment digests."""
+        results = self._l3(names, align=align, level=2)
+        group_of = {n: g for g in neighbour_groups(names) for n in g}
+        report["L2"], report["L3"] = {}, {}
+        l3_failed: dict[str, str] = {}
+        for n, r in results.items():
+            doc = r.json() if r.reachable and not r.timed_out else None
+            tests = (doc or {}).get("tests") or []
+            bad = [f"{t['name']}: {t['reason']}" for t in tests if t["name"] != "collective_neighbours" and not t["ok"]]
+            if doc is None or bad:
+                reasons = bad or [r.describe()]
+                report["L2"][n] = {"healthy": False, "reasons": reasons}
+                failed[n] = "L2: " + "; ".join(reasons)[:300]
+                continue
+            report["L2"][n] = {"healthy": True, "reasons": []}
+            coll = next((t for t in tests if t["name"] == "collective_neighbours"), None)
+            ok = bool(coll and coll["ok"])
+            report["L3"][n] = {"healthy": ok, "reasons": [] if ok else [
+                f"collective_neighbours: {coll['reason']}" if coll else "collective_neighbours: did not run"]}
+            if not ok:
+                l3_failed[n] = report["L3"][n]["reasons"][0]
+        unsure = [n for n in l3_failed if any(p in failed for p in group_of[n] if p != n)]
+        for n, why in l3_failed.items():
+            if n not in unsure:
+                failed[n] = f"L3: {why}"[:300]
+        if unsure:  # their partner failed L2: the collective said nothing of them
+            peers = [n for n, v in report["L3"].items() if v["healthy"]][: 1 if len(unsure) == 1 else 0]
+            for n, r in self._l3(unsure + peers).items():
+                if n not in unsure:
+                    continue
+                doc = r.json() if r.reachable and not r.timed_out else None
+                ok = bool(doc and doc.get("healthy"))
+                report["L3"][n] = {"healthy": ok, "again": True,
+                                   "reasons": [] if ok else (doc or {}).get("reasons") or [r.describe()]}
+                if not ok:
+                    failed[n] = "L3: " + "; ".join(report["L3"][n]["reasons"])[:300]
+        return results if align else None
+
     def _align(self, names: Sequence[str]) -> dict[str, RunResult]:
         return self._run(self.machines(names), lambda m: [self.inventory.tg_node, "align"], timeout=60)
 
-    def _l3(self, names: Sequence[str], *, align: bool = False) -> dict[str, RunResult]:
+    def _l3(self, names: Sequence[str], *, align: bool = False, level: int = 3) -> dict[str, RunResult]:
         """L3 in pairs of neighbours (an odd one out joins the last pair); with ``align``, each machine's
-        alignment test in the same test process, after the collective."""
+        alignment test in the same test process, after the collective; with ``level`` 2, L2's tests first,
+        in that process too."""
         groups = neighbour_groups(names)
         argv: dict[str, list[str]] = {}
         for gi, group in enumerate(groups):
             master = self.inventory.machine(group[0])
             for rank, n in enumerate(group):
-                argv[n] = [self.inventory.tg_node, "diag", "--level", "3", "--rank", str(rank), "--world-size",
+                argv[n] = [self.inventory.tg_node, "diag", "--level", str(level), "--rank", str(rank), "--world-size",
                            str(len(group)), "--master-addr", master.address, "--master-port", str(29300 + gi),
                            "--timeout-s", "60", *(["--align"] if align else [])]
         if len(names) < 2:

@@ -289,7 +289,8 @@ def _report(g: GuardedJob, faults: Sequence[Fault], results: list[dict[str, Any]
         print(f"time lost by cause: {by_cause}")
     report_dir.mkdir(parents=True, exist_ok=True)
     doc = {"job": JOB, "topology": str(TOPOLOGY), "faults": rows, "ettr": ettr,
-           "recovered": len(recovered), "injected": len(faults)}
+           "recovered": len(recovered), "injected": len(faults),
+           "steps": [{k: r.get(k) for k in ("step", "incarnation", "ts", "step_time_s", "machine")} for r in records]}
     (report_dir / "report.json").write_text(json.dumps(doc, indent=2, default=str))
     html = report_dir / "timeline.html"
     html.write_text(timeline_html(records, rows, ettr))

@@ -185,3 +185,51 @@ def test_an_incident_runs_note_says_in_one_line_what_happened(tmp_path: Path, mo
     monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
     monkeypatch.setenv("TG_INVENTORY", c.cfg.inventory)
     assert steps.outcome(inc)["note"] == steps.incident_note(c, inc)  # outside a task: no run to annotate
+
+
+def _diag_run(machine: str, *, l2_ok: bool = True, l3_ok: bool = True, digest: str = "d0", level: int = 2):
+    import json
+
+    from node_tools.transport import RunResult
+
+    tests = [{"name": "compute", "ok": l2_ok, "reason": "" if l2_ok else "3 wrong results"}] if level == 2 else []
+    tests.append({"name": "collective_neighbours", "ok": l3_ok, "reason": "" if l3_ok else "peer never came"})
+    doc = {"machine": machine, "healthy": l2_ok and l3_ok, "tests": tests,
+           "reasons": [f"{t['name']}: {t['reason']}" for t in tests if not t["ok"]],
+           "align": {"exit_code": 0, "digest": digest}}
+    return RunResult(machine, ["tg-node", "diag"], 0 if l2_ok and l3_ok else 1, json.dumps(doc), "", 1.0)
+
+
+def test_l2_and_l3_in_one_round_blame_l2_failures_and_retest_the_partners_they_left_alone(ctl, monkeypatch):
+    """NaN's diagnosis: one round runs L2, then L3 and the alignment test, on every machine. m1 fails L2,
+    so its partner m0's failed collective says nothing of m0: m0 is tested again (L3 alone) with a
+    healthy peer; m3's digest differs from the majority's."""
+    calls = []
+
+    def fake_l3(names, *, align=False, level=3):
+        calls.append((list(names), align, level))
+        if level == 2:
+            return {"m0": _diag_run("m0", l3_ok=False), "m1": _diag_run("m1", l2_ok=False, l3_ok=False),
+                    "m2": _diag_run("m2"), "m3": _diag_run("m3", digest="d1")}
+        return {n: _diag_run(n, level=3) for n in names}
+
+    monkeypatch.setattr(ctl, "_l3", fake_l3)
+    out = ctl.diagnose("j", align=True)
+    assert calls == [(["m0", "m1", "m2", "m3"], True, 2), (["m0", "m2"], False, 3)]
+    assert set(out["failed"]) == {"m1", "m3"}
+    assert out["failed"]["m1"].startswith("L2: compute: 3 wrong results")
+    assert out["failed"]["m3"].startswith("align: digest d1 differs")
+    assert out["report"]["L3"]["m0"] == {"healthy": True, "reasons": [], "again": True}
+    assert "L1" not in out["report"] and out["report"]["align"] == {"m0": "d0", "m2": "d0", "m3": "d1"}
+
+
+def test_l2_and_l3_in_one_round_a_failed_collective_between_l2_healthy_machines_fails_both(ctl, monkeypatch):
+    def fake_l3(names, *, align=False, level=3):
+        assert level == 2, "nothing to test again"
+        return {"m0": _diag_run("m0"), "m1": _diag_run("m1"), "m2": _diag_run("m2", l3_ok=False),
+                "m3": _diag_run("m3", l3_ok=False)}
+
+    monkeypatch.setattr(ctl, "_l3", fake_l3)
+    out = ctl.diagnose("j")
+    assert sorted(out["failed"]) == ["m2", "m3"] and out["failed"]["m2"].startswith("L3: collective_neighbours")
+    assert "align" not in out["report"]

@@ -49,8 +49,9 @@ def test_guardian_is_continuous_with_one_run_and_a_deferrable_sensor(dagbag):
 
 def test_incident_dag_branches_to_every_rung_and_joins_for_recovery(dagbag):
     dag = dagbag.get_dag("tg_incident")
-    choose = dag.get_task("choose")
-    assert {t.task_id for t in choose.downstream_list} == {
+    triage = dag.get_task("triage")  # triage is the branch (one task hop less before every rung)
+    assert type(triage).__name__ == "_BranchPythonDecoratedOperator"
+    assert {t.task_id for t in triage.downstream_list} == {
         "evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption", "roll_back",
         "no_culprit", "no_recovery"}
     recover = dag.get_task("recover")
@@ -63,7 +64,7 @@ def test_incident_dag_branches_to_every_rung_and_joins_for_recovery(dagbag):
     assert last.trigger_rule == "all_done" and last.upstream_task_ids == {"rearm"} and last.downstream_list == []
     from operators.airflow import steps
 
-    assert set(steps.BRANCHES.values()) <= {t.task_id for t in choose.downstream_list}
+    assert set(steps.BRANCHES.values()) <= {t.task_id for t in triage.downstream_list}
 
 
 def test_the_diagnose_form_refuses_bad_input(dagbag):

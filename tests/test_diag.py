@@ -174,6 +174,30 @@ def test_level_3_with_align_reports_each_machines_digest_from_the_same_process(t
     assert bad["digest"] != good["digest"] and bad["compare_key"] == good["compare_key"]
 
 
+def test_level_2_then_3_and_align_in_one_process(tmp_path):
+    """The stop-time round of a NaN: L2's tests, then the collective with the neighbour and the alignment
+    test, all in one test process per machine (one import of torch)."""
+    port = free_port()
+    cfgs = [NodeConfig(machine=f"m{i}", workdir=tmp_path / f"m{i}", install_dir=tmp_path, nvml_backend="none",
+                       fault_file=tmp_path / f"faults{i}.json") for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(d.diag, cfgs[i], 2, timeout_s=60, l3=d.L3Spec(i, 2, "127.0.0.1", port),
+                               align_steps=1) for i in range(2)]
+        results = [f.result() for f in futures]
+    for i, (code, report) in enumerate(results):
+        assert code == 0 and report["healthy"], report["reasons"]
+        assert report["level"] == 2 and report["l3"]["rank"] == i
+        assert [t["name"] for t in report["tests"]] == ["workdir", "checks", "gpu", "torch", "compute", "memory",
+                                                        "disk", "collective_local", "collective_neighbours"]
+        coll = report["tests"][-1]["details"]
+        assert coll["rank"] == i and coll["allreduce_ok"] and coll["iface"] == "lo"
+    assert results[0][1]["align"]["digest"] == results[1][1]["align"]["digest"]
+    with pytest.raises(TrainguardError, match="not level 1"):
+        d.diag(cfgs[0], 1, l3=d.L3Spec(0, 2, "127.0.0.1", port))
+    with pytest.raises(TrainguardError, match="give the group"):
+        d.diag(cfgs[0], 2, align_steps=1)
+
+
 def test_level_3_peer_never_comes(node):
     t0 = time.monotonic()
     code, report = d.diag(node, 3, timeout_s=8, l3=d.L3Spec(0, 2, "127.0.0.1", free_port()))

@@ -191,7 +191,8 @@ def resumed(incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None
 def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
           resume: dict[str, Any] | None) -> dict[str, Any]:
     """Close the incident: resolved when training resumed (or nothing needed recovering), failed when a
-    recovery step failed or training did not come back in time; an incident waiting for a human stays so."""
+    recovery step failed or training did not come back in time; an incident waiting for a human stays so.
+    ``decision``: what ``no_recovery`` returned (its ``action``), None when a rung handled the incident."""
     c = controller()
     inc = c.fleet.incident(int(incident_id))
     if inc.state == "waiting_human":
