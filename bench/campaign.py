@@ -5,7 +5,8 @@ between faults.
 
 On an emulated cluster of its own (8 machines: the guarded job, TP=2 PP=2 DP=2, on 4; 4 warm
 standbys; a repair crew puts evicted machines back after each fault) with a real ``airflow
-standalone``: for each trial a fault kind is drawn (seeded), a machine of the job and, for rank faults,
+standalone``: for each trial a fault kind is drawn (seeded; every kind ``trials // kinds`` times or once more, in a
+shuffled order), a machine of the job and, for rank faults,
 one of its ranks; the fault is injected after a quiet period of random length, and the trial ends when
 the incident holding its alerts closed (or its time ran out: not detected / not recovered).
 
@@ -195,6 +196,14 @@ class Campaign(GuardedJob):
         return trial
 
 
+def balanced_draws(rng: random.Random, kinds: Sequence[str], n: int) -> list[str]:
+    """``n`` fault kinds in a random order, each of ``kinds`` ``n // len(kinds)`` times and the remainder
+    drawn without repetition: every kind is tried once ``n >= len(kinds)``, however the seed falls."""
+    draws = list(kinds) * (n // len(kinds)) + rng.sample(list(kinds), n % len(kinds))
+    rng.shuffle(draws)
+    return draws
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 trials, short quiet periods")
@@ -225,7 +234,7 @@ def main() -> int:
     ettr = None
     with emulated_cluster(SPEC, "tg-bench-campaign-") as (inv, home):
         c = Campaign(inv, home, seed=args.seed)
-        draws = [c.rng.choice(kinds) for _ in range(n)]
+        draws = balanced_draws(c.rng, kinds, n)
         try:
             c.start()
             for kind in draws:

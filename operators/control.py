@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -648,11 +649,13 @@ class Controller:
         Returns the steps every rank had finished before (for the resume check)."""
         inc = self.fleet.incident(incident_id)
         job = inc.job
-        before = self.progress(job)
+        with ThreadPoolExecutor(max_workers=1) as pool:  # two independent reads, one round's time
+            parked = pool.submit(self.parked, self.fleet.job(job).machine_list)
+            before = self.progress(job)
+            warm = parked.result()
         # the handler has usually stopped it already: two rounds of sessions saved when no machine runs it
         done = before["states"] and all(s in ("exited", "absent") for s in before["states"].values())
         stopped = {n: "not running" for n in before["states"]} if done else self.stop(job)
-        warm = self.parked(self.fleet.job(job).machine_list)
         started = self._start(job, warm=warm, incident_id=incident_id, restore_max_step=restore_max_step)
         self.fleet.update_incident(incident_id, decided_ts=time.time())
         return {"job": job, "stopped": stopped, "started": started, "warm": sorted(warm),

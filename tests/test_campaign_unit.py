@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.campaign import metrics_of, over_eviction_groups, score, where
+from bench.campaign import balanced_draws, metrics_of, over_eviction_groups, score, where
 from node_tools.topology import Topology
 
 TOPO = Topology(tp=2, pp=2, dp=2)
@@ -57,3 +57,16 @@ def test_faults_are_drawn_only_where_they_act():
     # only the last pipeline stage computes the loss a NaN corrupts: ranks 2, 3, 6, 7 on nodes 1 and 3
     assert where("nan", TOPO) == [(1, 2), (1, 3), (3, 6), (3, 7)]
     assert where("user_error", TOPO) == [(0, 0)]
+
+
+def test_the_draw_covers_every_kind_whatever_the_seed():
+    import random
+    from collections import Counter
+
+    kinds = ["crash", "hang", "slow", "nan", "sdc", "user_error", "nic_down", "disk_full", "gpu_lost"]
+    for seed in range(20):
+        counts = Counter(balanced_draws(random.Random(seed), kinds, 20))
+        assert sum(counts.values()) == 20 and set(counts) == set(kinds)
+        assert set(counts.values()) <= {2, 3}
+    orders = {tuple(balanced_draws(random.Random(seed), kinds, 9)) for seed in range(5)}
+    assert len(orders) > 1  # shuffled, not round-robin
