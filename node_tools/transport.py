@@ -50,6 +50,11 @@ class RunResult:
         except ValueError:
             return None
 
+    def answer(self) -> Any:
+        """The JSON document of a command that ran through; None when the machine was unreachable, the
+        command timed out, or its stdout is not JSON."""
+        return self.json() if self.reachable and not self.timed_out else None
+
     def describe(self) -> str:
         if not self.reachable:
             return f"machine {self.machine} is unreachable: {self.stderr.strip()[-300:]}"

@@ -110,7 +110,7 @@ def _on_machines(ctl: Controller, target: Mapping[str, Any], *args: str, timeout
 def _doc(res: Any) -> dict[str, Any] | None:
     """A machine's JSON answer, or None when the command did not answer (unreachable, timed out, garbled)."""
     try:
-        doc = res.json() if res.reachable and not res.timed_out else None
+        doc = res.answer()
     except Exception:
         return None
     return doc if isinstance(doc, dict) else None

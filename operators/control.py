@@ -304,7 +304,7 @@ class Controller:
                             timeout=30)
         verdicts = {}
         for name, r in results.items():
-            doc = r.json() if r.reachable and not r.timed_out else None
+            doc = r.answer()
             verdicts[name] = (doc or {}).get("verdict") or {"class": "unreachable" if not r.reachable else "unknown"}
         classes = {v.get("class") for v in verdicts.values()}
         overall = next((c for c in ("user_code", "infrastructure", "unknown") if c in classes), "none")
@@ -341,7 +341,7 @@ class Controller:
                     self.inventory.tg_node, "diag", "--level", str(lv)], timeout=self.cfg.diag_timeout_s)
             report[f"L{level}"] = {}
             for n, r in results.items():
-                doc = r.json() if r.reachable and not r.timed_out else None
+                doc = r.answer()
                 healthy = bool(doc and doc.get("healthy"))
                 report[f"L{level}"][n] = {"healthy": healthy, "reasons": (doc or {}).get("reasons") or
                                           [r.describe()]}
@@ -376,7 +376,7 @@ class Controller:
         report["L2"], report["L3"] = {}, {}
         l3_failed: dict[str, str] = {}
         for n, r in results.items():
-            doc = r.json() if r.reachable and not r.timed_out else None
+            doc = r.answer()
             tests = (doc or {}).get("tests") or []
             bad = [f"{t['name']}: {t['reason']}" for t in tests if t["name"] != "collective_neighbours" and not t["ok"]]
             if doc is None or bad:
@@ -400,7 +400,7 @@ class Controller:
             for n, r in self._l3(unsure + peers).items():
                 if n not in unsure:
                     continue
-                doc = r.json() if r.reachable and not r.timed_out else None
+                doc = r.answer()
                 ok = bool(doc and doc.get("healthy"))
                 report["L3"][n] = {"healthy": ok, "again": True,
                                    "reasons": [] if ok else (doc or {}).get("reasons") or [r.describe()]}
@@ -777,10 +777,8 @@ class Controller:
 def _digest(r: RunResult) -> str | None:
     """The alignment digest of a ``tg-node align`` or ``tg-node diag --level 3 --align`` run (None when
     it did not run through: that machine disagrees with any majority)."""
-    doc = r.json() if r.reachable and not r.timed_out else None
-    if not doc:
-        return None
-    part = doc.get("align", doc) if doc.get("test") != "align" else doc
+    doc = r.answer() or {}
+    part = doc if doc.get("test") == "align" else doc.get("align") or {}
     return part.get("digest") if part.get("exit_code", 1) == 0 else None
 
 

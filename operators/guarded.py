@@ -105,6 +105,7 @@ class GuardedJob:
         self.ctl.sync_inventory()
         (home / "airflow").mkdir(parents=True, exist_ok=True)
         self.airflow = Standalone(home / "airflow", env, port=port)
+        self._arming: threading.Thread | None = None  # the job's machines being armed again (see start)
 
     # ---- bring-up and teardown --------------------------------------------------------------------
     def start(self, *, log: Callable[[str], None] = lambda _m: None) -> None:
@@ -127,10 +128,9 @@ class GuardedJob:
 
     def armed(self, timeout: float = 300) -> None:
         """Wait until the job's machines have their warm interpreters for a restart (see :meth:`start`)."""
-        arming = getattr(self, "_arming", None)
-        if arming is not None:
-            arming.join(timeout)
-            if arming.is_alive():
+        if self._arming is not None:
+            self._arming.join(timeout)
+            if self._arming.is_alive():
                 raise TimeoutError(f"the job's machines were not armed within {timeout:g} s")
             self._arming = None
 
