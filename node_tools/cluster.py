@@ -62,6 +62,9 @@ class ClusterSpec:
         disk_mb: size of each machine's local disk (tmpfs), in MiB.
         gpus: emulated GPUs per machine.
         transport: "ssh" (namespaces + sshd, needs root), "local", or "auto".
+        job_nice: each machine's ``job_nice``: the machines share this host's cores, and a job's ranks
+            on all of them would otherwise starve the agents, sshd sessions and the control plane that
+            a real GPU machine's idle cores serve at once.
     """
 
     name: str = "tg"
@@ -72,6 +75,7 @@ class ClusterSpec:
     gpus: int = 8
     transport: str = "auto"
     free: int = 0
+    job_nice: int = 10
 
     def role(self, i: int) -> str:
         """Machine ``i``'s role at start: active first, then standbys, then free machines."""
@@ -107,6 +111,8 @@ class ClusterSpec:
             raise ClusterError(f"--gpus {self.gpus} must be >= 0")
         if self.transport not in ("auto", "ssh", "local"):
             raise ClusterError(f"--transport {self.transport!r} must be auto, ssh or local")
+        if not 0 <= self.job_nice <= 19:
+            raise ClusterError(f"--job-nice {self.job_nice} must be 0..19")
 
     # naming ------------------------------------------------------------------------------
     def netns(self, i: int) -> str:
@@ -533,7 +539,7 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
                 nvml_backend="emulated", nvml_state=mdir / "nvml.json", fault_file=mdir / "faults.json",
                 netns=netns, iface="eth0" if netns else "lo",
                 bus_url=f"spool://{state_dir / 'bus'}", kmsg_path=mdir / "kmsg",
-                status_path=mdir / "agent" / "status.json",
+                status_path=mdir / "agent" / "status.json", job_nice=spec.job_nice,
             )
             cfg.save(mdir / "node.json")
             if transport == "ssh":

@@ -38,6 +38,11 @@ class NodeConfig:
         kmsg_path: the kernel log the agent follows (``/dev/kmsg``; a file on emulated machines).
         status_path: the agent's status file (default ``<workdir>/agent/status.json``).
         agent_intervals: per-check interval overrides in seconds, by check name.
+        job_nice: the scheduling niceness (0-19) of the job's processes and of the warm interpreters
+            parked for it. 0 leaves them as started. Where training shares few CPU cores with the node's
+            agent and tools (the emulated cluster runs several machines' ranks on one host), a positive
+            value keeps detection, stops and diagnosis as quick as on a GPU machine whose ranks leave
+            the CPU mostly idle; the job still gets every cycle nothing else asks for.
     """
 
     machine: str
@@ -53,6 +58,7 @@ class NodeConfig:
     kmsg_path: Path | None = None
     status_path: Path | None = None
     agent_intervals: dict[str, float] | None = None
+    job_nice: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -69,6 +75,7 @@ class NodeConfig:
             "kmsg_path": str(self.kmsg_path) if self.kmsg_path else None,
             "status_path": str(self.status_path) if self.status_path else None,
             "agent_intervals": self.agent_intervals or {},
+            "job_nice": self.job_nice,
         }
 
     def save(self, path: Path) -> None:
@@ -99,6 +106,7 @@ class NodeConfig:
                 kmsg_path=Path(raw["kmsg_path"]) if raw.get("kmsg_path") else None,
                 status_path=Path(raw["status_path"]) if raw.get("status_path") else None,
                 agent_intervals={str(k): float(v) for k, v in (raw.get("agent_intervals") or {}).items()},
+                job_nice=int(raw.get("job_nice", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise TrainguardError(f"node config {path} lacks or mistypes a field ({exc})") from None
@@ -107,6 +115,9 @@ class NodeConfig:
                 f"node config {path}: nvml_backend {cfg.nvml_backend!r} is unknown; use one of "
                 f"{', '.join(NVML_BACKENDS)}"
             )
+        if not 0 <= cfg.job_nice <= 19:
+            raise TrainguardError(f"node config {path}: job_nice {cfg.job_nice} is outside 0..19; use 0 (as "
+                                  f"started) up to 19 (lowest priority)")
         return cfg
 
     @classmethod

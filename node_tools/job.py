@@ -164,6 +164,8 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         env.setdefault("NCCL_SOCKET_IFNAME", cfg.iface)
     if cfg.fault_file:
         env["TG_FAULT_FILE"] = str(cfg.fault_file)
+    if cfg.job_nice:  # the supervisor and the warm interpreters that run the job apply it
+        env[procs.NICE_ENV] = str(cfg.job_nice)
     standby = None
     if spec.warm:
         from node_tools import standby as sb
@@ -310,6 +312,7 @@ def _supervise(argv: list[str]) -> int:
     parser.add_argument("command", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+    procs.nice_from_env()  # torchrun and its workers inherit it
     child = subprocess.Popen(command)
 
     def forward(signum: int, _frame: Any) -> None:

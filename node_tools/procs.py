@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -112,3 +112,21 @@ def terminate(pids: Iterable[int], *, grace_s: float = 5.0) -> list[int]:
     while time.monotonic() < deadline and any(alive(p) for p in targets):
         time.sleep(0.02)
     return sorted(targets)
+
+
+NICE_ENV = "TG_JOB_NICE"
+
+
+def nice_from_env(env: Mapping[str, str] | None = None) -> int:
+    """Lower this process's CPU priority to ``$TG_JOB_NICE`` (the node's ``job_nice``, set for the
+    job's processes and its warm interpreters); never raises it. Returns the niceness now."""
+    raw = (os.environ if env is None else env).get(NICE_ENV, "")
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        wanted = min(19, int(raw)) if raw else 0
+    except ValueError:
+        return current
+    if wanted > current:
+        os.setpriority(os.PRIO_PROCESS, 0, wanted)
+        return wanted
+    return current

@@ -117,6 +117,9 @@ def serve(slot_dir: Path, slots: list[int], preload: list[str]) -> int:
     The copies are forked after the imports (which start no thread: fork-safe), so a machine pays one
     ``import torch`` for all its interpreters instead of one each; each copy leads a session of its own,
     as a separately started interpreter would, so ending one's process group spares the others."""
+    from node_tools import procs
+
+    procs.nice_from_env()  # warming up is the job's work: it yields as the job does
     started = time.monotonic()
     loaded = _preload(preload)
     warm_s = time.monotonic() - started
@@ -159,8 +162,11 @@ def _run_work(work: dict[str, Any]) -> int:
     import runpy
     import traceback
 
+    from node_tools import procs
+
     os.environ.clear()
     os.environ.update(work["env"])
+    procs.nice_from_env()
     with contextlib.suppress(OSError):
         os.chdir(work["cwd"])
     # a fresh stdout/stderr on the received descriptors (line buffered, as python -u would)
@@ -323,6 +329,8 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
     modules = list(preload if preload is not None else ["examples.gpt3d.train", "node_tools.monitor"])
     env = dict(os.environ, TG_STANDBY_TOKEN=token, PYTHONPATH=os.pathsep.join(
         filter(None, [str(cfg.install_dir), os.environ.get("PYTHONPATH", "")])), OMP_NUM_THREADS="1")
+    if cfg.job_nice:
+        env[procs.NICE_ENV] = str(cfg.job_nice)
     new_slots = [next_slot + i for i in range(max(0, want - len(have)))]
     if new_slots:  # one interpreter imports, then forks one copy per slot
         with open(d / f"slot{new_slots[0]}.log", "ab") as log:

@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     cu.add_argument("--disk-mb", type=int, default=d.disk_mb)
     cu.add_argument("--gpus", type=int, default=d.gpus)
     cu.add_argument("--transport", default=d.transport, choices=["auto", "ssh", "local"])
+    cu.add_argument("--job-nice", type=int, default=d.job_nice,
+                    help="niceness of jobs' processes on the machines (they share this host's cores)")
     csub.add_parser("down", help="remove every namespace, link, process and file of the cluster")
     csub.add_parser("status", help="machines, roles and reachability")
 
@@ -146,6 +148,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         spec = cluster.ClusterSpec(
             name=args.name, machines=args.machines, standbys=args.standbys, subnet=args.subnet,
             disk_mb=args.disk_mb, gpus=args.gpus, transport=args.transport, free=args.free,
+            job_nice=args.job_nice,
         )
         inv = cluster.up(spec, args.state_dir, log=lambda msg: print(msg, file=sys.stderr))
         lines = [f"cluster {inv.cluster} is up ({inv.transport}); inventory {inv.path}"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -66,6 +67,23 @@ def test_park_is_idempotent_and_activation_runs_torchrun_on_warm_interpreters(no
     assert (rd / "supervisor.log").exists()
     assert any("step 3" in p.read_text() for p in rd.glob("logs/inc0/*/attempt_0/*/stdout.log"))
     assert standby.status(node)["state"] == "empty"  # used up
+
+
+def test_job_nice_lowers_the_warm_interpreters_and_every_process_of_a_warm_or_cold_job(node):
+    nice = dataclasses.replace(node, job_nice=7)
+    assert os.getpriority(os.PRIO_PROCESS, 0) < 7  # the test itself runs above it
+    standby.park(nice, nproc=2)
+    assert {os.getpriority(os.PRIO_PROCESS, p) for p in warm_pids(nice)} == {7}
+    for name, warm in (("warm", True), ("crash", False)):
+        job.start(nice, dataclasses.replace(spec(name), warm=warm))
+        rd = job.run_dir(nice, name)
+        wait_until(lambda rd=rd: all(monitor.read_steps(rd, r) for r in (0, 1)), timeout=120,
+                   what=f"both ranks of the {name} job to step")
+        running = job.job_pids(json.loads((rd / "job.json").read_text()))
+        ranks = {monitor.read_heartbeat(rd, r)["pid"] for r in (0, 1)}
+        assert ranks <= set(running)
+        assert {p: os.getpriority(os.PRIO_PROCESS, p) for p in running} == dict.fromkeys(running, 7)
+        job.stop(nice, name, grace_s=2)
 
 
 def test_activation_needs_a_parked_machine(node):

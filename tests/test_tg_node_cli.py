@@ -65,6 +65,16 @@ def test_fault_injection_is_off_without_a_fault_file(tmp_path, monkeypatch, caps
     assert code == 2 and "fault injection is off" in doc["error"]
 
 
+def test_a_job_nice_outside_0_to_19_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    raw = NodeConfig(machine="n1", workdir=tmp_path, install_dir=tmp_path, job_nice=10).to_dict()
+    (tmp_path / "n.json").write_text(json.dumps(raw | {"job_nice": 25}))
+    monkeypatch.setenv("TG_NODE_CONFIG", str(tmp_path / "n.json"))
+    code, doc = run(capsys, "info")
+    assert code == 2 and "job_nice 25 is outside 0..19" in doc["error"]
+    (tmp_path / "n.json").write_text(json.dumps(raw))
+    assert run(capsys, "info") == (0, raw)
+
+
 def test_missing_nvml_is_exit_2_and_the_agent_runs_without_gpu_checks(tmp_path, monkeypatch, capsys):
     cfg = NodeConfig(machine="g1", workdir=tmp_path / "disk", install_dir=tmp_path, gpus=8, nvml_backend="real",
                      bus_url=f"spool://{tmp_path / 'bus'}", kmsg_path=tmp_path / "kmsg")
