@@ -26,6 +26,7 @@ from node_tools.inventory import Inventory, Machine
 from node_tools.topology import Topology
 from node_tools.transport import RunResult, Transport, transport_for
 from operators.fleet import FleetStore, states
+from operators.fleet.store import OPEN_INCIDENT_STATES
 from operators.policy import ettr, ladder, runtime, sdc
 
 ROLE_STATE = {"active": states.STANDBY, "standby": states.STANDBY, "free": states.PROVISIONING,
@@ -756,6 +757,9 @@ class Controller:
             cause["incidents"] += 1
             cause["seconds"] = round(cause["seconds"] + sum(split.values()), 3)
             since = inc.resumed_ts or since
+        # the window ends at the last finished step while the job steps on (no incident open, no stall)
+        now = ettr.window_end(records, now, incident_open=any(i.state in OPEN_INCIDENT_STATES
+                                                              for i in self.fleet.incidents(job)))
         return {"job": job, "cumulative": ettr.ettr(records, start_ts=first, end_ts=now).as_dict(),
                 "sliding": {"window_s": window_s,
                             **ettr.ettr(records, start_ts=max(first, now - window_s), end_ts=now).as_dict()},

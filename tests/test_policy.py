@@ -286,6 +286,14 @@ def test_ettr_counts_only_kept_steps():
         ettr.ettr(records, start_ts=5.0, end_ts=5.0)
 
 
+def test_an_ettr_window_until_now_ends_at_the_last_step_only_while_the_job_is_stepping():
+    records = [rec(s, 0, s + 1.0) for s in range(10)]  # steps of 1 s, the last ended at t=10
+    assert ettr.window_end(records, 11.5, incident_open=False) == 10.0  # a step in flight
+    assert ettr.window_end(records, 11.5, incident_open=True) == 11.5  # in an incident: time lost
+    assert ettr.window_end(records, 12.5, incident_open=False) == 12.5  # past two step times: stalled
+    assert ettr.window_end([], 3.0, incident_open=False) == 3.0
+
+
 def test_incident_time_split():
     records = [rec(s, 0, s + 1.0) for s in range(10)] + [rec(s, 1, 21.0 + (s - 8)) for s in range(8, 14)]
     split = ettr.incident_split({"first_alert_ts": 10.5, "opened_ts": 11.0, "diagnosis_start_ts": 11.5,

@@ -66,6 +66,20 @@ class Ettr:
                 "kept_steps": self.kept_steps, "lost_steps": self.lost_steps}
 
 
+def window_end(records: Iterable[Mapping[str, Any]], now: float, *, incident_open: bool) -> float:
+    """Where an ETTR window that runs "until now" ends: at the end of the last finished step while the
+    job is still stepping (no incident open, and that step ended within two median step times of
+    ``now``): the step in flight is neither kept nor lost yet, and counts once it finishes. Otherwise
+    ``now``: a job that stopped stepping, or one in an incident, is losing that time."""
+    execs = executions(records)
+    if incident_open or not execs:
+        return now
+    last = max(e.end_ts for e in execs)
+    times = sorted(e.step_time_s for e in execs)
+    median = times[len(times) // 2]
+    return last if 0.0 <= now - last <= 2.0 * median else now
+
+
 def ettr(records: Iterable[Mapping[str, Any]], *, start_ts: float, end_ts: float) -> Ettr:
     """ETTR of the wall time ``[start_ts, end_ts]`` (the job's start and now for the cumulative value;
     ``now - window`` and now for the sliding one)."""
