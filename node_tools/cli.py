@@ -34,6 +34,7 @@ Commands::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -119,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     jt.add_argument("--grace-s", type=float, default=10.0)
     jt.add_argument("--mark-only", action="store_true",
                     help="only record that a stop was requested (first phase of a stop across machines)")
+    jt.add_argument("--wait-go", action="store_true",
+                    help="both phases in one session: mark, print the mark's document, wait for a line on stdin "
+                         "(or its end, or --go-timeout-s), then stop")
+    jt.add_argument("--go-timeout-s", type=float, default=30.0)
+    jt.add_argument("--logs-since", type=float,
+                    help="after the stop, add what 'tg-node logs --since' says (its \"logs\")")
     jq = jsub.add_parser("status")
     jq.add_argument("--job", required=True)
     jr = jsub.add_parser("steps", help="a rank's step records")
@@ -256,7 +263,17 @@ def run(argv: list[str]) -> tuple[int, Any]:
         if ns.action == "start":
             return EXIT_OK, job.start(cfg, _job_spec(ns, warm=False))
         if ns.action == "stop":
-            return EXIT_OK, job.stop(cfg, ns.job, grace_s=ns.grace_s, mark_only=ns.mark_only)
+            wait = (lambda mark: _wait_go(mark, ns.go_timeout_s)) if ns.wait_go else None
+            out = job.stop(cfg, job.check_job_name(ns.job), grace_s=ns.grace_s, mark_only=ns.mark_only,
+                           wait_go=wait)
+            if ns.logs_since is not None:
+                from node_tools import logs
+
+                try:
+                    out["logs"] = logs.logs(cfg, ns.job, since=ns.logs_since)[1]
+                except TrainguardError as exc:
+                    out["logs"] = {"error": str(exc)}
+            return EXIT_OK, out
         if ns.action == "steps":
             return EXIT_OK, job.steps(cfg, ns.job, ns.rank, since=ns.since, incarnation=ns.incarnation)
         return EXIT_OK, job.status(cfg, job.check_job_name(ns.job))
@@ -289,6 +306,18 @@ def run(argv: list[str]) -> tuple[int, Any]:
             return EXIT_OK, inject.clear_on_node(cfg, ns.kind)
         return EXIT_OK, {"machine": cfg.machine, "active": inject.read_ledger(cfg)}
     raise TrainguardError(f"unknown command {ns.command!r}")
+
+
+def _wait_go(mark: dict[str, Any], timeout_s: float) -> None:
+    """The first phase's document on one line of stdout, then the go: a line on stdin, its end, or
+    ``timeout_s`` (a controller that went away must not leave the job marked but running)."""
+    sys.stdout.write(json.dumps(mark, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+    import select
+
+    with contextlib.suppress(OSError, ValueError):
+        if select.select([sys.stdin], [], [], max(0.0, timeout_s))[0]:
+            sys.stdin.readline()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,10 +212,12 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
     return status(cfg, spec.job)
 
 
-def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0, mark_only: bool = False) -> dict[str, Any]:
+def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0, mark_only: bool = False,
+         wait_go: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Stop this machine's part of ``job``. With ``mark_only``, only record that a stop was requested:
     stopping a job across machines marks every machine first, so ranks that die because a peer already
-    stopped are not reported as failures."""
+    stopped are not reported as failures. ``wait_go``: called with the mark's document between the mark
+    and the stop (both phases in one session: it returns once every machine is marked)."""
     rd = run_dir(cfg, job)
     record = _read_json(rd / "job.json")
     pids = job_pids(record)
@@ -226,9 +229,13 @@ def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0, mark_only: bool = 
             monitor.write_json_atomic(rd / "job.json", record | {"stop_requested_ts": time.time()})
         except OSError:
             marked = False
+    mark = {"job": job, "machine": cfg.machine, "stopped_pids": [], "state": _state(record),
+            "marked_stopped": marked and bool(pids)}
     if mark_only:
-        return {"job": job, "machine": cfg.machine, "stopped_pids": [], "state": _state(record),
-                "marked_stopped": marked and bool(pids)}
+        return mark
+    if wait_go is not None:
+        wait_go(mark)
+        pids = job_pids(record)
     signalled = procs.terminate(pids, grace_s=grace_s) if pids else []
     return {"job": job, "machine": cfg.machine, "stopped_pids": signalled, "state": _state(record),
             "marked_stopped": marked}

@@ -112,16 +112,23 @@ def launch(inv: Inventory, plan: JobPlan, *, timeout: float = 60.0, transport: T
 
 def stop(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: float = 10.0,
          transport: Transport | None = None) -> dict[str, Any]:
-    """Stop the job on ``machines``: first mark the stop on all of them (so ranks that die because a peer
-    stopped first are not reported as failures), then stop each."""
+    """Stop the job on ``machines`` (see :func:`stop_sessions`); raises when a machine did not stop."""
+    return _check(stop_sessions(inv, job, machines, grace_s=grace_s, transport=transport), f"stopping job {job}")
+
+
+def stop_sessions(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: float = 10.0,
+                  transport: Transport | None = None, logs_since: float | None = None) -> dict[str, RunResult]:
+    """Stop the job on ``machines`` in one round of sessions of two phases: mark the stop on all of them
+    (so ranks that die because a peer stopped first are not reported as failures), then, once every
+    machine is marked, stop each. ``logs_since``: each answer also holds the machine's log verdict
+    after the stop (``tg-node logs --since``), a round of sessions less for stop-time diagnosis."""
     check_job_name(job)
     transport = transport or transport_for(inv)
-    transport.run_many(machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--mark-only"], timeout=30)
-    results = transport.run_many(
-        machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s)],
-        timeout=grace_s + 30,
+    extra = ["--logs-since", str(logs_since)] if logs_since is not None else []
+    return transport.run_two_phase(
+        machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s), "--wait-go", *extra],
+        timeout=grace_s + 30, ready_timeout=30,
     )
-    return _check(results, f"stopping job {job}")
 
 
 def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: float = 20.0,

@@ -16,11 +16,13 @@ import json
 import os
 import shlex
 import subprocess
+import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from node_tools.inventory import Inventory, Machine
 
@@ -64,6 +66,19 @@ class RunResult:
             f"'{shlex.join(self.argv)}' on {self.machine} exited {self.returncode}: "
             f"{(self.stderr or self.stdout).strip()[-300:]}"
         )
+
+
+class TwoPhaseSession(Protocol):
+    """One machine's session of :meth:`Transport.run_two_phase`."""
+
+    def first_line(self) -> str:
+        """Block until the command printed its first line (or ended: then "")."""
+
+    def finish(self) -> RunResult:
+        """Send the go (a line on its stdin, then its end) and read the rest to the command's exit."""
+
+    def abort(self) -> None:
+        """End the session now (from another thread): its pending read returns."""
 
 
 class Transport:
@@ -132,6 +147,101 @@ class Transport:
         with ThreadPoolExecutor(max_workers=min(parallel, len(machines))) as pool:
             futures = {m.name: pool.submit(self.run, m, argv_for(m), timeout=timeout, env=env) for m in machines}
             return {name: f.result() for name, f in futures.items()}
+
+    def open_two_phase(self, machine: Machine, argv: Sequence[str], *, timeout: float) -> TwoPhaseSession:
+        """A session running ``argv`` with its stdin open (see :meth:`run_two_phase`)."""
+        argv = [str(a) for a in argv]
+        local_argv, local_env = self.command(machine, argv)
+        return _ProcessSession(self, machine.name, argv, local_argv, local_env)
+
+    def run_two_phase(self, machines: Sequence[Machine], argv_for: Any, *, timeout: float = 30.0,
+                      ready_timeout: float | None = None) -> dict[str, RunResult]:
+        """Run a command of two phases on many machines, one session each, the second phase everywhere
+        only once the first is done everywhere: each command prints one line when its first phase is
+        done and waits for a line on its stdin (or its end) before the second. Once every machine
+        printed (or ended, or ``ready_timeout`` passed, default ``timeout``), all get the go at once.
+        A stop across machines marks everywhere, then stops, in one round of sessions instead of two.
+        Each result's stdout is what the command printed after its first line; ``extra["first"]``
+        that line. A session still running after ``timeout`` is ended: timed out."""
+        if not machines:
+            return {}
+        start = time.monotonic()
+        ready = {m.name: threading.Event() for m in machines}
+        go = threading.Event()
+        sessions: dict[str, TwoPhaseSession] = {}
+        results: dict[str, RunResult] = {}
+
+        def one(m: Machine) -> None:
+            argv = [str(a) for a in argv_for(m)]
+            try:
+                session = sessions[m.name] = self.open_two_phase(m, argv, timeout=timeout)
+                first = session.first_line()
+            except OSError as exc:
+                results[m.name] = RunResult(m.name, argv, None, "", str(exc), time.monotonic() - start,
+                                            reachable=False)
+                return
+            finally:
+                ready[m.name].set()
+            go.wait()
+            r = session.finish()
+            r.extra["first"] = first.strip()
+            results[m.name] = r
+
+        threads = [threading.Thread(target=one, args=(m,), name=f"two-phase-{m.name}", daemon=True)
+                   for m in machines]
+        for t in threads:
+            t.start()
+        ready_by = start + (timeout if ready_timeout is None else ready_timeout)
+        for event in ready.values():
+            event.wait(max(0.0, ready_by - time.monotonic()))
+        go.set()
+        for t in threads:
+            t.join(max(0.0, start + timeout - time.monotonic()))
+        late = [m for m, t in zip(machines, threads, strict=True) if t.is_alive()]
+        for m in late:
+            if m.name in sessions:
+                sessions[m.name].abort()
+        for m, t in zip(machines, threads, strict=True):
+            t.join(5.0)
+            r = results.get(m.name)
+            if m in late or r is None:
+                results[m.name] = RunResult(m.name, [str(a) for a in argv_for(m)], None, r.stdout if r else "",
+                                            r.stderr if r else "", time.monotonic() - start, timed_out=True)
+        return {m.name: results[m.name] for m in machines}
+
+
+class _ProcessSession:
+    """A two-phase session of a local process (ssh, or the command itself)."""
+
+    def __init__(self, transport: Transport, machine: str, argv: list[str], local_argv: list[str],
+                 env: dict[str, str] | None) -> None:
+        self.transport, self.machine, self.argv = transport, machine, argv
+        self.started = time.monotonic()
+        self.err = tempfile.TemporaryFile()  # noqa: SIM115 - read and closed in finish()
+        self.proc = subprocess.Popen(local_argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                     env=env)
+
+    def first_line(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().decode(errors="replace")
+
+    def finish(self) -> RunResult:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(b"go\n")
+            self.proc.stdin.close()
+        except OSError:  # it ended already
+            pass
+        out = self.proc.stdout.read().decode(errors="replace")
+        code = self.proc.wait()
+        self.err.seek(0)
+        err = self.err.read().decode(errors="replace")[-8000:]
+        self.err.close()
+        return RunResult(self.machine, self.argv, code, out, err, time.monotonic() - self.started,
+                         reachable=not self.transport.unreachable(code, err))
+
+    def abort(self) -> None:
+        self.proc.kill()
 
 
 class SshTransport(Transport):

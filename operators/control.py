@@ -286,30 +286,24 @@ class Controller:
     def stop(self, job: str, *, grace_s: float | None = None) -> dict[str, str]:
         """Stop the job on every machine of it that answers (SIGKILL after ``grace_s``, default the
         configured ``stop_grace_s``); returns what each said."""
-        grace_s = self.cfg.stop_grace_s if grace_s is None else grace_s
-        j = self.fleet.job(job)
-        machines = self.machines(j.machine_list)
-        # mark everywhere first: ranks ended by a peer's stop are then not reported as new failures
-        self._run(machines, lambda m: [self.inventory.tg_node, "job", "stop", "--job", job, "--mark-only"],
-                  timeout=30)
-        results = self._run(machines, lambda m: [self.inventory.tg_node, "job", "stop", "--job", job,
-                                                 "--grace-s", str(grace_s)], timeout=grace_s + 30)
-        return {n: ("stopped" if r.ok else r.describe()) for n, r in results.items()}
+        return {n: ("stopped" if r.ok else r.describe()) for n, r in self._stop(job, grace_s).items()}
 
-    def log_verdict(self, job: str, since: float = 0.0) -> dict[str, Any]:
-        """The logs' verdict across the job's machines: user_code if any rank's first failure is the
-        job's own code, infrastructure, unknown, or none."""
-        j = self.fleet.job(job)
-        results = self._run(self.machines(j.machine_list),
-                            lambda m: [self.inventory.tg_node, "logs", "--job", job, "--since", str(since)],
-                            timeout=30)
-        verdicts = {}
-        for name, r in results.items():
-            doc = r.answer()
-            verdicts[name] = (doc or {}).get("verdict") or {"class": "unreachable" if not r.reachable else "unknown"}
-        classes = {v.get("class") for v in verdicts.values()}
-        overall = next((c for c in ("user_code", "infrastructure", "unknown") if c in classes), "none")
-        return {"verdict": overall, "machines": verdicts}
+    def _stop(self, job: str, grace_s: float | None = None, logs_since: float | None = None
+              ) -> dict[str, RunResult]:
+        # marked everywhere before anything is stopped: ranks ended by a peer's stop are then not reported
+        # as new failures (both phases in one round of sessions)
+        return launcher.stop_sessions(self.inventory, job, self.machines(self.fleet.job(job).machine_list),
+                                      grace_s=self.cfg.stop_grace_s if grace_s is None else grace_s,
+                                      transport=self.transport, logs_since=logs_since)
+
+    def stop_and_read_logs(self, job: str, since: float = 0.0) -> tuple[dict[str, str], dict[str, Any]]:
+        """:meth:`stop`, and the logs' verdict across the job's machines, read in the same sessions after
+        the stop: user_code if any rank's first failure is the job's own code, infrastructure, unknown,
+        or none."""
+        results = self._stop(job, logs_since=since)
+        stopped = {n: ("stopped" if r.ok else r.describe()) for n, r in results.items()}
+        return stopped, _verdict({n: r.reachable and ((r.answer() or {}).get("logs") or {}).get("verdict")
+                                  for n, r in results.items()})
 
     def diagnose(self, job: str, machine_names: Sequence[str] | None = None, *, levels: Sequence[int] = (1, 2, 3),
                  align: bool = False) -> dict[str, Any]:
@@ -776,6 +770,14 @@ class Controller:
             "actions": [{k: v for k, v in asdict_action(a).items() if k != "evidence"}
                         for a in self.fleet.actions(incident_id)],
         }
+
+
+def _verdict(by_machine: Mapping[str, Any]) -> dict[str, Any]:
+    """The logs' verdict across machines from each one's (False: unreachable; None: no verdict)."""
+    verdicts = {n: v or {"class": "unreachable" if v is False else "unknown"} for n, v in by_machine.items()}
+    classes = {v.get("class") for v in verdicts.values()}
+    overall = next((c for c in ("user_code", "infrastructure", "unknown") if c in classes), "none")
+    return {"verdict": overall, "machines": verdicts}
 
 
 def _digest(r: RunResult) -> str | None:

@@ -184,6 +184,53 @@ class HookTransport(Transport):
             raise ValueError("NodeHook sessions take no standard input")
         return self.hook.exec(machine, argv, timeout_s=timeout, env=env)
 
+    def open_two_phase(self, machine: Machine, argv: Sequence[str], *, timeout: float) -> _ChannelSession:
+        """A paramiko session (the hook's pinned host key) with its stdin open. Raises OSError when no
+        session comes: the machine counts as unreachable."""
+        if not machine.host_key:
+            raise OSError(f"machine {machine.name} has no host key in the inventory; refused")
+        try:
+            client = self.hook._ssh_hook(machine, timeout).get_conn()
+        except paramiko.BadHostKeyException:
+            raise OSError(f"machine {machine.name} ({machine.address}) presented another host key than the "
+                          f"inventory's; refused") from None
+        except (paramiko.SSHException, EOFError) as exc:
+            raise OSError(f"{machine.name} ({machine.address}:{machine.port}): {type(exc).__name__}: {exc}") from None
+        return _ChannelSession(client, machine.name, [str(a) for a in argv], timeout)
+
+
+class _ChannelSession:
+    """A two-phase session over one paramiko channel."""
+
+    def __init__(self, client: paramiko.SSHClient, machine: str, argv: list[str], timeout: float) -> None:
+        self.client, self.machine, self.argv = client, machine, argv
+        self.started = time.monotonic()
+        self.stdin, self.stdout, self.stderr = client.exec_command(shlex.join(argv), timeout=timeout)
+
+    def first_line(self) -> str:
+        try:
+            return self.stdout.readline()
+        except (OSError, paramiko.SSHException):
+            return ""
+
+    def finish(self) -> RunResult:
+        try:
+            self.stdin.write("go\n")
+            self.stdin.flush()
+            self.stdin.channel.shutdown_write()
+            out = self.stdout.read().decode("utf-8", "replace")
+            err = self.stderr.read().decode("utf-8", "replace")[-8000:]
+            code = self.stdout.channel.recv_exit_status()
+        except (OSError, paramiko.SSHException) as exc:  # the channel timed out or was closed
+            return RunResult(self.machine, self.argv, None, "", f"{self.machine}: {type(exc).__name__}: {exc}",
+                             time.monotonic() - self.started, timed_out=True, extra={"status": "timeout"})
+        finally:
+            self.client.close()
+        return RunResult(self.machine, self.argv, code, out, err, time.monotonic() - self.started)
+
+    def abort(self) -> None:
+        self.client.close()
+
 
 def _node_result(res: RunResult) -> NodeResult:
     seconds = round(res.duration_s, 3)

@@ -85,8 +85,7 @@ def stop_time_diagnosis(decision: dict[str, Any]) -> dict[str, Any]:
     then what the ladder says: evict what failed, roll back, or restart in place."""
     c = controller()
     incident = decision["incident"]
-    c.stop(decision["job"])
-    logs = c.log_verdict(decision["job"])
+    _, logs = c.stop_and_read_logs(decision["job"])
     t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
     if logs["verdict"] == "user_code":
         d = ladder.decide(t, level=decision["level"], log_verdict="user_code", rollback_to=decision["rollback_to"])
