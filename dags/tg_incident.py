@@ -1,6 +1,7 @@
 """tg_incident: triage one incident and climb the ladder (evict / diagnose / analyse / roll back), then
-recover: standbys in, job restarted, newest committed checkpoint restored, training seen past it; after
-the incident closes, warm interpreters are parked again beside the job for the next restart."""
+recover (in the rung's own task, right after its action): standbys in, job restarted, newest committed
+checkpoint restored, training seen past it; after the incident closes, warm interpreters are parked
+again beside the job for the next restart."""
 
 from __future__ import annotations
 
@@ -31,12 +32,14 @@ def tg_incident():
         def run(decision: dict) -> dict:
             from operators.airflow import steps
 
-            return getattr(steps, name)(decision)
+            return steps.handle(name, decision)
 
         return run
 
     @task(trigger_rule="none_failed_min_one_success")
     def recover(results: list, params: dict | None = None) -> dict:
+        """The restart: the handler restarted the job as soon as it acted; this passes its result on (or
+        restarts, when the handler's result asks for it and holds none)."""
         from operators.airflow import steps
 
         return steps.recover(params["incident_id"], list(results))

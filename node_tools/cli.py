@@ -65,6 +65,7 @@ def _job_spec(ns: argparse.Namespace, *, warm: bool) -> Any:
         job=ns.job, nnodes=ns.nnodes, node_rank=ns.node_rank, nproc_per_node=ns.nproc_per_node,
         master_addr=ns.master_addr, master_port=ns.master_port, entry=ns.entry, args=args,
         revision=ns.revision, checkpoint=ns.checkpoint, warm=warm,
+        warm_if_parked=bool(getattr(ns, "warm_if_parked", False)),
     )
 
 
@@ -114,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     jp = sub.add_parser("job", help="this machine's part of a training job")
     jsub = jp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
-    _job_start_args(jsub.add_parser("start"))
+    js = jsub.add_parser("start")
+    _job_start_args(js)
+    js.add_argument("--warm-if-parked", action="store_true",
+                    help="on the parked warm interpreters when enough are free, else cold (the answer's \"warm\")")
     jt = jsub.add_parser("stop")
     jt.add_argument("--job", required=True)
     jt.add_argument("--grace-s", type=float, default=10.0)
@@ -126,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     jt.add_argument("--go-timeout-s", type=float, default=30.0)
     jt.add_argument("--logs-since", type=float,
                     help="after the stop, add what 'tg-node logs --since' says (its \"logs\")")
+    jt.add_argument("--status", action="store_true", help="after the stop, add what 'tg-node job status' says")
     jq = jsub.add_parser("status")
     jq.add_argument("--job", required=True)
     jr = jsub.add_parser("steps", help="a rank's step records")
@@ -266,6 +271,8 @@ def run(argv: list[str]) -> tuple[int, Any]:
             wait = (lambda mark: _wait_go(mark, ns.go_timeout_s)) if ns.wait_go else None
             out = job.stop(cfg, job.check_job_name(ns.job), grace_s=ns.grace_s, mark_only=ns.mark_only,
                            wait_go=wait)
+            if ns.status:
+                out["status"] = job.status(cfg, ns.job)
             if ns.logs_since is not None:
                 from node_tools import logs
 

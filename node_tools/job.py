@@ -64,6 +64,8 @@ class JobSpec:
             as ``TG_CHECKPOINT``; "" lets the job decide.
         warm: run on this machine's parked warm interpreters (``tg-node standby park``)
             instead of starting torchrun and its workers cold.
+        warm_if_parked: run on the parked warm interpreters when enough are free, else cold (a
+            restart need not ask every machine first which it has).
     """
 
     job: str
@@ -77,6 +79,7 @@ class JobSpec:
     revision: str = ""
     checkpoint: str = ""
     warm: bool = False
+    warm_if_parked: bool = False
 
     def validate(self) -> None:
         check_job_name(self.job)
@@ -168,17 +171,19 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
     if cfg.job_nice:  # the supervisor and the warm interpreters that run the job apply it
         env[procs.NICE_ENV] = str(cfg.job_nice)
     standby = None
-    if spec.warm:
+    if spec.warm or spec.warm_if_parked:
         from node_tools import standby as sb
 
-        standby = sb.standby_dir(cfg.workdir)
         free = len(sb.free_slots(cfg.workdir))
-        if free < spec.nproc_per_node + 1:
+        warm = free >= spec.nproc_per_node + 1
+        standby = sb.standby_dir(cfg.workdir) if warm else None
+        if spec.warm and not warm:
             raise TrainguardError(
                 f"machine {cfg.machine} has {free} warm interpreters, job {spec.job} needs "
                 f"{spec.nproc_per_node + 1} (ranks + torchrun); run 'tg-node standby park --nproc "
                 f"{spec.nproc_per_node}' first, or start it cold"
             )
+    if standby is not None:
         client = [sys.executable, sb.client_entry(), "client", "--dir", str(standby)]
         # torchrun itself runs in a warm interpreter, and its workers are thin clients of the others
         at = torchrun.index(str(entry))
@@ -209,7 +214,7 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
             f"machine {cfg.machine}: job {spec.job} exited at once (code {proc.returncode}); "
             f"see {rd / 'supervisor.log'}"
         )
-    return status(cfg, spec.job)
+    return status(cfg, spec.job) | {"warm": standby is not None}
 
 
 def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0, mark_only: bool = False,

@@ -36,6 +36,8 @@ class JobPlan:
         checkpoint: checkpoint location handed to every machine's part of the job.
         warm: names of machines that start their part on parked warm interpreters
             (``tg-node standby activate``) instead of cold.
+        warm_if_parked: the others start on their warm interpreters when they have them parked,
+            else cold (``tg-node job start --warm-if-parked``; each answer's ``warm`` says which).
     """
 
     job: str
@@ -47,6 +49,7 @@ class JobPlan:
     revision: str = ""
     checkpoint: str = ""
     warm: set[str] = field(default_factory=set)
+    warm_if_parked: bool = False
 
     def validate(self) -> None:
         check_job_name(self.job)
@@ -63,7 +66,8 @@ class JobPlan:
     def start_argv(self, inv: Inventory, machine: Machine) -> list[str]:
         i = self.machines.index(machine)
         t = self.topology
-        command = ["standby", "activate"] if machine.name in self.warm else ["job", "start"]
+        command = (["standby", "activate"] if machine.name in self.warm
+                   else ["job", "start", "--warm-if-parked"] if self.warm_if_parked else ["job", "start"])
         return [
             inv.tg_node, *command,
             "--job", self.job,
@@ -117,14 +121,17 @@ def stop(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: floa
 
 
 def stop_sessions(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: float = 10.0,
-                  transport: Transport | None = None, logs_since: float | None = None) -> dict[str, RunResult]:
+                  transport: Transport | None = None, logs_since: float | None = None,
+                  status: bool = False) -> dict[str, RunResult]:
     """Stop the job on ``machines`` in one round of sessions of two phases: mark the stop on all of them
     (so ranks that die because a peer stopped first are not reported as failures), then, once every
     machine is marked, stop each. ``logs_since``: each answer also holds the machine's log verdict
-    after the stop (``tg-node logs --since``), a round of sessions less for stop-time diagnosis."""
+    after the stop (``tg-node logs --since``), a round of sessions less for stop-time diagnosis;
+    ``status``: and its ``tg-node job status`` (the steps each rank finished)."""
     check_job_name(job)
     transport = transport or transport_for(inv)
     extra = ["--logs-since", str(logs_since)] if logs_since is not None else []
+    extra += ["--status"] if status else []
     return transport.run_two_phase(
         machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s), "--wait-go", *extra],
         timeout=grace_s + 30, ready_timeout=30,

@@ -15,7 +15,6 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,6 +95,9 @@ class Controller:
         self.inventory = inventory or Inventory.load(Path(config.inventory))
         self.transport = transport or transport_for(self.inventory)
         self.fleet = FleetStore(config.fleet_url)
+        # what this controller's last stop of each job found: every machine's answer after the stop (its
+        # state and the steps its ranks finished); a restart right after needs no round of reads
+        self._stopped: dict[str, dict[str, Any]] = {}
 
     # ---- fleet and jobs ---------------------------------------------------------------------------
     def sync_inventory(self) -> list[str]:
@@ -144,27 +146,32 @@ class Controller:
         return {"parked": sorted(ready | {n for n, r in results.items() if r.ok}),
                 "failed": {n: r.describe() for n, r in results.items() if not r.ok}}
 
-    def _plan(self, job: str, warm: set[str], extra_args: Sequence[str] = ()) -> launcher.JobPlan:
+    def _plan(self, job: str, warm: set[str], extra_args: Sequence[str] = (), *, warm_if_parked: bool = False
+              ) -> launcher.JobPlan:
         j = self.fleet.job(job)
         launches = sum(1 for a in self.fleet.actions() if a.kind == "launch" and a.key.startswith(f"launch:{job}:"))
         return launcher.JobPlan(job=job, topology=self.topology(job), machines=self.machines(j.machine_list),
                                 train_args=[*j.train_args, *extra_args], master_port=PORT_BASE + launches % PORT_SPAN,
-                                revision=j.revision, warm=warm)
+                                revision=j.revision, warm=warm, warm_if_parked=warm_if_parked)
 
-    def _start(self, job: str, *, warm: set[str], incident_id: int | None = None,
-               restore_max_step: int | None = None, tag: str = "") -> dict[str, Any]:
+    def _start(self, job: str, *, warm: set[str] | None = None, warm_if_parked: bool = False,
+               incident_id: int | None = None, restore_max_step: int | None = None, tag: str = "") -> dict[str, Any]:
+        """Launch the job on its machine list: those in ``warm`` on their parked interpreters; with
+        ``warm_if_parked``, every other one on its parked interpreters if it has them, else cold."""
+        warm = set(warm or ())
+        self._stopped.pop(job, None)  # what a stop found no longer holds once the job runs again
         j = self.fleet.job(job)
         if j.pending_revision:  # a lazy code update waits for the next restart: this one
             self.fleet.set_revision(job, j.pending_revision)
         # this launch only: later restarts restore the newest step again
         extra = ["--restore-max-step", str(restore_max_step)] if restore_max_step is not None else []
-        plan = self._plan(job, warm, extra)
+        plan = self._plan(job, warm, extra, warm_if_parked=warm_if_parked)
         tag = tag or (str(incident_id) if incident_id is not None else "initial")
         key = f"launch:{job}:{tag}:{','.join(j.machine_list)}"
         action, created = self.fleet.record_action(key, kind="launch", incident_id=incident_id,
                                                    machines=j.machine_list, dry_run=self.cfg.dry_run,
                                                    evidence={"revision": plan.revision, "port": plan.master_port,
-                                                             "warm": sorted(warm),
+                                                             "warm": sorted(warm), "warm_if_parked": warm_if_parked,
                                                              "restore_max_step": restore_max_step})
         if not created and action.outcome == "done":
             return {"launched": False, "reason": "already launched", "machines": j.machine_list}
@@ -175,9 +182,11 @@ class Controller:
         except TrainguardError as exc:
             self.fleet.finish_action(action.id, "failed", str(exc))
             raise
-        self.fleet.finish_action(action.id, "done", f"started on {', '.join(j.machine_list)}")
+        started_warm = sorted(n for n, d in docs.items() if n in warm or d.get("warm"))
+        self.fleet.finish_action(action.id, "done", f"started on {', '.join(j.machine_list)}"
+                                                    f" (warm: {', '.join(started_warm) or 'none'})")
         self.fleet.set_job_state(job, "running")
-        return {"launched": True, "machines": j.machine_list, "port": plan.master_port,
+        return {"launched": True, "machines": j.machine_list, "port": plan.master_port, "warm": started_warm,
                 "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}
 
     def hot_update(self, job: str, revision: str, *, reason: str = "") -> dict[str, Any]:
@@ -187,16 +196,16 @@ class Controller:
         self.fleet.record_revision(job, revision, reason=reason)
         if self.fleet.job(job).revision == revision:
             return {"updated": False, "job": job, "reason": f"job {job} already runs {revision}"}
-        before = self.progress(job)
         stopped = self.stop(job)
+        # the steps every rank finished: what the stop found (no more come after it)
+        before = self._stopped.pop(job, None) or self.progress(job)
         self.fleet.set_revision(job, revision)
         machines = self.fleet.job(job).machine_list
-        warm = self.parked(machines)
         restart_ts = time.time()
         updates = sum(1 for a in self.fleet.actions() if a.key.startswith(f"launch:{job}:update-"))
-        started = self._start(job, warm=warm, tag=f"update-{updates + 1}-{revision}")
+        started = self._start(job, warm_if_parked=True, tag=f"update-{updates + 1}-{revision}")
         return {"updated": bool(started.get("launched")), "job": job, "revision": revision, "machines": machines,
-                "stopped": stopped, "started": started, "warm": sorted(warm),
+                "stopped": stopped, "started": started, "warm": started.get("warm", []),
                 "steps_before": before.get("step", -1), "restart_ts": restart_ts}
 
     # ---- guardian: alerts -> incidents ------------------------------------------------------------
@@ -292,9 +301,16 @@ class Controller:
               ) -> dict[str, RunResult]:
         # marked everywhere before anything is stopped: ranks ended by a peer's stop are then not reported
         # as new failures (both phases in one round of sessions)
-        return launcher.stop_sessions(self.inventory, job, self.machines(self.fleet.job(job).machine_list),
-                                      grace_s=self.cfg.stop_grace_s if grace_s is None else grace_s,
-                                      transport=self.transport, logs_since=logs_since)
+        names = self.fleet.job(job).machine_list
+        results = launcher.stop_sessions(self.inventory, job, self.machines(names),
+                                         grace_s=self.cfg.stop_grace_s if grace_s is None else grace_s,
+                                         transport=self.transport, logs_since=logs_since, status=True)
+        statuses = {n: (r.answer() or {}).get("status") if r.ok else None for n, r in results.items()}
+        self._stopped.pop(job, None)
+        if all(isinstance(st, dict) and st.get("state") in ("exited", "absent") for st in statuses.values()):
+            self._stopped[job] = {"machines": list(names), "step": launcher.min_step(statuses),
+                                  "states": {n: st["state"] for n, st in statuses.items()}}
+        return results
 
     def stop_and_read_logs(self, job: str, since: float = 0.0) -> tuple[dict[str, str], dict[str, Any]]:
         """:meth:`stop`, and the logs' verdict across the job's machines, read in the same sessions after
@@ -640,20 +656,23 @@ class Controller:
     def recover(self, incident_id: int, *, restore_max_step: int | None = None) -> dict[str, Any]:
         """Stop the job everywhere it answers, then start it on its machine list (replacements already
         swapped in by :meth:`evict`): every machine with warm interpreters parked (standbys, and survivors
-        armed by :meth:`arm`) starts on them. The job restores its newest committed checkpoint itself.
-        Returns the steps every rank had finished before (for the resume check)."""
+        armed by :meth:`arm`) starts on them, the others cold. The job restores its newest committed
+        checkpoint itself. Returns the steps every rank had finished before (for the resume check).
+        Right after this controller stopped the job everywhere, what the stop found stands: no round of
+        reads before the launch."""
         inc = self.fleet.incident(incident_id)
         job = inc.job
-        with ThreadPoolExecutor(max_workers=1) as pool:  # two independent reads, one round's time
-            parked = pool.submit(self.parked, self.fleet.job(job).machine_list)
+        before = self._stopped.pop(job, None)
+        if before is not None:
+            stopped = {n: "stopped" for n in before["machines"]}
+        else:
             before = self.progress(job)
-            warm = parked.result()
-        # the handler has usually stopped it already: two rounds of sessions saved when no machine runs it
-        done = before["states"] and all(s in ("exited", "absent") for s in before["states"].values())
-        stopped = {n: "not running" for n in before["states"]} if done else self.stop(job)
-        started = self._start(job, warm=warm, incident_id=incident_id, restore_max_step=restore_max_step)
+            # the handler has usually stopped it already: no stop when no machine runs it
+            done = before["states"] and all(s in ("exited", "absent") for s in before["states"].values())
+            stopped = {n: "not running" for n in before["states"]} if done else self.stop(job)
+        started = self._start(job, warm_if_parked=True, incident_id=incident_id, restore_max_step=restore_max_step)
         self.fleet.update_incident(incident_id, decided_ts=time.time())
-        return {"job": job, "stopped": stopped, "started": started, "warm": sorted(warm),
+        return {"job": job, "stopped": stopped, "started": started, "warm": started.get("warm", []),
                 "steps_before": before.get("step", -1), "restart_ts": time.time()}
 
     def progress(self, job: str) -> dict[str, Any]:

@@ -3,11 +3,13 @@ over an incident whose slow vote is still running (the end-to-end paths are in t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from node_tools.inventory import Inventory, Machine
+from node_tools.transport import RunResult, Transport
 from operators.control import ControlConfig, Controller
 
 
@@ -233,3 +235,56 @@ def test_l2_and_l3_in_one_round_a_failed_collective_between_l2_healthy_machines_
     out = ctl.diagnose("j")
     assert sorted(out["failed"]) == ["m2", "m3"] and out["failed"]["m2"].startswith("L3: collective_neighbours")
     assert "align" not in out["report"]
+
+
+class _Machines(Transport):
+    """Machines that answer tg-node job stop/status/start from a script, recording every command."""
+
+    def __init__(self, inventory: Inventory, steps: dict[str, int]) -> None:
+        super().__init__(inventory)
+        self.steps, self.commands = steps, []
+
+    def _status(self, machine: str, state: str) -> dict:
+        return {"job": "j", "machine": machine, "state": state, "ranks": [{"rank": 0, "step": self.steps[machine]}]
+                if machine in self.steps else []}
+
+    def run(self, machine, argv, *, timeout=30.0, stdin=None, env=None) -> RunResult:
+        self.commands.append((machine.name, argv[1:3]))
+        if argv[1:3] == ["job", "status"]:
+            doc = self._status(machine.name, "exited")
+        elif argv[1:3] == ["job", "start"]:
+            doc = {**self._status(machine.name, "running"), "warm": "--warm-if-parked" in argv}
+        else:
+            raise AssertionError(f"unexpected command {argv}")
+        return RunResult(machine.name, list(argv), 0, json.dumps(doc), "", 0.1)
+
+    def run_two_phase(self, machines, argv_for, *, timeout=30.0, ready_timeout=None) -> dict[str, RunResult]:
+        out = {}
+        for m in machines:
+            argv = argv_for(m)
+            self.commands.append((m.name, argv[1:3]))
+            assert "--wait-go" in argv and "--status" in argv
+            doc = {"job": "j", "machine": m.name, "stopped_pids": [1], "state": "running",
+                   "status": self._status(m.name, "exited")}
+            out[m.name] = RunResult(m.name, argv, 0, json.dumps(doc), "", 0.1, extra={"first": "{}"})
+        return out
+
+
+def test_a_restart_right_after_the_stop_starts_at_once_from_what_the_stop_found(tmp_path: Path):
+    c = _controller(tmp_path)
+    machines = _Machines(c.inventory, {"m0": 7, "m1": 6, "m2": 7, "m3": 7})
+    c.transport = machines
+    [lost] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
+    assert c.stop("j") == dict.fromkeys(["m0", "m1", "m2", "m3"], "stopped")
+    c.evict(lost["incident"], ["m1"], reason="gpu lost")
+    machines.commands.clear()
+    out = c.recover(lost["incident"])
+    # no round of reads: every machine of the new list (the standby m4 in m1's place) just starts, warm
+    # where it has interpreters parked
+    assert machines.commands == [(n, ["job", "start"]) for n in ["m0", "m4", "m2", "m3"]]
+    assert out["steps_before"] == 6 and out["stopped"] == dict.fromkeys(["m0", "m1", "m2", "m3"], "stopped")
+    assert out["warm"] == ["m0", "m2", "m3", "m4"]
+    # a restart this controller did not stop the job for reads first what runs where
+    machines.commands.clear()
+    c.recover(lost["incident"])
+    assert [cmd for _, cmd in machines.commands][:4] == [["job", "status"]] * 4

@@ -91,6 +91,20 @@ def test_activation_needs_a_parked_machine(node):
         job.start(node, spec("warm"))
 
 
+def test_warm_if_parked_starts_cold_without_interpreters_and_warm_on_them(node):
+    either = dataclasses.replace(spec("warm"), warm=False, warm_if_parked=True)
+    cold = job.start(node, either)
+    assert cold["warm"] is False and cold["state"] == "running"
+    job.stop(node, "warm", grace_s=2)
+    standby.park(node, nproc=2)
+    interpreters = warm_pids(node)
+    warm = job.start(node, dataclasses.replace(either, master_port=free_port()))
+    assert warm["warm"] is True
+    rd = job.run_dir(node, "warm")
+    wait_until(lambda: all(monitor.read_steps(rd, r) for r in (0, 1)), timeout=120, what="both ranks to step")
+    assert {monitor.read_heartbeat(rd, r)["pid"] for r in (0, 1)} <= interpreters
+
+
 def test_stop_ends_every_warm_process_of_the_job(node):
     standby.park(node, nproc=2)
     job.start(node, spec("warm"))

@@ -74,16 +74,23 @@ def choose(decision: dict[str, Any]) -> str:
     return BRANCHES.get(decision["action"], "no_recovery")
 
 
-def evict_now(decision: dict[str, Any]) -> dict[str, Any]:
+def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
+    """The rung ``name`` (a task id of :data:`BRANCHES`): its action, then at once, in the same task, the
+    restart it calls for (see :func:`restart`): no task hop and no round of reads between the decision
+    and the job starting again."""
     c = controller()
+    result = HANDLERS[name](c, decision)
+    return restart(c, decision["incident"], result)
+
+
+def evict_now(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     c.stop(decision["job"])
     return c.evict(decision["incident"], decision["machines"], reason=decision["reason"])
 
 
-def stop_time_diagnosis(decision: dict[str, Any]) -> dict[str, Any]:
+def stop_time_diagnosis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Stop the job; logs and exit codes; if not the job's own code, L1 -> L2 -> L3 (+ alignment for NaN);
     then what the ladder says: evict what failed, roll back, or restart in place."""
-    c = controller()
     incident = decision["incident"]
     _, logs = c.stop_and_read_logs(decision["job"])
     t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
@@ -96,12 +103,11 @@ def stop_time_diagnosis(decision: dict[str, Any]) -> dict[str, Any]:
     return _follow(c, incident, d, {"logs": logs, "diagnosis": diag}, decision["rollback_to"])
 
 
-def runtime_analysis(decision: dict[str, Any]) -> dict[str, Any]:
+def runtime_analysis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Stacks of every rank while the job still hangs; over-evict the outliers' parallel group."""
-    c = controller()
     a = c.analyze(decision["job"], decision["incident"])
     if not a["machines"]:  # nothing stands out: stop-time diagnosis decides instead
-        out = stop_time_diagnosis({**decision, "diagnose": {"align": False}})
+        out = stop_time_diagnosis(c, {**decision, "diagnose": {"align": False}})
         return {**out, "analysis": a}
     c.stop(decision["job"])
     ev = c.evict(decision["incident"], a["machines"],
@@ -110,10 +116,9 @@ def runtime_analysis(decision: dict[str, Any]) -> dict[str, Any]:
     return {**ev, "analysis": a}
 
 
-def slow_vote(decision: dict[str, Any]) -> dict[str, Any]:
+def slow_vote(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Throughput decline: vote over rounds on each rank's compute time while the job trains; evict the
     group flagged in most rounds (then recover), or nothing when the slowdown was shared or passed."""
-    c = controller()
     vote = c.vote_slow(decision["incident"])
     if vote.get("superseded") or not vote["machines"]:
         return {"swaps": {}, "no_restart": True, "vote": vote}
@@ -124,11 +129,10 @@ def slow_vote(decision: dict[str, Any]) -> dict[str, Any]:
     return {**ev, "vote": vote}
 
 
-def silent_corruption(decision: dict[str, Any]) -> dict[str, Any]:
+def silent_corruption(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Parameters differ between data-parallel peers (or a failure recurred past a rollback): stop, run
     the alignment test on every machine; when every machine agrees, replay real training steps in groups
     (dual-phase replay); evict the machines either finds."""
-    c = controller()
     c.stop(decision["job"])
     diag = c.diagnose(decision["job"], levels=(), align=True)
     failed = sorted(diag["failed"])
@@ -147,15 +151,19 @@ def silent_corruption(decision: dict[str, Any]) -> dict[str, Any]:
     return _follow(c, decision["incident"], d, evidence)
 
 
-def roll_back(decision: dict[str, Any]) -> dict[str, Any]:
-    c = controller()
+def roll_back(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     c.stop(decision["job"])
     return c.rollback(decision["incident"], decision["rollback_to"])
 
 
-def no_culprit(decision: dict[str, Any]) -> dict[str, Any]:
-    controller().stop(decision["job"])
+def no_culprit(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
+    c.stop(decision["job"])
     return {"swaps": {}, "reattempt": True}
+
+
+HANDLERS = {"evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnosis, "runtime_analysis": runtime_analysis,
+            "slow_vote": slow_vote, "silent_corruption": silent_corruption, "roll_back": roll_back,
+            "no_culprit": no_culprit}
 
 
 def _follow(c: Controller, incident: int, d: ladder.Decision, evidence: dict[str, Any],
@@ -170,10 +178,22 @@ def _follow(c: Controller, incident: int, d: ladder.Decision, evidence: dict[str
     return {"waiting_human": True, "reason": d.reason, **evidence}
 
 
+def restart(c: Controller, incident_id: int, result: dict[str, Any]) -> dict[str, Any]:
+    """After a rung acted: restart the job on its machine list (``result["recovery"]``), unless the rung
+    leaves it alone (waiting for a human, a dry run, a slow vote that evicted nothing)."""
+    if result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"):
+        return result
+    out = c.recover(int(incident_id), restore_max_step=result.get("restore_max_step"))
+    return {**result, "recovery": {"restarted": True, **out}}
+
+
 def recover(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """Restart the job on its machine list after whichever handler ran (skipped ones give None)."""
+    """The restart after whichever handler ran (skipped ones give None): done by the handler already
+    (its ``recovery``), else here, unless there is nothing to restart."""
     done = [r for r in results if r]
     result = done[0] if done else {}
+    if result.get("recovery"):
+        return result["recovery"]
     if result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"):
         return {"restarted": False, **result}
     out = controller().recover(int(incident_id), restore_max_step=result.get("restore_max_step"))
