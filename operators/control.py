@@ -746,15 +746,17 @@ class Controller:
         return records
 
     def ettr_report(self, job: str, *, window_s: float = 3600.0,
-                    records: Sequence[Mapping[str, Any]] | None = None) -> dict[str, Any]:
+                    records: Sequence[Mapping[str, Any]] | None = None, as_of: float | None = None
+                    ) -> dict[str, Any]:
         """The job's effective training time ratio, cumulative (since its first step) and over the last
         ``window_s``, and each closed incident's time split into detection, diagnosis, recovery and lost
         work (steps recomputed after the restore), summed by failure cause. ``records``: the job's
-        :meth:`step_history` when the caller has it already (one round of sessions less)."""
+        :meth:`step_history` when the caller has it already (one round of sessions less), read at
+        ``as_of`` (default: now)."""
+        now = time.time() if as_of is None else as_of
         records = list(self.step_history(job) if records is None else records)
         if not records:
             raise TrainguardError(f"job {job} has no step records on any machine of the inventory; has it run?")
-        now = time.time()
         first = min(float(r["ts"]) - float(r.get("step_time_s") or 0.0) for r in records)
         incidents, by_cause = [], {}
         since = first

@@ -251,8 +251,9 @@ def _play(g: GuardedJob, faults: Sequence[Fault], args: argparse.Namespace, cloc
 def _report(g: GuardedJob, faults: Sequence[Fault], results: list[dict[str, Any]], clock: Clock,
             report_dir: Path) -> int:
     fleet = g.ctl.fleet
+    as_of = time.time()  # the records are as of now: steps that end while they are read are not in them
     records = g.ctl.step_history(JOB)
-    ettr = g.ctl.ettr_report(JOB, records=records)
+    ettr = g.ctl.ettr_report(JOB, records=records, as_of=as_of)
     rows = []
     for r in results:
         inc = fleet.incident(r["incident"]) if r["incident"] else None
