@@ -196,22 +196,25 @@ class HookTransport(Transport):
                           f"inventory's; refused") from None
         except (paramiko.SSHException, EOFError) as exc:
             raise OSError(f"{machine.name} ({machine.address}:{machine.port}): {type(exc).__name__}: {exc}") from None
-        return _ChannelSession(client, machine.name, [str(a) for a in argv], timeout)
+        return _ChannelSession(client, machine.name, [str(a) for a in argv], timeout, self.hook.log)
 
 
 class _ChannelSession:
-    """A two-phase session over one paramiko channel."""
+    """A two-phase session over one paramiko channel; what it runs and answers goes to the task's log."""
 
-    def __init__(self, client: paramiko.SSHClient, machine: str, argv: list[str], timeout: float) -> None:
-        self.client, self.machine, self.argv = client, machine, argv
+    def __init__(self, client: paramiko.SSHClient, machine: str, argv: list[str], timeout: float, log: Any) -> None:
+        self.client, self.machine, self.argv, self.log = client, machine, argv, log
         self.started = time.monotonic()
+        log.info("Running command (two phases) on %s: %s", machine, shlex.join(argv))
         self.stdin, self.stdout, self.stderr = client.exec_command(shlex.join(argv), timeout=timeout)
 
     def first_line(self) -> str:
         try:
-            return self.stdout.readline()
+            line = self.stdout.readline()
         except (OSError, paramiko.SSHException):
             return ""
+        self.log.info("%s, first phase: %s", self.machine, line.strip())
+        return line
 
     def finish(self) -> RunResult:
         try:
@@ -226,6 +229,7 @@ class _ChannelSession:
                              time.monotonic() - self.started, timed_out=True, extra={"status": "timeout"})
         finally:
             self.client.close()
+        self.log.info("%s, exit %s: %s", self.machine, code, out.strip()[-2000:])
         return RunResult(self.machine, self.argv, code, out, err, time.monotonic() - self.started)
 
     def abort(self) -> None:
