@@ -132,10 +132,12 @@ def stop_sessions(inv: Inventory, job: str, machines: Sequence[Machine], *, grac
     transport = transport or transport_for(inv)
     extra = ["--logs-since", str(logs_since)] if logs_since is not None else []
     extra += ["--status"] if status else []
-    return transport.run_two_phase(
-        machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s), "--wait-go", *extra],
-        timeout=grace_s + 30, ready_timeout=30,
-    )
+    stop = [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s)]
+    if len(machines) > transport.max_two_phase:  # more sessions than one may hold open: a round per phase
+        transport.run_many(machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--mark-only"], timeout=30)
+        return transport.run_many(machines, lambda m: [*stop, *extra], timeout=grace_s + 30)
+    return transport.run_two_phase(machines, lambda m: [*stop, "--wait-go", *extra], timeout=grace_s + 30,
+                                   ready_timeout=30)
 
 
 def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: float = 20.0,

@@ -84,6 +84,10 @@ class TwoPhaseSession(Protocol):
 class Transport:
     """Runs argument lists on machines of an inventory."""
 
+    #: the most sessions :meth:`run_two_phase` holds open at once (each waits for all the others); callers
+    #: with more machines than this do the two phases in two rounds
+    max_two_phase = 256
+
     def __init__(self, inventory: Inventory) -> None:
         self.inventory = inventory
 

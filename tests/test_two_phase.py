@@ -16,6 +16,7 @@ from node_tools.config import NodeConfig
 from node_tools.inventory import SCHEMA_VERSION, Inventory
 from node_tools.transport import LocalTransport, SshTransport
 
+TG_NODE = str(Path(sys.executable).with_name("tg-node"))
 # phase 1: leave a mark (after DELAY s: the slow machine); phase 2: say which marks exist
 PHASES = """
 import json, pathlib, sys, time
@@ -124,3 +125,23 @@ def test_a_stop_in_one_round_marks_everywhere_first_raises_no_alert_and_reads_th
     wait_until(lambda: all(agent_ts(m) > stopped + 10.5 for m in active), timeout=60,
                what="every agent to finish a full round of checks after the stop")
     assert alerts.poll() == [], [(a.kind, a.machine, a.rank) for a in alerts.seen]
+
+
+@pytest.mark.parametrize("max_two_phase", [256, 1])
+def test_a_stop_of_more_machines_than_sessions_held_at_once_takes_a_round_per_phase(tmp_path: Path, max_two_phase):
+    from node_tools import launcher
+
+    configs = {}
+    for name in ("a", "b"):
+        NodeConfig(machine=name, workdir=tmp_path / name, install_dir=tmp_path).save(tmp_path / f"{name}.json")
+        configs[name] = {"env": {"TG_NODE_CONFIG": str(tmp_path / f"{name}.json")}}
+    machines = [{"name": n, "address": "127.0.0.1", "extra": e} for n, e in configs.items()]
+    inv = Inventory.from_dict({"schema": SCHEMA_VERSION, "transport": "local", "cluster": "t", "tg_node": TG_NODE,
+                               "machines": machines})
+    transport = LocalTransport(inv)
+    transport.max_two_phase = max_two_phase
+    results = launcher.stop_sessions(inv, "j", inv.machines, grace_s=1, transport=transport, status=True)
+    for name, r in results.items():
+        assert r.ok and r.json()["machine"] == name and r.json()["status"]["state"] == "absent"
+        # one session of two phases answers the mark first; a round per phase has no first line
+        assert ("first" in r.extra) == (max_two_phase > 1)
