@@ -184,7 +184,8 @@ class Controller:
             raise
         started_warm = sorted(n for n, d in docs.items() if n in warm or d.get("warm"))
         self.fleet.finish_action(action.id, "done", f"started on {', '.join(j.machine_list)}"
-                                                    f" (warm: {', '.join(started_warm) or 'none'})")
+                                                    f" (warm: {', '.join(started_warm) or 'none'})",
+                                 evidence={"warm": started_warm})
         self.fleet.set_job_state(job, "running")
         return {"launched": True, "machines": j.machine_list, "port": plan.master_port, "warm": started_warm,
                 "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}

@@ -284,6 +284,8 @@ def test_a_restart_right_after_the_stop_starts_at_once_from_what_the_stop_found(
     assert machines.commands == [(n, ["job", "start"]) for n in ["m0", "m4", "m2", "m3"]]
     assert out["steps_before"] == 6 and out["stopped"] == dict.fromkeys(["m0", "m1", "m2", "m3"], "stopped")
     assert out["warm"] == ["m0", "m2", "m3", "m4"]
+    [launch] = [a for a in c.fleet.actions(lost["incident"]) if a.kind == "launch"]
+    assert launch.outcome == "done" and launch.evidence["warm"] == ["m0", "m2", "m3", "m4"]
     # a restart this controller did not stop the job for reads first what runs where
     machines.commands.clear()
     c.recover(lost["incident"])

@@ -413,12 +413,16 @@ class FleetStore:
             inc.category, inc.summary = category, summary
             return True
 
-    def finish_action(self, action_id: int, outcome: str, detail: str = "") -> bool:
+    def finish_action(self, action_id: int, outcome: str, detail: str = "",
+                      evidence: dict[str, Any] | None = None) -> bool:
+        """Record how an action ended; ``evidence``: what it learnt on the way, added to its evidence."""
         with self.tx() as s:
             a = self._required(s, Action, action_id, lock=True)
             if a.finished_ts is not None:
                 return False
             a.outcome, a.detail, a.finished_ts = outcome, detail, self.clock()
+            if evidence:
+                a.evidence = {**(a.evidence or {}), **evidence}
             return True
 
     def actions(self, incident_id: int | None = None) -> list[Action]:
