@@ -134,7 +134,7 @@ def stop_sessions(inv: Inventory, job: str, machines: Sequence[Machine], *, grac
     extra += ["--status"] if status else []
     stop = [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s)]
     if len(machines) > transport.max_two_phase:  # more sessions than one may hold open: a round per phase
-        transport.run_many(machines, lambda m: [inv.tg_node, "job", "stop", "--job", job, "--mark-only"], timeout=30)
+        transport.run_many(machines, lambda m: [*stop, "--mark-only"], timeout=30)
         return transport.run_many(machines, lambda m: [*stop, *extra], timeout=grace_s + 30)
     return transport.run_two_phase(machines, lambda m: [*stop, "--wait-go", *extra], timeout=grace_s + 30,
                                    ready_timeout=30)

@@ -95,8 +95,8 @@ class Controller:
         self.inventory = inventory or Inventory.load(Path(config.inventory))
         self.transport = transport or transport_for(self.inventory)
         self.fleet = FleetStore(config.fleet_url)
-        # what this controller's last stop of each job found: every machine's answer after the stop (its
-        # state and the steps its ranks finished); a restart right after needs no round of reads
+        # what this controller's last stop of each job found when it ended the job everywhere: its machines
+        # and the lowest step every rank finished; a restart right after needs no round of reads
         self._stopped: dict[str, dict[str, Any]] = {}
 
     # ---- fleet and jobs ---------------------------------------------------------------------------
@@ -296,7 +296,7 @@ class Controller:
     def stop(self, job: str, *, grace_s: float | None = None) -> dict[str, str]:
         """Stop the job on every machine of it that answers (SIGKILL after ``grace_s``, default the
         configured ``stop_grace_s``); returns what each said."""
-        return {n: ("stopped" if r.ok else r.describe()) for n, r in self._stop(job, grace_s).items()}
+        return _described(self._stop(job, grace_s))
 
     def _stop(self, job: str, grace_s: float | None = None, logs_since: float | None = None
               ) -> dict[str, RunResult]:
@@ -309,8 +309,7 @@ class Controller:
         statuses = {n: (r.answer() or {}).get("status") if r.ok else None for n, r in results.items()}
         self._stopped.pop(job, None)
         if all(isinstance(st, dict) and st.get("state") in ("exited", "absent") for st in statuses.values()):
-            self._stopped[job] = {"machines": list(names), "step": launcher.min_step(statuses),
-                                  "states": {n: st["state"] for n, st in statuses.items()}}
+            self._stopped[job] = {"machines": list(names), "step": launcher.min_step(statuses)}
         return results
 
     def stop_and_read_logs(self, job: str, since: float = 0.0) -> tuple[dict[str, str], dict[str, Any]]:
@@ -318,8 +317,7 @@ class Controller:
         the stop: user_code if any rank's first failure is the job's own code, infrastructure, unknown,
         or none."""
         results = self._stop(job, logs_since=since)
-        stopped = {n: ("stopped" if r.ok else r.describe()) for n, r in results.items()}
-        return stopped, _verdict({n: r.reachable and ((r.answer() or {}).get("logs") or {}).get("verdict")
+        return _described(results), _verdict({n: r.reachable and ((r.answer() or {}).get("logs") or {}).get("verdict")
                                   for n, r in results.items()})
 
     def diagnose(self, job: str, machine_names: Sequence[str] | None = None, *, levels: Sequence[int] = (1, 2, 3),
@@ -792,6 +790,11 @@ class Controller:
             "actions": [{k: v for k, v in asdict_action(a).items() if k != "evidence"}
                         for a in self.fleet.actions(incident_id)],
         }
+
+
+def _described(results: Mapping[str, RunResult]) -> dict[str, str]:
+    """What each machine's stop said: "stopped", or why not."""
+    return {n: ("stopped" if r.ok else r.describe()) for n, r in results.items()}
 
 
 def _verdict(by_machine: Mapping[str, Any]) -> dict[str, Any]:

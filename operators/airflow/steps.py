@@ -178,10 +178,16 @@ def _follow(c: Controller, incident: int, d: ladder.Decision, evidence: dict[str
     return {"waiting_human": True, "reason": d.reason, **evidence}
 
 
+def _leaves_it_alone(result: dict[str, Any]) -> bool:
+    """Whether a rung's result asks for no restart: waiting for a human, a dry run, a slow vote that
+    evicted nothing."""
+    return bool(result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"))
+
+
 def restart(c: Controller, incident_id: int, result: dict[str, Any]) -> dict[str, Any]:
     """After a rung acted: restart the job on its machine list (``result["recovery"]``), unless the rung
-    leaves it alone (waiting for a human, a dry run, a slow vote that evicted nothing)."""
-    if result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"):
+    leaves it alone."""
+    if _leaves_it_alone(result):
         return result
     out = c.recover(int(incident_id), restore_max_step=result.get("restore_max_step"))
     return {**result, "recovery": {"restarted": True, **out}}
@@ -194,7 +200,7 @@ def recover(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str,
     result = done[0] if done else {}
     if result.get("recovery"):
         return result["recovery"]
-    if result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"):
+    if _leaves_it_alone(result):
         return {"restarted": False, **result}
     out = controller().recover(int(incident_id), restore_max_step=result.get("restore_max_step"))
     return {"restarted": True, **out}
