@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sqlite3
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -331,3 +333,27 @@ def _candidates(inv: Inventory) -> list[int]:
             if json.loads(marker.read_text()).get("verify"):
                 out.append(int(marker.parent.parent.name.split("_")[1]))
     return out
+
+
+def test_a_trigger_while_another_writer_holds_the_metadata_database_starts_exactly_one_run(ops):
+    """SQLite lets one writer at a time; a request that waits past its connection's timeout answers 500.
+    A lock held longer than Python's default wait (5 s) must neither lose the operator's trigger nor
+    start it twice."""
+    _, airflow = ops
+    hold_s = 8.0
+    before = {r["dag_run_id"] for r in airflow.runs("tg_standby_pool")}
+    db = sqlite3.connect(airflow.home / "airflow.db", isolation_level=None, timeout=60, check_same_thread=False)
+    db.execute("BEGIN EXCLUSIVE")
+    release = threading.Timer(hold_s, lambda: db.execute("COMMIT"))
+    t0 = time.monotonic()
+    release.start()
+    try:
+        run_id = airflow.trigger("tg_standby_pool", {"target": 9})
+        took = time.monotonic() - t0
+    finally:
+        release.join()
+        db.close()
+    assert took >= hold_s - 0.5, f"the trigger returned in {took:.1f}s: the database was not held"
+    assert {r["dag_run_id"] for r in airflow.runs("tg_standby_pool")} - before == {run_id}
+    assert airflow.finished("tg_standby_pool", run_id) == "failed"  # the run ran: its plan refused target 9
+    assert "pool target 9 is larger than the free inventory" in airflow.task_log("tg_standby_pool", run_id, "plan")

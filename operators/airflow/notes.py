@@ -11,30 +11,22 @@ set it is logged and never fails the run.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import urllib.parse
-import urllib.request
 from typing import Any
+
+from operators.airflow import rest
 
 log = logging.getLogger(__name__)
 MAX_NOTE = 1000  # Airflow keeps at most 1000 characters of a note
+# a note is set once the task's work is done: a busy metadata database (5xx) is waited out this long
+NOTE_RETRY_S = 20.0
 
 
 def _api(conn: Any) -> str:
     scheme = conn.schema if conn.schema in ("http", "https") else "http"
     return f"{scheme}://{conn.host}:{conn.port or (443 if scheme == 'https' else 8080)}"
-
-
-def _call(url: str, body: dict[str, Any], *, method: str, token: str = "") -> Any:
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method=method)  # noqa: S310
-    with urllib.request.urlopen(req, timeout=10) as r:  # noqa: S310  (the connection's own API server)
-        text = r.read().decode()
-    return json.loads(text) if text.strip() else None
 
 
 def set_run_note(note: str) -> bool:
@@ -55,10 +47,10 @@ def set_run_note(note: str) -> bool:
         return False
     base = _api(conn)
     try:
-        token = _call(f"{base}/auth/token", {"username": conn.login, "password": conn.password},
-                      method="POST")["access_token"]
-        _call(f"{base}/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}?update_mask=note",
-              {"note": line}, method="PATCH", token=token)
+        token = rest.call(f"{base}/auth/token", {"username": conn.login, "password": conn.password},
+                          method="POST", timeout=10, retry_s=NOTE_RETRY_S)["access_token"]
+        rest.call(f"{base}/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}?update_mask=note",
+                  {"note": line}, method="PATCH", token=token, timeout=10, retry_s=NOTE_RETRY_S)
     except Exception as exc:  # the note is a courtesy: never fail the run for it
         log.warning("could not set the run's note through %s (%s): %s", base, exc, line)
         return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -15,8 +16,11 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from operators.airflow import rest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,6 +43,14 @@ def poll(predicate: Callable[[], Any], *, timeout: float, what: str, interval: f
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
 
+
+# SQLite connections of the standalone's components wait this long for another writer's lock (Python's
+# default is 5 s; on a loaded 2-core host the scheduler, dag processor, triggerer and api-server queue
+# longer than that, and a request that gives up answers 500). The tasks' calls to the execution API wait
+# longer than that for their answer (Airflow's default, 5 s, would give up on a request still waiting for
+# the lock, and its retry would meet the first one's work: a task that started twice fails).
+SQLITE_BUSY_S = 30
+SQLITE_CONNECT_ARGS = {"timeout": SQLITE_BUSY_S}
 
 SSH_POOL = "tg_ssh"
 API_CONN = "tg_airflow_api"  # what the DAGs' tasks set their run's note through (operators.airflow.notes)
@@ -68,6 +80,10 @@ class Standalone:
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # its subprocesses
             **env,
         }
+        if self.env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "sqlite").startswith("sqlite"):
+            for key in ("SQL_ALCHEMY_CONNECT_ARGS", "SQL_ALCHEMY_CONNECT_ARGS_ASYNC"):
+                self.env.setdefault(f"AIRFLOW__DATABASE__{key}", f"{__name__}.SQLITE_CONNECT_ARGS")
+            self.env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", str(2 * SQLITE_BUSY_S))
         self.env.pop("AIRFLOW_CONN_TG_SSH", None)
         self.proc: subprocess.Popen[bytes] | None = None
         self._token: str | None = None
@@ -154,15 +170,30 @@ class Standalone:
             self._token = doc["access_token"]
         return self._token
 
-    def request(self, method: str, path: str, body: Any = None, *, auth: bool = True) -> Any:
-        headers = {"Content-Type": "application/json"}
-        if auth:
-            headers["Authorization"] = f"Bearer {self.token()}"
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data=data, headers=headers, method=method)  # noqa: S310
-        with urllib.request.urlopen(req, timeout=30) as r:  # noqa: S310  (our own api-server on loopback)
-            text = r.read().decode()
-        return json.loads(text) if text.strip() else None
+    def request(self, method: str, path: str, body: Any = None, *, auth: bool = True,
+                retry: bool | None = None) -> Any:
+        """``method`` ``path`` on the api-server with ``body`` as JSON; the answer's JSON. A request that is
+        safe to repeat (``retry``; by default every method but POST) is tried again while the server
+        answers 5xx (its SQLite database locked by another writer), for up to ``rest.RETRY_S``."""
+        repeatable = method != "POST" if retry is None else retry
+        try:
+            return rest.call(f"{self.url}{path}", body, method=method, token=self.token() if auth else "",
+                             timeout=2 * SQLITE_BUSY_S, retry_s=rest.RETRY_S if repeatable else 0.0)
+        except urllib.error.HTTPError as exc:
+            if exc.code >= 500:
+                exc.msg = f"{exc.msg}; the api-server's last error: {self.last_error() or 'none logged'}"
+            raise
+
+    def last_error(self) -> str | None:
+        """The api-server's last logged error (what a 500 was), if any."""
+        try:
+            with open(self.home / "standalone.log", "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 256 * 1024))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return None
+        found = [ln.strip() for ln in lines if ln.startswith("api-server") and "[error" in ln]
+        return found[-1][:400] if found else None
 
     def dag_ids(self) -> set[str]:
         try:
@@ -171,8 +202,16 @@ class Standalone:
             return set()
 
     def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
-        doc = self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", {"logical_date": None, "conf": conf})
-        return doc["dag_run_id"]
+        """Start a run of ``dag_id`` with ``conf`` (as the UI's trigger form does); its run id. The run id is
+        chosen here, so a try that the server failed to answer is repeated safely: a 409 says it landed."""
+        run_id = f"manual__{datetime.now(UTC).isoformat()}_{secrets.token_hex(3)}"
+        try:
+            self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns",
+                         {"dag_run_id": run_id, "logical_date": None, "conf": conf}, retry=True)
+        except urllib.error.HTTPError as exc:
+            if exc.code != 409:
+                raise
+        return run_id
 
     def runs(self, dag_id: str) -> list[dict[str, Any]]:
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns?limit=100&order_by=-start_date")["dag_runs"]
