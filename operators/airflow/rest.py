@@ -15,8 +15,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-# the process of an api-server that answers 5xx retried for this long by default (SQLite's writers hold
-# their lock for well under a second each; a minute covers a queue of them on a loaded host)
+# how long a client that asks for retries keeps trying an api-server that answers 5xx (SQLite's writers
+# hold their lock for well under a second each; a minute covers a queue of them on a loaded host)
 RETRY_S = 60.0
 
 
