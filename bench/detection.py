@@ -42,7 +42,7 @@ UNITS = {"nan_steps_late": "steps"}
 
 class Watch:
     def __init__(self, inv: Inventory) -> None:
-        self.reader = BusReader(open_bus(inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
+        self.reader = BusReader.from_now(open_bus(inv.bus_url))
         self.seen: list[Alert] = []
 
     def drain(self) -> list[Alert]:

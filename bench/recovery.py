@@ -100,7 +100,7 @@ class Bench(GuardedJob):
         self.transport.run_many(self.inv.machines, lambda m: [self.inv.tg_node, "standby", "unpark"], timeout=60)
         self.training()
         machine = self.ctl.fleet.job(JOB).machine_list[1]
-        reader = BusReader(open_bus(self.inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
+        reader = BusReader.from_now(open_bus(self.inv.bus_url))
         t_fault = time.time()
         inject.inject(self.inv, machine, "gpu_lost")
         try:

@@ -10,7 +10,7 @@ from datetime import datetime
 from airflow.sdk import Param, dag, task
 
 HANDLERS = ["evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption", "roll_back",
-            "no_culprit"]
+            "no_culprit", "probe_machine"]
 
 
 @dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,

@@ -9,6 +9,12 @@ fault. A check that raises is recorded in the status file and retried at its
 next interval; it never stops the agent. Alerts that cannot be published (bus
 unreachable) wait in a bounded outbox and are retried.
 
+Every ``heartbeat_every_s`` (2 s) the agent rewrites its machine's heartbeat on the
+bus (:meth:`node_tools.bus.AlertBus.beat`: a sequence number, its pid, when it
+started). The control plane watches those documents *change* on its own clock: an
+agent that stops, hangs or loses the bus goes silent, and a silent agent on a
+machine of a running job is an incident of its own (``agent_silent``).
+
 The agent only reads files and /proc; it never blocks or signals the training
 job. ``tg-node agent --supervise`` runs it under a supervisor that restarts it
 when it dies, with a growing back-off.
@@ -52,6 +58,7 @@ class AgentSettings:
         network_window_s: the window of that rule.
         outbox_max: alerts kept for retry while the bus is unreachable.
         status_every_s: how often the status file is rewritten.
+        heartbeat_every_s: how often the agent's heartbeat on the bus is rewritten (0: never).
         intervals: per-check interval overrides, by check name.
     """
 
@@ -59,6 +66,7 @@ class AgentSettings:
     network_window_s: float = 300.0
     outbox_max: int = 1000
     status_every_s: float = 1.0
+    heartbeat_every_s: float = 2.0
     intervals: dict[str, float] = field(default_factory=dict)
 
 
@@ -101,6 +109,8 @@ class Agent:
         self.published = 0
         self.published_by_kind: dict[str, int] = {}
         self.started = time.time()
+        self.beats = 0
+        self._beat_at = 0.0  # monotonic time of the next heartbeat
         self._status_written = 0.0
         self._metrics_written = 0.0
         self._stop = threading.Event()
@@ -124,6 +134,7 @@ class Agent:
         for alert in made:
             self.outbox.append(alert)
         self._flush_outbox()
+        self._beat(now)
         if now - self._status_written >= self.settings.status_every_s:
             self.write_status(now)
         return made
@@ -155,6 +166,22 @@ class Agent:
             del self.active[key]
         return made
 
+    def _beat(self, now: float) -> None:
+        """Rewrite this machine's heartbeat on the bus when it is due (the agent's own monotonic clock)."""
+        every = self.settings.heartbeat_every_s
+        mono = time.monotonic()
+        if not every or mono < self._beat_at:
+            return
+        self._beat_at = mono + every
+        try:
+            self.bus.beat(self.cfg.machine, {"machine": self.cfg.machine, "seq": self.beats + 1, "pid": os.getpid(),
+                                             "started_ts": self.started, "ts": now, "agent_version": __version__})
+        except BusError as exc:
+            self.errors["heartbeat"] = str(exc)[:500]
+            return
+        self.errors.pop("heartbeat", None)
+        self.beats += 1
+
     def _flush_outbox(self) -> None:
         while self.outbox:
             alert = self.outbox[0]
@@ -181,6 +208,7 @@ class Agent:
             "checks": {c.name: {"interval_s": c.interval_s, "error": self.errors.get(c.name)} for c in self.checks},
             "active": self.active,
             "published": self.published,
+            "heartbeats": self.beats,
             "outbox": len(self.outbox),
             "bus_error": self.errors.get("bus"),
             "notes": self.notes,
@@ -214,6 +242,8 @@ class Agent:
         while not self._stop.is_set():
             self.tick()
             wait = min(self.next_due.values()) - time.time()
+            if self.settings.heartbeat_every_s:
+                wait = min(wait, self._beat_at - time.monotonic())
             self._stop.wait(max(0.01, min(wait, 1.0)))
         self.write_status(time.time())
 
@@ -274,8 +304,14 @@ def run(cfg: NodeConfig) -> int:
     return 0
 
 
+def _supervisor_file(cfg: NodeConfig) -> Path:
+    return status_path(cfg).with_name("supervisor.json")
+
+
 def supervise(cfg: NodeConfig, *, max_backoff_s: float = 30.0) -> int:
-    """Run the agent in a child process and restart it whenever it dies."""
+    """Run the agent in a child process and restart it whenever it dies. ``supervisor.json`` beside the
+    status file names the supervisor's and the agent's pids (what :func:`processes` and :func:`restart`
+    look at)."""
     stopping = threading.Event()
     child: list[subprocess.Popen[bytes]] = []
 
@@ -286,22 +322,89 @@ def supervise(cfg: NodeConfig, *, max_backoff_s: float = 30.0) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    backoff, restarts = 1.0, 0
-    log = status_path(cfg).with_name("supervisor.json")
+    backoff, restarts, code = 1.0, 0, None
+    log = _supervisor_file(cfg)
     while not stopping.is_set():
         started = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-m", "node_tools.cli", "agent"])
         child[:] = [proc]
+        with contextlib.suppress(OSError):
+            log.parent.mkdir(parents=True, exist_ok=True)
+            monitor.write_json_atomic(log, {"pid": os.getpid(), "agent_pid": proc.pid, "restarts": restarts,
+                                            "last_exit": code, "ts": time.time()})
         code = proc.wait()
         if stopping.is_set():
             break
         restarts += 1
         backoff = 1.0 if time.monotonic() - started > 60 else min(max_backoff_s, backoff * 2)
-        with contextlib.suppress(OSError):
-            log.parent.mkdir(parents=True, exist_ok=True)
-            log.write_text(json.dumps({"restarts": restarts, "last_exit": code, "ts": time.time()}))
         stopping.wait(backoff)
     return 0
+
+
+def _process(pid: Any, marker: bytes) -> dict[str, Any]:
+    """``{"pid", "state"}`` of a process of ours: running, stopped (SIGSTOP, traced), or gone (also when the
+    pid now belongs to something that is not the agent)."""
+    from node_tools import procs
+
+    if not isinstance(pid, int) or pid <= 0:
+        return {"pid": None, "state": "gone"}
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return {"pid": pid, "state": "gone"}
+    state = procs.proc_state(pid)
+    if state is None or state in ("Z", "X") or marker not in cmdline:
+        return {"pid": pid, "state": "gone"}
+    return {"pid": pid, "state": "stopped" if state in ("T", "t") else "running"}
+
+
+def processes(cfg: NodeConfig) -> dict[str, Any]:
+    """The agent's processes as the kernel sees them (not as their files say): the supervisor's and the
+    agent's pid and state (running, stopped, gone), and the age of the agent's status file."""
+    sup: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        sup = json.loads(_supervisor_file(cfg).read_text())
+    status: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        status = json.loads(status_path(cfg).read_text())
+    agent_pid = status.get("pid") if isinstance(status.get("pid"), int) else sup.get("agent_pid")
+    out = {"supervisor": _process(sup.get("pid"), b"--supervise"), "agent": _process(agent_pid, b"agent"),
+           "status_age_s": round(time.time() - float(status.get("ts", 0)), 3) if status else None}
+    states = (out["supervisor"]["state"], out["agent"]["state"])
+    out["state"] = "stopped" if "stopped" in states else "running" if states == ("running", "running") else \
+        "gone" if states == ("gone", "gone") else "degraded"
+    return out
+
+
+def restart(cfg: NodeConfig, *, wait_s: float = 10.0) -> dict[str, Any]:
+    """Get a stuck agent going again: a stopped supervisor is continued, the agent process (stopped, hung
+    or gone) is killed so that its supervisor starts a fresh one; without a supervisor, one is started.
+    Returns :func:`processes` before and after (``after`` once the new agent wrote its status, or after
+    ``wait_s``)."""
+    before = processes(cfg)
+    sup, agent = before["supervisor"], before["agent"]
+    if sup["state"] == "stopped":
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(sup["pid"], signal.SIGCONT)
+    if agent["state"] != "gone":
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(agent["pid"], signal.SIGCONT)
+            os.kill(agent["pid"], signal.SIGKILL)
+    started = None
+    if sup["state"] == "gone":
+        started = subprocess.Popen([sys.executable, "-m", "node_tools.cli", "agent", "--supervise"],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True).pid
+    deadline = time.monotonic() + wait_s
+    after = processes(cfg)
+    while time.monotonic() < deadline:
+        after = processes(cfg)
+        if after["state"] == "running" and after["agent"]["pid"] != agent["pid"] and \
+                (after["status_age_s"] or 99.0) < 2.0:
+            break
+        time.sleep(0.1)
+    return {"machine": cfg.machine, "before": before, "after": after, "started_supervisor": started,
+            "restarted": after["state"] == "running" and after["agent"]["pid"] != agent["pid"]}
 
 
 def check_once(cfg: NodeConfig, group: str = "all") -> tuple[int, dict[str, Any]]:

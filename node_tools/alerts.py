@@ -11,6 +11,16 @@ One alert is one JSON object::
 concerned. It is validated with a JSON Schema on both ends: by the agent before
 it publishes and by every reader before it acts. Readers refuse alerts of an
 unknown schema version or from an agent of another major version.
+
+The bus is an untrusted input (a machine with a broken clock, a buggy or forged
+writer), so every field is bounded: a whole document above :data:`MAX_ALERT_BYTES`
+is refused unread, every string of the schema has a length limit, and evidence
+above :data:`MAX_EVIDENCE_BYTES` is cut down (:func:`bound_evidence`: long strings
+and lists shortened, deep structures dropped) and marked ``"_truncated"`` with its
+original size, by the writer before it publishes and by the reader again. A reader
+also notes when it first read an alert (``received_ts``, its own clock) and, when
+the writer's ``ts`` is far from that, the offset (``clock_skew_s``); neither is part
+of the published document.
 """
 
 from __future__ import annotations
@@ -26,6 +36,14 @@ from node_tools.errors import TrainguardError
 
 SCHEMA_VERSION = 1
 SEVERITIES = ("info", "warning", "fault")
+#: a document above this is refused without being parsed (quarantined with the reason)
+MAX_ALERT_BYTES = 64 * 1024
+#: evidence above this (as compact JSON) is cut down and marked ``_truncated``
+MAX_EVIDENCE_BYTES = 8 * 1024
+#: how evidence is cut down: strings to this many characters, lists to their last items, depth
+EVIDENCE_STRING_CHARS = 512
+EVIDENCE_LIST_ITEMS = 20
+EVIDENCE_DEPTH = 3
 
 #: kind -> what it means. The control plane's triage keys on these names.
 ALERT_KINDS: dict[str, str] = {
@@ -58,6 +76,10 @@ ALERT_KINDS: dict[str, str] = {
     "kernel_link": "the kernel log reports a network link going down",
     # notices (severity info, on the bus's notices folder: they start scheduled work, never an incident)
     "checkpoint_committed": "a job committed a checkpoint step on every rank (the verification DAG's cue)",
+    # throughput (the agent, from the ranks' step records)
+    "throughput_decline": "a job's tokens/s stayed well below its own trailing median for several steps",
+    # the control plane's own findings about trainguard's parts
+    "agent_silent": "a machine's agent published no heartbeat for longer than its threshold (stopped, hung or gone)",
 }
 
 #: Kinds published to the bus's notices folder instead of its alerts.
@@ -72,13 +94,13 @@ ALERT_JSON_SCHEMA: dict[str, Any] = {
         "schema": {"const": SCHEMA_VERSION},
         "id": {"type": "string", "pattern": "^[0-9a-f]{8,64}$"},
         "job": {"type": "string", "maxLength": 64},
-        "machine": {"type": "string", "minLength": 1, "maxLength": 63},
-        "rank": {"type": ["integer", "null"], "minimum": 0},
+        "machine": {"type": "string", "minLength": 1, "maxLength": 63, "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$"},
+        "rank": {"type": ["integer", "null"], "minimum": 0, "maximum": 1 << 24},
         "kind": {"enum": sorted(ALERT_KINDS)},
         "severity": {"enum": list(SEVERITIES)},
-        "ts": {"type": "number", "minimum": 0},
-        "evidence": {"type": "object"},
-        "agent_version": {"type": "string", "pattern": r"^\d+\.\d+\.\d+"},
+        "ts": {"type": "number", "minimum": 0, "maximum": 1e11},
+        "evidence": {"type": "object", "maxProperties": 64},
+        "agent_version": {"type": "string", "maxLength": 32, "pattern": r"^\d+\.\d+\.\d+"},
     },
 }
 
@@ -87,8 +109,14 @@ class AlertError(TrainguardError):
     """A document that is not a valid alert (the reader moves it aside with this reason)."""
 
 
+WIRE_FIELDS = ("schema", "id", "job", "machine", "rank", "kind", "severity", "ts", "evidence", "agent_version")
+
+
 @dataclass
 class Alert:
+    """One alert. ``received_ts`` and ``clock_skew_s`` are a reader's notes (see the module's text), never
+    published."""
+
     kind: str
     machine: str
     severity: str = "fault"
@@ -99,23 +127,82 @@ class Alert:
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     agent_version: str = __version__
     schema: int = SCHEMA_VERSION
+    received_ts: float | None = field(default=None, compare=False)
+    clock_skew_s: float | None = field(default=None, compare=False)
+    bus_name: str | None = field(default=None, compare=False)  # its object name on the bus, when read from one
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The published document (the reader's notes left out)."""
+        return {k: v for k, v in asdict(self).items() if k in WIRE_FIELDS}
+
+    def record(self) -> dict[str, Any]:
+        """The document with the reader's notes, as the control plane keeps it: ``received_ts``, ``bus_name``
+        and, when the writer's clock is off, ``clock_skew_s``."""
+        out = self.to_dict()
+        if self.received_ts is not None:
+            out["received_ts"] = self.received_ts
+        if self.clock_skew_s is not None:
+            out["clock_skew_s"] = self.clock_skew_s
+        if self.bus_name is not None:
+            out["bus_name"] = self.bus_name
+        return out
 
     def to_json(self) -> str:
         document = self.to_dict()
+        document["evidence"], _ = bound_evidence(document["evidence"])
         validate(document)
         return json.dumps(document, separators=(",", ":"), default=str)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> Alert:
+    def from_json(cls, text: str | bytes, *, max_bytes: int = MAX_ALERT_BYTES) -> Alert:
+        """Parse and validate one published alert; evidence over the limit is cut down and marked. A
+        document over ``max_bytes`` is refused unread."""
+        if len(text) > max_bytes:
+            raise AlertError(f"{len(text)} bytes, over the limit of {max_bytes} bytes for one alert")
         try:
             document = json.loads(text)
         except ValueError as exc:
-            raise AlertError(f"not JSON: {exc}") from None
+            raise AlertError(f"not JSON: {str(exc)[:200]}") from None
         validate(document)
+        document["evidence"], _ = bound_evidence(document["evidence"])
         return cls(**document)
+
+
+def _compact(value: Any) -> int:
+    return len(json.dumps(value, separators=(",", ":"), default=str))
+
+
+def _shrink(value: Any, depth: int) -> Any:
+    if isinstance(value, str):
+        return value if len(value) <= EVIDENCE_STRING_CHARS else value[:EVIDENCE_STRING_CHARS] + "..."
+    if isinstance(value, (bool, int, float)) or value is None:
+        return value
+    if depth >= EVIDENCE_DEPTH:
+        return f"<{type(value).__name__} dropped>"
+    if isinstance(value, dict):
+        return {str(k)[:64]: _shrink(v, depth + 1) for k, v in list(value.items())[:64]}
+    if isinstance(value, (list, tuple)):
+        return [_shrink(v, depth + 1) for v in list(value)[-EVIDENCE_LIST_ITEMS:]]
+    return str(value)[:EVIDENCE_STRING_CHARS]
+
+
+def bound_evidence(evidence: Any, limit: int = MAX_EVIDENCE_BYTES) -> tuple[dict[str, Any], bool]:
+    """``evidence`` within ``limit`` bytes of compact JSON, and whether it had to be cut: long strings and
+    lists shortened and deep structures dropped first; then, if still too big, the largest fields dropped
+    one by one. A cut one carries ``"_truncated": {"bytes": <original size>, "limit": limit}``."""
+    if not isinstance(evidence, dict):
+        evidence = {"value": evidence}
+    size = _compact(evidence)
+    if size <= limit:
+        return evidence, False
+    out = _shrink(evidence, 0)
+    out["_truncated"] = {"bytes": size, "limit": limit}
+    while _compact(out) > limit:
+        sizes = {k: _compact(v) for k, v in out.items() if k != "_truncated"}
+        if not sizes:
+            break
+        del out[max(sizes, key=lambda k: sizes[k])]
+    return out, True
 
 
 _validator: Any = None

@@ -12,6 +12,7 @@ Commands::
                                                   bring sshd and the agent up (the node image's entrypoint)
     tg-node gpu                                   NVML snapshot (real or emulated backend)
     tg-node agent [--supervise|--once]            the real-time checks, publishing alerts
+    tg-node agent --processes | --restart         the agent's processes (running, stopped, gone); restart it
     tg-node status                                the agent's status
     tg-node check [gpu|host|net|disk|all]         the real-time checks once (exit 1 on a fault)
     tg-node diag --level 1|2|3 [L3: --rank --world-size --master-addr --master-port [--align]]
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("gpu", help="GPU snapshot through NVML (real or emulated)")
     ap = sub.add_parser("agent", help="run the real-time checks and publish alerts (a daemon)")
     ap.add_argument("--supervise", action="store_true", help="restart the agent whenever it dies")
+    ap.add_argument("--restart", action="store_true",
+                    help="get a stopped or hung agent going again (its supervisor starts a fresh one)")
+    ap.add_argument("--processes", action="store_true", help="the agent's processes and their states, then exit")
     ap.add_argument("--once", action="store_true", help="one pass of every check, then exit")
     sub.add_parser("status", help="the agent's status file")
     cp = sub.add_parser("check", help="the real-time checks once (exit 1 if a fault is found)")
@@ -221,6 +225,12 @@ def run(argv: list[str]) -> tuple[int, Any]:
 
         if ns.supervise:
             return agent.supervise(cfg), {"machine": cfg.machine, "agent": "stopped"}
+        if ns.processes:
+            doc = agent.processes(cfg)
+            return (EXIT_OK if doc["state"] == "running" else 1), {"machine": cfg.machine, **doc}
+        if ns.restart:
+            doc = agent.restart(cfg)
+            return (EXIT_OK if doc["restarted"] else 1), doc
         if ns.once:
             a = agent.build(cfg)
             alerts = a.tick()

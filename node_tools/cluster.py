@@ -625,7 +625,11 @@ def down(state_dir: Path | None = None, *, name: str | None = None, log: Any = p
 
 
 def status(state_dir: Path | None = None) -> dict[str, Any]:
-    """Each machine's role, address, sshd and reachability."""
+    """Each machine's role, address, sshd, reachability and agent: its supervisor's and its process's state
+    as the kernel has them (running, stopped, gone) and its status file's age, so a stopped (SIGSTOP) or
+    hung agent shows as such, not as a pid that exists."""
+    from node_tools import agent
+
     state_dir = Path(state_dir or default_state_dir()).resolve()
     inv = Inventory.load(state_dir / "inventory.json")
     transport = transport_for(inv)
@@ -634,10 +638,17 @@ def status(state_dir: Path | None = None) -> dict[str, Any]:
     for m in inv.machines:
         mdir = Path(m.extra.get("machine_dir", ""))
         netns = m.extra.get("netns", "")
+        try:
+            procs_doc = agent.processes(NodeConfig.load(mdir / "node.json"))
+        except Exception as exc:  # a machine folder without its configuration
+            procs_doc = {"state": "unknown", "error": str(exc)[:200]}
         machines.append({
             "name": m.name, "role": m.role, "address": m.address, "netns": netns,
             "sshd_pid": _sshd_running(mdir, netns) if netns else None,
             "agent_pid": _agent_running(mdir),
+            "agent_state": procs_doc.get("state"),
+            "agent_status_age_s": procs_doc.get("status_age_s"),
+            "agent": procs_doc,
             "reachable": results[m.name].ok,
             "ssh_s": round(results[m.name].duration_s, 3),
         })

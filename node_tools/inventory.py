@@ -87,6 +87,10 @@ class Inventory:
     def by_role(self, role: str) -> list[Machine]:
         return [m for m in self.machines if m.role == role]
 
+    def names(self) -> set[str]:
+        """The names of every machine of the inventory."""
+        return {m.name for m in self.machines}
+
     def resolve(self, relative: str) -> Path:
         """A path from the ``ssh`` section, relative to the inventory's folder."""
         p = Path(relative)

@@ -169,12 +169,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         doc = cluster.status(args.state_dir)
         lines = [f"cluster {doc['cluster']} ({doc['transport']})"]
         lines += [
-            f"  {m['name']:4} {m['role']:8} {m['address']:15} sshd={m['sshd_pid']} agent={m['agent_pid']} "
-            f"reachable={m['reachable']} ({m['ssh_s']}s)"
+            f"  {m['name']:4} {m['role']:8} {m['address']:15} sshd={m['sshd_pid']} agent={m['agent_state']}"
+            f"(pid {m['agent_pid']}, status {m['agent_status_age_s']}s old) reachable={m['reachable']} ({m['ssh_s']}s)"
             for m in doc["machines"]
         ]
         _print(args, doc, "\n".join(lines))
-        return EXIT_OK if all(m["reachable"] for m in doc["machines"]) else 1
+        return EXIT_OK if all(m["reachable"] and m["agent_state"] == "running" for m in doc["machines"]) else 1
     return EXIT_OK
 
 

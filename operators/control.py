@@ -221,28 +221,83 @@ class Controller:
         except TrainguardError:
             return None
 
-    def ingest(self, alerts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        """Group a batch by job and attach it to the job's open incident (or open one). Alerts about
-        machines serving no job are recorded against nothing; an explicit fault on a standby sends it
-        to repair. Returns ``[{incident, job, opened, alerts}]`` for the incidents to work on."""
-        by_job: dict[str, list[Mapping[str, Any]]] = {}
+    def untrusted(self, alert: Mapping[str, Any], jobs: Mapping[str, Any]) -> str:
+        """Why an alert read off the bus must not be acted on ("" when it may): a machine the inventory does not
+        list, a job the fleet does not know, a machine that does not serve the job it names, a rank outside
+        the job. ``jobs``: the fleet's jobs by name."""
+        machine, job_name = str(alert.get("machine", "")), str(alert.get("job") or "")
+        if machine not in self.inventory.names():
+            return f"machine {machine[:63]!r} is not in the inventory"
+        if not job_name:
+            return ""
+        job = jobs.get(job_name)
+        if job is None:
+            return f"job {job_name[:64]!r} is not in the fleet database"
+        if machine not in job.machine_list:
+            return f"machine {machine} does not serve job {job_name} ({', '.join(job.machine_list)})"
+        rank = alert.get("rank")
+        if isinstance(rank, int) and not 0 <= rank < job.tp * job.pp * job.dp:
+            return f"rank {rank} is outside job {job_name}'s {job.tp * job.pp * job.dp} ranks"
+        return ""
+
+    def ingest(self, alerts: Sequence[Mapping[str, Any]], *, reader: str = "guardian",
+               read: Mapping[str, float] | None = None, gone: Sequence[str] = (),
+               quarantined: Sequence[Mapping[str, Any]] = (),
+               liveness: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """Group a batch by job and attach it to the job's open incident (or open one), in one transaction
+        with the bus cursor (``read``, ``gone``: see :meth:`operators.fleet.store.FleetStore.ingest`), the
+        documents the reader ``quarantined`` and the agents' ``liveness``. An alert naming a machine or a job
+        the inventory and the fleet do not know (or a machine that does not serve the job it names) is
+        quarantined with the reason and never acted on; one whose writer's clock is off (``clock_skew_s``)
+        counts from when it arrived. Alerts about machines serving no job are recorded against nothing; an
+        explicit fault on a standby sends it to repair. Returns ``[{incident, job, opened, taken_over,
+        alerts}]`` for the incidents to work on."""
+        by_job: dict[str, list[dict[str, Any]]] = {}
+        rejected: list[dict[str, Any]] = []
         known = self.fleet.known_alerts([str(a["id"]) for a in alerts])
+        jobs = {j.name: j for j in self.fleet.jobs()}
         for a in alerts:
             if str(a["id"]) in known:
                 continue  # delivered again after a failed guardian run: recorded already
-            job = self.job_of(a)
+            why = self.untrusted(a, jobs)
+            if why:
+                rejected.append({"name": a.get("bus_name") or "", "reason": why, "machine": str(a.get("machine", "")),
+                                 "kind": a.get("kind", ""), "ts": a.get("received_ts") or time.time(),
+                                 "document": dict(a)})
+                continue
+            doc = dict(a)
+            if doc.get("clock_skew_s") is not None and doc.get("received_ts") is not None:
+                doc["sent_ts"], doc["ts"] = doc["ts"], doc["received_ts"]  # handled by its arrival time
+            job = self.job_of(doc)
             if job is not None:
-                by_job.setdefault(job, []).append(a)
-            elif ladder.triage("", [a]).category == "machine_fault":
-                self._standby_fault(a)
+                by_job.setdefault(job, []).append(doc)
+            elif ladder.triage("", [doc]).category == "machine_fault":
+                self._standby_fault(doc)
+        results = self.fleet.ingest(by_job, escalation_window_s=self.cfg.escalation_window_s, reader=reader,
+                                    read=dict(read or {}), gone=list(gone),
+                                    quarantined=[*quarantined, *rejected],
+                                    liveness={m: dict(v) for m, v in liveness.items()} if liveness else None)
+        if rejected:
+            self._quarantine_on_bus(rejected)
         out = []
-        for job, batch in sorted(by_job.items()):
-            incident, opened = self.fleet.open_incident(job, [dict(a) for a in batch],
-                                                        escalation_window_s=self.cfg.escalation_window_s)
+        for (job, batch), (incident, opened) in zip(sorted(by_job.items()), results, strict=True):
             taken_over = not opened and self._take_over(incident.id)
             out.append({"incident": incident.id, "job": job, "opened": opened, "taken_over": taken_over,
                         "alerts": len(batch)})
         return out
+
+    def _quarantine_on_bus(self, rejected: Sequence[Mapping[str, Any]]) -> None:
+        """Move rejected alerts out of the bus's alerts folder, the reason beside them (best effort: they are
+        recorded as quarantined already, and the cursor keeps them from being read again)."""
+        from node_tools.bus import BusError, open_bus
+
+        try:
+            bus = open_bus(self.inventory.bus_url)
+            for r in rejected:
+                if r["name"]:
+                    bus.quarantine(r["name"], f"{r['name']}: {r['reason']}")
+        except (BusError, OSError):
+            return
 
     def _take_over(self, incident_id: int) -> bool:
         """An incident still being watched (a slow vote, the job training on) whose alerts now say
@@ -288,6 +343,41 @@ class Controller:
         return {"incident": incident_id, "job": inc.job, "level": inc.level, "category": t.category,
                 "machines": list(t.machines), "action": d.action, "reason": d.reason, "rollback_to": rollback_to,
                 "diagnose": dict(d.diagnose)}
+
+    # ---- a silent agent -----------------------------------------------------------------------------
+    def probe(self, incident_id: int, machine_names: Sequence[str], *, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Machines whose agent went silent: reach each over SSH and run L1 (``tg-node diag --level 1``).
+        Unreachable, timed out or unhealthy: ``faulty`` (machine -> why). Healthy: its agent is restarted
+        (``tg-node agent --restart``; ``restarted``: machine -> what happened). Every probe is an action of
+        the incident with its evidence."""
+        names = [n for n in machine_names if n in self.inventory.names()]
+        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "diag", "--level", "1"],
+                            timeout=timeout_s)
+        faulty: dict[str, str] = {}
+        healthy = []
+        for n, r in results.items():
+            doc = r.answer() or {}
+            if not r.reachable or r.timed_out:
+                faulty[n] = r.describe()[:300]
+            elif not doc.get("healthy"):
+                faulty[n] = "failed L1: " + "; ".join(doc.get("reasons") or [r.describe()])[:300]
+            else:
+                healthy.append(n)
+        restarted: dict[str, str] = {}
+        if healthy and not self.cfg.dry_run:
+            again = self._run(self.machines(healthy), lambda m: [self.inventory.tg_node, "agent", "--restart"],
+                              timeout=30)
+            for n, r in again.items():
+                doc = r.answer() or {}
+                restarted[n] = (f"passed L1; its agent was {doc.get('before', {}).get('agent', {}).get('state', '?')}"
+                                f" and runs again (pid {doc.get('after', {}).get('agent', {}).get('pid')})"
+                                if r.ok else f"passed L1, but its agent could not be restarted: {r.describe()[:200]}")
+        for n in names:
+            self.fleet.record_action(f"probe:{incident_id}:{n}", kind="probe", incident_id=incident_id, machines=[n],
+                                     dry_run=self.cfg.dry_run,
+                                     evidence={"faulty": faulty.get(n), "restarted": restarted.get(n)})
+        self.fleet.update_incident(incident_id, decided_ts=time.time())
+        return {"machines": names, "faulty": faulty, "restarted": restarted}
 
     # ---- stop-time diagnosis -------------------------------------------------------------------------
     def _run(self, machines: Sequence[Machine], argv_for: Any, timeout: float) -> dict[str, RunResult]:

@@ -40,7 +40,7 @@ NO_SCHEDULES = {"TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "", "TG_VERIF
 PARK = ("standby", "park", "--nproc", "2")
 # the tg_incident tasks that decide an incident (the branches of the ladder)
 HANDLERS = frozenset({"evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption",
-                      "roll_back", "no_culprit"})
+                      "roll_back", "no_culprit", "probe_machine"})
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ class GuardedJob:
         and the time of the injection."""
         self.armed()
         machine = machine or self.ctl.fleet.job(self.job).machine_list[fault.node]
-        reader = BusReader(open_bus(self.inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
+        reader = BusReader.from_now(open_bus(self.inv.bus_url))
         t_fault = time.time()
         inject.inject(self.inv, machine, fault.kind, rank=fault.rank, params=dict(fault.params) or None)
         if fault.flap:

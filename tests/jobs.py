@@ -68,11 +68,10 @@ class AlertWatch:
     """Reads the cluster's alert bus from a moment on and waits for alerts."""
 
     def __init__(self, inv: Inventory) -> None:
-        import time
 
         from node_tools.bus import BusReader, open_bus
 
-        self.reader = BusReader(open_bus(inv.bus_url), horizon_ns=time.time_ns(), lookback_s=0.0)
+        self.reader = BusReader.from_now(open_bus(inv.bus_url))
         self.seen: list[Any] = []
 
     def poll(self) -> list[Any]:

@@ -1,4 +1,6 @@
-"""The alert trigger against a real spool bus: a burst becomes one batch; every alert is delivered once."""
+"""The alert trigger against a real spool bus and a fleet database: a burst becomes one batch; every alert is
+delivered once, whatever the writers' clocks; the cursor moves only when the batch is recorded; a silent
+agent of a running job is reported once per silence; the guardian records its own poll."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import pytest
 
 from node_tools.alerts import Alert
 from node_tools.bus import open_bus
-from operators.airflow.alerts import AlertTrigger, commit_cursor
+from operators.airflow.alerts import AlertTrigger
+from operators.fleet import FleetStore, states
+from operators.policy.liveness import AgentWatch
 
 
 def first_event(trigger: AlertTrigger, timeout: float = 20.0) -> dict:
@@ -24,20 +28,36 @@ def first_event(trigger: AlertTrigger, timeout: float = 20.0) -> dict:
     return asyncio.run(go())
 
 
+def _fleet(tmp_path: Path, *, running: bool = True) -> FleetStore:
+    fleet = FleetStore(tmp_path / "fleet.db")
+    for i in range(4):
+        fleet.register_machine(f"m{i}", state=states.STANDBY)
+    fleet.upsert_job("j", tp=1, pp=1, dp=2, ranks_per_machine=1, machines=["m0", "m1"])
+    if not running:
+        fleet.set_job_state("j", "stopped")
+    return fleet
+
+
+def _commit(fleet: FleetStore, event: dict) -> None:
+    """What the guardian's task does with an event (the alerts aside): the cursor and the liveness."""
+    fleet.ingest({}, escalation_window_s=0.0, reader=event["reader"], read=event["read"], gone=event["gone"],
+                 liveness=event["liveness"])
+
+
 def test_a_burst_within_the_settle_window_is_one_batch_and_later_alerts_the_next(tmp_path: Path):
     url = f"spool://{tmp_path / 'bus'}"
     bus = open_bus(url)
-    cursor = str(tmp_path / "cursor.json")
-    trigger = AlertTrigger(url, cursor, settle_s=1.0, poll_s=0.05)
+    fleet = _fleet(tmp_path)
+    trigger = AlertTrigger(url, fleet.url, settle_s=1.0, poll_s=0.05)
     started = threading.Event()
 
     def publish() -> None:
         started.wait()
         for r in range(8):  # eight ranks time out within 0.4 s
-            bus.publish(Alert("rank_hang", f"m{r // 2}", job="j", rank=r))
+            bus.publish(Alert("rank_hang", f"m{r // 4}", job="j", rank=r))
             time.sleep(0.05)
         time.sleep(2.0)  # well after the settle window: the next batch
-        bus.publish(Alert("gpu_lost", "m3", job="j"))
+        bus.publish(Alert("gpu_lost", "m1", job="j"))
 
     t = threading.Thread(target=publish)
     t.start()
@@ -45,17 +65,32 @@ def test_a_burst_within_the_settle_window_is_one_batch_and_later_alerts_the_next
     first = first_event(trigger)
     assert [a["rank"] for a in first["alerts"]] == list(range(8))
     assert first["fired_ts"] - first["first_seen_ts"] >= 1.0
+    assert sorted(first["read"]) == sorted(a["bus_name"] for a in first["alerts"])
     # not committed (the run failed before recording it): the next run gets the same batch
-    again = first_event(AlertTrigger(url, cursor, settle_s=0.1, poll_s=0.05))
+    again = first_event(AlertTrigger(url, fleet.url, settle_s=0.1, poll_s=0.05))
     assert [a["id"] for a in again["alerts"]][:8] == [a["id"] for a in first["alerts"]]
-    commit_cursor(first["cursor_path"], first["cursor"])
-    second = first_event(AlertTrigger(url, cursor, settle_s=0.2, poll_s=0.05))  # a new run, committed cursor
+    _commit(fleet, first)
+    second = first_event(AlertTrigger(url, fleet.url, settle_s=0.2, poll_s=0.05))  # a new run, committed cursor
     t.join()
     assert [a["kind"] for a in second["alerts"]] == ["gpu_lost"]  # nothing from the first batch again
 
 
+def test_an_alert_an_hour_ahead_neither_blinds_the_guardian_nor_hides_the_next_ones(tmp_path: Path):
+    url = f"spool://{tmp_path / 'bus'}"
+    bus = open_bus(url)
+    fleet = _fleet(tmp_path)
+    bus.publish(Alert("nic_errors", "m0", job="j", severity="warning", ts=time.time() + 3600))
+    first = first_event(AlertTrigger(url, fleet.url, settle_s=0.1, poll_s=0.05))
+    [ahead] = first["alerts"]
+    assert ahead["clock_skew_s"] > 3500
+    _commit(fleet, first)
+    bus.publish(Alert("kernel_xid", "m1", evidence={"xid": 79}))
+    second = first_event(AlertTrigger(url, fleet.url, settle_s=0.1, poll_s=0.05), timeout=5.0)
+    assert [a["kind"] for a in second["alerts"]] == ["kernel_xid"] and "clock_skew_s" not in second["alerts"][0]
+
+
 def test_the_trigger_serialises_to_its_arguments(tmp_path: Path):
-    trigger = AlertTrigger("spool:///x", str(tmp_path / "c"), settle_s=3.0, kinds=["gpu_lost"])
+    trigger = AlertTrigger("spool:///x", str(tmp_path / "f.db"), settle_s=3.0, kinds=["gpu_lost"], silent_s=15.0)
     path, kwargs = trigger.serialize()
     assert path == "operators.airflow.alerts.AlertTrigger"
     again = AlertTrigger(**kwargs)
@@ -67,7 +102,7 @@ def test_kinds_filter_what_fires(tmp_path: Path):
     bus = open_bus(url)
     bus.publish(Alert("loss_spike", "m0", job="j", rank=0, severity="warning"))
     bus.publish(Alert("nan_loss", "m0", job="j", rank=0))
-    event = first_event(AlertTrigger(url, str(tmp_path / "c"), settle_s=0.1, poll_s=0.05, kinds=["nan_loss"]))
+    event = first_event(AlertTrigger(url, settle_s=0.1, poll_s=0.05, kinds=["nan_loss"]))
     assert [a["kind"] for a in event["alerts"]] == ["nan_loss"]
 
 
@@ -76,18 +111,18 @@ def test_an_explicit_machine_fault_fires_without_waiting_out_the_settle_window(t
     bus = open_bus(url)
     bus.publish(Alert("rank_slow", "m1", job="j", rank=2, severity="warning"))
     bus.publish(Alert("gpu_lost", "m0", job="j"))
-    event = first_event(AlertTrigger(url, str(tmp_path / "c"), settle_s=10.0, poll_s=0.05), timeout=5.0)
+    event = first_event(AlertTrigger(url, settle_s=10.0, poll_s=0.05), timeout=5.0)
     assert [a["kind"] for a in event["alerts"]] == ["rank_slow", "gpu_lost"]
     assert event["fired_ts"] - event["first_seen_ts"] < 1.0
     # a benign Xid (13: a user's illegal memory access) is not decisive: the window is waited out
     other = f"spool://{tmp_path / 'bus2'}"
     open_bus(other).publish(Alert("kernel_xid", "m0", job="j", evidence={"xid": "13"}))
-    slow = first_event(AlertTrigger(other, str(tmp_path / "c2"), settle_s=1.0, poll_s=0.05))
+    slow = first_event(AlertTrigger(other, settle_s=1.0, poll_s=0.05))
     assert slow["fired_ts"] - slow["first_seen_ts"] >= 1.0
 
 
-def test_the_settle_window_comes_from_the_environment_and_bad_values_are_named():
-    from operators.airflow.alerts import DEFAULT_SETTLE_S, settle_from_env
+def test_the_settle_window_and_the_silence_threshold_come_from_the_environment_and_bad_values_are_named():
+    from operators.airflow.alerts import DEFAULT_SETTLE_S, settle_from_env, silent_from_env
 
     assert settle_from_env({}) == DEFAULT_SETTLE_S
     assert settle_from_env({"TG_ALERT_SETTLE_S": "1"}) == 1.0
@@ -95,3 +130,68 @@ def test_the_settle_window_comes_from_the_environment_and_bad_values_are_named()
         settle_from_env({"TG_ALERT_SETTLE_S": "soon"})
     with pytest.raises(ValueError, match=r"outside 0\.\.60"):
         settle_from_env({"TG_ALERT_SETTLE_S": "600"})
+    assert silent_from_env({}) == 15.0 and silent_from_env({"TG_AGENT_SILENT_S": "0"}) == 0.0
+    with pytest.raises(ValueError, match=r"TG_AGENT_SILENT_S=2 must be 0 .off. or at least 5 s"):
+        silent_from_env({"TG_AGENT_SILENT_S": "2"})
+
+
+def test_the_agent_watch_reports_a_silence_once_and_forgives_an_agent_that_talks_again():
+    watch = AgentWatch(silent_s=15.0)
+    jobs = {"m0": "j", "m1": "j"}
+    assert watch.observe({"m0": "a", "m1": "b"}, jobs, now=100.0) == []  # first sight: 15 s from now
+    assert watch.observe({"m0": "a2", "m1": "b"}, jobs, now=110.0) == []
+    [silent] = watch.observe({"m0": "a3", "m1": "b"}, jobs, now=116.0)
+    assert silent == {"machine": "m1", "job": "j", "silent_s": 16.0, "last_change_ts": 100.0}
+    assert watch.observe({"m0": "a4", "m1": "b"}, jobs, now=200.0) == []  # reported once per silence
+    assert watch.observe({"m0": "a5", "m1": "b2"}, jobs, now=201.0) == []  # it talks again
+    [again] = watch.observe({"m0": "a6", "m1": "b2"}, jobs, now=217.0)
+    assert again["machine"] == "m1"
+    # a machine no longer watched (its job ended, it left the job) is never reported
+    assert watch.observe({"m0": "a6"}, {}, now=500.0) == []
+    alert = watch.silent_alert(again, now=217.0)
+    assert alert["kind"] == "agent_silent" and alert["machine"] == "m1" and alert["job"] == "j"
+    assert alert["evidence"]["silent_s"] == 16.0 and alert["received_ts"] == 217.0
+
+
+def test_a_silent_agent_of_a_running_job_fires_the_trigger_and_the_guardian_records_its_poll(tmp_path: Path):
+    url = f"spool://{tmp_path / 'bus'}"
+    bus = open_bus(url)
+    fleet = _fleet(tmp_path)
+    stop = threading.Event()
+
+    def m0_beats() -> None:  # m0's agent talks; m1's never does
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            bus.beat("m0", {"seq": seq})
+            stop.wait(0.2)
+
+    t = threading.Thread(target=m0_beats)
+    t.start()
+    try:
+        event = first_event(AlertTrigger(url, fleet.url, settle_s=5.0, poll_s=0.05, silent_s=1.0), timeout=15.0)
+    finally:
+        stop.set()
+        t.join()
+    [silent] = event["alerts"]
+    assert (silent["kind"], silent["machine"], silent["job"]) == ("agent_silent", "m1", "j")
+    assert event["fired_ts"] - event["first_seen_ts"] < 1.0  # decisive: no settle window
+    assert event["liveness"]["m1"]["reported_ts"] and event["liveness"]["m0"]["reported_ts"] is None
+    guardian = fleet.components()["guardian"]
+    assert abs(guardian.seen_ts - time.time()) < 10 and guardian.detail["watched"] == 2
+
+
+def test_recorded_names_older_than_the_retention_go_to_the_archive(tmp_path: Path):
+    url = f"spool://{tmp_path / 'bus'}"
+    bus = open_bus(url)
+    fleet = _fleet(tmp_path)
+    old, new = Alert("loss_spike", "m0", job="j", rank=0, severity="warning"), Alert("nan_loss", "m0", job="j")
+    bus.publish(old)
+    first = first_event(AlertTrigger(url, fleet.url, settle_s=0.0, poll_s=0.05))
+    [name] = first["read"]
+    first["read"][name] = time.time() - 700  # recorded 700 s ago by the reader's clock
+    _commit(fleet, first)
+    bus.publish(new)
+    second = first_event(AlertTrigger(url, fleet.url, settle_s=0.0, poll_s=0.05, retain_s=600.0))
+    assert [a["id"] for a in second["alerts"]] == [new.id]
+    assert (tmp_path / "bus" / "archive" / "alerts" / name).exists() and name in second["gone"]

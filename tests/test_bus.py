@@ -77,6 +77,107 @@ def test_spool_reader_sees_each_alert_once_across_restarts(tmp_path):
     assert BusReader(bus, cursor_path=cursor).read() == []
 
 
+def test_an_alert_stamped_an_hour_ahead_does_not_hide_the_alerts_after_it(tmp_path):
+    """A machine whose clock runs an hour ahead (or one forged file) once moved the cursor to its own time:
+    every correctly stamped alert after it sorted below the cursor and was never read."""
+    bus = _spool(tmp_path)
+    cursor = tmp_path / "cursor.json"
+    ahead = alert(kind="nic_errors", ts=time.time() + 3600)
+    bus.publish(ahead)
+    reader = BusReader(bus, cursor_path=cursor)
+    [got] = reader.read()
+    assert got.id == ahead.id and 3590 < got.clock_skew_s < 3610 and abs(got.received_ts - time.time()) < 5
+    lost = [alert(kind="kernel_xid", machine="m2", evidence={"xid": 79}), alert(kind="gpu_lost", machine="m2")]
+    for a in lost:
+        bus.publish(a)
+    assert sorted(a.id for a in reader.read()) == sorted(a.id for a in lost)
+    assert all(a.clock_skew_s is None for a in lost)
+    late = alert(kind="rank_exit", rank=4)
+    bus.publish(late)
+    restarted = BusReader(bus, cursor_path=cursor)  # the cursor is persisted: a restart sees the same
+    assert [a.id for a in restarted.read()] == [late.id]
+
+
+def test_an_alert_stamped_an_hour_behind_is_read_and_marked_not_dropped(tmp_path):
+    bus = _spool(tmp_path)
+    reader = BusReader(bus)
+    reader.read()
+    behind = alert(kind="gpu_lost", ts=time.time() - 3600)
+    bus.publish(behind)
+    [got] = reader.read()
+    assert got.id == behind.id and -3610 < got.clock_skew_s < -3590
+    assert got.record()["clock_skew_s"] == got.clock_skew_s and "clock_skew_s" not in got.to_dict()
+
+
+def test_a_reader_from_now_reads_only_what_comes_after_it_whatever_the_stamps(tmp_path):
+    bus = _spool(tmp_path)
+    bus.publish(alert(ts=time.time() + 3600))
+    bus.publish(alert(ts=time.time() - 3600))
+    reader = BusReader.from_now(bus)
+    assert reader.read() == []
+    fresh = alert(ts=time.time() - 7200)  # stamped before everything else, arrived after the reader started
+    bus.publish(fresh)
+    assert [a.id for a in reader.read()] == [fresh.id]
+
+
+class CountingSpool(SpoolBus):
+    def __init__(self, root):
+        super().__init__(root)
+        self.got: list[str] = []
+
+    def get(self, name):
+        self.got.append(name)
+        return super().get(name)
+
+
+def test_an_oversized_alert_is_quarantined_unread_and_large_evidence_is_cut_and_marked(tmp_path):
+    from node_tools.alerts import MAX_ALERT_BYTES, MAX_EVIDENCE_BYTES
+
+    bus = CountingSpool(tmp_path / "bus")
+    (tmp_path / "bus" / "alerts").mkdir(parents=True)
+    huge = alert(kind="gpu_lost", evidence={"blob": "x" * (10 << 20)}).to_dict()
+    big_name = f"{time.time_ns():020d}-m1-{uuid.uuid4().hex}.json"
+    (tmp_path / "bus" / "alerts" / big_name).write_text(json.dumps(huge))  # a writer that ignores the limits
+    wide = alert(kind="rank_exit", evidence={"pid": 7, "returncode": -9, "log_tail": ["y" * 2000] * 20})
+    wide_name = f"{time.time_ns():020d}-m1-{wide.id}.json"
+    (tmp_path / "bus" / "alerts" / wide_name).write_text(json.dumps(wide.to_dict()))
+    normal = alert(kind="nan_loss", rank=2)
+    bus.publish(normal)
+    reader = BusReader(bus)
+    got = {a.kind: a for a in reader.read()}
+    assert big_name not in bus.got  # never read: its size alone says enough
+    [q] = reader.quarantined
+    assert q["name"] == big_name and f"over the limit of {MAX_ALERT_BYTES} bytes" in q["reason"]
+    assert (tmp_path / "bus" / "quarantine" / big_name).exists()
+    assert set(got) == {"rank_exit", "nan_loss"} and got["nan_loss"].id == normal.id
+    ev = got["rank_exit"].evidence
+    assert ev["pid"] == 7 and ev["returncode"] == -9  # the small facts the ladder reads survive
+    assert ev["_truncated"]["bytes"] > 30_000 and len(json.dumps(ev, separators=(",", ":"))) <= MAX_EVIDENCE_BYTES
+    # a writer that keeps the rules cuts its own evidence before publishing
+    bus.publish(alert(kind="rank_exit", evidence={"log_tail": ["z" * 5000] * 40}))
+    [own] = reader.read()
+    assert own.evidence["_truncated"]["limit"] == MAX_EVIDENCE_BYTES
+
+
+def test_archived_names_leave_the_cursor_and_heartbeats_change_with_every_beat(tmp_path):
+    bus = _spool(tmp_path)
+    a = alert()
+    bus.publish(a)
+    reader = BusReader(bus)
+    [got] = reader.read()
+    bus.archive(got.bus_name)
+    bus.archive(got.bus_name)  # again: a no-op
+    assert reader.read() == [] and reader.gone == [got.bus_name] and reader.seen == {}
+    assert (tmp_path / "bus" / "archive" / "alerts" / got.bus_name).exists()
+    assert bus.heartbeats() == {}
+    bus.beat("m1", {"seq": 1, "ts": time.time()})
+    first = bus.heartbeats()["m1"]
+    bus.beat("m1", {"seq": 1, "ts": time.time()})  # the same document again: still a new beat
+    assert bus.heartbeats()["m1"] != first
+    with pytest.raises(BusError, match="not a machine name"):
+        bus.beat("../etc", {})
+
+
 def test_spool_writes_atomically(tmp_path):
     bus = _spool(tmp_path)
     bus.publish(alert())
@@ -136,13 +237,25 @@ def test_s3_bus_publishes_reads_once_and_quarantines(s3_bus, tmp_path):
     for a in alerts:
         s3_bus.publish(a)
     s3_bus.put(f"{time.time_ns():020d}-m9-bad.json", b"{half")
+    ahead = alert(rank=7, ts=time.time() + 3600)
+    s3_bus.publish(ahead)
     reader = BusReader(s3_bus, cursor_path=tmp_path / "c.json")
     got = reader.read()
-    assert sorted(a.id for a in got) == sorted(a.id for a in alerts)
+    assert sorted(a.id for a in got) == sorted(a.id for a in [*alerts, ahead])
     assert reader.quarantined and "not JSON" in reader.quarantined[0]["reason"]
     assert reader.read() == []
+    later = alert(rank=8)
+    s3_bus.publish(later)
+    assert [a.id for a in reader.read()] == [later.id]  # not hidden by the alert an hour ahead
+    s3_bus.archive(got[0].bus_name)
+    assert reader.read() == [] and got[0].bus_name in reader.gone and got[0].bus_name not in reader.seen
+    s3_bus.beat("m1", {"seq": 1})
+    first = s3_bus.heartbeats()["m1"]
+    s3_bus.beat("m1", {"seq": 2})
+    assert s3_bus.heartbeats()["m1"] != first
     keys = [o["Key"] for o in s3_bus.s3.list_objects_v2(Bucket=s3_bus.bucket)["Contents"]]
     assert any(k.startswith("fleet/alerts-bus/quarantine/") for k in keys)
+    assert any(k.startswith("fleet/alerts-bus/archive/alerts/") for k in keys)
 
 
 def test_s3_endpoint_down_is_a_clear_error(s3_endpoint):

@@ -163,11 +163,12 @@ def test_upload_refuses_an_unverified_copy_and_the_remote_checksums_are_checked(
 # ---- the watcher ------------------------------------------------------------------------------------
 def test_the_notice_trigger_fires_once_per_batch_and_keeps_its_cursor(tmp_path: Path):
     from node_tools.alerts import Alert
-    from operators.airflow.alerts import CheckpointNoticeTrigger
+    from operators.airflow.alerts import NOTICES_READER, CheckpointNoticeTrigger
+    from operators.fleet import FleetStore
 
     bus = open_bus(str(tmp_path / "bus"), folder=NOTICES)
-    cursor = tmp_path / "cursor.json"
-    trigger = CheckpointNoticeTrigger(str(tmp_path / "bus"), str(cursor), poll_s=0.05)
+    fleet = FleetStore(tmp_path / "fleet.db")
+    trigger = CheckpointNoticeTrigger(str(tmp_path / "bus"), fleet.url, poll_s=0.05)
 
     async def first_event(timeout: float):
         gen = trigger.run()
@@ -181,7 +182,7 @@ def test_the_notice_trigger_fires_once_per_batch_and_keeps_its_cursor(tmp_path: 
     open_bus(str(tmp_path / "bus")).publish(Alert(kind="gpu_lost", machine="m1", job=JOB))  # an alert: not ours
     event = asyncio.run(first_event(10))
     assert [(n["job"], n["step"], n["machine"]) for n in event.payload["notices"]] == [(JOB, 19, "m0")]
-    assert cursor.exists()
+    assert len(fleet.cursor(NOTICES_READER)) == 1 and fleet.cursor("guardian") == {}  # committed as it fired
     with pytest.raises(TimeoutError):  # nothing new: the restarted trigger waits
         asyncio.run(first_event(0.5))
 

@@ -53,7 +53,7 @@ def test_incident_dag_branches_to_every_rung_and_joins_for_recovery(dagbag):
     assert type(triage).__name__ == "_BranchPythonDecoratedOperator"
     assert {t.task_id for t in triage.downstream_list} == {
         "evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption", "roll_back",
-        "no_culprit", "no_recovery"}
+        "no_culprit", "probe_machine", "no_recovery"}
     recover = dag.get_task("recover")
     assert recover.trigger_rule == "none_failed_min_one_success"
     assert {t.task_id for t in recover.upstream_list} >= {"evict_now", "stop_time_diagnosis"}

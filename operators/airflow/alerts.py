@@ -1,25 +1,31 @@
 """Waiting for alerts without holding a worker: ``AlertTrigger`` (runs in the triggerer) and the
 deferrable ``AlertSensor``.
 
-The trigger polls the alert bus (:class:`node_tools.bus.BusReader`) every ``poll_s``, starting from the
-cursor in ``cursor_path``. On the first alert it keeps reading for ``settle_s`` more (default 3 s), so a
-burst from a thousand ranks timing out together becomes one batch, then fires (at once instead when the
-batch holds an alert the ladder acts on by itself, an explicit machine fault: waiting would only delay the
-eviction; what comes later joins the open incident) with every alert of the
-batch as JSON documents and the advanced cursor. The trigger never writes the cursor: the task that has
-recorded the batch commits it (:func:`commit_cursor`), so a run that fails after the trigger fired
-leaves the alerts for the next run (recording them again is a no-op: alerts are keyed by id).
+The trigger polls the alert bus (:class:`node_tools.bus.BusReader`) every ``poll_s``, from the reader's cursor
+in the fleet database (every name it has read and recorded, whatever the writers' clocks say). On the first
+alert it keeps reading for ``settle_s`` more (default 3 s), so a burst from a thousand ranks timing out
+together becomes one batch, then fires (at once instead when the batch holds an alert the ladder acts on by
+itself, an explicit machine fault or a silent agent: waiting would only delay the eviction; what comes later
+joins the open incident) with every alert of the batch as JSON documents, the names it read, the documents
+it quarantined, and what it saw of the agents' heartbeats. The trigger never writes the cursor: the task
+that records the batch commits it in the same transaction (:meth:`operators.control.Controller.ingest`), so
+a run that fails after the trigger fired leaves the alerts for the next run (recording them again is a
+no-op: alerts are keyed by id).
+
+While it waits the trigger also watches trainguard itself: every second it lists the agents' heartbeats
+(:class:`operators.policy.liveness.AgentWatch`) and reports an agent silent past ``silent_s`` on a machine
+of a running job as an ``agent_silent`` alert of its own; every few seconds it records its own poll in the
+fleet database (component ``guardian``: ``trainguard status`` and the metrics say how old it is); and it
+moves names recorded longer than ``retain_s`` ago to the bus's archive, so the folder it lists stays short.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from airflow.sdk import BaseSensorOperator
@@ -29,75 +35,144 @@ from operators.policy import ladder
 
 DEFAULT_SETTLE_S = 3.0
 DEFAULT_POLL_S = 0.25
+DEFAULT_RETAIN_S = 600.0
+GUARDIAN = "guardian"
+NOTICES_READER = "checkpoint-notices"
+LIVENESS_EVERY_S = 1.0
+BEAT_EVERY_S = 5.0
+WATCHED_EVERY_S = 5.0
 
 
-def load_cursor(cursor_path: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(Path(cursor_path).read_text())
-        return {"horizon_ns": int(doc.get("horizon_ns", 0)), "seen": {str(k): int(v) for k, v in doc["seen"].items()}}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return {"horizon_ns": 0, "seen": {}}
+def _fleet(fleet_url: str) -> Any:
+    from operators.fleet import FleetStore
+
+    return FleetStore(fleet_url) if fleet_url else None
 
 
-def read_batch(bus_url: str, cursor: dict[str, Any], lookback_s: float, folder: str = "alerts"
-               ) -> tuple[list[dict[str, Any]], dict]:
-    """New documents in a bus folder after ``cursor`` (JSON documents) and the cursor after them."""
-    from node_tools.bus import BusReader, open_bus
+def watched_machines(fleet: Any) -> dict[str, str]:
+    """Machines whose agent must be alive: active ones serving a running job (machine -> job)."""
+    from operators.fleet import states
 
-    reader = BusReader(open_bus(bus_url, folder=folder), lookback_s=lookback_s, horizon_ns=int(cursor["horizon_ns"]),
-                       seen=dict(cursor["seen"]))
-    alerts = [a.to_dict() for a in reader.read()]
-    return alerts, {"horizon_ns": reader.horizon_ns, "seen": reader.seen}
+    running = {j.name for j in fleet.jobs() if j.state == "running"}
+    return {m.name: m.job for m in fleet.machines(state=states.ACTIVE) if m.job in running}
 
 
-def commit_cursor(cursor_path: str, cursor: dict[str, Any]) -> None:
-    """Persist the cursor a fired trigger reported (after its batch was recorded)."""
-    path = Path(cursor_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"horizon_ns": int(cursor["horizon_ns"]), "seen": cursor["seen"]}))
-    os.replace(tmp, path)
+class _Watch:
+    """The trigger's reading state: the bus reader over the committed cursor, the agent watch, clocks."""
+
+    def __init__(self, bus_url: str, fleet_url: str, reader: str, *, folder: str, silent_s: float, skew_s: float,
+                 retain_s: float) -> None:
+        from node_tools.bus import BusReader, open_bus
+        from operators.policy.liveness import AgentWatch
+
+        self.bus = open_bus(bus_url, folder=folder)
+        self.fleet = _fleet(fleet_url)
+        self.reader_name = reader
+        self.committed = self.fleet.cursor(reader) if self.fleet else {}
+        self.reader = BusReader(self.bus, seen=dict(self.committed), skew_s=skew_s)
+        self.retain_s = retain_s
+        self.watch: AgentWatch | None = None
+        if self.fleet is not None and silent_s > 0:
+            self.watch = AgentWatch(silent_s=silent_s, state={
+                m: {"token": a.token, "changed_ts": a.changed_ts, "reported_ts": a.reported_ts}
+                for m, a in self.fleet.liveness().items()})
+        self.watched: dict[str, str] = {}
+        self.next = {"liveness": 0.0, "beat": 0.0, "watched": 0.0, "archive": 0.0}
+        self.polls = 0
+
+    def archive(self) -> int:
+        """Move names recorded more than ``retain_s`` ago (by this reader's clock) to the archive."""
+        now = time.time()
+        old = [n for n, ts in self.committed.items() if now - ts > self.retain_s]
+        done = 0
+        for name in old:
+            try:
+                self.bus.archive(name)
+                done += 1
+            except Exception:  # noqa: S112 - a bus error now: the next run tries again
+                continue
+            self.committed.pop(name, None)
+            if self.reader.seen.pop(name, None) is not None:
+                self.reader.gone.append(name)
+        return done
+
+    def poll(self) -> list[dict[str, Any]]:
+        """One round: new alerts, and (when due) agents found silent, the guardian's own beat, archiving."""
+        self.polls += 1
+        if self.fleet is not None and time.monotonic() >= self.next["archive"]:
+            self.next["archive"] = time.monotonic() + 60.0
+            self.archive()
+        out = [a.record() for a in self.reader.read()]
+        now, mono = time.time(), time.monotonic()
+        if self.fleet is not None:
+            if mono >= self.next["watched"]:
+                self.next["watched"] = mono + WATCHED_EVERY_S
+                self.watched = watched_machines(self.fleet)
+            if self.watch is not None and mono >= self.next["liveness"]:
+                self.next["liveness"] = mono + LIVENESS_EVERY_S
+                for found in self.watch.observe(self.bus.heartbeats(), self.watched, now):
+                    out.append(self.watch.silent_alert(found, now))
+            if mono >= self.next["beat"]:
+                self.next["beat"] = mono + BEAT_EVERY_S
+                self.fleet.beat(self.reader_name, {"polls": self.polls, "watched": len(self.watched),
+                                                   "pid": os.getpid()})
+        return out
+
+    def event(self, batch: list[dict[str, Any]], first_seen: float) -> dict[str, Any]:
+        read = {n: ts for n, ts in self.reader.seen.items() if n not in self.committed}
+        now = time.time()
+        quarantined = [{**q, "ts": now} for q in self.reader.quarantined]
+        return {"alerts": batch, "first_seen_ts": first_seen, "fired_ts": now, "reader": self.reader_name,
+                "read": read, "gone": list(self.reader.gone), "quarantined": quarantined,
+                "liveness": self.watch.state if self.watch is not None else None}
 
 
 class AlertTrigger(BaseTrigger):
     """Fires with a batch of alerts: the first one found plus all that arrive within ``settle_s`` (or the
-    batch so far, once it holds an explicit machine fault)."""
+    batch so far, once it holds an alert the ladder acts on by itself). ``fleet_url``: the fleet database
+    holding the cursor of ``reader`` (empty: no cursor, no agent watch; for tools and tests);
+    ``silent_s``: an agent of a running job silent this long is reported (0: not watched)."""
 
-    def __init__(self, bus_url: str, cursor_path: str, *, settle_s: float = DEFAULT_SETTLE_S,
-                 poll_s: float = DEFAULT_POLL_S, lookback_s: float = 120.0, kinds: Sequence[str] = ()) -> None:
+    def __init__(self, bus_url: str, fleet_url: str = "", *, reader: str = GUARDIAN,
+                 settle_s: float = DEFAULT_SETTLE_S, poll_s: float = DEFAULT_POLL_S, kinds: Sequence[str] = (),
+                 silent_s: float = 0.0, skew_s: float = 60.0, retain_s: float = DEFAULT_RETAIN_S) -> None:
         super().__init__()
         self.bus_url = bus_url
-        self.cursor_path = cursor_path
-        self._cursor: dict[str, Any] = {"horizon_ns": 0, "seen": {}}
+        self.fleet_url = fleet_url
+        self.reader = reader
         self.settle_s = settle_s
         self.poll_s = poll_s
-        self.lookback_s = lookback_s
         self.kinds = list(kinds)
+        self.silent_s = silent_s
+        self.skew_s = skew_s
+        self.retain_s = retain_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"bus_url": self.bus_url, "cursor_path": self.cursor_path, "settle_s": self.settle_s,
-                 "poll_s": self.poll_s, "lookback_s": self.lookback_s, "kinds": self.kinds})
+                {"bus_url": self.bus_url, "fleet_url": self.fleet_url, "reader": self.reader,
+                 "settle_s": self.settle_s, "poll_s": self.poll_s, "kinds": self.kinds, "silent_s": self.silent_s,
+                 "skew_s": self.skew_s, "retain_s": self.retain_s})
 
-    async def _read(self) -> list[dict[str, Any]]:
-        alerts, self._cursor = await asyncio.to_thread(read_batch, self.bus_url, self._cursor, self.lookback_s)
+    def _keep(self, alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [a for a in alerts if not self.kinds or a["kind"] in self.kinds]
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        self._cursor = await asyncio.to_thread(load_cursor, self.cursor_path)
+        from node_tools.bus import ALERTS
+
+        watch = await asyncio.to_thread(_Watch, self.bus_url, self.fleet_url, self.reader, folder=ALERTS,
+                                        silent_s=self.silent_s, skew_s=self.skew_s, retain_s=self.retain_s)
         batch: list[dict[str, Any]] = []
         while not batch:
-            batch = await self._read()
+            batch = self._keep(await asyncio.to_thread(watch.poll))
             if not batch:
                 await asyncio.sleep(self.poll_s)
         first_seen = time.time()
         deadline = time.monotonic() + self.settle_s
         while time.monotonic() < deadline and not any(ladder.decisive(a) for a in batch):
             await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
-            batch += await self._read()
+            batch += self._keep(await asyncio.to_thread(watch.poll))
         batch.sort(key=lambda a: a["ts"])
-        yield TriggerEvent({"alerts": batch, "first_seen_ts": first_seen, "fired_ts": time.time(),
-                            "cursor": self._cursor, "cursor_path": self.cursor_path})
+        yield TriggerEvent(watch.event(batch, first_seen))
 
 
 def settle_from_env(env: Any = None) -> float:
@@ -113,39 +188,55 @@ def settle_from_env(env: Any = None) -> float:
     return value
 
 
+def silent_from_env(env: Any = None) -> float:
+    """``TG_AGENT_SILENT_S`` (default 15 s): an agent of a running job silent this long is an incident;
+    0 switches the watch off."""
+    from operators.policy.liveness import DEFAULT_SILENT_S
+
+    env = os.environ if env is None else env
+    raw = env.get("TG_AGENT_SILENT_S", "")
+    try:
+        value = float(raw) if raw else DEFAULT_SILENT_S
+    except ValueError:
+        raise ValueError(f"TG_AGENT_SILENT_S={raw!r} is not a number of seconds; set it to e.g. 15") from None
+    if value < 0 or (0 < value < 5):
+        raise ValueError(f"TG_AGENT_SILENT_S={raw} must be 0 (off) or at least 5 s (agents beat every 2 s)")
+    return value
+
+
 class AlertSensor(BaseSensorOperator):
     """Waits (deferred, no worker slot held) until alerts arrive on the bus; returns the batch. Without
-    ``bus_url``/``cursor_path``, the control plane's (see :func:`operators.airflow.steps.alert_source`)."""
+    ``bus_url``/``fleet_url``, the control plane's (see :func:`operators.airflow.steps.alert_source`)."""
 
-    template_fields = ("bus_url", "cursor_path")
+    template_fields = ("bus_url", "fleet_url")
 
-    def __init__(self, *, bus_url: str = "", cursor_path: str = "", settle_s: float | None = None,
-                 poll_s: float = DEFAULT_POLL_S, lookback_s: float = 120.0, kinds: Sequence[str] = (),
-                 max_wait: timedelta | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, bus_url: str = "", fleet_url: str = "", settle_s: float | None = None,
+                 poll_s: float = DEFAULT_POLL_S, kinds: Sequence[str] = (), max_wait: timedelta | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.bus_url = bus_url
-        self.cursor_path = cursor_path
+        self.fleet_url = fleet_url
         self.settle_s = settle_s
         self.poll_s = poll_s
-        self.lookback_s = lookback_s
         self.kinds = list(kinds)
         self.max_wait = max_wait
 
     def execute(self, context: Any) -> Any:
-        bus_url, cursor_path = self.bus_url, self.cursor_path
-        if not bus_url or not cursor_path:  # the control plane's: the inventory's bus, a cursor by the fleet DB
+        bus_url, fleet_url = self.bus_url, self.fleet_url
+        if not bus_url or not fleet_url:  # the control plane's: the inventory's bus, the fleet database
             from operators.airflow.steps import alert_source
 
-            default_bus, default_cursor = alert_source()
-            bus_url, cursor_path = bus_url or default_bus, cursor_path or default_cursor
+            default_bus, default_fleet = alert_source()
+            bus_url, fleet_url = bus_url or default_bus, fleet_url or default_fleet
         settle_s = self.settle_s if self.settle_s is not None else settle_from_env()
-        self.defer(trigger=AlertTrigger(bus_url, cursor_path, settle_s=settle_s,
-                                        poll_s=self.poll_s, lookback_s=self.lookback_s, kinds=self.kinds),
+        self.defer(trigger=AlertTrigger(bus_url, fleet_url, settle_s=settle_s, poll_s=self.poll_s, kinds=self.kinds,
+                                        silent_s=silent_from_env()),
                    method_name="execute_complete", timeout=self.max_wait)
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
         if not event or not event.get("alerts"):
-            raise RuntimeError("the alert trigger fired without alerts")
+            raise RuntimeError("the alert trigger fired without alerts; nothing to record (the next run reads "
+                               "the bus again)")
         self.log.info("%d alerts, first at %.3f: %s", len(event["alerts"]), event["alerts"][0]["ts"],
                       ", ".join(sorted({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})))
         return event
@@ -167,36 +258,39 @@ class IncidentSensor(AlertSensor):
 class CheckpointNoticeTrigger(BaseEventTrigger):
     """The watcher of the ``checkpoint_committed`` asset: fires once with the notices found on the bus's
     notices folder (``{"notices": [{"job", "step", "machine", "ts"}]}``), then ends; the triggerer starts
-    it again for the next ones. Its cursor (beside the fleet database unless given) is committed as it
-    fires: a notice lost to a crash right then is covered by the verification DAG's schedule."""
+    it again for the next ones. Its cursor (reader ``checkpoint-notices`` in the fleet database) is committed
+    as it fires: a notice lost to a crash right then is covered by the verification DAG's schedule."""
 
-    def __init__(self, bus_url: str = "", cursor_path: str = "", *, poll_s: float = 1.0,
-                 lookback_s: float = 120.0) -> None:
+    def __init__(self, bus_url: str = "", fleet_url: str = "", *, poll_s: float = 1.0) -> None:
         super().__init__()
         self.bus_url = bus_url
-        self.cursor_path = cursor_path
+        self.fleet_url = fleet_url
         self.poll_s = poll_s
-        self.lookback_s = lookback_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"bus_url": self.bus_url, "cursor_path": self.cursor_path, "poll_s": self.poll_s,
-                 "lookback_s": self.lookback_s})
+                {"bus_url": self.bus_url, "fleet_url": self.fleet_url, "poll_s": self.poll_s})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        bus_url, cursor_path = self.bus_url, self.cursor_path
-        if not bus_url or not cursor_path:
-            from operators.airflow.steps import notice_source
+        from node_tools.bus import NOTICES
 
-            default_bus, default_cursor = await asyncio.to_thread(notice_source)
-            bus_url, cursor_path = bus_url or default_bus, cursor_path or default_cursor
-        cursor = await asyncio.to_thread(load_cursor, cursor_path)
+        bus_url, fleet_url = self.bus_url, self.fleet_url
+        if not bus_url or not fleet_url:
+            from operators.airflow.steps import alert_source
+
+            default_bus, default_fleet = await asyncio.to_thread(alert_source)
+            bus_url, fleet_url = bus_url or default_bus, fleet_url or default_fleet
+        watch = await asyncio.to_thread(_Watch, bus_url, fleet_url, NOTICES_READER, folder=NOTICES, silent_s=0.0,
+                                        skew_s=60.0, retain_s=DEFAULT_RETAIN_S)
         while True:
-            docs, cursor = await asyncio.to_thread(read_batch, bus_url, cursor, self.lookback_s, "notices")
+            docs = await asyncio.to_thread(lambda: [a.record() for a in watch.reader.read()])
             notices = [{"job": d["job"], "step": d["evidence"].get("step"), "machine": d["machine"], "ts": d["ts"]}
                        for d in docs if d["kind"] == "checkpoint_committed"]
             if notices:
-                await asyncio.to_thread(commit_cursor, cursor_path, cursor)
+                event = watch.event([], 0.0)
+                if watch.fleet is not None:
+                    await asyncio.to_thread(watch.fleet.advance_cursor, NOTICES_READER, event["read"], event["gone"])
+                    await asyncio.to_thread(watch.archive)
                 yield TriggerEvent({"notices": notices})
                 return
             await asyncio.sleep(self.poll_s)

@@ -24,6 +24,7 @@ BRANCHES = {
     "replay": "silent_corruption",
     "rollback": "roll_back",
     "reattempt": "no_culprit",
+    "probe": "probe_machine",
 }
 
 
@@ -36,30 +37,22 @@ def controller(**overrides: Any) -> Controller:
 
 
 def alert_source() -> tuple[str, str]:
-    """The bus to watch and the guardian's cursor file (beside the fleet database)."""
+    """The bus to watch (the inventory's) and the fleet database that keeps the readers' cursors."""
     from node_tools.inventory import Inventory
 
     cfg = ControlConfig.from_env()
     inv = Inventory.load(Path(cfg.inventory))
-    home = Path(os.environ.get("TG_CONTROL_HOME") or Path(cfg.fleet_url).parent)
-    return inv.bus_url, str(home / "guardian.cursor.json")
-
-
-def notice_source() -> tuple[str, str]:
-    """The bus whose notices folder the checkpoint watcher reads, and its cursor file."""
-    bus_url, cursor = alert_source()
-    return bus_url, str(Path(cursor).with_name("checkpoints.cursor.json"))
+    return inv.bus_url, cfg.fleet_url
 
 
 # ---- tg_guardian ---------------------------------------------------------------------------------------
 def group_alerts(event: dict[str, Any]) -> list[dict[str, Any]]:
-    """Attach the batch to incidents, then commit the bus cursor; returns the confs of incidents newly
-    opened, or taken over by stronger alerts during a slow vote (one tg_incident run each)."""
-    from operators.airflow.alerts import commit_cursor
-
-    items = controller().ingest(event["alerts"])
-    if event.get("cursor") and event.get("cursor_path"):
-        commit_cursor(event["cursor_path"], event["cursor"])
+    """Record the batch in one transaction (alerts into incidents, the bus cursor, quarantined documents, the
+    agents' liveness); returns the confs of incidents newly opened, or taken over by stronger alerts during
+    a slow vote (one tg_incident run each)."""
+    items = controller().ingest(event["alerts"], reader=event.get("reader") or "guardian", read=event.get("read"),
+                                gone=event.get("gone") or (), quarantined=event.get("quarantined") or (),
+                                liveness=event.get("liveness"))
     return [{"incident_id": i["incident"], "job": i["job"], "first_seen_ts": event.get("first_seen_ts")}
             for i in items if i["opened"] or i["taken_over"]]
 
@@ -84,6 +77,13 @@ def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
 
 
 def evict_now(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
+    """An explicit machine fault: stop the job, evict the machines, restart. A decision naming no machine of
+    the job (an alert about a machine that left it) touches nothing."""
+    machines = c.fleet.job(decision["job"]).machine_list
+    if not [m for m in decision["machines"] if m in machines]:
+        named = ", ".join(decision["machines"]) or "no machine"
+        why = f"nothing to evict: {named} does not serve job {decision['job']}"
+        return {"swaps": {}, "no_restart": True, "reason": why, "resolved": why}
     c.stop(decision["job"])
     return c.evict(decision["incident"], decision["machines"], reason=decision["reason"])
 
@@ -161,9 +161,24 @@ def no_culprit(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     return {"swaps": {}, "reattempt": True}
 
 
+def probe_machine(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
+    """A silent agent: reach its machine over SSH and run L1. Unreachable or unhealthy: a machine fault (stop,
+    evict, restart). Healthy: its agent is restarted and the job left alone (the fresh agent reports whatever
+    happened to the job's ranks meanwhile)."""
+    probe = c.probe(decision["incident"], decision["machines"])
+    if not probe["faulty"]:
+        return {"swaps": {}, "no_restart": True, "probe": probe,
+                "resolved": "; ".join(f"{m}: {why}" for m, why in sorted(probe["restarted"].items()))}
+    c.stop(decision["job"])
+    ev = c.evict(decision["incident"], sorted(probe["faulty"]),
+                 reason="silent agent, and the machine " + "; ".join(f"{m} {why}" for m, why in
+                                                                   sorted(probe["faulty"].items())))
+    return {**ev, "probe": probe}
+
+
 HANDLERS = {"evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnosis, "runtime_analysis": runtime_analysis,
             "slow_vote": slow_vote, "silent_corruption": silent_corruption, "roll_back": roll_back,
-            "no_culprit": no_culprit}
+            "no_culprit": no_culprit, "probe_machine": probe_machine}
 
 
 def _follow(c: Controller, incident: int, d: ladder.Decision, evidence: dict[str, Any],
@@ -236,6 +251,8 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
                             f"slowdown, nothing evicted")
     if decision and decision.get("action") in ("tolerate", "observe"):
         return c.close(int(incident_id), outcome="resolved", note=f"no recovery needed ({decision['action']})")
+    if recovery and recovery.get("resolved"):  # a rung that needed no restart (an agent restarted ...)
+        return c.close(int(incident_id), outcome="resolved", note=str(recovery["resolved"]))
     return c.close(int(incident_id), outcome="failed",
                    note="recovery did not complete (a step failed or training did not resume); see the run's logs")
 

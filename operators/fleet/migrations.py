@@ -96,8 +96,32 @@ def _v1(op: Operations) -> None:
         col("detail", sa.Text, nullable=False))
 
 
+def _v2(op: Operations) -> None:
+    """The bus cursor, quarantined alerts, agent liveness and the control plane's own components."""
+    col = sa.Column
+    op.create_table(
+        "bus_cursor",
+        col("reader", sa.String(64), primary_key=True), col("name", sa.String(256), primary_key=True),
+        col("seen_ts", sa.Float, nullable=False))
+    op.create_table(
+        "quarantined_alerts",
+        col("id", sa.Integer, primary_key=True, autoincrement=True), col("reader", sa.String(64), nullable=False),
+        col("name", sa.String(256), nullable=False), col("machine", sa.String(128), nullable=False),
+        col("kind", sa.String(64), nullable=False), col("reason", sa.Text, nullable=False),
+        col("ts", sa.Float, nullable=False, index=True), col("document", sa.JSON, nullable=False))
+    op.create_table(
+        "agent_liveness",
+        col("machine", sa.String(128), primary_key=True), col("token", sa.String(256), nullable=False),
+        col("changed_ts", sa.Float, nullable=False), col("reported_ts", sa.Float))
+    op.create_table(
+        "components",
+        col("name", sa.String(64), primary_key=True), col("seen_ts", sa.Float, nullable=False),
+        col("detail", sa.JSON, nullable=False))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Operations], None]]] = [
     (1, "initial schema", _v1),
+    (2, "bus cursor, quarantined alerts, agent liveness, components", _v2),
 ]
 LATEST = MIGRATIONS[-1][0]
 

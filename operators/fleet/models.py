@@ -165,3 +165,53 @@ class EttrEvent(Base):
     end_ts: Mapped[float] = mapped_column(Float)
     incident_id: Mapped[int | None] = mapped_column(Integer, ForeignKey("incidents.id"), nullable=True)
     detail: Mapped[str] = mapped_column(Text, default="")
+
+
+class BusCursor(Base):
+    """A reader's cursor on the alert bus: every name it has read and recorded that is still in its folder,
+    with the time it first read it by its own clock. Committed in the transaction that records what the
+    names held, so a failure in between reads them again (recording them again is a no-op)."""
+
+    __tablename__ = "bus_cursor"
+
+    reader: Mapped[str] = mapped_column(String(64), primary_key=True)  # "guardian", "checkpoint-notices"
+    name: Mapped[str] = mapped_column(String(256), primary_key=True)
+    seen_ts: Mapped[float] = mapped_column(Float)
+
+
+class QuarantinedAlert(Base):
+    """A document of the bus that is never acted on, and why: over the size limit, not a valid alert, or
+    naming a machine or job the inventory and the fleet do not know."""
+
+    __tablename__ = "quarantined_alerts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    reader: Mapped[str] = mapped_column(String(64), default="")
+    name: Mapped[str] = mapped_column(String(256), default="")
+    machine: Mapped[str] = mapped_column(String(128), default="")  # as the document claims (unchecked)
+    kind: Mapped[str] = mapped_column(String(64), default="")
+    reason: Mapped[str] = mapped_column(Text, default="")
+    ts: Mapped[float] = mapped_column(Float, index=True)
+    document: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)  # bounded; {} when never parsed
+
+
+class AgentLiveness(Base):
+    """What the guardian last saw of a machine's agent heartbeat: its change token, when (the guardian's
+    clock) it last changed, and when the guardian reported it silent (None: not silent)."""
+
+    __tablename__ = "agent_liveness"
+
+    machine: Mapped[str] = mapped_column(String(128), primary_key=True)
+    token: Mapped[str] = mapped_column(String(256), default="")
+    changed_ts: Mapped[float] = mapped_column(Float)
+    reported_ts: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Component(Base):
+    """A part of trainguard's own control plane and when it last said it is alive (the guardian's poll)."""
+
+    __tablename__ = "components"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    seen_ts: Mapped[float] = mapped_column(Float)
+    detail: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

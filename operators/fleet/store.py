@@ -23,13 +23,17 @@ from operators.fleet import states
 from operators.fleet.migrations import migrate
 from operators.fleet.models import (
     Action,
+    AgentLiveness,
     Alert,
+    BusCursor,
     Checkpoint,
+    Component,
     EttrEvent,
     Incident,
     Job,
     Machine,
     MachineEvent,
+    QuarantinedAlert,
     Revision,
 )
 
@@ -297,25 +301,80 @@ class FleetStore:
                       escalation_window_s: float = 1800.0) -> tuple[Incident, bool]:
         """Attach ``alerts`` to the job's open incident, or open one. Returns (incident, opened). A new
         incident within ``escalation_window_s`` of the job's last closed one starts a level above it."""
-        alerts = list(alerts)
         with self.tx() as s:
-            inc = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(OPEN_INCIDENT_STATES))
-                           .order_by(Incident.id.desc()).with_for_update())
-            opened = inc is None
-            if inc is None:
-                first = min((float(a.get("ts", self.clock())) for a in alerts), default=self.clock())
-                inc = Incident(job=job, state="open", category=category,
-                               level=self._next_level(s, job, escalation_window_s, failed_ts=first),
-                               opened_ts=self.clock(), first_alert_ts=first, summary="")
-                s.add(inc)
-                s.flush()
-            for a in alerts:
-                if s.get(Alert, str(a["id"])) is not None:
-                    continue
-                s.add(Alert(id=str(a["id"]), ts=float(a.get("ts", 0.0)), job=a.get("job") or "",
-                            machine=a.get("machine") or "", rank=a.get("rank"), kind=a["kind"],
-                            severity=a.get("severity") or "", incident_id=inc.id, document=a))
-            return inc, opened
+            return self._attach(s, job, list(alerts), category=category, escalation_window_s=escalation_window_s)
+
+    def _attach(self, s: Session, job: str, alerts: list[dict[str, Any]], *, category: str = "",
+                escalation_window_s: float) -> tuple[Incident, bool]:
+        inc = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(OPEN_INCIDENT_STATES))
+                       .order_by(Incident.id.desc()).with_for_update())
+        opened = inc is None
+        if inc is None:
+            first = min((float(a.get("ts", self.clock())) for a in alerts), default=self.clock())
+            inc = Incident(job=job, state="open", category=category,
+                           level=self._next_level(s, job, escalation_window_s, failed_ts=first),
+                           opened_ts=self.clock(), first_alert_ts=first, summary="")
+            s.add(inc)
+            s.flush()
+        for a in alerts:
+            if s.get(Alert, str(a["id"])) is not None:
+                continue
+            s.add(Alert(id=str(a["id"]), ts=float(a.get("ts", 0.0)), job=a.get("job") or "",
+                        machine=a.get("machine") or "", rank=a.get("rank"), kind=a["kind"],
+                        severity=a.get("severity") or "", incident_id=inc.id, document=a))
+        return inc, opened
+
+    def ingest(self, by_job: dict[str, list[dict[str, Any]]], *, escalation_window_s: float, reader: str = "",
+               read: dict[str, float] | None = None, gone: Sequence[str] = (),
+               quarantined: Sequence[dict[str, Any]] = (), liveness: dict[str, dict[str, Any]] | None = None,
+               ) -> list[tuple[Incident, bool]]:
+        """One batch of the bus in one transaction: each job's alerts attached to its open incident (or one
+        opened), the ``reader``'s cursor advanced (the names ``read`` with the reader's time; ``gone``: names
+        that left the bus), ``quarantined`` documents recorded, the agents' ``liveness`` as the reader last saw
+        it. Returns (incident, opened) per job, in job order. Either all of it is recorded or none."""
+        with self.tx() as s:
+            out = [self._attach(s, job, list(alerts), escalation_window_s=escalation_window_s)
+                   for job, alerts in sorted(by_job.items())]
+            for name, ts in (read or {}).items():
+                s.merge(BusCursor(reader=reader, name=name, seen_ts=float(ts)))
+            if gone:
+                s.execute(sa.delete(BusCursor).where(BusCursor.reader == reader, BusCursor.name.in_(list(gone))))
+            for q in quarantined:
+                s.add(QuarantinedAlert(reader=reader, name=str(q.get("name", ""))[:256],
+                                       machine=str(q.get("machine", ""))[:128], kind=str(q.get("kind", ""))[:64],
+                                       reason=str(q.get("reason", ""))[:2000], ts=float(q.get("ts") or self.clock()),
+                                       document=dict(q.get("document") or {})))
+            for machine, st in (liveness or {}).items():
+                s.merge(AgentLiveness(machine=machine, token=str(st.get("token", ""))[:256],
+                                      changed_ts=float(st["changed_ts"]), reported_ts=st.get("reported_ts")))
+            return out
+
+    def cursor(self, reader: str) -> dict[str, float]:
+        """The ``reader``'s cursor: name -> when it first read it."""
+        with self.tx() as s:
+            return {c.name: c.seen_ts for c in s.scalars(select(BusCursor).where(BusCursor.reader == reader))}
+
+    def advance_cursor(self, reader: str, read: dict[str, float], gone: Sequence[str] = ()) -> None:
+        """The ``reader``'s cursor alone (a reader that records nothing else in the fleet database)."""
+        self.ingest({}, escalation_window_s=0.0, reader=reader, read=read, gone=gone)
+
+    def quarantined(self, *, since: float = 0.0) -> list[QuarantinedAlert]:
+        with self.tx() as s:
+            return list(s.scalars(select(QuarantinedAlert).where(QuarantinedAlert.ts >= since)
+                                  .order_by(QuarantinedAlert.id)))
+
+    def liveness(self) -> dict[str, AgentLiveness]:
+        with self.tx() as s:
+            return {a.machine: a for a in s.scalars(select(AgentLiveness))}
+
+    def beat(self, component: str, detail: dict[str, Any] | None = None) -> None:
+        """``component`` (the guardian ...) is alive now."""
+        with self.tx() as s:
+            s.merge(Component(name=component, seen_ts=self.clock(), detail=dict(detail or {})))
+
+    def components(self) -> dict[str, Component]:
+        with self.tx() as s:
+            return {c.name: c for c in s.scalars(select(Component))}
 
     def _next_level(self, s: Session, job: str, window_s: float, *, failed_ts: float) -> int:
         """0 for a first failure; a failure (its first alert at ``failed_ts``) within ``window_s`` of the

@@ -15,6 +15,8 @@ The ladder::
                                         alignment test) -> evict what fails; all pass -> reattempt
                                         again (level 1) -> roll back; again (level 2) -> replay
     hang                             -> runtime analysis (stacks) -> over-evict the parallel group
+    silent agent                     -> probe its machine (ssh + L1): unreachable or unhealthy -> evict it;
+                                        healthy -> restart the agent, leave the job alone
     throughput decline               -> vote over rounds while the job trains: the group holding the slowest
                                         ranks in most rounds is evicted; none in most rounds -> transient
     beyond that, or over the breaker -> wait for a human
@@ -42,6 +44,7 @@ SLOW = frozenset({"rank_slow"})
 NUMERIC = frozenset({"nan_loss"})
 SDC = frozenset({"sdc_suspect"})
 CRASH = frozenset({"rank_exit", "kernel_oom"})
+AGENT = frozenset({"agent_silent"})
 OBSERVE = frozenset({"loss_spike", "grad_spike", "gpu_thermal", "gpu_pcie"})
 
 NETWORK_REPEAT_WINDOW_S = 300.0
@@ -49,7 +52,7 @@ NETWORK_REPEAT_COUNT = 2
 NETWORK_EPISODE_S = 10.0  # network alerts of one machine closer than this are one event (one flap)
 
 # categories, strongest first: the batch is what its strongest alert says
-CATEGORIES = ("machine_fault", "network", "sdc", "nan", "crash", "hang", "slow", "observe")
+CATEGORIES = ("machine_fault", "network", "sdc", "nan", "crash", "hang", "agent", "slow", "observe")
 
 
 @dataclass(frozen=True)
@@ -107,13 +110,16 @@ def _category(alert: Mapping[str, Any]) -> str:
         return "hang"
     if kind in SLOW:
         return "slow"
+    if kind in AGENT:
+        return "agent"
     return "observe"
 
 
 def decisive(alert: Mapping[str, Any]) -> bool:
     """An alert the ladder acts on by itself, whatever else arrives with it: an explicit machine fault (the
-    first rung evicts at once). A batch holding one needs no settle window."""
-    return _category(alert) == "machine_fault"
+    first rung evicts at once) or a silent agent (its machine is probed). A batch holding one needs no
+    settle window."""
+    return _category(alert) in ("machine_fault", "agent")
 
 
 def network_repeats(alerts: Iterable[Mapping[str, Any]], now: float, *, window_s: float = NETWORK_REPEAT_WINDOW_S,
@@ -189,6 +195,8 @@ def decide(t: Triage, *, level: int = 0, log_verdict: str = "", rollback_to: str
         return Decision("observe", (), t.reason)
     if t.category == "hang":
         return Decision("analyze", t.machines, "hang: stacks and collective progress of every rank")
+    if t.category == "agent":
+        return Decision("probe", t.machines, f"silent agent on {', '.join(t.machines)}: reach the machine and run L1")
     if t.category == "slow":
         return Decision("vote", t.machines, "throughput decline: per-rank compute time over several rounds, "
                                             "while the job keeps training")

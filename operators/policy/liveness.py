@@ -1,0 +1,61 @@
+"""Liveness of trainguard's own parts, as plain functions: is a machine's agent still talking?
+
+An agent rewrites its heartbeat on the bus every few seconds (:meth:`node_tools.bus.AlertBus.beat`). The
+guardian lists the heartbeats and keeps, per machine, the change token it last saw and *when it saw it
+change* by its own clock: neither the agent's clock nor the storage's is trusted. An agent whose heartbeat
+did not change for ``silent_s`` on a machine that serves a running job is silent (stopped, hung, its
+machine gone or cut off); the guardian reports it once per silence as an ``agent_silent`` alert of its
+own, and the ladder probes the machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: an agent silent this long on a machine of a running job is an incident (its heartbeat: every 2 s)
+DEFAULT_SILENT_S = 15.0
+
+
+@dataclass
+class AgentWatch:
+    """What the guardian saw of each machine's heartbeat.
+
+    Attributes:
+        silent_s: seconds without a change that make an agent silent.
+        state: machine -> ``{"token", "changed_ts", "reported_ts"}`` (``reported_ts``: when this silence
+            was reported; None while the agent talks). Kept in the fleet database between guardian runs.
+    """
+
+    silent_s: float = DEFAULT_SILENT_S
+    state: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def observe(self, tokens: Mapping[str, str], watched: Mapping[str, str], now: float) -> list[dict[str, Any]]:
+        """Take one listing of the heartbeats (``tokens``: machine -> change token) for the ``watched``
+        machines (machine -> the job it serves) at ``now`` (the guardian's clock); returns the machines that
+        became silent with this listing: ``{"machine", "job", "silent_s", "last_change_ts"}`` each. A
+        machine seen for the first time gets ``silent_s`` from now; one that talks again is forgiven."""
+        silent = []
+        for machine, job in sorted(watched.items()):
+            token = tokens.get(machine, "")
+            st = self.state.get(machine)
+            if st is None or token != st["token"]:
+                self.state[machine] = {"token": token, "changed_ts": now, "reported_ts": None}
+                continue
+            quiet = now - float(st["changed_ts"])
+            if st["reported_ts"] is None and quiet > self.silent_s:
+                st["reported_ts"] = now
+                silent.append({"machine": machine, "job": job, "silent_s": round(quiet, 1),
+                               "last_change_ts": st["changed_ts"]})
+        return silent
+
+    def silent_alert(self, found: Mapping[str, Any], now: float) -> dict[str, Any]:
+        """The guardian's own ``agent_silent`` alert for one machine :meth:`observe` found silent."""
+        from node_tools.alerts import Alert
+
+        a = Alert("agent_silent", found["machine"], severity="fault", job=found["job"], ts=now,
+                  evidence={"silent_s": found["silent_s"], "last_change_ts": found["last_change_ts"],
+                            "threshold_s": self.silent_s, "source": "guardian"})
+        a.received_ts = now
+        return a.record()
