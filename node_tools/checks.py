@@ -14,8 +14,15 @@ GpuCheck         5 s       missing GPUs, Xid events, uncorrectable ECC / pending
 NicCheck         5 s       no carrier / link down, growing error counters
 DiskCheck        10 s      work directory nearly full, or read-only
 RankCheck        0.25 s    rank exited, heartbeat stopped, no progress beyond a calibrated
-                           timeout, NaN or 5x jumps in loss and gradient norm
+                           timeout, NaN or 5x jumps in loss and gradient norm, slow steps,
+                           a sustained decline of the job's throughput
 ===============  ========  ==============================================================
+
+The rank check trusts what it observes over what files claim: a rank's heartbeat and
+progress are judged by whether their contents *changed*, timed on the agent's own
+monotonic clock (a rank whose clock steps back an hour still beats), and a rank is
+called stopped only on proof: its process is in state ``T``, or its heartbeat stayed
+unchanged past the threshold while the process used no CPU for a further second.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import math
 import os
 import re
 import statistics
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
@@ -330,8 +338,10 @@ class RankTimeouts:
         startup_s: timeout before the rank has shown ``min_steps`` steps, seconds.
         min_steps: steps needed before calibration applies.
         window: how many recent step intervals the calibration looks at.
-        stale_heartbeat_s: a heartbeat older than this (while the process exists) means
-            the process is stopped or frozen, seconds.
+        stale_heartbeat_s: a heartbeat unchanged this long (the agent's monotonic clock) while the
+            process exists is a candidate for "stopped", seconds.
+        confirm_s: ... and it is called stopped once the process used no CPU time for this much longer
+            (a process in state ``T`` needs no confirmation), seconds.
         spike_factor: a loss / grad norm above this multiple of the recent median is a spike.
         spike_history: steps of history needed before spikes are judged.
         slow_factor: a step time above this multiple of the recent median counts as slow.
@@ -339,6 +349,11 @@ class RankTimeouts:
         slow_history: normal steps of an incarnation needed before step times are judged (a rank slow
             from its first steps is learned as normal: keep this short).
         ignore_longest: longest step intervals left out of the calibration (see above).
+        decline: a step whose tokens/s is below ``1 - decline`` of the trailing median counts as declined.
+        decline_steps: consecutive declined steps that make a ``throughput_decline`` finding.
+        decline_history: normal steps of an incarnation (at most; at least half of them needed) the
+            trailing median is taken over.
+        decline_relearn: consecutive declined steps after which the lower throughput is the new normal.
     """
 
     floor_s: float = 5.0
@@ -353,6 +368,11 @@ class RankTimeouts:
     slow_steps: int = 3
     slow_history: int = 5
     ignore_longest: int = 2
+    confirm_s: float = 1.0
+    decline: float = 0.15
+    decline_steps: int = 8
+    decline_history: int = 30
+    decline_relearn: int = 60
 
 
 LEARN_FACTOR = 1.5  # a step time above this multiple of the baseline does not teach the baseline
@@ -369,9 +389,18 @@ class _RankState:
     sdc: bool = False
     grads: deque = field(default_factory=lambda: deque(maxlen=20))
     steps_seen: int = 0
-    last_ts: float = 0.0
     nan: bool = False
     spike: dict[str, bool] = field(default_factory=dict)
+    # what the agent observed, on its own monotonic clock
+    records_seen: float | None = None  # when the last step record was read
+    beat: Any = None  # the heartbeat's content that changes with every flush
+    beat_seen: float = 0.0  # when it last changed
+    progress: Any = None  # the heartbeat's progress (step, collectives completed)
+    progress_seen: float = 0.0
+    frozen: tuple[int, float] | None = None  # (CPU ticks, since) while a stale heartbeat is being confirmed
+    tput: deque = field(default_factory=lambda: deque(maxlen=30))
+    decline_run: int = 0
+    declined: bool = False
 
 
 class RankCheck(Check):
@@ -379,10 +408,11 @@ class RankCheck(Check):
 
     name, group, interval_s = "ranks", "host", 0.25
 
-    def __init__(self, workdir: Path, *, timeouts: RankTimeouts | None = None) -> None:
+    def __init__(self, workdir: Path, *, timeouts: RankTimeouts | None = None, clock: Any = time.monotonic) -> None:
         self.jobs_dir = Path(workdir) / "jobs"
         self.t = timeouts or RankTimeouts()
         self.state: dict[tuple[str, int, int], _RankState] = {}
+        self.clock = clock
 
     def _jobs(self) -> list[tuple[str, Path, dict[str, Any]]]:
         out = []
@@ -450,14 +480,29 @@ class RankCheck(Check):
     def _rank(self, job: str, rank: int, hb: dict[str, Any], st: _RankState, run_dir: Path,
               record: dict[str, Any], exit_doc: dict[str, Any] | None, now: float) -> list[Finding]:
         found: list[Finding] = []
-        for rec in self._read_new_steps(run_dir, rank, st):
-            if rec.get("incarnation", 0) != record.get("incarnation", 0):
-                continue
+        mono = self.clock()
+        fresh = [rec for rec in self._read_new_steps(run_dir, rank, st)
+                 if rec.get("incarnation", 0) == record.get("incarnation", 0)]
+        if fresh:
+            # step intervals as the agent saw them arrive: no rank's clock is trusted for the calibration; a
+            # backlog read at once (the agent just started) counts each step's own duration (the rank's
+            # monotonic timer) instead
+            if st.records_seen is not None and st.steps_seen:
+                st.times.extend([(mono - st.records_seen) / len(fresh)] * len(fresh))
+            else:
+                st.times.extend(t for t in (_num(r.get("step_time_s")) for r in fresh) if 0 < t < 3600)
+            st.records_seen = mono
+        for rec in fresh:
             found += self._metrics(job, rank, rec, st)
-            if "ts" in rec and st.steps_seen:
-                st.times.append(rec["ts"] - st.last_ts)
-            st.last_ts = rec.get("ts", now)
             st.steps_seen += 1
+        beat = (hb.get("beat"), hb.get("alive_ts"))
+        if beat != st.beat or not st.beat_seen:
+            st.beat, st.beat_seen = beat, mono
+        progress = (hb.get("progress_ts"), hb.get("step"),
+                    sum(int(c.get("completed", 0)) for c in (hb.get("collectives") or {}).values()
+                        if isinstance(c, dict)))
+        if progress != st.progress or not st.progress_seen:
+            st.progress, st.progress_seen = progress, mono
         status = hb.get("status")
         pid = hb.get("pid")
         state = procs.proc_state(pid, hb.get("pid_start")) if pid else None  # a reused pid is not the rank
@@ -470,14 +515,25 @@ class RankCheck(Check):
             found.append(Finding("rank_exit", f"exit:{job}:{rank}", f"rank {rank} of job {job} exited "
                                  f"(status {status}, pid {pid})", job=job, rank=rank, evidence=evidence))
             return found
-        alive_age = now - float(hb.get("alive_ts", now))
-        if state == "T" or alive_age > self.t.stale_heartbeat_s:
+        unchanged = mono - st.beat_seen
+        stopped = state in ("T", "t")
+        if not stopped and unchanged > self.t.stale_heartbeat_s:
+            ticks = procs.cpu_ticks(pid)
+            if st.frozen is None or ticks != st.frozen[0]:
+                st.frozen = (ticks if ticks is not None else -1, mono)  # running, or just started confirming
+            elif mono - st.frozen[1] >= self.t.confirm_s:
+                stopped = True  # its heartbeat stopped and it used no CPU since: frozen
+        else:
+            st.frozen = None
+        if stopped:
             found.append(Finding("rank_stopped", f"stopped:{job}:{rank}",
-                                 f"rank {rank} of job {job}: heartbeat {alive_age:.1f}s old, process state {state}",
-                                 job=job, rank=rank, evidence=dict(base, alive_age_s=round(alive_age, 3),
-                                                                   process_state=state)))
+                                 f"rank {rank} of job {job}: heartbeat unchanged for {unchanged:.1f}s, process "
+                                 f"state {state}", job=job, rank=rank,
+                                 evidence=dict(base, alive_age_s=round(unchanged, 3), process_state=state,
+                                               confirmed="process stopped" if state in ("T", "t")
+                                               else "no CPU time used")))
             return found
-        progress_age = now - float(hb.get("progress_ts", now))
+        progress_age = mono - st.progress_seen
         timeout = self.timeout_for(st)
         if progress_age > timeout:
             found.append(Finding("rank_hang", f"hang:{job}:{rank}",
@@ -492,6 +548,7 @@ class RankCheck(Check):
         loss, grad = _num(rec.get("loss")), _num(rec.get("grad_norm"))
         step = rec.get("step")
         found += self._slow(job, rank, rec, st)
+        found += self._decline(job, rank, rec, st)
         if rec.get("dp_digests_match") is False and not st.sdc:
             found.append(Finding("sdc_suspect", f"sdc:{job}:{rank}",
                                  f"rank {rank} of job {job}: parameters differ from its DP peers at step {step}",
@@ -547,6 +604,37 @@ class RankCheck(Check):
                         job=job, rank=rank,
                         evidence={"step": rec.get("step"), "step_time_s": step_time, "baseline_s": baseline,
                                   "comm_s": comm, "compute_s": step_time - comm if math.isfinite(comm) else None})]
+
+
+    def _decline(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
+        """A sustained decline of the job's throughput (tokens/s against its own trailing median): too small
+        for ``rank_slow``, large enough that at scale the whole job runs at a straggler's pace."""
+        tput = _num(rec.get("tokens_per_s"))
+        if not math.isfinite(tput) or tput <= 0:
+            return []
+        hist = st.tput
+        need = max(5, self.t.decline_history // 2)
+        baseline = statistics.median(hist) if len(hist) >= need else None
+        below = baseline is not None and tput < (1.0 - self.t.decline) * baseline
+        if not below:
+            hist.append(tput)
+            st.decline_run, st.declined = 0, False
+            return []
+        st.decline_run += 1
+        if st.decline_run >= self.t.decline_relearn:  # lasting: the new normal (the vote had its chance)
+            hist.clear()
+            st.decline_run, st.declined = 0, False
+            return []
+        if st.decline_run < self.t.decline_steps or st.declined:
+            return []
+        st.declined = True
+        return [Finding("throughput_decline", f"decline:{job}:{rank}",
+                        f"rank {rank} of job {job}: {st.decline_run} steps at {tput:.0f} tokens/s, "
+                        f"{1 - tput / baseline:.0%} below the trailing median {baseline:.0f}", severity="warning",
+                        job=job, rank=rank,
+                        evidence={"step": rec.get("step"), "tokens_per_s": round(tput, 1),
+                                  "baseline_tokens_per_s": round(baseline, 1),
+                                  "decline": round(1 - tput / baseline, 3), "steps": st.decline_run})]
 
 
 def _num(value: Any) -> float:

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -254,6 +255,19 @@ def _state(record: dict[str, Any] | None) -> str:
     return "exited"
 
 
+def _recent_compute(steps: list[dict[str, Any]], incarnation: Any, n: int = 5) -> float | None:
+    """The median compute time (step time less the wait in collectives) of the rank's last ``n`` steps of
+    this incarnation: what the fail-slow vote compares, steadier than one step's."""
+    values = []
+    for r in reversed(steps):
+        if r.get("incarnation") != incarnation or len(values) >= n:
+            break
+        t, comm = r.get("step_time_s"), r.get("comm_s")
+        if isinstance(t, (int, float)) and isinstance(comm, (int, float)):
+            values.append(max(0.0, float(t) - float(comm)))
+    return round(statistics.median(values), 6) if values else None
+
+
 def rank_status(rd: Path, rank: int, now: float) -> dict[str, Any]:
     hb = monitor.read_heartbeat(rd, rank) or {}
     steps = monitor.read_steps(rd, rank)
@@ -269,6 +283,7 @@ def rank_status(rd: Path, rank: int, now: float) -> dict[str, Any]:
         "progress_age_s": round(now - hb["progress_ts"], 3) if "progress_ts" in hb else None,
         "collectives": hb.get("collectives", {}),
         "last_step": steps[-1] if steps else None,
+        "recent_compute_s": _recent_compute(steps, steps[-1].get("incarnation")) if steps else None,
     }
 
 

@@ -13,9 +13,10 @@ and the hook keeps two files per rank under ``<run_dir>/ranks/``:
 
 ``rank<R>.json``
     The heartbeat: rewritten atomically every ``flush_interval_s`` by a daemon
-    thread. ``alive_ts`` advances while the process runs (it stops when the
-    process is stopped or dead); ``progress_ts`` advances at each step end and
-    each completed collective (it stops when the rank hangs). It also carries
+    thread. ``beat`` counts the rewrites and ``alive_ts`` advances while the
+    process runs (both stop when the process is stopped or dead); ``progress_ts``
+    advances at each step end and each completed collective (it stops when the
+    rank hangs). The agent judges both by whether they change, on its own clock. It also carries
     the per-process-group collective sequence numbers (started / completed),
     the last step and the process identity.
 ``rank<R>.steps.jsonl``
@@ -106,6 +107,7 @@ class JobMonitor:
         self._started_ts = now
         self._pid_start = procs.start_ticks(os.getpid())  # with the pid: this process, not a later namesake
         self._progress_ts = now
+        self._beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._steps_fh = open(  # noqa: SIM115 - kept open for the rank's life, closed in close()
@@ -161,6 +163,7 @@ class JobMonitor:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
+            self._beats += 1
             return {
                 "schema": SCHEMA_VERSION,
                 "job": self.job,
@@ -173,6 +176,7 @@ class JobMonitor:
                 "pid_start": self._pid_start,
                 "coords": self.coords,
                 "status": self._status,
+                "beat": self._beats,
                 "started_ts": self._started_ts,
                 "alive_ts": time.time(),
                 "progress_ts": self._progress_ts,

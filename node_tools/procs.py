@@ -54,6 +54,15 @@ def start_ticks(pid: int) -> int | None:
     return int(fields[19]) if fields is not None and len(fields) > 19 and fields[19].isdigit() else None
 
 
+def cpu_ticks(pid: int) -> int | None:
+    """CPU time ``pid`` has used (user + system, in clock ticks: ``/proc/<pid>/stat`` fields 14 and 15), or
+    None if it is gone. A process whose count does not move is not running."""
+    fields = _stat_fields(pid)
+    if fields is None or len(fields) < 13 or not (fields[11].isdigit() and fields[12].isdigit()):
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
 def environ(pid: int) -> dict[str, str]:
     try:
         raw = (PROC / str(pid) / "environ").read_bytes()

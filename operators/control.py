@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from node_tools import launcher
 from node_tools.errors import TrainguardError
@@ -37,20 +37,29 @@ REPLAY_PORT_BASE = 29900  # a replay's groups rendezvous on 29900.. (the job use
 
 @dataclass
 class ControlConfig:
-    """Settings of the control plane (Airflow Variables / environment in the DAGs).
+    """Settings of the control plane (the environment of the Airflow processes: see :meth:`from_env`).
 
     Attributes:
         fleet_url: the fleet database (a SQLite path or a SQLAlchemy URL).
         inventory: the inventory file.
         dry_run: record every decision, act on nothing.
         breaker_share: at most this share of a job's machines evicted automatically per window.
-        breaker_window_s: the breaker's window.
-        resume_timeout_s: how long recovery waits for training to pass the restored step.
-        diag_timeout_s: per diagnostic level.
-        escalation_window_s: a failure this soon after the job's last recovery climbs the ladder.
+        breaker_window_s: the breaker's window, seconds.
+        resume_timeout_s: how long recovery waits for training to pass the restored step, seconds.
+        diag_timeout_s: per diagnostic level, seconds.
+        diag_concurrency: machines diagnosed at once (L3 pairs count as their machines), so that diagnosis
+            does not measure the load of diagnosis itself.
+        escalation_window_s: a failure this soon after the job's last recovery climbs the ladder, seconds.
         slow_rounds: rounds of the fail-slow vote (ByteRobust: 5).
         slow_interval_s: seconds between the vote's rounds (ByteRobust: 10).
-        stop_grace_s: a stopped job's processes get this long after SIGTERM before SIGKILL.
+        slow_factor: a rank whose recent compute time is above this multiple of its stage's median is flagged
+            in a round of the vote.
+        stop_grace_s: a stopped job's processes get this long after SIGTERM before SIGKILL, seconds.
+        repeat_window_s: failures of one machine within this window count towards a repeat offender, seconds.
+        repeat_count: a machine implicated in this many incidents within the window (each diagnosis clean, it
+            stayed) is swapped out at its next failure.
+        restart_attempts: restarts of an incident's recovery (another standby, another copy, an older step)
+            before it waits for a human.
     """
 
     fleet_url: str
@@ -60,28 +69,57 @@ class ControlConfig:
     breaker_window_s: float = 3600.0
     resume_timeout_s: float = 300.0
     diag_timeout_s: float = 120.0
+    diag_concurrency: int = 8
     escalation_window_s: float = 1800.0
     slow_rounds: int = 5
     slow_interval_s: float = 10.0
+    slow_factor: float = 1.25
     stop_grace_s: float = 5.0
+    repeat_window_s: float = 3600.0
+    repeat_count: int = 2
+    restart_attempts: int = 3
+
+    #: setting -> (environment variable, type, lowest allowed value)
+    ENV: ClassVar[dict[str, tuple[str, type, float]]] = {
+        "breaker_share": ("TG_BREAKER_SHARE", float, 0.0),
+        "breaker_window_s": ("TG_BREAKER_WINDOW_S", float, 0.0),
+        "resume_timeout_s": ("TG_RESUME_TIMEOUT_S", float, 1.0),
+        "diag_timeout_s": ("TG_DIAG_TIMEOUT_S", float, 1.0),
+        "diag_concurrency": ("TG_DIAG_CONCURRENCY", int, 2),
+        "escalation_window_s": ("TG_ESCALATION_WINDOW_S", float, 0.0),
+        "slow_rounds": ("TG_SLOW_ROUNDS", int, 1),
+        "slow_interval_s": ("TG_SLOW_INTERVAL_S", float, 0.0),
+        "slow_factor": ("TG_SLOW_FACTOR", float, 1.0),
+        "stop_grace_s": ("TG_STOP_GRACE_S", float, 0.0),
+        "repeat_window_s": ("TG_REPEAT_WINDOW_S", float, 0.0),
+        "repeat_count": ("TG_REPEAT_COUNT", int, 1),
+        "restart_attempts": ("TG_RESTART_ATTEMPTS", int, 1),
+    }
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ControlConfig:
-        """From ``TG_FLEET_URL``, ``TG_INVENTORY``, ``TG_DRY_RUN``, ``TG_BREAKER_SHARE``,
-        ``TG_BREAKER_WINDOW_S``, ``TG_ESCALATION_WINDOW_S``, ``TG_SLOW_ROUNDS``, ``TG_SLOW_INTERVAL_S``,
-        ``TG_STOP_GRACE_S`` of ``env`` (default: this process's environment); ``overrides`` win."""
+        """From ``TG_FLEET_URL``, ``TG_INVENTORY``, ``TG_DRY_RUN`` and the variables of :data:`ENV` in ``env``
+        (default: this process's environment); ``overrides`` win. A value that is not a number, or below
+        its lowest, is a one-line error naming the variable."""
         env = os.environ if env is None else env
         values: dict[str, Any] = {
             "fleet_url": env.get("TG_FLEET_URL", ".tg/fleet.db"),
             "inventory": env.get("TG_INVENTORY", ".tg/cluster/inventory.json"),
             "dry_run": env.get("TG_DRY_RUN", "").lower() in ("1", "true", "yes"),
-            "breaker_share": float(env.get("TG_BREAKER_SHARE", "0.5")),
-            "breaker_window_s": float(env.get("TG_BREAKER_WINDOW_S", "3600")),
-            "escalation_window_s": float(env.get("TG_ESCALATION_WINDOW_S", "1800")),
-            "slow_rounds": int(env.get("TG_SLOW_ROUNDS", "5")),
-            "slow_interval_s": float(env.get("TG_SLOW_INTERVAL_S", "10")),
-            "stop_grace_s": float(env.get("TG_STOP_GRACE_S", "5")),
         }
+        for name, (var, kind, lowest) in cls.ENV.items():
+            raw = env.get(var, "")
+            if not raw:
+                continue
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise TrainguardError(f"{var}={raw!r} is not {'a whole number' if kind is int else 'a number'}; "
+                                      f"unset it for the default ({getattr(cls, name)})", exit_code=2) from None
+            if value < lowest:
+                raise TrainguardError(f"{var}={raw} is below {lowest:g}; unset it for the default "
+                                      f"({getattr(cls, name)})", exit_code=2)
+            values[name] = value
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -343,6 +381,22 @@ class Controller:
         return {"incident": incident_id, "job": inc.job, "level": inc.level, "category": t.category,
                 "machines": list(t.machines), "action": d.action, "reason": d.reason, "rollback_to": rollback_to,
                 "diagnose": dict(d.diagnose)}
+
+    # ---- repeat offenders ----------------------------------------------------------------------------
+    def implicate(self, incident_id: int, machine: str, why: str) -> None:
+        """Record that the incident's failure started on ``machine`` (its logs say so)."""
+        self.fleet.record_action(f"implicate:{incident_id}:{machine}", kind="implicate", incident_id=incident_id,
+                                 machines=[machine], evidence={"why": why[:300]})
+
+    def failures_of(self, job: str, machine: str, *, other_than: int) -> list[int]:
+        """The job's incidents within ``repeat_window_s`` that implicated ``machine`` and left it in the job
+        (a clean diagnosis, a restart in place): what makes a repeat offender."""
+        since = time.time() - self.cfg.repeat_window_s
+        ids = {i.id for i in self.fleet.incidents(job) if i.id != other_than and i.first_alert_ts >= since}
+        actions = [a for a in self.fleet.actions() if a.incident_id in ids]
+        evicted = {a.incident_id for a in actions
+                   if a.kind == "evict" and a.outcome == "done" and machine in a.machines}
+        return sorted({a.incident_id for a in actions if a.kind == "implicate" and machine in a.machines} - evicted)
 
     # ---- a silent agent -----------------------------------------------------------------------------
     def probe(self, incident_id: int, machine_names: Sequence[str], *, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -620,14 +674,9 @@ class Controller:
         ranks to prefer when the outliers do not fit one group: a stopped process, else the first rank
         to stall or slow down."""
         j = self.fleet.job(job)
-        named: list[int] = []
-        stopped: list[int] = []
-        if incident_id is not None:
-            alerts = sorted(self.fleet.alerts_of(incident_id), key=lambda a: a.ts)
-            named = stopped = sorted({a.rank for a in alerts if a.kind == "rank_stopped" and a.rank is not None})
-            if not named:
-                first = next((a for a in alerts if a.kind in ("rank_hang", "rank_slow") and a.rank is not None), None)
-                named = [first.rank] if first is not None else []
+        alerts = sorted(self.fleet.alerts_of(incident_id), key=lambda a: a.ts) if incident_id is not None else []
+        claimed = sorted({a.rank for a in alerts if a.kind == "rank_stopped" and a.rank is not None})
+        first = next((a.rank for a in alerts if a.kind in ("rank_hang", "rank_slow") and a.rank is not None), None)
         topo = self.topology(job)
         # scikit-learn takes seconds to import: in the background while the stacks are taken
         preload = threading.Thread(target=runtime.preload, name="preload-sklearn", daemon=True)
@@ -636,10 +685,14 @@ class Controller:
                             lambda m: [self.inventory.tg_node, "stacks", "--job", job], timeout=60)
         preload.join()
         docs = {n: r.json() for n, r in results.items() if r.reachable and not r.timed_out and r.json()}
+        # an alert saying a rank stopped is a claim; the process the stacks see is the evidence
+        stopped = runtime.confirmed_stopped(claimed, docs)
+        named = stopped or ([first] if first is not None else [])
         machine_of = {r: j.machine_list[topo.machine_of(r)] for r in range(topo.world_size)}
         a = runtime.analyze(topo, runtime.rank_stacks(docs, topo.world_size, machine_of), named=named,
                             kinds=("pp", "dp"), stopped=stopped)
-        return {"job": job, "outliers": a.outliers, "named": named,
+        return {"job": job, "outliers": a.outliers, "named": named, "claimed_stopped": claimed,
+                "refuted": sorted(set(claimed) - set(stopped)),
                 "reasons": {str(k): v for k, v in a.reasons.items()},
                 "group_kind": a.group_kind, "groups": [len(g) for g in a.groups],
                 "machines": [j.machine_list[i] for i in a.evict_machines]}
@@ -652,6 +705,10 @@ class Controller:
         out: dict[int, float] = {}
         for doc in st.values():
             for r in doc.get("ranks", []):
+                recent = r.get("recent_compute_s")  # the median of its last steps, when the machine says it
+                if isinstance(recent, (int, float)):
+                    out[int(r["rank"])] = float(recent)
+                    continue
                 last = r.get("last_step") or {}
                 step_time, comm = last.get("step_time_s"), last.get("comm_s")
                 if isinstance(step_time, (int, float)) and isinstance(comm, (int, float)):
@@ -671,7 +728,7 @@ class Controller:
                 time.sleep(self.cfg.slow_interval_s)  # the sampling interval of the vote
             if self.fleet.incident(incident_id).category not in ladder.WATCHED:
                 return {"job": inc.job, "superseded": True, "rounds": rounds}
-            rounds.append(voter.add_round(self.compute_times(inc.job)))
+            rounds.append(voter.add_round(self.compute_times(inc.job), factor=self.cfg.slow_factor))
         verdict = voter.verdict()
         kind, machines = (None, []) if verdict is None else (verdict[0], [j.machine_list[i] for i in verdict[1]])
         # the verdict is claimed before anything is acted on: stronger alerts arriving from here on (the
@@ -771,6 +828,21 @@ class Controller:
         return {"step": launcher.min_step(st),
                 "incarnations": {n: d.get("incarnation") for n, d in st.items()},
                 "states": {n: d.get("state", d.get("error")) for n, d in st.items()}}
+
+    def trains(self, job: str, *, within_s: float = 15.0, poll_s: float = 1.0) -> bool:
+        """Whether every rank of the job finishes a step within ``within_s`` (the job trains right now)."""
+        start = self.progress(job)
+        if start["step"] < 0 or not all(s == "running" for s in start["states"].values()):
+            return False
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            now = self.progress(job)
+            if now["step"] > start["step"]:
+                return True
+            if not all(s == "running" for s in now["states"].values()):
+                return False
+            time.sleep(poll_s)
+        return False
 
     def resumed(self, job: str, restart_ts: float) -> dict[str, Any] | None:
         """Whether every rank of the restarted job finished a step after ``restart_ts``; then the restored
@@ -887,12 +959,23 @@ def _described(results: Mapping[str, RunResult]) -> dict[str, str]:
     return {n: ("stopped" if r.ok else r.describe()) for n, r in results.items()}
 
 
+SECONDARY_KINDS = ("peer_connection", "collective_timeout", "network")
+
+
 def _verdict(by_machine: Mapping[str, Any]) -> dict[str, Any]:
-    """The logs' verdict across machines from each one's (False: unreachable; None: no verdict)."""
+    """The logs' verdict across machines from each one's (False: unreachable; None: no verdict), and the
+    ``culprit``: the machine whose rank failed first of its own accord (not echoing a peer's end), when the
+    logs tell."""
     verdicts = {n: v or {"class": "unreachable" if v is False else "unknown"} for n, v in by_machine.items()}
     classes = {v.get("class") for v in verdicts.values()}
     overall = next((c for c in ("user_code", "infrastructure", "unknown") if c in classes), "none")
-    return {"verdict": overall, "machines": verdicts}
+    first: list[tuple[float, str]] = []
+    for n, v in verdicts.items():
+        ts = (v.get("first_failure") or {}).get("ts")
+        if v.get("class") in ("user_code", "infrastructure", "unknown") and v.get("kind") not in SECONDARY_KINDS \
+                and isinstance(ts, (int, float)):
+            first.append((float(ts), n))
+    return {"verdict": overall, "machines": verdicts, "culprit": min(first)[1] if first else None}
 
 
 def _digest(r: RunResult) -> str | None:

@@ -197,43 +197,136 @@ def test_a_finished_or_deliberately_stopped_rank_is_not_a_failure(tmp_path, fake
     assert RankCheck(tmp_path).run(time.time()) == []
 
 
-def test_a_stopped_process_and_a_stale_heartbeat(tmp_path, fake_job):
+class Clock:
+    """The agent's monotonic clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_stopped_process_is_proof_and_a_stale_heartbeat_needs_a_frozen_process(tmp_path, fake_job):
     fake_job.rank(0)
     os.kill(fake_job.procs[0].pid, signal.SIGSTOP)
     try:
         wait_until(lambda: procs.proc_state(fake_job.procs[0].pid) == "T", timeout=5, what="the process to stop")
         (f,) = RankCheck(tmp_path).run(time.time())
         assert f.kind == "rank_stopped" and f.evidence["process_state"] == "T"
+        assert f.evidence["confirmed"] == "process stopped"
     finally:
         os.kill(fake_job.procs[0].pid, signal.SIGCONT)
-    fake_job.rank(0, alive_age=10)
-    assert kinds(RankCheck(tmp_path).run(time.time())) == ["rank_stopped"]
+    clock = Clock()
+    check = RankCheck(tmp_path, clock=clock)
+    fake_job.rank(0)
+    assert check.run(time.time()) == []
+    clock.t += 3.0  # the heartbeat did not change for 3 s of the agent's clock ...
+    assert check.run(time.time()) == []  # ... a candidate: is the process using CPU?
+    clock.t += 1.1  # it used none for another second: frozen
+    (f,) = check.run(time.time())
+    assert f.kind == "rank_stopped" and f.evidence["confirmed"] == "no CPU time used"
+    fake_job.rank(0)  # it beats again: no longer stopped
+    assert check.run(time.time()) == []
+
+
+def test_heartbeats_whose_clock_stepped_back_an_hour_still_beat(tmp_path, fake_job):
+    """A rank whose clock stepped back an hour wrote heartbeats an hour old: the agent once called it stopped
+    at once, and two healthy machines were evicted."""
+    clock = Clock()
+    check = RankCheck(tmp_path, clock=clock)
+    for _ in range(20):
+        fake_job.rank(0, alive_age=3600.0, progress_age=3600.0)  # stamped an hour behind, but rewritten
+        fake_job.rank(1, alive_age=-3600.0, progress_age=-3600.0)  # an hour ahead
+        assert check.run(time.time()) == []
+        clock.t += 0.5
+
+
+def test_a_process_that_computes_while_its_heartbeat_is_stuck_is_not_called_stopped(tmp_path, fake_job):
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        fake_job.procs[0] = busy
+        clock = Clock()
+        check = RankCheck(tmp_path, clock=clock, timeouts=RankTimeouts(floor_s=3.0, startup_s=20.0))
+        fake_job.rank(0)
+        check.run(time.time())
+        def later(seconds: float) -> list[Finding]:
+            """The agent's clock moves on; so does the busy process's CPU time (as it would in that time)."""
+            clock.t += seconds
+            before = procs.cpu_ticks(busy.pid)
+            wait_until(lambda: procs.cpu_ticks(busy.pid) != before, timeout=5, what="a CPU tick")
+            return check.run(time.time())
+
+        for _ in range(6):
+            assert "rank_stopped" not in kinds(later(3.0))
+        assert kinds(later(30.0)) == ["rank_hang"]  # still no progress past the startup timeout: a hang
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def test_a_rank_whose_pid_was_reused_by_another_process_has_exited(tmp_path, fake_job):
-    fake_job.rank(0, alive_age=300.0)  # the heartbeat stopped long ago ...
-    assert kinds(RankCheck(tmp_path).run(time.time())) == ["rank_stopped"]
-    fake_job.rank(0, alive_age=300.0, pid_start_shift=-1)  # ... and its pid is another process's now
+    fake_job.rank(0)
+    assert RankCheck(tmp_path).run(time.time()) == []
+    fake_job.rank(0, pid_start_shift=-1)  # its pid is another process's now
     (f,) = RankCheck(tmp_path).run(time.time())
     assert f.kind == "rank_exit"
 
 
 def test_hang_timeout_is_calibrated_from_observed_steps(tmp_path, fake_job):
-    t0 = time.time() - 100
-    fake_job.rank(0, progress_age=4.0)
-    for s in range(5):
-        fake_job.step(0, s, 2.0, ts=t0 + s * 0.2)  # 0.2 s steps -> timeout = max(3 s floor, 5 x 0.2 s)
-    check = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0, factor=5.0))
+    clock = Clock()
+    check = RankCheck(tmp_path, clock=clock, timeouts=RankTimeouts(floor_s=3.0, factor=5.0))
+    fake_job.rank(0)
+    for s in range(5):  # steps arriving 0.2 s apart by the agent's clock -> timeout = max(3 s floor, 5 x 0.2 s)
+        fake_job.step(0, s, 2.0, ts=time.time() - 7200 + s, step_time_s=0.2)  # whatever the rank's clock says
+        fake_job.rank(0)
+        assert check.run(time.time()) == []
+        clock.t += 0.2
+    clock.t += 3.5
     (f,) = check.run(time.time())
     assert f.kind == "rank_hang" and f.evidence["timeout_s"] == pytest.approx(3.0)
-    # a rank that has not shown steps yet gets the startup timeout
-    fake_job.rank(1, progress_age=60.0)
-    check = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0, startup_s=120))
-    assert [x.rank for x in check.run(time.time())] == [0]
-    # with steps of 2 s, the calibrated timeout (5 x 2 s) is above the stall: no hang
-    fake_job.step(0, 5, 2.0, ts=t0 + 3.0)
-    slow = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0, factor=5.0, startup_s=120))
-    assert slow.run(time.time()) == []
+    # a rank that has not shown steps yet gets the startup timeout; an agent that starts on a backlog of
+    # steps calibrates from their own durations
+    other = RankCheck(tmp_path, clock=clock, timeouts=RankTimeouts(floor_s=3.0, startup_s=120))
+    fake_job.rank(1)
+    other.run(time.time())
+    clock.t += 60.0
+    assert [x.rank for x in other.run(time.time())] == [0]
+
+
+def test_a_one_off_stall_does_not_inflate_the_hang_timeout(tmp_path, fake_job):
+    clock = Clock()
+    check = RankCheck(tmp_path, clock=clock, timeouts=RankTimeouts(floor_s=3.0))
+    fake_job.rank(0)
+    for s in range(30):
+        clock.t += 30.0 if s == 10 else 0.2  # one 30 s stall (an earlier fault) among 0.2 s steps
+        fake_job.step(0, s, 2.0)
+        fake_job.rank(0)
+        check.run(time.time())
+    clock.t += 4.0
+    (f,) = check.run(time.time())
+    assert f.kind == "rank_hang" and f.evidence["timeout_s"] == pytest.approx(3.0)
+
+
+def test_a_sustained_decline_of_throughput_too_small_for_rank_slow_is_reported_once(tmp_path, fake_job):
+    """A rank slowed by 30% of a step raised nothing: rank_slow needs 2.5x the median."""
+    fake_job.rank(0)
+    check = RankCheck(tmp_path)
+    for s in range(30):
+        fake_job.step(0, s, 2.0, step_time_s=0.6, tokens_per_s=1000.0 + (s % 3))
+    assert check.run(time.time()) == []
+    for s in range(30, 37):  # 23% below: seven steps, one short of sustained
+        fake_job.step(0, s, 2.0, step_time_s=0.78, tokens_per_s=770.0)
+    assert check.run(time.time()) == []
+    fake_job.step(0, 37, 2.0, step_time_s=0.78, tokens_per_s=770.0)
+    (f,) = check.run(time.time())
+    assert (f.kind, f.severity) == ("throughput_decline", "warning")
+    assert f.evidence["decline"] == pytest.approx(0.23, abs=0.01) and f.evidence["steps"] == 8
+    fake_job.step(0, 38, 2.0, step_time_s=0.78, tokens_per_s=770.0)
+    assert check.run(time.time()) == []  # reported once
+    for s in range(39, 45):  # noise of a few percent is no decline
+        fake_job.step(0, s, 2.0, step_time_s=0.62, tokens_per_s=960.0)
+    assert check.run(time.time()) == []
 
 
 def test_a_rank_slowed_soon_after_a_restart_is_flagged_once(tmp_path, fake_job):
@@ -265,16 +358,6 @@ def test_a_slowdown_that_creeps_up_does_not_teach_the_baseline(tmp_path, fake_jo
         fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.05)  # 3x the baseline it kept: 0.2 s
     (f,) = check.run(time.time())
     assert f.kind == "rank_slow" and f.evidence["baseline_s"] == pytest.approx(0.2)
-
-
-def test_a_one_off_stall_does_not_inflate_the_hang_timeout(tmp_path, fake_job):
-    t = time.time() - 1000
-    fake_job.rank(0, progress_age=4.0)
-    for s in range(30):
-        t += 30.0 if s == 10 else 0.2  # one 30 s stall (an earlier fault) among 0.2 s steps
-        fake_job.step(0, s, 2.0, ts=t)
-    (f,) = RankCheck(tmp_path, timeouts=RankTimeouts(floor_s=3.0)).run(time.time())
-    assert f.kind == "rank_hang" and f.evidence["timeout_s"] == pytest.approx(3.0)
 
 
 def test_nan_and_spikes(tmp_path, fake_job):

@@ -88,11 +88,34 @@ def evict_now(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     return c.evict(decision["incident"], decision["machines"], reason=decision["reason"])
 
 
+def _stop_and_implicate(c: Controller, decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Stop the job, reading its logs in the same sessions. When they say on which machine the failure started
+    (and it is not the job's own code), that is recorded against the incident; a machine implicated this way
+    ``repeat_count`` times within ``repeat_window_s``, each time left in the job, is a repeat offender: it is
+    evicted now (returned as the rung's result), whatever its diagnosis would say."""
+    _, logs = c.stop_and_read_logs(decision["job"])
+    culprit = logs.get("culprit")
+    if logs["verdict"] == "user_code" or not culprit or culprit not in c.fleet.job(decision["job"]).machine_list:
+        return logs, None
+    first = logs["machines"].get(culprit) or {}
+    c.implicate(decision["incident"], culprit, f"{first.get('class')} {first.get('kind') or ''}: "
+                                               f"{first.get('evidence') or ''}")
+    before = c.failures_of(decision["job"], culprit, other_than=decision["incident"])
+    if len(before) < c.cfg.repeat_count:
+        return logs, None
+    reason = (f"repeat offender: {culprit} was where the job failed first in incidents {', '.join(map(str, before))} "
+              f"within {c.cfg.repeat_window_s:.0f}s, each of which left it in the job; it is swapped out now")
+    return logs, {**c.evict(decision["incident"], [culprit], reason=reason), "logs": logs, "repeat_offender": culprit}
+
+
 def stop_time_diagnosis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Stop the job; logs and exit codes; if not the job's own code, L1 -> L2 -> L3 (+ alignment for NaN);
-    then what the ladder says: evict what failed, roll back, or restart in place."""
+    then what the ladder says: evict what failed, roll back, or restart in place. A repeat offender is
+    evicted without a diagnosis."""
     incident = decision["incident"]
-    _, logs = c.stop_and_read_logs(decision["job"])
+    logs, offender = _stop_and_implicate(c, decision)
+    if offender is not None:
+        return offender
     t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
     if logs["verdict"] == "user_code":
         d = ladder.decide(t, level=decision["level"], log_verdict="user_code", rollback_to=decision["rollback_to"])
@@ -106,8 +129,12 @@ def stop_time_diagnosis(c: Controller, decision: dict[str, Any]) -> dict[str, An
 def runtime_analysis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Stacks of every rank while the job still hangs; over-evict the outliers' parallel group."""
     a = c.analyze(decision["job"], decision["incident"])
-    if not a["machines"]:  # nothing stands out: stop-time diagnosis decides instead
-        out = stop_time_diagnosis(c, {**decision, "diagnose": {"align": False}})
+    if not a["machines"]:
+        if a["refuted"] and c.trains(decision["job"]):  # the alerts' claim is refuted and the job trains on
+            return {"swaps": {}, "no_restart": True, "analysis": a,
+                    "resolved": f"rank(s) {', '.join(map(str, a['refuted']))} reported stopped were seen running "
+                                f"and the job trains: nothing to do"}
+        out = stop_time_diagnosis(c, {**decision, "diagnose": {"align": False}})  # nothing stands out
         return {**out, "analysis": a}
     c.stop(decision["job"])
     ev = c.evict(decision["incident"], a["machines"],
@@ -132,8 +159,10 @@ def slow_vote(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
 def silent_corruption(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Parameters differ between data-parallel peers (or a failure recurred past a rollback): stop, run
     the alignment test on every machine; when every machine agrees, replay real training steps in groups
-    (dual-phase replay); evict the machines either finds."""
-    c.stop(decision["job"])
+    (dual-phase replay); evict the machines either finds (a repeat offender at once)."""
+    _logs, offender = _stop_and_implicate(c, decision)
+    if offender is not None:
+        return offender
     diag = c.diagnose(decision["job"], levels=(), align=True)
     failed = sorted(diag["failed"])
     evidence: dict[str, Any] = {"diagnosis": diag}
@@ -152,13 +181,15 @@ def silent_corruption(c: Controller, decision: dict[str, Any]) -> dict[str, Any]
 
 
 def roll_back(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
-    c.stop(decision["job"])
+    _logs, offender = _stop_and_implicate(c, decision)
+    if offender is not None:  # the failure keeps starting on one machine: that, not the code
+        return offender
     return c.rollback(decision["incident"], decision["rollback_to"])
 
 
 def no_culprit(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
-    c.stop(decision["job"])
-    return {"swaps": {}, "reattempt": True}
+    _logs, offender = _stop_and_implicate(c, decision)
+    return offender if offender is not None else {"swaps": {}, "reattempt": True}
 
 
 def probe_machine(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:

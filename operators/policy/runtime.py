@@ -84,6 +84,25 @@ def rank_stacks(documents: Mapping[str, Mapping[str, Any]], world_size: int,
     return [found.get(r) or RankStack(r, machine_of_rank.get(r, "?"), MISSING) for r in range(world_size)]
 
 
+def process_states(documents: Mapping[str, Mapping[str, Any]]) -> dict[int, str]:
+    """Each rank's process state as the stacks documents saw it (``T``: stopped; missing: not seen)."""
+    out: dict[int, str] = {}
+    for doc in documents.values():
+        if not isinstance(doc, Mapping):
+            continue
+        for p in doc.get("processes") or []:
+            if p.get("role") == "rank" and isinstance(p.get("rank"), int):
+                out[p["rank"]] = str(p.get("process_state") or "")
+    return out
+
+
+def confirmed_stopped(claimed: Sequence[int], documents: Mapping[str, Mapping[str, Any]]) -> list[int]:
+    """The ranks the alerts call stopped whose process the stacks saw stopped (state ``T``) or could not find
+    at all: a claim the process contradicts (it runs, its stack is taken) is not proof."""
+    states = process_states(documents)
+    return sorted(r for r in claimed if states.get(r, "") in ("T", "t", "", "gone"))
+
+
 def preload() -> None:
     """Import what :func:`group_stacks` needs (seconds of CPU on a busy machine), e.g. in a thread while
     the stacks are being taken."""
