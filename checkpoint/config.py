@@ -29,7 +29,8 @@ class CheckpointConfig:
         keep: steps kept per rank on local disk and on replica holders (the newest committed
             or in-flight ones; the newest committed and the newest verified step are always
             kept on top). Steps.
-        s3_url: ``s3://bucket/prefix`` of the remote tier; "" = no remote tier.
+        s3_url: the remote tier: ``s3://bucket/prefix``, or ``file:///dir`` on storage every machine mounts;
+            "" = no remote tier.
         s3_every_steps: upload a snapshot to S3 after every this many steps (0 = only on
             demand: :meth:`Checkpointer.request_s3` or a ``s3-request`` file in the root). Steps.
         s3_endpoint_url: endpoint of an S3-compatible store; "" = boto3's default (AWS,
@@ -101,8 +102,9 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint restore max step {self.restore_max_step}: must be >= 0")
         if self.restore not in RESTORE_MODES:
             raise CheckpointError(f"checkpoint restore mode {self.restore!r}: use one of {', '.join(RESTORE_MODES)}")
-        if self.s3_url and not self.s3_url.startswith("s3://"):
-            raise CheckpointError(f"checkpoint S3 location {self.s3_url!r} must look like s3://bucket/prefix")
+        if self.s3_url and not self.s3_url.startswith(("s3://", "file:///")):
+            raise CheckpointError(f"checkpoint remote tier {self.s3_url!r} must look like s3://bucket/prefix or "
+                                  f"file:///shared/dir")
 
 
     def is_candidate(self, step: int) -> bool:

@@ -62,7 +62,7 @@ from checkpoint import manifest as mf
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import CheckpointError, RestoreError, S3TierError
 from checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
-from checkpoint.s3 import S3Tier
+from checkpoint.s3 import open_tier
 from checkpoint.shards import MODEL_FILE, OPTIM_FILE, STATE_FILES, ShardLayout, StateReader, apply_state, meta_json
 from checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
 from node_tools.topology import Topology
@@ -219,7 +219,7 @@ class Checkpointer:
         self.backup = self.placement.backup_rank(rank) if self.replicate else None
         self.sources = [s for s in range(self.world) if self.placement.backup_rank(s) == rank] \
             if self.replicate else []
-        self.s3 = S3Tier(config.s3_url, endpoint_url=config.s3_endpoint_url, timeout_s=config.s3_timeout_s) \
+        self.s3 = open_tier(config.s3_url, endpoint_url=config.s3_endpoint_url, timeout_s=config.s3_timeout_s) \
             if config.s3_url else None
 
         self.root = config.root

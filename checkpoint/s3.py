@@ -1,18 +1,29 @@
-"""The S3 tier: rank copies under ``s3://bucket/prefix/step_<N>/rank_<R>/``, through boto3, any endpoint.
+"""The remote tier: rank copies under ``s3://bucket/prefix/step_<N>/rank_<R>/`` through boto3 (any
+endpoint), or under ``file:///shared/dir/step_<N>/rank_<R>/`` on a directory every machine mounts (shared
+storage: NFS, Lustre, a host directory of the emulated cluster). :func:`open_tier` picks by the URL; both
+have the same interface, and the rest of the library calls the remote tier "s3" whatever holds it.
 
-An object per file, the manifest uploaded last (a copy without one is
-incomplete and ignored), ``verified.json`` added by verification. Every request
+An object (file) per state file, the manifest written last (a copy without one is
+incomplete and ignored), ``verified.json`` added by verification. Every S3 request
 has short connect/read timeouts and few retries: an endpoint that is down costs
 seconds, is reported as one :class:`S3TierError` line naming the endpoint, and
-never blocks training (uploads run on a background thread).
+never blocks training (uploads run on a background thread). A directory tier writes
+each file through a temporary name and a rename, so a reader sees it whole or not
+at all.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import os
 import re
+import shutil
+import urllib.parse
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from checkpoint.errors import S3TierError
@@ -180,3 +191,124 @@ class S3Tier:
         for (step, rank), names in self.list_copies().items():
             out.setdefault(step, {})[rank] = VERIFIED in names
         return out
+
+
+@dataclass
+class DirTier:
+    """The remote tier on a shared directory (``file:///path``): the same interface as :class:`S3Tier`.
+
+    Attributes:
+        url: ``file:///absolute/path``.
+        fsync: fsync every file before its rename (off only for throwaway runs).
+    """
+
+    url: str
+    fsync: bool = True
+
+    def __post_init__(self) -> None:
+        parsed = urllib.parse.urlparse(self.url)
+        if parsed.scheme != "file" or not parsed.path.startswith("/") or parsed.netloc:
+            raise S3TierError(f"directory tier {self.url!r} must look like file:///absolute/path")
+        self.root = Path(parsed.path)
+
+    @property
+    def where(self) -> str:
+        return self.url
+
+    def _dir(self, step: int, rank: int) -> Path:
+        return self.root / f"step_{step}" / f"rank_{rank}"
+
+    def key(self, step: int, rank: int, name: str) -> str:
+        return str(self._dir(step, rank) / name)
+
+    def copy_url(self, step: int, rank: int) -> str:
+        return f"file://{self._dir(step, rank)}/"
+
+    def _write(self, path: Path, data: bytes) -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                if self.fsync:
+                    os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise S3TierError(f"directory tier {self.url}: write of {path} failed ({exc.strerror or exc})") from None
+
+    def upload_copy(self, step: int, rank: int, files: Iterable[tuple[str, bytes]], manifest: bytes) -> None:
+        """Write a rank's copy of a step: the state files, then the manifest."""
+        from checkpoint.manifest import MANIFEST
+
+        for name, data in files:
+            self._write(self._dir(step, rank) / name, bytes(data))
+        self._write(self._dir(step, rank) / MANIFEST, manifest)
+
+    def put(self, step: int, rank: int, name: str, data: bytes) -> None:
+        self._write(self._dir(step, rank) / name, data)
+
+    def delete_copy(self, step: int, rank: int) -> None:
+        d = self._dir(step, rank)
+        trash = d.with_name(f".trash-{d.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(d, trash)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise S3TierError(f"directory tier {self.url}: delete of {d} failed ({exc.strerror or exc})") from None
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def list_copies(self) -> dict[tuple[int, int], set[str]]:
+        """Every ``(step, rank)`` with the names of its files; only copies that have a manifest."""
+        from checkpoint.manifest import MANIFEST
+
+        found: dict[tuple[int, int], set[str]] = {}
+        try:
+            step_dirs = list(self.root.iterdir())
+        except FileNotFoundError:
+            return {}
+        except OSError as exc:
+            raise S3TierError(f"directory tier {self.url}: listing failed ({exc.strerror or exc})") from None
+        for sd in step_dirs:
+            s = re.fullmatch(r"step_(\d+)", sd.name)
+            if not s or not sd.is_dir():
+                continue
+            for rd in sd.iterdir():
+                r = re.fullmatch(r"rank_(\d+)", rd.name)
+                if r and rd.is_dir():
+                    names = {f.name for f in rd.iterdir() if not f.name.startswith(".")}
+                    if MANIFEST in names:
+                        found[(int(s.group(1)), int(r.group(1)))] = names
+        return found
+
+    def get(self, step: int, rank: int, name: str) -> bytes | None:
+        try:
+            return (self._dir(step, rank) / name).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise S3TierError(f"directory tier {self.url}: read of {self.key(step, rank, name)} failed "
+                              f"({exc.strerror or exc})") from None
+
+    def is_verified(self, step: int, rank: int) -> bool:
+        return (self._dir(step, rank) / VERIFIED).exists()
+
+    def remote_checksums(self, step: int, rank: int, name: str) -> tuple[str, int] | None:
+        """``(sha256 hex, size)`` of a file, or None when it does not exist."""
+        data = self.get(step, rank, name)
+        return None if data is None else (hashlib.sha256(data).hexdigest(), len(data))
+
+    def steps(self) -> dict[int, dict[int, bool]]:
+        out: dict[int, dict[int, bool]] = {}
+        for (step, rank), names in self.list_copies().items():
+            out.setdefault(step, {})[rank] = VERIFIED in names
+        return out
+
+
+def open_tier(url: str, *, endpoint_url: str = "", timeout_s: float = 5.0, client: Any = None) -> S3Tier | DirTier:
+    """The remote tier at ``url``: ``s3://bucket/prefix`` (``endpoint_url``: an S3-compatible store) or
+    ``file:///shared/dir``."""
+    if url.startswith("file://"):
+        return DirTier(url)
+    return S3Tier(url, endpoint_url=endpoint_url, timeout_s=timeout_s, client_=client)

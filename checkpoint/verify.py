@@ -262,9 +262,9 @@ def verify_s3(url: str, *, endpoint_url: str = "", steps: Iterable[int] | None =
               keep_files: bool = False) -> Report:
     """Verify every copy (or those of ``steps`` / ``ranks``) under an S3 prefix. An unreachable endpoint
     is reported as a problem of tier ``s3``."""
-    from checkpoint.s3 import S3Tier
+    from checkpoint.s3 import open_tier
 
-    tier = S3Tier(url, endpoint_url=endpoint_url, timeout_s=timeout_s)
+    tier = open_tier(url, endpoint_url=endpoint_url, timeout_s=timeout_s)
     report = Report()
     wanted_steps = set(steps) if steps is not None else None
     wanted_ranks = set(ranks) if ranks is not None else None
@@ -421,10 +421,10 @@ def _verify_step(root: Path, step: int, *, run_dir: Path | None, s3_url: str, en
                + (["metrics"] if run_dir is not None else [])}
         for c in report.copies:
             if c.tier == "s3":
-                from checkpoint.s3 import S3Tier
+                from checkpoint.s3 import open_tier
 
                 try:
-                    S3Tier(s3_url, endpoint_url=endpoint_url, timeout_s=s3_timeout_s).put(
+                    open_tier(s3_url, endpoint_url=endpoint_url, timeout_s=s3_timeout_s).put(
                         step, c.rank, layout.VERIFIED, json.dumps(doc | {"rank": c.rank}).encode())
                     report.marked.append(c.path)
                 except S3TierError as exc:

@@ -5,6 +5,7 @@ Commands (each prints one JSON document)::
     tg-node ckpt list   --job J                 the copies here: tier, step, rank, committed, verified
     tg-node ckpt verify --job J --step N [--mark] [--no-metrics]
     tg-node ckpt upload --job J --step N --s3 s3://bucket/prefix [--endpoint-url E]
+    tg-node ckpt rescue --job J --step N --to URL [--endpoint-url E]
 
 ``verify`` runs :func:`checkpoint.verify.verify_step` on every copy of the step held
 here (the ranks' own copies and the replicas kept for others) and, unless
@@ -17,6 +18,13 @@ into the S3 tier, each file with an S3-side SHA-256 checksum (the store refuses 
 that does not match it). A copy without the marker, or one that no longer matches its
 manifest, is refused (exit 3) and not uploaded: an unverified copy is never promoted.
 S3 credentials come from the environment of the session (boto3's chain).
+
+``rescue`` puts every copy of a step this machine holds (the ranks' own copies and the
+replicas it keeps for others, verified or not) into the remote tier (``s3://`` or
+``file:///``), each one checked against its manifest first: the control plane runs it
+on a machine it is about to evict when that machine holds the last copy of a rank's
+state (no other machine that stays, and not the remote tier, has one). A copy already
+in the tier with the same manifest is left as it is. Exit 1 when a copy was found bad.
 
 The checkpoint root of a job is its ``TG_CHECKPOINT`` path when the job was started
 with one, else ``<run dir>/checkpoints``.
@@ -102,12 +110,12 @@ def upload(cfg: NodeConfig, job: str, step: int, *, s3_url: str, endpoint_url: s
     from checkpoint import layout
     from checkpoint import manifest as mf
     from checkpoint.errors import S3TierError
-    from checkpoint.s3 import S3Tier
+    from checkpoint.s3 import open_tier
     from checkpoint.verify import verify_copy
 
     root = _root(cfg, job)
     try:
-        tier = S3Tier(s3_url, endpoint_url=endpoint_url)
+        tier = open_tier(s3_url, endpoint_url=endpoint_url)
     except S3TierError as exc:
         raise TrainguardError(str(exc)) from None
     own = [(r, p) for s, r, p in layout.list_copies(root, "local") if s == step]
@@ -135,3 +143,47 @@ def upload(cfg: NodeConfig, job: str, step: int, *, s3_url: str, endpoint_url: s
     doc = {"machine": cfg.machine, "job": job, "step": step, "uploaded": uploaded, "refused": refused,
            "bytes": total, "seconds": round(time.monotonic() - t0, 3)}
     return (EXIT_REFUSED if refused else EXIT_OK), doc
+
+
+def rescue(cfg: NodeConfig, job: str, step: int, *, to_url: str, endpoint_url: str = "") -> tuple[int, dict[str, Any]]:
+    """Every copy of ``step`` held here (own and replicas), checked against its manifest, into the remote tier."""
+    from checkpoint import layout
+    from checkpoint import manifest as mf
+    from checkpoint.errors import S3TierError
+    from checkpoint.s3 import open_tier
+    from checkpoint.verify import verify_copy
+
+    root = _root(cfg, job)
+    try:
+        tier = open_tier(to_url, endpoint_url=endpoint_url)
+        remote = tier.list_copies()
+    except S3TierError as exc:
+        raise TrainguardError(f"machine {cfg.machine}: {exc}") from None
+    held = [(tier_name, r, p) for tier_name in layout.TIERS for s, r, p in layout.list_copies(root, tier_name)
+            if s == step]
+    if not held:
+        raise TrainguardError(f"machine {cfg.machine}: job {job} has no copy of step {step} here")
+    t0 = time.monotonic()
+    uploaded, skipped, bad, total = [], [], [], 0
+    for tier_name, rank, path in sorted(held):
+        if any(u["rank"] == rank for u in uploaded):
+            continue  # the rank's own copy and a replica of it: one is enough
+        manifest_bytes = (path / mf.MANIFEST).read_bytes()
+        if (step, rank) in remote and tier.get(step, rank, mf.MANIFEST) == manifest_bytes:
+            skipped.append({"rank": rank, "tier": tier_name, "why": "already in the remote tier"})
+            continue
+        check = verify_copy(path, machine=cfg.machine, deep=False, keep_files=True)
+        if not check.ok:
+            bad.append({"rank": rank, "tier": tier_name, "path": str(path),
+                        "why": "; ".join(p.what for p in check.problems)})
+            continue
+        try:
+            tier.upload_copy(step, rank, sorted(check.files.items()), manifest_bytes)
+        except S3TierError as exc:
+            raise TrainguardError(f"machine {cfg.machine}: {exc}") from None
+        size = sum(len(b) for b in check.files.values())
+        total += size
+        uploaded.append({"rank": rank, "tier": tier_name, "url": tier.copy_url(step, rank), "bytes": size})
+    doc = {"machine": cfg.machine, "job": job, "step": step, "to": to_url, "uploaded": uploaded, "skipped": skipped,
+           "bad": bad, "bytes": total, "seconds": round(time.monotonic() - t0, 3)}
+    return (EXIT_UNHEALTHY if bad else EXIT_OK), doc

@@ -27,6 +27,7 @@ Commands::
     tg-node job steps --job J --rank R [--since STEP]
     tg-node standby park --nproc N | activate <job start arguments> | status | unpark
     tg-node ckpt list --job J | verify --job J --step N [--mark] | upload --job J --step N --s3 URL
+                | rescue --job J --step N --to URL      (a step's copies here into the remote tier)
     tg-node fault inject --kind K [--rank R] [--job J] [--param k=v ...]
     tg-node fault clear [--kind K]
     tg-node fault list
@@ -135,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     jt.add_argument("--logs-since", type=float,
                     help="after the stop, add what 'tg-node logs --since' says (its \"logs\")")
     jt.add_argument("--status", action="store_true", help="after the stop, add what 'tg-node job status' says")
+    jt.add_argument("--copies", action="store_true",
+                    help="after the stop, add the job's checkpoint copies here (what 'tg-node ckpt list' says)")
     jq = jsub.add_parser("status")
     jq.add_argument("--job", required=True)
     jr = jsub.add_parser("steps", help="a rank's step records")
@@ -166,6 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
     ku.add_argument("--step", type=int, required=True)
     ku.add_argument("--s3", required=True, help="s3://bucket/prefix of the job's S3 tier")
     ku.add_argument("--endpoint-url", default="", help="S3-compatible endpoint (default: boto3's)")
+    kr = ksub.add_parser("rescue", help="every copy of a step held here into the remote tier (before an eviction)")
+    kr.add_argument("--job", required=True)
+    kr.add_argument("--step", type=int, required=True)
+    kr.add_argument("--to", required=True, help="the job's remote tier: s3://bucket/prefix or file:///dir")
+    kr.add_argument("--endpoint-url", default="", help="S3-compatible endpoint (default: boto3's)")
 
     fp = sub.add_parser("fault", help="inject or clear faults (emulated machines only)")
     fsub = fp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
@@ -283,6 +291,13 @@ def run(argv: list[str]) -> tuple[int, Any]:
                            wait_go=wait)
             if ns.status:
                 out["status"] = job.status(cfg, ns.job)
+            if ns.copies:
+                from node_tools import ckpt
+
+                try:
+                    out["copies"] = ckpt.listing(cfg, ns.job)["copies"]
+                except TrainguardError:  # no checkpoint root here: no copies
+                    out["copies"] = []
             if ns.logs_since is not None:
                 from node_tools import logs
 
@@ -311,6 +326,8 @@ def run(argv: list[str]) -> tuple[int, Any]:
             return EXIT_OK, ckpt.listing(cfg, ns.job)
         if ns.action == "verify":
             return ckpt.verify(cfg, ns.job, ns.step, mark=ns.mark, metrics=not ns.no_metrics)
+        if ns.action == "rescue":
+            return ckpt.rescue(cfg, ns.job, ns.step, to_url=ns.to, endpoint_url=ns.endpoint_url)
         return ckpt.upload(cfg, ns.job, ns.step, s3_url=ns.s3, endpoint_url=ns.endpoint_url)
     if ns.command == "fault":
         from node_tools import inject

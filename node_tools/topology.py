@@ -18,11 +18,14 @@ rank to the parallel group it shares with others). It is pure Python.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from node_tools.errors import TopologyError
 
 GROUP_KINDS = ("tp", "pp", "dp")
+#: backup candidates looked at per rank (the diagonal shifts find safe ones within the first few)
+MAX_BACKUP_CANDIDATES = 16
 
 
 @dataclass(frozen=True)
@@ -169,28 +172,65 @@ class Topology:
         return tuple(sorted({self.machine_of(r) for r in self.group(kind, rank)}))
 
     def backup_rank(self, rank: int) -> int:
-        """A rank that shares none of ``rank``'s TP, PP or DP groups, on another machine.
+        """A rank that shares none of ``rank``'s TP, PP or DP groups, on another machine, and on none of the
+        machines of those groups.
 
-        The checkpoint replica of ``rank`` goes there, so evicting any one parallel
-        group (or one machine) never loses both copies. With a single degree > 1
-        (pure DP, pure PP ...) no such rank exists; then the nearest rank on the
-        next machine is used, which still survives the loss of one machine.
+        The checkpoint replica of ``rank`` goes there, so no eviction the ladder makes by itself (one
+        machine, or the machines of any one parallel group it over-evicts) takes both copies. When no rank is
+        off every group's machines (a group that spans every machine), the machines of the smaller groups
+        are avoided first; among equally safe choices each rank gets a different backup where it can (the
+        replicas' load spread evenly). With a single degree > 1 (pure DP, pure PP ...) no rank off its
+        groups exists; then the nearest rank on the next machine is used, which still survives the loss of
+        one machine. Every rank computes the same placement.
         """
-        c = self.coords(rank)
+        self._check_rank(rank)
         if self.machines < 2:
             raise TopologyError(
                 f"topology {self} runs on one machine; a checkpoint replica needs a second machine"
             )
-        own_groups = {kind: set(self.group(kind, rank)) for kind in GROUP_KINDS}
+        return _backups(self)[rank]
+
+    def _backup_candidates(self, rank: int) -> list[tuple[tuple[int, ...], int]]:
+        """Ranks that may back ``rank`` up, each with its exposure (for each of ``rank``'s groups, smallest
+        first: 1 when the candidate sits on one of that group's machines), safest first (see
+        :meth:`backup_rank`)."""
+        c = self.coords(rank)
+        own_groups = [set(self.group(kind, rank)) for kind in GROUP_KINDS]
         own_machine = self.machine_of(rank)
+        spans = sorted(({r // self.ranks_per_machine for r in members} for members in own_groups), key=len)
+        found: list[tuple[tuple[int, ...], int, int]] = []
+        seen: set[int] = set()
         for shift in range(1, self.world_size):
             candidate = self.rank_of(
                 tp=(c.tp + shift) % self.tp, pp=(c.pp + shift) % self.pp, dp=(c.dp + shift) % self.dp
             )
-            if self.machine_of(candidate) == own_machine:
+            machine = candidate // self.ranks_per_machine
+            if machine == own_machine or candidate in seen or any(candidate in members for members in own_groups):
                 continue
-            if all(candidate not in members for members in own_groups.values()):
-                return candidate
-        # No fully disjoint rank: fall back to the same local slot on the next machine.
-        next_machine = (own_machine + 1) % self.machines
-        return next_machine * self.ranks_per_machine + rank % self.ranks_per_machine
+            seen.add(candidate)
+            exposure = tuple(int(machine in span) for span in spans)
+            found.append((exposure, len(found), candidate))
+            safe = sum(1 for e, _i, _c in found if not any(e))
+            if len(found) >= MAX_BACKUP_CANDIDATES or safe >= 4:  # linear in the ranks, not quadratic
+                break
+        return [(exposure, cand) for exposure, _i, cand in sorted(found)]
+
+
+@functools.lru_cache(maxsize=64)
+def _backups(topo: Topology) -> tuple[int, ...]:
+    """Every rank's backup rank (:meth:`Topology.backup_rank`), chosen in rank order: the safest candidate
+    not yet holding a replica, else the safest."""
+    out: list[int] = []
+    used: set[int] = set()
+    for rank in range(topo.world_size):
+        candidates = topo._backup_candidates(rank)
+        if not candidates:  # no fully disjoint rank: the same local slot on the next machine
+            next_machine = (topo.machine_of(rank) + 1) % topo.machines
+            out.append(next_machine * topo.ranks_per_machine + rank % topo.ranks_per_machine)
+            continue
+        best = candidates[0][0]
+        choice = next((cand for exposure, cand in candidates if exposure == best and cand not in used),
+                      candidates[0][1])
+        used.add(choice)
+        out.append(choice)
+    return tuple(out)

@@ -136,6 +136,8 @@ class Controller:
         # what this controller's last stop of each job found when it ended the job everywhere: its machines
         # and the lowest step every rank finished; a restart right after needs no round of reads
         self._stopped: dict[str, dict[str, Any]] = {}
+        # the checkpoint copies each machine of a job held when this controller last stopped it
+        self._copies: dict[str, dict[str, list[tuple[str, int, int]] | None]] = {}
 
     # ---- fleet and jobs ---------------------------------------------------------------------------
     def sync_inventory(self) -> list[str]:
@@ -198,6 +200,7 @@ class Controller:
         ``warm_if_parked``, every other one on its parked interpreters if it has them, else cold."""
         warm = set(warm or ())
         self._stopped.pop(job, None)  # what a stop found no longer holds once the job runs again
+        self._copies.pop(job, None)
         j = self.fleet.job(job)
         if j.pending_revision:  # a lazy code update waits for the next restart: this one
             self.fleet.set_revision(job, j.pending_revision)
@@ -382,6 +385,95 @@ class Controller:
                 "machines": list(t.machines), "action": d.action, "reason": d.reason, "rollback_to": rollback_to,
                 "diagnose": dict(d.diagnose)}
 
+    # ---- no decision may destroy the last copy of a checkpoint ------------------------------------------
+    def remote_url(self, job: str) -> str:
+        """The job's remote checkpoint tier (its ``--checkpoint-remote`` / ``--checkpoint-s3``), or ""."""
+        args = list(self.fleet.job(job).train_args)
+        for i, a in enumerate(args):
+            for flag in ("--checkpoint-remote", "--checkpoint-s3"):
+                if a == flag and i + 1 < len(args):
+                    return args[i + 1]
+                if a.startswith(flag + "="):
+                    return a.split("=", 1)[1]
+        return ""
+
+    def remote_copies(self, url: str) -> tuple[set[tuple[int, int]], str]:
+        """The ``(step, rank)`` copies in a remote tier, and why not ("" when it answered)."""
+        from checkpoint.errors import S3TierError
+        from checkpoint.s3 import open_tier
+
+        try:
+            tier = open_tier(url, endpoint_url=os.environ.get("TG_S3_ENDPOINT_URL", ""), timeout_s=5.0)
+            return set(tier.list_copies()), ""
+        except S3TierError as exc:
+            return set(), str(exc)
+
+    def copies(self, job: str, names: Sequence[str]) -> dict[str, list[tuple[str, int, int]] | None]:
+        """The checkpoint copies each of ``names`` holds (``(tier, step, rank)``; None: it did not answer): from
+        the stop this controller just made, else read now (``tg-node ckpt list``)."""
+        known = self._copies.get(job) or {}
+        if all(n in known for n in names):
+            return {n: known[n] for n in names}
+        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "ckpt", "list", "--job", job],
+                            timeout=30)
+        out: dict[str, list[tuple[str, int, int]] | None] = {}
+        for n, r in results.items():
+            doc = r.answer()
+            if r.ok:
+                out[n] = _held((doc or {}).get("copies"))
+            elif doc is not None and "no checkpoint root" in str(doc.get("error", "")):
+                out[n] = []
+            else:
+                out[n] = None
+        return out
+
+    def protect_checkpoints(self, job: str, evict: Sequence[str]) -> dict[str, Any]:
+        """Before evicting ``evict``: every rank of the step the job will restore must keep a copy on a machine
+        that stays or in the remote tier. If not, the missing copies are rescued from the evicted machines
+        (reachable ones) into the remote tier first; failing that the restart falls back to the newest step
+        that stays complete; failing that the eviction is ``refused`` (it would destroy the job's progress).
+        Returns what was found and done, for the eviction's evidence."""
+        from operators.policy.checkpoints import eviction_safety
+
+        j = self.fleet.job(job)
+        if "--checkpoint" not in j.train_args:
+            return {"checked": False, "reason": "the job keeps no checkpoints"}
+        world = j.tp * j.pp * j.dp
+        copies = self.copies(job, j.machine_list)
+        url = self.remote_url(job)
+        remote, remote_error = self.remote_copies(url) if url else (set(), "no remote tier")
+        safety = eviction_safety(copies, remote, evict=evict, world_size=world)
+        out: dict[str, Any] = {"step": safety.step, "safe": safety.safe, "reason": safety.reason,
+                               "unanswered": sorted(n for n, c in copies.items() if c is None)}
+        if safety.safe:
+            return out
+        why = remote_error or "nothing to rescue from"
+        if url and safety.rescue and not self.cfg.dry_run:
+            env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+            step = str(safety.step)
+            done = self._run(self.machines(sorted(safety.rescue)), lambda m: [
+                self.inventory.tg_node, "ckpt", "rescue", "--job", job, "--step", step, "--to", url,
+                "--endpoint-url", os.environ.get("TG_S3_ENDPOINT_URL", "")], timeout=600, env=env)
+            out["rescued"] = {n: [u["rank"] for u in (r.answer() or {}).get("uploaded", [])] if r.ok else r.describe()
+                              for n, r in done.items()}
+            remote, remote_error = self.remote_copies(url)
+            again = eviction_safety(copies, remote, evict=evict, world_size=world)
+            if again.step == safety.step and again.safe:
+                out.update(safe=True, reason=f"step {safety.step}: the last copies of rank(s) {list(safety.lacking)} "
+                                             f"were rescued from {', '.join(sorted(safety.rescue))} to the remote tier")
+                return out
+            why = "; ".join(f"{n}: {v}" for n, v in out["rescued"].items() if isinstance(v, str)) or remote_error \
+                or "the rescued copies are not in the remote tier"
+        if safety.fallback is not None:
+            out.update(fallback=safety.fallback,
+                       reason=f"{safety.reason}; they could not be rescued ({why}); the job restarts from step "
+                              f"{safety.fallback}, the newest step complete without them")
+            return out
+        out["refused"] = (f"{safety.reason}; they could not be rescued ({why}) and no older step is complete "
+                          f"without them: evicting would destroy the job's progress; bring those machines (or a copy "
+                          f"of their checkpoints) back, then resolve the incident")
+        return out
+
     # ---- repeat offenders ----------------------------------------------------------------------------
     def implicate(self, incident_id: int, machine: str, why: str) -> None:
         """Record that the incident's failure started on ``machine`` (its logs say so)."""
@@ -434,8 +526,9 @@ class Controller:
         return {"machines": names, "faulty": faulty, "restarted": restarted}
 
     # ---- stop-time diagnosis -------------------------------------------------------------------------
-    def _run(self, machines: Sequence[Machine], argv_for: Any, timeout: float) -> dict[str, RunResult]:
-        return self.transport.run_many(list(machines), argv_for, timeout=timeout)
+    def _run(self, machines: Sequence[Machine], argv_for: Any, timeout: float,
+             env: Mapping[str, str] | None = None) -> dict[str, RunResult]:
+        return self.transport.run_many(list(machines), argv_for, timeout=timeout, env=env)
 
     def stop(self, job: str, *, grace_s: float | None = None) -> dict[str, str]:
         """Stop the job on every machine of it that answers (SIGKILL after ``grace_s``, default the
@@ -449,8 +542,11 @@ class Controller:
         names = self.fleet.job(job).machine_list
         results = launcher.stop_sessions(self.inventory, job, self.machines(names),
                                          grace_s=self.cfg.stop_grace_s if grace_s is None else grace_s,
-                                         transport=self.transport, logs_since=logs_since, status=True)
+                                         transport=self.transport, logs_since=logs_since, status=True, copies=True)
         statuses = {n: (r.answer() or {}).get("status") if r.ok else None for n, r in results.items()}
+        # the checkpoint copies each machine holds now that nothing writes them: what an eviction checks
+        self._copies[job] = {n: _held((r.answer() or {}).get("copies")) if r.ok else None
+                             for n, r in results.items()}
         self._stopped.pop(job, None)
         if all(isinstance(st, dict) and st.get("state") in ("exited", "absent") for st in statuses.values()):
             self._stopped[job] = {"machines": list(names), "step": launcher.min_step(statuses)}
@@ -506,15 +602,17 @@ class Controller:
             if aligned is None:
                 aligned = self._align(alive)
             digests = {n: _digest(r) for n, r in aligned.items() if n in alive}
-            counts: dict[str, int] = {}
-            for d in digests.values():
-                counts[d] = counts.get(d, 0) + 1
-            if counts:
-                majority = max(counts, key=lambda d: counts[d])
-                for n in alive:
-                    if digests.get(n) != majority:
-                        failed[n] = f"align: digest {digests.get(n)} differs from the majority's {majority}"
+            trusted, odd, why = sdc.align_outliers(digests)
+            if trusted is None and len(digests) > 1:  # no majority: a tie is broken by evidence, never by order
+                reference = self.reference_digest(exclude=names)
+                report["align_reference"] = reference
+                if reference is not None:
+                    trusted, odd, why = sdc.align_outliers(digests, reference)
+            for n in odd:
+                failed[n] = f"align: digest {digests.get(n)} differs from {trusted} ({why})"
             report["align"] = digests
+            if trusted is None:
+                report["align_inconclusive"] = why
         return {"job": job, "machines": names, "failed": failed, "report": report,
                 "seconds": round(time.time() - t0, 3)}
 
@@ -561,6 +659,16 @@ class Controller:
                 if not ok:
                     failed[n] = "L3: " + "; ".join(report["L3"][n]["reasons"])[:300]
         return results if align else None
+
+    def reference_digest(self, *, exclude: Sequence[str] = (), standbys: int = 2) -> str | None:
+        """The alignment digest of self-checked standbys (up to ``standbys`` of them, when they agree): the
+        reference a split of the job's machines is judged by. None when no standby answers or they differ."""
+        names = [m.name for m in self.fleet.machines(state=states.STANDBY)
+                 if m.name not in exclude and m.name in self.inventory.names()][:standbys]
+        if not names:
+            return None
+        digests = {_digest(r) for r in self._align(names).values()}
+        return digests.pop() if len(digests) == 1 and None not in digests else None
 
     def _align(self, names: Sequence[str]) -> dict[str, RunResult]:
         return self._run(self.machines(names), lambda m: [self.inventory.tg_node, "align"], timeout=60)
@@ -768,14 +876,19 @@ class Controller:
             self.fleet.finish_action(action.id, "skipped", why)
             self.fleet.update_incident(incident_id, state="waiting_human", summary=why)
             return {"swaps": {}, "waiting_human": True, "reason": why}
+        kept = self.protect_checkpoints(inc.job, wanted)
+        if kept.get("refused"):
+            self.fleet.finish_action(action.id, "skipped", kept["refused"], evidence={"checkpoint": kept})
+            self.fleet.update_incident(incident_id, state="waiting_human", summary=kept["refused"])
+            return {"swaps": {}, "waiting_human": True, "reason": kept["refused"], "checkpoint": kept}
         plan = dict(zip(sorted(wanted), standbys, strict=False))
         if self.cfg.dry_run:
-            self.fleet.finish_action(action.id, "dry_run", json.dumps(plan))
-            return {"swaps": plan, "dry_run": True, "reason": reason}
+            self.fleet.finish_action(action.id, "dry_run", json.dumps(plan), evidence={"checkpoint": kept})
+            return {"swaps": plan, "dry_run": True, "reason": reason, "checkpoint": kept}
         swaps = self.fleet.swap(inc.job, plan, reason=reason, incident_id=incident_id)
-        self.fleet.finish_action(action.id, "done", json.dumps(swaps))
+        self.fleet.finish_action(action.id, "done", json.dumps(swaps), evidence={"checkpoint": kept})
         self.fleet.update_incident(incident_id, decided_ts=time.time())
-        return {"swaps": swaps, "reason": reason}
+        return {"swaps": swaps, "reason": reason, "checkpoint": kept}
 
     def rollback(self, incident_id: int, revision: str) -> dict[str, Any]:
         inc = self.fleet.incident(incident_id)
@@ -957,6 +1070,12 @@ class Controller:
 def _described(results: Mapping[str, RunResult]) -> dict[str, str]:
     """What each machine's stop said: "stopped", or why not."""
     return {n: ("stopped" if r.ok else r.describe()) for n, r in results.items()}
+
+
+def _held(copies: Any) -> list[tuple[str, int, int]]:
+    """``(tier, step, rank)`` of the copies a ``tg-node ckpt list`` document lists."""
+    return [(str(c["tier"]), int(c["step"]), int(c["rank"])) for c in copies or []
+            if isinstance(c, Mapping) and isinstance(c.get("step"), int) and isinstance(c.get("rank"), int)]
 
 
 SECONDARY_KINDS = ("peer_connection", "collective_timeout", "network")

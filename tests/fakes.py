@@ -32,10 +32,10 @@ class FakeFleet(Transport):
         gbps: machine -> the memory bandwidth its L2 measures (GB/s); the floor is ``floor_gbps``.
         digests: machine -> its alignment digest (default "d0").
         copies: machine -> checkpoint copies held there: ``(tier, step, rank)`` each.
-        remote: ``(step, rank)`` copies in the job's remote tier.
         log_verdict: the logs' class after a stop (none, user_code, infrastructure, unknown), or per machine
             in ``logs`` (machine -> its verdict document: class, kind, first_failure ...).
         restore_fails: a start after which every rank ends without a step (no step restorable).
+        rescue_fails: ``ckpt rescue`` fails (the remote tier cannot be written).
         process_state: rank -> its process state as ``tg-node stacks`` sees it (default "S": running).
         frames: rank -> its main thread's functions, innermost first (default: waiting in an all_reduce).
         compute: rank -> its recent compute time per step (default 0.35 s).
@@ -54,10 +54,10 @@ class FakeFleet(Transport):
         self.floor_gbps = 0.5
         self.digests: dict[str, str] = {}
         self.copies: dict[str, list[tuple[str, int, int]]] = {}
-        self.remote: set[tuple[int, int]] = set()
         self.log_verdict = "none"
         self.logs: dict[str, dict[str, Any]] = {}
         self.restore_fails = False
+        self.rescue_fails = False
         self.running: dict[str, list[int]] = {}  # machine -> its ranks, while its part runs
         self.incarnation: dict[str, int] = {}
         self.step = 10  # steps every rank finished
@@ -150,13 +150,17 @@ class FakeFleet(Transport):
                 {"tier": t, "step": s, "rank": r, "committed": True, "candidate": False, "verified": False}
                 for t, s, r in self.copies.get(name, [])]})
         if cmd == ["ckpt", "rescue"]:
+            from checkpoint.s3 import open_tier
+
+            if self.rescue_fails:
+                return self._ok(name, argv, {"error": f"machine {name}: the remote tier refused the write"}, 2)
             step = int(argv[argv.index("--step") + 1])
-            mine = [(s, r) for t, s, r in self.copies.get(name, []) if s == step]
+            tier = open_tier(argv[argv.index("--to") + 1])
+            mine = sorted({(s, r) for t, s, r in self.copies.get(name, []) if s == step})
             for s, r in mine:
                 self.rescued.append((name, s, r))
-                self.remote.add((s, r))
-            return self._ok(name, argv, {"machine": name, "step": step,
-                                         "uploaded": [{"rank": r} for _, r in sorted(set(mine))]})
+                tier.upload_copy(s, r, [], json.dumps({"step": s, "rank": r}).encode())
+            return self._ok(name, argv, {"machine": name, "step": step, "uploaded": [{"rank": r} for _, r in mine]})
         if cmd[0] == "agent" and "--restart" in argv:
             self.agent_restarted.append(name)
             return self._ok(name, argv, {"machine": name, "restarted": True, "before": {"agent": {"state": "stopped"}},
@@ -198,6 +202,9 @@ class FakeFleet(Transport):
                                    "status": self._status(m.name)}
             if "--logs-since" in argv:
                 doc["logs"] = {"verdict": self.logs.get(m.name, {"class": self.log_verdict})}
+            if "--copies" in argv:
+                doc["copies"] = [{"tier": t, "step": s, "rank": r, "committed": True}
+                                 for t, s, r in self.copies.get(m.name, [])]
             out[m.name] = RunResult(m.name, argv, 0, json.dumps(doc), "", 0.01, extra={"first": "{}"})
         return out
 
@@ -206,8 +213,19 @@ class FakeFleet(Transport):
         return [m for m, argv in self.commands if argv[: len(words)] == list(words)]
 
 
+def replicated_copies(topo: Topology, machines: Sequence[str], steps: Sequence[int]) -> dict[str, list]:
+    """Each machine's checkpoint copies of ``steps`` as the checkpoint library places them: its ranks' own
+    copies, and the replicas of the ranks whose backup rank it runs."""
+    out: dict[str, list[tuple[str, int, int]]] = {m: [] for m in machines}
+    for step in steps:
+        for r in range(topo.world_size):
+            out[machines[topo.machine_of(r)]].append(("local", step, r))
+            out[machines[topo.machine_of(topo.backup_rank(r))]].append(("replica", step, r))
+    return out
+
+
 def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topology: Topology | None = None,
-                     **settings: Any) -> tuple[Controller, FakeFleet]:
+                     train_args: Sequence[str] = ("--checkpoint",), **settings: Any) -> tuple[Controller, FakeFleet]:
     """A controller over ``machines`` scripted machines (the first ``active`` run job ``j``, the rest are
     parked standbys), with its fleet database in ``tmp_path``."""
     topo = topology or Topology(tp=1, pp=2, dp=2)
@@ -222,7 +240,7 @@ def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topo
     c.sync_inventory()
     names = [f"m{i}" for i in range(active)]
     c.fleet.upsert_job("j", tp=topo.tp, pp=topo.pp, dp=topo.dp, ranks_per_machine=topo.ranks_per_machine,
-                       machines=names, train_args=["--checkpoint"])
+                       machines=names, train_args=list(train_args))
     fleet.launch(names)
     fleet.parked = {f"m{i}" for i in range(machines)}
     return c, fleet

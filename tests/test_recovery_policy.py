@@ -88,3 +88,104 @@ def test_a_decline_every_rank_shares_evicts_nothing(tmp_path, monkeypatch):
     out = run_incident(c, [alert("throughput_decline", f"m{r}", rank=r) for r in range(4)], monkeypatch)
     assert out["result"]["vote"]["machines"] == [] and not fleet.sent("job", "stop")
     assert out["closed"]["state"] == "resolved" and c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
+
+
+DEMO = Topology(tp=2, pp=2, dp=2)  # m0..m3 hold ranks 0,1 | 2,3 | 4,5 | 6,7; m0 and m3 keep each other's replicas
+
+
+def _two_fail_l2(tmp_path, *, remote: bool = True, older_in_remote: int | None = None):
+    from checkpoint.s3 import open_tier
+    from tests.fakes import replicated_copies
+
+    url = f"file://{tmp_path / 'remote'}"
+    c, fleet = fleet_controller(tmp_path, topology=DEMO,
+                                train_args=["--checkpoint", *(["--checkpoint-remote", url] if remote else [])])
+    fleet.copies = replicated_copies(DEMO, ["m0", "m1", "m2", "m3"], [237, 238])
+    if older_in_remote is not None:
+        for r in range(DEMO.world_size):
+            open_tier(url).upload_copy(older_in_remote, r, [], b"{}")
+    fleet.l2 = {"m0": "3 wrong results", "m3": "3 wrong results"}  # they fail diagnosis together
+    return c, fleet, url
+
+
+def test_an_eviction_that_would_take_every_copy_of_a_rank_rescues_them_to_the_remote_tier_first(tmp_path, monkeypatch):
+    """Two machines that held each other's replicas failed L2 and were both evicted: the restart found no
+    copy of ranks 0, 1, 6, 7 and the job died with all its progress, while the copies sat on their disks."""
+    from checkpoint.s3 import open_tier
+
+    c, fleet, url = _two_fail_l2(tmp_path)
+    out = run_incident(c, [alert("rank_exit", "m1", rank=2)], monkeypatch)
+    evict = next(a for a in c.fleet.actions(out["incident"]) if a.kind == "evict")
+    kept = evict.evidence["checkpoint"]
+    assert evict.outcome == "done" and sorted(evict.machines) == ["m0", "m3"]
+    assert kept["step"] == 238 and kept["safe"]
+    assert kept["rescued"] == {"m0": [0, 1, 6, 7]}  # one source per rank is enough
+    assert {(s, r) for s, r in open_tier(url).list_copies()} >= {(238, r) for r in (0, 1, 6, 7)}
+    rescue_at = next(i for i, (m, argv) in enumerate(fleet.commands) if argv[:2] == ["ckpt", "rescue"])
+    start_at = next(i for i, (m, argv) in enumerate(fleet.commands) if argv[:2] in (["job", "start"],
+                                                                                  ["standby", "activate"]))
+    assert rescue_at < start_at  # the copies left before their machines did
+    assert out["closed"]["state"] == "resolved" and c.fleet.job("j").machine_list == ["m4", "m1", "m2", "m5"]
+
+
+def test_an_eviction_that_cannot_rescue_falls_back_to_the_newest_step_complete_without_the_machines(
+        tmp_path, monkeypatch):
+    c, fleet, _url = _two_fail_l2(tmp_path, older_in_remote=230)
+    fleet.rescue_fails = True
+    out = run_incident(c, [alert("rank_exit", "m1", rank=2)], monkeypatch)
+    kept = next(a for a in c.fleet.actions(out["incident"]) if a.kind == "evict").evidence["checkpoint"]
+    assert not kept["safe"] and kept["fallback"] == 230 and "restarts from step 230" in kept["reason"]
+    assert c.fleet.job("j").machine_list == ["m4", "m1", "m2", "m5"]
+
+
+def test_an_eviction_that_would_destroy_the_jobs_progress_is_refused_and_waits_for_a_human(tmp_path, monkeypatch):
+    c, _fleet, _url = _two_fail_l2(tmp_path, remote=False)
+    out = run_incident(c, [alert("rank_exit", "m1", rank=2)], monkeypatch)
+    inc = c.fleet.incident(out["incident"])
+    assert inc.state == "waiting_human" and "would destroy the job's progress" in inc.summary
+    assert "rank(s) [0, 1, 6, 7] have copies only on m0, m3" in inc.summary
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]  # nothing evicted: the copies stay
+    assert c.fleet.machine("m0").state == "active" and c.fleet.machine("m4").state == "standby"
+
+
+def test_a_single_eviction_keeps_every_replica_and_rescues_nothing(tmp_path, monkeypatch):
+    from tests.fakes import replicated_copies
+
+    c, fleet = fleet_controller(tmp_path, topology=DEMO)
+    fleet.copies = replicated_copies(DEMO, ["m0", "m1", "m2", "m3"], [238])
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    kept = next(a for a in c.fleet.actions(out["incident"]) if a.kind == "evict").evidence["checkpoint"]
+    assert kept == {"step": 238, "safe": True, "unanswered": [], "reason": kept["reason"]}
+    assert not fleet.sent("ckpt", "rescue") and not fleet.sent("ckpt", "list")  # the stop's answer said it all
+
+
+def test_a_two_two_split_of_the_alignment_test_is_broken_by_a_standbys_digest_not_by_order(tmp_path, monkeypatch):
+    """Two machines computing wrong out of four: the digests split 2-2, and the two healthy machines were
+    evicted as "different from the rest"."""
+    c, fleet = fleet_controller(tmp_path, topology=DEMO)
+    fleet.digests = {"m0": "good", "m1": "bad", "m2": "bad", "m3": "good", "m4": "good", "m5": "good"}
+    out = run_incident(c, [alert("nan_loss", f"m{i}", rank=2 * i) for i in range(4)], monkeypatch)
+    diag = out["result"]["diagnosis"]
+    assert diag["report"]["align_reference"] == "good" and sorted(diag["failed"]) == ["m1", "m2"]
+    assert sorted(fleet.sent("align")) == ["m4", "m5"]  # the reference: self-checked standbys
+    assert c.fleet.job("j").machine_list == ["m0", "m4", "m5", "m3"]
+
+
+def test_a_tie_with_no_reference_evicts_nobody(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path, topology=DEMO, machines=4)  # no standby to ask
+    fleet.digests = {"m0": "good", "m1": "bad", "m2": "bad", "m3": "good"}
+    out = run_incident(c, [alert("nan_loss", f"m{i}", rank=2 * i) for i in range(4)], monkeypatch)
+    diag = out["result"]["diagnosis"]
+    assert diag["failed"] == {} and "never by order" in diag["report"]["align_inconclusive"]
+    assert not [a for a in c.fleet.actions() if a.kind == "evict"]
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
+
+
+def test_the_alignment_verdict_trusts_a_strict_majority_or_a_matching_reference():
+    from operators.policy.sdc import align_outliers
+
+    assert align_outliers({"a": "x", "b": "x", "c": "y"})[:2] == ("x", ["c"])
+    assert align_outliers({"a": "x", "b": "y"})[:2] == (None, [])
+    assert align_outliers({"a": "x", "b": "x", "c": "y", "d": "y"}, reference="y")[:2] == ("y", ["a", "b"])
+    assert align_outliers({"a": "x", "b": "x", "c": "y", "d": "y"}, reference="z")[:2] == (None, [])
+    assert align_outliers({"a": None, "b": None, "c": "x"})[:2] == (None, [])  # two failed runs are no majority

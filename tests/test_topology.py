@@ -95,3 +95,20 @@ def test_parse_round_trips():
 def test_out_of_range_rank_is_refused():
     with pytest.raises(TopologyError, match=r"outside 0\.\.7"):
         Topology(tp=2, pp=2, dp=2).coords(8)
+
+
+@pytest.mark.parametrize("tp,pp,dp,rpm", [(2, 2, 2, 2), (1, 4, 2, 2), (2, 4, 2, 4), (1, 4, 4, 2), (2, 2, 4, 4),
+                                          (8, 4, 8, 8)])
+def test_no_eviction_of_one_parallel_group_takes_a_rank_and_its_replica(tp, pp, dp, rpm):
+    """The replica avoids every machine of the rank's groups (a machine can hold ranks of several stages),
+    whenever the group does not span every machine; each rank still holds one replica."""
+    t = Topology(tp=tp, pp=pp, dp=dp, ranks_per_machine=rpm)
+    for kind in ("tp", "pp", "dp"):
+        for group in t.groups(kind):
+            evicted = {m for r in group for m in t.machines_of_group(kind, r)}
+            if len(evicted) == t.machines:
+                continue
+            for r in range(t.world_size):
+                if t.machine_of(r) in evicted:
+                    assert t.machine_of(t.backup_rank(r)) not in evicted, (kind, group, r)
+    assert sorted(t.backup_rank(r) for r in range(t.world_size)) == list(range(t.world_size))

@@ -104,9 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: TG_CHECKPOINT, else <TG_RUN_DIR>/checkpoints)")
     c.add_argument("--checkpoint-every", type=int, default=1, help="snapshot every N steps (default 1)")
     c.add_argument("--checkpoint-keep", type=int, default=3, help="committed steps kept per tier (default 3)")
-    c.add_argument("--checkpoint-s3", default=None,
-                   help="s3://bucket/prefix of the S3 tier (default: TG_CHECKPOINT when it is an s3:// URL); "
-                        "endpoint from TG_S3_ENDPOINT_URL")
+    c.add_argument("--checkpoint-s3", "--checkpoint-remote", dest="checkpoint_s3", default=None,
+                   help="the remote tier: s3://bucket/prefix (endpoint from TG_S3_ENDPOINT_URL) or file:///dir on "
+                        "storage every machine mounts (default: TG_CHECKPOINT when it is an s3:// URL)")
     c.add_argument("--checkpoint-s3-every", type=int, default=10,
                    help="upload to S3 every K steps; 0 = only on request (default 10)")
     c.add_argument("--checkpoint-verify-every", type=int, default=20,

@@ -1,11 +1,13 @@
-"""Checkpoint verification policy: which step to verify, and which S3 steps retention deletes.
+"""Checkpoint policy: which step to verify, which S3 steps retention deletes, and whether an eviction would
+destroy the last copy of a rank's state.
 
 Pure functions (no I/O, no Airflow) over what the machines and the S3 tier report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -48,3 +50,72 @@ def s3_deletions(steps: Mapping[int, Mapping[int, bool]], *, world_size: int, ke
     kept = set(complete[:keep])
     newest = complete[0]
     return sorted(s for s in steps if s < newest and s not in kept)
+
+
+# ---- no decision may destroy the last copy ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Safety:
+    """What an eviction does to the job's checkpoints (see :func:`eviction_safety`).
+
+    Attributes:
+        step: the newest step every rank can be restored from before the eviction (None: there is none).
+        lacking: ranks of ``step`` whose every copy is on machines being evicted (and not in the remote tier).
+        rescue: evicted machine (reachable) -> the lacking ranks it holds: copy them out before it goes.
+        fallback: the newest step complete on the machines that stay and the remote tier (None: none).
+        reason: one line for the record.
+    """
+
+    step: int | None
+    lacking: tuple[int, ...] = ()
+    rescue: dict[str, list[int]] = field(default_factory=dict)
+    fallback: int | None = None
+    reason: str = ""
+
+    @property
+    def safe(self) -> bool:
+        return not self.lacking
+
+
+Copies = Mapping[str, Iterable[tuple[str, int, int]] | None]
+
+
+def _complete(holders: Mapping[int, Mapping[int, set[str]]], world_size: int, allowed: Collection[str] | None
+              ) -> int | None:
+    """The newest step every rank has a copy of on ``allowed`` holders (None: any holder)."""
+    for step in sorted(holders, reverse=True):
+        ranks = holders[step]
+        if all(ranks.get(r) and (allowed is None or ranks[r] & set(allowed)) for r in range(world_size)):
+            return step
+    return None
+
+
+def eviction_safety(copies: Copies, remote: Iterable[tuple[int, int]], *, evict: Collection[str],
+                    world_size: int) -> Safety:
+    """Whether evicting ``evict`` leaves every rank of the newest restorable step a copy: on a machine that
+    stays or in the remote tier. ``copies``: machine -> the ``(tier, step, rank)`` copies it holds (None: it did
+    not answer; its copies count nowhere); ``remote``: the ``(step, rank)`` copies in the remote tier. When
+    some ranks would lose their last copy, ``rescue`` says which evicted machine holds each, and
+    ``fallback`` the newest step that stays complete without them."""
+    remote_name = "<remote tier>"
+    holders: dict[int, dict[int, set[str]]] = {}
+    for machine, held in copies.items():
+        for _tier, step, rank in held or ():
+            holders.setdefault(step, {}).setdefault(rank, set()).add(machine)
+    for step, rank in remote:
+        holders.setdefault(step, {}).setdefault(rank, set()).add(remote_name)
+    step = _complete(holders, world_size, None)
+    if step is None:
+        return Safety(None, reason="no step is complete on every rank: nothing an eviction could lose")
+    staying = {m for m in copies if m not in evict} | {remote_name}
+    lacking = tuple(r for r in range(world_size) if not holders[step][r] & staying)
+    if not lacking:
+        return Safety(step, reason=f"every rank of step {step} keeps a copy on a machine that stays or in the "
+                                   f"remote tier")
+    rescue: dict[str, list[int]] = {}
+    for r in lacking:
+        source = sorted(m for m in holders[step][r] if m in evict and copies.get(m) is not None)
+        if source:
+            rescue.setdefault(source[0], []).append(r)
+    fallback = _complete(holders, world_size, staying)
+    return Safety(step, lacking, rescue, fallback,
+                  f"step {step}: rank(s) {list(lacking)} have copies only on {', '.join(sorted(evict))}")

@@ -80,3 +80,25 @@ def culprits(plan: ReplayPlan, horizontal_results: Mapping[int, str], vertical_r
     h = {m for i in odd_ones(horizontal_results, reference) for m in plan.horizontal[i]}
     v = {m for j in odd_ones(vertical_results, reference) for m in plan.vertical[j]}
     return h & v
+
+
+def align_outliers(digests: Mapping[str, str | None], reference: str | None = None
+                   ) -> tuple[str | None, list[str], str]:
+    """Which machines computed the alignment test differently, by evidence, never by order: ``(the digest
+    trusted, the machines that differ from it, why)``. The trusted digest is the ``reference`` (the same test
+    on self-checked standbys) when one is given and some machine matches it, else a strict majority's (more
+    than half of the machines). A tie (two against two) or a reference no machine matches trusts nothing:
+    no machine is called wrong (the caller replays, or asks for a reference)."""
+    counts = Counter(digests.values())
+    if not counts:
+        return None, [], "no digest"
+    if reference is not None:
+        if counts.get(reference):
+            return reference, sorted(n for n, d in digests.items() if d != reference), \
+                f"the self-checked standbys' digest {reference} is the reference"
+        return None, [], f"no machine matches the self-checked standbys' digest {reference}: inconclusive"
+    top, n_top = counts.most_common(1)[0]
+    if top is not None and n_top * 2 > len(digests):
+        return top, sorted(n for n, d in digests.items() if d != top), f"{n_top} of {len(digests)} machines agree"
+    split = ", ".join(f"{n} x {d}" for d, n in counts.most_common())
+    return None, [], f"no majority ({split}): a tie is broken by a reference, never by order"
