@@ -44,7 +44,9 @@ def tg_incident():
 
         return steps.recover(params["incident_id"], list(results))
 
-    @task.sensor(poke_interval=2, timeout=600, mode="poke")
+    # the resume limit is TG_RESUME_TIMEOUT_S, applied by the task body (it answers "failed" past it); this
+    # timeout only guards against a body that never answers
+    @task.sensor(poke_interval=2, timeout=3600, mode="poke")
     def training_resumed(recovery: dict, params: dict | None = None):
         from airflow.sdk import PokeReturnValue
 

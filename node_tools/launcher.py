@@ -85,19 +85,30 @@ class JobPlan:
         ]
 
 
+class PartsFailed(ClusterError):
+    """Some machines did not do their part: ``failed`` names each with what it said (``unreachable``: those
+    whose ssh failed)."""
+
+    def __init__(self, message: str, failed: dict[str, str], unreachable: set[str]) -> None:
+        super().__init__(message)
+        self.failed = failed
+        self.unreachable = unreachable
+
+
 def _check(results: dict[str, RunResult], what: str) -> dict[str, Any]:
     docs: dict[str, Any] = {}
-    errors = []
+    failed: dict[str, str] = {}
     for name, res in results.items():
         doc = res.json()
         if res.ok and isinstance(doc, dict):
             docs[name] = doc
         elif isinstance(doc, dict) and "error" in doc:
-            errors.append(f"{name}: {doc['error']}")
+            failed[name] = f"{name}: {doc['error']}"
         else:
-            errors.append(res.describe())
-    if errors:
-        raise ClusterError(f"{what} failed on {len(errors)} machine(s): " + "; ".join(errors))
+            failed[name] = res.describe()
+    if failed:
+        raise PartsFailed(f"{what} failed on {len(failed)} machine(s): " + "; ".join(failed.values()), failed,
+                          {n for n, r in results.items() if not r.reachable})
     return docs
 
 

@@ -10,6 +10,7 @@ action with its evidence, and in dry-run mode records the decision without actin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -378,6 +379,13 @@ class Controller:
         t = self._triage(inc.job, incident_id)
         rollback_to = self.fleet.last_known_good(inc.job, other_than=job.revision)
         d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
+        if d.action in ("tolerate", "observe") and job.state == "running":
+            states_now = self.progress(inc.job)["states"]
+            down = sorted(n for n, st in states_now.items() if st != "running")
+            if down:  # what the alerts say needs nothing, but the job is not running: a crash to diagnose
+                t = ladder.Triage(inc.job, "crash", tuple(down), reason=f"{t.reason}; but the job does not run "
+                                                                     f"on {', '.join(down)}")
+                d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
         self.fleet.update_incident(incident_id, category=t.category, summary=f"{t.reason}; next: {d.action}")
         if d.action in ("diagnose", "analyze", "replay", "vote"):
             self.fleet.update_incident(incident_id, diagnosis_start_ts=time.time())
@@ -427,7 +435,8 @@ class Controller:
                 out[n] = None
         return out
 
-    def protect_checkpoints(self, job: str, evict: Sequence[str]) -> dict[str, Any]:
+    def protect_checkpoints(self, job: str, evict: Sequence[str], *, fresh: bool = False,
+                            force: bool = False) -> dict[str, Any]:
         """Before evicting ``evict``: every rank of the step the job will restore must keep a copy on a machine
         that stays or in the remote tier. If not, the missing copies are rescued from the evicted machines
         (reachable ones) into the remote tier first; failing that the restart falls back to the newest step
@@ -439,13 +448,20 @@ class Controller:
         if "--checkpoint" not in j.train_args:
             return {"checked": False, "reason": "the job keeps no checkpoints"}
         world = j.tp * j.pp * j.dp
-        copies = self.copies(job, j.machine_list)
+        if fresh:
+            self._copies.pop(job, None)
+        names = [*j.machine_list, *(n for n in evict if n not in j.machine_list and n in self.inventory.names())]
+        copies = self.copies(job, names)
         url = self.remote_url(job)
         remote, remote_error = self.remote_copies(url) if url else (set(), "no remote tier")
         safety = eviction_safety(copies, remote, evict=evict, world_size=world)
         out: dict[str, Any] = {"step": safety.step, "safe": safety.safe, "reason": safety.reason,
                                "unanswered": sorted(n for n, c in copies.items() if c is None)}
-        if safety.safe:
+        if force and safety.step is not None:  # the listing said safe, the restore said otherwise: take them all
+            held = {n: sorted({r for _t, st, r in copies.get(n) or () if st == safety.step}) for n in evict}
+            safety = dataclasses.replace(safety, lacking=tuple(sorted({r for rs in held.values() for r in rs})),
+                                         rescue={n: rs for n, rs in held.items() if rs})
+        elif safety.safe:
             return out
         why = remote_error or "nothing to rescue from"
         if url and safety.rescue and not self.cfg.dry_run:
@@ -458,7 +474,8 @@ class Controller:
                               for n, r in done.items()}
             remote, remote_error = self.remote_copies(url)
             again = eviction_safety(copies, remote, evict=evict, world_size=world)
-            if again.step == safety.step and again.safe:
+            if again.step == safety.step and again.safe and all(isinstance(v, list) and v
+                                                                for v in out["rescued"].values()):
                 out.update(safe=True, reason=f"step {safety.step}: the last copies of rank(s) {list(safety.lacking)} "
                                              f"were rescued from {', '.join(sorted(safety.rescue))} to the remote tier")
                 return out
@@ -473,6 +490,56 @@ class Controller:
                           f"without them: evicting would destroy the job's progress; bring those machines (or a copy "
                           f"of their checkpoints) back, then resolve the incident")
         return out
+
+    # ---- a recovery that did not hold -----------------------------------------------------------------
+    def job_logs(self, job: str) -> dict[str, dict[str, Any] | None]:
+        """Each machine's ``tg-node logs --job J`` (None: it did not answer)."""
+        names = self.fleet.job(job).machine_list
+        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "logs", "--job", job],
+                            timeout=60)
+        return {n: (r.answer() if r.reachable and not r.timed_out else None) for n, r in results.items()}
+
+    def before_retry(self, incident_id: int, why: str) -> dict[str, Any]:
+        """What to change before restarting a recovery that did not hold (``why``): explicit faults that joined
+        the incident are evicted; machines that no longer answer are replaced; when no step could be restored,
+        the last copies are rescued from the incident's evicted machines into the remote tier; when the job's
+        own code failed, it rolls back to the last known-good revision; else it is tried again as it is (a
+        transient failure). Returns ``{"did": what}``, or ``{"give_up": why}`` when nothing is left to try."""
+        inc = self.fleet.incident(incident_id)
+        job = inc.job
+        pending = self.unhandled_faults(incident_id)
+        if pending:
+            self.stop(job)
+            ev = self.evict(incident_id, sorted(pending), reason="explicit machine fault that joined the "
+                            "incident: " + "; ".join(f"{m}: {k}" for m, k in pending.items()))
+            return {"give_up": ev["reason"]} if ev.get("waiting_human") else \
+                {"did": "evicted " + ", ".join(f"{a} -> {b}" for a, b in (ev.get("swaps") or {}).items())}
+        logs = self.job_logs(job)
+        silent = sorted(n for n, doc in logs.items() if doc is None)
+        if silent:
+            self.stop(job)
+            ev = self.evict(incident_id, silent, reason=f"unreachable after the restart ({why[:200]})")
+            return {"give_up": ev["reason"]} if ev.get("waiting_human") else \
+                {"did": "replaced unreachable " + ", ".join(f"{a} -> {b}" for a, b in (ev.get("swaps") or {}).items())}
+        text = json.dumps(logs) + why
+        if "no step can be restored" in text or "no usable copy" in text:
+            evicted = sorted({m for a in self.fleet.actions(incident_id) if a.kind == "evict" and a.outcome == "done"
+                              for m in a.machines})
+            if not evicted:
+                return {"give_up": f"no step can be restored on all ranks and this incident evicted no machine that "
+                                   f"could hold the missing copies ({why[:300]})"}
+            kept = self.protect_checkpoints(job, evicted, fresh=True, force=True)
+            if kept.get("rescued") and kept.get("safe"):
+                return {"did": kept["reason"]}
+            return {"give_up": f"no step can be restored on all ranks: {kept.get('refused') or kept['reason']}"}
+        verdicts = {(doc or {}).get("verdict", {}).get("class") for doc in logs.values()}
+        rolled = any(a.kind == "rollback" for a in self.fleet.actions(incident_id))
+        good = self.fleet.last_known_good(job, other_than=self.fleet.job(job).revision)
+        if "user_code" in verdicts and good and not rolled:
+            self.stop(job)
+            self.rollback(incident_id, good)
+            return {"did": f"rolled back to {good} (the job's own code failed after the restart)"}
+        return {"did": f"restarted again as it was ({why[:160]})"}
 
     # ---- repeat offenders ----------------------------------------------------------------------------
     def implicate(self, incident_id: int, machine: str, why: str) -> None:
@@ -848,9 +915,43 @@ class Controller:
         return {"job": inc.job, "rounds": rounds, "verdict": kind, "machines": machines}
 
     # ---- eviction, recovery ---------------------------------------------------------------------------
-    def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str) -> dict[str, Any]:
-        """Replace ``machine_names`` in the incident's job with standbys, through the breaker. Returns the
-        swaps; ``waiting_human`` when the breaker or a lack of standbys stops it."""
+    def wait_for_human(self, incident_id: int, reason: str) -> dict[str, Any]:
+        """The incident waits for a human, and so does its job (its state in the fleet database says so):
+        ``reason`` says why and what to do."""
+        inc = self.fleet.incident(incident_id)
+        self.fleet.update_incident(incident_id, state="waiting_human", summary=reason)
+        self.fleet.set_job_state(inc.job, "waiting_human")
+        return {"swaps": {}, "waiting_human": True, "reason": reason}
+
+    def ready_standbys(self, wanted: int, *, why: str = "") -> list[str]:
+        """Up to ``wanted`` standbys checked reachable now (``tg-node standby status``), in the fleet's order;
+        one that does not answer goes to repair (``why``: whom it was called to replace) and the next is
+        tried."""
+        ready: list[str] = []
+        tried: set[str] = set()
+        while len(ready) < wanted:
+            todo = [m.name for m in self.fleet.machines(state=states.STANDBY)
+                    if m.name not in tried and m.name in self.inventory.names()][: wanted - len(ready)]
+            if not todo:
+                break
+            tried.update(todo)
+            results = self._run(self.machines(todo), lambda m: [self.inventory.tg_node, "standby", "status"],
+                                timeout=15)
+            for n in todo:
+                r = results[n]
+                if r.ok and isinstance(r.answer(), dict):
+                    ready.append(n)
+                elif not self.cfg.dry_run:
+                    self.fleet.transition(n, states.REPAIR, reason=f"standby did not answer when called{why}: "
+                                                                   f"{r.describe()[:200]}")
+        return ready
+
+    def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str,
+              breaker: bool = True) -> dict[str, Any]:
+        """Replace ``machine_names`` in the incident's job with standbys (each checked reachable first),
+        through the breaker (``breaker`` False: machines that failed to start, not a judgement of the ladder)
+        and the checkpoint check (no eviction takes the last copy of a step). Returns the swaps;
+        ``waiting_human`` when the breaker, a lack of standbys or the checkpoints stop it."""
         inc = self.fleet.incident(incident_id)
         job = self.fleet.job(inc.job)
         wanted = [n for n in machine_names if n in job.machine_list]
@@ -861,34 +962,46 @@ class Controller:
                                  to_evict=wanted, max_share=self.cfg.breaker_share,
                                  window_s=self.cfg.breaker_window_s)
         key = f"evict:{incident_id}:{','.join(sorted(wanted))}"
-        standbys = [m.name for m in self.fleet.machines(state=states.STANDBY)]
         action, created = self.fleet.record_action(
             key, kind="evict", incident_id=incident_id, machines=wanted, dry_run=self.cfg.dry_run,
-            evidence={"reason": reason, "breaker": verdict.reason, "standbys": standbys})
+            evidence={"reason": reason, "breaker": verdict.reason if breaker else "not applied (failed to start)"})
         if not created and action.outcome == "done":
             return {"swaps": json.loads(action.detail or "{}"), "reason": "done before"}
-        if not verdict.allowed:
+        if breaker and not verdict.allowed:
             self.fleet.finish_action(action.id, "skipped", verdict.reason)
-            self.fleet.update_incident(incident_id, state="waiting_human", summary=verdict.reason)
-            return {"swaps": {}, "waiting_human": True, "reason": verdict.reason}
+            return self.wait_for_human(incident_id, verdict.reason)
+        standbys = self.ready_standbys(len(wanted), why=f" to replace {', '.join(wanted)} in {inc.job}")
         if len(standbys) < len(wanted):
-            why = f"{len(wanted)} machines to replace, {len(standbys)} standbys"
-            self.fleet.finish_action(action.id, "skipped", why)
-            self.fleet.update_incident(incident_id, state="waiting_human", summary=why)
-            return {"swaps": {}, "waiting_human": True, "reason": why}
+            why = (f"{len(wanted)} machines to replace ({', '.join(wanted)}), {len(standbys)} standbys answer; add "
+                   f"machines to the pool (tg_standby_pool) or repair the standbys, then resolve the incident")
+            self.fleet.finish_action(action.id, "skipped", why, evidence={"standbys": standbys})
+            return self.wait_for_human(incident_id, why)
         kept = self.protect_checkpoints(inc.job, wanted)
         if kept.get("refused"):
             self.fleet.finish_action(action.id, "skipped", kept["refused"], evidence={"checkpoint": kept})
-            self.fleet.update_incident(incident_id, state="waiting_human", summary=kept["refused"])
-            return {"swaps": {}, "waiting_human": True, "reason": kept["refused"], "checkpoint": kept}
+            return {**self.wait_for_human(incident_id, kept["refused"]), "checkpoint": kept}
         plan = dict(zip(sorted(wanted), standbys, strict=False))
         if self.cfg.dry_run:
             self.fleet.finish_action(action.id, "dry_run", json.dumps(plan), evidence={"checkpoint": kept})
             return {"swaps": plan, "dry_run": True, "reason": reason, "checkpoint": kept}
         swaps = self.fleet.swap(inc.job, plan, reason=reason, incident_id=incident_id)
-        self.fleet.finish_action(action.id, "done", json.dumps(swaps), evidence={"checkpoint": kept})
+        self.fleet.finish_action(action.id, "done", json.dumps(swaps), evidence={"checkpoint": kept,
+                                                                               "standbys": standbys})
         self.fleet.update_incident(incident_id, decided_ts=time.time())
         return {"swaps": swaps, "reason": reason, "checkpoint": kept}
+
+    def unhandled_faults(self, incident_id: int) -> dict[str, str]:
+        """Explicit machine faults among the incident's alerts (those that joined it after its triage too) on
+        machines that still serve the job: machine -> the alerts' kinds. Every one is acted on before the
+        incident closes."""
+        inc = self.fleet.incident(incident_id)
+        serving = set(self.fleet.job(inc.job).machine_list)
+        out: dict[str, set[str]] = {}
+        for a in self.fleet.alerts_of(incident_id):
+            if a.machine in serving and ladder.decisive(a.document) and ladder.triage("", [a.document]).category \
+                    == "machine_fault":
+                out.setdefault(a.machine, set()).add(a.kind)
+        return {m: ", ".join(sorted(k)) for m, k in sorted(out.items())}
 
     def rollback(self, incident_id: int, revision: str) -> dict[str, Any]:
         inc = self.fleet.incident(incident_id)
@@ -916,9 +1029,11 @@ class Controller:
         """Stop the job everywhere it answers, then start it on its machine list (replacements already
         swapped in by :meth:`evict`): every machine with warm interpreters parked (standbys, and survivors
         armed by :meth:`arm`) starts on them, the others cold. The job restores its newest committed
-        checkpoint itself. Returns the steps every rank had finished before (for the resume check).
-        Right after this controller stopped the job everywhere, what the stop found stands: no round of
-        reads before the launch."""
+        checkpoint itself. A machine that fails to start (unreachable, a broken standby) is replaced by the
+        next standby and the launch tried again, up to ``restart_attempts`` times; then the incident waits
+        for a human. Returns the steps every rank had finished before (for the resume check). Right after
+        this controller stopped the job everywhere, what the stop found stands: no round of reads before
+        the launch."""
         inc = self.fleet.incident(incident_id)
         job = inc.job
         before = self._stopped.pop(job, None)
@@ -929,10 +1044,35 @@ class Controller:
             # the handler has usually stopped it already: no stop when no machine runs it
             done = before["states"] and all(s in ("exited", "absent") for s in before["states"].values())
             stopped = {n: "not running" for n in before["states"]} if done else self.stop(job)
-        started = self._start(job, warm_if_parked=True, incident_id=incident_id, restore_max_step=restore_max_step)
+        replaced: dict[str, str] = {}
+        attempts = self.cfg.restart_attempts
+        launches = sum(1 for a in self.fleet.actions(incident_id) if a.kind == "launch")
+        for attempt in range(attempts):
+            n = launches + attempt  # each restart of the incident is an action of its own (a repeat is a no-op)
+            try:
+                started = self._start(job, warm_if_parked=True, incident_id=incident_id,
+                                      restore_max_step=restore_max_step,
+                                      tag=f"{incident_id}" if not n else f"{incident_id}-restart{n + 1}")
+                break
+            except launcher.PartsFailed as exc:
+                bad = {n: why for n, why in exc.failed.items() if n in self.fleet.job(job).machine_list}
+                if attempt + 1 >= attempts or not bad:
+                    return {"job": job, "stopped": stopped, "started": {"launched": False, "error": str(exc)},
+                            **self.wait_for_human(incident_id, f"the restart failed {attempt + 1} times: {exc}"[:900]
+                                                  + "; next: repair or replace those machines, then resolve the "
+                                                    "incident (trigger tg_diagnose with evict to swap them)"),
+                            "replaced": replaced}
+                fresh = set(self.fleet.job(job).machine_list) - set(before.get("states") or before.get("machines")
+                                                                    or [])
+                ev = self.evict(incident_id, sorted(bad), breaker=not set(bad) <= fresh,
+                                reason="failed to start: " + "; ".join(bad.values())[:300])
+                if ev.get("waiting_human"):
+                    return {"job": job, "stopped": stopped, "started": {"launched": False, "error": str(exc)},
+                            **ev, "replaced": replaced}
+                replaced.update(ev.get("swaps") or {})
         self.fleet.update_incident(incident_id, decided_ts=time.time())
         return {"job": job, "stopped": stopped, "started": started, "warm": started.get("warm", []),
-                "steps_before": before.get("step", -1), "restart_ts": time.time()}
+                "steps_before": before.get("step", -1), "restart_ts": time.time(), "replaced": replaced}
 
     def progress(self, job: str) -> dict[str, Any]:
         """The lowest step every rank finished and each machine's incarnation and state."""

@@ -34,7 +34,8 @@ class FakeFleet(Transport):
         copies: machine -> checkpoint copies held there: ``(tier, step, rank)`` each.
         log_verdict: the logs' class after a stop (none, user_code, infrastructure, unknown), or per machine
             in ``logs`` (machine -> its verdict document: class, kind, first_failure ...).
-        restore_fails: a start after which every rank ends without a step (no step restorable).
+        restore_fails: a start after which every rank ends without a step (no step restorable), until some
+            copy was rescued into the remote tier.
         rescue_fails: ``ckpt rescue`` fails (the remote tier cannot be written).
         process_state: rank -> its process state as ``tg-node stacks`` sees it (default "S": running).
         frames: rank -> its main thread's functions, innermost first (default: waiting in an all_reduce).
@@ -79,7 +80,7 @@ class FakeFleet(Transport):
 
     def _train(self) -> None:
         """One step more, if the whole job runs."""
-        if len(self.running) == self.topo.machines and not self.restore_fails:
+        if len(self.running) == self.topo.machines:
             self.step += 1
             self.records.append({"step": self.step, "ts": time.time(), "incarnation": 0, "loss": 2.0,
                                  "ckpt_restored_step": self.restored if len(self.records) == 0 else None})
@@ -112,8 +113,11 @@ class FakeFleet(Transport):
             if name in self.start_fails:
                 return self._ok(name, argv, {"error": self.start_fails[name]}, 2)
             node_rank = int(argv[argv.index("--node-rank") + 1])
-            self.running[name] = list(self.topo.ranks_on(node_rank))
             self.incarnation[name] = self.incarnation.get(name, -1) + 1
+            if self.restore_fails and not self.rescued:  # it starts, finds no step to restore, and ends
+                self.running.pop(name, None)
+                return self._ok(name, argv, {**self._status(name), "warm": name in self.parked})
+            self.running[name] = list(self.topo.ranks_on(node_rank))
             self.started_ts = time.time()
             self.records = []
             return self._ok(name, argv, {**self._status(name), "warm": name in self.parked})
@@ -166,7 +170,12 @@ class FakeFleet(Transport):
             return self._ok(name, argv, {"machine": name, "restarted": True, "before": {"agent": {"state": "stopped"}},
                                          "after": {"agent": {"state": "running", "pid": 4242}}})
         if cmd[0] == "logs":
-            return self._ok(name, argv, {"verdict": self.logs.get(name, {"class": self.log_verdict})})
+            verdict = self.logs.get(name, {"class": self.log_verdict})
+            if self.restore_fails and not self.rescued:
+                verdict = {"class": "unknown", "evidence": "gpt3d: error: checkpoint: 40 copies found but no step "
+                                                           "can be restored on all 8 ranks: newest step 238 has no "
+                                                           "usable copy for rank(s) [0, 1, 6, 7]"}
+            return self._ok(name, argv, {"verdict": verdict})
         raise AssertionError(f"{name}: unexpected command {argv}")
 
     def _diag(self, name: str, argv: list[str]) -> RunResult:
@@ -246,15 +255,20 @@ def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topo
     return c, fleet
 
 
-def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: Any) -> dict[str, Any]:
+def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: Any, *,
+                 joined: Sequence[dict[str, Any]] = (), joined_late: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """What tg_incident does with a batch, task by task (triage, the branch's handler with its restart,
-    the resume check, close): returns ``{"decision", "result", "resumed", "closed", "incident"}``."""
+    the resume check, close): returns ``{"decision", "result", "resumed", "closed", "incident"}``.
+    ``joined``: alerts the guardian records right after the triage (they join the open incident);
+    ``joined_late``: alerts it records after the restart, before the resume check."""
     from operators.airflow import steps
 
     monkeypatch.setattr(steps, "controller", lambda **_: c)
     [item] = c.ingest(alerts)
     incident = item["incident"]
     decision = steps.triage(incident)
+    if joined:
+        assert [i["incident"] for i in c.ingest(joined)] == [incident]
     branch = steps.choose(decision)
     if branch == "no_recovery":
         idle = steps.no_recovery(decision)
@@ -264,6 +278,8 @@ def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: A
         return {"decision": decision, "result": idle, "resumed": resumed, "closed": closed, "incident": incident}
     result = steps.handle(branch, decision)
     recovery = steps.recover(incident, [result])
+    if joined_late:
+        assert [i["incident"] for i in c.ingest(joined_late)] == [incident]
     resumed = None
     for _ in range(20):  # the sensor's pokes
         resumed = steps.resumed(incident, recovery)

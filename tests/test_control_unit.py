@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from node_tools.inventory import Inventory, Machine
+from node_tools.inventory import Inventory
 from node_tools.transport import RunResult, Transport
-from operators.control import ControlConfig, Controller
+from operators.control import Controller
 
 
 def _alert(kind: str, machine: str, rank: int, ts: float) -> dict:
@@ -19,14 +19,10 @@ def _alert(kind: str, machine: str, rank: int, ts: float) -> dict:
 
 
 def _controller(tmp_path: Path, **settings) -> Controller:
-    inv = Inventory(cluster="t", transport="local", machines=[
-        Machine(name=f"m{i}", address="127.0.0.1", role="active" if i < 4 else "standby") for i in range(6)])
-    inv.save(tmp_path / "inventory.json")
-    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(inv.path), **settings),
-                   inventory=inv)
-    c.sync_inventory()
-    c.fleet.upsert_job("j", tp=1, pp=2, dp=2, ranks_per_machine=1, machines=["m0", "m1", "m2", "m3"])
-    return c
+    """Job j (TP=1 PP=2 DP=2) on m0..m3, standbys m4 and m5: scripted machines (tests/fakes.py)."""
+    from tests.fakes import fleet_controller
+
+    return fleet_controller(tmp_path, train_args=(), **settings)[0]
 
 
 @pytest.fixture
@@ -254,6 +250,8 @@ class _Machines(Transport):
             doc = self._status(machine.name, "exited")
         elif argv[1:3] == ["job", "start"]:
             doc = {**self._status(machine.name, "running"), "warm": "--warm-if-parked" in argv}
+        elif argv[1:3] == ["standby", "status"]:
+            doc = {"state": "parked"}
         else:
             raise AssertionError(f"unexpected command {argv}")
         return RunResult(machine.name, list(argv), 0, json.dumps(doc), "", 0.1)

@@ -189,3 +189,98 @@ def test_the_alignment_verdict_trusts_a_strict_majority_or_a_matching_reference(
     assert align_outliers({"a": "x", "b": "x", "c": "y", "d": "y"}, reference="y")[:2] == ("y", ["a", "b"])
     assert align_outliers({"a": "x", "b": "x", "c": "y", "d": "y"}, reference="z")[:2] == (None, [])
     assert align_outliers({"a": None, "b": None, "c": "x"})[:2] == (None, [])  # two failed runs are no majority
+
+
+# ---- a recovery that fails climbs on; it never leaves a job dead and unreported ----------------------------
+def test_a_standby_that_does_not_answer_is_sent_to_repair_and_the_next_one_taken(tmp_path, monkeypatch):
+    """With the first standby's sshd gone, a lost GPU was evicted onto it without a check; the launch
+    failed, the incident ended failed, the job stopped training."""
+    c, fleet = fleet_controller(tmp_path)
+    fleet.unreachable.add("m4")
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    assert out["closed"]["state"] == "resolved" and c.fleet.job("j").machine_list == ["m0", "m5", "m2", "m3"]
+    assert c.fleet.machine("m4").state == "repair" and "did not answer" in c.fleet.machine("m4").reason
+    assert not fleet.sent("job", "start") or "m4" not in fleet.sent("job", "start")
+
+
+def test_a_standby_that_breaks_as_it_joins_is_replaced_and_the_launch_tried_again(tmp_path, monkeypatch):
+    """A standby whose NIC went down as it was swapped in: the launch failed and the incident ended failed
+    while four healthy standbys were parked."""
+    c, fleet = fleet_controller(tmp_path, machines=8)
+    fleet.start_fails["m4"] = "machine m4: job j exited at once (code 1): NIC eth0 is down"
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    assert out["closed"]["state"] == "resolved", c.timeline(out["incident"])
+    assert c.fleet.job("j").machine_list == ["m0", "m5", "m2", "m3"]
+    evictions = [(a.machines, a.outcome, a.evidence["breaker"]) for a in c.fleet.actions(out["incident"])
+                 if a.kind == "evict"]
+    assert evictions[0][:2] == (["m1"], "done") and evictions[1] == (["m4"], "done", "not applied (failed to start)")
+    assert c.fleet.machine("m4").state == "evicted" and out["result"]["recovery"]["replaced"] == {"m4": "m5"}
+
+
+def test_a_benign_alert_while_the_job_is_down_is_handled_as_the_crash_it_is(tmp_path, monkeypatch):
+    """The broken standby's own network alert was tolerated as the job's first network alert, and its
+    incident closed resolved while the job was not running."""
+    c, fleet = fleet_controller(tmp_path)
+    fleet.running.pop("m2")  # its part of the job is gone
+    fleet.l2["m2"] = "collective: eth0 has no carrier"
+    out = run_incident(c, [alert("nic_down", "m2", rank=None, job="j", iface="eth0")], monkeypatch)
+    assert (out["decision"]["category"], out["decision"]["action"]) == ("crash", "diagnose")
+    assert "but the job does not run on m2" in c.fleet.incident(out["incident"]).summary
+    assert out["closed"]["state"] == "resolved" and c.fleet.job("j").machine_list == ["m0", "m1", "m4", "m3"]
+
+
+def test_a_restart_that_finds_no_step_to_restore_rescues_the_copies_and_restarts(tmp_path, monkeypatch):
+    """The restart failed on every rank ('no step can be restored'), the incident ended failed, a second
+    incident did the same, then nothing: the job was dead, the fleet database said running, and copies
+    that would have restored it sat on the evicted machines."""
+    from tests.fakes import replicated_copies
+
+    url = f"file://{tmp_path / 'remote'}"
+    c, fleet = fleet_controller(tmp_path, topology=DEMO, train_args=["--checkpoint", "--checkpoint-remote", url])
+    fleet.copies = replicated_copies(DEMO, ["m0", "m1", "m2", "m3"], [238])
+    fleet.restore_fails = True  # whatever the check before the eviction said, the restore finds nothing
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    assert out["resumed"]["failed"].startswith("job j ended on every machine after the restart without a step")
+    inc = c.fleet.incident(out["incident"])
+    assert inc.state == "resolved" and "after 1 more restart(s)" in inc.summary and "rescued" in inc.summary
+    assert fleet.rescued and {m for m, _s, _r in fleet.rescued} == {"m1"}
+    assert c.fleet.job("j").state == "running"
+
+
+def test_a_recovery_that_keeps_failing_waits_for_a_human_and_says_so(tmp_path, monkeypatch):
+    from operators.airflow import steps
+
+    c, fleet = fleet_controller(tmp_path, restart_attempts=2)
+    fleet.restore_fails = True  # and there is nothing to rescue: no remote tier, no copies
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    inc = c.fleet.incident(out["incident"])
+    assert inc.state == "waiting_human" and c.fleet.job("j").state == "waiting_human"
+    assert "no step can be restored" in inc.summary and "next:" in inc.summary
+    note = steps.incident_note(c, inc.id)
+    assert note.startswith(f"incident {inc.id} waiting human (machine_fault)") and "next:" in note
+
+
+# ---- alerts that join an incident are triaged again ------------------------------------------------------
+def test_a_second_lost_gpu_that_joins_the_incident_is_evicted_in_the_same_restart(tmp_path, monkeypatch):
+    """Two GPUs lost on two machines 0.2 s apart: both machines' alerts joined one incident, only the first
+    was evicted, and the job restarted onto the second machine with its lost GPU."""
+    c, fleet = fleet_controller(tmp_path)
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch, joined=[alert("gpu_lost", "m2")])
+    assert out["decision"]["machines"] == ["m1"]
+    assert out["result"]["joined"]["faults"] == {"m2": "gpu_lost"}
+    assert c.fleet.job("j").machine_list == ["m0", "m4", "m5", "m3"] and out["closed"]["state"] == "resolved"
+    assert len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate")) == 4  # one restart
+
+
+def test_an_explicit_fault_that_joins_after_the_restart_is_acted_on_before_the_incident_closes(tmp_path, monkeypatch):
+    """A full disk made the job look hung; a GPU lost on another machine joined the incident and was never
+    acted on."""
+    c, fleet = fleet_controller(tmp_path, machines=8, breaker_share=0.75)  # the hang's pipeline, then m2
+    fleet.process_state[1] = "T"
+    out = run_incident(c, [alert("rank_stopped", "m1", rank=1)], monkeypatch,
+                       joined_late=[alert("gpu_lost", "m2")])
+    assert out["decision"]["action"] == "analyze" and out["resumed"] == {"pending": {"m2": "gpu_lost"}}
+    inc = c.fleet.incident(out["incident"])
+    assert inc.state == "resolved", c.timeline(inc.id)
+    machines = c.fleet.job("j").machine_list
+    assert "m2" not in machines and "m1" not in machines and "evicted m2" in inc.summary

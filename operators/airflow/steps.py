@@ -68,12 +68,37 @@ def choose(decision: dict[str, Any]) -> str:
 
 
 def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
-    """The rung ``name`` (a task id of :data:`BRANCHES`): its action, then at once, in the same task, the
-    restart it calls for (see :func:`restart`): no task hop and no round of reads between the decision
-    and the job starting again."""
+    """The rung ``name`` (a task id of :data:`BRANCHES`): its action; then the explicit machine faults that
+    joined the incident meanwhile (:func:`act_on_joined`); then at once, in the same task, the restart it
+    calls for (see :func:`restart`): no task hop and no round of reads between the decision and the job
+    starting again. A rung that fails returns its error (the incident's close escalates from there)."""
     c = controller()
-    result = HANDLERS[name](c, decision)
+    try:
+        result = HANDLERS[name](c, decision)
+    except TrainguardError as exc:
+        return {"error": f"{name} failed: {exc}"[:900], "no_restart": True}
+    result = act_on_joined(c, decision, result)
     return restart(c, decision["incident"], result)
+
+
+def act_on_joined(c: Controller, decision: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """Alerts that joined the incident after its triage (a second GPU lost 0.2 s after the first, a lost GPU
+    during a hang's analysis): an explicit machine fault on a machine still in the job is evicted now, in the
+    same restart, before the incident closes."""
+    if result.get("waiting_human") or result.get("dry_run"):
+        return result
+    extra = c.unhandled_faults(decision["incident"])
+    if not extra:
+        return result
+    if result.get("no_restart"):  # the rung left the job running (a vote that found nothing): it stops now
+        c.stop(decision["job"])
+    ev = c.evict(decision["incident"], sorted(extra), reason="explicit machine fault that joined the incident: "
+                 + "; ".join(f"{m}: {k}" for m, k in extra.items()))
+    out = {k: v for k, v in result.items() if k not in ("no_restart", "resolved")}
+    out["joined"] = {"faults": extra, **ev}
+    if ev.get("waiting_human"):
+        out.update(waiting_human=True, reason=ev["reason"])
+    return out
 
 
 def evict_now(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
@@ -220,8 +245,7 @@ def _follow(c: Controller, incident: int, d: ladder.Decision, evidence: dict[str
         return {**c.rollback(incident, rollback_to), **evidence}
     if d.action in ("reattempt", "replay"):
         return {"swaps": {}, "reattempt": True, "note": d.reason, **evidence}
-    c.fleet.update_incident(incident, state="waiting_human", summary=d.reason)
-    return {"waiting_human": True, "reason": d.reason, **evidence}
+    return {**c.wait_for_human(incident, d.reason), **evidence}
 
 
 def _leaves_it_alone(result: dict[str, Any]) -> bool:
@@ -253,39 +277,108 @@ def recover(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str,
 
 
 def resumed(incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None:
-    """For the sensor: the resume info once training passed the restored step, else None."""
+    """For the sensor: the resume info once training passed the restored step; ``{"failed": why}`` once the
+    restart ended without a step or did not get there within ``resume_timeout_s``; ``{"pending": faults}``
+    when explicit machine faults joined the incident meanwhile; else None (poke again)."""
     if not recovery.get("restarted"):
         return {"skipped": True}
-    return controller().resumed(recovery["job"], recovery["restart_ts"])
+    c = controller()
+    pending = c.unhandled_faults(int(incident_id))
+    if pending:
+        return {"pending": pending}
+    try:
+        info = c.resumed(recovery["job"], recovery["restart_ts"])
+    except TrainguardError as exc:
+        return {"failed": str(exc)}
+    if info is None and time.time() - float(recovery["restart_ts"]) > c.cfg.resume_timeout_s:
+        return {"failed": f"training did not pass the restored step within {c.cfg.resume_timeout_s:.0f}s of the "
+                          f"restart"}
+    return info
+
+
+def _wait_resumed(c: Controller, incident_id: int, recovery: dict[str, Any], *, poll_s: float = 2.0
+                  ) -> dict[str, Any]:
+    """:func:`resumed`'s answer, polled until it is one (the follow-up restarts of :func:`escalate`)."""
+    while True:
+        info = resumed(incident_id, recovery)
+        if info is not None:
+            return info
+        time.sleep(poll_s)
+
+
+def escalate(c: Controller, incident_id: int, why: str) -> dict[str, Any]:
+    """A recovery that did not hold climbs on instead of leaving the job dead: before each new restart (at
+    most ``restart_attempts``) the controller removes what stands in the way (explicit faults that joined,
+    machines that failed, the last copies of a checkpoint still on evicted machines: :meth:`Controller.
+    before_retry`); when that runs out, the incident and the job wait for a human, with why and what next."""
+    tried: list[str] = []
+    for _attempt in range(c.cfg.restart_attempts):
+        step = c.before_retry(incident_id, why)
+        if step.get("give_up"):
+            why = step["give_up"]
+            break
+        tried.append(step["did"])
+        out = c.recover(incident_id)
+        if out.get("waiting_human"):
+            return c.timeline(incident_id)
+        recovery = {"restarted": True, **out}
+        info = _wait_resumed(c, incident_id, recovery)
+        if not info.get("failed") and not info.get("pending"):
+            return c.close(incident_id, outcome="resolved", resumed=info,
+                           steps_before=int(out.get("steps_before", -1)),
+                           note=f"resumed at step {info['first_step']} after {len(tried)} more restart(s): "
+                                f"{'; '.join(tried)}")
+        why = info.get("failed") or "explicit faults joined again: " + ", ".join(sorted(info["pending"]))
+    reason = (f"recovery did not hold: {why}"[:700] + (f"; tried: {'; '.join(tried)}"[:400] if tried else "")
+              + "; next: look at 'tg-node logs --job J' on its machines, fix what stands in the way, then resolve "
+                "the incident (or trigger tg_diagnose with evict)")
+    c.wait_for_human(incident_id, reason)
+    return c.timeline(incident_id)
 
 
 def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
           resume: dict[str, Any] | None) -> dict[str, Any]:
-    """Close the incident: resolved when training resumed (or nothing needed recovering), failed when a
-    recovery step failed or training did not come back in time; an incident waiting for a human stays so.
-    ``decision``: what ``no_recovery`` returned (its ``action``), None when a rung handled the incident."""
+    """Close the incident: resolved when training resumed (or nothing needed recovering and the job trains);
+    a restart that did not hold, a rung that failed or a job left down escalates (:func:`escalate`); an
+    incident waiting for a human stays so. ``decision``: what ``no_recovery`` returned (its ``action``), None
+    when a rung handled the incident."""
     c = controller()
-    inc = c.fleet.incident(int(incident_id))
+    incident_id = int(incident_id)
+    inc = c.fleet.incident(incident_id)
     if inc.state == "waiting_human":
-        return c.timeline(int(incident_id))
-    if recovery and recovery.get("restarted") and resume and not resume.get("skipped"):
-        return c.close(int(incident_id), outcome="resolved", resumed=resume,
+        return c.timeline(incident_id)
+    restarted = bool(recovery and recovery.get("restarted"))
+    if restarted and resume and not resume.get("skipped") and not resume.get("failed") and not resume.get("pending"):
+        return c.close(incident_id, outcome="resolved", resumed=resume,
                        steps_before=int(recovery.get("steps_before", -1)),
                        note=f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
                             f"after the first alert)")
+    if restarted:  # the restart did not hold, faults joined after it, or the resume check itself failed
+        why = (resume or {}).get("failed") or (
+            "explicit faults joined after the restart: " + ", ".join(sorted((resume or {})["pending"]))
+            if (resume or {}).get("pending") else "the resume check ended without an answer")
+        return escalate(c, incident_id, why)
     vote = (recovery or {}).get("vote") or {}
     if vote.get("superseded"):  # stronger alerts took the incident over: its new run closes it
-        return c.timeline(int(incident_id))
+        return c.timeline(incident_id)
+    if (recovery or {}).get("error"):  # the rung itself failed: the job may be stopped halfway
+        if c.trains(inc.job):
+            return c.close(incident_id, outcome="failed", note=f"{recovery['error']}; the job still trains; next: "
+                                                               f"look at the task's log, then trigger tg_diagnose")
+        return escalate(c, incident_id, recovery["error"])
     if vote and not vote.get("machines"):
-        return c.close(int(incident_id), outcome="resolved",
+        return c.close(incident_id, outcome="resolved",
                        note=f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing "
                             f"slowdown, nothing evicted")
     if decision and decision.get("action") in ("tolerate", "observe"):
-        return c.close(int(incident_id), outcome="resolved", note=f"no recovery needed ({decision['action']})")
+        return c.close(incident_id, outcome="resolved", note=f"no recovery needed ({decision['action']})")
     if recovery and recovery.get("resolved"):  # a rung that needed no restart (an agent restarted ...)
-        return c.close(int(incident_id), outcome="resolved", note=str(recovery["resolved"]))
-    return c.close(int(incident_id), outcome="failed",
-                   note="recovery did not complete (a step failed or training did not resume); see the run's logs")
+        return c.close(incident_id, outcome="resolved", note=str(recovery["resolved"]))
+    if c.trains(inc.job):
+        return c.close(incident_id, outcome="failed",
+                       note="the incident's run ended without a recovery while the job trains on; next: look at "
+                            "its tasks' logs")
+    return escalate(c, incident_id, "the incident's run ended without a recovery and the job does not train")
 
 
 def rearm(recovery: dict[str, Any] | None) -> dict[str, Any]:
@@ -339,7 +432,7 @@ def _note(text: str) -> None:
 def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
     c = controller()
     if decision["action"] == "wait_human":
-        c.fleet.update_incident(decision["incident"], state="waiting_human", summary=decision["reason"])
+        c.wait_for_human(decision["incident"], decision["reason"])
     return {"action": decision["action"], "reason": decision["reason"]}
 
 
