@@ -234,7 +234,8 @@ def replicated_copies(topo: Topology, machines: Sequence[str], steps: Sequence[i
 
 
 def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topology: Topology | None = None,
-                     train_args: Sequence[str] = ("--checkpoint",), **settings: Any) -> tuple[Controller, FakeFleet]:
+                     train_args: Sequence[str] = ("--checkpoint",), revision: str = "",
+                     **settings: Any) -> tuple[Controller, FakeFleet]:
     """A controller over ``machines`` scripted machines (the first ``active`` run job ``j``, the rest are
     parked standbys), with its fleet database in ``tmp_path``."""
     topo = topology or Topology(tp=1, pp=2, dp=2)
@@ -249,7 +250,7 @@ def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topo
     c.sync_inventory()
     names = [f"m{i}" for i in range(active)]
     c.fleet.upsert_job("j", tp=topo.tp, pp=topo.pp, dp=topo.dp, ranks_per_machine=topo.ranks_per_machine,
-                       machines=names, train_args=list(train_args))
+                       machines=names, train_args=list(train_args), revision=revision)
     fleet.launch(names)
     fleet.parked = {f"m{i}" for i in range(machines)}
     return c, fleet

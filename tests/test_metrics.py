@@ -11,24 +11,17 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from node_tools.inventory import Inventory, Machine
 from operators import metrics
 from operators.airflow.standalone import free_port
-from operators.control import ControlConfig, Controller
-from operators.fleet import states
+from operators.control import Controller
 from tests.conftest import wait_until
 
 
 def _fleet(tmp_path: Path) -> Controller:
-    inv = Inventory(cluster="t", transport="local", machines=[
-        Machine(name=f"m{i}", address="127.0.0.1", role="active" if i < 4 else "standby") for i in range(6)])
-    inv.save(tmp_path / "inventory.json")
-    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(inv.path)), inventory=inv)
-    c.sync_inventory()
-    c.fleet.upsert_job("j", tp=1, pp=2, dp=2, ranks_per_machine=1, machines=["m0", "m1", "m2", "m3"], revision="r0")
-    for n in ("m0", "m1", "m2", "m3"):
-        c.fleet.transition(n, states.ACTIVE, reason="job j")
-    return c
+    """Job j (TP=1 PP=2 DP=2, revision r0) on m0..m3, standbys m4 and m5 (scripted machines: tests/fakes.py)."""
+    from tests.fakes import fleet_controller
+
+    return fleet_controller(tmp_path, train_args=(), revision="r0")[0]
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
