@@ -634,8 +634,10 @@ class Controller:
         of L1 in the same process, so with both asked only L2 runs (one round of sessions and one import
         of torch per machine less; the report has no ``L1`` then), and with L3 asked too, L2 and L3 run in
         one test process per machine (:meth:`_l2_l3`). NaN adds the alignment test, run in L3's test process
-        after its collective (alone when L3 does not run): a machine whose digest differs from the
-        majority fails."""
+        after its collective (alone when L3 does not run): a machine whose digest differs from a strict
+        majority fails (a tie is broken by self-checked standbys). Robust to load
+        (:mod:`operators.policy.diagnosis`): at most ``diag_concurrency`` machines at once, measurements
+        judged against the peers of the same round, and a failed L1 or L2 repeated alone before it counts."""
         names = list(machine_names or self.fleet.job(job).machine_list)
         failed: dict[str, str] = {}
         report: dict[str, Any] = {}
@@ -653,17 +655,16 @@ class Controller:
                 results = self._l3(alive, align=align)
                 if align and results:
                     aligned = results
+                docs = {n: r.answer() for n, r in results.items()}
+                bad = {n: (doc or {}).get("reasons") or [results[n].describe()] for n, doc in docs.items()
+                       if not (doc and doc.get("healthy"))}
+                report["L3"] = {}
             else:
-                results = self._run(self.machines(alive), lambda m, lv=level: [
-                    self.inventory.tg_node, "diag", "--level", str(lv)], timeout=self.cfg.diag_timeout_s)
-            report[f"L{level}"] = {}
-            for n, r in results.items():
-                doc = r.answer()
-                healthy = bool(doc and doc.get("healthy"))
-                report[f"L{level}"][n] = {"healthy": healthy, "reasons": (doc or {}).get("reasons") or
-                                          [r.describe()]}
-                if not healthy:
-                    failed[n] = f"L{level}: " + "; ".join((doc or {}).get("reasons") or [r.describe()])[:300]
+                docs, bad, report[f"L{level}"] = self._judged(alive, level)
+            for n in docs:
+                report[f"L{level}"].setdefault(n, {"healthy": n not in bad, "reasons": bad.get(n, [])})
+                if n in bad:
+                    failed[n] = f"L{level}: " + "; ".join(bad[n])[:300]
         if align:
             alive = [n for n in names if n not in failed]
             if aligned is None:
@@ -683,38 +684,97 @@ class Controller:
         return {"job": job, "machines": names, "failed": failed, "report": report,
                 "seconds": round(time.time() - t0, 3)}
 
+    def _waves(self, machines: Sequence[Machine], argv_for: Any, *, timeout: float) -> dict[str, RunResult]:
+        """Run on ``machines`` at most ``diag_concurrency`` at a time."""
+        out: dict[str, RunResult] = {}
+        size = max(1, self.cfg.diag_concurrency)
+        for i in range(0, len(machines), size):
+            out.update(self._run(machines[i:i + size], argv_for, timeout=timeout))
+        return out
+
+    def _l2_bad(self, docs: Mapping[str, Any], results: Mapping[str, RunResult]) -> tuple[dict[str, list[str]],
+                                                                                         dict[str, str]]:
+        """The L1/L2 failures of one round (machine -> reasons, the collective left out) after the peers'
+        judgement, and the machines it forgave (machine -> why)."""
+        from operators.policy.diagnosis import forgiven_by_peers
+
+        bad: dict[str, list[str]] = {}
+        for n, doc in docs.items():
+            tests = (doc or {}).get("tests") or []
+            reasons = [f"{t['name']}: {t['reason']}" for t in tests
+                       if t["name"] != "collective_neighbours" and not t["ok"]]
+            if doc is None or (reasons if tests else not doc.get("healthy")):
+                bad[n] = reasons or (doc or {}).get("reasons") or [results[n].describe()]
+        forgiven = forgiven_by_peers({n: d for n, d in docs.items() if d})
+        return {n: r for n, r in bad.items() if n not in forgiven}, forgiven
+
+    def _judged(self, names: Sequence[str], level: int, *, first: Mapping[str, Any] | None = None
+                ) -> tuple[dict[str, Any], dict[str, list[str]], dict[str, Any]]:
+        """L1 or L2 on ``names`` (in waves), judged with their peers, a failed machine run again alone: the
+        documents, the machines that failed twice (machine -> reasons) and the report. ``first``: the
+        documents of a round these machines already failed once (they run once more, alone, and are judged
+        with that round's peers)."""
+        argv = [self.inventory.tg_node, "diag", "--level", str(level)]
+        if first is not None:
+            results = {n: r for n in names for n, r in self._run(self.machines([n]), lambda m: argv,
+                                                                  timeout=self.cfg.diag_timeout_s).items()}
+        else:
+            results = self._waves(self.machines(names), lambda m: argv, timeout=self.cfg.diag_timeout_s)
+        docs = {n: r.answer() for n, r in results.items()}
+        bad, forgiven = self._l2_bad({**(first or {}), **docs}, results)
+        bad = {n: r for n, r in bad.items() if n in docs}
+        report: dict[str, Any] = {n: {"healthy": True, "reasons": [], "forgiven": why} for n, why in forgiven.items()
+                                  if n in docs}
+        if first is not None:
+            for n in names:
+                report[n] = {"healthy": n not in bad, "reasons": bad.get(n, []), "again": True,
+                             **({"forgiven": forgiven[n]} if n in forgiven else {})}
+            return docs, bad, report
+        if bad:  # one failed reading does not evict: each is run again, alone
+            _again, bad, again = self._judged(sorted(bad), level, first=docs)
+            report.update(again)
+        return docs, bad, report
+
     def _l2_l3(self, names: Sequence[str], *, align: bool, failed: dict[str, str],
                report: dict[str, Any]) -> dict[str, RunResult] | None:
         """L2 and then L3 (and the alignment test) in one round of sessions and one test process per
-        machine: every machine of a pair runs its L2 tests, then they meet at the collective. A machine
-        failing L2 fails; a failed collective counts against a machine whose partners passed L2, and one
-        whose partner failed L2 is tested again with a healthy peer (L3 alone). Fills ``failed`` and
-        ``report`` (``L2``, ``L3``); returns the runs when they carry the alignment digests."""
+        machine: every machine of a pair runs its L2 tests, then they meet at the collective. L2 is judged
+        with the peers of the round and a failure run again alone (:meth:`_judged`); a machine failing L2
+        twice fails; a failed collective counts against a machine whose partners passed L2 the first time,
+        and one whose partner failed L2 (or that passed L2 only the second time) is tested again with a
+        healthy peer (L3 alone). Fills ``failed`` and ``report`` (``L2``, ``L3``); returns the runs when they
+        carry the alignment digests."""
         results = self._l3(names, align=align, level=2)
+        docs = {n: r.answer() for n, r in results.items()}
+        first_bad, forgiven = self._l2_bad(docs, results)
+        report["L2"] = {n: {"healthy": True, "reasons": [], "forgiven": why} for n, why in forgiven.items()}
+        report["L3"] = {}
+        l2_failed: dict[str, list[str]] = {}
+        if first_bad:  # the combined run was the first reading: each failure runs once more, alone
+            _docs, l2_failed, again = self._judged(sorted(first_bad), 2, first=docs)
+            report["L2"].update(again)
+        for n, reasons in l2_failed.items():
+            report["L2"][n] = {**report["L2"].get(n, {}), "healthy": False, "reasons": reasons}
+            failed[n] = "L2: " + "; ".join(reasons)[:300]
         group_of = {n: g for g in neighbour_groups(names) for n in g}
-        report["L2"], report["L3"] = {}, {}
         l3_failed: dict[str, str] = {}
-        for n, r in results.items():
-            doc = r.answer()
-            tests = (doc or {}).get("tests") or []
-            bad = [f"{t['name']}: {t['reason']}" for t in tests if t["name"] != "collective_neighbours" and not t["ok"]]
-            if doc is None or bad:
-                reasons = bad or [r.describe()]
-                report["L2"][n] = {"healthy": False, "reasons": reasons}
-                failed[n] = "L2: " + "; ".join(reasons)[:300]
+        for n in names:
+            report["L2"].setdefault(n, {"healthy": n not in l2_failed, "reasons": []})
+            if n in first_bad:
                 continue
-            report["L2"][n] = {"healthy": True, "reasons": []}
-            coll = next((t for t in tests if t["name"] == "collective_neighbours"), None)
+            coll = next((t for t in (docs.get(n) or {}).get("tests") or [] if t["name"] == "collective_neighbours"),
+                        None)
             ok = bool(coll and coll["ok"])
             report["L3"][n] = {"healthy": ok, "reasons": [] if ok else [
                 f"collective_neighbours: {coll['reason']}" if coll else "collective_neighbours: did not run"]}
             if not ok:
                 l3_failed[n] = report["L3"][n]["reasons"][0]
-        unsure = [n for n in l3_failed if any(p in failed for p in group_of[n] if p != n)]
+        unsure = [n for n in l3_failed if any(p in first_bad for p in group_of[n] if p != n)]
+        unsure += [n for n in first_bad if n not in l2_failed]  # passed L2 the second time: L3 not yet seen
         for n, why in l3_failed.items():
             if n not in unsure:
                 failed[n] = f"L3: {why}"[:300]
-        if unsure:  # their partner failed L2: the collective said nothing of them
+        if unsure:  # their partner failed L2 (or they did, once): the collective said nothing of them
             peers = [n for n, v in report["L3"].items() if v["healthy"]][: 1 if len(unsure) == 1 else 0]
             for n, r in self._l3(unsure + peers).items():
                 if n not in unsure:
@@ -754,7 +814,15 @@ class Controller:
                            "--timeout-s", "60", *(["--align"] if align else [])]
         if len(names) < 2:
             return {}
-        return self._run(self.machines(names), lambda m: argv[m.name], timeout=self.cfg.diag_timeout_s)
+        out: dict[str, RunResult] = {}
+        size = max(2, self.cfg.diag_concurrency)
+        wave: list[str] = []
+        for group in [*groups, []]:  # whole groups only: a pair meets at its collective
+            if wave and (not group or len(wave) + len(group) > size):
+                out.update(self._run(self.machines(wave), lambda m: argv[m.name], timeout=self.cfg.diag_timeout_s))
+                wave = []
+            wave += group
+        return out
 
     # ---- dual-phase replay --------------------------------------------------------------------------
     def replay_plan(self, job: str, *, k: int = 1) -> dict[str, Any]:

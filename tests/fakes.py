@@ -29,7 +29,9 @@ class FakeFleet(Transport):
         start_fails: machine -> the error its ``job start`` answers with.
         parked: machines with warm interpreters parked.
         l1, l2: machine -> reasons it fails that level (absent: healthy).
-        gbps: machine -> the memory bandwidth its L2 measures (GB/s); the floor is ``floor_gbps``.
+        gbps: machine -> the memory bandwidth its L2 measures (GB/s), or the readings of its next runs in
+            order (the last one repeats); the floor is ``floor_gbps``.
+        l2_once: machine -> a reason its next L2 fails for (once: a transient failure).
         digests: machine -> its alignment digest (default "d0").
         copies: machine -> checkpoint copies held there: ``(tier, step, rank)`` each.
         log_verdict: the logs' class after a stop (none, user_code, infrastructure, unknown), or per machine
@@ -51,7 +53,8 @@ class FakeFleet(Transport):
         self.parked: set[str] = set()
         self.l1: dict[str, str] = {}
         self.l2: dict[str, str] = {}
-        self.gbps: dict[str, float] = {}
+        self.gbps: dict[str, float | list[float]] = {}
+        self.l2_once: dict[str, str] = {}
         self.floor_gbps = 0.5
         self.digests: dict[str, str] = {}
         self.copies: dict[str, list[tuple[str, int, int]]] = {}
@@ -185,7 +188,10 @@ class FakeFleet(Transport):
             tests.append({"name": "quick", "ok": name not in self.l1, "reason": self.l1.get(name, "")})
         if level == 2:
             gbps = self.gbps.get(name, 5.0)
-            tests.append({"name": "compute", "ok": name not in self.l2, "reason": self.l2.get(name, "")})
+            if isinstance(gbps, list):
+                gbps = gbps.pop(0) if len(gbps) > 1 else gbps[0]
+            wrong = self.l2.get(name) or self.l2_once.pop(name, "")
+            tests.append({"name": "compute", "ok": not wrong, "reason": wrong})
             tests.append({"name": "memory", "ok": gbps >= self.floor_gbps, "details": {"gbps": gbps},
                           "reason": "" if gbps >= self.floor_gbps else
                           f"cpu: copy bandwidth {gbps:.3g} GB/s is below the floor of {self.floor_gbps:g} GB/s"})

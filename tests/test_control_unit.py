@@ -212,8 +212,10 @@ def test_l2_and_l3_in_one_round_blame_l2_failures_and_retest_the_partners_they_l
         return {n: _diag_run(n, level=3) for n in names}
 
     monkeypatch.setattr(ctl, "_l3", fake_l3)
+    ctl.transport.l2["m1"] = "3 wrong results"  # and again when its L2 is repeated alone
     out = ctl.diagnose("j", align=True)
     assert calls == [(["m0", "m1", "m2", "m3"], True, 2), (["m0", "m2"], False, 3)]
+    assert ctl.transport.sent("diag") == ["m1"]  # the repeat, alone
     assert set(out["failed"]) == {"m1", "m3"}
     assert out["failed"]["m1"].startswith("L2: compute: 3 wrong results")
     assert out["failed"]["m3"].startswith("align: digest d1 differs")
