@@ -15,6 +15,7 @@ Commands::
     trainguard revision add --job J --revision R [--reason TEXT] | list --job J
     trainguard metrics [--port 9464 --addr 127.0.0.1]   (Prometheus; without --port: print one scrape)
     trainguard ettr --job J [--window-s 3600]   (the control plane's fleet database: $TG_FLEET_URL, $TG_INVENTORY)
+    trainguard status [--airflow-url URL]       trainguard's own health and its jobs, one screen (exit 1: look)
 
 Exit codes: 0 success, 1 the job or check failed, 2 bad input or missing
 prerequisite (a one-line message says what to do), 3 refused, 130 interrupted.
@@ -113,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--port", type=int, default=0, help="serve on this port until interrupted; 0: print once")
     mp.add_argument("--addr", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
 
+    sp = sub.add_parser("status", help="trainguard's own health (guardian, airflow, agents) and its jobs and "
+                                       "incidents, in one screen; exit 1 when something needs a human")
+    sp.add_argument("--airflow-url", default="",
+                    help="the api-server (default $TG_AIRFLOW_URL, else the demo's kept Airflow if it runs)")
     ep = sub.add_parser("ettr", help="a job's effective training time ratio and its losses by failure cause")
     ep.add_argument("--job", required=True)
     ep.add_argument("--window-s", type=float, default=3600.0, help="the sliding window (default 3600)")
@@ -244,6 +249,30 @@ def cmd_ettr(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import os
+
+    from operators import status
+    from operators.airflow.alerts import silent_from_env
+    from operators.control import ControlConfig
+    from operators.fleet import FleetStore
+
+    fleet = FleetStore(ControlConfig.from_env().fleet_url)
+    url = args.airflow_url or os.environ.get("TG_AIRFLOW_URL", "")
+    if not url:
+        from node_tools.cluster import default_state_dir
+        from operators.airflow.standalone import Standalone
+
+        url = Standalone.kept_url(Path(args.state_dir or default_state_dir()).parent / "control" / "airflow") or ""
+    try:
+        silent = silent_from_env()
+    except ValueError as exc:
+        raise TrainguardError(str(exc), exit_code=2) from None
+    doc = status.collect(fleet, silent_s=silent or 15.0, airflow_url=url)
+    _print(args, doc, status.render(doc))
+    return EXIT_OK if doc["healthy"] else 1
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
     import time
 
@@ -316,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_revision(args)
         if args.command == "metrics":
             return cmd_metrics(args)
+        if args.command == "status":
+            return cmd_status(args)
     except TrainguardError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -22,6 +22,14 @@ Metrics (``job``, ``category``, ``outcome``, ``phase``, ``state`` labels):
   ``trainguard_checkpoint_verified_age_seconds``: how old the newest verified step is (since its
   commit); ``trainguard_checkpoint_verifications_total``: verdicts by ``result`` (verified, corrupt,
   pending).
+* ``trainguard_component_last_seen_timestamp_seconds``: when a part of trainguard's own control plane last
+  said it is alive (``component`` "guardian": its last poll of the bus; alert when it stops advancing);
+* ``trainguard_agent_heartbeat_age_seconds``: for each machine serving a running job, how long ago the
+  guardian saw its agent's heartbeat change;
+* ``trainguard_human_needed``: 1 for each job with an incident waiting for a human (its reason is in
+  ``trainguard status`` and the incident's run note); ``trainguard_job_state``: 1 for each job's state;
+* ``trainguard_alerts_quarantined``: bus documents never acted on (unknown machine or job, oversized,
+  not an alert).
 
 Agents write metrics of their own on every machine (:mod:`node_tools.agent`: a node_exporter textfile).
 """
@@ -81,6 +89,7 @@ class FleetCollector(Collector):
         yield from (incidents, phases, evictions, revisions)
         yield from self._ettr(jobs, actions)
         yield from self._checkpoints(jobs)
+        yield from self._liveness(jobs)
 
         machines = GaugeMetricFamily("trainguard_machines", "Machines by state", labels=["state"])
         by_state: dict[str, int] = dict.fromkeys(states.STATES, 0)
@@ -98,6 +107,32 @@ class FleetCollector(Collector):
                                 "Standbys the pool keeps: P99 of Binomial(machines serving, daily failure rate)",
                                 value=target)
 
+
+    def _liveness(self, jobs: Any) -> Iterator[Any]:
+        now = self.clock()
+        seen = GaugeMetricFamily("trainguard_component_last_seen_timestamp_seconds",
+                                 "When a part of trainguard's control plane last said it is alive (guardian: its poll)",
+                                 labels=["component"])
+        for name, c in sorted(self.fleet.components().items()):
+            seen.add_metric([name], c.seen_ts)
+        ages = GaugeMetricFamily("trainguard_agent_heartbeat_age_seconds",
+                                 "Seconds since the guardian saw the heartbeat of the agent change (running jobs)",
+                                 labels=["machine", "job"])
+        running = {j.name for j in jobs if j.state == "running"}
+        liveness = self.fleet.liveness()
+        for m in self.fleet.machines(state=states.ACTIVE):
+            if m.job in running and m.name in liveness:
+                ages.add_metric([m.name, m.job], max(0.0, now - liveness[m.name].changed_ts))
+        human = GaugeMetricFamily("trainguard_human_needed", "1 when an incident of the job waits for a human",
+                                  labels=["job"])
+        state = GaugeMetricFamily("trainguard_job_state", "The job's state in the fleet database (1)",
+                                  labels=["job", "state"])
+        for j in jobs:
+            human.add_metric([j.name], float(any(i.state == "waiting_human" for i in self.fleet.incidents(j.name))))
+            state.add_metric([j.name, j.state], 1.0)
+        quarantined = CounterMetricFamily("trainguard_alerts_quarantined", "Bus documents never acted on")
+        quarantined.add_metric([], len(self.fleet.quarantined()))
+        yield from (seen, ages, human, state, quarantined)
 
     def _ettr(self, jobs: Any, actions: Any) -> Iterator[Any]:
         ratio = GaugeMetricFamily("trainguard_ettr_ratio", "Effective training time ratio (newest tg_ettr report)",

@@ -102,3 +102,54 @@ def test_the_command_serves_a_scrape_over_http_and_refuses_a_bad_port(tmp_path: 
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_status_and_metrics_say_when_the_guardian_is_silent_an_agent_is_silent_or_a_human_is_needed(
+        tmp_path: Path, monkeypatch):
+    from operators import status
+
+    c = _fleet(tmp_path)
+    now = time.time()
+    doc = status.collect(c.fleet, silent_s=15.0, now=now)
+    assert not doc["healthy"] and any("never polled" in p for p in doc["problems"])
+    c.fleet.beat("guardian", {"watched": 4})
+    c.fleet.ingest({}, escalation_window_s=0.0, liveness={
+        "m0": {"token": "a", "changed_ts": now - 1.0, "reported_ts": None},
+        "m1": {"token": "b", "changed_ts": now - 1.0, "reported_ts": None},
+        "m2": {"token": "c", "changed_ts": now - 40.0, "reported_ts": now - 25.0},
+        "m3": {"token": "d", "changed_ts": now - 2.0, "reported_ts": None}})
+    doc = status.collect(c.fleet, silent_s=15.0, now=now + 1)
+    assert doc["guardian"]["last_poll_age_s"] < 10 and doc["agents"]["m2"]["silent"]
+    assert [p for p in doc["problems"] if "silent" in p] == ["agent of m2 (j) silent for 41s"]
+    samples = _samples(metrics.exposition(c.fleet))
+    assert samples[("trainguard_agent_heartbeat_age_seconds", (("job", "j"), ("machine", "m2")))] >= 39
+    assert abs(samples[("trainguard_component_last_seen_timestamp_seconds", (("component", "guardian"),))] - now) < 10
+    assert samples[("trainguard_human_needed", (("job", "j"),))] == 0
+    [inc] = c.ingest([{"id": "b1", "job": "j", "machine": "m1", "rank": 1, "kind": "rank_exit", "severity": "fault",
+                       "ts": now - 5, "evidence": {}}])
+    c.wait_for_human(inc["incident"], "the restart failed 3 times: no step can be restored; next: bring m1 back")
+    doc = status.collect(c.fleet, silent_s=15.0, now=now + 1)
+    assert any(p.startswith(f"HUMAN NEEDED: incident {inc['incident']} of job j: the restart failed")
+               for p in doc["problems"])
+    text = status.render(doc)
+    assert "!! HUMAN NEEDED" in text and "guardian   polled" in text
+    samples = _samples(metrics.exposition(c.fleet))
+    assert samples[("trainguard_human_needed", (("job", "j"),))] == 1
+    assert samples[("trainguard_job_state", (("job", "j"), ("state", "waiting_human")))] == 1
+
+
+def test_the_status_command_exits_1_when_something_needs_a_human(tmp_path: Path, monkeypatch, capsys):
+    import json
+
+    from operators.cli import main
+
+    c = _fleet(tmp_path)
+    monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
+    monkeypatch.setenv("TG_AIRFLOW_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    assert main(["--state-dir", str(tmp_path / "nocluster"), "status"]) == 1
+    out = capsys.readouterr().out
+    assert "!! the guardian has never polled the bus" in out and "airflow does not answer" in out
+    assert main(["--json", "--state-dir", str(tmp_path / "nocluster"), "status"]) == 1
+    assert json.loads(capsys.readouterr().out)["healthy"] is False
+    monkeypatch.setenv("TG_AGENT_SILENT_S", "2")
+    assert main(["status"]) == 2 and "TG_AGENT_SILENT_S=2" in capsys.readouterr().err

@@ -100,6 +100,7 @@ class Standalone:
                                      start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT,
                                                                                              signal.SIG_DFL))
         (self.home / "standalone.pid").write_text(str(self.proc.pid))  # its process group, for a later stop
+        (self.home / "standalone.url").write_text(self.url)  # where ``trainguard status`` finds it
 
     def ready(self, timeout: float = 240) -> None:
         """Wait until the api-server answers and trainguard's DAGs are parsed; then provision the
@@ -259,6 +260,16 @@ class Standalone:
         self.proc.wait(timeout=10)
         self.proc = None
         (self.home / "standalone.pid").unlink(missing_ok=True)
+
+    @staticmethod
+    def kept_url(home: Path) -> str | None:
+        """The URL of the standalone running in ``home`` (a demo's, kept with ``--keep``), or None."""
+        try:
+            pid = int((home / "standalone.pid").read_text())
+            os.killpg(pid, 0)
+            return (home / "standalone.url").read_text().strip() or None
+        except (OSError, ValueError):
+            return None
 
     @staticmethod
     def stop_kept(home: Path) -> bool:

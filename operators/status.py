@@ -1,0 +1,126 @@
+"""``trainguard status``: trainguard's own health and its jobs' in one screen.
+
+What it reads, and what it calls unhealthy (exit 1; 0 when all is well, 2 when it cannot read):
+
+* **guardian**: when it last polled the bus (its trigger records that every few seconds in the fleet
+  database): older than ``STALE_S`` means nothing is watching the alerts;
+* **airflow**: the api-server's ``/api/v2/monitor/health`` (metadatabase, scheduler, triggerer, dag
+  processor), when an Airflow URL is known;
+* **agents**: for every machine serving a running job, how long ago the guardian saw its heartbeat change
+  (silent past ``TG_AGENT_SILENT_S``: the guardian raises an incident of its own);
+* **jobs**: each job's state in the fleet database, its machines and revision;
+* **incidents**: open ones, and those waiting for a human with their reason and next step (a human needed);
+* **bus**: documents quarantined in the last hour (unknown machines, oversized, not alerts).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from operators.fleet import FleetStore
+from operators.fleet.store import OPEN_INCIDENT_STATES
+
+STALE_S = 30.0
+
+
+def airflow_health(url: str, *, timeout: float = 5.0) -> dict[str, Any]:
+    """The api-server's health document, or ``{"error": ...}`` when it does not answer."""
+    from operators.airflow import rest
+
+    try:
+        doc = rest.call(url.rstrip("/") + "/api/v2/monitor/health", timeout=timeout)
+    except Exception as exc:  # refused, a timeout, an HTTP error: one line
+        return {"error": f"{url}: {type(exc).__name__}: {str(exc)[:200]}"}
+    return doc if isinstance(doc, dict) else {"error": f"{url}: not a health document"}
+
+
+def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: float | None = None
+            ) -> dict[str, Any]:
+    """The status document; ``problems`` lists every line that needs a human's attention."""
+    now = time.time() if now is None else now
+    problems: list[str] = []
+    guardian = fleet.components().get("guardian")
+    g_age = None if guardian is None else round(now - guardian.seen_ts, 1)
+    if g_age is None:
+        problems.append("the guardian has never polled the bus: is tg_guardian unpaused and the triggerer up?")
+    elif g_age > STALE_S:
+        problems.append(f"the guardian last polled the bus {g_age:.0f}s ago: nothing watches the alerts; check "
+                        f"the triggerer and tg_guardian's run")
+    airflow: dict[str, Any] = {}
+    if airflow_url:
+        airflow = airflow_health(airflow_url)
+        if "error" in airflow:
+            problems.append(f"airflow does not answer: {airflow['error']}")
+        for part in ("metadatabase", "scheduler", "triggerer", "dag_processor"):
+            st = (airflow.get(part) or {}).get("status")
+            if "error" not in airflow and st not in (None, "healthy"):
+                problems.append(f"airflow {part} is {st}")
+    jobs = fleet.jobs()
+    running = {j.name for j in jobs if j.state == "running"}
+    liveness = fleet.liveness()
+    agents: dict[str, Any] = {}
+    for m in fleet.machines(state="active"):
+        if m.job not in running:
+            continue
+        seen = liveness.get(m.name)
+        age = None if seen is None else round(now - seen.changed_ts, 1)
+        agents[m.name] = {"job": m.job, "heartbeat_age_s": age, "silent": bool(seen and seen.reported_ts)}
+        if age is None:
+            problems.append(f"agent of {m.name} ({m.job}): never seen by the guardian")
+        elif age > silent_s:
+            problems.append(f"agent of {m.name} ({m.job}) silent for {age:.0f}s")
+    incidents = []
+    for j in jobs:
+        for inc in fleet.incidents(j.name):
+            if inc.state in OPEN_INCIDENT_STATES:
+                incidents.append({"incident": inc.id, "job": j.name, "state": inc.state, "category": inc.category,
+                                  "level": inc.level, "summary": inc.summary,
+                                  "open_s": round(now - inc.opened_ts, 1)})
+                if inc.state == "waiting_human":
+                    problems.append(f"HUMAN NEEDED: incident {inc.id} of job {j.name}: {inc.summary}")
+    for j in jobs:
+        if j.state not in ("running", "stopped") and not any(i["job"] == j.name for i in incidents):
+            problems.append(f"job {j.name} is {j.state} and no incident handles it")
+    quarantined = fleet.quarantined(since=now - 3600)
+    return {
+        "ts": now,
+        "guardian": {"last_poll_age_s": g_age, **(guardian.detail if guardian else {})},
+        "airflow": airflow,
+        "agents": agents,
+        "jobs": [{"job": j.name, "state": j.state, "machines": j.machine_list, "revision": j.revision}
+                 for j in jobs],
+        "incidents": incidents,
+        "quarantined_last_hour": {"count": len(quarantined),
+                                  "latest": quarantined[-1].reason if quarantined else None},
+        "problems": problems,
+        "healthy": not problems,
+    }
+
+
+def render(doc: dict[str, Any]) -> str:
+    """The status document as one screen of text."""
+    g = doc["guardian"]
+    age = g["last_poll_age_s"]
+    polled = "never polled" if age is None else f"polled {age:.1f}s ago"
+    watching = f", watching {g['watched']} machines" if "watched" in g else ""
+    lines = [f"guardian   {polled}{watching}"]
+    a = doc["airflow"]
+    if a:
+        parts = ("metadatabase", "scheduler", "triggerer", "dag_processor")
+        lines.append("airflow    " + (a["error"] if "error" in a else ", ".join(
+            f"{part} {(a.get(part) or {}).get('status', '?')}" for part in parts if part in a)))
+    beating = [f"{m} {v['heartbeat_age_s']}s" for m, v in sorted(doc["agents"].items())]
+    lines.append(f"agents     {len(doc['agents'])} serving running jobs" + (f": {', '.join(beating)}" if beating
+                                                                             else ""))
+    for j in doc["jobs"]:
+        lines.append(f"job        {j['job']} {j['state']} on {', '.join(j['machines'])} "
+                     f"(revision {j['revision'] or '-'})")
+    for i in doc["incidents"]:
+        lines.append(f"incident   {i['incident']} of {i['job']}: {i['state'].replace('_', ' ')} "
+                     f"({i['category'] or 'untriaged'}, open {i['open_s']:.0f}s): {i['summary'][:160]}")
+    q = doc["quarantined_last_hour"]
+    if q["count"]:
+        lines.append(f"bus        {q['count']} documents quarantined in the last hour (latest: {q['latest']})")
+    lines += [f"!! {p}" for p in doc["problems"]] or ["all well"]
+    return "\n".join(lines)
