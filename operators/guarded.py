@@ -95,9 +95,16 @@ class GuardedJob:
 
     def __init__(self, inv: Inventory, home: Path, *, job: str, topology: Topology = TOPOLOGY,
                  train_args: Sequence[str] = TRAIN_ARGS, settings: Mapping[str, str] | None = None,
-                 port: int | None = None) -> None:
+                 port: int | None = None, remote_tier: bool = True) -> None:
         self.inv, self.home, self.job, self.topology = inv, home, job, topology
         self.train_args = list(train_args)
+        # the third tier: a directory of this host stands for the shared storage every machine mounts (the
+        # machines are namespaces of this host); the control plane rescues copies into it before an eviction
+        # that would take their last copy
+        self.remote_url = f"file://{(home / 'remote-tier' / job).resolve()}" if remote_tier else ""
+        if self.remote_url and "--checkpoint" in self.train_args and not any(
+                a.startswith(("--checkpoint-remote", "--checkpoint-s3")) for a in self.train_args):
+            self.train_args += ["--checkpoint-remote", self.remote_url]
         self.transport = transport_for(inv)
         env = {"TG_FLEET_URL": str(home / "fleet.db"), "TG_INVENTORY": str(inv.path), "TG_CONTROL_HOME": str(home),
                **(settings or {})}

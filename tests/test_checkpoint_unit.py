@@ -388,6 +388,34 @@ def test_s3_tier_upload_verify_damage_and_restore(tmp_path: Path, s3_endpoint: s
     assert verify_copy(layout.copy_dir(tmp_path, "local", 1, 0)).ok
 
 
+def test_a_directory_tier_on_shared_storage_uploads_verifies_and_restores_like_s3(tmp_path: Path):
+    """The embedded default's remote tier: a directory every machine mounts (file://)."""
+    from checkpoint.s3 import DirTier, open_tier
+
+    url = f"file://{tmp_path / 'shared'}"
+    digests = saved_run(tmp_path / "disk", steps=4, s3_url=url, s3_every_steps=2)
+    tier = open_tier(url)
+    assert isinstance(tier, DirTier) and sorted(tier.list_copies()) == [(1, 0), (3, 0)]
+    assert verify_s3(url).ok
+    sha, size = tier.remote_checksums(3, 0, MODEL_FILE)
+    assert size == len(tier.get(3, 0, MODEL_FILE)) and len(sha) == 64
+    data = bytearray(tier.get(3, 0, MODEL_FILE) or b"")
+    data[len(data) // 2] ^= 1
+    tier.put(3, 0, MODEL_FILE, bytes(data))
+    report = verify_s3(url)
+    assert [(p.rank, p.step, p.tier, p.path) for p in report.problems] == [(0, 3, "s3", tier.copy_url(3, 0))]
+    for _s, _r, path in layout.list_copies(tmp_path / "disk", "local"):
+        layout.remove_copy(path)
+    model, opt = make_model()
+    result = checkpointer(tmp_path / "disk", model, opt, s3_url=url).restore()
+    assert result is not None and (result.step, result.tier, result.rounds) == (1, "s3", 2)
+    assert digest(model, opt) == digests[1]
+    tier.delete_copy(1, 0)
+    assert sorted(tier.list_copies()) == [(3, 0)]
+    with pytest.raises(CheckpointError, match="must look like s3://bucket/prefix or file:///shared/dir"):
+        CheckpointConfig(root=tmp_path, s3_url="file:relative/dir")
+
+
 def test_s3_is_asked_only_when_disks_cannot_give_the_newest_step(tmp_path: Path, s3_endpoint: str):
     url = _bucket(s3_endpoint, "ckpt-last-resort")
     digests = saved_run(tmp_path, steps=3, s3_url=url, s3_endpoint_url=s3_endpoint, s3_every_steps=1)
@@ -532,3 +560,29 @@ def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_p
     assert res.returncode == 0 and "ckpt_saved" not in read_steps(run, 0)[-1]
     res = _train(tmp_path / "empty", "--steps", "1", "--restore")
     assert res.returncode == 1 and res.stderr.strip().startswith("gpt3d: error: checkpoint: --restore was given")
+
+
+def test_a_rescue_puts_every_copy_of_a_step_held_here_into_the_remote_tier_once(tmp_path: Path):
+    """What the control plane runs on a machine it is about to evict when that machine holds the last copy."""
+    from checkpoint.s3 import open_tier
+    from node_tools import ckpt
+    from node_tools.config import NodeConfig
+    from node_tools.errors import TrainguardError
+
+    cfg = NodeConfig(machine="m7", workdir=tmp_path / "w", install_dir=tmp_path)
+    root = tmp_path / "w" / "jobs" / "j" / "checkpoints"
+    saved_run(root, steps=3)
+    url = f"file://{tmp_path / 'shared'}"
+    code, doc = ckpt.rescue(cfg, "j", 2, to_url=url)
+    assert code == 0 and [u["rank"] for u in doc["uploaded"]] == [0] and doc["bad"] == []
+    tier = open_tier(url)
+    assert sorted(tier.list_copies()) == [(2, 0)] and tier.get(2, 0, "manifest.json") == \
+        (layout.copy_dir(root, "local", 2, 0) / "manifest.json").read_bytes()
+    code, again = ckpt.rescue(cfg, "j", 2, to_url=url)
+    assert code == 0 and again["uploaded"] == [] and again["skipped"][0]["why"] == "already in the remote tier"
+    flip_byte(layout.copy_dir(root, "local", 1, 0) / MODEL_FILE)
+    code, bad = ckpt.rescue(cfg, "j", 1, to_url=url)
+    assert code == 1 and bad["uploaded"] == [] and "sha256 mismatch" in bad["bad"][0]["why"]
+    assert (1, 0) not in tier.list_copies()  # a damaged copy is never rescued
+    with pytest.raises(TrainguardError, match="has no copy of step 9 here"):
+        ckpt.rescue(cfg, "j", 9, to_url=url)
