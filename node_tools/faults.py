@@ -69,6 +69,8 @@ FAULT_KINDS: dict[str, FaultKind] = {
         FaultKind("user_error", "rank", "the job's own code raises an exception at the rank's next step; "
                   "the bug lives in one code revision (default: the one running), so a rollback cures it",
                   in_job=True, once=True, recurs=True, params=(("revision", ""),)),
+        FaultKind("clock", "rank", "the rank's clock is off by offset_s seconds: its heartbeats and step records "
+                  "are stamped that far off, until cleared", in_job=True, params=(("offset_s", -3600.0),)),
         FaultKind("sdc", "machine", "the machine computes wrong: its ranks' gradients and its diagnostic "
                   "compute get one flipped bit (silent data corruption), until cleared", in_job=True,
                   params=(("bit", 22),)),
@@ -241,6 +243,11 @@ class InJobFaults:
             print(f"trainguard fault: rank {self.rank} exits with code {code} at step {step}",
                   file=sys.stderr, flush=True)
             raise SystemExit(code)
+
+    def clock_offset(self) -> float:
+        """Seconds the rank's clock is off by (a ``clock`` fault), else 0."""
+        skew = self.active("clock")
+        return float(skew.get("offset_s", 0.0)) if skew else 0.0
 
     def before_collective(self, group: str, op: str) -> None:
         while True:

@@ -161,7 +161,12 @@ class JobMonitor:
         while not self._stop.wait(self.flush_interval_s):
             self.flush()
 
+    def _now(self) -> float:
+        """This rank's clock: the host's, or off by what a ``clock`` fault of the emulated cluster says."""
+        return time.time() + (self.faults.clock_offset() if self.faults is not None else 0.0)
+
     def snapshot(self) -> dict[str, Any]:
+        now = self._now()
         with self._lock:
             self._beats += 1
             return {
@@ -178,7 +183,7 @@ class JobMonitor:
                 "status": self._status,
                 "beat": self._beats,
                 "started_ts": self._started_ts,
-                "alive_ts": time.time(),
+                "alive_ts": now,
                 "progress_ts": self._progress_ts,
                 "step": self._step,
                 "collectives": {g: c.as_dict() for g, c in self._collectives.items()},
@@ -206,10 +211,11 @@ class JobMonitor:
             counter.last_op = op
         began = time.perf_counter()
         yield
+        now = self._now()
         with self._lock:
             counter.completed += 1
             self._comm_s += time.perf_counter() - began
-            self._progress_ts = time.time()
+            self._progress_ts = now
 
     def step_end(
         self,
@@ -222,7 +228,7 @@ class JobMonitor:
         **extra: Any,
     ) -> None:
         """Record one finished step (append a line, advance the heartbeat's progress)."""
-        now = time.time()
+        now = self._now()
         record = {
             "step": step,
             "ts": now,

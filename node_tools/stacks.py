@@ -119,14 +119,16 @@ def _identify(pid: int, by_pid: dict[int, dict[str, Any]]) -> dict[str, Any]:
     cmdline = _cmdline(pid)
     hb = by_pid.get(pid)
     if hb is not None:
-        return {"role": "rank", "rank": hb.get("rank"), "local_rank": hb.get("local_rank"), "cmdline": cmdline}
+        return {"role": "rank", "rank": hb.get("rank"), "local_rank": hb.get("local_rank"), "cmdline": cmdline,
+                "by": "heartbeat"}
     module = _python_module(cmdline)
     if module == "torch.distributed.run" or any(Path(part).name == "torchrun" for part in cmdline[:2]):
         return {"role": "agent", "rank": None, "local_rank": None, "cmdline": cmdline}
     env = procs.environ(pid)
     if env.get("RANK", "").isdigit() and env.get("LOCAL_RANK", "").isdigit():
-        # a worker that has not written its first heartbeat yet
-        return {"role": "rank", "rank": int(env["RANK"]), "local_rank": int(env["LOCAL_RANK"]), "cmdline": cmdline}
+        # a worker that has not written its first heartbeat yet (or the thin client of a warm one: see stacks())
+        return {"role": "rank", "rank": int(env["RANK"]), "local_rank": int(env["LOCAL_RANK"]), "cmdline": cmdline,
+                "by": "environment"}
     return {"role": "other", "rank": None, "local_rank": None, "cmdline": cmdline}
 
 
@@ -244,14 +246,19 @@ def stacks(cfg: NodeConfig, job: str, *, native: bool = False, timeout_s: float 
     with ThreadPoolExecutor(max_workers=min(len(pids), 64)) as pool:
         dumps = list(pool.map(lambda p: dump_process(py_spy, p, native=native, timeout_s=timeout_s), pids))
     processes = []
-    for dump in dumps:
-        who = _identify(dump["pid"], by_pid)
+    identified = [(dump, _identify(dump["pid"], by_pid)) for dump in dumps]
+    # a rank that runs on a warm interpreter has a thin client with its RANK in its environment too: the process
+    # its heartbeat names is the rank, the client only waits for it
+    beating = {who["rank"] for _d, who in identified if who.get("by") == "heartbeat"}
+    for dump, who in identified:
+        if who.get("by") == "environment" and who["rank"] in beating:
+            who = {**who, "role": "client"}
         processes.append({
             "pid": dump["pid"], "role": who["role"], "rank": who["rank"], "local_rank": who["local_rank"],
             "process_state": dump["process_state"], "cmdline": who["cmdline"], "mode": dump["mode"],
             "threads": dump["threads"], "error": dump["error"], "note": dump["note"],
         })
-    order = {"rank": 0, "agent": 1, "other": 2}
+    order = {"rank": 0, "agent": 1, "client": 2, "other": 3}
     processes.sort(key=lambda p: (order[p["role"]], p["rank"] if p["rank"] is not None else -1, p["pid"]))
     document = {
         "job": job,

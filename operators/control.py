@@ -435,8 +435,8 @@ class Controller:
                 out[n] = None
         return out
 
-    def protect_checkpoints(self, job: str, evict: Sequence[str], *, fresh: bool = False,
-                            force: bool = False) -> dict[str, Any]:
+    def protect_checkpoints(self, job: str, evict: Sequence[str], *, fresh: bool = False, force: bool = False,
+                            max_step: int | None = None) -> dict[str, Any]:
         """Before evicting ``evict``: every rank of the step the job will restore must keep a copy on a machine
         that stays or in the remote tier. If not, the missing copies are rescued from the evicted machines
         (reachable ones) into the remote tier first; failing that the restart falls back to the newest step
@@ -452,8 +452,12 @@ class Controller:
             self._copies.pop(job, None)
         names = [*j.machine_list, *(n for n in evict if n not in j.machine_list and n in self.inventory.names())]
         copies = self.copies(job, names)
+        if max_step is not None:  # the restart restores no newer step: only those count
+            copies = {n: None if c is None else [x for x in c if x[1] <= max_step] for n, c in copies.items()}
         url = self.remote_url(job)
         remote, remote_error = self.remote_copies(url) if url else (set(), "no remote tier")
+        if max_step is not None:
+            remote = {x for x in remote if x[0] <= max_step}
         safety = eviction_safety(copies, remote, evict=evict, world_size=world)
         out: dict[str, Any] = {"step": safety.step, "safe": safety.safe, "reason": safety.reason,
                                "unanswered": sorted(n for n, c in copies.items() if c is None)}
@@ -473,6 +477,7 @@ class Controller:
             out["rescued"] = {n: [u["rank"] for u in (r.answer() or {}).get("uploaded", [])] if r.ok else r.describe()
                               for n, r in done.items()}
             remote, remote_error = self.remote_copies(url)
+            remote = {x for x in remote if max_step is None or x[0] <= max_step}
             again = eviction_safety(copies, remote, evict=evict, world_size=world)
             if again.step == safety.step and again.safe and all(isinstance(v, list) and v
                                                                 for v in out["rescued"].values()):
@@ -1015,10 +1020,11 @@ class Controller:
         return ready
 
     def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str,
-              breaker: bool = True) -> dict[str, Any]:
+              breaker: bool = True, max_step: int | None = None) -> dict[str, Any]:
         """Replace ``machine_names`` in the incident's job with standbys (each checked reachable first),
         through the breaker (``breaker`` False: machines that failed to start, not a judgement of the ladder)
-        and the checkpoint check (no eviction takes the last copy of a step). Returns the swaps;
+        and the checkpoint check (no eviction takes the last copy of a step; ``max_step``: the restart will
+        restore no newer step). Returns the swaps;
         ``waiting_human`` when the breaker, a lack of standbys or the checkpoints stop it."""
         inc = self.fleet.incident(incident_id)
         job = self.fleet.job(inc.job)
@@ -1044,7 +1050,7 @@ class Controller:
                    f"machines to the pool (tg_standby_pool) or repair the standbys, then resolve the incident")
             self.fleet.finish_action(action.id, "skipped", why, evidence={"standbys": standbys})
             return self.wait_for_human(incident_id, why)
-        kept = self.protect_checkpoints(inc.job, wanted)
+        kept = self.protect_checkpoints(inc.job, wanted, max_step=max_step)
         if kept.get("refused"):
             self.fleet.finish_action(action.id, "skipped", kept["refused"], evidence={"checkpoint": kept})
             return {**self.wait_for_human(incident_id, kept["refused"]), "checkpoint": kept}

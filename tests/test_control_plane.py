@@ -8,11 +8,15 @@ which machines were evicted, which standbys joined, from which step training res
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import os
+import signal
 import time
 import urllib.parse
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -62,7 +66,8 @@ def control(cp_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
                                             "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "2",
                                             # the scenarios' own repairs keep the pool; no scheduled pool job
                                             "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
-                                            "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0"})
+                                            "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0",
+                                            "TG_AGENT_SILENT_S": "8"})
     (home / "airflow").mkdir()
     try:
         parked = parking.run_many(standbys, lambda m: [cp_cluster.tg_node, "standby", "park", "--nproc", "2"],
@@ -449,6 +454,103 @@ def test_a_gpu_that_computes_wrong_only_in_training_is_found_by_dual_phase_repla
     diverged = ctl.first_step_of(inc.id, ["sdc_suspect"])
     launch = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "launch")
     assert launch.evidence["restore_max_step"] == diverged - 1
+
+
+def _agent_pid(inv: Inventory, name: str) -> int:
+    """The pid of machine ``name``'s agent process (not its supervisor), as the kernel knows it."""
+    import json
+
+    from node_tools import agent
+    from node_tools.config import NodeConfig
+
+    cfg = NodeConfig.load(Path(inv.machine(name).extra["node_config"]))
+    doc = agent.processes(cfg)
+    assert doc["agent"]["state"] == "running", json.dumps(doc)
+    return int(doc["agent"]["pid"])
+
+
+def test_a_silent_agent_is_probed_and_restarted_while_the_job_trains_on(control, cp_cluster):
+    """The node agent of an active machine was stopped for 143 s: no alert, no incident, the machine stayed
+    active and 'cluster status' said it was fine."""
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    quiet = machines[1]
+    _quiet(ctl, airflow, cp_cluster)
+    last = _last_incident(ctl)
+    pid = _agent_pid(cp_cluster, quiet)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        seen = {m["name"]: m["agent_state"] for m in cluster.status(cp_cluster.path.parent)["machines"]}
+        assert seen[quiet] == "stopped" and all(v == "running" for n, v in seen.items() if n != quiet), seen
+        inc = wait_until(lambda: _incident_done(ctl, last), timeout=120, interval=1.0,
+                         what="the silent agent's incident to close")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    assert inc.category == "agent" and inc.state == "resolved", _why(ctl, airflow, inc.id)
+    assert _branch(airflow, inc.id) == "probe_machine"
+    [probe] = [a for a in ctl.fleet.actions(inc.id) if a.kind == "probe"]
+    assert probe.machines == [quiet] and "passed L1" in probe.evidence["restarted"]
+    assert _agent_pid(cp_cluster, quiet) != pid  # a fresh agent runs there now
+    assert ctl.fleet.job(JOB).machine_list == machines  # the job was left alone: no stop, no restart
+    assert not [a for a in ctl.fleet.actions(inc.id) if a.kind in ("launch", "evict")]
+
+
+def test_forged_and_oversized_alerts_and_a_clock_an_hour_ahead_neither_blind_the_guardian_nor_stop_the_job(
+        control, cp_cluster):
+    """One alert stamped an hour ahead blinded the guardian for an hour; an alert naming a machine outside the
+    inventory stopped and restarted the whole job; a 10 MB evidence field blinded it for 40 s."""
+    from node_tools.alerts import Alert
+    from node_tools.bus import open_bus
+
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    _quiet(ctl, airflow, cp_cluster)
+    last = _last_incident(ctl)
+    bus = open_bus(cp_cluster.bus_url)
+    bus.publish(Alert("gpu_lost", "m99", job=JOB, ts=time.time() + 3600))  # forged, and an hour ahead
+    huge = Alert("kernel_xid", machines[0], evidence={"xid": 79, "blob": "x" * (10 << 20)}).to_dict()
+    (Path(cp_cluster.bus_url.removeprefix("spool://")) / "alerts" /
+     f"{time.time_ns():020d}-{machines[0]}-{'b' * 32}.json").write_text(json.dumps(huge))
+    wait_until(lambda: len(ctl.fleet.quarantined()) >= 2, timeout=60, what="both documents to be quarantined")
+    reasons = sorted(q.reason for q in ctl.fleet.quarantined())
+    assert any("machine 'm99' is not in the inventory" in r for r in reasons), reasons
+    assert any("over the limit of 65536 bytes" in r for r in reasons), reasons
+    assert _last_incident(ctl) == last  # nothing acted on
+    t_fault = time.time()
+    inject.inject(cp_cluster, machines[2], "gpu_lost")
+    try:
+        inc = wait_until(lambda: _incident_done(ctl, last, t_fault), timeout=240, interval=1.0,
+                         what="the lost GPU's incident to close")
+    finally:
+        inject.clear(cp_cluster, machines[2], "gpu_lost")
+    assert inc.state == "resolved" and inc.category == "machine_fault", _why(ctl, airflow, inc.id)
+    assert inc.opened_ts - t_fault < 30, f"the incident opened {inc.opened_ts - t_fault:.1f}s after the fault"
+    assert next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict").machines == [machines[2]]
+
+
+def test_a_dead_standby_is_passed_over_and_the_next_one_takes_the_machine(control, cp_cluster):
+    """With the first standby's sshd gone, a lost GPU was evicted onto it without a check; the launch failed,
+    the incident ended failed and the job stopped training."""
+    ctl, airflow = control
+    _repair_evicted(ctl, cp_cluster)
+    standbys = sorted(m.name for m in ctl.fleet.machines(state=states.STANDBY))
+    assert len(standbys) == 2, standbys
+    dead = standbys[0]
+    sshd = int((Path(cp_cluster.machine(dead).extra["machine_dir"]) / "sshd.pid").read_text())
+    os.kill(sshd, signal.SIGKILL)
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    try:
+        inc = _fault_and_recovery(ctl, airflow, cp_cluster, machines[1], "gpu_lost")
+    finally:
+        inject.clear(cp_cluster, machines[1], "gpu_lost")
+        cluster.up(SPEC, cp_cluster.path.parent, log=lambda *_: None)  # its sshd back (repair)
+    assert inc.state == "resolved", _why(ctl, airflow, inc.id)
+    assert ctl.fleet.job(JOB).machine_list[1] == standbys[1]
+    assert ctl.fleet.machine(dead).state == "repair" and "did not answer" in ctl.fleet.machine(dead).reason
+    assert inc.lost_steps is not None and inc.lost_steps <= 1
 
 
 def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(control, cp_cluster):

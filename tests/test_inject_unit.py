@@ -135,6 +135,26 @@ def test_monitor_writes_heartbeat_and_steps(tmp_path):
     assert rec["collectives"] == {"dp": 2}
 
 
+def test_a_clock_fault_stamps_the_ranks_heartbeats_and_steps_that_far_off_and_its_beats_still_count(tmp_path):
+    import time
+
+    path = control(tmp_path, {"id": "c", "kind": "clock", "rank": 3, "params": {"offset_s": -3600.0}})
+    m = JobMonitor(run_dir=tmp_path, rank=3, world_size=8, job="j", machine="m1", flush_interval_s=0.05,
+                   faults=faults.InJobFaults(path, rank=3))
+    m.flush()
+    first = read_heartbeat(tmp_path, 3)
+    m.step_end(0, loss=2.5, grad_norm=1.0, step_time_s=0.1, tokens_per_s=10.0)
+    m.flush()
+    hb = read_heartbeat(tmp_path, 3)
+    assert -3610 < hb["alive_ts"] - time.time() < -3590 and hb["beat"] == first["beat"] + 1
+    (rec,) = read_steps(tmp_path, 3)
+    assert -3610 < rec["ts"] - time.time() < -3590
+    faults.write_control(path, [])
+    m.flush()
+    assert abs(read_heartbeat(tmp_path, 3)["alive_ts"] - time.time()) < 5
+    m.close()
+
+
 def test_read_steps_ignores_a_torn_last_line(tmp_path):
     (tmp_path / "ranks").mkdir()
     (tmp_path / "ranks" / "rank0.steps.jsonl").write_text('{"step": 0}\n{"step": 1, "lo')

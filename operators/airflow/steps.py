@@ -240,7 +240,8 @@ HANDLERS = {"evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnosis, 
 def _follow(c: Controller, incident: int, d: ladder.Decision, evidence: dict[str, Any],
             rollback_to: str | None = None) -> dict[str, Any]:
     if d.action == "evict":
-        return {**c.evict(incident, d.machines, reason=d.reason), **evidence}
+        return {**c.evict(incident, d.machines, reason=d.reason, max_step=evidence.get("restore_max_step")),
+                **evidence}
     if d.action == "rollback" and rollback_to:
         return {**c.rollback(incident, rollback_to), **evidence}
     if d.action in ("reattempt", "replay"):

@@ -1,0 +1,490 @@
+"""Chaos campaign: faults the ladder was not built around, under the real control plane. Two faults at
+once, a control-plane process killed mid-incident, forged and oversized bus input, clocks an hour off,
+a stopped agent, a dead standby, a busy machine under diagnosis, the two machines that hold each other's
+checkpoint replicas failing together: what a month on a real fleet brings.
+
+On an emulated cluster of its own (8 machines: the guarded job, TP=2 PP=2 DP=2, on 4; 4 warm standbys;
+a remote checkpoint tier on a shared directory) with a real ``airflow standalone``: for each trial a
+scenario is drawn (seeded; every scenario ``trials // scenarios`` times or once more, shuffled), its
+faults are injected after a quiet period, and the trial ends when every incident holding an alert from
+after the injection closed, or waits for a human, and the job trains again (or its time ran out).
+
+Per trial: detected (an incident holding an alert of the fault), the right machines evicted (the faulty
+ones, and nothing beyond the groups the scenario allows), resumed (the job trains at the end), waiting for
+a human (with the reason recorded), steps lost, a checkpoint lost (the restart restored a step older than
+the newest committed before the fault, less one), the job left dead (not training, no incident waiting
+for a human), fault -> resumed. A trial that ends waiting for a human is put right by hand afterwards (the
+incident resolved, machines repaired, the job restarted), as an operator would.
+
+    python bench/chaos.py [--quick] [--trials 30] [--seed 11] [--scenarios a,b,...] [--out FILE]
+
+Targets (the reliability issue): 0 jobs left dead, 0 checkpoints lost, every trial resumed or waiting for a
+human with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.campaign import balanced_draws
+from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from node_tools import cluster, inject, procs
+from node_tools.alerts import Alert
+from node_tools.bus import open_bus
+from node_tools.topology import Topology
+from operators.airflow.standalone import poll
+from operators.fleet import states
+from operators.guarded import DEVICE_TRAIN_ARGS, NO_SCHEDULES, TOPOLOGY, GuardedJob
+
+SPEC = cluster.ClusterSpec(name="tgx", machines=8, standbys=4, subnet="10.213.21.0/24", disk_mb=256, gpus=8)
+JOB = "chaos"
+SETTINGS = {"TG_ESCALATION_WINDOW_S": "1", "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1",
+            "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "3", "TG_AGENT_SILENT_S": "10",
+            "TG_RESUME_TIMEOUT_S": "120", "TG_STOP_GRACE_S": "2", "TG_ALERT_SETTLE_S": "1", **NO_SCHEDULES}
+TARGETS = {"jobs_dead": 0, "checkpoints_lost": 0, "resumed_or_waiting_rate": 1.0}
+TRIAL_TIMEOUT_S = 420.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A chaos scenario: ``inject(chaos, machines)`` makes its faults on the job's machines (node-rank order)
+    and returns what to undo afterwards; ``must``/``may``: node indices that must be evicted / may be (the
+    over-eviction bound); ``incident``: whether an incident is the right answer at all."""
+
+    name: str
+    what: str
+    inject: Callable[[Chaos, list[str]], Callable[[], None]]
+    must: frozenset[int] = frozenset()
+    may: frozenset[int] = frozenset()
+    incident: bool = True
+
+
+def _rank(topo: Topology, node: int, i: int = 0) -> int:
+    return topo.ranks_on(node)[i]
+
+
+def _gpu(c: Chaos, m: str) -> Callable[[], None]:
+    inject.inject(c.inv, m, "gpu_lost")
+    return lambda: inject.clear(c.inv, m, "gpu_lost")
+
+
+def _both(*undo: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        for u in undo:
+            with contextlib.suppress(Exception):
+                u()
+    return run
+
+
+def two_gpus_lost(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    a = _gpu(c, ms[1])
+    time.sleep(0.2)
+    return _both(a, _gpu(c, ms[2]))
+
+
+def gpu_lost_during_hang(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    inject.inject(c.inv, ms[3], "hang", rank=_rank(c.topology, 3))
+    time.sleep(1.0)
+    return _both(lambda: inject.clear(c.inv, ms[3], "hang"), _gpu(c, ms[0]))
+
+
+def disk_full_and_gpu_lost(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    inject.inject(c.inv, ms[1], "disk_full")
+    return _both(lambda: inject.clear(c.inv, ms[1], "disk_full"), _gpu(c, ms[2]))
+
+
+def forged_alert_an_hour_ahead_then_gpu_lost(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    open_bus(c.inv.bus_url).publish(Alert("gpu_lost", "m99", job=JOB, ts=time.time() + 3600))
+    time.sleep(1.0)
+    return _gpu(c, ms[1])
+
+
+def oversized_alert_then_crash(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    doc = Alert("kernel_xid", ms[0], evidence={"xid": 79, "blob": "x" * (10 << 20)}).to_dict()
+    spool = Path(c.inv.bus_url.removeprefix("spool://")) / "alerts"
+    (spool / f"{time.time_ns():020d}-{ms[0]}-{os.urandom(16).hex()}.json").write_text(json.dumps(doc))
+    inject.inject(c.inv, ms[2], "crash", rank=_rank(c.topology, 2))
+    return lambda: None
+
+
+def alert_an_hour_behind(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    """A genuine fatal Xid reported by a machine whose clock runs an hour behind."""
+    open_bus(c.inv.bus_url).publish(Alert("kernel_xid", ms[1], evidence={"xid": 79, "line": "NVRM: Xid 79"},
+                                          ts=time.time() - 3600))
+    return lambda: None
+
+
+def agent_stopped(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    pid = c.agent_pid(ms[2])
+    os.kill(pid, signal.SIGSTOP)
+    return lambda: _cont(pid)
+
+
+def agent_stopped_then_crash(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    pid = c.agent_pid(ms[1])
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(3.0)
+    inject.inject(c.inv, ms[1], "crash", rank=_rank(c.topology, 1))
+    return lambda: _cont(pid)
+
+
+def _cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def dead_standby_and_gpu_lost(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    standby = c.first_standby()
+    sshd = int((Path(c.inv.machine(standby).extra["machine_dir"]) / "sshd.pid").read_text())
+    os.kill(sshd, signal.SIGKILL)
+    return _both(_gpu(c, ms[1]), lambda: cluster.up(SPEC, c.inv.path.parent, log=lambda *_: None))
+
+
+def standby_nic_down_and_gpu_lost(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    standby = c.first_standby()
+    inject.inject(c.inv, standby, "nic_down")
+    return _both(_gpu(c, ms[2]), lambda: inject.clear(c.inv, standby, "nic_down"))
+
+
+def replica_holders_compute_wrong(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    """Nodes 0 and 3 keep each other's replicas: both compute wrong; the alignment test splits 2-2."""
+    inject.inject(c.inv, ms[0], "sdc")
+    inject.inject(c.inv, ms[3], "sdc")
+    return _both(lambda: inject.clear(c.inv, ms[0], "sdc"), lambda: inject.clear(c.inv, ms[3], "sdc"))
+
+
+def heartbeats_an_hour_behind(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    for r in c.topology.ranks_on(1):
+        inject.inject(c.inv, ms[1], "clock", rank=r, params={"offset_s": "-3600"})
+    return lambda: inject.clear(c.inv, ms[1], "clock")
+
+
+def busy_machine_under_diagnosis(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    netns = c.inv.machine(ms[2]).extra["netns"]
+    hogs = [subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-c", "while True: pass"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            for _ in range(2)]
+    inject.inject(c.inv, ms[1], "crash", rank=_rank(c.topology, 1))
+
+    def stop() -> None:
+        for h in hogs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(h.pid, signal.SIGKILL)
+            h.wait()
+    return stop
+
+
+def control_plane_killed_mid_incident(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    """A crash; once its incident's rung is working, every task process of Airflow is killed."""
+    last = c.last_incident()
+    inject.inject(c.inv, ms[2], "crash", rank=_rank(c.topology, 2))
+    poll(lambda: any(i.id > last and i.diagnosis_start_ts for i in c.ctl.fleet.incidents(JOB)), timeout=120,
+         interval=0.2, what="the crash's incident to start its rung")
+    time.sleep(1.0)
+    c.killed = c.kill_task_processes()
+    return lambda: None
+
+
+def nan_and_crash(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    last_stage = next(r for r in c.topology.ranks_on(1) if c.topology.coords(r).pp == c.topology.pp - 1)
+    inject.inject(c.inv, ms[1], "nan", rank=last_stage)
+    inject.inject(c.inv, ms[2], "crash", rank=_rank(c.topology, 2))
+    return lambda: None
+
+
+def _pipeline(topo: Topology, node: int) -> frozenset[int]:
+    return frozenset(topo.machines_of_group("pp", topo.ranks_on(node)[0]))
+
+
+def scenarios(topo: Topology) -> dict[str, Scenario]:
+    pipe = {n: _pipeline(topo, n) for n in range(topo.machines)}
+    items = [
+        Scenario("two_gpus_lost", "GPUs lost on two machines 0.2 s apart", two_gpus_lost,
+                 frozenset({1, 2}), frozenset({1, 2})),
+        Scenario("gpu_lost_during_hang", "a rank hangs, a GPU falls off another machine a second later",
+                 gpu_lost_during_hang, frozenset({0, 3}), frozenset({0}) | pipe[3]),
+        Scenario("disk_full_and_gpu_lost", "a disk fills on one machine while a GPU is lost on another",
+                 disk_full_and_gpu_lost, frozenset({1, 2}), frozenset({2}) | pipe[1]),
+        Scenario("forged_alert_an_hour_ahead", "a forged alert for an unknown machine stamped an hour ahead, "
+                 "then a GPU lost", forged_alert_an_hour_ahead_then_gpu_lost, frozenset({1}), frozenset({1})),
+        Scenario("oversized_alert_then_crash", "a 10 MB alert on the bus, then a rank crash",
+                 oversized_alert_then_crash),
+        Scenario("alert_an_hour_behind", "a fatal Xid reported by a machine whose clock is an hour behind",
+                 alert_an_hour_behind, frozenset({1}), frozenset({1})),
+        Scenario("agent_stopped", "the agent of a machine of the job stopped (SIGSTOP)", agent_stopped),
+        Scenario("agent_stopped_then_crash", "an agent stopped, then a rank of its machine crashes",
+                 agent_stopped_then_crash),
+        Scenario("dead_standby_and_gpu_lost", "the first standby's sshd dead, then a GPU lost",
+                 dead_standby_and_gpu_lost, frozenset({1}), frozenset({1})),
+        Scenario("standby_nic_down_and_gpu_lost", "the first standby's NIC down, then a GPU lost",
+                 standby_nic_down_and_gpu_lost, frozenset({2}), frozenset({2})),
+        Scenario("replica_holders_compute_wrong", "the two machines that hold each other's replicas compute wrong",
+                 replica_holders_compute_wrong, frozenset({0, 3}), frozenset({0, 3})),
+        Scenario("heartbeats_an_hour_behind", "a machine's ranks stamp their heartbeats an hour behind",
+                 heartbeats_an_hour_behind, incident=False),
+        Scenario("busy_machine_under_diagnosis", "a rank crashes while another machine is busy (CPU hogs)",
+                 busy_machine_under_diagnosis),
+        Scenario("control_plane_killed_mid_incident", "a crash, and Airflow's task processes killed mid-incident",
+                 control_plane_killed_mid_incident),
+        Scenario("nan_and_crash", "a NaN on one machine and a crash on another at once", nan_and_crash),
+    ]
+    return {s.name: s for s in items}
+
+
+class Chaos(GuardedJob):
+    def __init__(self, inv: Any, home: Path, *, seed: int) -> None:
+        super().__init__(inv, home, job=JOB, settings=SETTINGS, train_args=DEVICE_TRAIN_ARGS)
+        self.rng = random.Random(seed)
+        self.trials: list[dict[str, Any]] = []
+        self.killed: list[int] = []
+
+    # ---- helpers of the scenarios ---------------------------------------------------------------------
+    def agent_pid(self, machine: str) -> int:
+        from node_tools import agent
+        from node_tools.config import NodeConfig
+
+        doc = agent.processes(NodeConfig.load(Path(self.inv.machine(machine).extra["node_config"])))
+        return int(doc["agent"]["pid"])
+
+    def first_standby(self) -> str:
+        return sorted(m.name for m in self.ctl.fleet.machines(state=states.STANDBY))[0]
+
+    def kill_task_processes(self) -> list[int]:
+        """SIGKILL every process Airflow runs a task in (the children of its LocalExecutor's workers)."""
+        workers = [p for p in procs.all_pids() if _cmdline(p)[:2] == ["airflow", "worker"]]
+        children = [p for p in procs.all_pids() if _ppid(p) in workers]
+        for p in children or workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+        return children or workers
+
+    # ---- the operator --------------------------------------------------------------------------------
+    def by_hand(self) -> list[str]:
+        """What an operator does after a trial that waits for a human: the incidents resolved by hand, every
+        machine in repair or evicted fixed and parked, the job restarted if it does not train."""
+        from operators.airflow.steps import _incident_by_hand
+
+        done = []
+        for inc in self.ctl.fleet.incidents(JOB):
+            if inc.state == "waiting_human":
+                self.ctl.fleet.update_incident(inc.id, state="resolved", closed_ts=time.time(),
+                                               summary=f"{inc.summary}; put right by hand")
+                done.append(f"incident {inc.id} resolved by hand")
+        broken = [m.name for m in self.ctl.fleet.machines() if m.state in (states.REPAIR, states.EVICTED)]
+        for name in broken:
+            inject.clear(self.inv, name)
+            if self.ctl.fleet.machine(name).state == states.EVICTED:
+                self.ctl.fleet.transition(name, states.REPAIR, reason="sent to repair")
+            self.ctl.fleet.transition(name, states.SELF_CHECK, reason="repaired")
+        if broken:
+            cluster.up(SPEC, self.inv.path.parent, log=lambda *_: None)  # sshd and agents back where they died
+            self.park(broken)
+            for name in broken:
+                self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
+            done.append(f"repaired {', '.join(broken)}")
+        if not self.ctl.trains(JOB, within_s=20):
+            inc = _incident_by_hand(self.ctl, JOB, "the job restarted by hand after a chaos trial")
+            self.ctl.recover(inc)
+            self.training(2, timeout=240)
+            self.ctl.close(inc, outcome="resolved", note="restarted by hand")
+            done.append("the job restarted by hand")
+        self.ctl.fleet.set_job_state(JOB, "running")
+        return done
+
+    def newest_committed(self) -> int | None:
+        records = self.ctl.step_history(JOB)
+        return max((r["ckpt_committed"] for r in records if isinstance(r.get("ckpt_committed"), int)), default=None)
+
+    def restored_after(self, ts: float) -> list[int]:
+        """The steps restarts after ``ts`` restored (each restart's first step record)."""
+        return [r["ckpt_restored_step"] for r in self.ctl.step_history(JOB)
+                if r.get("ts", 0) > ts and isinstance(r.get("ckpt_restored_step"), int)]
+
+    # ---- one trial -------------------------------------------------------------------------------------
+    def done(self, last: int, t0: float, scenario: Scenario) -> bool:
+        """Every incident after ``last`` with an alert from ``t0`` on has closed or waits for a human, and
+        the job trains again (or waits for a human)."""
+        new = [i for i in self.ctl.fleet.incidents(JOB) if i.id > last and
+               any(a.ts >= t0 for a in self.ctl.fleet.alerts_of(i.id))]
+        if scenario.incident and not new:
+            return False
+        if any(i.state == "open" for i in new):
+            return False
+        if any(r["state"] not in ("success", "failed") for r in self.airflow.runs("tg_incident")):
+            return False
+        return any(i.state == "waiting_human" for i in new) or self.ctl.trains(JOB, within_s=10)
+
+    def trial(self, scenario: Scenario) -> dict[str, Any]:
+        self.settled(timeout=600)
+        fixed = self.by_hand()
+        self.repair()
+        self.armed()
+        self.training(3, timeout=300)
+        machines = list(self.ctl.fleet.job(JOB).machine_list)
+        committed = self.newest_committed()
+        last = self.last_incident()
+        self.killed = []
+        t0 = time.time()
+        trial: dict[str, Any] = {"scenario": scenario.name, "machines": machines, "committed_before": committed,
+                                 "fixed_before": fixed}
+        undo = scenario.inject(self, machines)
+        try:
+            if scenario.incident:
+                poll(lambda: self.done(last, t0, scenario), timeout=TRIAL_TIMEOUT_S, interval=1.0,
+                     what=f"the {scenario.name} trial to end")
+            else:  # nothing should happen: watch for a while
+                time.sleep(30.0)
+                self.settled(timeout=TRIAL_TIMEOUT_S)
+            trial["timed_out"] = False
+        except TimeoutError as exc:
+            trial.update(timed_out=True, error=str(exc)[:300])
+        finally:
+            undo()
+        new = [i for i in self.ctl.fleet.incidents(JOB) if i.id > last]
+        mine = [i for i in new if any(a.ts >= t0 for a in self.ctl.fleet.alerts_of(i.id))]
+        evicted = {old for i in new for old in self.swaps(i.id)}
+        nodes = {machines.index(m) for m in evicted if m in machines}
+        waiting = [i for i in new if i.state == "waiting_human"]
+        trains = self.ctl.trains(JOB, within_s=15)
+        restored = self.restored_after(t0)
+        resumed_ts = [i.resumed_ts for i in mine if i.resumed_ts]
+        lost_steps = sum(i.lost_steps or 0 for i in mine)
+        ckpt_lost = bool(committed is not None and restored and min(restored) < committed - 1)
+        trial.update({
+            "incidents": [{"id": i.id, "category": i.category, "state": i.state, "level": i.level,
+                           "summary": i.summary[:400], "evicted": self.swaps(i.id),
+                           "actions": [a.kind for a in self.ctl.fleet.actions(i.id)]} for i in new],
+            "detected": bool(mine) if scenario.incident else None,
+            "quiet": not new and not evicted if not scenario.incident else None,
+            "evicted": sorted(evicted), "evicted_nodes": sorted(nodes),
+            "right_machines": scenario.must <= nodes <= (scenario.may | scenario.must),
+            "resumed": trains, "waiting_human": [{"incident": i.id, "reason": i.summary[:400]} for i in waiting],
+            "job_dead": not trains and not waiting, "steps_lost": lost_steps, "restored": restored,
+            "checkpoint_lost": ckpt_lost,
+            "resume_s": round(max(resumed_ts) - t0, 2) if resumed_ts and trains else None,
+            "detect_s": round(min(a.ts for i in mine for a in self.ctl.fleet.alerts_of(i.id) if a.ts >= t0) - t0, 2)
+            if mine else None,
+            "killed_task_processes": len(self.killed),
+        })
+        print(f"trial {len(self.trials) + 1} {scenario.name}: " + ", ".join(
+            f"{k} {v}" for k, v in trial.items() if k in ("detected", "evicted", "right_machines", "resumed",
+                                                          "waiting_human", "job_dead", "steps_lost",
+                                                          "checkpoint_lost", "resume_s", "timed_out")), flush=True)
+        self.trials.append(trial)
+        return trial
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def metrics_of(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    n = len(trials)
+    dead = sum(1 for t in trials if t["job_dead"])
+    lost = sum(1 for t in trials if t["checkpoint_lost"])
+    ok = sum(1 for t in trials if t["resumed"] or t["waiting_human"])
+    waiting = sum(1 for t in trials if t["waiting_human"])
+    detect_n = [t for t in trials if t["detected"] is not None]
+    metrics: dict[str, Any] = {
+        "trials": {"value": n, "n": n, "unit": "trials"},
+        "jobs_dead": {"value": dead, "n": n, "unit": "trials", "target": TARGETS["jobs_dead"]},
+        "checkpoints_lost": {"value": lost, "n": n, "unit": "trials", "target": TARGETS["checkpoints_lost"]},
+        "resumed_or_waiting_rate": {"value": round(ok / n, 4) if n else None, "n": n, "unit": "ratio",
+                                    "target": TARGETS["resumed_or_waiting_rate"]},
+        "waiting_human": {"value": waiting, "n": n, "unit": "trials"},
+        "detection_rate": {"value": round(sum(bool(t["detected"]) for t in detect_n) / len(detect_n), 4)
+                           if detect_n else None, "n": len(detect_n), "unit": "ratio"},
+        "right_machines_rate": {"value": round(sum(bool(t["right_machines"]) for t in trials) / n, 4) if n else None,
+                                "n": n, "unit": "ratio"},
+    }
+    resume = [t["resume_s"] for t in trials if t.get("resume_s")]
+    if resume:
+        metrics["resume_s"] = summarize(resume, "s")
+    detect = [t["detect_s"] for t in trials if t.get("detect_s") is not None]
+    if detect:
+        metrics["detect_s"] = summarize(detect, "s")
+    steps = [t["steps_lost"] for t in trials]
+    if steps:
+        metrics["steps_lost"] = summarize([float(s) for s in steps], "steps")
+    return metrics
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4 trials, short quiet periods")
+    ap.add_argument("--trials", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--scenarios", default="", help="scenarios to draw from (default: all)")
+    ap.add_argument("--quiet-s", default="5,15", help="quiet period before each trial: MIN,MAX seconds")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    stop_on_sigterm()
+    if os.geteuid() != 0:
+        print("bench/chaos.py needs root (network namespaces)", file=sys.stderr)
+        return 2
+    catalogue = scenarios(TOPOLOGY)
+    names = [s for s in args.scenarios.split(",") if s] or list(catalogue)
+    unknown = [s for s in names if s not in catalogue]
+    if unknown:
+        print(f"--scenarios: unknown {', '.join(unknown)}; use some of {', '.join(catalogue)}", file=sys.stderr)
+        return 2
+    try:
+        lo, hi = (float(x) for x in args.quiet_s.split(","))
+    except ValueError:
+        print(f"--quiet-s {args.quiet_s!r}: write MIN,MAX seconds, e.g. 5,15", file=sys.stderr)
+        return 2
+    n = 4 if args.quick else args.trials
+    t_start = time.time()
+    with emulated_cluster(SPEC, "tg-bench-chaos-") as (inv, home):
+        c = Chaos(inv, home, seed=args.seed)
+        draws = balanced_draws(c.rng, names, n)
+        try:
+            c.start()
+            for name in draws:
+                time.sleep(c.rng.uniform(lo, hi))
+                c.trial(catalogue[name])
+            c.settled(timeout=600)
+        finally:
+            c.stop()
+    metrics = metrics_of(c.trials)
+    text = write_result("chaos", quick=bool(args.quick), out=args.out, metrics=metrics, setup={
+        "cluster": f"{SPEC.machines} emulated machines (network namespaces, real sshd): the job's "
+                   f"{TOPOLOGY.machines}, {SPEC.standbys} warm standbys; a remote checkpoint tier on a shared "
+                   f"directory; machines repaired after each trial",
+        "job": f"reference GPT {TOPOLOGY.tp}x{TOPOLOGY.pp}x{TOPOLOGY.dp} (TP x PP x DP), checkpoint every step, "
+               f"0.2 s of emulated accelerator time per step",
+        "control_plane": "airflow standalone (LocalExecutor) running trainguard's DAGs; escalation and breaker "
+                         "windows 1 s; breaker share 0.75; agents silent after 10 s; resume timeout 120 s",
+        "seed": args.seed, "scenarios": {s: catalogue[s].what for s in names}, "quiet_s": [lo, hi],
+        "wall_s": round(time.time() - t_start, 1), "trials": c.trials,
+    })
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
