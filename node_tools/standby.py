@@ -321,10 +321,10 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
     started = time.monotonic()
     have = free_slots(cfg.workdir)
     new_pids = []
-    for path in d.glob("slot*.claim"):  # claims of interpreters that are gone
-        ready = path.with_suffix(".ready")
-        if not ready.exists():
-            path.unlink(missing_ok=True)
+    for claim, doc in _claims(d):  # claims of interpreters that are gone (a running job's stay: they name its ranks)
+        if not procs.alive(int(doc.get("pid", 0))):
+            for suffix in (".sock", ".ready", ".claim"):
+                claim.with_suffix(suffix).unlink(missing_ok=True)
     next_slot = 1 + max([int(p.stem[4:]) for p in d.glob("slot*.*") if p.stem[4:].isdigit()] or [-1])
     modules = list(preload if preload is not None else ["examples.gpt3d.train", "node_tools.monitor"])
     env = dict(os.environ, TG_STANDBY_TOKEN=token, PYTHONPATH=os.pathsep.join(

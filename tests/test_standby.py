@@ -124,9 +124,12 @@ def test_spares_parked_beside_a_warm_job_are_unparked_without_touching_it(node):
     job.start(node, spec("warm"))
     rd = job.run_dir(node, "warm")
     wait_until(lambda: all(monitor.read_steps(rd, r) for r in (0, 1)), timeout=120, what="both ranks to step")
-    running = job.job_pids(json.loads((rd / "job.json").read_text()))
+    record = json.loads((rd / "job.json").read_text())
+    running = job.job_pids(record)
     spares = standby.park(node, nproc=2)  # armed for the next restart, beside the running job
     assert spares["started"] == 3 and standby.status(node)["state"] == "parked"
+    # the job's claims stay: its ranks are still found as its processes (stacks, stop), not only their clients
+    assert set(job.job_pids(record)) >= set(running)
     ended = standby.unpark(node)["ended_pids"]
     assert sorted(ended) == sorted(s["pid"] for s in spares["slots"])
     assert all(procs.alive(p) for p in running)  # the job's own interpreters are its, not spares
