@@ -173,22 +173,27 @@ class SpoolBus(AlertBus):
         self._ensure()
         self._write(self.alerts / name, body)
 
-    def entries(self) -> list[Entry]:
+    @staticmethod
+    def _scan(folder: Path, what: str) -> list[tuple[str, os.stat_result]]:
+        """``(name, stat)`` of every ``.json`` document in ``folder`` (none when it does not exist yet)."""
         out = []
         try:
-            with os.scandir(self.alerts) as it:
+            with os.scandir(folder) as it:
                 for e in it:
                     if not e.name.endswith(".json"):
                         continue
                     try:
-                        out.append(Entry(e.name, e.stat().st_size))
+                        out.append((e.name, e.stat()))
                     except FileNotFoundError:  # moved away between the listing and the stat
                         continue
         except FileNotFoundError:
             return []
         except OSError as exc:
-            raise BusError(f"alert spool {self.alerts} cannot be listed: {exc.strerror}") from None
+            raise BusError(f"{what} in spool {folder} cannot be listed: {exc.strerror}") from None
         return out
+
+    def entries(self) -> list[Entry]:
+        return [Entry(name, st.st_size) for name, st in self._scan(self.alerts, "alerts")]
 
     def get(self, name: str) -> bytes:
         with open(self.alerts / name, "rb") as fh:
@@ -217,23 +222,9 @@ class SpoolBus(AlertBus):
         self._write(self.beats / f"{_check_machine(machine)}.json", json.dumps(document).encode(), sync=False)
 
     def heartbeats(self) -> dict[str, str]:
-        out = {}
-        try:
-            with os.scandir(self.beats) as it:
-                for e in it:
-                    if not e.name.endswith(".json"):
-                        continue
-                    try:
-                        st = e.stat()
-                    except FileNotFoundError:
-                        continue
-                    # each rewrite is a new file (rename): a new inode, whatever the clocks say
-                    out[e.name[:-5]] = f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
-        except FileNotFoundError:
-            return {}
-        except OSError as exc:
-            raise BusError(f"heartbeats in spool {self.beats} cannot be listed: {exc.strerror}") from None
-        return out
+        # each rewrite is a new file (rename): a new inode, whatever the clocks say
+        return {name[:-5]: f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+                for name, st in self._scan(self.beats, "heartbeats")}
 
 
 class S3Bus(AlertBus):

@@ -108,10 +108,8 @@ def verify(cfg: NodeConfig, job: str, step: int, *, mark: bool, metrics: bool = 
 
 def upload(cfg: NodeConfig, job: str, step: int, *, s3_url: str, endpoint_url: str = "") -> tuple[int, dict[str, Any]]:
     from checkpoint import layout
-    from checkpoint import manifest as mf
     from checkpoint.errors import S3TierError
     from checkpoint.s3 import open_tier
-    from checkpoint.verify import verify_copy
 
     root = _root(cfg, job)
     try:
@@ -127,22 +125,33 @@ def upload(cfg: NodeConfig, job: str, step: int, *, s3_url: str, endpoint_url: s
         if not (path / layout.VERIFIED).exists():
             refused.append({"rank": rank, "path": str(path), "why": "not verified: run tg_checkpoint_verify first"})
             continue
-        check = verify_copy(path, machine=cfg.machine, deep=False, keep_files=True)  # bytes as they are now
-        if not check.ok:
-            refused.append({"rank": rank, "path": str(path), "why": "; ".join(p.what for p in check.problems)})
+        put, why = _put_checked(cfg, tier, step, rank, path)
+        if put is None:
+            refused.append({"rank": rank, "path": str(path), "why": why})
             continue
-        manifest_bytes = (path / mf.MANIFEST).read_bytes()
-        try:
-            tier.upload_copy(step, rank, sorted(check.files.items()), manifest_bytes)
-        except S3TierError as exc:
-            raise TrainguardError(f"machine {cfg.machine}: {exc}") from None
-        size = sum(len(b) for b in check.files.values())
-        total += size
-        uploaded.append({"rank": rank, "url": tier.copy_url(step, rank), "bytes": size,
-                         "manifest_sha256": (check.manifest or {}).get("manifest_sha256", "")})
+        total += put["bytes"]
+        uploaded.append(put)
     doc = {"machine": cfg.machine, "job": job, "step": step, "uploaded": uploaded, "refused": refused,
            "bytes": total, "seconds": round(time.monotonic() - t0, 3)}
     return (EXIT_REFUSED if refused else EXIT_OK), doc
+
+
+def _put_checked(cfg: NodeConfig, tier: Any, step: int, rank: int, path: Path) -> tuple[dict[str, Any] | None, str]:
+    """One copy into a remote tier once it matches its manifest (its bytes as they are now): what was
+    put (``{"rank", "url", "bytes", "manifest_sha256"}``, ""), or (None, why it was refused)."""
+    from checkpoint import manifest as mf
+    from checkpoint.errors import S3TierError
+    from checkpoint.verify import verify_copy
+
+    check = verify_copy(path, machine=cfg.machine, deep=False, keep_files=True)
+    if not check.ok:
+        return None, "; ".join(p.what for p in check.problems)
+    try:
+        tier.upload_copy(step, rank, sorted(check.files.items()), (path / mf.MANIFEST).read_bytes())
+    except S3TierError as exc:
+        raise TrainguardError(f"machine {cfg.machine}: {exc}") from None
+    return {"rank": rank, "url": tier.copy_url(step, rank), "bytes": sum(len(b) for b in check.files.values()),
+            "manifest_sha256": (check.manifest or {}).get("manifest_sha256", "")}, ""
 
 
 def rescue(cfg: NodeConfig, job: str, step: int, *, to_url: str, endpoint_url: str = "") -> tuple[int, dict[str, Any]]:
@@ -151,7 +160,6 @@ def rescue(cfg: NodeConfig, job: str, step: int, *, to_url: str, endpoint_url: s
     from checkpoint import manifest as mf
     from checkpoint.errors import S3TierError
     from checkpoint.s3 import open_tier
-    from checkpoint.verify import verify_copy
 
     root = _root(cfg, job)
     try:
@@ -172,18 +180,12 @@ def rescue(cfg: NodeConfig, job: str, step: int, *, to_url: str, endpoint_url: s
         if (step, rank) in remote and tier.get(step, rank, mf.MANIFEST) == manifest_bytes:
             skipped.append({"rank": rank, "tier": tier_name, "why": "already in the remote tier"})
             continue
-        check = verify_copy(path, machine=cfg.machine, deep=False, keep_files=True)
-        if not check.ok:
-            bad.append({"rank": rank, "tier": tier_name, "path": str(path),
-                        "why": "; ".join(p.what for p in check.problems)})
+        put, why = _put_checked(cfg, tier, step, rank, path)
+        if put is None:
+            bad.append({"rank": rank, "tier": tier_name, "path": str(path), "why": why})
             continue
-        try:
-            tier.upload_copy(step, rank, sorted(check.files.items()), manifest_bytes)
-        except S3TierError as exc:
-            raise TrainguardError(f"machine {cfg.machine}: {exc}") from None
-        size = sum(len(b) for b in check.files.values())
-        total += size
-        uploaded.append({"rank": rank, "tier": tier_name, "url": tier.copy_url(step, rank), "bytes": size})
+        total += put["bytes"]
+        uploaded.append({**put, "tier": tier_name})
     doc = {"machine": cfg.machine, "job": job, "step": step, "to": to_url, "uploaded": uploaded, "skipped": skipped,
            "bad": bad, "bytes": total, "seconds": round(time.monotonic() - t0, 3)}
     return (EXIT_UNHEALTHY if bad else EXIT_OK), doc

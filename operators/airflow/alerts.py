@@ -175,17 +175,24 @@ class AlertTrigger(BaseTrigger):
         yield TriggerEvent(watch.event(batch, first_seen))
 
 
+def _seconds_from_env(env: Any, name: str, default: float, example: str, allowed: Any, rule: str) -> float:
+    """A number of seconds from ``env[name]`` (``default`` when unset); a value that is not a number, or that
+    ``allowed`` refuses, is a one-line error naming the variable (``rule``: what is allowed)."""
+    env = os.environ if env is None else env
+    raw = env.get(name, "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds; set it to e.g. {example}") from None
+    if not allowed(value):
+        raise ValueError(f"{name}={raw} {rule}; set it to e.g. {example}")
+    return value
+
+
 def settle_from_env(env: Any = None) -> float:
     """``TG_ALERT_SETTLE_S`` (default 3 s): how long a batch keeps collecting after its first alert."""
-    env = os.environ if env is None else env
-    raw = env.get("TG_ALERT_SETTLE_S", "")
-    try:
-        value = float(raw) if raw else DEFAULT_SETTLE_S
-    except ValueError:
-        raise ValueError(f"TG_ALERT_SETTLE_S={raw!r} is not a number of seconds; set it to e.g. 3") from None
-    if not 0 <= value <= 60:
-        raise ValueError(f"TG_ALERT_SETTLE_S={raw} is outside 0..60 s; set it to e.g. 3")
-    return value
+    return _seconds_from_env(env, "TG_ALERT_SETTLE_S", DEFAULT_SETTLE_S, "3", lambda v: 0 <= v <= 60,
+                             "is outside 0..60 s")
 
 
 def silent_from_env(env: Any = None) -> float:
@@ -193,15 +200,8 @@ def silent_from_env(env: Any = None) -> float:
     0 switches the watch off."""
     from operators.policy.liveness import DEFAULT_SILENT_S
 
-    env = os.environ if env is None else env
-    raw = env.get("TG_AGENT_SILENT_S", "")
-    try:
-        value = float(raw) if raw else DEFAULT_SILENT_S
-    except ValueError:
-        raise ValueError(f"TG_AGENT_SILENT_S={raw!r} is not a number of seconds; set it to e.g. 15") from None
-    if value < 0 or (0 < value < 5):
-        raise ValueError(f"TG_AGENT_SILENT_S={raw} must be 0 (off) or at least 5 s (agents beat every 2 s)")
-    return value
+    return _seconds_from_env(env, "TG_AGENT_SILENT_S", DEFAULT_SILENT_S, "15", lambda v: v == 0 or v >= 5,
+                             "must be 0 (off) or at least 5 s (agents beat every 2 s)")
 
 
 class AlertSensor(BaseSensorOperator):
