@@ -306,8 +306,8 @@ def test_a_full_disk_gets_its_machine_evicted(control, cp_cluster):
     # the disk check (every 10 s) says disk_full; the ranks' heartbeat writes may fail first and
     # make it look like a hang: then the machine's whole pipeline goes, which still holds the culprit;
     # or a rank dies of a failed write first: the crash's stop-time diagnosis (L1 disk check) finds it
-    if inc.category == "machine_fault":
-        assert _branch(airflow, inc.id) == "evict_now" and evicted == [machines[1]]
+    if inc.category == "machine_fault":  # (also when its alert joined a hang's incident before that acted)
+        assert evicted == [machines[1]]
     elif inc.category == "crash":
         assert _branch(airflow, inc.id) == "stop_time_diagnosis" and evicted == [machines[1]]
     else:

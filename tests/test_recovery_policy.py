@@ -343,3 +343,16 @@ def test_the_peer_judgement_forgives_shared_slowness_only():
     assert forgiven_by_peers({"a": doc(0.3, wrong=True), "b": doc(0.3)}) == {"b": forgiven_by_peers(
         {"a": doc(0.3, wrong=True), "b": doc(0.3)})["b"]}  # a wrong result is never forgiven
     assert forgiven_by_peers({"a": doc(0.3)}) == {}  # no peer: the floor stands
+
+
+def test_an_explicit_fault_that_joins_before_the_rung_acts_decides_the_incident(tmp_path, monkeypatch):
+    """A full disk made ranks look hung; its explicit alert joined the hang's incident before the analysis
+    acted: the first rung decides, and only the faulty machine is evicted."""
+    c, fleet = fleet_controller(tmp_path)
+    out = run_incident(c, [alert("rank_hang", "m1", rank=1), alert("rank_hang", "m3", rank=3)], monkeypatch,
+                       joined=[alert("disk_full", "m1")])
+    assert out["decision"]["action"] == "analyze"
+    assert out["result"]["swaps"] == {"m1": "m4"} and not fleet.sent("stacks")  # no analysis: the fault explains it
+    inc = c.fleet.incident(out["incident"])
+    assert inc.category == "machine_fault" and inc.state == "resolved"
+    assert c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]

@@ -73,6 +73,15 @@ def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
     calls for (see :func:`restart`): no task hop and no round of reads between the decision and the job
     starting again. A rung that fails returns its error (the incident's close escalates from there)."""
     c = controller()
+    if name != "evict_now":
+        explicit = c.unhandled_faults(decision["incident"])
+        if explicit:  # an explicit fault joined before the rung acted: the first rung decides (evict it alone)
+            why = ("explicit machine fault that joined the incident before its rung acted: "
+                   + "; ".join(f"{m}: {k}" for m, k in explicit.items()))
+            c.fleet.update_incident(decision["incident"], category="machine_fault", summary=f"{why}; next: evict")
+            decision = {**decision, "category": "machine_fault", "action": "evict", "machines": sorted(explicit),
+                        "reason": why, "instead_of": name}
+            name = "evict_now"
     try:
         result = HANDLERS[name](c, decision)
     except TrainguardError as exc:
