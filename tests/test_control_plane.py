@@ -312,7 +312,8 @@ def test_a_full_disk_gets_its_machine_evicted(control, cp_cluster):
         assert _branch(airflow, inc.id) == "stop_time_diagnosis" and evicted == [machines[1]]
     else:
         assert inc.category == "hang" and _branch(airflow, inc.id) == "runtime_analysis"
-        assert set(evicted) == {machines[i] for i in TOPO.machines_of_group("pp", TOPO.ranks_on(1)[0])}
+        groups = [{machines[i] for i in TOPO.machines_of_group(kind, TOPO.ranks_on(1)[0])} for kind in ("pp", "dp")]
+        assert set(evicted) in groups  # one parallel group of the machine whose disk is full
 
 
 def _handler_output(airflow: Standalone, incident_id: int, task: str) -> dict[str, Any]:
