@@ -323,12 +323,16 @@ def escalate(c: Controller, incident_id: int, why: str) -> dict[str, Any]:
     before_retry`); when that runs out, the incident and the job wait for a human, with why and what next."""
     tried: list[str] = []
     for _attempt in range(c.cfg.restart_attempts):
-        step = c.before_retry(incident_id, why)
-        if step.get("give_up"):
-            why = step["give_up"]
-            break
-        tried.append(step["did"])
-        out = c.recover(incident_id)
+        try:
+            step = c.before_retry(incident_id, why)
+            if step.get("give_up"):
+                why = step["give_up"]
+                break
+            tried.append(step["did"])
+            out = c.recover(incident_id)
+        except TrainguardError as exc:  # the escalation itself failed (a machine lost meanwhile): climb on
+            why = f"the restart itself failed: {exc}"
+            continue
         if out.get("waiting_human"):
             return c.timeline(incident_id)
         recovery = {"restarted": True, **out}
