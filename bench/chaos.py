@@ -271,7 +271,7 @@ class Chaos(GuardedJob):
 
     def kill_task_processes(self) -> list[int]:
         """SIGKILL every process Airflow runs a task in (the children of its LocalExecutor's workers)."""
-        workers = [p for p in procs.all_pids() if _cmdline(p)[:2] == ["airflow", "worker"]]
+        workers = [p for p in procs.all_pids() if " ".join(_cmdline(p)).startswith("airflow worker")]
         children = [p for p in procs.all_pids() if _ppid(p) in workers]
         for p in children or workers:
             with contextlib.suppress(ProcessLookupError):

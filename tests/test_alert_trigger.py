@@ -142,7 +142,9 @@ def test_the_agent_watch_reports_a_silence_once_and_forgives_an_agent_that_talks
     assert watch.observe({"m0": "a2", "m1": "b"}, jobs, now=110.0) == []
     [silent] = watch.observe({"m0": "a3", "m1": "b"}, jobs, now=116.0)
     assert silent == {"machine": "m1", "job": "j", "silent_s": 16.0, "last_change_ts": 100.0}
-    assert watch.observe({"m0": "a4", "m1": "b"}, jobs, now=200.0) == []  # reported once per silence
+    assert watch.observe({"m0": "a4", "m1": "b"}, jobs, now=170.0) == []  # reported once per silence ...
+    [still] = watch.observe({"m0": "a4", "m1": "b"}, jobs, now=177.0)  # ... and again a minute on, if still silent
+    assert still["machine"] == "m1" and still["silent_s"] == 77.0
     assert watch.observe({"m0": "a5", "m1": "b2"}, jobs, now=201.0) == []  # it talks again
     [again] = watch.observe({"m0": "a6", "m1": "b2"}, jobs, now=217.0)
     assert again["machine"] == "m1"

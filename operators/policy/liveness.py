@@ -5,7 +5,8 @@ guardian lists the heartbeats and keeps, per machine, the change token it last s
 change* by its own clock: neither the agent's clock nor the storage's is trusted. An agent whose heartbeat
 did not change for ``silent_s`` on a machine that serves a running job is silent (stopped, hung, its
 machine gone or cut off); the guardian reports it once per silence as an ``agent_silent`` alert of its
-own, and the ladder probes the machine.
+own, and the ladder probes the machine. An agent still silent ``repeat_s`` after it was reported is reported
+again: its alert may have joined an incident about something else that closed without probing it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 #: an agent silent this long on a machine of a running job is an incident (its heartbeat: every 2 s)
 DEFAULT_SILENT_S = 15.0
+#: an agent still silent this long after it was reported is reported again
+DEFAULT_REPEAT_S = 60.0
 
 
 @dataclass
@@ -24,18 +27,21 @@ class AgentWatch:
 
     Attributes:
         silent_s: seconds without a change that make an agent silent.
+        repeat_s: seconds after which an agent still silent is reported again.
         state: machine -> ``{"token", "changed_ts", "reported_ts"}`` (``reported_ts``: when this silence
             was reported; None while the agent talks). Kept in the fleet database between guardian runs.
     """
 
     silent_s: float = DEFAULT_SILENT_S
+    repeat_s: float = DEFAULT_REPEAT_S
     state: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def observe(self, tokens: Mapping[str, str], watched: Mapping[str, str], now: float) -> list[dict[str, Any]]:
         """Take one listing of the heartbeats (``tokens``: machine -> change token) for the ``watched``
         machines (machine -> the job it serves) at ``now`` (the guardian's clock); returns the machines that
         became silent with this listing: ``{"machine", "job", "silent_s", "last_change_ts"}`` each. A
-        machine seen for the first time gets ``silent_s`` from now; one that talks again is forgiven."""
+        machine seen for the first time gets ``silent_s`` from now; one that talks again is forgiven; one still
+        silent ``repeat_s`` after its report is reported again."""
         silent = []
         for machine, job in sorted(watched.items()):
             token = tokens.get(machine, "")
@@ -44,7 +50,8 @@ class AgentWatch:
                 self.state[machine] = {"token": token, "changed_ts": now, "reported_ts": None}
                 continue
             quiet = now - float(st["changed_ts"])
-            if st["reported_ts"] is None and quiet > self.silent_s:
+            reported = st["reported_ts"]
+            if quiet > self.silent_s and (reported is None or now - float(reported) > self.repeat_s):
                 st["reported_ts"] = now
                 silent.append({"machine": machine, "job": job, "silent_s": round(quiet, 1),
                                "last_change_ts": st["changed_ts"]})
