@@ -25,7 +25,7 @@ test-fast: venv
 lint: venv
 	$(BIN)/ruff check .
 
-bench: venv  # about 2 hours on 2 cores; writes bench/results/*.json and the README's table
+bench: venv  # about 2.5 hours on 2 cores; writes bench/results/*.json and the README's table
 	$(BIN)/python bench/foundation.py --out bench/results/foundation.json $(ARGS)
 	$(BIN)/python bench/detection.py --out bench/results/detection.json $(ARGS)
 	$(BIN)/python bench/node_commands.py --out bench/results/node_commands.json $(ARGS)
@@ -33,6 +33,7 @@ bench: venv  # about 2 hours on 2 cores; writes bench/results/*.json and the REA
 	$(BIN)/python bench/recovery.py --out bench/results/recovery.json $(ARGS)
 	$(BIN)/python bench/operations.py --out bench/results/operations.json $(ARGS)
 	$(BIN)/python bench/campaign.py --out bench/results/campaign.json $(ARGS)
+	$(BIN)/python bench/chaos.py --out bench/results/chaos.json $(ARGS)
 	$(BIN)/python bench/table.py --update
 
 down: venv
