@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from bench.common import emulated_cluster, seconds_range, stop_on_sigterm, summarize, write_result
 from node_tools import cluster
 from node_tools.topology import Topology
 from operators.guarded import DEVICE_TRAIN_ARGS, FAULTS, NO_SCHEDULES, TOPOLOGY, Fault, GuardedJob
@@ -223,11 +223,11 @@ def main() -> int:
         print(f"--kinds: unknown fault kind {', '.join(unknown) or '(none given)'}; use some of {', '.join(FAULTS)}",
               file=sys.stderr)
         return 2
-    try:
-        lo, hi = (float(x) for x in args.quiet_s.split(","))
-    except ValueError:
-        print(f"--quiet-s {args.quiet_s!r}: write MIN,MAX seconds, e.g. 20,60", file=sys.stderr)
+    quiet_range = seconds_range(args.quiet_s)
+    if quiet_range is None:
+        print(f"--quiet-s {args.quiet_s!r}: write MIN,MAX seconds, MIN <= MAX, e.g. 20,60", file=sys.stderr)
         return 2
+    lo, hi = quiet_range
     n = 3 if args.quick else args.trials
     if args.quick:
         lo, hi = 10.0, 15.0

@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.campaign import balanced_draws
-from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from bench.common import emulated_cluster, seconds_range, stop_on_sigterm, summarize, write_result
 from node_tools import cluster, inject, procs
 from node_tools.alerts import Alert
 from node_tools.bus import open_bus
@@ -458,11 +458,11 @@ def main() -> int:
     if unknown:
         print(f"--scenarios: unknown {', '.join(unknown)}; use some of {', '.join(catalogue)}", file=sys.stderr)
         return 2
-    try:
-        lo, hi = (float(x) for x in args.quiet_s.split(","))
-    except ValueError:
-        print(f"--quiet-s {args.quiet_s!r}: write MIN,MAX seconds, e.g. 5,15", file=sys.stderr)
+    quiet_range = seconds_range(args.quiet_s)
+    if quiet_range is None:
+        print(f"--quiet-s {args.quiet_s!r}: write MIN,MAX seconds, MIN <= MAX, e.g. 5,15", file=sys.stderr)
         return 2
+    lo, hi = quiet_range
     n = 4 if args.quick else args.trials
     t_start = time.time()
     with emulated_cluster(SPEC, "tg-bench-chaos-") as (inv, home):

@@ -45,6 +45,15 @@ def write_result(name: str, *, quick: bool, setup: dict[str, Any], metrics: dict
     return text
 
 
+def seconds_range(text: str) -> tuple[float, float] | None:
+    """``MIN,MAX`` seconds (a quiet period's bounds), or None when the text is not that."""
+    try:
+        lo, hi = (float(x) for x in text.split(","))
+    except ValueError:
+        return None
+    return (lo, hi) if 0 <= lo <= hi else None
+
+
 def stop_on_sigterm() -> None:
     """A kill ends the run through its clean-up (Airflow, the job, the cluster's namespaces and mounts)."""
     import signal
