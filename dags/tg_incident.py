@@ -63,10 +63,10 @@ def tg_incident():
         return steps.close(params["incident_id"], decision, recovery, resume)
 
     @task(trigger_rule="all_done")
-    def rearm(recovery: dict | None = None) -> dict:
+    def rearm(recovery: dict | None = None, params: dict | None = None) -> dict:
         from operators.airflow import steps
 
-        return steps.rearm(recovery)
+        return steps.rearm(params["incident_id"], recovery)
 
     @task(trigger_rule="all_done")
     def outcome(params: dict | None = None) -> dict:

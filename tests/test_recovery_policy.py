@@ -356,3 +356,33 @@ def test_an_explicit_fault_that_joins_before_the_rung_acts_decides_the_incident(
     inc = c.fleet.incident(out["incident"])
     assert inc.category == "machine_fault" and inc.state == "resolved"
     assert c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]
+
+
+def test_an_update_that_skipped_its_rearm_for_an_open_incident_is_rearmed_when_that_incident_ends(
+        tmp_path, monkeypatch):
+    """A hot update consumed the job's warm interpreters while a slowdown's incident was open: the update's
+    run left the re-arm to the incident's run, which re-armed only after a restart of its own. The
+    incident closed without one, and the job's next restart would have started cold."""
+    from operators.airflow import steps
+
+    c, fleet = fleet_controller(tmp_path)
+    monkeypatch.setattr(steps, "controller", lambda **_: c)
+    c.fleet.set_job_state("j", "running")
+    [opened] = c.ingest([alert("rank_slow", "m1", rank=1)])
+    fleet.parked -= {"m0", "m1", "m2", "m3"}  # the update restarted the job on them
+    skipped = steps.code_rearm({"restarts": [{"job": "j"}]})["j"]
+    assert skipped == {"skipped": f"incident {opened['incident']} of job j is open; its run re-arms when it ends"}
+    assert not fleet.sent("standby", "park")
+    # a second incident opened before the first run's re-arm: that one re-arms when it ends, not both at once
+    c.close(opened["incident"], outcome="resolved", note="nothing evicted")
+    [second] = c.ingest([alert("kernel_xid", "m2", xid=79)])
+    assert second["incident"] != opened["incident"]
+    assert steps.rearm(opened["incident"], None) == {
+        "skipped": f"incident {second['incident']} of job j is open; its run re-arms when it ends"}
+    c.close(second["incident"], outcome="resolved", note="nothing evicted")
+    armed = steps.rearm(second["incident"], None)  # no restart in this run either
+    assert armed["parked"] == ["m0", "m1", "m2", "m3"] and armed["failed"] == {}
+    assert sorted(fleet.sent("standby", "park")) == ["m0", "m1", "m2", "m3"]
+    # repeating it parks nothing more
+    steps.rearm(second["incident"], None)
+    assert len(fleet.sent("standby", "park")) == 4

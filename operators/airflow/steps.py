@@ -395,11 +395,24 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
     return escalate(c, incident_id, "the incident's run ended without a recovery and the job does not train")
 
 
-def rearm(recovery: dict[str, Any] | None) -> dict[str, Any]:
-    """After a restart: warm interpreters again on every machine of the job, for the next one."""
-    if not recovery or not recovery.get("restarted"):
-        return {"skipped": True}
-    return controller().arm(recovery["job"])
+def _arm_unless_busy(c: Controller, job: str, *, own_incident: int | None = None) -> dict[str, Any]:
+    """Warm interpreters on every machine of a running job that has none ready, unless another incident of
+    the job is open: its own run re-arms when it ends (arming here would race its restart)."""
+    others = [i.id for i in c.fleet.incidents(job) if i.state in OPEN_INCIDENT_STATES and i.id != own_incident]
+    if others:
+        return {"skipped": f"incident {others[0]} of job {job} is open; its run re-arms when it ends"}
+    if c.fleet.job(job).state != "running":
+        return {"skipped": f"job {job} is {c.fleet.job(job).state}"}
+    return c.arm(job)
+
+
+def rearm(incident_id: int, recovery: dict[str, Any] | None) -> dict[str, Any]:
+    """When the incident's run ends: warm interpreters again on every machine of the job, for the next
+    restart (after this run's restart consumed them, or after another run skipped its re-arm while this
+    incident was open)."""
+    c = controller()
+    return _arm_unless_busy(c, (recovery or {}).get("job") or c.fleet.incident(incident_id).job,
+                            own_incident=incident_id)
 
 
 def outcome(incident_id: int) -> dict[str, Any]:
@@ -654,13 +667,7 @@ def code_rearm(update: dict[str, Any]) -> dict[str, Any]:
     """Warm interpreters again beside every restarted job (the update consumed them), unless an incident
     of the job is open: its own run re-arms after its recovery."""
     c = controller()
-    out: dict[str, Any] = {}
-    for r in update.get("restarts", []):
-        if any(i.state in OPEN_INCIDENT_STATES for i in c.fleet.incidents(r["job"])):
-            out[r["job"]] = {"skipped": "an incident of the job is open; it re-arms after its recovery"}
-        else:
-            out[r["job"]] = c.arm(r["job"])
-    return out
+    return {r["job"]: _arm_unless_busy(c, r["job"]) for r in update.get("restarts", [])}
 
 
 def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -> dict[str, Any]:
