@@ -300,7 +300,7 @@ class Chaos(GuardedJob):
             cluster.up(SPEC, self.inv.path.parent, log=lambda *_: None)  # sshd and agents back where they died
             self.park(broken)
             for name in broken:
-                self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
+                self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)", checked=True)
             done.append(f"repaired {', '.join(broken)}")
         if not self.ctl.trains(JOB, within_s=20):
             inc = _incident_by_hand(self.ctl, JOB, "the job restarted by hand after a chaos trial")

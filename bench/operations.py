@@ -112,7 +112,7 @@ class Bench:
                                         timeout=240)
         if not parked.ok:
             raise RuntimeError(f"parking {name} failed: {parked.describe()}")
-        self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
+        self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)", checked=True)
 
     def replace(self, *, warm: bool) -> None:
         """Node rank 1 of the job is replaced: by a parked standby, or by a machine provisioned on the spot
@@ -137,7 +137,7 @@ class Bench:
             if check["failed"]:
                 raise RuntimeError(f"provisioning {fresh} failed its self-check: {check['failed']}")
             check_s = check["seconds"]
-            self.ctl.fleet.transition(fresh, states.STANDBY, reason="self-check passed (not parked)")
+            self.ctl.fleet.transition(fresh, states.STANDBY, reason="self-check passed (not parked)", checked=True)
         inc, _ = self.ctl.fleet.open_incident(JOB, [], category="benchmark")
         self.ctl.evict(inc.id, [leaving], reason="benchmark: replace a machine")
         restart = self.ctl.recover(inc.id)
@@ -149,7 +149,7 @@ class Bench:
                   warm=restart["warm"], self_check_s=check_s)
         self.ctl.fleet.transition(leaving, states.REPAIR, reason="benchmark: replaced")
         for name in held:
-            self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
+            self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)", checked=True)
 
     # ---- verification ---------------------------------------------------------------------------------
     def verify(self) -> None:

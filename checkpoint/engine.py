@@ -60,7 +60,7 @@ import torch.distributed as dist
 from checkpoint import layout, wire
 from checkpoint import manifest as mf
 from checkpoint.config import CheckpointConfig
-from checkpoint.errors import CheckpointError, RestoreError, S3TierError
+from checkpoint.errors import UNRESTORABLE, CheckpointError, RestoreError, S3TierError
 from checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
 from checkpoint.s3 import open_tier
 from checkpoint.shards import MODEL_FILE, OPTIM_FILE, STATE_FILES, ShardLayout, StateReader, apply_state, meta_json
@@ -768,7 +768,7 @@ class Checkpointer:
             if plan is None:
                 why = explain(every, world_size=self.world, layout=self.layout_key, excluded=excluded)
                 raise RestoreError(
-                    f"checkpoint: {len(every)} copies found but no step can be restored on all {self.world} "
+                    f"checkpoint: {len(every)} {UNRESTORABLE} {self.world} "
                     f"ranks: {why}; see the lines above for damaged copies, or pass --no-restore to start "
                     f"from step 0")
             got, failures, lines = self._execute(plan)

@@ -14,6 +14,11 @@ class CheckpointError(TrainguardError):
     """A checkpoint could not be written, read or placed (bad configuration, unusable root)."""
 
 
+# The words of a RestoreError for copies that exist but make no complete step: the training script prints the
+# error on one line, and the node's log classifier names such an end by them (kind ``checkpoint_unrestorable``).
+UNRESTORABLE = "copies found but no step can be restored on all"
+
+
 class RestoreError(CheckpointError):
     """Copies exist but no step can be restored on every rank; the job must not start from scratch silently."""
 

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from checkpoint.errors import UNRESTORABLE
 from node_tools import job as jobmod
 from node_tools import monitor
 from node_tools.config import NodeConfig
@@ -68,6 +69,10 @@ PROGRAMMING_ERRORS = frozenset({
     "SyntaxError", "IndentationError", "RecursionError", "LookupError", "ArithmeticError", "StopIteration",
     "FileNotFoundError", "IsADirectoryError", "NotADirectoryError", "FileExistsError", "PermissionError",
 })
+
+# A rank that ended because no checkpoint step could be restored on every rank (class unknown: no machine's fault,
+# not the code's): the control plane rescues the missing copies before it restarts again.
+UNRESTORABLE_KIND = "checkpoint_unrestorable"
 
 # (kind, pattern). Checked in this order; the first match names the kind.
 INFRA_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple((kind, re.compile(rx, re.IGNORECASE)) for kind, rx in (
@@ -229,7 +234,8 @@ def classify(lines: list[str], job_roots: list[str], *, exitcode: int | None = N
 
     Returns ``{"class": "infrastructure"|"user_code"|"none"|"unknown", "kind": the
     infrastructure kind (oom, io, peer_connection, network, collective_timeout,
-    cuda, nccl, gloo, signal) or None, "evidence": the matched line or None,
+    cuda, nccl, gloo, signal), ``checkpoint_unrestorable`` (class unknown) or None,
+    "evidence": the matched line or None,
     "exception": {"type", "message", "file", "line", "function", "location"} of
     the exception that ended the rank (None without a traceback), "user_frame":
     "file:line" of the innermost frame in the job's own files (None if none)}``.
@@ -246,6 +252,10 @@ def classify(lines: list[str], job_roots: list[str], *, exitcode: int | None = N
     """
     text = [strip_prefix(line) for line in lines]
     result: dict[str, Any] = {"class": "none", "kind": None, "evidence": None, "exception": None, "user_frame": None}
+    # the checkpoint library refused to start from scratch (whatever lines about damaged copies came before)
+    unrestorable = next((line.strip() for line in text if UNRESTORABLE in line), None)
+    if unrestorable:
+        return result | {"class": "unknown", "kind": UNRESTORABLE_KIND, "evidence": unrestorable}
     chains = parse_tracebacks(text)
     if chains:
         chain = chains[-1]

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from node_tools import launcher
 from node_tools.errors import TrainguardError
 from node_tools.inventory import Inventory, Machine
+from node_tools.logs import UNRESTORABLE_KIND
 from node_tools.topology import Topology
 from node_tools.transport import RunResult, Transport, transport_for
 from operators.fleet import FleetStore, states
@@ -526,8 +527,7 @@ class Controller:
             ev = self.evict(incident_id, silent, reason=f"unreachable after the restart ({why[:200]})")
             return {"give_up": ev["reason"]} if ev.get("waiting_human") else \
                 {"did": "replaced unreachable " + ", ".join(f"{a} -> {b}" for a, b in (ev.get("swaps") or {}).items())}
-        text = json.dumps(logs) + why
-        if "no step can be restored" in text or "no usable copy" in text:
+        if any((doc or {}).get("verdict", {}).get("kind") == UNRESTORABLE_KIND for doc in logs.values()):
             evicted = sorted({m for a in self.fleet.actions(incident_id) if a.kind == "evict" and a.outcome == "done"
                               for m in a.machines})
             if not evicted:

@@ -170,7 +170,8 @@ class GuardedJob:
             self.ctl.fleet.transition(name, states.SELF_CHECK, reason="repaired")
         self.park(evicted)
         for name in evicted:
-            self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
+            self.ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)",
+                                      checked=True)
         return evicted
 
     def step(self) -> int:

@@ -112,7 +112,7 @@ def check(ctl: Controller, target: dict[str, Any]) -> dict[str, Any]:
     if failed:
         ctl.fleet.transition(name, states.REPAIR, reason=f"self-check failed: {failed}")
     else:
-        ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
+        ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)", checked=True)
     return {"machine": name, "why": target["why"], "healthy": not failed, "failed": failed,
             "state": ctl.fleet.machine(name).state, "seconds": round(time.time() - t0, 3)}
 

@@ -175,9 +175,9 @@ class FakeFleet(Transport):
         if cmd[0] == "logs":
             verdict = self.logs.get(name, {"class": self.log_verdict})
             if self.restore_fails and not self.rescued:
-                verdict = {"class": "unknown", "evidence": "gpt3d: error: checkpoint: 40 copies found but no step "
-                                                           "can be restored on all 8 ranks: newest step 238 has no "
-                                                           "usable copy for rank(s) [0, 1, 6, 7]"}
+                verdict = {"class": "unknown", "kind": "checkpoint_unrestorable",
+                           "evidence": "gpt3d: error: checkpoint: 40 copies found but no step can be restored on "
+                                       "all 8 ranks: newest step 238 has no usable copy for rank(s) [0, 1, 6, 7]"}
             return self._ok(name, argv, {"verdict": verdict})
         raise AssertionError(f"{name}: unexpected command {argv}")
 

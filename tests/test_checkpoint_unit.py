@@ -555,6 +555,12 @@ def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_p
     assert "rank 0 step 3 tier local: model.safetensors sha256 mismatch" in res.stderr
     assert "rank 0 step 1 tier local: optim.safetensors has" in res.stderr
     assert "Traceback" not in res.stderr
+    # the node's log classifier names this end by its kind, which the control plane acts on (a rescue)
+    from node_tools import logs
+
+    verdict = logs.classify(res.stderr.splitlines(), [str(REPO / "examples")], exitcode=res.returncode)
+    assert (verdict["class"], verdict["kind"]) == ("unknown", logs.UNRESTORABLE_KIND)
+    assert verdict["evidence"] == errors[0]
     # --no-restore starts over; --restore without any copy refuses
     res = _train(run, "--steps", "1", "--no-restore", "--no-checkpoint")
     assert res.returncode == 0 and "ckpt_saved" not in read_steps(run, 0)[-1]

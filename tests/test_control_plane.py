@@ -195,7 +195,7 @@ def _repair(ctl: Controller, inv: Inventory, name: str) -> None:
     parked = transport_for(inv).run(inv.machine(name), [inv.tg_node, "standby", "park", "--nproc", "2"],
                                     timeout=240)
     assert parked.ok, parked.describe()
-    ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)")
+    ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)", checked=True)
 
 
 def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(control, cp_cluster: Inventory):

@@ -63,7 +63,7 @@ def test_machine_states_follow_the_state_machine_and_repeats_are_no_ops(store: F
     store.transition("m0", states.EVICTED, reason="evicted from j: xid")
     store.transition("m0", states.REPAIR, reason="ticket")
     store.transition("m0", states.SELF_CHECK, reason="repaired")
-    store.transition("m0", states.STANDBY, reason="self-check passed (L2)")
+    store.transition("m0", states.STANDBY, reason="self-check passed (L2)", checked=True)
     m0 = store.machine("m0")
     assert m0.evictions == 1 and m0.job is None and m0.checked_ts is not None
     assert [(e.from_state, e.to_state) for e in store.events("m0")] == [
@@ -190,3 +190,53 @@ def test_checkpoints_and_ettr_events(store: FleetStore):
     with pytest.raises(FleetError, match="ends before it starts"):
         store.add_ettr("j", "lost_work", 5.0, 4.0)
     assert [e.kind for e in store.ettr_events("j")] == ["productive"]
+
+
+def test_the_eviction_breaker_counts_by_job_not_by_the_reasons_wording(tmp_path: Path):
+    """It counted ``LIKE 'evicted from {job}:%'`` over free text: ``_`` in a job name is a wildcard, so the
+    evictions of job ``axb`` counted against job ``a_b``."""
+    s = FleetStore(tmp_path / "fleet.db")
+    for i in range(6):
+        s.register_machine(f"m{i}", address=f"10.0.0.{i + 1}", state=states.STANDBY)
+    s.upsert_job("a_b", tp=1, pp=1, dp=2, ranks_per_machine=1, machines=["m0", "m1"], revision="r1")
+    s.upsert_job("axb", tp=1, pp=1, dp=2, ranks_per_machine=1, machines=["m2", "m3"], revision="r1")
+    s.swap("axb", {"m2": "m4"}, reason="evicted from a_b: a reason that names another job")
+    assert s.evicted_recently("a_b", 60) == set()
+    assert s.evicted_recently("axb", 60) == {"m2"}
+    s.swap("a_b", {"m0": "m5"}, reason="xid 79")
+    assert s.evicted_recently("a_b", 60) == {"m0"} and s.evicted_recently("axb", 60) == {"m2"}
+
+
+def test_a_standby_is_marked_checked_by_its_check_not_by_the_words_of_its_reason(store: FleetStore):
+    store.transition("m4", states.SELF_CHECK, reason="pool")
+    store.transition("m4", states.STANDBY, reason="self-check passed (a reason worded by hand)")
+    assert store.machine("m4").checked_ts is None
+    store.transition("m5", states.SELF_CHECK, reason="pool")
+    store.transition("m5", states.STANDBY, reason="L1, L2 and L3 ok", checked=True)
+    assert store.machine("m5").checked_ts is not None
+
+
+def test_migration_3_gives_events_recorded_before_it_their_job(tmp_path: Path):
+    from operators.fleet import migrations
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    with engine.begin() as conn:  # a database of the release before migration 3, with a swap in it
+        migrations.VERSION_TABLE.create(conn)
+        ops = migrations.Operations(MigrationContext.configure(conn))
+        for version, description, step in migrations.MIGRATIONS[:2]:
+            step(ops)
+            conn.execute(VERSION_TABLE.insert().values(version=version, description=description, applied_ts=0.0))
+        conn.execute(sa.text("INSERT INTO jobs VALUES ('a_b', 1, 1, 2, 1, '[]', 'running', 'r0', NULL, '[]', 0, 0)"))
+        conn.execute(sa.text("INSERT INTO jobs VALUES ('a', 1, 1, 2, 1, '[]', 'running', 'r0', NULL, '[]', 0, 0)"))
+        for machine in ("m0", "m1", "m2"):
+            conn.execute(sa.text("INSERT INTO machines VALUES (:m, '', 'evicted', 0, NULL, '', 1, NULL)"),
+                         {"m": machine})
+        for i, (machine, reason) in enumerate([("m0", "evicted from a_b: xid 79"), ("m1", "replaces m0 in a_b"),
+                                               ("m2", "evicted from a: lost"), ("m2", "sent to repair")]):
+            conn.execute(sa.text("INSERT INTO machine_events (id, machine, from_state, to_state, ts, reason) "
+                                 "VALUES (:i, :m, 'active', 'evicted', 0, :r)"),
+                         {"i": i + 1, "m": machine, "r": reason})
+    assert migrate(engine) == [3]
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT id, job FROM machine_events ORDER BY id")).all()
+    assert [tuple(r) for r in rows] == [(1, "a_b"), (2, "a_b"), (3, "a"), (4, None)]

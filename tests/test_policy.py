@@ -65,6 +65,19 @@ def test_a_network_fault_is_evicted_when_it_repeats_within_five_minutes():
     assert t.category == "crash"
 
 
+def test_the_network_decision_reads_the_triages_finding_not_its_wording():
+    """Evict vs tolerate was chosen by the word "repeated" in the human-readable reason."""
+    import dataclasses
+
+    first = alert("nic_down", "m2", ts=1000.0)
+    repeated = ladder.triage("j", [alert("nic_errors", "m2", ts=1200.0)], job_machines=JOB, network_history=[first])
+    assert repeated.repeated and ladder.decide(dataclasses.replace(repeated, reason="m2 again")).action == "evict"
+    once = ladder.triage("j", [first], job_machines=JOB)
+    assert not once.repeated
+    reworded = dataclasses.replace(once, reason="not repeated yet: tolerated")
+    assert ladder.decide(reworded).action == "tolerate"
+
+
 def test_the_crash_ladder_escalates_with_each_failed_recovery():
     t = ladder.triage("j", [alert("rank_exit", "m0", 0)], job_machines=JOB)
     d = ladder.decide(t, level=0)

@@ -247,11 +247,13 @@ def test_stack_signature_ignores_lines_and_directories():
 @pytest.fixture
 def sleeper(tmp_path):
     script = tmp_path / "sleeper.py"
-    script.write_text("import time\n\n\ndef wait_here():\n    time.sleep(120)\n\n\nprint('ready', flush=True)\n"
+    script.write_text("import time\n\n\ndef wait_here():\n    print('ready', flush=True)\n    time.sleep(120)\n\n\n"
                       "wait_here()\n")
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout.readline() == "ready\n"
+        # asleep in time.sleep (between its print and the sleep it runs: a stop then would land on line 5)
+        wait_until(lambda: procs.proc_state(proc.pid) == "S", timeout=10, what="the sleeper to sleep", interval=0.01)
         yield proc.pid
     finally:
         proc.kill()  # SIGKILL ends a stopped process too
@@ -266,7 +268,7 @@ def test_a_stopped_process_is_dumped_without_pausing_and_stays_stopped(sleeper):
     assert got["error"] is None and got["mode"] == "nonblocking" and got["process_state"] == "T"
     assert "Python frames only" in got["note"]  # py-spy takes native frames only by pausing (ptrace)
     frames = got["threads"][0]["frames"]
-    assert [f["name"] for f in frames] == ["wait_here", "<module>"] and frames[0]["line"] == 5
+    assert [f["name"] for f in frames] == ["wait_here", "<module>"] and frames[0]["line"] == 6
     assert procs.proc_state(sleeper) == "T"
 
 

@@ -119,9 +119,26 @@ def _v2(op: Operations) -> None:
         col("detail", sa.JSON, nullable=False))
 
 
+def _v3(op: Operations) -> None:
+    """Each machine event names the job the machine left or joined (the eviction breaker counts by it, not
+    by the reason's wording); events recorded before it get theirs from the reason it was written with."""
+    op.add_column("machine_events", sa.Column("job", sa.String(128), nullable=True))
+    op.create_index("ix_machine_events_job", "machine_events", ["job"])
+    conn = op.get_bind()
+    events = sa.table("machine_events", sa.column("id", sa.Integer), sa.column("reason", sa.Text),
+                      sa.column("job", sa.String(128)))
+    jobs = sorted((row[0] for row in conn.execute(sa.text("SELECT name FROM jobs"))), key=len, reverse=True)
+    for row in conn.execute(sa.select(events.c.id, events.c.reason)).all():
+        job = next((j for j in jobs if row.reason.startswith(f"evicted from {j}: ") or row.reason == f"serves job {j}"
+                    or (row.reason.startswith("replaces ") and row.reason.endswith(f" in {j}"))), None)
+        if job is not None:
+            conn.execute(events.update().where(events.c.id == row.id).values(job=job))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Operations], None]]] = [
     (1, "initial schema", _v1),
     (2, "bus cursor, quarantined alerts, agent liveness, components", _v2),
+    (3, "machine events name their job", _v3),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -45,6 +45,7 @@ class MachineEvent(Base):
     ts: Mapped[float] = mapped_column(Float)
     reason: Mapped[str] = mapped_column(Text, default="")
     incident_id: Mapped[int | None] = mapped_column(Integer, ForeignKey("incidents.id"), nullable=True)
+    job: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)  # the job it left or served
 
 
 class Job(Base):

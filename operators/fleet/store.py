@@ -142,7 +142,8 @@ class FleetStore:
                 q = q.where(Machine.job == job)
             return list(s.scalars(q))
 
-    def _move(self, s: Session, m: Machine, to_state: str, reason: str, incident_id: int | None) -> bool:
+    def _move(self, s: Session, m: Machine, to_state: str, reason: str, incident_id: int | None, *,
+              job: str | None = None, checked: bool = False) -> bool:
         if m.state == to_state:
             return False
         if not states.allowed(m.state, to_state):
@@ -150,20 +151,23 @@ class FleetStore:
                              f"{', '.join(sorted(states.TRANSITIONS[m.state])) or 'none'}")
         now = self.clock()
         s.add(MachineEvent(machine=m.name, from_state=m.state, to_state=to_state, ts=now, reason=reason,
-                           incident_id=incident_id))
+                           incident_id=incident_id, job=job or m.job))
         m.state, m.state_since, m.reason = to_state, now, reason
         if to_state == states.EVICTED:
             m.evictions += 1
         if to_state in (states.EVICTED, states.STANDBY, states.REPAIR, states.RETIRED, states.SELF_CHECK):
             m.job = None
-        if to_state == states.STANDBY and reason.startswith("self-check passed"):
+        if checked and to_state == states.STANDBY:
             m.checked_ts = now
         return True
 
-    def transition(self, name: str, to_state: str, *, reason: str, incident_id: int | None = None) -> bool:
-        """Move a machine to ``to_state``. Already there: no-op (False). Not allowed: FleetError."""
+    def transition(self, name: str, to_state: str, *, reason: str, incident_id: int | None = None,
+                   checked: bool = False) -> bool:
+        """Move a machine to ``to_state``. Already there: no-op (False). Not allowed: FleetError.
+        ``checked``: a standby that has just passed its self-check (its ``checked_ts`` is now)."""
         with self.tx() as s:
-            return self._move(s, self._required(s, Machine, name, lock=True), to_state, reason, incident_id)
+            return self._move(s, self._required(s, Machine, name, lock=True), to_state, reason, incident_id,
+                              checked=checked)
 
     def events(self, name: str) -> list[MachineEvent]:
         with self.tx() as s:
@@ -199,7 +203,7 @@ class FleetStore:
                     raise FleetError(f"job {name}: machine {mname} is not in the fleet database", exit_code=2)
                 if m.job not in (None, name):
                     raise FleetError(f"job {name}: machine {mname} already serves job {m.job}")
-                self._move(s, m, states.ACTIVE, f"serves job {name}", None)
+                self._move(s, m, states.ACTIVE, f"serves job {name}", None, job=name)
                 m.job = name
             if revision:
                 s.add(Revision(job=name, revision=revision, recorded_ts=now, known_good=False,
@@ -241,7 +245,7 @@ class FleetStore:
                     state = m_new.state if m_new else "unknown"
                     raise FleetError(f"machine {new} cannot replace {old}: it is {state}, not a standby")
                 assert m_old is not None
-                self._move(s, m_old, states.EVICTED, f"evicted from {job}: {reason}", incident_id)
+                self._move(s, m_old, states.EVICTED, f"evicted from {job}: {reason}", incident_id, job=job)
                 self._move(s, m_new, states.ACTIVE, f"replaces {old} in {job}", incident_id)
                 m_new.job = job
                 order[order.index(old)] = new
@@ -496,8 +500,7 @@ class FleetStore:
         since = self.clock() - window_s
         with self.tx() as s:
             q = (select(MachineEvent.machine).where(MachineEvent.to_state == states.EVICTED,
-                                                    MachineEvent.ts >= since,
-                                                    MachineEvent.reason.like(f"evicted from {job}:%")))
+                                                    MachineEvent.ts >= since, MachineEvent.job == job))
             return set(s.scalars(q))
 
     # ---- checkpoints, ETTR ---------------------------------------------------------------------

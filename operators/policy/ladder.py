@@ -65,6 +65,7 @@ class Triage:
     ranks: tuple[int, ...] = ()
     reason: str = ""
     alert_kinds: tuple[str, ...] = ()
+    repeated: bool = False  # network: the implicated machines' faults repeated within the window
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def triage(job: str, batch: Sequence[Mapping[str, Any]], *, job_machines: Sequen
             if culprits:
                 return Triage(job, cat, culprits, ranks,
                               f"network fault repeated on {', '.join(culprits)} within "
-                              f"{NETWORK_REPEAT_WINDOW_S:.0f}s", kinds)
+                              f"{NETWORK_REPEAT_WINDOW_S:.0f}s", kinds, repeated=True)
             if any(k in by_cat for k in ("crash", "hang", "nan", "sdc")):
                 continue  # a first network blip that also broke the job: handle the breakage
             return Triage(job, cat, machines, ranks, "first network alert: tolerated until it repeats", kinds)
@@ -188,7 +189,7 @@ def decide(t: Triage, *, level: int = 0, log_verdict: str = "", rollback_to: str
     if t.category == "machine_fault":
         return Decision("evict", t.machines, t.reason)
     if t.category == "network":
-        if "repeated" in t.reason:
+        if t.repeated:
             return Decision("evict", t.machines, t.reason)
         return Decision("tolerate", t.machines, t.reason)
     if t.category == "observe":
