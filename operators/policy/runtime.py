@@ -3,8 +3,9 @@
 Input: ``tg-node stacks`` documents of every machine of the job (each rank's main-thread frames, and
 its collective counters from the heartbeat). Each rank's stack becomes a normalised signature
 (:func:`node_tools.stacks.stack_signature`: function and file names, no lines or addresses); the
-signatures are grouped with scikit-learn (``DBSCAN`` over one-hot frame vectors with the Hamming
-distance, ``eps`` 0: identical stacks group together, anything else stands apart). The largest group is
+signatures are grouped: equal ones by a dict, then the few distinct ones with scikit-learn (``DBSCAN`` over
+their sets of frames, Jaccard distance ``eps`` 0: stacks through the same functions in another order or
+depth merge, a function only some ranks are in stands apart). The largest group is
 the healthy behaviour (1,000 ranks waiting in the same all-reduce); ranks in minority groups are the
 outliers, and so are ranks whose collective counters lag behind the rest (a rank stuck before a
 collective the others already entered). A rank whose stack could not be taken at all is an outlier too.
@@ -113,16 +114,30 @@ def preload() -> None:
 
 
 def group_stacks(signatures: Sequence[str]) -> list[int]:
-    """Cluster labels for ``signatures``: equal signatures share a label (scikit-learn DBSCAN over one-hot
-    frame vectors, Hamming distance, eps 0, min_samples 1)."""
+    """Group labels for ``signatures``: equal signatures share a label (a dict, linear in ranks), then the few
+    distinct ones that are near-identical merge (:func:`merge_signatures`). Labels are dense, from 0."""
+    exact: dict[str, int] = {}
+    labels = [exact.setdefault(sig, len(exact)) for sig in signatures]
+    if len(exact) < 2:
+        return labels
+    merged = merge_signatures(list(exact))
+    return [merged[label] for label in labels]
+
+
+def merge_signatures(distinct: Sequence[str]) -> list[int]:
+    """A label per distinct signature: scikit-learn's DBSCAN over each signature's set of frames (one-hot,
+    Jaccard distance, eps 0, min_samples 1), so signatures that call the same functions and differ only in
+    their order or in how often a frame repeats (a recursion's depth, a re-entered wrapper) merge, and a
+    function only some of them are in keeps them apart. It runs over the distinct signatures only: a few,
+    however many ranks share them."""
     from sklearn.cluster import DBSCAN
     from sklearn.feature_extraction import DictVectorizer
 
-    if not signatures:
-        return []
-    rows = [{f"{i}:{frame}": 1 for i, frame in enumerate(sig.split(" < "))} for sig in signatures]
+    rows = [dict.fromkeys(sig.split(" < "), 1) for sig in distinct]
     vectors = DictVectorizer(sparse=False).fit_transform(rows) > 0
-    return [int(x) for x in DBSCAN(eps=1e-9, min_samples=1, metric="hamming").fit_predict(vectors)]
+    raw = DBSCAN(eps=1e-9, min_samples=1, metric="jaccard").fit_predict(vectors)
+    dense: dict[int, int] = {}
+    return [dense.setdefault(int(x), len(dense)) for x in raw]
 
 
 def _lagging(stacks: Sequence[RankStack]) -> dict[int, str]:
@@ -174,9 +189,10 @@ def analyze(topo: Topology, stacks: Sequence[RankStack], *, named: Sequence[int]
     groups = sorted(members.values(), key=lambda g: (-len(g), g))
     reasons: dict[int, str] = {}
     if len(groups) > 1 and len(groups[0]) > len(groups[1]):  # a clear majority behaviour
-        majority = {s.signature for s in stacks if s.rank in groups[0]}.pop()
+        in_majority = set(groups[0])
+        majority = next(s.signature for s in stacks if s.rank in in_majority)
         for s in stacks:
-            if s.rank not in groups[0]:
+            if s.rank not in in_majority:
                 reasons[s.rank] = "no stack could be taken" if s.signature == MISSING else \
                     f"stack differs from the {len(groups[0])} others' ({s.signature[:160]} vs {majority[:160]})"
     for s in stacks:
