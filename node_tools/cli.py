@@ -1,8 +1,8 @@
 """``tg-node``: the node-side command line. Every command prints one JSON document.
 
 Exit codes: 0 success/healthy, 1 unhealthy (with reasons), 2 could not run
-(bad input, missing prerequisite), 3 refused. On exit 2 the document is
-``{"error": "...one line..."}``.
+(bad input, missing prerequisite), 3 refused, 130 interrupted (Ctrl-C). On exit 2 or
+130 the document is ``{"error": "...one line..."}``.
 
 Commands::
 
@@ -43,7 +43,7 @@ from typing import Any
 
 from node_tools import __version__
 from node_tools.cliutil import OneLineParser, key_values
-from node_tools.errors import EXIT_OK, EXIT_USAGE, TrainguardError
+from node_tools.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TrainguardError
 
 
 def _job_start_args(js: argparse.ArgumentParser) -> None:
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({exc.filename})" if exc.filename else ""
         code, document = EXIT_USAGE, {"error": f"{exc.strerror or exc}{where}"}
     except KeyboardInterrupt:
-        code, document = EXIT_USAGE, {"error": "interrupted"}
+        code, document = EXIT_INTERRUPTED, {"error": "interrupted"}
     json.dump(document, sys.stdout, indent=None, separators=(",", ":"), default=str)
     sys.stdout.write("\n")
     return code

@@ -20,6 +20,7 @@ EXIT_OK = 0
 EXIT_UNHEALTHY = 1
 EXIT_USAGE = 2
 EXIT_REFUSED = 3
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 class TrainguardError(Exception):

@@ -32,10 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from node_tools.cliutil import OneLineParser, key_values
-from node_tools.errors import EXIT_OK, TrainguardError
-
-EXIT_INTERRUPTED = 130
-
+from node_tools.errors import EXIT_INTERRUPTED, EXIT_OK, TrainguardError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     csub.add_parser("status", help="machines, roles and reachability")
 
     ip = sub.add_parser("inject", help="inject a real fault into a machine or rank")
-    ip.add_argument("--machine", required=True)
+    ip.add_argument("--list", action="store_true", help="list the fault kinds, their targets and parameters")
+    ip.add_argument("--machine")
     ip.add_argument("--fault", help="fault kind (see 'trainguard inject --list')")
     ip.add_argument("--rank", type=int)
     ip.add_argument("--job")
@@ -184,8 +182,18 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    from node_tools import inject
+    from node_tools import faults, inject
 
+    if args.list:
+        kinds = [{"kind": f.name, "target": f.target, "summary": f.summary, "params": dict(f.params)}
+                 for f in faults.FAULT_KINDS.values()]
+        _print(args, kinds, "\n".join(
+            f"{k['kind']:16} {k['target']:8} {k['summary']}"
+            + (f" (params: {', '.join(f'{n}={v}' for n, v in k['params'].items())})" if k["params"] else "")
+            for k in kinds))
+        return EXIT_OK
+    if not args.machine:
+        raise TrainguardError("inject needs --machine NAME (or --list for the fault kinds)")
     inv = _inventory(args)
     if args.clear:
         doc = inject.clear(inv, args.machine, args.fault)

@@ -122,3 +122,14 @@ def test_os_errors_are_one_line_json(node, capsys, monkeypatch):
     monkeypatch.setattr(job, "status", full)
     code, doc = run(capsys, "job", "status", "--job", "x")
     assert code == 2 and doc["error"] == "No space left on device (/disk/jobs/x/job.json)"
+
+
+def test_ctrl_c_is_exit_130_with_a_one_line_error(node, capsys, monkeypatch):
+    """The README documents 130 for an interrupted command, everywhere; tg-node answered 2."""
+    from node_tools import job
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(job, "status", interrupted)
+    assert run(capsys, "job", "status", "--job", "x") == (130, {"error": "interrupted"})
