@@ -19,8 +19,8 @@ test: venv
 	$(BIN)/ruff check .
 	$(BIN)/pytest $(ARGS)
 
-test-fast: venv
-	$(BIN)/pytest -m "not slow" $(ARGS)
+test-fast: venv  # unit tests only: no cluster, no Airflow
+	$(BIN)/pytest -m "not slow and not cluster and not airflow" $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check .

@@ -16,9 +16,8 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from node_tools import launcher
 from node_tools.errors import TrainguardError
@@ -29,6 +28,7 @@ from node_tools.transport import RunResult, Transport, transport_for
 from operators.fleet import FleetStore, states
 from operators.fleet.store import OPEN_INCIDENT_STATES
 from operators.policy import ettr, ladder, runtime, sdc
+from operators.settings import ControlSettings
 
 ROLE_STATE = {"active": states.STANDBY, "standby": states.STANDBY, "free": states.PROVISIONING,
               "evicted": states.REPAIR}
@@ -37,93 +37,8 @@ PORT_SPAN = 400
 REPLAY_PORT_BASE = 29900  # a replay's groups rendezvous on 29900.. (the job uses 29400..29799)
 
 
-@dataclass
-class ControlConfig:
-    """Settings of the control plane (the environment of the Airflow processes: see :meth:`from_env`).
-
-    Attributes:
-        fleet_url: the fleet database (a SQLite path or a SQLAlchemy URL).
-        inventory: the inventory file.
-        dry_run: record every decision, act on nothing.
-        breaker_share: at most this share of a job's machines evicted automatically per window.
-        breaker_window_s: the breaker's window, seconds.
-        resume_timeout_s: how long recovery waits for training to pass the restored step, seconds.
-        diag_timeout_s: per diagnostic level, seconds.
-        diag_concurrency: machines diagnosed at once (L3 pairs count as their machines), so that diagnosis
-            does not measure the load of diagnosis itself.
-        escalation_window_s: a failure this soon after the job's last recovery climbs the ladder, seconds.
-        slow_rounds: rounds of the fail-slow vote (ByteRobust: 5).
-        slow_interval_s: seconds between the vote's rounds (ByteRobust: 10).
-        slow_factor: a rank whose recent compute time is above this multiple of its stage's median is flagged
-            in a round of the vote.
-        stop_grace_s: a stopped job's processes get this long after SIGTERM before SIGKILL, seconds.
-        repeat_window_s: failures of one machine within this window count towards a repeat offender, seconds.
-        repeat_count: a machine implicated in this many incidents within the window (each diagnosis clean, it
-            stayed) is swapped out at its next failure.
-        restart_attempts: restarts of an incident's recovery (another standby, another copy, an older step)
-            before it waits for a human.
-    """
-
-    fleet_url: str
-    inventory: str
-    dry_run: bool = False
-    breaker_share: float = 0.5
-    breaker_window_s: float = 3600.0
-    resume_timeout_s: float = 300.0
-    diag_timeout_s: float = 120.0
-    diag_concurrency: int = 8
-    escalation_window_s: float = 1800.0
-    slow_rounds: int = 5
-    slow_interval_s: float = 10.0
-    slow_factor: float = 1.25
-    stop_grace_s: float = 5.0
-    repeat_window_s: float = 3600.0
-    repeat_count: int = 2
-    restart_attempts: int = 3
-
-    #: setting -> (environment variable, type, lowest allowed value)
-    ENV: ClassVar[dict[str, tuple[str, type, float]]] = {
-        "breaker_share": ("TG_BREAKER_SHARE", float, 0.0),
-        "breaker_window_s": ("TG_BREAKER_WINDOW_S", float, 0.0),
-        "resume_timeout_s": ("TG_RESUME_TIMEOUT_S", float, 1.0),
-        "diag_timeout_s": ("TG_DIAG_TIMEOUT_S", float, 1.0),
-        "diag_concurrency": ("TG_DIAG_CONCURRENCY", int, 2),
-        "escalation_window_s": ("TG_ESCALATION_WINDOW_S", float, 0.0),
-        "slow_rounds": ("TG_SLOW_ROUNDS", int, 1),
-        "slow_interval_s": ("TG_SLOW_INTERVAL_S", float, 0.0),
-        "slow_factor": ("TG_SLOW_FACTOR", float, 1.0),
-        "stop_grace_s": ("TG_STOP_GRACE_S", float, 0.0),
-        "repeat_window_s": ("TG_REPEAT_WINDOW_S", float, 0.0),
-        "repeat_count": ("TG_REPEAT_COUNT", int, 1),
-        "restart_attempts": ("TG_RESTART_ATTEMPTS", int, 1),
-    }
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> ControlConfig:
-        """From ``TG_FLEET_URL``, ``TG_INVENTORY``, ``TG_DRY_RUN`` and the variables of :data:`ENV` in ``env``
-        (default: this process's environment); ``overrides`` win. A value that is not a number, or below
-        its lowest, is a one-line error naming the variable."""
-        env = os.environ if env is None else env
-        values: dict[str, Any] = {
-            "fleet_url": env.get("TG_FLEET_URL", ".tg/fleet.db"),
-            "inventory": env.get("TG_INVENTORY", ".tg/cluster/inventory.json"),
-            "dry_run": env.get("TG_DRY_RUN", "").lower() in ("1", "true", "yes"),
-        }
-        for name, (var, kind, lowest) in cls.ENV.items():
-            raw = env.get(var, "")
-            if not raw:
-                continue
-            try:
-                value = kind(raw)
-            except ValueError:
-                raise TrainguardError(f"{var}={raw!r} is not {'a whole number' if kind is int else 'a number'}; "
-                                      f"unset it for the default ({getattr(cls, name)})", exit_code=2) from None
-            if value < lowest:
-                raise TrainguardError(f"{var}={raw} is below {lowest:g}; unset it for the default "
-                                      f"({getattr(cls, name)})", exit_code=2)
-            values[name] = value
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+# The control plane's settings (one typed, bounded object read from TG_* variables): see operators.settings.
+ControlConfig = ControlSettings
 
 
 class Controller:

@@ -32,8 +32,8 @@ from airflow.sdk import BaseSensorOperator
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
 from operators.policy import ladder
+from operators.settings import DEFAULT_SETTLE_S, ControlSettings
 
-DEFAULT_SETTLE_S = 3.0
 DEFAULT_POLL_S = 0.25
 DEFAULT_RETAIN_S = 600.0
 GUARDIAN = "guardian"
@@ -175,33 +175,15 @@ class AlertTrigger(BaseTrigger):
         yield TriggerEvent(watch.event(batch, first_seen))
 
 
-def _seconds_from_env(env: Any, name: str, default: float, example: str, allowed: Any, rule: str) -> float:
-    """A number of seconds from ``env[name]`` (``default`` when unset); a value that is not a number, or that
-    ``allowed`` refuses, is a one-line error naming the variable (``rule``: what is allowed)."""
-    env = os.environ if env is None else env
-    raw = env.get(name, "")
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds; set it to e.g. {example}") from None
-    if not allowed(value):
-        raise ValueError(f"{name}={raw} {rule}; set it to e.g. {example}")
-    return value
-
-
 def settle_from_env(env: Any = None) -> float:
     """``TG_ALERT_SETTLE_S`` (default 3 s): how long a batch keeps collecting after its first alert."""
-    return _seconds_from_env(env, "TG_ALERT_SETTLE_S", DEFAULT_SETTLE_S, "3", lambda v: 0 <= v <= 60,
-                             "is outside 0..60 s")
+    return ControlSettings.from_env(env).alert_settle_s
 
 
 def silent_from_env(env: Any = None) -> float:
     """``TG_AGENT_SILENT_S`` (default 15 s): an agent of a running job silent this long is an incident;
     0 switches the watch off."""
-    from operators.policy.liveness import DEFAULT_SILENT_S
-
-    return _seconds_from_env(env, "TG_AGENT_SILENT_S", DEFAULT_SILENT_S, "15", lambda v: v == 0 or v >= 5,
-                             "must be 0 (off) or at least 5 s (agents beat every 2 s)")
+    return ControlSettings.from_env(env).agent_silent_s
 
 
 class AlertSensor(BaseSensorOperator):

@@ -1,6 +1,6 @@
 """The bodies of the control plane's DAG tasks: each takes and returns JSON-able dicts, so the DAG
 files stay wiring. Configuration comes from the environment of the Airflow processes (``TG_FLEET_URL``,
-``TG_INVENTORY``, ``TG_DRY_RUN`` ...; see :class:`operators.control.ControlConfig`), SSH credentials
+``TG_INVENTORY``, ``TG_DRY_RUN`` ...; see :class:`operators.settings.ControlSettings`), SSH credentials
 from the Airflow connection ``tg_ssh`` (or the inventory), through :class:`NodeHook`.
 """
 
@@ -637,8 +637,7 @@ def code_update(job: str, revision: str, urgency: str, reason: str) -> dict[str,
 
     c = controller()
     if not job:
-        swept = code_updates.sweep(c, force_after_s=float(os.environ.get("TG_LAZY_FORCE_S", "86400")),
-                                   known_good_steps=int(os.environ.get("TG_KNOWN_GOOD_STEPS", "200")))
+        swept = code_updates.sweep(c, force_after_s=c.cfg.lazy_force_s, known_good_steps=c.cfg.known_good_steps)
         forced = [dict(f["forced"]) for f in swept.values() if f.get("forced", {}).get("restarted")]
         return {"sweep": swept, "restarted": bool(forced), "restarts": forced}
     out = code_updates.request(c, job, revision, urgency, reason)
