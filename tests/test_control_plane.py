@@ -74,6 +74,11 @@ def control(cp_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
                                   timeout=240)
         assert all(r.ok for r in parked.values()), {n: r.describe() for n, r in parked.items()}
         airflow.start()
+        # the job every scenario guards, launched here so that any scenario runs alone (pytest -k)
+        active = [m.name for m in cp_cluster.by_role("active")]
+        launched = ctl.launch_job(JOB, TOPO, active, train_args=TRAIN)
+        assert launched["armed"] == {"parked": active, "failed": {}}, launched
+        wait_until(lambda: ctl.progress(JOB)["step"] >= 4, timeout=180, what="the guarded job to train 5 steps")
         yield ctl, airflow
     finally:
         airflow.stop()
@@ -200,15 +205,12 @@ def _repair(ctl: Controller, inv: Inventory, name: str) -> None:
 
 def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(control, cp_cluster: Inventory):
     ctl, airflow = control
-    active = [m.name for m in cp_cluster.by_role("active")]
-    launched = ctl.launch_job(JOB, TOPO, active, train_args=TRAIN)
-    assert launched["armed"] == {"parked": active, "failed": {}}
-    wait_until(lambda: ctl.progress(JOB)["step"] >= 4, timeout=180, what="the guarded job to train 5 steps")
-
+    assert ctl.fleet.job(JOB).machine_list == ["m0", "m1", "m2", "m3"]  # the fixture's launch, untouched
+    last = _last_incident(ctl)
     t_fault = time.time()
     inject.inject(cp_cluster, "m1", "gpu_lost")
     try:
-        inc = wait_until(lambda: _incident_done(ctl, 0), timeout=240, interval=1.0,
+        inc = wait_until(lambda: _incident_done(ctl, last), timeout=240, interval=1.0,
                          what=f"the incident to close (runs: {[r['state'] for r in airflow.runs('tg_incident')]})")
     finally:
         inject.clear(cp_cluster, "m1", "gpu_lost")
@@ -223,7 +225,7 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
     assert ctl.fleet.machine(job.machine_list[1]).state == states.ACTIVE
     # training resumed from the newest committed checkpoint, losing at most one step
     assert inc.resumed_ts is not None and inc.lost_steps is not None and inc.lost_steps <= 1, ctl.timeline(inc.id)
-    run = airflow.runs("tg_incident")[0]
+    run = airflow.incident_run(inc.id)
     tasks = airflow.task_states("tg_incident", run["dag_run_id"])
     assert tasks["evict_now"] == "success" and tasks["stop_time_diagnosis"] == "skipped", tasks
     # the run's note in the UI says it in one line (its last task sets it)
