@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from checkpoint.files import write_json_atomic
 from checkpoint.manifest import MANIFEST
 
 TIERS = ("local", "replica")
@@ -167,11 +168,7 @@ def clean_temporaries(root: Path) -> int:
 
 def write_json(path: Path, doc: dict[str, Any]) -> None:
     """A small JSON file written atomically (marker files, reports)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(doc, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(path, doc, sort_keys=True)
 
 
 def write_marker(copy: Path, name: str, doc: dict[str, Any]) -> bool:
@@ -180,10 +177,8 @@ def write_marker(copy: Path, name: str, doc: dict[str, Any]) -> bool:
     copy = Path(copy)
     if not (copy / MANIFEST).exists():
         return False
-    tmp = copy / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
-        tmp.write_text(json.dumps(doc, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, copy / name)
+        write_json_atomic(copy / name, doc, sort_keys=True, make_parent=False)
     except FileNotFoundError:  # removed between the check and the write
         return False
     return True

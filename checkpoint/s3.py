@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpoint.errors import S3TierError
+from checkpoint.files import write_atomic
 from checkpoint.layout import VERIFIED
 from checkpoint.manifest import MANIFEST
 
@@ -226,14 +227,7 @@ class DirTier:
 
     def _write(self, path: Path, data: bytes) -> None:
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                if self.fsync:
-                    os.fsync(fh.fileno())
-            os.replace(tmp, path)
+            write_atomic(path, data, fsync=self.fsync)
         except OSError as exc:
             raise S3TierError(f"directory tier {self.url}: write of {path} failed ({exc.strerror or exc})") from None
 

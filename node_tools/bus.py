@@ -46,13 +46,13 @@ import os
 import re
 import time
 import urllib.parse
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from checkpoint.files import write_atomic, write_json_atomic
 from node_tools.alerts import MAX_ALERT_BYTES, Alert, AlertError
 from node_tools.errors import TrainguardError
 
@@ -157,16 +157,9 @@ class SpoolBus(AlertBus):
             raise BusError(f"alert spool {self.root} is not usable: {exc.strerror}") from None
 
     def _write(self, dest: Path, body: bytes, *, sync: bool = True) -> None:
-        tmp = self.tmp / f"{dest.name}.{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as fh:
-                fh.write(body)
-                fh.flush()
-                if sync:
-                    os.fsync(fh.fileno())
-            os.replace(tmp, dest)
+            write_atomic(dest, body, fsync=sync, make_parent=False, tmp_dir=self.tmp)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             raise BusError(f"cannot write {dest.name} to spool {self.root}: {exc.strerror}") from None
 
     def put(self, name: str, body: bytes) -> None:
@@ -416,8 +409,4 @@ class BusReader:
     def _save(self) -> None:
         if not self.cursor_path:
             return
-        path = Path(self.cursor_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps({"read": self.seen}))
-        os.replace(tmp, path)
+        write_json_atomic(self.cursor_path, {"read": self.seen})

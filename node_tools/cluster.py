@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpoint.files import write_atomic
 from node_tools import procs
 from node_tools.config import NodeConfig
 from node_tools.errors import ClusterError
@@ -331,10 +332,7 @@ def machine_up(config_path: Path, *, netns: str = "", sshd: str = "", listen: st
     if sshd:
         host_key = _keygen(mdir / "ssh_host_ed25519_key", cfg.machine)
         if host_key_dir is not None:
-            host_key_dir.mkdir(parents=True, exist_ok=True)
-            tmp = host_key_dir / f".{cfg.machine}.pub.tmp"
-            tmp.write_text(host_key + "\n")
-            os.replace(tmp, host_key_dir / f"{cfg.machine}.pub")
+            write_atomic(host_key_dir / f"{cfg.machine}.pub", host_key + "\n")
         env = {"TG_NODE_CONFIG": str(config_path.resolve()),
                "PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
         (mdir / "sshd_config").write_text(_sshd_config(mdir, listen, authorized_keys or mdir / "authorized_keys", env))

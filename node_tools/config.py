@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from checkpoint.files import write_json_atomic
 from node_tools.errors import TrainguardError
 
 NVML_BACKENDS = ("auto", "real", "emulated", "none")
@@ -79,9 +80,7 @@ class NodeConfig:
         }
 
     def save(self, path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_json_atomic(path, self.to_dict(), indent=2)
 
     @classmethod
     def load(cls, path: Path) -> NodeConfig:

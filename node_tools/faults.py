@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpoint.files import write_json_atomic
 from node_tools.errors import FaultError
 
 
@@ -132,11 +133,7 @@ def read_control(path: Path) -> list[dict[str, Any]]:
 
 
 def write_control(path: Path, faults: list[dict[str, Any]]) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"faults": faults}, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(path, {"faults": faults}, indent=1)
 
 
 def flip_bit(tensor: Any, bit: int) -> None:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpoint.files import write_json_atomic
 from node_tools.errors import InventoryError
 
 SCHEMA_VERSION = 1
@@ -112,10 +112,7 @@ class Inventory:
 
     def save(self, path: Path | None = None) -> Path:
         target = Path(path or self.path or "inventory.json")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, target)
+        write_json_atomic(target, self.to_dict(), indent=2)
         self.path = target
         return target
 

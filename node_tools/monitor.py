@@ -61,11 +61,11 @@ def steps_path(run_dir: Path, rank: int) -> Path:
 
 
 def write_json_atomic(path: Path, document: Any) -> None:
-    """Write ``document`` as JSON to ``path`` through a temporary file and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(document, fh, separators=(",", ":"))
-    os.replace(tmp, path)
+    """Write ``document`` as compact JSON to ``path`` (its folder exists) atomically
+    (:func:`checkpoint.files.write_json_atomic`)."""
+    from checkpoint.files import write_json_atomic as write
+
+    write(path, document, compact=True, make_parent=False)
 
 
 @dataclass

@@ -17,12 +17,12 @@ the NVML library; where it is missing it raises :class:`NvmlUnavailable`.
 from __future__ import annotations
 
 import json
-import os
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from checkpoint.files import write_json_atomic
 from node_tools.config import NodeConfig
 from node_tools.errors import FaultError, TrainguardError
 
@@ -88,9 +88,7 @@ class EmulatedNvml(GpuBackend):
             raise NvmlUnavailable(f"emulated NVML state {self.state_file} is unreadable: {exc}") from None
 
     def _write(self, state: dict[str, Any]) -> None:
-        tmp = self.state_file.with_name(f".{self.state_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(state, indent=1), encoding="utf-8")
-        os.replace(tmp, self.state_file)
+        write_json_atomic(self.state_file, state, indent=1, make_parent=False)
 
     def reset(self) -> None:
         self._write(healthy_state(self.machine, self.gpus))
