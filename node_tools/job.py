@@ -210,6 +210,12 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         "command": torchrun,
     }
     monitor.write_json_atomic(rd / "job.json", record)
+    # until the supervisor has exec'd, its environment is still this process's (no token): the job's
+    # processes are found by their token, so the state read right after would say "exited"
+    deadline = time.monotonic() + 10.0
+    while proc.poll() is None and procs.environ(proc.pid).get("TG_JOB_TOKEN") != token \
+            and time.monotonic() < deadline:
+        time.sleep(0.005)
     if proc.poll() is not None:
         raise TrainguardError(
             f"machine {cfg.machine}: job {spec.job} exited at once (code {proc.returncode}); "

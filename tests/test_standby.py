@@ -106,6 +106,26 @@ def test_warm_if_parked_starts_cold_without_interpreters_and_warm_on_them(node):
     assert {monitor.read_heartbeat(rd, r)["pid"] for r in (0, 1)} <= interpreters
 
 
+def test_a_start_says_running_even_when_the_new_process_shows_no_environment_yet(node, monkeypatch):
+    """On a loaded machine the state read right after the launch said "exited": a process that is still in
+    its exec shows an empty /proc/<pid>/environ for a moment (the kernel sets it up after the parent of a
+    vfork resumes), and the job's processes are found by the token in their environment."""
+    real, hidden = procs.environ, {}
+
+    def in_exec(pid: int) -> dict[str, str]:
+        env = real(pid)
+        if "TG_JOB_TOKEN" in env and hidden.get(pid, 0) < 3:  # the first three reads of each job process
+            hidden[pid] = hidden.get(pid, 0) + 1
+            return {}
+        return env
+
+    monkeypatch.setattr(procs, "environ", in_exec)
+    started = job.start(node, dataclasses.replace(spec("crash"), warm=False))
+    monkeypatch.undo()
+    assert hidden and started["state"] == "running" and started["warm"] is False
+    job.stop(node, "crash", grace_s=2)
+
+
 def test_stop_ends_every_warm_process_of_the_job(node):
     standby.park(node, nproc=2)
     job.start(node, spec("warm"))
