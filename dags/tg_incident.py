@@ -63,10 +63,10 @@ def tg_incident():
         return steps.close(params["incident_id"], decision, recovery, resume)
 
     @task(trigger_rule="all_done")
-    def rearm(recovery: dict | None = None, params: dict | None = None) -> dict:
+    def rearm(params: dict | None = None) -> dict:
         from operators.airflow import steps
 
-        return steps.rearm(params["incident_id"], recovery)
+        return steps.rearm(params["incident_id"])
 
     @task(trigger_rule="all_done")
     def outcome(params: dict | None = None) -> dict:
@@ -92,7 +92,7 @@ def tg_incident():
     done = close(idle, recovery, resume)
     # after the incident closed: the next restart starts warm everywhere; then the run ends failed if the
     # incident did
-    done >> rearm(recovery) >> outcome()
+    done >> rearm() >> outcome()
 
 
 tg_incident()

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from checkpoint.files import write_json_atomic as _write_json_atomic
 from node_tools import procs
 from node_tools.faults import InJobFaults
 
@@ -63,9 +64,7 @@ def steps_path(run_dir: Path, rank: int) -> Path:
 def write_json_atomic(path: Path, document: Any) -> None:
     """Write ``document`` as compact JSON to ``path`` (its folder exists) atomically
     (:func:`checkpoint.files.write_json_atomic`)."""
-    from checkpoint.files import write_json_atomic as write
-
-    write(path, document, compact=True, make_parent=False)
+    _write_json_atomic(path, document, compact=True, make_parent=False)
 
 
 @dataclass

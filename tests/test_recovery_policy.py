@@ -377,12 +377,12 @@ def test_an_update_that_skipped_its_rearm_for_an_open_incident_is_rearmed_when_t
     c.close(opened["incident"], outcome="resolved", note="nothing evicted")
     [second] = c.ingest([alert("kernel_xid", "m2", xid=79)])
     assert second["incident"] != opened["incident"]
-    assert steps.rearm(opened["incident"], None) == {
+    assert steps.rearm(opened["incident"]) == {
         "skipped": f"incident {second['incident']} of job j is open; its run re-arms when it ends"}
     c.close(second["incident"], outcome="resolved", note="nothing evicted")
-    armed = steps.rearm(second["incident"], None)  # no restart in this run either
+    armed = steps.rearm(second["incident"])  # no restart in this run either
     assert armed["parked"] == ["m0", "m1", "m2", "m3"] and armed["failed"] == {}
     assert sorted(fleet.sent("standby", "park")) == ["m0", "m1", "m2", "m3"]
     # repeating it parks nothing more
-    steps.rearm(second["incident"], None)
+    steps.rearm(second["incident"])
     assert len(fleet.sent("standby", "park")) == 4

@@ -401,18 +401,18 @@ def _arm_unless_busy(c: Controller, job: str, *, own_incident: int | None = None
     others = [i.id for i in c.fleet.incidents(job) if i.state in OPEN_INCIDENT_STATES and i.id != own_incident]
     if others:
         return {"skipped": f"incident {others[0]} of job {job} is open; its run re-arms when it ends"}
-    if c.fleet.job(job).state != "running":
-        return {"skipped": f"job {job} is {c.fleet.job(job).state}"}
+    state = c.fleet.job(job).state
+    if state != "running":
+        return {"skipped": f"job {job} is {state}"}
     return c.arm(job)
 
 
-def rearm(incident_id: int, recovery: dict[str, Any] | None) -> dict[str, Any]:
+def rearm(incident_id: int) -> dict[str, Any]:
     """When the incident's run ends: warm interpreters again on every machine of the job, for the next
     restart (after this run's restart consumed them, or after another run skipped its re-arm while this
     incident was open)."""
     c = controller()
-    return _arm_unless_busy(c, (recovery or {}).get("job") or c.fleet.incident(incident_id).job,
-                            own_incident=incident_id)
+    return _arm_unless_busy(c, c.fleet.incident(incident_id).job, own_incident=incident_id)
 
 
 def outcome(incident_id: int) -> dict[str, Any]:
