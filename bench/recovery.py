@@ -116,7 +116,7 @@ class Bench(GuardedJob):
             if check["failed"]:
                 raise RuntimeError(f"the requeue's self-check failed: {check['failed']}")
             t_checked = time.time()
-            restart = self.ctl.recover(inc.id)
+            restart = self.ctl.recover(inc.id, found=self.ctl.stop_found(JOB))
             resumed = poll(lambda: self.ctl.resumed(JOB, restart["restart_ts"]), timeout=300, interval=0.5,
                            what="training after the cold requeue")
             self.ctl.close(inc.id, outcome="resolved", resumed=resumed, steps_before=restart["steps_before"],

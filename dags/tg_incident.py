@@ -1,7 +1,10 @@
-"""tg_incident: triage one incident and climb the ladder (evict / diagnose / analyse / roll back), then
-recover (in the rung's own task, right after its action): standbys in, job restarted, newest committed
-checkpoint restored, training seen past it; after the incident closes, warm interpreters are parked
-again beside the job for the next restart."""
+"""tg_incident: one incident, task by task. ``triage`` decides (the ladder) and branches to its rung; the
+rung acts (stop, diagnose, evict, roll back ...); ``restart_job`` starts the job again on its machine list
+(standbys in its place) from what the rung's stop found; ``wait_for_resume`` waits, deferred in the
+triggerer, until training passed the restored checkpoint; ``close_incident`` closes it (or escalates a
+restart that did not hold); ``rearm_job`` parks warm interpreters again beside the job for the next
+restart; ``outcome`` gives the run its colour. Every task takes its input from XCom: clearing
+``restart_job`` (or ``wait_for_resume``) in the UI restarts the job (or checks its resume) again."""
 
 from __future__ import annotations
 
@@ -9,8 +12,8 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-HANDLERS = ["evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption", "roll_back",
-            "no_culprit", "probe_machine"]
+from operators.airflow.resume import ResumeSensor
+from operators.policy.rungs import NO_RECOVERY, RUNGS
 
 
 @dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
@@ -27,43 +30,32 @@ def tg_incident():
         get_current_context()["ti"].xcom_push(key="decision", value=decision)
         return steps.choose(decision)
 
-    def handler(name: str):
-        @task(task_id=name)
-        def run(decision: dict) -> dict:
+    def rung_task(rung):
+        @task(task_id=rung.task_id, doc_md=rung.does)
+        def act(decision: dict) -> dict:
             from operators.airflow import steps
 
-            return steps.handle(name, decision)
+            return steps.handle(rung.task_id, decision)
 
-        return run
+        return act
 
     @task(trigger_rule="none_failed_min_one_success")
-    def recover(results: list, params: dict | None = None) -> dict:
-        """The restart: the handler restarted the job as soon as it acted; this passes its result on (or
-        restarts, when the handler's result asks for it and holds none)."""
+    def restart_job(results: list, params: dict | None = None) -> dict:
+        """Start the job again on its machine list, from what the rung's stop found (or leave it alone when
+        the rung says so); cleared after it ran, it restarts the job again."""
         from operators.airflow import steps
 
-        return steps.recover(params["incident_id"], list(results))
-
-    # the resume limit is TG_RESUME_TIMEOUT_S, applied by the task body (it answers "failed" past it); this
-    # timeout only guards against a body that never answers
-    @task.sensor(poke_interval=2, timeout=3600, mode="poke")
-    def training_resumed(recovery: dict, params: dict | None = None):
-        from airflow.sdk import PokeReturnValue
-
-        from operators.airflow import steps
-
-        info = steps.resumed(params["incident_id"], recovery)
-        return PokeReturnValue(is_done=info is not None, xcom_value=info)
+        return steps.restart_job(params["incident_id"], list(results))
 
     @task(trigger_rule="all_done")
-    def close(decision: dict | None = None, recovery: dict | None = None, resume: dict | None = None,
-              params: dict | None = None) -> dict:
+    def close_incident(decision: dict | None = None, recovery: dict | None = None, resume: dict | None = None,
+                       params: dict | None = None) -> dict:
         from operators.airflow import steps
 
         return steps.close(params["incident_id"], decision, recovery, resume)
 
     @task(trigger_rule="all_done")
-    def rearm(params: dict | None = None) -> dict:
+    def rearm_job(params: dict | None = None) -> dict:
         from operators.airflow import steps
 
         return steps.rearm(params["incident_id"])
@@ -74,7 +66,7 @@ def tg_incident():
 
         return steps.outcome(params["incident_id"])
 
-    @task
+    @task(task_id=NO_RECOVERY)
     def no_recovery(decision: dict) -> dict:
         from operators.airflow import steps
 
@@ -82,17 +74,18 @@ def tg_incident():
 
     branch = triage()  # one task for the triage and the branch: a task hop less before every rung
     decision = branch["decision"]
-    handled = [handler(name)(decision) for name in HANDLERS]
-    branch >> handled
+    acted = [rung_task(r)(decision) for r in RUNGS]
+    branch >> acted
     idle = no_recovery(decision)
     branch >> idle
-    recovery = recover(handled)
-    resume = training_resumed(recovery)
+    recovery = restart_job(acted)
+    # the resume limit is TG_RESUME_TIMEOUT_S, applied by the check (it answers "failed" past it)
+    resume = ResumeSensor(task_id="wait_for_resume", incident_id="{{ params.incident_id }}", recovery=recovery)
     # what no_recovery says stands for the decision here: a task downstream of the branch would be skipped
-    done = close(idle, recovery, resume)
+    done = close_incident(idle, recovery, resume.output)
     # after the incident closed: the next restart starts warm everywhere; then the run ends failed if the
     # incident did
-    done >> rearm() >> outcome()
+    done >> rearm_job() >> outcome()
 
 
 tg_incident()

@@ -1014,18 +1014,26 @@ class Controller:
                  if a.kind in kinds]
         return min((s for s in steps if isinstance(s, int)), default=None)
 
-    def recover(self, incident_id: int, *, restore_max_step: int | None = None) -> dict[str, Any]:
+    def stop_found(self, job: str) -> dict[str, Any] | None:
+        """What this controller's last stop of ``job`` found, when it ended the job on every machine: its
+        machines and the lowest step every rank finished (a rung hands it to ``restart_job`` through XCom)."""
+        found = self._stopped.get(job)
+        return dict(found) if found else None
+
+    def recover(self, incident_id: int, *, restore_max_step: int | None = None,
+                found: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Stop the job everywhere it answers, then start it on its machine list (replacements already
         swapped in by :meth:`evict`): every machine with warm interpreters parked (standbys, and survivors
         armed by :meth:`arm`) starts on them, the others cold. The job restores its newest committed
         checkpoint itself. A machine that fails to start (unreachable, a broken standby) is replaced by the
         next standby and the launch tried again, up to ``restart_attempts`` times; then the incident waits
-        for a human. Returns the steps every rank had finished before (for the resume check). Right after
-        this controller stopped the job everywhere, what the stop found stands: no round of reads before
-        the launch."""
+        for a human. Returns the steps every rank had finished before (for the resume check). ``found``: what
+        the stop right before it found (:meth:`stop_found`, handed on by the rung through XCom): then no round
+        of reads before the launch."""
         inc = self.fleet.incident(incident_id)
         job = inc.job
-        before = self._stopped.pop(job, None)
+        self._stopped.pop(job, None)
+        before: dict[str, Any] | None = dict(found) if found else None
         if before is not None:
             stopped = {n: "stopped" for n in before["machines"]}
         else:
@@ -1124,10 +1132,12 @@ class Controller:
             fields["summary"] = f"{inc.summary}; {note}" if inc.summary else note
         self.fleet.update_incident(incident_id, **fields)
         inc = self.fleet.incident(incident_id)
+        # closed again after a second restart (its restart_job cleared): its stretches are counted once
+        had = {k for e in self.fleet.ettr_events(inc.job) if e.incident_id == incident_id for k in [e.kind]}
         for kind, start, end in (("detection", inc.first_alert_ts, inc.opened_ts),
                                  ("diagnosis", inc.diagnosis_start_ts, inc.decided_ts),
                                  ("recovery", inc.decided_ts, inc.resumed_ts)):
-            if start is not None and end is not None and end >= start:
+            if start is not None and end is not None and end >= start and kind not in had:
                 self.fleet.add_ettr(inc.job, kind, start, end, incident_id=incident_id)
         return {"incident": incident_id, "state": inc.state, "timeline": self.timeline(incident_id)}
 

@@ -29,6 +29,7 @@ from node_tools.transport import transport_for
 from operators.airflow.standalone import Standalone, poll
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
+from operators.policy import rungs
 
 TOPOLOGY = Topology(tp=2, pp=2, dp=2)
 TRAIN_ARGS = ("--checkpoint", "--step-delay-s", "0.2")
@@ -39,8 +40,7 @@ NO_SCHEDULES = {"TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "", "TG_VERIF
                 "TG_VERIFY_ON_COMMIT": "0"}
 PARK = ("standby", "park", "--nproc", "2")
 # the tg_incident tasks that decide an incident (the branches of the ladder)
-HANDLERS = frozenset({"evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption",
-                      "roll_back", "no_culprit", "probe_machine"})
+HANDLERS = frozenset(rungs.TASK_IDS)
 
 
 @dataclass(frozen=True)

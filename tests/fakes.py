@@ -264,8 +264,8 @@ def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topo
 
 def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: Any, *,
                  joined: Sequence[dict[str, Any]] = (), joined_late: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """What tg_incident does with a batch, task by task (triage, the branch's handler with its restart,
-    the resume check, close): returns ``{"decision", "result", "resumed", "closed", "incident"}``.
+    """What tg_incident does with a batch, task by task (triage, the branch's rung, restart_job, the resume
+    check, close): returns ``{"decision", "result", "resumed", "closed", "incident"}``.
     ``joined``: alerts the guardian records right after the triage (they join the open incident);
     ``joined_late``: alerts it records after the restart, before the resume check."""
     from operators.airflow import steps
@@ -279,16 +279,17 @@ def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: A
     branch = steps.choose(decision)
     if branch == "no_recovery":
         idle = steps.no_recovery(decision)
-        recovery = steps.recover(incident, [])
+        recovery = steps.restart_job(incident, [])
         resumed = steps.resumed(incident, recovery)
         closed = steps.close(incident, idle, recovery, resumed)
         return {"decision": decision, "result": idle, "resumed": resumed, "closed": closed, "incident": incident}
     result = steps.handle(branch, decision)
-    recovery = steps.recover(incident, [result])
+    recovery = steps.restart_job(incident, [result])
+    result = {**result, "recovery": recovery}
     if joined_late:
         assert [i["incident"] for i in c.ingest(joined_late)] == [incident]
     resumed = None
-    for _ in range(20):  # the sensor's pokes
+    for _ in range(20):  # the resume trigger's checks
         resumed = steps.resumed(incident, recovery)
         if resumed is not None:
             break

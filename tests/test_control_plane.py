@@ -185,7 +185,7 @@ def _why(ctl: Controller, airflow: Standalone, incident_id: int) -> str:
 
     out = {"timeline": ctl.timeline(incident_id)}
     run = airflow.incident_run(incident_id)
-    for task in [*steps.BRANCHES.values(), "no_recovery", "recover"] if run else []:
+    for task in [*steps.BRANCHES.values(), "no_recovery", "restart_job", "wait_for_resume"] if run else []:
         try:
             out[task] = airflow.xcom("tg_incident", run["dag_run_id"], task)
         except Exception:  # a skipped task has none
@@ -238,6 +238,70 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
     assert launch.evidence["warm"] == sorted(job.machine_list)
     print(f"gpu_lost: alert {inc.first_alert_ts - t_fault:.1f}s after the fault, resumed "
           f"{inc.resumed_ts - t_fault:.1f}s after it, lost {inc.lost_steps} steps")
+
+
+def _restarted_incident(ctl: Controller, airflow: Standalone) -> Any:
+    """The newest resolved incident whose tg_incident run restarted the job and ended, if any."""
+    for inc in sorted(ctl.fleet.incidents(JOB), key=lambda i: -i.id):
+        run = airflow.incident_run(inc.id)
+        if inc.state == "resolved" and run and run["state"] == "success" and \
+                any(a.kind == "launch" and a.outcome == "done" for a in ctl.fleet.actions(inc.id)):
+            return inc
+    return None
+
+
+def test_clearing_restart_job_of_a_finished_incident_run_restarts_the_job_and_waits_for_it_deferred(
+        control, cp_cluster):
+    """The graph is what runs: clearing ``restart_job`` in the UI (here through the REST API, as the UI
+    does) restarts the job from the run's own XCom; ``wait_for_resume`` waits in the triggerer, holding no
+    worker slot; clearing ``wait_for_resume`` checks the resume again without restarting anything."""
+    ctl, airflow = control
+    inc = _restarted_incident(ctl, airflow)
+    if inc is None:  # run alone: an incident of its own (a crash, restarted in place)
+        inc = _fault_and_recovery(ctl, airflow, cp_cluster, ctl.fleet.job(JOB).machine_list[2], "crash", rank=4)
+        assert inc.state == "resolved", _why(ctl, airflow, inc.id)
+    run_id = airflow.incident_run(inc.id)["dag_run_id"]
+    assert airflow.finished("tg_incident", run_id, timeout=120) == "success"
+    _quiet(ctl, airflow, cp_cluster)
+    before = ctl.progress(JOB)
+    launches = [a for a in ctl.fleet.actions(inc.id) if a.kind == "launch"]
+
+    cleared = airflow.clear("tg_incident", run_id, ["restart_job"])
+    assert cleared == ["close_incident", "outcome", "rearm_job", "restart_job", "wait_for_resume"]
+    seen: set[str] = set()
+
+    def ended() -> str | None:
+        seen.add(airflow.task_states("tg_incident", run_id).get("wait_for_resume") or "none")
+        state = airflow.run_state("tg_incident", run_id)
+        return state if state in ("success", "failed") else None
+
+    assert wait_until(ended, timeout=240, interval=0.2, what="the cleared run to end") == "success", \
+        _why(ctl, airflow, inc.id)
+    again = [a for a in ctl.fleet.actions(inc.id) if a.kind == "launch"]
+    assert len(again) == len(launches) + 1 and again[-1].outcome == "done"  # the job was started again
+    now = ctl.progress(JOB)
+    assert all(now["incarnations"][m] != before["incarnations"][m] for m in now["incarnations"]), (before, now)
+    inc = ctl.fleet.incident(inc.id)
+    assert inc.state == "resolved" and "restarted again" in inc.summary, inc.summary
+    restart = airflow.xcom("tg_incident", run_id, "restart_job")
+    assert restart["restarted"] and restart["again"], restart
+    resume = airflow.xcom("tg_incident", run_id, "wait_for_resume")
+    assert resume["first_step"] > before["step"] - 2, resume
+    # the wait ran in the triggerer: the task deferred (its log says so) and came back with the trigger's answer
+    [ti] = [t for t in airflow.task_instances("tg_incident", run_id) if t["task_id"] == "wait_for_resume"]
+    log = airflow.task_log("tg_incident", run_id, "wait_for_resume", ti["try_number"])
+    assert "Pausing task as DEFERRED" in log and "checks in the triggerer" in log, (seen, log[-2000:])
+    print(f"wait_for_resume states seen while the restarted job came back: {sorted(seen)}")
+
+    # clearing the resume check alone: it answers again from the same restart, nothing is restarted
+    wait_until(lambda: ctl.progress(JOB)["step"] >= resume["first_step"] + 2, timeout=120, what="the job to train")
+    cleared = airflow.clear("tg_incident", run_id, ["wait_for_resume"])
+    assert "restart_job" not in cleared and "wait_for_resume" in cleared
+    assert wait_until(ended, timeout=120, interval=0.5, what="the cleared run to end") == "success"
+    assert [a for a in ctl.fleet.actions(inc.id) if a.kind == "launch"] == again
+    assert airflow.xcom("tg_incident", run_id, "wait_for_resume")["first_step"] == resume["first_step"]
+    recoveries = [e for e in ctl.fleet.ettr_events(JOB) if e.incident_id == inc.id and e.kind == "recovery"]
+    assert len(recoveries) == 2, recoveries  # the first restart's and the second's, each once
 
 
 def test_a_crash_with_a_clean_diagnosis_restarts_in_place_and_a_second_one_escalates(control, cp_cluster):

@@ -276,9 +276,11 @@ def test_a_restart_right_after_the_stop_starts_at_once_from_what_the_stop_found(
     c.transport = machines
     [lost] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
     assert c.stop("j") == dict.fromkeys(["m0", "m1", "m2", "m3"], "stopped")
+    found = c.stop_found("j")  # what the rung hands restart_job through XCom
+    assert found == {"machines": ["m0", "m1", "m2", "m3"], "step": 6}
     c.evict(lost["incident"], ["m1"], reason="gpu lost")
     machines.commands.clear()
-    out = c.recover(lost["incident"])
+    out = c.recover(lost["incident"], found=found)
     # no round of reads: every machine of the new list (the standby m4 in m1's place) just starts, warm
     # where it has interpreters parked
     assert machines.commands == [(n, ["job", "start"]) for n in ["m0", "m4", "m2", "m3"]]
@@ -286,7 +288,7 @@ def test_a_restart_right_after_the_stop_starts_at_once_from_what_the_stop_found(
     assert out["warm"] == ["m0", "m2", "m3", "m4"]
     [launch] = [a for a in c.fleet.actions(lost["incident"]) if a.kind == "launch"]
     assert launch.outcome == "done" and launch.evidence["warm"] == ["m0", "m2", "m3", "m4"]
-    # a restart this controller did not stop the job for reads first what runs where
+    # a restart without what a stop found (a cleared restart_job, say) reads first what runs where
     machines.commands.clear()
     c.recover(lost["incident"])
     assert [cmd for _, cmd in machines.commands][:4] == [["job", "status"]] * 4

@@ -47,24 +47,28 @@ def test_guardian_is_continuous_with_one_run_and_a_deferrable_sensor(dagbag):
     assert [t.task_id for t in sensor.downstream_list] == ["start_incident"]
 
 
-def test_incident_dag_branches_to_every_rung_and_joins_for_recovery(dagbag):
+def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits_and_closes(dagbag):
+    from operators.airflow import steps
+    from operators.policy.rungs import RUNGS
+
     dag = dagbag.get_dag("tg_incident")
     triage = dag.get_task("triage")  # triage is the branch (one task hop less before every rung)
     assert type(triage).__name__ == "_BranchPythonDecoratedOperator"
-    assert {t.task_id for t in triage.downstream_list} == {
-        "evict_now", "stop_time_diagnosis", "runtime_analysis", "slow_vote", "silent_corruption", "roll_back",
-        "no_culprit", "probe_machine", "no_recovery"}
-    recover = dag.get_task("recover")
-    assert recover.trigger_rule == "none_failed_min_one_success"
-    assert {t.task_id for t in recover.upstream_list} >= {"evict_now", "stop_time_diagnosis"}
-    assert [t.task_id for t in dag.get_task("training_resumed").downstream_list] == ["close"]
-    rearm = dag.get_task("rearm")  # warm interpreters again, once the incident is closed, whatever happened
-    assert rearm.trigger_rule == "all_done" and "close" in {t.task_id for t in rearm.upstream_list}
+    rung_ids = {r.task_id for r in RUNGS}
+    assert {t.task_id for t in triage.downstream_list} == rung_ids | {"no_recovery"}
+    # every rung of the registry has its function, and every function its rung
+    assert set(steps.RUNG_ACTIONS) == rung_ids and set(steps.BRANCHES.values()) == rung_ids
+    assert all(dag.get_task(r.task_id).doc_md == r.does for r in RUNGS)
+    restart = dag.get_task("restart_job")  # a task of its own after every rung: clearing it restarts the job
+    assert restart.trigger_rule == "none_failed_min_one_success" and restart.upstream_task_ids == rung_ids
+    wait = dag.get_task("wait_for_resume")
+    assert type(wait).__name__ == "ResumeSensor" and wait.upstream_task_ids == {"restart_job"}
+    assert [t.task_id for t in wait.downstream_list] == ["close_incident"]
+    assert dag.get_task("close_incident").upstream_task_ids == {"no_recovery", "restart_job", "wait_for_resume"}
+    rearm = dag.get_task("rearm_job")  # warm interpreters again, once the incident is closed, whatever happened
+    assert rearm.trigger_rule == "all_done" and rearm.upstream_task_ids == {"close_incident"}
     last = dag.get_task("outcome")  # the run's colour: failed when the incident failed
-    assert last.trigger_rule == "all_done" and last.upstream_task_ids == {"rearm"} and last.downstream_list == []
-    from operators.airflow import steps
-
-    assert set(steps.BRANCHES.values()) <= {t.task_id for t in triage.downstream_list}
+    assert last.trigger_rule == "all_done" and last.upstream_task_ids == {"rearm_job"} and last.downstream_list == []
 
 
 def test_the_diagnose_form_refuses_bad_input(dagbag):

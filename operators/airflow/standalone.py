@@ -232,6 +232,14 @@ class Standalone:
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances/"
                                    f"{task_id}/xcomEntries/return_value")["value"]
 
+    def clear(self, dag_id: str, run_id: str, task_ids: list[str], *, downstream: bool = True) -> list[str]:
+        """Clear ``task_ids`` of a run (and, with ``downstream``, the tasks after them), as the UI's Clear
+        does: they run again and the run is running again. Returns the task ids cleared."""
+        doc = self.request("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances",
+                           {"dry_run": False, "dag_run_id": run_id, "task_ids": task_ids, "only_failed": False,
+                            "include_downstream": downstream, "reset_dag_runs": True}, retry=True)
+        return sorted(t["task_id"] for t in doc["task_instances"])
+
     def finished(self, dag_id: str, run_id: str, *, timeout: float = 300) -> str:
         """Wait for the run to end; its final state (success or failed)."""
         return poll(lambda: (lambda st: st if st in ("success", "failed") else None)(self.run_state(dag_id, run_id)),

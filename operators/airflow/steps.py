@@ -14,19 +14,11 @@ from typing import Any
 from node_tools.errors import TrainguardError
 from operators.control import ControlConfig, Controller
 from operators.fleet.store import OPEN_INCIDENT_STATES
-from operators.policy import ladder
+from operators.models import IncidentDecision, Restart, Resume, RungResult, StopFound
+from operators.policy import ladder, rungs
+from operators.policy.rungs import BRANCHES, NO_RECOVERY
 
-BRANCHES = {
-    "evict": "evict_now",
-    "diagnose": "stop_time_diagnosis",
-    "analyze": "runtime_analysis",
-    "vote": "slow_vote",
-    "replay": "silent_corruption",
-    "rollback": "roll_back",
-    "reattempt": "no_culprit",
-    "probe": "probe_machine",
-}
-
+__all__ = ["BRANCHES", "NO_RECOVERY"]
 
 def controller(**overrides: Any) -> Controller:
     from operators.airflow.node_hook import NodeHook
@@ -59,19 +51,23 @@ def group_alerts(event: dict[str, Any]) -> list[dict[str, Any]]:
 
 # ---- tg_incident -----------------------------------------------------------------------------------------
 def triage(incident_id: int) -> dict[str, Any]:
-    return controller().triage(int(incident_id))
+    """The incident's :class:`~operators.models.IncidentDecision` (an XCom document)."""
+    return IncidentDecision.read(controller().triage(int(incident_id))).dump()
 
 
 def choose(decision: dict[str, Any]) -> str:
-    """The task that handles the decision; anything without a recovery goes to ``no_recovery``."""
-    return BRANCHES.get(decision["action"], "no_recovery")
+    """The task that handles the decision (:data:`operators.policy.rungs.RUNGS`); anything without a
+    recovery goes to ``no_recovery``."""
+    return rungs.branch(IncidentDecision.read(decision).action)
 
 
 def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
-    """The rung ``name`` (a task id of :data:`BRANCHES`): its action; then the explicit machine faults that
-    joined the incident meanwhile (:func:`act_on_joined`); then at once, in the same task, the restart it
-    calls for (see :func:`restart`): no task hop and no round of reads between the decision and the job
-    starting again. A rung that fails returns its error (the incident's close escalates from there)."""
+    """The rung ``name`` (a task id of :data:`operators.policy.rungs.RUNGS`): its action (stop, evict, roll
+    back ...); then the explicit machine faults that joined the incident meanwhile (:func:`act_on_joined`).
+    Returns a :class:`~operators.models.RungResult`: whether the job is to restart, and what the rung's stop
+    found (``restart_job`` starts the job from that, with no round of reads). A rung that fails returns its
+    error (the incident's close escalates from there)."""
+    decision = IncidentDecision.read(decision).dump()
     c = controller()
     if name != "evict_now":
         explicit = c.unhandled_faults(decision["incident"])
@@ -83,11 +79,13 @@ def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
                         "reason": why, "instead_of": name}
             name = "evict_now"
     try:
-        result = HANDLERS[name](c, decision)
+        result = RUNG_ACTIONS[name](c, decision)
     except TrainguardError as exc:
-        return {"error": f"{name} failed: {exc}"[:900], "no_restart": True}
+        return RungResult(rung=name, restart=False, error=f"{name} failed: {exc}"[:900], no_restart=True).dump()
     result = act_on_joined(c, decision, result)
-    return restart(c, decision["incident"], result)
+    found = c.stop_found(decision["job"])
+    return RungResult.read({**result, "rung": name, "restart": not _leaves_it_alone(result),
+                            "stopped": StopFound.read(found) if found else None}).dump()
 
 
 def act_on_joined(c: Controller, decision: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
@@ -241,7 +239,8 @@ def probe_machine(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     return {**ev, "probe": probe}
 
 
-HANDLERS = {"evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnosis, "runtime_analysis": runtime_analysis,
+# the function of each rung (by its task id in :data:`operators.policy.rungs.RUNGS`)
+RUNG_ACTIONS = {"evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnosis, "runtime_analysis": runtime_analysis,
             "slow_vote": slow_vote, "silent_corruption": silent_corruption, "roll_back": roll_back,
             "no_culprit": no_culprit, "probe_machine": probe_machine}
 
@@ -264,53 +263,71 @@ def _leaves_it_alone(result: dict[str, Any]) -> bool:
     return bool(result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"))
 
 
-def restart(c: Controller, incident_id: int, result: dict[str, Any]) -> dict[str, Any]:
-    """After a rung acted: restart the job on its machine list (``result["recovery"]``), unless the rung
-    leaves it alone."""
-    if _leaves_it_alone(result):
-        return result
-    out = c.recover(int(incident_id), restore_max_step=result.get("restore_max_step"))
-    return {**result, "recovery": {"restarted": True, **out}}
-
-
-def recover(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """The restart after whichever handler ran (skipped ones give None): done by the handler already
-    (its ``recovery``), else here, unless there is nothing to restart."""
-    done = [r for r in results if r]
-    result = done[0] if done else {}
-    if result.get("recovery"):
-        return result["recovery"]
-    if _leaves_it_alone(result):
-        return {"restarted": False, **result}
-    out = controller().recover(int(incident_id), restore_max_step=result.get("restore_max_step"))
-    return {"restarted": True, **out}
-
-
-def resumed(incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None:
-    """For the sensor: the resume info once training passed the restored step; ``{"failed": why}`` once the
-    restart ended without a step or did not get there within ``resume_timeout_s``; ``{"pending": faults}``
-    when explicit machine faults joined the incident meanwhile; else None (poke again)."""
-    if not recovery.get("restarted"):
-        return {"skipped": True}
+def restart_job(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """After whichever rung ran (skipped ones give None): restart the job on its machine list (standbys
+    swapped in by the rung), from what the rung's stop found, restoring its newest committed checkpoint (or
+    the step the rung names), unless the rung leaves the job alone. Its input is the rung's XCom only, so
+    the task is safe to clear: run again (cleared in the UI, or retried) after the job was restarted once,
+    it restarts the job again from what runs now (:func:`restart_again`). Returns a
+    :class:`~operators.models.Restart` (with the rung's result when nothing was restarted)."""
+    done = [RungResult.read(r) for r in results if r]
+    result = done[0].dump() if done else {"rung": NO_RECOVERY, "restart": False, "no_restart": True}
     c = controller()
+    incident_id = int(incident_id)
+    if any(a.kind == "launch" and a.outcome == "done" for a in c.fleet.actions(incident_id)):
+        return restart_again(c, incident_id)
+    if not result["restart"]:
+        return Restart.read({**result, "restarted": False}).dump()
+    out = c.recover(incident_id, restore_max_step=result.get("restore_max_step"), found=result.get("stopped"))
+    return Restart.read({**out, "restarted": True}).dump()
+
+
+def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:
+    """``restart_job`` run again after it restarted the job (an operator cleared it, or a retry): the
+    incident opens again (unless another incident of the job is open: then that one's run acts, and this
+    refuses), the job is stopped and started again on its machines, from its newest committed checkpoint;
+    the tasks after it check the resume and close the incident again."""
+    inc = c.fleet.incident(incident_id)
+    if inc.state not in OPEN_INCIDENT_STATES:
+        busy = [i.id for i in c.fleet.incidents(inc.job) if i.state in OPEN_INCIDENT_STATES]
+        if busy:
+            raise TrainguardError(f"incident {busy[0]} of job {inc.job} is open and its run acts on the job; "
+                                  f"clear this task again once it closed")
+        c.fleet.update_incident(incident_id, state="open",
+                                summary=f"{inc.summary}; restarted again (its run's restart_job ran again)")
+    begun = time.time()
+    out = c.recover(incident_id)
+    return Restart.read({**out, "restarted": True, "again": True, "again_ts": begun}).dump()
+
+
+def resumed(incident_id: int, recovery: dict[str, Any], c: Controller | None = None) -> dict[str, Any] | None:
+    """For the resume trigger: a :class:`~operators.models.Resume` once training passed the restored step;
+    ``failed`` once the restart ended without a step or did not get there within ``resume_timeout_s``;
+    ``pending`` when explicit machine faults joined the incident meanwhile; else None (ask again). ``c``: a
+    controller to reuse between calls (the trigger keeps one)."""
+    rec = Restart.read(recovery)
+    if not rec.restarted:
+        return Resume(skipped=True).dump()
+    recovery = rec.dump()
+    c = c or controller()
     pending = c.unhandled_faults(int(incident_id))
     if pending:
-        return {"pending": pending}
+        return Resume(pending=pending).dump()
     try:
         info = c.resumed(recovery["job"], recovery["restart_ts"])
     except TrainguardError as exc:
-        return {"failed": str(exc)}
+        return Resume(failed=str(exc)).dump()
     if info is None and time.time() - float(recovery["restart_ts"]) > c.cfg.resume_timeout_s:
-        return {"failed": f"training did not pass the restored step within {c.cfg.resume_timeout_s:.0f}s of the "
-                          f"restart"}
-    return info
+        return Resume(failed=f"training did not pass the restored step within {c.cfg.resume_timeout_s:.0f}s of "
+                             f"the restart").dump()
+    return None if info is None else Resume.read(info).dump()
 
 
 def _wait_resumed(c: Controller, incident_id: int, recovery: dict[str, Any], *, poll_s: float = 2.0
                   ) -> dict[str, Any]:
     """:func:`resumed`'s answer, polled until it is one (the follow-up restarts of :func:`escalate`)."""
     while True:
-        info = resumed(incident_id, recovery)
+        info = resumed(incident_id, recovery, c)
         if info is not None:
             return info
         time.sleep(poll_s)
@@ -329,7 +346,7 @@ def escalate(c: Controller, incident_id: int, why: str) -> dict[str, Any]:
                 why = step["give_up"]
                 break
             tried.append(step["did"])
-            out = c.recover(incident_id)
+            out = c.recover(incident_id, found=c.stop_found(c.fleet.incident(incident_id).job))
         except TrainguardError as exc:  # the escalation itself failed (a machine lost meanwhile): climb on
             why = f"the restart itself failed: {exc}"
             continue
@@ -363,6 +380,14 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
         return c.timeline(incident_id)
     restarted = bool(recovery and recovery.get("restarted"))
     if restarted and resume and not resume.get("skipped") and not resume.get("failed") and not resume.get("pending"):
+        if recovery.get("again"):  # its second restart: the job was down from the stop to the resume
+            start = float(recovery["again_ts"])
+            if not any(e.incident_id == incident_id and e.kind == "recovery" and abs(e.start_ts - start) < 1e-3
+                       for e in c.fleet.ettr_events(inc.job)):  # once, whatever clears close_incident again
+                c.fleet.add_ettr(inc.job, "recovery", start, max(start, float(resume["ts"])),
+                                 incident_id=incident_id, detail="restarted again (restart_job ran again)")
+            return c.close(incident_id, outcome="resolved",
+                           note=f"resumed at step {resume['first_step']} after the restart again")
         return c.close(incident_id, outcome="resolved", resumed=resume,
                        steps_before=int(recovery.get("steps_before", -1)),
                        note=f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "

@@ -29,6 +29,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 # Xid codes that mean the GPU or its memory is unusable until repaired (NVIDIA's Xid catalogue:
@@ -51,8 +52,40 @@ NETWORK_REPEAT_WINDOW_S = 300.0
 NETWORK_REPEAT_COUNT = 2
 NETWORK_EPISODE_S = 10.0  # network alerts of one machine closer than this are one event (one flap)
 
+
+
+class Category(StrEnum):
+    """What kind of failure a batch of alerts is (its strongest alert's), strongest first."""
+
+    MACHINE_FAULT = "machine_fault"
+    NETWORK = "network"
+    SDC = "sdc"
+    NAN = "nan"
+    CRASH = "crash"
+    HANG = "hang"
+    AGENT = "agent"
+    SLOW = "slow"
+    OBSERVE = "observe"
+
+
+class Action(StrEnum):
+    """What the ladder does next about an incident (:func:`decide`)."""
+
+    EVICT = "evict"
+    TOLERATE = "tolerate"
+    OBSERVE = "observe"
+    DIAGNOSE = "diagnose"
+    ANALYZE = "analyze"
+    VOTE = "vote"
+    REPLAY = "replay"
+    ROLLBACK = "rollback"
+    REATTEMPT = "reattempt"
+    PROBE = "probe"
+    WAIT_HUMAN = "wait_human"
+
+
 # categories, strongest first: the batch is what its strongest alert says
-CATEGORIES = ("machine_fault", "network", "sdc", "nan", "crash", "hang", "agent", "slow", "observe")
+CATEGORIES = tuple(c.value for c in Category)
 
 
 @dataclass(frozen=True)
@@ -60,24 +93,30 @@ class Triage:
     """What a batch of alerts means for one job."""
 
     job: str
-    category: str
+    category: Category
     machines: tuple[str, ...] = ()  # implicated machines (the culprits for machine_fault/network)
     ranks: tuple[int, ...] = ()
     reason: str = ""
     alert_kinds: tuple[str, ...] = ()
     repeated: bool = False  # network: the implicated machines' faults repeated within the window
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "category", Category(self.category))  # an unknown category: ValueError
+
 
 @dataclass(frozen=True)
 class Decision:
     """The next action for an incident.
 
-    ``action``: evict, tolerate, rollback, diagnose, reattempt, replay, analyze, observe, wait_human."""
+    ``action``: one of :class:`Action`."""
 
-    action: str
+    action: Action
     machines: tuple[str, ...] = ()
     reason: str = ""
     diagnose: Mapping[str, Any] = field(default_factory=dict)  # for "diagnose": levels and options
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "action", Action(self.action))  # an unknown action: ValueError
 
 
 def _xid(alert: Mapping[str, Any]) -> int | None:

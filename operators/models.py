@@ -1,0 +1,100 @@
+"""What the tasks of ``tg_incident`` hand each other through XCom, as typed models: a task writes
+``model.dump()`` (plain JSON) and the next one reads it back with ``Model.read(value)``, which validates
+it: a payload that lost a field or holds a wrong type fails the reading task with the field's name,
+instead of a ``KeyError`` three functions further on.
+
+The rungs' own results keep their evidence (logs, diagnosis reports, votes ...) as extra fields: only what
+the next tasks act on is typed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Self
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from operators.policy.ladder import Action, Category
+
+
+class _Payload(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def dump(self) -> dict[str, Any]:
+        """The JSON document for XCom (enums as their values)."""
+        return self.model_dump(mode="json", exclude_none=False)
+
+    @classmethod
+    def read(cls, value: Any) -> Self:
+        """``value`` (an XCom document) validated; a model passes through."""
+        return value if isinstance(value, cls) else cls.model_validate(value or {})
+
+
+class IncidentDecision(_Payload):
+    """Triage's verdict on an incident: its category and the ladder's next action (the branch to take)."""
+
+    incident: int = Field(ge=1)
+    job: str
+    level: int = Field(ge=0)
+    category: Category
+    machines: list[str] = []
+    action: Action
+    reason: str
+    rollback_to: str | None = None
+    diagnose: dict[str, Any] = {}
+
+
+class StopFound(_Payload):
+    """What a stop found when it ended the job on every machine: the machines and the lowest step every
+    rank had finished (a restart right after needs no round of reads)."""
+
+    machines: list[str]
+    step: int
+
+
+class RungResult(_Payload):
+    """What a rung did. ``restart`` says whether the job is to be restarted now (False: the rung left it
+    alone, it waits for a human, or it was a dry run); ``stopped`` is what the rung's stop found."""
+
+    model_config = ConfigDict(extra="allow")
+
+    rung: str
+    restart: bool
+    stopped: StopFound | None = None
+    restore_max_step: int | None = Field(default=None, ge=0)
+    swaps: dict[str, str] = {}
+    error: str | None = None
+    waiting_human: bool = False
+    dry_run: bool = False
+    resolved: str | None = None
+
+
+class Restart(_Payload):
+    """What ``restart_job`` did: the restart's time and the steps finished before it (for the resume
+    check and the lost-steps count), or why it did not restart (then the rung's result says the rest)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    restarted: bool
+    job: str | None = None
+    restart_ts: float | None = None
+    steps_before: int = -1
+    again: bool = False  # a restart of an incident whose job had been restarted before (the task was cleared)
+
+
+class Resume(_Payload):
+    """The resume check's answer: training passed the restored step (``first_step``), or why not."""
+
+    first_step: int | None = None
+    restored_step: int | None = None
+    ts: float | None = None
+    failed: str | None = None
+    pending: dict[str, str] | None = None  # explicit machine faults that joined after the restart
+    skipped: bool = False  # nothing was restarted
+
+    def dump(self) -> dict[str, Any]:
+        """Only what it says (``{"pending": {...}}``, ``{"failed": why}``, the resume's step and time)."""
+        return self.model_dump(mode="json", exclude_defaults=True)
+
+    @property
+    def resumed(self) -> bool:
+        return self.first_step is not None and not (self.failed or self.pending or self.skipped)

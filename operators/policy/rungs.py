@@ -1,0 +1,47 @@
+"""The ladder's rungs as the branches of ``tg_incident``: one registry, from which the DAG generates its
+branch tasks, the triage chooses the branch, and whoever reads a run (the tests, the benchmarks, the demo)
+finds the rung that ran. Adding a rung is one line here and its function in
+:data:`operators.airflow.steps.RUNG_ACTIONS` (a test checks both agree)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from operators.policy.ladder import Action
+
+
+@dataclass(frozen=True)
+class Rung:
+    action: Action  # the ladder's decision it handles
+    task_id: str  # its task in tg_incident
+    does: str  # one line: what the task does (its doc in the UI)
+
+
+RUNGS: tuple[Rung, ...] = (
+    Rung(Action.EVICT, "evict_now", "An explicit machine fault: stop the job and swap the named machines for "
+                                    "standbys."),
+    Rung(Action.DIAGNOSE, "stop_time_diagnosis", "Stop the job and read its logs; then L1 -> L2 -> L3 and act on the "
+                                                 "verdict (evict what failed, roll back, or restart in place)."),
+    Rung(Action.ANALYZE, "runtime_analysis", "A hang: every rank's stack while it hangs; stop and over-evict the "
+                                             "outliers' parallel group."),
+    Rung(Action.VOTE, "slow_vote", "A throughput decline: vote over rounds of compute times while the job trains; "
+                                   "stop and evict the slow group, or nothing."),
+    Rung(Action.REPLAY, "silent_corruption", "Peers disagree: stop; alignment test, then dual-phase replay; evict the "
+                                             "machine that computes wrong."),
+    Rung(Action.ROLLBACK, "roll_back", "The job's own code failed: stop and roll back to the last known-good "
+                                       "revision."),
+    Rung(Action.REATTEMPT, "no_culprit", "Nothing to blame: stop (a repeat offender is evicted) and restart in "
+                                         "place."),
+    Rung(Action.PROBE, "probe_machine", "A silent agent: reach its machine and run L1; evict it if unreachable or "
+                                        "unhealthy, else restart the agent."),
+)
+
+# the branch for every decision that needs no recovery (tolerate, observe, wait for a human)
+NO_RECOVERY = "no_recovery"
+BRANCHES: dict[str, str] = {r.action.value: r.task_id for r in RUNGS}
+TASK_IDS: tuple[str, ...] = tuple(r.task_id for r in RUNGS)
+
+
+def branch(action: str) -> str:
+    """The task that handles the ladder's ``action``."""
+    return BRANCHES.get(str(action), NO_RECOVERY)

@@ -1,0 +1,150 @@
+"""The tasks of tg_incident one by one, on the scripted fleet of :mod:`tests.fakes`: what each hands the
+next through XCom (typed, validated), ``restart_job`` safe to clear, ``wait_for_resume`` deferred."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from pydantic import ValidationError
+
+from operators.models import IncidentDecision, Restart, Resume, RungResult
+from operators.policy import ladder, rungs
+from tests.fakes import alert, fleet_controller, run_incident
+
+
+def test_a_closed_incident_whose_restart_job_runs_again_restarts_the_job_and_closes_once_more(tmp_path, monkeypatch):
+    from operators.airflow import steps
+
+    c, fleet = fleet_controller(tmp_path)
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    inc = out["incident"]
+    assert out["closed"]["state"] == "resolved"
+    starts = len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate"))
+    ettr_before = sorted((e.kind, e.start_ts) for e in c.fleet.ettr_events("j"))
+    # the operator clears restart_job (and what follows it) of the finished run: the same XCom input again
+    again = steps.restart_job(inc, [out["result"]])
+    assert again["restarted"] and again["again"] and c.fleet.incident(inc).state == "open"
+    assert len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate")) == starts + 4  # all restarted
+    assert c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]  # on the machines it runs on: no eviction
+    resumed = steps.resumed(inc, again)
+    assert Resume.read(resumed).resumed
+    closed = steps.close(inc, None, again, resumed)
+    assert closed["state"] == "resolved" and "restarted again" in c.fleet.incident(inc).summary
+    launches = [a for a in c.fleet.actions(inc) if a.kind == "launch"]
+    assert len(launches) == 2 and all(a.outcome == "done" for a in launches)
+    ettr_after = sorted((e.kind, e.start_ts) for e in c.fleet.ettr_events("j"))
+    # detection and diagnosis are counted once; the second restart's recovery is a stretch of its own
+    assert [k for k, _ in ettr_after].count("detection") == [k for k, _ in ettr_before].count("detection") == 1
+    assert [k for k, _ in ettr_after].count("recovery") == 2 and set(ettr_before) <= set(ettr_after)
+
+
+def test_a_restart_job_run_again_while_another_incident_of_the_job_is_open_refuses_and_changes_nothing(
+        tmp_path, monkeypatch):
+    from node_tools.errors import TrainguardError
+    from operators.airflow import steps
+
+    c, fleet = fleet_controller(tmp_path)
+    first = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    [second] = c.ingest([alert("gpu_lost", "m2")])
+    starts = len(fleet.sent("job", "start"))
+    with pytest.raises(TrainguardError, match=f"incident {second['incident']} of job j is open"):
+        steps.restart_job(first["incident"], [first["result"]])
+    assert len(fleet.sent("job", "start")) == starts and c.fleet.incident(first["incident"]).state == "resolved"
+
+
+def test_restart_job_starts_from_what_the_rungs_stop_found_with_no_round_of_reads(tmp_path, monkeypatch):
+    from operators.airflow import steps
+
+    c, fleet = fleet_controller(tmp_path)
+    monkeypatch.setattr(steps, "controller", lambda **_: c)
+    [item] = c.ingest([alert("gpu_lost", "m1")])
+    result = steps.handle("evict_now", steps.triage(item["incident"]))
+    found = RungResult.read(result).stopped
+    assert found.machines == ["m0", "m1", "m2", "m3"] and result["restart"]
+    fleet.commands.clear()
+    recovery = steps.restart_job(item["incident"], [None, result, None])  # the skipped rungs give None
+    assert Restart.read(recovery).steps_before == found.step
+    assert fleet.commands and {tuple(cmd[:2]) for _m, cmd in fleet.commands} <= {("job", "start"),
+                                                                                 ("standby", "activate")}
+
+
+def test_a_rung_that_leaves_the_job_alone_is_not_restarted_and_its_result_reaches_close(tmp_path, monkeypatch):
+    from operators.airflow import steps
+
+    c, fleet = fleet_controller(tmp_path)  # the stacks refute the alert and the job trains: nothing to do
+    out = run_incident(c, [alert("rank_stopped", "m1", rank=1)], monkeypatch)
+    assert out["result"]["restart"] is False and out["result"]["recovery"]["restarted"] is False
+    assert out["result"]["recovery"]["resolved"] == out["result"]["resolved"]  # the rung's word reaches close
+    assert out["resumed"] == {"skipped": True} and fleet.sent("job", "start") == []
+    assert out["closed"]["state"] == "resolved" and "seen running" in c.fleet.incident(out["incident"]).summary
+
+
+def test_payloads_are_validated_when_read_and_name_what_is_wrong():
+    good = {"incident": 3, "job": "my_job", "level": 0, "category": "machine_fault", "machines": ["m1"],
+            "action": "evict", "reason": "anything at all"}
+    d = IncidentDecision.read(good)
+    assert d.action is ladder.Action.EVICT and d.category is ladder.Category.MACHINE_FAULT
+    assert d.dump()["action"] == "evict"  # plain JSON for XCom
+    with pytest.raises(ValidationError, match="action"):
+        IncidentDecision.read({**good, "action": "evict_everything"})
+    with pytest.raises(ValidationError, match="incident"):
+        IncidentDecision.read({k: v for k, v in good.items() if k != "incident"})
+    with pytest.raises(ValidationError, match="restart_ts"):
+        Restart.read({"restarted": True, "restart_ts": "soon"})
+    with pytest.raises(ValueError, match="nonsense"):
+        ladder.Decision("nonsense")
+
+
+def test_every_rung_of_the_registry_has_a_branch_and_anything_else_goes_to_no_recovery():
+    for r in rungs.RUNGS:
+        assert rungs.branch(r.action) == r.task_id == rungs.branch(r.action.value)
+    for action in ("tolerate", "observe", "wait_human"):
+        assert rungs.branch(action) == rungs.NO_RECOVERY
+    assert len(set(rungs.TASK_IDS)) == len(rungs.RUNGS)
+
+
+def test_the_resume_sensor_defers_at_once_and_holds_no_worker_while_it_waits():
+    from airflow.exceptions import TaskDeferred
+
+    from operators.airflow.resume import ResumeSensor, ResumeTrigger
+
+    sensor = ResumeSensor(task_id="wait_for_resume", incident_id="7",
+                          recovery={"restarted": True, "job": "j", "restart_ts": 100.0, "steps_before": 5})
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, ResumeTrigger) and deferred.value.method_name == "execute_complete"
+    path, kwargs = trigger.serialize()
+    assert path == "operators.airflow.resume.ResumeTrigger" and kwargs["incident_id"] == 7
+    assert ResumeTrigger(**kwargs).recovery["restart_ts"] == 100.0  # the triggerer rebuilds it from JSON
+    # nothing restarted: nothing to wait for
+    assert ResumeSensor(task_id="w", incident_id=7, recovery={"restarted": False}).execute({}) == {"skipped": True}
+    done = sensor.execute_complete({}, {"first_step": 6, "restored_step": 5, "ts": 101.0, "checks": 3})
+    assert done == {"first_step": 6, "restored_step": 5, "ts": 101.0}
+
+
+def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_fires_once(tmp_path, monkeypatch):
+    from operators.airflow import steps
+    from operators.airflow.resume import ResumeTrigger
+
+    c, fleet = fleet_controller(tmp_path)
+    monkeypatch.setattr(steps, "controller", lambda **_: c)
+    [item] = c.ingest([alert("gpu_lost", "m1")])
+    recovery = steps.restart_job(item["incident"], [steps.handle("evict_now", steps.triage(item["incident"]))])
+    answers = []
+    real = steps.resumed
+
+    def resumed(*args):  # the first two checks find no step after the restart yet
+        answers.append(None if len(answers) < 2 else real(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(steps, "resumed", resumed)
+
+    async def first_event():
+        async for event in ResumeTrigger(item["incident"], recovery, poll_s=0.01).run():
+            return event.payload
+
+    payload = asyncio.run(first_event())
+    assert len(answers) == 3 and payload["checks"] == 3 and Resume.read(
+        {k: v for k, v in payload.items() if k != "checks"}).resumed
