@@ -10,12 +10,12 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+from operators.airflow.forms import NAME, job_param
 
 
 @dag(dag_id="tg_diagnose", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
      doc_md=__doc__, params={
-         "job": Param("demo", type="string", pattern=NAME, description="the job whose machines are diagnosed"),
+         "job": job_param("the job whose machines are diagnosed"),
          "machines": Param([], type="array", items={"type": "string", "pattern": NAME},
                            description="machine names; empty = every machine of the job"),
          "level": Param(2, type="integer", enum=[1, 2, 3], description="run levels 1 .. this"),

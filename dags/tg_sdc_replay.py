@@ -11,11 +11,12 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
+from operators.airflow.forms import job_param
+
 
 @dag(dag_id="tg_sdc_replay", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
      doc_md=__doc__, max_active_runs=1, params={
-         "job": Param("demo", type="string", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$",
-                      description="the job whose machines are replayed"),
+         "job": job_param("the job whose machines are replayed"),
          "k": Param(1, type="integer", minimum=1, description="replicas per replay group (must divide DP)"),
          "evict": Param(False, type="boolean", description="replace the culprits with standbys"),
      })

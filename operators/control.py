@@ -148,6 +148,13 @@ class Controller:
         return {"launched": True, "machines": j.machine_list, "port": plan.master_port, "warm": started_warm,
                 "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}
 
+    def start(self, job: str) -> dict[str, Any]:
+        """Start the job again on its machine list (an operator's start of a job stopped by hand): on warm
+        interpreters where they are parked, restoring its newest committed checkpoint. Each call is a launch
+        of its own (recorded); stop the job first when it runs."""
+        starts = sum(1 for a in self.fleet.actions() if a.key.startswith(f"launch:{job}:start-"))
+        return self._start(job, warm_if_parked=True, tag=f"start-{starts + 1}")
+
     def hot_update(self, job: str, revision: str, *, reason: str = "") -> dict[str, Any]:
         """Switch the job to ``revision`` now, in place: stop it, record the revision, start it again on
         the same machines (on their parked warm interpreters where there are some; nothing rescheduled),

@@ -137,12 +137,7 @@ class FleetCollector(Collector):
     def _ettr(self, jobs: Any, actions: Any) -> Iterator[Any]:
         ratio = GaugeMetricFamily("trainguard_ettr_ratio", "Effective training time ratio (newest tg_ettr report)",
                                   labels=["job", "window"])
-        newest: dict[str, Any] = {}
-        for a in actions:
-            if a.kind == "ettr_report":
-                job = a.key.split(":")[1]
-                if job not in newest or a.started_ts >= newest[job].started_ts:
-                    newest[job] = a
+        newest = newest_ettr_reports(actions)
         for j in jobs:
             a = newest.get(j.name)
             if a is not None:
@@ -195,3 +190,14 @@ def serve(fleet: FleetStore, port: int, addr: str = "127.0.0.1") -> Any:
 
     server, _thread = start_http_server(port, addr=addr, registry=registry(fleet))
     return server
+
+
+def newest_ettr_reports(actions: Any) -> dict[str, Any]:
+    """The newest ``ettr_report`` action (tg_ettr's) of each job, by job."""
+    newest: dict[str, Any] = {}
+    for a in actions:
+        if a.kind == "ettr_report":
+            job = a.key.split(":")[1]
+            if job not in newest or a.started_ts >= newest[job].started_ts:
+                newest[job] = a
+    return newest

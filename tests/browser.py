@@ -62,3 +62,21 @@ def chrome(width: int = 1400, height: int = 1000) -> Any:
     d = webdriver.Chrome(options=options, service=Service(driver))
     d.set_page_load_timeout(120)
     return d
+
+
+def login(d: Any, airflow: Any, timeout: float = 120) -> None:
+    """Log ``d`` into the Airflow UI of ``airflow`` (a :class:`operators.airflow.standalone.Standalone`) as
+    its generated admin user."""
+    import json
+
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    password = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+    wait = WebDriverWait(d, timeout)
+    d.get(f"{airflow.url}/auth/login")
+    wait.until(ec.presence_of_element_located((By.NAME, "username"))).send_keys("admin")
+    d.find_element(By.NAME, "password").send_keys(password)
+    d.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+    wait.until(lambda drv: "/auth/login" not in drv.current_url)

@@ -298,7 +298,7 @@ def test_clearing_restart_job_of_a_finished_incident_run_restarts_the_job_and_wa
     cleared = airflow.clear("tg_incident", run_id, ["wait_for_resume"])
     assert "restart_job" not in cleared and "wait_for_resume" in cleared
     assert wait_until(ended, timeout=120, interval=0.5, what="the cleared run to end") == "success"
-    assert [a for a in ctl.fleet.actions(inc.id) if a.kind == "launch"] == again
+    assert [a.id for a in ctl.fleet.actions(inc.id) if a.kind == "launch"] == [a.id for a in again]
     assert airflow.xcom("tg_incident", run_id, "wait_for_resume")["first_step"] == resume["first_step"]
     recoveries = [e for e in ctl.fleet.ettr_events(JOB) if e.incident_id == inc.id and e.kind == "recovery"]
     assert len(recoveries) == 2, recoveries  # the first restart's and the second's, each once
@@ -646,35 +646,26 @@ def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(contr
 def test_an_operator_triggers_a_diagnosis_from_the_airflow_ui_in_a_browser(control, cp_cluster):
     """Headless Chromium: log in, open tg_diagnose, fill its Params form for one machine, trigger; the
     run page then shows the run succeeded, its one mapped task named after the machine, and its note."""
-    import json
-
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
     from selenium.webdriver.support.ui import WebDriverWait
 
-    from tests.browser import artifacts_dir, chrome
+    from tests.browser import artifacts_dir, chrome, login
 
     ctl, airflow = control
     machine = ctl.fleet.job(JOB).machine_list[0]
-    password = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
     before = {r["dag_run_id"] for r in airflow.runs("tg_diagnose")}
     d = chrome()
     shot = artifacts_dir() / "airflow-ui-tg_diagnose-run.png"
     try:
         wait = WebDriverWait(d, 120)
-        d.get(f"{airflow.url}/auth/login")
-        wait.until(ec.presence_of_element_located((By.NAME, "username"))).send_keys("admin")
-        d.find_element(By.NAME, "password").send_keys(password)
-        d.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-        wait.until(lambda drv: "/auth/login" not in drv.current_url)
+        login(d, airflow)
         d.get(f"{airflow.url}/dags/tg_diagnose")
         wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "button[aria-label='Trigger Dag']"))).click()
         form = wait.until(ec.presence_of_element_located(
             (By.XPATH, "//*[@role='dialog'][.//textarea[@name='element_machines']]")))
-        job = form.find_element(By.NAME, "element_job")
-        job.clear()
-        job.send_keys(JOB)
+        # the job field is pre-filled with the fleet's job (the form offers the jobs there are)
         form.find_element(By.NAME, "element_machines").send_keys(machine)
         trigger = next(b for b in form.find_elements(By.TAG_NAME, "button")
                        if b.get_attribute("textContent").strip() == "Trigger")
@@ -734,3 +725,58 @@ def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_clu
     bad = subprocess.run([sys.executable, "-m", "operators.cli", "ettr", "--job", "nosuchjob"],
                          capture_output=True, text=True, env=env, timeout=120, check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nosuchjob" in bad.stderr, bad.stderr
+
+
+@pytest.mark.timeout(1200)  # a first run installs chromium
+def test_the_fleet_page_in_the_airflow_ui_shows_a_running_job_then_one_stopped_behind_the_control_planes_back(
+        control, cp_cluster):
+    """Headless Chromium: the UI's navigation has a Fleet page (the trainguard plugin); it says the job is
+    running; after the job's processes are stopped on its machines directly (the fleet database still
+    says running), the page says stopped and that the job is not training."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.browser import artifacts_dir, chrome, login
+
+    ctl, airflow = control
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    d = chrome()
+    shot = artifacts_dir() / "airflow-ui-fleet.png"
+    stopped = False
+
+    def job_state() -> str:
+        """The page's state cell of the job (the page shown inside the UI, in its frame)."""
+        d.switch_to.default_content()
+        d.get(f"{airflow.url}/plugin/trainguard-fleet")
+        frame = WebDriverWait(d, 60).until(ec.presence_of_element_located((By.TAG_NAME, "iframe")))
+        d.switch_to.frame(frame)
+        cell = WebDriverWait(d, 60).until(ec.presence_of_element_located(
+            (By.CSS_SELECTOR, f"tr[data-job='{JOB}'] td.state")))
+        return cell.text
+
+    try:
+        _quiet(ctl, airflow, cp_cluster)
+        login(d, airflow)
+        d.get(f"{airflow.url}/")
+        nav = WebDriverWait(d, 60).until(lambda drv: [a for a in drv.find_elements(By.CSS_SELECTOR, "a[href]")
+                                                      if "/plugin/trainguard-fleet" in a.get_attribute("href")])
+        assert nav, "no Fleet link in the UI's navigation"
+        assert job_state() == "running"
+        # behind the control plane's back: the job's processes stopped on its machines, nothing recorded
+        done = transport_for(cp_cluster).run_many([cp_cluster.machine(m) for m in machines],
+                                                  lambda m: [cp_cluster.tg_node, "job", "stop", "--job", JOB],
+                                                  timeout=60)
+        stopped = True
+        assert all(r.ok for r in done.values()), {n: r.describe() for n, r in done.items()}
+        assert ctl.fleet.job(JOB).state == "running"  # what the database says
+        assert wait_until(lambda: job_state() == "stopped", timeout=60, interval=1.0, what="the page to say stopped")
+        body = d.find_element(By.TAG_NAME, "body").text
+        assert "not training" in body, body
+    finally:
+        d.save_screenshot(str(shot))
+        d.quit()
+        if stopped:  # the next scenario finds the job training again
+            ctl.start(JOB)
+            wait_until(lambda: ctl.trains(JOB), timeout=180, interval=1.0, what="the job to train again")
+    assert shot.stat().st_size > 10_000

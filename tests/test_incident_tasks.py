@@ -70,7 +70,6 @@ def test_restart_job_starts_from_what_the_rungs_stop_found_with_no_round_of_read
 
 
 def test_a_rung_that_leaves_the_job_alone_is_not_restarted_and_its_result_reaches_close(tmp_path, monkeypatch):
-    from operators.airflow import steps
 
     c, fleet = fleet_controller(tmp_path)  # the stacks refute the alert and the job trains: nothing to do
     out = run_incident(c, [alert("rank_stopped", "m1", rank=1)], monkeypatch)
@@ -128,8 +127,9 @@ def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_
     from operators.airflow import steps
     from operators.airflow.resume import ResumeTrigger
 
-    c, fleet = fleet_controller(tmp_path)
+    c, _fleet = fleet_controller(tmp_path)
     monkeypatch.setattr(steps, "controller", lambda **_: c)
+    monkeypatch.setattr(steps, "shared_controller", lambda: c)  # the triggerer's one controller
     [item] = c.ingest([alert("gpu_lost", "m1")])
     recovery = steps.restart_job(item["incident"], [steps.handle("evict_now", steps.triage(item["incident"]))])
     answers = []

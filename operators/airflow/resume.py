@@ -3,8 +3,9 @@ triggerer) and the deferrable ``ResumeSensor``.
 
 The sensor's ``execute`` only reads its input (``restart_job``'s :class:`~operators.models.Restart`) and
 defers; the trigger asks every ``poll_s`` whether every rank finished a step after the restart
-(:func:`operators.airflow.steps.resumed`, with one controller, and so one fleet database engine, for the
-trigger's whole life, its blocking reads in a thread so the triggerer's loop goes on), and fires with the
+(:func:`operators.airflow.steps.resumed`, with the triggerer's one controller, and so one fleet database
+engine, for every trigger: :func:`operators.airflow.steps.shared_controller`; its blocking reads in a
+thread so the triggerer's loop goes on), and fires with the
 answer: resumed, failed (the job ended, or ``resume_timeout_s`` passed), or explicit faults pending. While
 an incident waits for its job to train again, no worker slot is held: a fleet with many incidents at once
 keeps its slots for the rungs.
@@ -13,6 +14,7 @@ keeps its slots for the rungs.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
@@ -47,7 +49,10 @@ class ResumeTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from operators.airflow import steps
 
-        c = await asyncio.to_thread(steps.controller)
+        t0 = time.monotonic()
+        c = await asyncio.to_thread(steps.shared_controller)
+        self.log.info("incident %s: checking its resume (controller ready in %.2fs)", self.incident_id,
+                      time.monotonic() - t0)
         checks = 0
         while True:
             checks += 1

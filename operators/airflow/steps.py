@@ -28,6 +28,20 @@ def controller(**overrides: Any) -> Controller:
     return Controller(cfg, transport=hook.transport(), inventory=hook.inventory)
 
 
+_SHARED: dict[tuple[str, str], Controller] = {}
+
+
+def shared_controller() -> Controller:
+    """One controller per process and fleet for the triggers of a triggerer: one fleet database engine and
+    one SSH credential lookup for all of them, built once (the first trigger pays it; the rest start
+    checking at once). Its calls are reads: safe from the triggers' threads at once."""
+    cfg = ControlConfig.from_env()
+    key = (cfg.fleet_url, cfg.inventory)
+    if key not in _SHARED:
+        _SHARED[key] = controller()
+    return _SHARED[key]
+
+
 def alert_source() -> tuple[str, str]:
     """The bus to watch (the inventory's) and the fleet database that keeps the readers' cursors."""
     from node_tools.inventory import Inventory
@@ -240,9 +254,9 @@ def probe_machine(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
 
 
 # the function of each rung (by its task id in :data:`operators.policy.rungs.RUNGS`)
-RUNG_ACTIONS = {"evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnosis, "runtime_analysis": runtime_analysis,
-            "slow_vote": slow_vote, "silent_corruption": silent_corruption, "roll_back": roll_back,
-            "no_culprit": no_culprit, "probe_machine": probe_machine}
+RUNG_ACTIONS = {"evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnosis,
+                "runtime_analysis": runtime_analysis, "slow_vote": slow_vote, "silent_corruption": silent_corruption,
+                "roll_back": roll_back, "no_culprit": no_culprit, "probe_machine": probe_machine}
 
 
 def _follow(c: Controller, incident: int, d: ladder.Decision, evidence: dict[str, Any],

@@ -98,6 +98,22 @@ class FleetStore:
         self.engine.dispose()
 
     @staticmethod
+    def job_names(url: str | Path) -> list[str]:
+        """The jobs of the fleet database at ``url``, read only (no migration, nothing created): what the
+        DAGs' forms offer. Empty when there is no such database yet."""
+        url = url_for(url)
+        if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+            return []
+        engine = sa.create_engine(url)
+        try:
+            with engine.connect() as conn:
+                return [r[0] for r in conn.execute(sa.select(Job.name).order_by(Job.name))]
+        except sa.exc.SQLAlchemyError:
+            return []
+        finally:
+            engine.dispose()
+
+    @staticmethod
     def _required(s: Session, model: type, key: Any, *, lock: bool = False) -> Any:
         """The row of ``model`` with primary key ``key``, or a one-line FleetError naming what is missing."""
         row = s.get(model, key, with_for_update=lock)

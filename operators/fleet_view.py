@@ -1,0 +1,77 @@
+"""What the Airflow UI's Fleet page shows (:mod:`operators.airflow.ui` renders it): every job with the
+state the fleet database records *and* the state its machines report now (read over SSH with a short
+timeout: a job stopped behind the control plane's back shows as not training, whatever the database
+says), its revision and newest step, its machines and their states, its open incidents with the rung
+handling them, the standby pool against its target, and the newest ETTR report.
+
+Plain Python over a :class:`~operators.control.Controller`: unit-tested on the scripted fleet.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from node_tools.errors import TrainguardError
+from operators.fleet import states
+from operators.fleet.store import OPEN_INCIDENT_STATES
+
+
+def observed_state(progress: dict[str, Any]) -> str:
+    """One word for what the machines report: ``running`` when every machine runs the job, ``stopped``
+    when none does, ``partly running`` otherwise, ``unreachable`` when no machine answered."""
+    seen = dict(progress.get("states") or {})
+    if not seen or all(s not in ("running", "exited", "absent") for s in seen.values()):
+        return "unreachable"
+    running = [m for m, s in seen.items() if s == "running"]
+    if len(running) == len(seen):
+        return "running"
+    return "stopped" if not running else "partly running"
+
+
+def _rung(c: Any, incident: Any) -> str:
+    """The rung handling an open incident: its summary's ``next:`` (what triage decided), else its state."""
+    for part in reversed((incident.summary or "").split("; ")):
+        if part.startswith("next: "):
+            return part[len("next: "):]
+    return incident.state
+
+
+def collect(c: Any, *, now: float | None = None) -> dict[str, Any]:
+    """The Fleet page's document."""
+    from operators import standby_pool
+    from operators.metrics import newest_ettr_reports
+
+    now = time.time() if now is None else now
+    ettr = newest_ettr_reports(c.fleet.actions())
+    jobs = []
+    for j in c.fleet.jobs():
+        try:
+            progress = c.progress(j.name)
+        except TrainguardError as exc:
+            progress = {"step": None, "states": {}, "error": str(exc)}
+        seen = observed_state(progress)
+        machines = []
+        for name in j.machine_list:
+            try:
+                m = c.fleet.machine(name)
+                fleet_state = m.state
+            except TrainguardError:
+                fleet_state = "unknown"
+            machines.append({"machine": name, "state": fleet_state, "job_process": progress["states"].get(name)})
+        incidents = [{"incident": i.id, "state": i.state, "category": i.category or "untriaged",
+                      "rung": _rung(c, i), "open_s": round(now - i.opened_ts, 1)}
+                     for i in c.fleet.incidents(j.name) if i.state in OPEN_INCIDENT_STATES]
+        report = ettr.get(j.name)
+        problem = ""
+        if j.state == "running" and seen != "running":
+            problem = f"the fleet database says running, its machines say {seen}: the job is not training"
+        jobs.append({"job": j.name, "state": seen, "recorded_state": j.state, "revision": j.revision or "-",
+                     "step": progress.get("step"), "machines": machines, "incidents": incidents,
+                     "ettr": None if report is None else {"cumulative": report.evidence.get("cumulative"),
+                                                          "sliding": report.evidence.get("sliding")},
+                     "problem": problem})
+    _history, _rate, serving, target = standby_pool.sizing(c.fleet, now)
+    standbys = [m.name for m in c.fleet.machines(state=states.STANDBY)]
+    return {"ts": now, "jobs": jobs, "pool": {"standbys": standbys, "target": target, "serving": serving,
+                                              "short": max(0, target - len(standbys))}}

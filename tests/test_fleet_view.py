@@ -1,0 +1,79 @@
+"""The Fleet page of the Airflow UI (operators.fleet_view, operators.airflow.ui) on the scripted fleet: the
+state a job's machines report wins over what the fleet database records."""
+
+from __future__ import annotations
+
+from operators import fleet_view
+from operators.airflow import ui
+from tests.fakes import alert, fleet_controller
+
+
+def test_a_running_job_shows_running_with_its_machines_revision_step_and_the_pool(tmp_path):
+    c, fleet = fleet_controller(tmp_path, revision="r7")
+    doc = fleet_view.collect(c)
+    [job] = doc["jobs"]
+    assert job["state"] == job["recorded_state"] == "running" and job["problem"] == ""
+    assert job["revision"] == "r7" and 0 < job["step"] <= fleet.step
+    assert [(m["machine"], m["state"], m["job_process"]) for m in job["machines"]] == [
+        (f"m{i}", "active", "running") for i in range(4)]
+    assert doc["pool"]["standbys"] == ["m4", "m5"] and doc["pool"]["serving"] == 4
+
+
+def test_a_job_stopped_behind_the_control_planes_back_shows_stopped_and_says_it_is_not_training(tmp_path):
+    c, fleet = fleet_controller(tmp_path)
+    fleet.running.clear()  # every machine's part ended; the fleet database still says running
+    [job] = fleet_view.collect(c)["jobs"]
+    assert job["recorded_state"] == "running" and job["state"] == "stopped"
+    assert "not training" in job["problem"]
+    fleet.launch(["m0", "m1"])  # half of it back
+    assert fleet_view.collect(c)["jobs"][0]["state"] == "partly running"
+
+
+def test_an_open_incident_shows_with_the_rung_that_handles_it(tmp_path):
+    c, _fleet = fleet_controller(tmp_path)
+    [item] = c.ingest([alert("gpu_lost", "m1")])
+    c.triage(item["incident"])
+    [job] = fleet_view.collect(c)["jobs"]
+    [inc] = job["incidents"]
+    assert inc["incident"] == item["incident"] and inc["category"] == "machine_fault" and inc["rung"] == "evict"
+
+
+def test_the_observed_state_needs_every_machine_to_run_the_job():
+    assert fleet_view.observed_state({"states": {"a": "running", "b": "running"}}) == "running"
+    assert fleet_view.observed_state({"states": {"a": "exited", "b": "absent"}}) == "stopped"
+    assert fleet_view.observed_state({"states": {"a": "running", "b": "ssh: unreachable"}}) == "partly running"
+    assert fleet_view.observed_state({"states": {"a": "ssh: unreachable"}}) == "unreachable"
+    assert fleet_view.observed_state({"states": {}}) == "unreachable"
+
+
+def test_the_page_escapes_every_value_and_marks_each_jobs_state():
+    doc = {"jobs": [{"job": "<b>j</b>", "state": "stopped", "recorded_state": "running", "revision": "r'1",
+                     "step": 5, "machines": [{"machine": "m&0", "state": "active", "job_process": "exited"}],
+                     "incidents": [], "ettr": {"cumulative": 0.9512, "sliding": None},
+                     "problem": "not training"}],
+            "pool": {"standbys": [], "target": 2, "serving": 1, "short": 2}}
+    page = ui.render(doc)
+    assert "<b>j</b>" not in page and "&lt;b&gt;j&lt;/b&gt;" in page and "m&amp;0" in page
+    assert 'class="state" data-state="stopped">stopped<' in page and "95.1% / -" in page and "2 short" in page
+
+
+def test_the_plugin_registers_its_app_and_a_page_in_the_uis_navigation():
+    assert ui.TrainguardPlugin.fastapi_apps[0]["url_prefix"] == "/trainguard"
+    [view] = ui.TrainguardPlugin.external_views
+    assert view["href"] == "/trainguard/fleet" and view["destination"] == "nav"
+    routes = {r.path for r in ui.app.routes}
+    assert {"/fleet", "/fleet.json"} <= routes
+
+
+def test_the_job_forms_offer_the_fleets_jobs_and_prefill_the_first_without_creating_anything(tmp_path, monkeypatch):
+    from operators.airflow.forms import fleet_jobs, job_param
+
+    missing = tmp_path / "nothing-here.db"
+    monkeypatch.setenv("TG_FLEET_URL", str(missing))
+    assert fleet_jobs() == [] and not missing.exists()  # read only: no database made at parse time
+    assert not job_param("the job").has_value  # no job yet: the field is empty and required
+    c, _fleet = fleet_controller(tmp_path)
+    c.fleet.upsert_job("a_b", tp=1, pp=1, dp=1, ranks_per_machine=1, machines=["m5"], revision="r1")
+    monkeypatch.setenv("TG_FLEET_URL", str(tmp_path / "fleet.db"))
+    p = job_param("the job")
+    assert p.value == "a_b" and p.schema["examples"] == ["a_b", "j"]
