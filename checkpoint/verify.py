@@ -9,16 +9,17 @@ A copy passes when
   names, dtypes and shapes, and every floating-point value is finite.
 
 A step passes when every copy of it in a checkpoint root (``local`` and
-``replica`` tiers) and, if given, in S3 passes, and the training metrics
-around it (``rank<R>.steps.jsonl`` of :mod:`node_tools.monitor`: loss,
-grad_norm, step_time_s) pass a great-expectations suite: not null (a NaN is
-null), within range, steps strictly increasing, the step itself present.
-A passing step is marked (``verified.json`` in each copy; an object in S3);
-retention never deletes the newest marked step.
+``replica`` tiers) and, if given, in S3 passes. The training metrics around it
+(every rank's step records: loss, grad_norm, step_time_s) are checked by the
+control plane's verification task, over the records it gathers from the machines
+(:func:`check_metrics`, a great-expectations suite: not null (a NaN is null),
+within range, steps strictly increasing, the step itself present), not on the
+training machines. A passing step is marked (``verified.json`` in each copy; an
+object in S3); retention never deletes the newest marked step.
 
 Every problem names machine, rank, step, tier and path (:class:`Problem`).
 Nothing here raises on bad data; an unreachable S3 endpoint is a problem too.
-Command line: ``python -m checkpoint.verify --root DIR [--step N] [--run-dir D]
+Command line: ``python -m checkpoint.verify --root DIR [--step N]
 [--s3 URL] [--endpoint-url E]`` prints one JSON document; exit 0 when every
 copy passed, 1 when something did not, 2 on bad usage.
 """
@@ -32,7 +33,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,8 @@ class CopyCheck:
 
     def as_dict(self) -> dict[str, Any]:
         return {"machine": self.machine, "rank": self.rank, "step": self.step, "tier": self.tier, "path": self.path,
-                "ok": self.ok, "deep": self.deep, "problems": [p.what for p in self.problems]}
+                "ok": self.ok, "deep": self.deep, "problems": [p.what for p in self.problems],
+                "incarnation": (self.manifest or {}).get("incarnation")}
 
 
 def _sha256(data: bytes) -> str:
@@ -315,20 +317,23 @@ class MetricLimits:
     step_time_max_s: float = 3600.0
 
 
-def _records_for(run_dir: Path, rank: int, step: int, window: int, incarnation: int | None) -> list[dict[str, Any]]:
-    from node_tools.monitor import read_steps
-
-    records = read_steps(run_dir, rank)
-    if incarnation is None:  # the incarnation that last recorded this step wrote the checkpoint
+def window_records(records: Sequence[Mapping[str, Any]], step: int, window: int, incarnation: int | None = None
+                   ) -> list[Mapping[str, Any]]:
+    """A rank's step records of the ``window`` steps ending at ``step``, of one incarnation (None: the one
+    that last recorded ``step``, which wrote the checkpoint)."""
+    if incarnation is None:
         at = [r for r in records if r.get("step") == step]
         incarnation = at[-1].get("incarnation") if at else None
     return [r for r in records if r.get("incarnation") == incarnation and step - window < r.get("step", -1) <= step]
 
 
-def check_metrics(run_dir: Path, *, step: int, ranks: Iterable[int], machine: str = "",
-                  limits: MetricLimits | None = None, incarnation: int | None = None) -> list[Problem]:
-    """Check loss, grad_norm and step_time_s of ``ranks`` over the window ending at ``step`` with a
-    great-expectations suite. Returns the problems (empty when the metrics pass)."""
+def check_metrics(records: Mapping[int, Sequence[Mapping[str, Any]]], *, step: int,
+                  machines: Mapping[int, str] | None = None, limits: MetricLimits | None = None,
+                  incarnation: int | None = None, where: str = "step records") -> list[Problem]:
+    """Check loss, grad_norm and step_time_s of each rank's step ``records`` (rank -> its records, as the
+    control plane gathered them) over the window ending at ``step`` with a great-expectations suite.
+    ``machines``: rank -> the machine it ran on (for the problems' lines). Returns the problems (empty when
+    the metrics pass)."""
     os.environ.setdefault("GX_ANALYTICS_ENABLED", "False")
     import great_expectations as gx
     import pandas as pd
@@ -353,14 +358,16 @@ def check_metrics(run_dir: Path, *, step: int, ranks: Iterable[int], machine: st
     validation = ctx.validation_definitions.add(gx.ValidationDefinition(name="window", data=batch, suite=suite))
 
     problems: list[Problem] = []
-    path = str(Path(run_dir) / "ranks")
-    for rank in ranks:
-        records = _records_for(Path(run_dir), rank, step, limits.window, incarnation)
-        if not records:
-            problems.append(Problem(machine, rank, step, "metrics", path, "no step records for this step"))
+    machines = machines or {}
+    for rank, rank_records in sorted(records.items()):
+        machine = machines.get(rank, "")
+        window = window_records(rank_records, step, limits.window, incarnation)
+        if not window:
+            problems.append(Problem(machine, rank, step, "metrics", where, "no step records for this step"))
             continue
+        records_ = window
         frame = pd.DataFrame({
-            col: pd.to_numeric(pd.Series([r.get(col) for r in records], dtype="object"), errors="coerce")
+            col: pd.to_numeric(pd.Series([r.get(col) for r in records_], dtype="object"), errors="coerce")
             for col in ("step", "loss", "grad_norm", "step_time_s")})
         result = validation.run(batch_parameters={"dataframe": frame}, result_format="SUMMARY")
         for r in result.results:
@@ -370,7 +377,7 @@ def check_metrics(run_dir: Path, *, step: int, ranks: Iterable[int], machine: st
             sample = [v if not (isinstance(v, float) and math.isnan(v)) else "nan"
                       for v in (r.result.get("partial_unexpected_list") or [])][:3]
             detail = f" (e.g. {sample})" if sample else ""
-            problems.append(Problem(machine, rank, step, "metrics", path,
+            problems.append(Problem(machine, rank, step, "metrics", where,
                                     f"{cfg.type} failed on {cfg.kwargs.get('column')}{detail}"))
     return problems
 
@@ -378,11 +385,10 @@ def check_metrics(run_dir: Path, *, step: int, ranks: Iterable[int], machine: st
 # ---------------------------------------------------------------------------------------
 # A whole step, and its marker
 # ---------------------------------------------------------------------------------------
-def verify_step(root: Path, step: int, *, run_dir: Path | None = None, s3_url: str = "", endpoint_url: str = "",
-                machine: str = "", mark: bool = True, limits: MetricLimits | None = None,
-                s3_timeout_s: float = 5.0) -> Report:
+def verify_step(root: Path, step: int, *, s3_url: str = "", endpoint_url: str = "", machine: str = "",
+                mark: bool = True, s3_timeout_s: float = 5.0) -> Report:
     """Verify every copy of ``step`` in ``root`` (and the S3 copies of the ranks whose own copies are
-    here), and the metrics of those ranks from ``run_dir``; if all pass and ``mark``, mark them verified."""
+    here); if all pass and ``mark``, mark them verified."""
     root = Path(root)
     machine = machine or layout.machine_name(root)
     # a verification reads for seconds to minutes; the job's retention must not remove the step meanwhile
@@ -391,8 +397,8 @@ def verify_step(root: Path, step: int, *, run_dir: Path | None = None, s3_url: s
     held = [p for tier in layout.TIERS for s, _r, p in layout.list_copies(root, tier) if s == step]
     layout.pin(held)
     try:
-        report = _verify_step(root, step, run_dir=run_dir, s3_url=s3_url, endpoint_url=endpoint_url,
-                              machine=machine, mark=mark, limits=limits, s3_timeout_s=s3_timeout_s)
+        report = _verify_step(root, step, s3_url=s3_url, endpoint_url=endpoint_url, machine=machine, mark=mark,
+                              s3_timeout_s=s3_timeout_s)
     except BaseException:
         layout.unpin(held)
         raise
@@ -401,8 +407,8 @@ def verify_step(root: Path, step: int, *, run_dir: Path | None = None, s3_url: s
     return report
 
 
-def _verify_step(root: Path, step: int, *, run_dir: Path | None, s3_url: str, endpoint_url: str, machine: str,
-                 mark: bool, limits: MetricLimits | None, s3_timeout_s: float) -> Report:
+def _verify_step(root: Path, step: int, *, s3_url: str, endpoint_url: str, machine: str, mark: bool,
+                 s3_timeout_s: float) -> Report:
     report = verify_root(root, machine=machine, steps=[step])
     own_ranks = sorted({c.rank for c in report.copies if c.tier == "local"})
     if s3_url:
@@ -411,14 +417,8 @@ def _verify_step(root: Path, step: int, *, run_dir: Path | None, s3_url: str, en
         report.extra_problems += s3.extra_problems
     if not report.copies and not report.extra_problems:
         report.extra_problems.append(Problem(machine, None, step, "local", str(root), "no copy of this step here"))
-    if run_dir is not None and own_ranks:
-        incarnations = {c.manifest.get("incarnation") for c in report.copies if c.manifest and c.tier == "local"}
-        incarnation = incarnations.pop() if len(incarnations) == 1 else None
-        report.extra_problems += check_metrics(run_dir, step=step, ranks=own_ranks, machine=machine,
-                                               limits=limits, incarnation=incarnation)
     if mark and report.ok:
-        doc = {"step": step, "verified_ts": time.time(), "checks": ["sha256", "tensors", "finite"]
-               + (["metrics"] if run_dir is not None else [])}
+        doc = {"step": step, "verified_ts": time.time(), "checks": ["sha256", "tensors", "finite"]}
         for c in report.copies:
             if c.tier == "s3":
                 from checkpoint.s3 import open_tier
@@ -449,7 +449,6 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m checkpoint.verify", description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, required=True, help="a machine's checkpoint root")
     p.add_argument("--step", type=int, help="verify (and mark) this step; default: every copy, no marking")
-    p.add_argument("--run-dir", type=Path, help="the job's run directory (step records) for the metrics check")
     p.add_argument("--s3", default="", help="s3://bucket/prefix of the S3 tier")
     p.add_argument("--endpoint-url", default=os.environ.get("TG_S3_ENDPOINT_URL", ""))
     p.add_argument("--machine", default="")
@@ -465,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             report.copies += s3.copies
             report.extra_problems += s3.extra_problems
     else:
-        report = verify_step(ns.root, ns.step, run_dir=ns.run_dir, s3_url=ns.s3, endpoint_url=ns.endpoint_url,
+        report = verify_step(ns.root, ns.step, s3_url=ns.s3, endpoint_url=ns.endpoint_url,
                              machine=ns.machine, mark=not ns.no_mark)
     print(json.dumps(report.as_dict(), indent=1))
     return 0 if report.ok else 1

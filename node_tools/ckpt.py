@@ -3,15 +3,15 @@
 Commands (each prints one JSON document)::
 
     tg-node ckpt list   --job J                 the copies here: tier, step, rank, committed, verified
-    tg-node ckpt verify --job J --step N [--mark] [--no-metrics]
+    tg-node ckpt verify --job J --step N [--mark]
     tg-node ckpt upload --job J --step N --s3 s3://bucket/prefix [--endpoint-url E]
     tg-node ckpt rescue --job J --step N --to URL [--endpoint-url E]
 
 ``verify`` runs :func:`checkpoint.verify.verify_step` on every copy of the step held
-here (the ranks' own copies and the replicas kept for others) and, unless
-``--no-metrics``, the great-expectations checks of the step records around it; it
-writes ``verified.json`` markers only with ``--mark`` (the control plane marks a
-step only after every machine passed). Exit 1 when a copy or the metrics fail.
+here (the ranks' own copies and the replicas kept for others); it writes
+``verified.json`` markers only with ``--mark`` (the control plane marks a step only
+after every machine passed and the step records around it passed its
+great-expectations checks). Exit 1 when a copy fails.
 
 ``upload`` puts this machine's own copies of a step that carries a verified marker
 into the S3 tier, each file with an S3-side SHA-256 checksum (the store refuses a body
@@ -94,13 +94,14 @@ def _size(report: Any) -> int:
     return total
 
 
-def verify(cfg: NodeConfig, job: str, step: int, *, mark: bool, metrics: bool = True) -> tuple[int, dict[str, Any]]:
+def verify(cfg: NodeConfig, job: str, step: int, *, mark: bool) -> tuple[int, dict[str, Any]]:
+    """Verify this machine's copies of ``step`` (and mark them with ``mark``); the training metrics are the
+    control plane's to check, over the step records it gathers."""
     from checkpoint.verify import verify_step
-    from node_tools.job import run_dir
 
     root = _root(cfg, job)
     t0 = time.monotonic()
-    report = verify_step(root, step, run_dir=run_dir(cfg, job) if metrics else None, machine=cfg.machine, mark=mark)
+    report = verify_step(root, step, machine=cfg.machine, mark=mark)
     doc = report.as_dict() | {"machine": cfg.machine, "job": job, "step": step, "bytes": _size(report),
                               "seconds": round(time.monotonic() - t0, 3)}
     return (EXIT_OK if report.ok else EXIT_UNHEALTHY), doc

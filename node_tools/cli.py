@@ -163,7 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument("--job", required=True)
     kv.add_argument("--step", type=int, required=True)
     kv.add_argument("--mark", action="store_true", help="write verified markers if every copy here passes")
-    kv.add_argument("--no-metrics", action="store_true", help="skip the checks of the step records")
     ku = ksub.add_parser("upload")
     ku.add_argument("--job", required=True)
     ku.add_argument("--step", type=int, required=True)
@@ -325,7 +324,7 @@ def run(argv: list[str]) -> tuple[int, Any]:
         if ns.action == "list":
             return EXIT_OK, ckpt.listing(cfg, ns.job)
         if ns.action == "verify":
-            return ckpt.verify(cfg, ns.job, ns.step, mark=ns.mark, metrics=not ns.no_metrics)
+            return ckpt.verify(cfg, ns.job, ns.step, mark=ns.mark)
         if ns.action == "rescue":
             return ckpt.rescue(cfg, ns.job, ns.step, to_url=ns.to, endpoint_url=ns.endpoint_url)
         return ckpt.upload(cfg, ns.job, ns.step, s3_url=ns.s3, endpoint_url=ns.endpoint_url)

@@ -130,15 +130,53 @@ def _phase(ctl: Controller, target: Mapping[str, Any], *, mark: bool, timeout: f
             continue
         machines[name] = {"ok": bool(doc["ok"]), "copies": len(doc.get("copies", [])), "bytes": doc.get("bytes", 0),
                           "seconds": doc.get("seconds", 0.0), "problems": doc.get("problem_lines", []),
-                          "marked": len(doc.get("marked", []))}
+                          "marked": len(doc.get("marked", [])),
+                          "own": {int(c["rank"]): c.get("incarnation") for c in doc.get("copies", [])
+                                  if c.get("tier") == "local"}}
         problems += doc.get("problem_lines", [])
     return {"ok": not problems, "machines": machines, "problems": problems}
+
+
+def metric_problems(ctl: Controller, target: Mapping[str, Any], machines: Mapping[str, Any], *,
+                    timeout: float = 60.0) -> list[str]:
+    """The training metrics around the step, checked here in the control plane (great-expectations, see
+    :func:`checkpoint.verify.check_metrics`) over the step records it reads from each machine for the ranks
+    whose own copies it holds (``machines``: :func:`_phase`'s per-machine verdicts), in rounds of one rank
+    per machine. Returns the problems' lines."""
+    from checkpoint.verify import MetricLimits, check_metrics
+
+    job, step = target["job"], int(target["step"])
+    limits = MetricLimits()
+    todo = {name: sorted(v.get("own") or {}) for name, v in machines.items()}
+    records: dict[int, list[dict[str, Any]]] = {}
+    where: dict[int, str] = {}
+    unread: list[str] = []
+    for i in range(max((len(r) for r in todo.values()), default=0)):
+        rank_of = {name: ranks[i] for name, ranks in todo.items() if i < len(ranks)}
+        results = ctl.transport.run_many(ctl.machines(sorted(rank_of)), lambda m, rank_of=rank_of: [
+            ctl.inventory.tg_node, "job", "steps", "--job", job, "--rank", str(rank_of[m.name]),
+            "--since", str(step - limits.window)], timeout=timeout)
+        for name, res in sorted(results.items()):
+            doc, rank = _doc(res), rank_of[name]
+            where[rank] = name
+            if doc is None or not isinstance(doc.get("steps"), list):
+                unread.append(f"machine {name} rank {rank} step {step} tier metrics: step records not read "
+                              f"({(doc or {}).get('error') or res.describe()})")
+                continue
+            records[rank] = doc["steps"]
+    incarnations = {inc for v in machines.values() for inc in (v.get("own") or {}).values() if inc is not None}
+    problems = check_metrics(records, step=step, machines=where, limits=limits,
+                             incarnation=incarnations.pop() if len(incarnations) == 1 else None)
+    return unread + [p.line() for p in problems]
 
 
 def verify(ctl: Controller, target: Mapping[str, Any], *, timeout: float = 600.0) -> dict[str, Any]:
     """Verify the step on every machine, then mark it everywhere if all passed; record the verdict."""
     t0 = time.monotonic()
     first = _phase(ctl, target, mark=False, timeout=timeout)
+    if first["ok"]:  # every copy passed: the metrics around the step, here in the control plane
+        bad = metric_problems(ctl, target, first["machines"])
+        first = {**first, "ok": not bad, "problems": first["problems"] + bad}
     marked = _phase(ctl, target, mark=True, timeout=timeout) if first["ok"] else None
     final = marked or first
     ok = final["ok"]

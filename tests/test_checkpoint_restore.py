@@ -168,8 +168,7 @@ def test_killed_job_resumes_from_the_newest_committed_step_losing_at_most_one(ch
     assert sources(first) == ["local"] * WORLD
     # the control plane verifies a step on machine 3 (its own copy and rank 0's replica) and marks it
     step = chain.newest
-    report = verify_step(chain.machine(3), step, run_dir=chain.base / f"run{chain.launches}",
-                         s3_url=chain.s3_url, endpoint_url=chain.s3_endpoint)
+    report = verify_step(chain.machine(3), step, s3_url=chain.s3_url, endpoint_url=chain.s3_endpoint)
     assert report.ok, [p.line() for p in report.problems]
     assert sorted((c.tier, c.rank) for c in report.copies) == [("local", 3), ("replica", 0), ("s3", 3)]
     chain.verified = (chain.machine(3), step)

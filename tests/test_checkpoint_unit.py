@@ -468,12 +468,16 @@ def test_s3_endpoint_down_is_reported_and_never_blocks(tmp_path: Path):
     assert result is not None and result.step == 1 and result.tier == "local"
 
 
-# ---- metrics around a step (great-expectations) ------------------------------------------------
-def _records(run_dir: Path, losses: list[Any], steps: list[int] | None = None) -> None:
+# ---- metrics around a step (great-expectations, in the control plane) ----------------------------------
+def _records(run_dir: Path, losses: list[Any], steps: list[int] | None = None) -> list[dict[str, Any]]:
+    """A rank's step records as its monitor writes them (and the control plane reads them back)."""
+    from node_tools.monitor import read_steps
+
     mon = JobMonitor(run_dir=run_dir, rank=0)
     for step, loss in zip(steps or range(len(losses)), losses, strict=True):
         mon.step_end(step, loss=loss, grad_norm=1.0, step_time_s=0.1, tokens_per_s=1.0)
     mon.close()
+    return read_steps(run_dir, 0)
 
 
 @pytest.mark.parametrize(
@@ -487,8 +491,8 @@ def _records(run_dir: Path, losses: list[Any], steps: list[int] | None = None) -
     ],
 )
 def test_metrics_around_a_step(tmp_path: Path, losses: list[float], steps: list[int] | None, problem: str | None):
-    _records(tmp_path, losses, steps)
-    problems = check_metrics(tmp_path, step=3, ranks=[0], machine="m7")
+    records = _records(tmp_path, losses, steps)
+    problems = check_metrics({0: records}, step=3, machines={0: "m7"})
     if problem is None:
         assert problems == []
     else:
@@ -496,17 +500,17 @@ def test_metrics_around_a_step(tmp_path: Path, losses: list[float], steps: list[
         assert (problems[0].machine, problems[0].rank, problems[0].step, problems[0].tier) == ("m7", 0, 3, "metrics")
 
 
-def test_verify_step_marks_only_a_step_whose_copies_and_metrics_pass(tmp_path: Path):
-    root, run_dir = tmp_path / "ckpt", tmp_path / "run"
+def test_verify_step_checks_and_marks_the_copies_and_leaves_the_metrics_to_the_control_plane(tmp_path: Path):
+    root = tmp_path / "ckpt"
     saved_run(root, steps=2)
-    _records(run_dir, [4.0, float("nan")])
-    report = verify_step(root, 1, run_dir=run_dir)
+    truncate(layout.copy_dir(root, "local", 1, 0) / MODEL_FILE)
+    report = verify_step(root, 1)
     assert not report.ok and report.marked == []
     assert not (layout.copy_dir(root, "local", 1, 0) / layout.VERIFIED).exists()
-    report = verify_step(root, 0, run_dir=run_dir)
+    report = verify_step(root, 0)
     assert report.ok and (layout.copy_dir(root, "local", 0, 0) / layout.VERIFIED).exists()
     marker = json.loads((layout.copy_dir(root, "local", 0, 0) / layout.VERIFIED).read_text())
-    assert marker["checks"] == ["sha256", "tensors", "finite", "metrics"]
+    assert marker["checks"] == ["sha256", "tensors", "finite"]
 
 
 def test_verify_command_line(tmp_path: Path):

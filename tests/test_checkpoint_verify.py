@@ -62,9 +62,9 @@ def test_a_step_under_verification_is_pinned_against_retention_until_it_is_marke
 
     cfg, root = _node(tmp_path)
     three = layout.copy_dir(root, "local", 3, 0)
-    code, doc = ckpt.verify(cfg, JOB, 3, mark=False, metrics=False)  # the first of the two calls: pins 3
+    code, doc = ckpt.verify(cfg, JOB, 3, mark=False)  # the first of the two calls: pins 3
     assert code == EXIT_OK and layout.pinned(three)
-    assert ckpt.verify(cfg, JOB, 5, mark=True, metrics=False)[0] == EXIT_OK  # a newer one verified meanwhile
+    assert ckpt.verify(cfg, JOB, 5, mark=True)[0] == EXIT_OK  # a newer one verified meanwhile
 
     def more(steps: range) -> None:
         model, opt = make_model()
@@ -76,7 +76,7 @@ def test_a_step_under_verification_is_pinned_against_retention_until_it_is_marke
 
     more(range(6, 10))
     assert _steps(root) == [3, 5, 7, 9]  # 3 is pinned; 5 newest verified; 7, 9 the new candidates
-    code, doc = ckpt.verify(cfg, JOB, 3, mark=True, metrics=False)  # the marking call lifts the pin
+    code, doc = ckpt.verify(cfg, JOB, 3, mark=True)  # the marking call lifts the pin
     assert code == EXIT_OK and doc["marked"] == [str(three)] and not layout.pinned(three)
     more(range(10, 12))
     assert 3 not in _steps(root)
@@ -120,13 +120,13 @@ def test_a_machine_without_rank_0_says_nothing(tmp_path: Path):
 # ---- tg-node ckpt -------------------------------------------------------------------------------------
 def test_verify_marks_nothing_unless_asked_and_names_a_corrupt_copy(tmp_path: Path):
     cfg, root = _node(tmp_path)
-    code, doc = ckpt.verify(cfg, JOB, 5, mark=False, metrics=False)
+    code, doc = ckpt.verify(cfg, JOB, 5, mark=False)
     assert code == EXIT_OK and doc["ok"] and doc["marked"] == [] and doc["bytes"] > 0
     assert not (layout.copy_dir(root, "local", 5, 0) / layout.VERIFIED).exists()
-    code, doc = ckpt.verify(cfg, JOB, 5, mark=True, metrics=False)
+    code, doc = ckpt.verify(cfg, JOB, 5, mark=True)
     assert code == EXIT_OK and doc["marked"] == [str(layout.copy_dir(root, "local", 5, 0))]
     flip_byte(layout.copy_dir(root, "local", 3, 0) / MODEL_FILE)
-    code, doc = ckpt.verify(cfg, JOB, 3, mark=True, metrics=False)
+    code, doc = ckpt.verify(cfg, JOB, 3, mark=True)
     assert code == EXIT_UNHEALTHY and doc["marked"] == []
     assert doc["problem_lines"] == [f"machine m0 rank 0 step 3 tier local: {MODEL_FILE} sha256 mismatch (corrupt) "
                                     f"({layout.copy_dir(root, 'local', 3, 0)})"]
@@ -147,7 +147,7 @@ def test_upload_refuses_an_unverified_copy_and_the_remote_checksums_are_checked(
     tier = S3Tier(url, endpoint_url=s3_endpoint)
     assert tier.list_copies() == {}  # an unverified copy is never promoted
 
-    ckpt.verify(cfg, JOB, 5, mark=True, metrics=False)
+    ckpt.verify(cfg, JOB, 5, mark=True)
     code, doc = ckpt.upload(cfg, JOB, 5, s3_url=url, endpoint_url=s3_endpoint)
     assert code == EXIT_OK and [u["rank"] for u in doc["uploaded"]] == [0]
     from checkpoint import manifest as mf
@@ -254,3 +254,26 @@ def test_a_bad_verification_request_is_refused_before_anything_is_recorded(tmp_p
     # announced steps of a job that has no machines any more: nothing to do, nothing recorded
     assert checkpoints.targets(c, announced=[{"job": "idle", "step": 19}]) == []
     assert c.fleet.checkpoints("idle") == []
+
+
+def test_the_control_plane_checks_the_metrics_around_a_step_over_the_records_it_gathers(tmp_path: Path):
+    """great-expectations runs in the control plane's task, over the step records of the ranks whose own
+    copies each machine holds, read with ``tg-node job steps``: not on the training machines."""
+    from operators.checkpoints import metric_problems
+    from tests.fakes import fleet_controller
+
+    c, fleet = fleet_controller(tmp_path)
+    fleet.records = [{"step": s, "incarnation": 0, "loss": 2.0, "grad_norm": 1.0, "step_time_s": 0.5}
+                     for s in range(6)]
+    machines = {"m0": {"own": {0: 0}}, "m1": {"own": {1: 0, 5: 0}}}  # m1 holds two ranks' own copies
+    target = {"job": "j", "step": 5, "machines": ["m0", "m1"]}
+    assert metric_problems(c, target, machines) == []
+    asked = sorted((m, cmd[cmd.index("--rank") + 1]) for m, cmd in fleet.commands if cmd[:2] == ["job", "steps"])
+    assert asked == [("m0", "0"), ("m1", "1"), ("m1", "5")]  # each rank on the machine holding its copy
+    fleet.records[3]["loss"] = float("nan")
+    problems = metric_problems(c, target, machines)
+    assert len(problems) == 3 and all("not_be_null failed on loss" in p for p in problems), "\n".join(problems)
+    assert problems[0].startswith("machine m0 rank 0 step 5 tier metrics")
+    fleet.records = fleet.records[:3]  # the step itself was never recorded
+    lines = metric_problems(c, target, machines)
+    assert lines and all("expect_column_max_to_be_between failed on step" in p for p in lines), lines

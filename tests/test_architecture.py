@@ -1,0 +1,73 @@
+"""The packages' dependencies, read from the code (every import, top-level or inside a function): which
+way they go (README, "Architecture"), and no cycle between modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("checkpoint", "node_tools", "operators")
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The repository modules ``path`` imports, at module level or inside a function. ``from pkg import
+    sub`` imports the module ``pkg.sub``, not ``pkg``'s own code."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    every: set[str] = set()
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                     for a in node.names]
+        every.update(n for n in names if n.split(".")[0] in PACKAGES)
+    return every
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+    return {mod: {n for n in _imports(path, set(files)) if n in files and n != mod} for mod, path in files.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    seen: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        if node in path:
+            found.append([*path[path.index(node):], node])
+            return
+        if node in seen:
+            return
+        seen.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*path, node])
+
+    for node in sorted(graph):
+        visit(node, [])
+    return found
+
+
+def test_no_module_imports_itself_back_through_others():
+    graph = _graph()
+    assert len(graph) > 50 and graph["operators.control"]  # the graph is read, not empty
+    assert _cycles(graph) == []
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]  # and a cycle is seen
+
+
+def test_the_packages_depend_one_way_and_checkpoint_takes_from_node_tools_only_topology_and_errors():
+    graph = _graph()
+    for mod, deps in graph.items():
+        pkg = mod.split(".")[0]
+        if pkg in ("checkpoint", "node_tools"):  # the machines' side never reaches into the control plane
+            assert not [d for d in deps if d.startswith("operators")], (mod, deps)
+        if pkg == "checkpoint":
+            assert {d for d in deps if d.startswith("node_tools")} <= {"node_tools.topology", "node_tools.errors"}, \
+                (mod, deps)
