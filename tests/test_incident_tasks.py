@@ -148,3 +148,17 @@ def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_
     payload = asyncio.run(first_event())
     assert len(answers) == 3 and payload["checks"] == 3 and Resume.read(
         {k: v for k, v in payload.items() if k != "checks"}).resumed
+
+
+def test_a_restart_job_run_again_while_its_incident_waits_for_a_human_restarts_and_reopens_it(tmp_path, monkeypatch):
+    from operators.airflow import steps
+
+    c, fleet = fleet_controller(tmp_path)
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    c.wait_for_human(out["incident"], "the operator looked at it")  # say a later check sent it to a human
+    starts = len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate"))
+    again = steps.restart_job(out["incident"], [out["result"]])  # the human clears restart_job
+    assert again["again"] and c.fleet.incident(out["incident"]).state == "open"
+    assert len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate")) == starts + 4
+    closed = steps.close(out["incident"], None, again, steps.resumed(out["incident"], again))
+    assert closed["state"] == "resolved" and c.fleet.job("j").state == "running"

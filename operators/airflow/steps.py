@@ -302,8 +302,8 @@ def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:
     refuses), the job is stopped and started again on its machines, from its newest committed checkpoint;
     the tasks after it check the resume and close the incident again."""
     inc = c.fleet.incident(incident_id)
-    if inc.state not in OPEN_INCIDENT_STATES:
-        busy = [i.id for i in c.fleet.incidents(inc.job) if i.state in OPEN_INCIDENT_STATES]
+    if inc.state != "open":  # closed, or waiting for a human who now asks for the restart
+        busy = [i.id for i in c.fleet.incidents(inc.job) if i.state in OPEN_INCIDENT_STATES and i.id != incident_id]
         if busy:
             raise TrainguardError(f"incident {busy[0]} of job {inc.job} is open and its run acts on the job; "
                                   f"clear this task again once it closed")

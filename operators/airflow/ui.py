@@ -36,7 +36,7 @@ def _doc() -> dict[str, Any]:
     from operators import fleet_view
     from operators.airflow import steps
 
-    return fleet_view.collect(steps.controller())
+    return fleet_view.collect(steps.shared_controller())  # one controller (and engine) per api-server
 
 
 @app.get("/fleet.json", dependencies=[_authenticated()])
