@@ -197,3 +197,29 @@ def test_recorded_names_older_than_the_retention_go_to_the_archive(tmp_path: Pat
     second = first_event(AlertTrigger(url, fleet.url, settle_s=0.0, poll_s=0.05, retain_s=600.0))
     assert [a["id"] for a in second["alerts"]] == [new.id]
     assert (tmp_path / "bus" / "archive" / "alerts" / name).exists() and name in second["gone"]
+
+
+def test_a_document_quarantined_on_its_own_fires_the_trigger_and_is_recorded_without_an_incident(tmp_path: Path):
+    """An oversized document that arrived just after the alert it followed (an explicit fault fires at once)
+    was moved to quarantine by the next run's reader, and that run waited for an alert that never came: the
+    quarantine was never recorded."""
+    import json
+
+    from operators.airflow.alerts import AlertSensor
+
+    url = f"spool://{tmp_path / 'bus'}"
+    (tmp_path / "bus" / "alerts").mkdir(parents=True)
+    fleet = _fleet(tmp_path)
+    huge = Alert("kernel_xid", "m0", evidence={"xid": 79, "blob": "x" * (1 << 20)}).to_dict()
+    name = f"{time.time_ns():020d}-m0-{'b' * 32}.json"
+    (tmp_path / "bus" / "alerts" / name).write_text(json.dumps(huge))
+    event = first_event(AlertTrigger(url, fleet.url, settle_s=5.0, poll_s=0.05), timeout=3.0)  # no settle wait
+    assert event["alerts"] == [] and [q["name"] for q in event["quarantined"]] == [name]
+    # the sensor hands it on to be recorded (it refused an event without alerts before)
+    assert AlertSensor(task_id="w").execute_complete({}, event) is event
+    fleet.ingest({}, escalation_window_s=0.0, reader=event["reader"], read=event["read"], gone=event["gone"],
+                 quarantined=event["quarantined"])
+    [q] = fleet.quarantined()
+    assert "over the limit" in q.reason and fleet.incidents("j") == []
+    with pytest.raises(RuntimeError, match="without alerts or quarantined documents"):
+        AlertSensor(task_id="w").execute_complete({}, {"alerts": [], "quarantined": []})

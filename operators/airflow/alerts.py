@@ -162,13 +162,15 @@ class AlertTrigger(BaseTrigger):
         watch = await asyncio.to_thread(_Watch, self.bus_url, self.fleet_url, self.reader, folder=ALERTS,
                                         silent_s=self.silent_s, skew_s=self.skew_s, retain_s=self.retain_s)
         batch: list[dict[str, Any]] = []
-        while not batch:
+        # a document quarantined on its own (oversized, not an alert) fires too: it has left the alerts folder,
+        # and only the task that records the batch records why; waiting for the next alert would lose it
+        while not batch and not watch.reader.quarantined:
             batch = self._keep(await asyncio.to_thread(watch.poll))
-            if not batch:
+            if not batch and not watch.reader.quarantined:
                 await asyncio.sleep(self.poll_s)
         first_seen = time.time()
         deadline = time.monotonic() + self.settle_s
-        while time.monotonic() < deadline and not any(ladder.decisive(a) for a in batch):
+        while batch and time.monotonic() < deadline and not any(ladder.decisive(a) for a in batch):
             await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
             batch += self._keep(await asyncio.to_thread(watch.poll))
         batch.sort(key=lambda a: a["ts"])
@@ -216,11 +218,14 @@ class AlertSensor(BaseSensorOperator):
                    method_name="execute_complete", timeout=self.max_wait)
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
-        if not event or not event.get("alerts"):
-            raise RuntimeError("the alert trigger fired without alerts; nothing to record (the next run reads "
-                               "the bus again)")
-        self.log.info("%d alerts, first at %.3f: %s", len(event["alerts"]), event["alerts"][0]["ts"],
-                      ", ".join(sorted({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})))
+        if not event or not (event.get("alerts") or event.get("quarantined")):
+            raise RuntimeError("the alert trigger fired without alerts or quarantined documents; nothing to "
+                               "record (the next run reads the bus again)")
+        if event.get("alerts"):
+            self.log.info("%d alerts, first at %.3f: %s", len(event["alerts"]), event["alerts"][0]["ts"],
+                          ", ".join(sorted({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})))
+        for q in event.get("quarantined") or ():
+            self.log.warning("quarantined %s: %s", q.get("name"), q.get("reason"))
         return event
 
 
