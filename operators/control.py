@@ -1139,12 +1139,11 @@ class Controller:
             fields["summary"] = f"{inc.summary}; {note}" if inc.summary else note
         self.fleet.update_incident(incident_id, **fields)
         inc = self.fleet.incident(incident_id)
-        # closed again after a second restart (its restart_job cleared): its stretches are counted once
-        had = {k for e in self.fleet.ettr_events(inc.job) if e.incident_id == incident_id for k in [e.kind]}
+        # closed again (its restart_job cleared): the same stretches again, which the ledger keeps once
         for kind, start, end in (("detection", inc.first_alert_ts, inc.opened_ts),
                                  ("diagnosis", inc.diagnosis_start_ts, inc.decided_ts),
                                  ("recovery", inc.decided_ts, inc.resumed_ts)):
-            if start is not None and end is not None and end >= start and kind not in had:
+            if start is not None and end is not None and end >= start:
                 self.fleet.add_ettr(inc.job, kind, start, end, incident_id=incident_id)
         return {"incident": incident_id, "state": inc.state, "timeline": self.timeline(incident_id)}
 

@@ -29,7 +29,7 @@ def observed_state(progress: dict[str, Any]) -> str:
     return "stopped" if not running else "partly running"
 
 
-def _rung(c: Any, incident: Any) -> str:
+def _rung(incident: Any) -> str:
     """The rung handling an open incident: its summary's ``next:`` (what triage decided), else its state."""
     for part in reversed((incident.summary or "").split("; ")):
         if part.startswith("next: "):
@@ -44,6 +44,7 @@ def collect(c: Any, *, now: float | None = None) -> dict[str, Any]:
 
     now = time.time() if now is None else now
     ettr = newest_ettr_reports(c.fleet.actions())
+    fleet_states = {m.name: m.state for m in c.fleet.machines()}  # one read for every job's machines
     jobs = []
     for j in c.fleet.jobs():
         try:
@@ -51,16 +52,10 @@ def collect(c: Any, *, now: float | None = None) -> dict[str, Any]:
         except TrainguardError as exc:
             progress = {"step": None, "states": {}, "error": str(exc)}
         seen = observed_state(progress)
-        machines = []
-        for name in j.machine_list:
-            try:
-                m = c.fleet.machine(name)
-                fleet_state = m.state
-            except TrainguardError:
-                fleet_state = "unknown"
-            machines.append({"machine": name, "state": fleet_state, "job_process": progress["states"].get(name)})
+        machines = [{"machine": name, "state": fleet_states.get(name, "unknown"),
+                     "job_process": progress["states"].get(name)} for name in j.machine_list]
         incidents = [{"incident": i.id, "state": i.state, "category": i.category or "untriaged",
-                      "rung": _rung(c, i), "open_s": round(now - i.opened_ts, 1)}
+                      "rung": _rung(i), "open_s": round(now - i.opened_ts, 1)}
                      for i in c.fleet.incidents(j.name) if i.state in OPEN_INCIDENT_STATES]
         report = ettr.get(j.name)
         problem = ""

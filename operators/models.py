@@ -21,7 +21,7 @@ class _Payload(BaseModel):
 
     def dump(self) -> dict[str, Any]:
         """The JSON document for XCom (enums as their values)."""
-        return self.model_dump(mode="json", exclude_none=False)
+        return self.model_dump(mode="json")
 
     @classmethod
     def read(cls, value: Any) -> Self:

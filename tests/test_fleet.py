@@ -190,6 +190,9 @@ def test_checkpoints_and_ettr_events(store: FleetStore):
     with pytest.raises(FleetError, match="ends before it starts"):
         store.add_ettr("j", "lost_work", 5.0, 4.0)
     assert [e.kind for e in store.ettr_events("j")] == ["productive"]
+    store.add_ettr("j", "productive", 0.0, 10.0)  # the same stretch again: kept once
+    store.add_ettr("j", "productive", 10.0, 12.0)
+    assert [(e.start_ts, e.end_ts) for e in store.ettr_events("j")] == [(0.0, 10.0), (10.0, 12.0)]
 
 
 def test_the_eviction_breaker_counts_by_job_not_by_the_reasons_wording(tmp_path: Path):

@@ -161,13 +161,13 @@ class AlertTrigger(BaseTrigger):
 
         watch = await asyncio.to_thread(_Watch, self.bus_url, self.fleet_url, self.reader, folder=ALERTS,
                                         silent_s=self.silent_s, skew_s=self.skew_s, retain_s=self.retain_s)
-        batch: list[dict[str, Any]] = []
         # a document quarantined on its own (oversized, not an alert) fires too: it has left the alerts folder,
         # and only the task that records the batch records why; waiting for the next alert would lose it
-        while not batch and not watch.reader.quarantined:
+        while True:
             batch = self._keep(await asyncio.to_thread(watch.poll))
-            if not batch and not watch.reader.quarantined:
-                await asyncio.sleep(self.poll_s)
+            if batch or watch.reader.quarantined:
+                break
+            await asyncio.sleep(self.poll_s)
         first_seen = time.time()
         deadline = time.monotonic() + self.settle_s
         while batch and time.monotonic() < deadline and not any(ladder.decisive(a) for a in batch):

@@ -303,7 +303,7 @@ def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:
     the tasks after it check the resume and close the incident again."""
     inc = c.fleet.incident(incident_id)
     if inc.state != "open":  # closed, or waiting for a human who now asks for the restart
-        busy = [i.id for i in c.fleet.incidents(inc.job) if i.state in OPEN_INCIDENT_STATES and i.id != incident_id]
+        busy = _open_incidents(c, inc.job, other_than=incident_id)
         if busy:
             raise TrainguardError(f"incident {busy[0]} of job {inc.job} is open and its run acts on the job; "
                                   f"clear this task again once it closed")
@@ -396,10 +396,8 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
     if restarted and resume and not resume.get("skipped") and not resume.get("failed") and not resume.get("pending"):
         if recovery.get("again"):  # its second restart: the job was down from the stop to the resume
             start = float(recovery["again_ts"])
-            if not any(e.incident_id == incident_id and e.kind == "recovery" and abs(e.start_ts - start) < 1e-3
-                       for e in c.fleet.ettr_events(inc.job)):  # once, whatever clears close_incident again
-                c.fleet.add_ettr(inc.job, "recovery", start, max(start, float(resume["ts"])),
-                                 incident_id=incident_id, detail="restarted again (restart_job ran again)")
+            c.fleet.add_ettr(inc.job, "recovery", start, max(start, float(resume["ts"])),
+                             incident_id=incident_id, detail="restarted again (restart_job ran again)")
             return c.close(incident_id, outcome="resolved",
                            note=f"resumed at step {resume['first_step']} after the restart again")
         return c.close(incident_id, outcome="resolved", resumed=resume,
@@ -434,10 +432,15 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
     return escalate(c, incident_id, "the incident's run ended without a recovery and the job does not train")
 
 
+def _open_incidents(c: Controller, job: str, *, other_than: int | None = None) -> list[int]:
+    """The ids of the job's open incidents (open or waiting for a human), oldest first, but ``other_than``."""
+    return [i.id for i in c.fleet.incidents(job) if i.state in OPEN_INCIDENT_STATES and i.id != other_than]
+
+
 def _arm_unless_busy(c: Controller, job: str, *, own_incident: int | None = None) -> dict[str, Any]:
     """Warm interpreters on every machine of a running job that has none ready, unless another incident of
     the job is open: its own run re-arms when it ends (arming here would race its restart)."""
-    others = [i.id for i in c.fleet.incidents(job) if i.state in OPEN_INCIDENT_STATES and i.id != own_incident]
+    others = _open_incidents(c, job, other_than=own_incident)
     if others:
         return {"skipped": f"incident {others[0]} of job {job} is open; its run re-arms when it ends"}
     state = c.fleet.job(job).state
@@ -506,7 +509,7 @@ def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
 def _incident_by_hand(c: Controller, job: str, summary: str) -> int:
     """An incident recording an operation run by hand (refused while the job has one open: alerts join
     the open incident, and two hands on one job is one too many)."""
-    busy = [i.id for i in c.fleet.incidents(job) if i.state in OPEN_INCIDENT_STATES]
+    busy = _open_incidents(c, job)
     if busy:
         raise TrainguardError(f"job {job} has incident {busy[-1]} open; run this by hand once it is closed")
     inc, _ = c.fleet.open_incident(job, [], category="manual")

@@ -541,9 +541,16 @@ class FleetStore:
 
     def add_ettr(self, job: str, kind: str, start_ts: float, end_ts: float, *, incident_id: int | None = None,
                  detail: str = "") -> None:
+        """Record a stretch of the job's time; the same stretch again (job, kind, start and incident: an
+        incident closed a second time) is a no-op."""
         if end_ts < start_ts:
             raise FleetError(f"ETTR event {kind} of job {job} ends before it starts ({start_ts} > {end_ts})")
         with self.tx() as s:
+            same = s.scalar(select(EttrEvent.id).where(
+                EttrEvent.job == job, EttrEvent.kind == kind, EttrEvent.start_ts == start_ts,
+                EttrEvent.incident_id.is_(None) if incident_id is None else EttrEvent.incident_id == incident_id))
+            if same is not None:
+                return
             s.add(EttrEvent(job=job, kind=kind, start_ts=start_ts, end_ts=end_ts, incident_id=incident_id,
                             detail=detail))
 
