@@ -1,13 +1,14 @@
 # The two commands a new user needs:
 #   make run    bring up the emulated cluster and run the guarded training job (the demo)
-#   make test   run the test suite
+#   make test   run the test suite: lint, unit tests and the shared end-to-end tier (what CI runs)
+# make test-all adds the end-to-end scenarios marked `full` (before a release; over an hour on 2 cores).
 # Both create or refresh ./.venv first (scripts/venv.sh).
 
 VENV := .venv
 BIN  := $(VENV)/bin
 ARGS ?=
 
-.PHONY: venv run test test-fast lint bench down clean
+.PHONY: venv run test test-all test-fast lint bench down clean
 
 venv:
 	@./scripts/venv.sh
@@ -16,6 +17,10 @@ run: venv
 	$(BIN)/trainguard demo $(ARGS)
 
 test: venv
+	$(BIN)/ruff check .
+	$(BIN)/pytest -m "not full" $(ARGS)
+
+test-all: venv
 	$(BIN)/ruff check .
 	$(BIN)/pytest $(ARGS)
 

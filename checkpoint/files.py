@@ -18,9 +18,10 @@ from typing import Any
 
 
 def write_atomic(path: Path | str, data: bytes | str, *, fsync: bool = False, make_parent: bool = True,
-                 tmp_dir: Path | None = None) -> None:
+                 tmp_dir: Path | None = None, mode: int = 0o666) -> None:
     """Replace ``path`` with ``data`` atomically (see the module). ``make_parent``: create its folder
-    first (off: a missing folder raises FileNotFoundError, e.g. a checkpoint copy removed meanwhile)."""
+    first (off: a missing folder raises FileNotFoundError, e.g. a checkpoint copy removed meanwhile).
+    ``mode``: the file's permissions (less the umask) from its creation on, e.g. 0o600 for a secret."""
     path = Path(path)
     if make_parent:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -28,7 +29,7 @@ def write_atomic(path: Path | str, data: bytes | str, *, fsync: bool = False, ma
     tmp = (tmp_dir or path.parent) / name
     body = data.encode("utf-8") if isinstance(data, str) else data
     try:
-        with open(tmp, "wb") as fh:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb") as fh:
             fh.write(body)
             fh.flush()
             if fsync:

@@ -17,7 +17,11 @@ from operators.policy.rungs import NO_RECOVERY, RUNGS
 
 
 @dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
-     tags=["trainguard"], doc_md=__doc__, params={"incident_id": Param(1, type="integer", minimum=1)})
+     tags=["trainguard"], doc_md=__doc__,
+     params={"incident_id": Param(1, type="integer", minimum=1),
+             "resume_timeout_s": Param(None, type=["null", "number"], exclusiveMinimum=0,
+                                       description="this run's limit on the wait for training to resume, "
+                                                   "seconds; empty: TG_RESUME_TIMEOUT_S")})
 def tg_incident():
     @task.branch
     def triage(params: dict | None = None) -> str:
@@ -45,7 +49,8 @@ def tg_incident():
         the rung says so); cleared after it ran, it restarts the job again."""
         from operators.airflow import steps
 
-        return steps.restart_job(params["incident_id"], list(results))
+        return steps.restart_job(params["incident_id"], list(results),
+                                 resume_timeout_s=params.get("resume_timeout_s"))
 
     @task(trigger_rule="all_done")
     def close_incident(decision: dict | None = None, recovery: dict | None = None, resume: dict | None = None,

@@ -6,7 +6,9 @@
    ``authorized_keys``);
 3. the inventory and ``known_hosts``, from ``TG_NODES`` (``name:role,...``) and the host keys the nodes
    published when ``tg-node up`` started them (waits for them, up to ``TG_PROVISION_TIMEOUT_S``);
-4. the ``tg_ssh`` pool and the S3 buckets of ``TG_BUCKETS``; the fleet database learns the machines.
+4. the ``tg_ssh`` pool and the S3 buckets of ``TG_BUCKETS``; the fleet database learns the machines;
+5. the simple auth manager's passwords file: the run notes' login (``tg_notes``, role ``user``) gets
+   ``TG_NOTES_PASSWORD``, the one its connection ``tg_airflow_api`` carries (the admin's is generated).
 
 Connections (``tg_s3``, ``tg_airflow_api``) come from the environment (``AIRFLOW_CONN_*``). Run
 again, it changes nothing that is in place. Exit 0 when done, 2 with a one-line reason otherwise.
@@ -88,12 +90,31 @@ def main() -> int:
     subprocess.run(["airflow", "pools", "set", "tg_ssh", POOL_SLOTS,
                     "concurrent SSH sessions of trainguard's node tasks"], check=True)
     _buckets([b for b in os.environ.get("TG_BUCKETS", "").split(",") if b])
+    if os.environ.get("TG_NOTES_PASSWORD") and os.environ.get("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"):
+        passwords_file(Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]),
+                       {"tg_notes": os.environ["TG_NOTES_PASSWORD"]})
     from operators.control import ControlConfig, Controller
 
     added = Controller(ControlConfig.from_env()).sync_inventory()
     print(f"provision: {len(nodes)} machines in {inv.path} ({len(added)} new in the fleet database); "
           f"pool tg_ssh {POOL_SLOTS} slots; buckets {os.environ.get('TG_BUCKETS', '')}", flush=True)
     return 0
+
+
+def passwords_file(path: Path, wanted: dict[str, str]) -> None:
+    """Add the logins of ``wanted`` to the simple auth manager's passwords file, keeping every password
+    already there (the api-server generates the others when it starts). Written whole, then renamed."""
+    import json
+
+    try:
+        have = json.loads(path.read_text())
+    except (OSError, ValueError):
+        have = {}
+    doc = {**wanted, **have}
+    if doc != have:
+        from checkpoint.files import write_atomic
+
+        write_atomic(path, json.dumps(doc) + "\n", mode=0o600)
 
 
 def _fleet_database(url: str) -> None:

@@ -341,19 +341,15 @@ def supervise(cfg: NodeConfig, *, max_backoff_s: float = 30.0) -> int:
     return 0
 
 
-def _process(pid: Any, marker: bytes) -> dict[str, Any]:
+def _process(pid: Any, marker: str) -> dict[str, Any]:
     """``{"pid", "state"}`` of a process of ours: running, stopped (SIGSTOP, traced), or gone (also when the
     pid now belongs to something that is not the agent)."""
     from node_tools import procs
 
     if not isinstance(pid, int) or pid <= 0:
         return {"pid": None, "state": "gone"}
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return {"pid": pid, "state": "gone"}
     state = procs.proc_state(pid)
-    if state is None or state in ("Z", "X") or marker not in cmdline:
+    if state is None or state in ("Z", "X") or marker not in "\0".join(procs.cmdline(pid)):
         return {"pid": pid, "state": "gone"}
     return {"pid": pid, "state": "stopped" if state in ("T", "t") else "running"}
 
@@ -368,7 +364,7 @@ def processes(cfg: NodeConfig) -> dict[str, Any]:
     with contextlib.suppress(OSError, ValueError):
         status = json.loads(status_path(cfg).read_text())
     agent_pid = status.get("pid") if isinstance(status.get("pid"), int) else sup.get("agent_pid")
-    out = {"supervisor": _process(sup.get("pid"), b"--supervise"), "agent": _process(agent_pid, b"agent"),
+    out = {"supervisor": _process(sup.get("pid"), "--supervise"), "agent": _process(agent_pid, "agent"),
            "status_age_s": round(time.time() - float(status.get("ts", 0)), 3) if status else None}
     states = (out["supervisor"]["state"], out["agent"]["state"])
     out["state"] = "stopped" if "stopped" in states else "running" if states == ("running", "running") else \

@@ -518,7 +518,7 @@ class RankCheck(Check):
         unchanged = mono - st.beat_seen
         stopped = state in ("T", "t")
         if not stopped and unchanged > self.t.stale_heartbeat_s:
-            ticks = procs.cpu_ticks(pid)
+            ticks = procs.cpu_seconds(pid)
             if st.frozen is None or ticks != st.frozen[0]:
                 st.frozen = (ticks if ticks is not None else -1, mono)  # running, or just started confirming
             elif mono - st.frozen[1] >= self.t.confirm_s:

@@ -284,11 +284,8 @@ def _agent_running(mdir: Path) -> int | None:
         pid = int((mdir / "agent.pid").read_text().strip())
     except (OSError, ValueError):
         return None
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return None
-    return pid if procs.alive(pid) and b"agent" in cmdline and b"--supervise" in cmdline else None
+    cmdline = procs.cmdline(pid)
+    return pid if procs.alive(pid) and "agent" in cmdline and "--supervise" in cmdline else None
 
 
 def start_agent(config_path: Path, *, netns: str = "") -> int:

@@ -104,7 +104,7 @@ class JobMonitor:
         self._status = "starting"
         now = time.time()
         self._started_ts = now
-        self._pid_start = procs.start_ticks(os.getpid())  # with the pid: this process, not a later namesake
+        self._pid_start = procs.started(os.getpid())  # with the pid: this process, not a later namesake
         self._progress_ts = now
         self._beats = 0
         self._stop = threading.Event()

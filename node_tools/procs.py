@@ -1,4 +1,4 @@
-"""Finding and ending processes by what they are, not by what we remember of them.
+"""Finding and ending processes by what they are, not by what we remember of them (psutil underneath).
 
 Every process trainguard starts carries a marker in its environment
 (``TG_JOB_TOKEN`` for a job's processes, ``TG_NODE_CONFIG`` for anything on an
@@ -14,9 +14,22 @@ import os
 import signal
 import time
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
-PROC = Path("/proc")
+import psutil
+
+# psutil's status names as the kernel's one-letter states (``ps``'s STAT column), which the checks and
+# the stacks' evidence speak
+_STATE = {psutil.STATUS_RUNNING: "R", psutil.STATUS_SLEEPING: "S", psutil.STATUS_DISK_SLEEP: "D",
+          psutil.STATUS_STOPPED: "T", psutil.STATUS_TRACING_STOP: "t", psutil.STATUS_ZOMBIE: "Z",
+          psutil.STATUS_DEAD: "X", psutil.STATUS_WAKING: "W",
+          psutil.STATUS_IDLE: "I", psutil.STATUS_PARKED: "P"}
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(int(pid))
+    except (psutil.Error, ValueError, TypeError):
+        return None
 
 
 def alive(pid: int) -> bool:
@@ -25,59 +38,60 @@ def alive(pid: int) -> bool:
     return state is not None and state not in ("Z", "X")
 
 
-def _stat_fields(pid: int) -> list[str] | None:
-    """``/proc/<pid>/stat`` from its third field (state) on, or None if the process is gone."""
-    try:
-        stat = (PROC / str(pid) / "stat").read_text()
-    except OSError:
-        return None
-    # the command name is in parentheses and may contain spaces
-    return stat.rsplit(")", 1)[1].split()
-
-
-def proc_state(pid: int, start_ticks: int | None = None) -> str | None:
+def proc_state(pid: int, started_at: float | None = None) -> str | None:
     """The one-letter state of ``pid`` (R, S, D, T for stopped, Z ...), or None if it is gone. With
-    ``start_ticks`` (what :func:`start_ticks` said for the process once), None also when the pid now
+    ``started_at`` (what :func:`started` said for the process once), None also when the pid now
     belongs to another process (pids are reused)."""
-    fields = _stat_fields(pid)
-    if fields is None:
+    p = _process(pid)
+    if p is None:
         return None
-    if start_ticks is not None and len(fields) > 19 and fields[19] != str(start_ticks):
+    try:
+        if started_at is not None and round(p.create_time(), 2) != round(float(started_at), 2):
+            return None
+        return _STATE.get(p.status(), "?")
+    except (psutil.Error, ValueError, TypeError):
         return None
-    return fields[0]
 
 
-def start_ticks(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22): with the pid,
-    it names one process for good."""
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields is not None and len(fields) > 19 and fields[19].isdigit() else None
-
-
-def cpu_ticks(pid: int) -> int | None:
-    """CPU time ``pid`` has used (user + system, in clock ticks: ``/proc/<pid>/stat`` fields 14 and 15), or
-    None if it is gone. A process whose count does not move is not running."""
-    fields = _stat_fields(pid)
-    if fields is None or len(fields) < 13 or not (fields[11].isdigit() and fields[12].isdigit()):
+def started(pid: int) -> float | None:
+    """When ``pid`` started (seconds since the epoch, to the kernel's tick): with the pid, it names one
+    process for good."""
+    p = _process(pid)
+    try:
+        return None if p is None else round(p.create_time(), 2)
+    except psutil.Error:
         return None
-    return int(fields[11]) + int(fields[12])
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """CPU time ``pid`` has used (user + system, seconds), or None if it is gone. A process whose count
+    does not move is not running."""
+    p = _process(pid)
+    try:
+        return None if p is None else round(sum(p.cpu_times()[:2]), 2)
+    except psutil.Error:
+        return None
 
 
 def environ(pid: int) -> dict[str, str]:
+    p = _process(pid)
     try:
-        raw = (PROC / str(pid) / "environ").read_bytes()
-    except OSError:
+        return {} if p is None else p.environ()
+    except psutil.Error:
         return {}
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
+
+
+def cmdline(pid: int) -> list[str]:
+    """The process's command line, or [] when it is gone (or a kernel thread)."""
+    p = _process(pid)
+    try:
+        return [] if p is None else p.cmdline()
+    except psutil.Error:
+        return []
 
 
 def all_pids() -> list[int]:
-    return [int(p.name) for p in PROC.iterdir() if p.name.isdigit()]
+    return psutil.pids()
 
 
 def pids_with_env(key: str, value: str | None = None, *, prefix: bool = False) -> list[int]:
@@ -96,30 +110,33 @@ def pids_with_env(key: str, value: str | None = None, *, prefix: bool = False) -
     return sorted(found)
 
 
+def _until_gone(pids: Iterable[int], timeout_s: float, interval_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(interval_s)
+
+
 def terminate(pids: Iterable[int], *, grace_s: float = 5.0) -> list[int]:
     """End ``pids``: SIGCONT, SIGTERM, and SIGKILL whatever is left after ``grace_s``.
 
     Returns the pids that were signalled. Never signals this process.
     """
-    targets = [p for p in set(pids) if p != os.getpid() and alive(p)]
+    targets = {pid: p for pid in set(pids) if pid != os.getpid() and alive(pid) and (p := _process(pid))}
     for sig in (signal.SIGCONT, signal.SIGTERM):
-        for pid in targets:
+        for p in targets.values():
             try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
+                p.send_signal(sig)
+            except psutil.Error:
                 pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(p) for p in targets):
-        time.sleep(0.05)
-    for pid in targets:
-        if alive(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(alive(p) for p in targets):
-        time.sleep(0.02)
+    # polled, not psutil.wait_procs: waiting would reap our own children behind their Popen's back
+    # (whose wait() would then report exit status 0)
+    _until_gone(targets, grace_s, 0.05)
+    for pid in [pid for pid in targets if alive(pid)]:
+        try:
+            targets[pid].kill()
+        except psutil.Error:
+            pass
+    _until_gone(targets, 5.0, 0.02)
     return sorted(targets)
 
 

@@ -80,11 +80,7 @@ def stack_signature(frames: list[dict[str, Any]], *, depth: int | None = None) -
 # Which processes, and what each one is
 # ---------------------------------------------------------------------------------------
 def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = (procs.PROC / str(pid) / "cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+    return [part for part in procs.cmdline(pid) if part]
 
 
 def _python_module(cmdline: list[str]) -> str | None:

@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +110,42 @@ def _preload(extra: list[str]) -> list[str]:
     return loaded
 
 
+AUTOGROUP = Path("/proc/self/autogroup")
+BACKGROUND_NICE = 19
+
+
+def autogroup_nice(path: Path = AUTOGROUP) -> int | None:
+    """The nice value of this process's scheduler autogroup, or None where it has none to set: a kernel
+    without autogroups, or a process of the root autogroup (init's session and whatever never started a
+    session of its own since: the file reads empty there)."""
+    try:
+        fields = path.read_text().split()
+    except OSError:
+        return None
+    return int(fields[-1]) if len(fields) >= 3 and fields[-2] == "nice" and fields[-1].lstrip("-").isdigit() else None
+
+
+@contextlib.contextmanager
+def _yielding() -> Iterator[None]:
+    """Run the block at the lowest CPU priority of this session's autogroup, then back to the default.
+
+    Linux shares CPU between sessions before it shares it between a session's processes
+    (``sched_autogroup_enabled``): an interpreter warming up in a session of its own weighs as much as all
+    the ranks of a machine together, whatever its own nice value, and on a busy host it slows the job it
+    stands beside. An autogroup's nice may be raised to 19 and set back to 0 without privileges. Only a
+    session leader does it (its autogroup is its own), and only where it has an autogroup."""
+    mine = os.getsid(0) == os.getpid() and autogroup_nice() is not None
+    if mine:
+        with contextlib.suppress(OSError):
+            AUTOGROUP.write_text(str(BACKGROUND_NICE))
+    try:
+        yield
+    finally:
+        if mine:
+            with contextlib.suppress(OSError):
+                AUTOGROUP.write_text("0")
+
+
 def serve(slot_dir: Path, slots: list[int], preload: list[str]) -> int:
     """Import once, then be the warm interpreter of every slot in ``slots``: one forked copy per slot
     but the last, which this process serves itself. Each waits for one piece of work on its
@@ -121,7 +158,8 @@ def serve(slot_dir: Path, slots: list[int], preload: list[str]) -> int:
 
     procs.nice_from_env()  # warming up is the job's work: it yields as the job does
     started = time.monotonic()
-    loaded = _preload(preload)
+    with _yielding():  # beside a running job, the imports must not slow its ranks
+        loaded = _preload(preload)
     warm_s = time.monotonic() - started
     for slot in slots[:-1]:
         if os.fork() == 0:
@@ -352,7 +390,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
             procs.terminate(new_pids, grace_s=2)
             raise TrainguardError(f"machine {cfg.machine}: a standby interpreter exited while warming; "
                                   f"see {d}/slot*.log")
-        time.sleep(0.05)
+        time.sleep(0.2)  # warming takes seconds; polling faster only takes CPU from the job beside it
     slots = free_slots(cfg.workdir)
     state = {"state": "parked", "token": token, "nproc": nproc, "parked_ts": time.time(),
              "park_s": round(time.monotonic() - started, 3), "slots": slots}

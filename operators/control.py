@@ -918,6 +918,10 @@ class Controller:
         self.fleet.set_job_state(inc.job, "waiting_human")
         return {"swaps": {}, "waiting_human": True, "reason": reason}
 
+    def pool(self) -> list[str]:
+        """The standbys of the fleet database that the inventory holds, in the fleet's order."""
+        return [m.name for m in self.fleet.machines(state=states.STANDBY) if m.name in self.inventory.names()]
+
     def ready_standbys(self, wanted: int, *, why: str = "") -> list[str]:
         """Up to ``wanted`` standbys checked reachable now (``tg-node standby status``), in the fleet's order;
         one that does not answer goes to repair (``why``: whom it was called to replace) and the next is
@@ -925,8 +929,7 @@ class Controller:
         ready: list[str] = []
         tried: set[str] = set()
         while len(ready) < wanted:
-            todo = [m.name for m in self.fleet.machines(state=states.STANDBY)
-                    if m.name not in tried and m.name in self.inventory.names()][: wanted - len(ready)]
+            todo = [n for n in self.pool() if n not in tried][: wanted - len(ready)]
             if not todo:
                 break
             tried.update(todo)
@@ -941,6 +944,26 @@ class Controller:
                                                                    f"{r.describe()[:200]}")
         return ready
 
+    def _breaker(self, job: Any, wanted: Sequence[str]) -> ladder.BreakerVerdict:
+        return ladder.breaker(job_machines=len(job.machine_list),
+                              evicted_recently=self.fleet.evicted_recently(job.name, self.cfg.breaker_window_s),
+                              to_evict=wanted, max_share=self.cfg.breaker_share, window_s=self.cfg.breaker_window_s)
+
+    def eviction_blocked(self, incident_id: int, machine_names: Sequence[str]) -> str:
+        """Why evicting ``machine_names`` from the incident's job could not happen now (the breaker, fewer
+        standbys in the pool than machines to replace), or "" when it may: asked before a rung stops a job
+        that still trains, however slowly, for an eviction (:meth:`evict` checks again, reachability too)."""
+        job = self.fleet.job(self.fleet.incident(incident_id).job)
+        wanted = [n for n in machine_names if n in job.machine_list]
+        verdict = self._breaker(job, wanted)
+        if not verdict.allowed:
+            return verdict.reason
+        pool = self.pool()
+        if len(pool) < len(wanted):
+            return (f"{len(wanted)} machines to replace ({', '.join(wanted)}), {len(pool)} standbys in the pool; "
+                    f"add machines to the pool (tg_standby_pool) or repair the standbys, then resolve the incident")
+        return ""
+
     def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str,
               breaker: bool = True, max_step: int | None = None) -> dict[str, Any]:
         """Replace ``machine_names`` in the incident's job with standbys (each checked reachable first),
@@ -953,10 +976,7 @@ class Controller:
         wanted = [n for n in machine_names if n in job.machine_list]
         if not wanted:
             return {"swaps": {}, "reason": "nothing to evict"}
-        verdict = ladder.breaker(job_machines=len(job.machine_list),
-                                 evicted_recently=self.fleet.evicted_recently(inc.job, self.cfg.breaker_window_s),
-                                 to_evict=wanted, max_share=self.cfg.breaker_share,
-                                 window_s=self.cfg.breaker_window_s)
+        verdict = self._breaker(job, wanted)
         key = f"evict:{incident_id}:{','.join(sorted(wanted))}"
         action, created = self.fleet.record_action(
             key, kind="evict", incident_id=incident_id, machines=wanted, dry_run=self.cfg.dry_run,

@@ -66,6 +66,8 @@ class RungResult(_Payload):
     waiting_human: bool = False
     dry_run: bool = False
     resolved: str | None = None
+    # a group the rung would evict but could not (breaker, pool short) while the job trains on: why
+    not_evicted: str | None = None
 
 
 class Restart(_Payload):
@@ -79,6 +81,8 @@ class Restart(_Payload):
     restart_ts: float | None = None
     steps_before: int = -1
     again: bool = False  # a restart of an incident whose job had been restarted before (the task was cleared)
+    # the run's own limit on the resume wait (its ``resume_timeout_s`` Param); None: the setting's
+    resume_timeout_s: float | None = Field(None, gt=0)
 
 
 class Resume(_Payload):

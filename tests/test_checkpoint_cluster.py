@@ -26,7 +26,7 @@ from node_tools.topology import Topology
 from tests import jobs
 from tests.conftest import wait_until
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.full]
 
 TOPO = Topology(tp=2, pp=2, dp=2)
 STEPS = 22

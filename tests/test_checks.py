@@ -140,7 +140,7 @@ class FakeJob:
         now = time.time()
         pid = self.procs[r].pid
         monitor.write_json_atomic(monitor.heartbeat_path(self.dir, r), {
-            "rank": r, "local_rank": r, "pid": pid, "pid_start": procs.start_ticks(pid) + pid_start_shift,
+            "rank": r, "local_rank": r, "pid": pid, "pid_start": procs.started(pid) + pid_start_shift,
             "status": status, "incarnation": self.inc, "alive_ts": now - alive_age, "progress_ts": now - progress_age,
             "step": 5, "collectives": {"dp": 3},
         })
@@ -253,8 +253,8 @@ def test_a_process_that_computes_while_its_heartbeat_is_stuck_is_not_called_stop
         def later(seconds: float) -> list[Finding]:
             """The agent's clock moves on; so does the busy process's CPU time (as it would in that time)."""
             clock.t += seconds
-            before = procs.cpu_ticks(busy.pid)
-            wait_until(lambda: procs.cpu_ticks(busy.pid) != before, timeout=5, what="a CPU tick")
+            before = procs.cpu_seconds(busy.pid)
+            wait_until(lambda: procs.cpu_seconds(busy.pid) != before, timeout=5, what="a CPU tick")
             return check.run(time.time())
 
         for _ in range(6):

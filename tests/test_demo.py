@@ -17,7 +17,7 @@ import pytest
 from node_tools import procs
 from tests.conftest import can_namespace
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.full]
 
 
 @pytest.mark.skipif(bool(can_namespace()), reason=can_namespace() or "ok")
@@ -58,11 +58,4 @@ def test_the_demo_recovers_its_scripted_faults_reports_and_leaves_nothing_behind
     assert "tgd-m" not in ns
     assert not procs.pids_with_env("TG_NODE_CONFIG", str(state), prefix=True)
     assert not (state.parent / "control" / "airflow" / "standalone.pid").exists()
-    assert not [p for p in procs.all_pids() if str(state.parent) in " ".join(_cmdline(p))]
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return []
+    assert not [p for p in procs.all_pids() if str(state.parent) in " ".join(procs.cmdline(p))]

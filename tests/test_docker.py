@@ -100,6 +100,10 @@ def test_ports_connections_and_settings_match_what_the_code_reads():
     # the note-setting connection points at the api-server, the S3 one at the store's port
     api = json.loads(env[f"AIRFLOW_CONN_{standalone.API_CONN.upper()}"])
     assert (api["host"], api["port"], api["conn_type"]) == ("airflow-apiserver", 8080, "http")
+    # as the notes' own login (role user), whose password the provisioner writes into the passwords file
+    assert api["login"] == standalone.NOTES_USER and f"{standalone.NOTES_USER}:user" in \
+        env["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS"].split(",")
+    assert api["password"] == env["TG_NOTES_PASSWORD"]
     s3 = json.loads(env["AIRFLOW_CONN_TG_S3"])
     s3_port = services["s3"]["ports"][0].split(":")[1]
     assert s3["conn_type"] == "aws" and s3["extra"]["endpoint_url"] == f"http://s3:{s3_port}"
@@ -242,3 +246,12 @@ def test_provision_refuses_a_bad_node_list_in_one_line():
         provision.parse_nodes("node-0:boss")
     with pytest.raises(SystemExit, match="names no machine"):
         provision.parse_nodes(" , ")
+
+
+def test_the_provisioner_adds_the_notes_login_to_the_passwords_file_and_keeps_what_is_there(tmp_path):
+    path = tmp_path / "fleet" / "passwords.json"
+    provision.passwords_file(path, {"tg_notes": "n1"})
+    assert json.loads(path.read_text()) == {"tg_notes": "n1"} and path.stat().st_mode & 0o777 == 0o600
+    path.write_text(json.dumps({"admin": "a", "tg_notes": "kept"}))  # the api-server added the admin's
+    provision.passwords_file(path, {"tg_notes": "n2"})  # run again: nothing already there changes
+    assert json.loads(path.read_text()) == {"admin": "a", "tg_notes": "kept"}

@@ -180,6 +180,7 @@ def _ended(ns_cluster, plan) -> int:
     return code[0]
 
 
+@pytest.mark.full
 def test_crash_kills_the_rank_and_ends_the_job(ns_cluster, alerts):
     plan = _small_job(ns_cluster, "crash1", "m4")
     mark = alerts.mark()
@@ -192,6 +193,7 @@ def test_crash_kills_the_rank_and_ends_the_job(ns_cluster, alerts):
     assert status["state"] == "exited" and all(r["process_state"] == "gone" for r in status["ranks"])
 
 
+@pytest.mark.full
 def test_exit_fault_ends_the_rank_with_its_code(ns_cluster, alerts):
     plan = _small_job(ns_cluster, "exit1", "m5")
     mark = alerts.mark()
@@ -203,6 +205,7 @@ def test_exit_fault_ends_the_rank_with_its_code(ns_cluster, alerts):
     # observes first; the machine's log classification names the first failure instead)
 
 
+@pytest.mark.full
 def test_user_error_raises_in_the_jobs_own_code(ns_cluster, alerts):
     plan = _small_job(ns_cluster, "user1", "m4")
     mark = alerts.mark()

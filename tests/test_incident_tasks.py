@@ -162,3 +162,28 @@ def test_a_restart_job_run_again_while_its_incident_waits_for_a_human_restarts_a
     assert len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate")) == starts + 4
     closed = steps.close(out["incident"], None, again, steps.resumed(out["incident"], again))
     assert closed["state"] == "resolved" and c.fleet.job("j").state == "running"
+
+
+def test_a_runs_own_resume_limit_overrides_the_setting_and_is_checked(tmp_path, monkeypatch):
+    """The ``resume_timeout_s`` Param of a tg_incident run (an operator's override for a job that takes
+    long to load) travels in restart_job's XCom to the resume check; without it the setting holds."""
+    import time
+
+    from operators.airflow import steps
+
+    c, _fleet = fleet_controller(tmp_path)
+    monkeypatch.setattr(steps, "controller", lambda **_: c)
+    [item] = c.ingest([alert("gpu_lost", "m1")])
+    inc = item["incident"]
+    result = steps.handle("evict_now", steps.triage(inc))
+    recovery = steps.restart_job(inc, [result], resume_timeout_s=30)
+    assert recovery["resume_timeout_s"] == 30 and c.cfg.resume_timeout_s > 60
+    monkeypatch.setattr(c, "resumed", lambda *_: None)  # no rank trained since the restart
+    ago = {**recovery, "restart_ts": time.time() - 60}  # ... for a minute
+    assert steps.resumed(inc, ago) == {"failed": "training did not pass the restored step within 30s of the "
+                                                 "restart"}
+    assert steps.resumed(inc, {**ago, "resume_timeout_s": None}) is None  # the setting's limit: keep waiting
+    # cleared and run again, the run's limit still holds; a limit that is not a positive number is refused
+    assert steps.restart_job(inc, [result], resume_timeout_s=45)["resume_timeout_s"] == 45
+    with pytest.raises(ValidationError, match="resume_timeout_s"):
+        Restart.read({**recovery, "resume_timeout_s": 0})

@@ -19,6 +19,7 @@ def _tg(inv: Inventory, machines, *args: str, timeout: float = 120):
     return transport.run_many(machines, lambda m: [inv.tg_node, *args], timeout=timeout)
 
 
+@pytest.mark.full
 def test_stacks_of_a_hung_8_rank_job_from_every_machine(ns_cluster: Inventory):
     active = ns_cluster.by_role("active")
     plan = jobs.start(ns_cluster, "stacks8", Topology(tp=2, pp=2, dp=2), active)
@@ -97,6 +98,7 @@ def test_logs_over_ssh_classify_a_user_code_failure(ns_cluster: Inventory):
         launcher.stop(ns_cluster, plan.job, plan.machines, grace_s=3)
 
 
+@pytest.mark.full
 def test_a_parked_standby_joins_a_3d_job_warm(ns_cluster: Inventory):
     m4 = ns_cluster.machine("m4")
     parked = _tg(ns_cluster, [m4], "standby", "park", "--nproc", "2")["m4"]

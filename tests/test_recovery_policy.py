@@ -82,6 +82,25 @@ def test_a_rank_slowed_by_a_third_of_its_step_is_voted_out_after_the_throughput_
     assert c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"] and out["closed"]["state"] == "resolved"
 
 
+def test_a_slow_group_that_cannot_be_replaced_is_not_stopped_and_later_alerts_open_incidents_of_their_own(
+        tmp_path, monkeypatch):
+    """A slow job still trains: with no standby to take the slow machine (or the breaker against it), the
+    vote's eviction cannot happen, so the job is neither stopped nor left to a human behind a waiting
+    incident that would swallow the next fault; the incident closes failed and says why."""
+    c, fleet = fleet_controller(tmp_path, machines=4, active=4, slow_rounds=5, slow_interval_s=0.0)
+    fleet.compute = {r: 0.36 for r in range(4)} | {1: 0.6}
+    out = run_incident(c, [alert("throughput_decline", f"m{r}", rank=r) for r in range(4)], monkeypatch)
+    assert out["result"]["vote"]["machines"] == ["m1"] and not fleet.sent("job", "stop")
+    inc = c.fleet.incident(out["incident"])
+    assert inc.state == "failed" and c.fleet.job("j").state == "running", (inc.state, inc.summary)
+    assert "(m1) was not evicted: 1 machines to replace (m1), 0 standbys in the pool" in inc.summary, inc.summary
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
+    assert not [a for a in c.fleet.actions(inc.id) if a.kind == "evict"]
+    # the next fault is an incident of its own, acted on
+    [later] = c.ingest([alert("gpu_lost", "m2")])
+    assert later["incident"] != inc.id
+
+
 def test_a_decline_every_rank_shares_evicts_nothing(tmp_path, monkeypatch):
     c, fleet = fleet_controller(tmp_path, slow_rounds=5, slow_interval_s=0.0)
     fleet.compute = {r: 0.5 + 0.01 * r for r in range(4)}  # the whole job slowed (a slow file system ...)

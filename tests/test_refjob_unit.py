@@ -80,6 +80,7 @@ def train(run_dir: Path, tp: int, pp: int, dp: int, steps: int = STEPS) -> dict[
     return records
 
 
+@pytest.mark.slow  # three torchrun launches: ~25 s on 2 cores
 def test_tensor_and_pipeline_parallel_match_one_process(tmp_path: Path):
     one = train(tmp_path / "tp1pp1", 1, 1, 1)[0]
     for tp, pp in ((2, 1), (1, 2)):

@@ -30,7 +30,7 @@ from operators.control import ControlConfig, Controller
 from operators.fleet import states
 from tests.conftest import moto_server, own_cluster, wait_until
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.full]
 
 SPEC = cluster.ClusterSpec(name="tgs", machines=5, standbys=1, free=2, subnet="10.213.18.0/24", disk_mb=256, gpus=8)
 TOPO = Topology(tp=2, pp=1, dp=2)

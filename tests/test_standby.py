@@ -170,3 +170,32 @@ def test_a_killed_warm_rank_fails_the_job_like_a_cold_one(node):
     assert json.loads((rd / "exit.json").read_text())["returncode"] != 0
     # torchrun saw its worker die by the signal, as it would in a cold start
     assert "Signal 9 (SIGKILL)" in (rd / "supervisor.log").read_text()
+
+
+@pytest.mark.skipif(not standby.AUTOGROUP.exists(), reason="this kernel has no scheduler autogroups")
+def test_an_interpreter_warms_up_at_the_lowest_priority_of_its_session_and_serves_at_the_default():
+    """Warming up (imports) beside a running job yields to it: the session's autogroup nice is 19 while
+    importing and 0 again before the interpreter waits for work; a process that does not lead its session
+    leaves the caller's session alone (also when the caller's is the root autogroup, which has no nice)."""
+    import subprocess
+    import sys
+
+    probe = ("from node_tools import standby\n"
+             "with standby._yielding():\n    inside = standby.autogroup_nice()\n"
+             "print(inside, standby.autogroup_nice())\n")
+    led = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True,
+                         start_new_session=True)
+    assert led.stdout.split() == ["19", "0"], led.stdout + led.stderr
+    mine = str(standby.autogroup_nice())
+    shared = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert shared.stdout.split() == [mine, mine], shared.stdout + shared.stderr
+
+
+@pytest.mark.parametrize(("text", "nice"), [("/autogroup-12 nice 0\n", 0), ("/autogroup-3 nice 19\n", 19),
+                                            ("/autogroup-3 nice -5\n", -5), ("", None), ("garbage\n", None)])
+def test_the_autogroup_nice_is_read_and_the_root_autogroup_has_none(tmp_path, text, nice):
+    """A process of init's session (the root autogroup) reads an empty file: no autogroup to lower."""
+    path = tmp_path / "autogroup"
+    path.write_text(text)
+    assert standby.autogroup_nice(path) == nice
+    assert standby.autogroup_nice(tmp_path / "missing") is None

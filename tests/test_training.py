@@ -14,7 +14,7 @@ from node_tools.topology import Topology
 from tests import jobs
 from tests.conftest import wait_until
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.full]
 
 STEPS = 12
 

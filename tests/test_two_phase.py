@@ -90,6 +90,7 @@ def test_two_phases_over_openssh_and_paramiko(ns_cluster: Inventory, tmp_path: P
         check_every_machine_saw_every_mark(results, names)
 
 
+@pytest.mark.full
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_a_stop_in_one_round_marks_everywhere_first_raises_no_alert_and_reads_the_logs(ns_cluster: Inventory):

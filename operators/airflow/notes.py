@@ -5,8 +5,9 @@ on the run's page), e.g. ``incident 7 resolved (machine_fault): evicted m2 -> st
 Tasks cannot write the metadata database in Airflow 3, so the note goes through the public REST API
 (``PATCH /api/v2/dags/{dag_id}/dagRuns/{run_id}``) with the credentials of the Airflow connection
 ``TG_AIRFLOW_API_CONN_ID`` (default ``tg_airflow_api``: type http, host, port, login, password; schema
-``https`` for TLS). Without that connection the note stays in the task's return value only; a failure to
-set it is logged and never fails the run.
+``https`` for TLS). Its login needs only the simple auth manager's ``user`` role (``tg_notes`` in
+``airflow standalone`` and the compose file), never the admin's. Without that connection the note
+stays in the task's return value only; a failure to set it is logged and never fails the run.
 """
 
 from __future__ import annotations

@@ -54,6 +54,10 @@ SQLITE_CONNECT_ARGS = {"timeout": SQLITE_BUSY_S}
 
 SSH_POOL = "tg_ssh"
 API_CONN = "tg_airflow_api"  # what the DAGs' tasks set their run's note through (operators.airflow.notes)
+# the login of that connection: the simple auth manager's ``user`` role (may edit DAG runs, e.g. their
+# notes; no connections, variables, pools or configuration), never the admin's
+NOTES_USER = "tg_notes"
+USERS = f"admin:admin,{NOTES_USER}:user"
 
 
 class Standalone:
@@ -76,6 +80,7 @@ class Standalone:
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.25",
             "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
+            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": USERS,
             "PYTHONPATH": str(REPO),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # its subprocesses
             **env,
@@ -139,10 +144,11 @@ class Standalone:
         self.request("PATCH", f"/api/v2/pools/{name}", settings)
 
     def ensure_api_connection(self) -> None:
-        """The connection the tasks use to set their run's note: this api-server, as its admin."""
+        """The connection the tasks use to set their run's note: this api-server, as ``NOTES_USER`` (a
+        ``user``-role login, not the admin's)."""
         pw_file = self.home / "simple_auth_manager_passwords.json.generated"
         body = {"connection_id": API_CONN, "conn_type": "http", "host": "127.0.0.1", "port": self.port,
-                "login": "admin", "password": json.loads(pw_file.read_text())["admin"], "schema": "http"}
+                "login": NOTES_USER, "password": json.loads(pw_file.read_text())[NOTES_USER], "schema": "http"}
         try:
             self.request("POST", "/api/v2/connections", body)
         except urllib.error.HTTPError as exc:

@@ -195,6 +195,11 @@ def slow_vote(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     vote = c.vote_slow(decision["incident"])
     if vote.get("superseded") or not vote["machines"]:
         return {"swaps": {}, "no_restart": True, "vote": vote}
+    blocked = c.eviction_blocked(decision["incident"], vote["machines"])
+    if blocked:  # a slow job trains on: stopping it for an eviction that cannot happen would stop all progress
+        return {"swaps": {}, "no_restart": True, "vote": vote,
+                "not_evicted": f"the slow {vote['verdict'] or 'machine'} group ({', '.join(vote['machines'])}) was "
+                               f"not evicted: {blocked}; the job trains on at its reduced speed"}
     c.stop(decision["job"])
     ev = c.evict(decision["incident"], vote["machines"],
                  reason=f"slow: the {vote['verdict'] or 'machine'} group of {', '.join(vote['machines'])} held the "
@@ -277,23 +282,26 @@ def _leaves_it_alone(result: dict[str, Any]) -> bool:
     return bool(result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"))
 
 
-def restart_job(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str, Any]:
+def restart_job(incident_id: int, results: list[dict[str, Any] | None], *,
+                resume_timeout_s: float | None = None) -> dict[str, Any]:
     """After whichever rung ran (skipped ones give None): restart the job on its machine list (standbys
     swapped in by the rung), from what the rung's stop found, restoring its newest committed checkpoint (or
     the step the rung names), unless the rung leaves the job alone. Its input is the rung's XCom only, so
     the task is safe to clear: run again (cleared in the UI, or retried) after the job was restarted once,
     it restarts the job again from what runs now (:func:`restart_again`). Returns a
-    :class:`~operators.models.Restart` (with the rung's result when nothing was restarted)."""
+    :class:`~operators.models.Restart` (with the rung's result when nothing was restarted).
+    ``resume_timeout_s``: the run's own limit on the resume wait (None: the setting's)."""
     done = [RungResult.read(r) for r in results if r]
     result = done[0].dump() if done else {"rung": NO_RECOVERY, "restart": False, "no_restart": True}
     c = controller()
     incident_id = int(incident_id)
+    limit = {"resume_timeout_s": resume_timeout_s}
     if any(a.kind == "launch" and a.outcome == "done" for a in c.fleet.actions(incident_id)):
-        return restart_again(c, incident_id)
+        return Restart.read({**restart_again(c, incident_id), **limit}).dump()
     if not result["restart"]:
         return Restart.read({**result, "restarted": False}).dump()
     out = c.recover(incident_id, restore_max_step=result.get("restore_max_step"), found=result.get("stopped"))
-    return Restart.read({**out, "restarted": True}).dump()
+    return Restart.read({**out, "restarted": True, **limit}).dump()
 
 
 def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:
@@ -331,8 +339,9 @@ def resumed(incident_id: int, recovery: dict[str, Any], c: Controller | None = N
         info = c.resumed(recovery["job"], recovery["restart_ts"])
     except TrainguardError as exc:
         return Resume(failed=str(exc)).dump()
-    if info is None and time.time() - float(recovery["restart_ts"]) > c.cfg.resume_timeout_s:
-        return Resume(failed=f"training did not pass the restored step within {c.cfg.resume_timeout_s:.0f}s of "
+    limit = rec.resume_timeout_s or c.cfg.resume_timeout_s
+    if info is None and time.time() - float(recovery["restart_ts"]) > limit:
+        return Resume(failed=f"training did not pass the restored step within {limit:.0f}s of "
                              f"the restart").dump()
     return None if info is None else Resume.read(info).dump()
 
@@ -347,11 +356,12 @@ def _wait_resumed(c: Controller, incident_id: int, recovery: dict[str, Any], *, 
         time.sleep(poll_s)
 
 
-def escalate(c: Controller, incident_id: int, why: str) -> dict[str, Any]:
+def escalate(c: Controller, incident_id: int, why: str, *, resume_timeout_s: float | None = None) -> dict[str, Any]:
     """A recovery that did not hold climbs on instead of leaving the job dead: before each new restart (at
     most ``restart_attempts``) the controller removes what stands in the way (explicit faults that joined,
     machines that failed, the last copies of a checkpoint still on evicted machines: :meth:`Controller.
-    before_retry`); when that runs out, the incident and the job wait for a human, with why and what next."""
+    before_retry`); when that runs out, the incident and the job wait for a human, with why and what next.
+    ``resume_timeout_s``: the run's own limit on each resume wait (None: the setting's)."""
     tried: list[str] = []
     for _attempt in range(c.cfg.restart_attempts):
         try:
@@ -366,7 +376,7 @@ def escalate(c: Controller, incident_id: int, why: str) -> dict[str, Any]:
             continue
         if out.get("waiting_human"):
             return c.timeline(incident_id)
-        recovery = {"restarted": True, **out}
+        recovery = {"restarted": True, **out, "resume_timeout_s": resume_timeout_s}
         info = _wait_resumed(c, incident_id, recovery)
         if not info.get("failed") and not info.get("pending"):
             return c.close(incident_id, outcome="resolved", resumed=info,
@@ -408,7 +418,7 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
         why = (resume or {}).get("failed") or (
             "explicit faults joined after the restart: " + ", ".join(sorted((resume or {})["pending"]))
             if (resume or {}).get("pending") else "the resume check ended without an answer")
-        return escalate(c, incident_id, why)
+        return escalate(c, incident_id, why, resume_timeout_s=recovery.get("resume_timeout_s"))
     vote = (recovery or {}).get("vote") or {}
     if vote.get("superseded"):  # stronger alerts took the incident over: its new run closes it
         return c.timeline(incident_id)
@@ -417,6 +427,9 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
             return c.close(incident_id, outcome="failed", note=f"{recovery['error']}; the job still trains; next: "
                                                                f"look at the task's log, then trigger tg_diagnose")
         return escalate(c, incident_id, recovery["error"])
+    if (recovery or {}).get("not_evicted") and c.trains(inc.job):  # closed (failed), so that later alerts
+        # open incidents of their own instead of joining one that waits while the job trains
+        return c.close(incident_id, outcome="failed", note=recovery["not_evicted"])
     if vote and not vote.get("machines"):
         return c.close(incident_id, outcome="resolved",
                        note=f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing "
