@@ -110,7 +110,7 @@ def _status(state: str, rc: int | None, inc: int, ranks: dict[int, tuple[int, st
 
 
 def test_a_replay_group_result_is_its_ranks_digests_once_every_part_ended():
-    from operators.control import _replay_result
+    from operators.control.replay import _replay_result
 
     done = {"m0": _status("exited", 0, 2, {0: (1, "aa"), 1: (1, "bb")}),
             "m1": _status("exited", 0, 2, {2: (1, "cc"), 3: (1, "dd")})}

@@ -1,0 +1,69 @@
+"""The ETTR ledger: every step record of a rank from every machine that ran it, and the job's effective training
+time ratio, cumulative and sliding, with each incident's time by phase and cause."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from node_tools.errors import TrainguardError
+from operators.control.base import ControllerBase
+from operators.fleet.store import OPEN_INCIDENT_STATES
+from operators.policy import ettr
+
+
+class EttrLedger(ControllerBase):
+    """The job's effective training time."""
+
+    def step_history(self, job: str, rank: int = 0) -> list[dict[str, Any]]:
+        """Every step record of ``rank`` of the job, from every machine that ran it (the rank moves when
+        its machine is evicted), oldest first. Each machine counts its own incarnations; here
+        ``incarnation`` is renumbered across machines in the order the parts started, so a later restart
+        always has the higher number."""
+        argv = [self.inventory.tg_node, "job", "steps", "--job", job, "--rank", str(rank)]
+        results = self._run(self.inventory.machines, lambda m: argv, timeout=30)
+        records = [dict(r, machine=name) for name, res in results.items() if res.ok
+                   for r in (res.json() or {}).get("steps", [])]
+        records.sort(key=lambda r: float(r.get("ts", 0.0)))
+        order: dict[tuple[str, int], int] = {}
+        for r in records:
+            key = (r["machine"], int(r.get("incarnation", 0)))
+            r["incarnation"] = order.setdefault(key, len(order))
+        return records
+
+    def ettr_report(self, job: str, *, window_s: float = 3600.0,
+                    records: Sequence[Mapping[str, Any]] | None = None, as_of: float | None = None
+                    ) -> dict[str, Any]:
+        """The job's effective training time ratio, cumulative (since its first step) and over the last
+        ``window_s``, and each closed incident's time split into detection, diagnosis, recovery and lost
+        work (steps recomputed after the restore), summed by failure cause. ``records``: the job's
+        :meth:`step_history` when the caller has it already (one round of sessions less), read at
+        ``as_of`` (default: now)."""
+        now = time.time() if as_of is None else as_of
+        records = list(self.step_history(job) if records is None else records)
+        if not records:
+            raise TrainguardError(f"job {job} has no step records on any machine of the inventory; has it run?")
+        first = min(float(r["ts"]) - float(r.get("step_time_s") or 0.0) for r in records)
+        incidents, by_cause = [], {}
+        since = first
+        for inc in self.fleet.incidents(job):
+            if inc.state not in ("resolved", "failed") or inc.first_alert_ts is None:
+                continue
+            split = ettr.incident_split({"first_alert_ts": inc.first_alert_ts, "opened_ts": inc.opened_ts,
+                                         "diagnosis_start_ts": inc.diagnosis_start_ts, "decided_ts": inc.decided_ts,
+                                         "resumed_ts": inc.resumed_ts}, records, since_ts=since)
+            incidents.append({"incident": inc.id, "category": inc.category, "state": inc.state,
+                              **{k: round(v, 3) for k, v in split.items()}})
+            cause = by_cause.setdefault(inc.category or "unknown", {"incidents": 0, "seconds": 0.0})
+            cause["incidents"] += 1
+            cause["seconds"] = round(cause["seconds"] + sum(split.values()), 3)
+            since = inc.resumed_ts or since
+        # the window ends at the last finished step while the job steps on (no incident open, no stall)
+        now = ettr.window_end(records, now, incident_open=any(i.state in OPEN_INCIDENT_STATES
+                                                              for i in self.fleet.incidents(job)))
+        return {"job": job, "cumulative": ettr.ettr(records, start_ts=first, end_ts=now).as_dict(),
+                "sliding": {"window_s": window_s,
+                            **ettr.ettr(records, start_ts=max(first, now - window_s), end_ts=now).as_dict()},
+                "incidents": incidents, "by_cause": by_cause}
+

@@ -1,0 +1,270 @@
+"""Evictions: standbys checked reachable and swapped in through the breaker, never taking the last copy of a
+checkpoint; code rollback; what to change before a recovery that did not hold is tried again."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from node_tools.logs import UNRESTORABLE_KIND
+from operators.control.base import ControllerBase, held_copies
+from operators.fleet import states
+from operators.policy import ladder
+
+
+class Evictions(ControllerBase):
+    """Swapping machines for standbys, safely."""
+
+    def pool(self) -> list[str]:
+        """The standbys of the fleet database that the inventory holds, in the fleet's order."""
+        return [m.name for m in self.fleet.machines(state=states.STANDBY) if m.name in self.inventory.names()]
+
+    def ready_standbys(self, wanted: int, *, why: str = "") -> list[str]:
+        """Up to ``wanted`` standbys checked reachable now (``tg-node standby status``), in the fleet's order;
+        one that does not answer goes to repair (``why``: whom it was called to replace) and the next is
+        tried."""
+        ready: list[str] = []
+        tried: set[str] = set()
+        while len(ready) < wanted:
+            todo = [n for n in self.pool() if n not in tried][: wanted - len(ready)]
+            if not todo:
+                break
+            tried.update(todo)
+            results = self._run(self.machines(todo), lambda m: [self.inventory.tg_node, "standby", "status"],
+                                timeout=15)
+            for n in todo:
+                r = results[n]
+                if r.ok and isinstance(r.answer(), dict):
+                    ready.append(n)
+                elif not self.cfg.dry_run:
+                    self.fleet.transition(n, states.REPAIR, reason=f"standby did not answer when called{why}: "
+                                                                   f"{r.describe()[:200]}")
+        return ready
+
+    def _breaker(self, job: Any, wanted: Sequence[str]) -> ladder.BreakerVerdict:
+        return ladder.breaker(job_machines=len(job.machine_list),
+                              evicted_recently=self.fleet.evicted_recently(job.name, self.cfg.breaker_window_s),
+                              to_evict=wanted, max_share=self.cfg.breaker_share, window_s=self.cfg.breaker_window_s)
+
+    def eviction_blocked(self, incident_id: int, machine_names: Sequence[str]) -> str:
+        """Why evicting ``machine_names`` from the incident's job could not happen now (the breaker, fewer
+        standbys in the pool than machines to replace), or "" when it may: asked before a rung stops a job
+        that still trains, however slowly, for an eviction (:meth:`evict` checks again, reachability too)."""
+        job = self.fleet.job(self.fleet.incident(incident_id).job)
+        wanted = [n for n in machine_names if n in job.machine_list]
+        verdict = self._breaker(job, wanted)
+        if not verdict.allowed:
+            return verdict.reason
+        pool = self.pool()
+        if len(pool) < len(wanted):
+            return (f"{len(wanted)} machines to replace ({', '.join(wanted)}), {len(pool)} standbys in the pool; "
+                    f"add machines to the pool (tg_standby_pool) or repair the standbys, then resolve the incident")
+        return ""
+
+    def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str,
+              breaker: bool = True, max_step: int | None = None) -> dict[str, Any]:
+        """Replace ``machine_names`` in the incident's job with standbys (each checked reachable first),
+        through the breaker (``breaker`` False: machines that failed to start, not a judgement of the ladder)
+        and the checkpoint check (no eviction takes the last copy of a step; ``max_step``: the restart will
+        restore no newer step). Returns the swaps;
+        ``waiting_human`` when the breaker, a lack of standbys or the checkpoints stop it."""
+        inc = self.fleet.incident(incident_id)
+        job = self.fleet.job(inc.job)
+        wanted = [n for n in machine_names if n in job.machine_list]
+        if not wanted:
+            return {"swaps": {}, "reason": "nothing to evict"}
+        verdict = self._breaker(job, wanted)
+        key = f"evict:{incident_id}:{','.join(sorted(wanted))}"
+        action, created = self.fleet.record_action(
+            key, kind="evict", incident_id=incident_id, machines=wanted, dry_run=self.cfg.dry_run,
+            evidence={"reason": reason, "breaker": verdict.reason if breaker else "not applied (failed to start)"})
+        if not created and action.outcome == "done":
+            return {"swaps": json.loads(action.detail or "{}"), "reason": "done before"}
+        if breaker and not verdict.allowed:
+            self.fleet.finish_action(action.id, "skipped", verdict.reason)
+            return self.wait_for_human(incident_id, verdict.reason)
+        standbys = self.ready_standbys(len(wanted), why=f" to replace {', '.join(wanted)} in {inc.job}")
+        if len(standbys) < len(wanted):
+            why = (f"{len(wanted)} machines to replace ({', '.join(wanted)}), {len(standbys)} standbys answer; add "
+                   f"machines to the pool (tg_standby_pool) or repair the standbys, then resolve the incident")
+            self.fleet.finish_action(action.id, "skipped", why, evidence={"standbys": standbys})
+            return self.wait_for_human(incident_id, why)
+        kept = self.protect_checkpoints(inc.job, wanted, max_step=max_step)
+        if kept.get("refused"):
+            self.fleet.finish_action(action.id, "skipped", kept["refused"], evidence={"checkpoint": kept})
+            return {**self.wait_for_human(incident_id, kept["refused"]), "checkpoint": kept}
+        plan = dict(zip(sorted(wanted), standbys, strict=False))
+        if self.cfg.dry_run:
+            self.fleet.finish_action(action.id, "dry_run", json.dumps(plan), evidence={"checkpoint": kept})
+            return {"swaps": plan, "dry_run": True, "reason": reason, "checkpoint": kept}
+        swaps = self.fleet.swap(inc.job, plan, reason=reason, incident_id=incident_id)
+        self.fleet.finish_action(action.id, "done", json.dumps(swaps), evidence={"checkpoint": kept,
+                                                                               "standbys": standbys})
+        self.fleet.update_incident(incident_id, decided_ts=time.time())
+        return {"swaps": swaps, "reason": reason, "checkpoint": kept}
+
+    def remote_url(self, job: str) -> str:
+        """The job's remote checkpoint tier (its ``--checkpoint-remote`` / ``--checkpoint-s3``), or ""."""
+        args = list(self.fleet.job(job).train_args)
+        for i, a in enumerate(args):
+            for flag in ("--checkpoint-remote", "--checkpoint-s3"):
+                if a == flag and i + 1 < len(args):
+                    return args[i + 1]
+                if a.startswith(flag + "="):
+                    return a.split("=", 1)[1]
+        return ""
+
+    def remote_copies(self, url: str) -> tuple[set[tuple[int, int]], str]:
+        """The ``(step, rank)`` copies in a remote tier, and why not ("" when it answered)."""
+        from checkpoint.errors import S3TierError
+        from checkpoint.s3 import open_tier
+
+        try:
+            tier = open_tier(url, endpoint_url=os.environ.get("TG_S3_ENDPOINT_URL", ""), timeout_s=5.0)
+            return set(tier.list_copies()), ""
+        except S3TierError as exc:
+            return set(), str(exc)
+
+    def copies(self, job: str, names: Sequence[str]) -> dict[str, list[tuple[str, int, int]] | None]:
+        """The checkpoint copies each of ``names`` holds (``(tier, step, rank)``; None: it did not answer): from
+        the stop this controller just made, else read now (``tg-node ckpt list``)."""
+        known = self._copies.get(job) or {}
+        if all(n in known for n in names):
+            return {n: known[n] for n in names}
+        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "ckpt", "list", "--job", job],
+                            timeout=30)
+        out: dict[str, list[tuple[str, int, int]] | None] = {}
+        for n, r in results.items():
+            doc = r.answer()
+            if r.ok:
+                out[n] = held_copies((doc or {}).get("copies"))
+            elif doc is not None and "no checkpoint root" in str(doc.get("error", "")):
+                out[n] = []
+            else:
+                out[n] = None
+        return out
+
+    def protect_checkpoints(self, job: str, evict: Sequence[str], *, fresh: bool = False, force: bool = False,
+                            max_step: int | None = None) -> dict[str, Any]:
+        """Before evicting ``evict``: every rank of the step the job will restore must keep a copy on a machine
+        that stays or in the remote tier. If not, the missing copies are rescued from the evicted machines
+        (reachable ones) into the remote tier first; failing that the restart falls back to the newest step
+        that stays complete; failing that the eviction is ``refused`` (it would destroy the job's progress).
+        Returns what was found and done, for the eviction's evidence."""
+        from operators.policy.checkpoints import eviction_safety
+
+        j = self.fleet.job(job)
+        if "--checkpoint" not in j.train_args:
+            return {"checked": False, "reason": "the job keeps no checkpoints"}
+        world = j.tp * j.pp * j.dp
+        if fresh:
+            self._copies.pop(job, None)
+        names = [*j.machine_list, *(n for n in evict if n not in j.machine_list and n in self.inventory.names())]
+        copies = self.copies(job, names)
+        if max_step is not None:  # the restart restores no newer step: only those count
+            copies = {n: None if c is None else [x for x in c if x[1] <= max_step] for n, c in copies.items()}
+        url = self.remote_url(job)
+        remote, remote_error = self.remote_copies(url) if url else (set(), "no remote tier")
+        if max_step is not None:
+            remote = {x for x in remote if x[0] <= max_step}
+        safety = eviction_safety(copies, remote, evict=evict, world_size=world)
+        out: dict[str, Any] = {"step": safety.step, "safe": safety.safe, "reason": safety.reason,
+                               "unanswered": sorted(n for n, c in copies.items() if c is None)}
+        if force and safety.step is not None:  # the listing said safe, the restore said otherwise: take them all
+            held = {n: sorted({r for _t, st, r in copies.get(n) or () if st == safety.step}) for n in evict}
+            safety = dataclasses.replace(safety, lacking=tuple(sorted({r for rs in held.values() for r in rs})),
+                                         rescue={n: rs for n, rs in held.items() if rs})
+        elif safety.safe:
+            return out
+        why = remote_error or "nothing to rescue from"
+        if url and safety.rescue and not self.cfg.dry_run:
+            env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+            step = str(safety.step)
+            done = self._run(self.machines(sorted(safety.rescue)), lambda m: [
+                self.inventory.tg_node, "ckpt", "rescue", "--job", job, "--step", step, "--to", url,
+                "--endpoint-url", os.environ.get("TG_S3_ENDPOINT_URL", "")], timeout=600, env=env)
+            out["rescued"] = {n: [u["rank"] for u in (r.answer() or {}).get("uploaded", [])] if r.ok else r.describe()
+                              for n, r in done.items()}
+            remote, remote_error = self.remote_copies(url)
+            remote = {x for x in remote if max_step is None or x[0] <= max_step}
+            again = eviction_safety(copies, remote, evict=evict, world_size=world)
+            if again.step == safety.step and again.safe and all(isinstance(v, list) and v
+                                                                for v in out["rescued"].values()):
+                out.update(safe=True, reason=f"step {safety.step}: the last copies of rank(s) {list(safety.lacking)} "
+                                             f"were rescued from {', '.join(sorted(safety.rescue))} to the remote tier")
+                return out
+            why = "; ".join(f"{n}: {v}" for n, v in out["rescued"].items() if isinstance(v, str)) or remote_error \
+                or "the rescued copies are not in the remote tier"
+        if safety.fallback is not None:
+            out.update(fallback=safety.fallback,
+                       reason=f"{safety.reason}; they could not be rescued ({why}); the job restarts from step "
+                              f"{safety.fallback}, the newest step complete without them")
+            return out
+        out["refused"] = (f"{safety.reason}; they could not be rescued ({why}) and no older step is complete "
+                          f"without them: evicting would destroy the job's progress; bring those machines (or a copy "
+                          f"of their checkpoints) back, then resolve the incident")
+        return out
+
+    def rollback(self, incident_id: int, revision: str) -> dict[str, Any]:
+        inc = self.fleet.incident(incident_id)
+        action, created = self.fleet.record_action(f"rollback:{incident_id}:{revision}", kind="rollback",
+                                                   incident_id=incident_id, dry_run=self.cfg.dry_run,
+                                                   evidence={"to": revision, "from": self.fleet.job(inc.job).revision})
+        if created and not self.cfg.dry_run:
+            self.fleet.set_revision(inc.job, revision)
+            self.fleet.finish_action(action.id, "done", f"revision {revision}")
+        self.fleet.update_incident(incident_id, decided_ts=time.time())
+        return {"revision": revision}
+
+    def job_logs(self, job: str) -> dict[str, dict[str, Any] | None]:
+        """Each machine's ``tg-node logs --job J`` (None: it did not answer)."""
+        names = self.fleet.job(job).machine_list
+        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "logs", "--job", job],
+                            timeout=60)
+        return {n: (r.answer() if r.reachable and not r.timed_out else None) for n, r in results.items()}
+
+    def before_retry(self, incident_id: int, why: str) -> dict[str, Any]:
+        """What to change before restarting a recovery that did not hold (``why``): explicit faults that joined
+        the incident are evicted; machines that no longer answer are replaced; when no step could be restored,
+        the last copies are rescued from the incident's evicted machines into the remote tier; when the job's
+        own code failed, it rolls back to the last known-good revision; else it is tried again as it is (a
+        transient failure). Returns ``{"did": what}``, or ``{"give_up": why}`` when nothing is left to try."""
+        inc = self.fleet.incident(incident_id)
+        job = inc.job
+        pending = self.unhandled_faults(incident_id)
+        if pending:
+            self.stop(job)
+            ev = self.evict(incident_id, sorted(pending), reason="explicit machine fault that joined the "
+                            "incident: " + "; ".join(f"{m}: {k}" for m, k in pending.items()))
+            return {"give_up": ev["reason"]} if ev.get("waiting_human") else \
+                {"did": "evicted " + ", ".join(f"{a} -> {b}" for a, b in (ev.get("swaps") or {}).items())}
+        logs = self.job_logs(job)
+        silent = sorted(n for n, doc in logs.items() if doc is None)
+        if silent:
+            self.stop(job)
+            ev = self.evict(incident_id, silent, reason=f"unreachable after the restart ({why[:200]})")
+            return {"give_up": ev["reason"]} if ev.get("waiting_human") else \
+                {"did": "replaced unreachable " + ", ".join(f"{a} -> {b}" for a, b in (ev.get("swaps") or {}).items())}
+        if any((doc or {}).get("verdict", {}).get("kind") == UNRESTORABLE_KIND for doc in logs.values()):
+            evicted = sorted({m for a in self.fleet.actions(incident_id) if a.kind == "evict" and a.outcome == "done"
+                              for m in a.machines})
+            if not evicted:
+                return {"give_up": f"no step can be restored on all ranks and this incident evicted no machine that "
+                                   f"could hold the missing copies ({why[:300]})"}
+            kept = self.protect_checkpoints(job, evicted, fresh=True, force=True)
+            if kept.get("rescued") and kept.get("safe"):
+                return {"did": kept["reason"]}
+            return {"give_up": f"no step can be restored on all ranks: {kept.get('refused') or kept['reason']}"}
+        verdicts = {(doc or {}).get("verdict", {}).get("class") for doc in logs.values()}
+        rolled = any(a.kind == "rollback" for a in self.fleet.actions(incident_id))
+        good = self.fleet.last_known_good(job, other_than=self.fleet.job(job).revision)
+        if "user_code" in verdicts and good and not rolled:
+            self.stop(job)
+            self.rollback(incident_id, good)
+            return {"did": f"rolled back to {good} (the job's own code failed after the restart)"}
+        return {"did": f"restarted again as it was ({why[:160]})"}
+

@@ -1,0 +1,235 @@
+"""Incidents: alerts read off the bus recorded into incidents (what may be trusted, in one transaction with the
+bus cursor), the triage, the repeat-offender record, the close and its timeline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from node_tools.errors import TrainguardError
+from operators.control.base import ControllerBase, asdict_action
+from operators.fleet import states
+from operators.policy import ladder
+
+
+class Incidents(ControllerBase):
+    """Alerts into incidents, triage, close."""
+
+    def job_of(self, alert: Mapping[str, Any]) -> str | None:
+        if alert.get("job"):
+            try:
+                return self.fleet.job(alert["job"]).name
+            except TrainguardError:
+                return None
+        try:
+            return self.fleet.machine(alert["machine"]).job
+        except TrainguardError:
+            return None
+
+    def untrusted(self, alert: Mapping[str, Any], jobs: Mapping[str, Any]) -> str:
+        """Why an alert read off the bus must not be acted on ("" when it may): a machine the inventory does not
+        list, a job the fleet does not know, a machine that does not serve the job it names, a rank outside
+        the job. ``jobs``: the fleet's jobs by name."""
+        machine, job_name = str(alert.get("machine", "")), str(alert.get("job") or "")
+        if machine not in self.inventory.names():
+            return f"machine {machine[:63]!r} is not in the inventory"
+        if not job_name:
+            return ""
+        job = jobs.get(job_name)
+        if job is None:
+            return f"job {job_name[:64]!r} is not in the fleet database"
+        if machine not in job.machine_list:
+            return f"machine {machine} does not serve job {job_name} ({', '.join(job.machine_list)})"
+        rank = alert.get("rank")
+        if isinstance(rank, int) and not 0 <= rank < job.tp * job.pp * job.dp:
+            return f"rank {rank} is outside job {job_name}'s {job.tp * job.pp * job.dp} ranks"
+        return ""
+
+    def ingest(self, alerts: Sequence[Mapping[str, Any]], *, reader: str = "guardian",
+               read: Mapping[str, float] | None = None, gone: Sequence[str] = (),
+               quarantined: Sequence[Mapping[str, Any]] = (),
+               liveness: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+        """Group a batch by job and attach it to the job's open incident (or open one), in one transaction
+        with the bus cursor (``read``, ``gone``: see :meth:`operators.fleet.store.FleetStore.ingest`), the
+        documents the reader ``quarantined`` and the agents' ``liveness``. An alert naming a machine or a job
+        the inventory and the fleet do not know (or a machine that does not serve the job it names) is
+        quarantined with the reason and never acted on; one whose writer's clock is off (``clock_skew_s``)
+        counts from when it arrived. Alerts about machines serving no job are recorded against nothing; an
+        explicit fault on a standby sends it to repair. Returns ``[{incident, job, opened, taken_over,
+        alerts}]`` for the incidents to work on."""
+        by_job: dict[str, list[dict[str, Any]]] = {}
+        rejected: list[dict[str, Any]] = []
+        known = self.fleet.known_alerts([str(a["id"]) for a in alerts])
+        jobs = {j.name: j for j in self.fleet.jobs()}
+        for a in alerts:
+            if str(a["id"]) in known:
+                continue  # delivered again after a failed guardian run: recorded already
+            why = self.untrusted(a, jobs)
+            if why:
+                rejected.append({"name": a.get("bus_name") or "", "reason": why, "machine": str(a.get("machine", "")),
+                                 "kind": a.get("kind", ""), "ts": a.get("received_ts") or time.time(),
+                                 "document": dict(a)})
+                continue
+            doc = dict(a)
+            if doc.get("clock_skew_s") is not None and doc.get("received_ts") is not None:
+                doc["sent_ts"], doc["ts"] = doc["ts"], doc["received_ts"]  # handled by its arrival time
+            job = self.job_of(doc)
+            if job is not None:
+                by_job.setdefault(job, []).append(doc)
+            elif ladder.triage("", [doc]).category == "machine_fault":
+                self._standby_fault(doc)
+        results = self.fleet.ingest(by_job, escalation_window_s=self.cfg.escalation_window_s, reader=reader,
+                                    read=dict(read or {}), gone=list(gone),
+                                    quarantined=[*quarantined, *rejected],
+                                    liveness={m: dict(v) for m, v in liveness.items()} if liveness else None)
+        if rejected:
+            self._quarantine_on_bus(rejected)
+        out = []
+        for (job, batch), (incident, opened) in zip(sorted(by_job.items()), results, strict=True):
+            taken_over = not opened and self._take_over(incident.id)
+            out.append({"incident": incident.id, "job": job, "opened": opened, "taken_over": taken_over,
+                        "alerts": len(batch)})
+        return out
+
+    def _quarantine_on_bus(self, rejected: Sequence[Mapping[str, Any]]) -> None:
+        """Move rejected alerts out of the bus's alerts folder, the reason beside them (best effort: they are
+        recorded as quarantined already, and the cursor keeps them from being read again)."""
+        from node_tools.bus import BusError, open_bus
+
+        try:
+            bus = open_bus(self.inventory.bus_url)
+            for r in rejected:
+                if r["name"]:
+                    bus.quarantine(r["name"], f"{r['name']}: {r['reason']}")
+        except (BusError, OSError):
+            return
+
+    def _take_over(self, incident_id: int) -> bool:
+        """An incident still being watched (a slow vote, the job training on) whose alerts now say
+        something stronger gets the stronger category; its vote stops at its next round and a new
+        tg_incident run handles it. Returns whether that happened."""
+        inc = self.fleet.incident(incident_id)
+        if inc.state != "open" or inc.category not in ladder.WATCHED or self.fleet.actions(incident_id):
+            return False
+        t = self._triage(inc.job, incident_id)
+        if not ladder.supersedes(inc.category, t):
+            return False
+        # atomic against the vote's claim of its verdict: exactly one of the two acts on the incident
+        return self.fleet.take_over(incident_id, watched=ladder.WATCHED, category=t.category,
+                                    summary=f"{inc.category} vote taken over: {t.reason}")
+
+    def _triage(self, job_name: str, incident_id: int) -> ladder.Triage:
+        job = self.fleet.job(job_name)
+        alerts = [a.document for a in self.fleet.alerts_of(incident_id)]
+        history = [a.document for i in self.fleet.incidents(job_name) if i.id != incident_id
+                   for a in self.fleet.alerts_of(i.id) if a.kind in ladder.NETWORK]
+        return ladder.triage(job_name, alerts, job_machines=job.machine_list, network_history=history,
+                             now=max((a["ts"] for a in alerts), default=time.time()))
+
+    def _standby_fault(self, alert: Mapping[str, Any]) -> None:
+        try:
+            m = self.fleet.machine(alert["machine"])
+        except TrainguardError:
+            return
+        if m.state == states.STANDBY and not self.cfg.dry_run:
+            self.fleet.transition(m.name, states.REPAIR, reason=f"{alert['kind']} while standby")
+
+    def triage(self, incident_id: int) -> dict[str, Any]:
+        """The incident's category and first decision (recorded on the incident)."""
+        inc = self.fleet.incident(incident_id)
+        job = self.fleet.job(inc.job)
+        t = self._triage(inc.job, incident_id)
+        rollback_to = self.fleet.last_known_good(inc.job, other_than=job.revision)
+        d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
+        if d.action in ("tolerate", "observe") and job.state == "running":
+            states_now = self.progress(inc.job)["states"]
+            down = sorted(n for n, st in states_now.items() if st != "running")
+            if down:  # what the alerts say needs nothing, but the job is not running: a crash to diagnose
+                t = ladder.Triage(inc.job, "crash", tuple(down), reason=f"{t.reason}; but the job does not run "
+                                                                     f"on {', '.join(down)}")
+                d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
+        self.fleet.update_incident(incident_id, category=t.category, summary=f"{t.reason}; next: {d.action}")
+        if d.action in ("diagnose", "analyze", "replay", "vote"):
+            self.fleet.update_incident(incident_id, diagnosis_start_ts=time.time())
+        return {"incident": incident_id, "job": inc.job, "level": inc.level, "category": t.category,
+                "machines": list(t.machines), "action": d.action, "reason": d.reason, "rollback_to": rollback_to,
+                "diagnose": dict(d.diagnose)}
+
+    def close(self, incident_id: int, *, outcome: str, resumed: Mapping[str, Any] | None = None,
+              steps_before: int = -1, note: str = "") -> dict[str, Any]:
+        """Close the incident with its timeline; ETTR events for its stretches."""
+        inc = self.fleet.incident(incident_id)
+        now = time.time()
+        fields: dict[str, Any] = {"state": outcome, "closed_ts": now}
+        if resumed:
+            fields["resumed_ts"] = resumed["ts"]
+            restored = resumed.get("restored_step")
+            if restored is not None and steps_before >= 0:
+                fields["lost_steps"] = max(0, steps_before - restored)
+        if note:
+            fields["summary"] = f"{inc.summary}; {note}" if inc.summary else note
+        self.fleet.update_incident(incident_id, **fields)
+        inc = self.fleet.incident(incident_id)
+        # closed again (its restart_job cleared): the same stretches again, which the ledger keeps once
+        for kind, start, end in (("detection", inc.first_alert_ts, inc.opened_ts),
+                                 ("diagnosis", inc.diagnosis_start_ts, inc.decided_ts),
+                                 ("recovery", inc.decided_ts, inc.resumed_ts)):
+            if start is not None and end is not None and end >= start:
+                self.fleet.add_ettr(inc.job, kind, start, end, incident_id=incident_id)
+        return {"incident": incident_id, "state": inc.state, "timeline": self.timeline(incident_id)}
+
+    def timeline(self, incident_id: int) -> dict[str, Any]:
+        inc = self.fleet.incident(incident_id)
+        return {
+            "job": inc.job, "category": inc.category, "level": inc.level, "state": inc.state,
+            "summary": inc.summary, "first_alert_ts": inc.first_alert_ts, "opened_ts": inc.opened_ts,
+            "diagnosis_start_ts": inc.diagnosis_start_ts, "decided_ts": inc.decided_ts,
+            "resumed_ts": inc.resumed_ts, "closed_ts": inc.closed_ts, "lost_steps": inc.lost_steps,
+            "alerts": [f"{a.machine}:{a.kind}" for a in self.fleet.alerts_of(incident_id)],
+            "actions": [{k: v for k, v in asdict_action(a).items() if k != "evidence"}
+                        for a in self.fleet.actions(incident_id)],
+        }
+
+    def wait_for_human(self, incident_id: int, reason: str) -> dict[str, Any]:
+        """The incident waits for a human, and so does its job (its state in the fleet database says so):
+        ``reason`` says why and what to do."""
+        inc = self.fleet.incident(incident_id)
+        self.fleet.update_incident(incident_id, state="waiting_human", summary=reason)
+        self.fleet.set_job_state(inc.job, "waiting_human")
+        return {"swaps": {}, "waiting_human": True, "reason": reason}
+
+    def unhandled_faults(self, incident_id: int) -> dict[str, str]:
+        """Explicit machine faults among the incident's alerts (those that joined it after its triage too) on
+        machines that still serve the job: machine -> the alerts' kinds. Every one is acted on before the
+        incident closes."""
+        inc = self.fleet.incident(incident_id)
+        serving = set(self.fleet.job(inc.job).machine_list)
+        out: dict[str, set[str]] = {}
+        for a in self.fleet.alerts_of(incident_id):
+            if a.machine in serving and ladder.decisive(a.document) and ladder.triage("", [a.document]).category \
+                    == "machine_fault":
+                out.setdefault(a.machine, set()).add(a.kind)
+        return {m: ", ".join(sorted(k)) for m, k in sorted(out.items())}
+
+    def implicate(self, incident_id: int, machine: str, why: str) -> None:
+        """Record that the incident's failure started on ``machine`` (its logs say so)."""
+        self.fleet.record_action(f"implicate:{incident_id}:{machine}", kind="implicate", incident_id=incident_id,
+                                 machines=[machine], evidence={"why": why[:300]})
+
+    def failures_of(self, job: str, machine: str, *, other_than: int) -> list[int]:
+        """The job's incidents within ``repeat_window_s`` that implicated ``machine`` and left it in the job
+        (a clean diagnosis, a restart in place): what makes a repeat offender."""
+        since = time.time() - self.cfg.repeat_window_s
+        ids = {i.id for i in self.fleet.incidents(job) if i.id != other_than and i.first_alert_ts >= since}
+        actions = [a for a in self.fleet.actions() if a.incident_id in ids]
+        evicted = {a.incident_id for a in actions
+                   if a.kind == "evict" and a.outcome == "done" and machine in a.machines}
+        return sorted({a.incident_id for a in actions if a.kind == "implicate" and machine in a.machines} - evicted)
+
+    def first_step_of(self, incident_id: int, kinds: Sequence[str]) -> int | None:
+        """The earliest training step the incident's alerts of ``kinds`` name (their evidence's step)."""
+        steps = [a.document.get("evidence", {}).get("step") for a in self.fleet.alerts_of(incident_id)
+                 if a.kind in kinds]
+        return min((s for s in steps if isinstance(s, int)), default=None)
+

@@ -1,0 +1,276 @@
+"""A job's lifecycle on its machines: launch, warm interpreters (arm), stop (reading logs, status and checkpoint
+copies in the same sessions), restart after a recovery, progress, resume."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from node_tools import launcher
+from node_tools.errors import TrainguardError
+from node_tools.topology import Topology
+from node_tools.transport import RunResult
+from operators.control.base import PORT_BASE, PORT_SPAN, ControllerBase, described, held_copies
+
+SECONDARY_KINDS = ("peer_connection", "collective_timeout", "network")
+
+
+def _verdict(by_machine: Mapping[str, Any]) -> dict[str, Any]:
+    """The logs' verdict across machines from each one's (False: unreachable; None: no verdict), and the
+    ``culprit``: the machine whose rank failed first of its own accord (not echoing a peer's end), when the
+    logs tell."""
+    verdicts = {n: v or {"class": "unreachable" if v is False else "unknown"} for n, v in by_machine.items()}
+    classes = {v.get("class") for v in verdicts.values()}
+    overall = next((c for c in ("user_code", "infrastructure", "unknown") if c in classes), "none")
+    first: list[tuple[float, str]] = []
+    for n, v in verdicts.items():
+        ts = (v.get("first_failure") or {}).get("ts")
+        if v.get("class") in ("user_code", "infrastructure", "unknown") and v.get("kind") not in SECONDARY_KINDS \
+                and isinstance(ts, (int, float)):
+            first.append((float(ts), n))
+    return {"verdict": overall, "machines": verdicts, "culprit": min(first)[1] if first else None}
+
+
+class JobLifecycle(ControllerBase):
+    """Starting, stopping and restarting a job; reading its progress."""
+
+    def launch_job(self, job: str, topology: Topology, machine_names: Sequence[str], *,
+                   train_args: Sequence[str] = (), revision: str = "r0", arm: bool = True,
+                   warm: Sequence[str] = ()) -> dict[str, Any]:
+        """Record a job in the fleet database and start it on ``machine_names`` (node-rank order); the
+        machines in ``warm`` (parked beforehand, as standbys are) start on their warm interpreters. With
+        ``arm``, then park warm interpreters beside it on every machine (:meth:`arm`)."""
+        self.sync_inventory()
+        self.fleet.upsert_job(job, tp=topology.tp, pp=topology.pp, dp=topology.dp,
+                              ranks_per_machine=topology.ranks_per_machine, machines=machine_names,
+                              revision=revision, train_args=train_args)
+        out = self._start(job, warm=set(warm) & set(machine_names))
+        if arm and out.get("launched"):
+            out["armed"] = self.arm(job)
+        return out
+
+    def arm(self, job: str) -> dict[str, Any]:
+        """Park warm interpreters (one per rank and one for torchrun) on every machine of the job that has
+        none ready, so the next restart starts every part warm, survivors included, as a standby's does.
+        They idle beside the running job (memory, no CPU). Best effort: a machine that cannot park
+        restarts cold. Returns ``{"parked": [...], "failed": {machine: why}}``."""
+        j = self.fleet.job(job)
+        if self.cfg.dry_run:
+            return {"parked": [], "failed": {}, "dry_run": True}
+        ready = self.parked(j.machine_list)
+        todo = [n for n in j.machine_list if n not in ready]
+        results = self._run(self.machines(todo), lambda m: [self.inventory.tg_node, "standby", "park", "--nproc",
+                                                              str(j.ranks_per_machine)], timeout=300)
+        return {"parked": sorted(ready | {n for n, r in results.items() if r.ok}),
+                "failed": {n: r.describe() for n, r in results.items() if not r.ok}}
+
+    def _plan(self, job: str, warm: set[str], extra_args: Sequence[str] = (), *, warm_if_parked: bool = False
+              ) -> launcher.JobPlan:
+        j = self.fleet.job(job)
+        launches = sum(1 for a in self.fleet.actions() if a.kind == "launch" and a.key.startswith(f"launch:{job}:"))
+        return launcher.JobPlan(job=job, topology=self.topology(job), machines=self.machines(j.machine_list),
+                                train_args=[*j.train_args, *extra_args], master_port=PORT_BASE + launches % PORT_SPAN,
+                                revision=j.revision, warm=warm, warm_if_parked=warm_if_parked)
+
+    def _start(self, job: str, *, warm: set[str] | None = None, warm_if_parked: bool = False,
+               incident_id: int | None = None, restore_max_step: int | None = None, tag: str = "") -> dict[str, Any]:
+        """Launch the job on its machine list: those in ``warm`` on their parked interpreters; with
+        ``warm_if_parked``, every other one on its parked interpreters if it has them, else cold."""
+        warm = set(warm or ())
+        self._stopped.pop(job, None)  # what a stop found no longer holds once the job runs again
+        self._copies.pop(job, None)
+        j = self.fleet.job(job)
+        if j.pending_revision:  # a lazy code update waits for the next restart: this one
+            self.fleet.set_revision(job, j.pending_revision)
+        # this launch only: later restarts restore the newest step again
+        extra = ["--restore-max-step", str(restore_max_step)] if restore_max_step is not None else []
+        plan = self._plan(job, warm, extra, warm_if_parked=warm_if_parked)
+        tag = tag or (str(incident_id) if incident_id is not None else "initial")
+        key = f"launch:{job}:{tag}:{','.join(j.machine_list)}"
+        action, created = self.fleet.record_action(key, kind="launch", incident_id=incident_id,
+                                                   machines=j.machine_list, dry_run=self.cfg.dry_run,
+                                                   evidence={"revision": plan.revision, "port": plan.master_port,
+                                                             "warm": sorted(warm), "warm_if_parked": warm_if_parked,
+                                                             "restore_max_step": restore_max_step})
+        if not created and action.outcome == "done":
+            return {"launched": False, "reason": "already launched", "machines": j.machine_list}
+        if self.cfg.dry_run:
+            return {"launched": False, "dry_run": True, "machines": j.machine_list}
+        try:
+            docs = launcher.launch(self.inventory, plan, transport=self.transport)
+        except TrainguardError as exc:
+            self.fleet.finish_action(action.id, "failed", str(exc))
+            raise
+        started_warm = sorted(n for n, d in docs.items() if n in warm or d.get("warm"))
+        self.fleet.finish_action(action.id, "done", f"started on {', '.join(j.machine_list)}"
+                                                    f" (warm: {', '.join(started_warm) or 'none'})",
+                                 evidence={"warm": started_warm})
+        self.fleet.set_job_state(job, "running")
+        return {"launched": True, "machines": j.machine_list, "port": plan.master_port, "warm": started_warm,
+                "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}
+
+    def start(self, job: str) -> dict[str, Any]:
+        """Start the job again on its machine list (an operator's start of a job stopped by hand): on warm
+        interpreters where they are parked, restoring its newest committed checkpoint. Each call is a launch
+        of its own (recorded); stop the job first when it runs."""
+        starts = sum(1 for a in self.fleet.actions() if a.key.startswith(f"launch:{job}:start-"))
+        return self._start(job, warm_if_parked=True, tag=f"start-{starts + 1}")
+
+    def hot_update(self, job: str, revision: str, *, reason: str = "") -> dict[str, Any]:
+        """Switch the job to ``revision`` now, in place: stop it, record the revision, start it again on
+        the same machines (on their parked warm interpreters where there are some; nothing rescheduled),
+        restoring its newest committed checkpoint. Repeating it is a no-op."""
+        self.fleet.record_revision(job, revision, reason=reason)
+        if self.fleet.job(job).revision == revision:
+            return {"updated": False, "job": job, "reason": f"job {job} already runs {revision}"}
+        stopped = self.stop(job)
+        # the steps every rank finished: what the stop found (no more come after it)
+        before = self._stopped.pop(job, None) or self.progress(job)
+        self.fleet.set_revision(job, revision)
+        machines = self.fleet.job(job).machine_list
+        restart_ts = time.time()
+        updates = sum(1 for a in self.fleet.actions() if a.key.startswith(f"launch:{job}:update-"))
+        started = self._start(job, warm_if_parked=True, tag=f"update-{updates + 1}-{revision}")
+        return {"updated": bool(started.get("launched")), "job": job, "revision": revision, "machines": machines,
+                "stopped": stopped, "started": started, "warm": started.get("warm", []),
+                "steps_before": before.get("step", -1), "restart_ts": restart_ts}
+
+    def stop(self, job: str, *, grace_s: float | None = None) -> dict[str, str]:
+        """Stop the job on every machine of it that answers (SIGKILL after ``grace_s``, default the
+        configured ``stop_grace_s``); returns what each said."""
+        return described(self._stop(job, grace_s))
+
+    def _stop(self, job: str, grace_s: float | None = None, logs_since: float | None = None
+              ) -> dict[str, RunResult]:
+        # marked everywhere before anything is stopped: ranks ended by a peer's stop are then not reported
+        # as new failures (both phases in one round of sessions)
+        names = self.fleet.job(job).machine_list
+        results = launcher.stop_sessions(self.inventory, job, self.machines(names),
+                                         grace_s=self.cfg.stop_grace_s if grace_s is None else grace_s,
+                                         transport=self.transport, logs_since=logs_since, status=True, copies=True)
+        statuses = {n: (r.answer() or {}).get("status") if r.ok else None for n, r in results.items()}
+        # the checkpoint copies each machine holds now that nothing writes them: what an eviction checks
+        self._copies[job] = {n: held_copies((r.answer() or {}).get("copies")) if r.ok else None
+                             for n, r in results.items()}
+        self._stopped.pop(job, None)
+        if all(isinstance(st, dict) and st.get("state") in ("exited", "absent") for st in statuses.values()):
+            self._stopped[job] = {"machines": list(names), "step": launcher.min_step(statuses)}
+        return results
+
+    def stop_and_read_logs(self, job: str, since: float = 0.0) -> tuple[dict[str, str], dict[str, Any]]:
+        """:meth:`stop`, and the logs' verdict across the job's machines, read in the same sessions after
+        the stop: user_code if any rank's first failure is the job's own code, infrastructure, unknown,
+        or none."""
+        results = self._stop(job, logs_since=since)
+        return described(results), _verdict({n: r.reachable and ((r.answer() or {}).get("logs") or {}).get("verdict")
+                                  for n, r in results.items()})
+
+    def stop_found(self, job: str) -> dict[str, Any] | None:
+        """What this controller's last stop of ``job`` found, when it ended the job on every machine: its
+        machines and the lowest step every rank finished (a rung hands it to ``restart_job`` through XCom)."""
+        found = self._stopped.get(job)
+        return dict(found) if found else None
+
+    def recover(self, incident_id: int, *, restore_max_step: int | None = None,
+                found: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Stop the job everywhere it answers, then start it on its machine list (replacements already
+        swapped in by :meth:`evict`): every machine with warm interpreters parked (standbys, and survivors
+        armed by :meth:`arm`) starts on them, the others cold. The job restores its newest committed
+        checkpoint itself. A machine that fails to start (unreachable, a broken standby) is replaced by the
+        next standby and the launch tried again, up to ``restart_attempts`` times; then the incident waits
+        for a human. Returns the steps every rank had finished before (for the resume check). ``found``: what
+        the stop right before it found (:meth:`stop_found`, handed on by the rung through XCom): then no round
+        of reads before the launch."""
+        inc = self.fleet.incident(incident_id)
+        job = inc.job
+        self._stopped.pop(job, None)
+        before: dict[str, Any] | None = dict(found) if found else None
+        if before is not None:
+            stopped = {n: "stopped" for n in before["machines"]}
+        else:
+            before = self.progress(job)
+            # the handler has usually stopped it already: no stop when no machine runs it
+            done = before["states"] and all(s in ("exited", "absent") for s in before["states"].values())
+            stopped = {n: "not running" for n in before["states"]} if done else self.stop(job)
+        replaced: dict[str, str] = {}
+        attempts = self.cfg.restart_attempts
+        launches = sum(1 for a in self.fleet.actions(incident_id) if a.kind == "launch")
+        for attempt in range(attempts):
+            n = launches + attempt  # each restart of the incident is an action of its own (a repeat is a no-op)
+            try:
+                started = self._start(job, warm_if_parked=True, incident_id=incident_id,
+                                      restore_max_step=restore_max_step,
+                                      tag=f"{incident_id}" if not n else f"{incident_id}-restart{n + 1}")
+                break
+            except launcher.PartsFailed as exc:
+                bad = {n: why for n, why in exc.failed.items() if n in self.fleet.job(job).machine_list}
+                if attempt + 1 >= attempts or not bad:
+                    return {"job": job, "stopped": stopped, "started": {"launched": False, "error": str(exc)},
+                            **self.wait_for_human(incident_id, f"the restart failed {attempt + 1} times: {exc}"[:900]
+                                                  + "; next: repair or replace those machines, then resolve the "
+                                                    "incident (trigger tg_diagnose with evict to swap them)"),
+                            "replaced": replaced}
+                fresh = set(self.fleet.job(job).machine_list) - set(before.get("states") or before.get("machines")
+                                                                    or [])
+                ev = self.evict(incident_id, sorted(bad), breaker=not set(bad) <= fresh,
+                                reason="failed to start: " + "; ".join(bad.values())[:300])
+                if ev.get("waiting_human"):
+                    return {"job": job, "stopped": stopped, "started": {"launched": False, "error": str(exc)},
+                            **ev, "replaced": replaced}
+                replaced.update(ev.get("swaps") or {})
+        self.fleet.update_incident(incident_id, decided_ts=time.time())
+        return {"job": job, "stopped": stopped, "started": started, "warm": started.get("warm", []),
+                "steps_before": before.get("step", -1), "restart_ts": time.time(), "replaced": replaced}
+
+    def progress(self, job: str) -> dict[str, Any]:
+        """The lowest step every rank finished and each machine's incarnation and state."""
+        j = self.fleet.job(job)
+        st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+        return {"step": launcher.min_step(st),
+                "incarnations": {n: d.get("incarnation") for n, d in st.items()},
+                "states": {n: d.get("state", d.get("error")) for n, d in st.items()}}
+
+    def trains(self, job: str, *, within_s: float = 15.0, poll_s: float = 1.0) -> bool:
+        """Whether every rank of the job finishes a step within ``within_s`` (the job trains right now)."""
+        start = self.progress(job)
+        if start["step"] < 0 or not all(s == "running" for s in start["states"].values()):
+            return False
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            now = self.progress(job)
+            if now["step"] > start["step"]:
+                return True
+            if not all(s == "running" for s in now["states"].values()):
+                return False
+            time.sleep(poll_s)
+        return False
+
+    def resumed(self, job: str, restart_ts: float) -> dict[str, Any] | None:
+        """Whether every rank of the restarted job finished a step after ``restart_ts``; then the restored
+        step and the first step run, else None."""
+        j = self.fleet.job(job)
+        m0 = self.inventory.machine(j.machine_list[0])
+        try:
+            records = launcher.steps(self.inventory, job, m0, rank=0, transport=self.transport)
+        except TrainguardError:
+            return None
+        fresh = [r for r in records if r.get("ts", 0) > restart_ts]
+        if not fresh:
+            st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+            if st and all(d.get("state") == "exited" for d in st.values()):
+                raise TrainguardError(f"job {job} ended on every machine after the restart without a step; "
+                                      f"see 'tg-node logs --job {job}' on its machines")
+            return None
+        st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+        steps = [r.get("step") for d in st.values() for r in d.get("ranks", [])]
+        if not steps or any(s is None or s < fresh[0]["step"] for s in steps):
+            return None
+        return {"first_step": fresh[0]["step"], "restored_step": fresh[0].get("ckpt_restored_step"),
+                "ts": fresh[0]["ts"]}
+
+    def parked(self, names: Sequence[str]) -> set[str]:
+        """Which of ``names`` have warm interpreters parked."""
+        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "standby", "status"], timeout=20)
+        return {n for n, r in results.items() if r.ok and (r.json() or {}).get("state") == "parked"}
+

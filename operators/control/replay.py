@@ -1,0 +1,128 @@
+"""Dual-phase replay: the job's model and data replayed on groups of machines at once, horizontally then
+vertically, to find a machine that computes wrong only in training."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from node_tools import launcher
+from node_tools.errors import TrainguardError
+from node_tools.topology import Topology
+from operators.control.base import REPLAY_PORT_BASE, ControllerBase
+from operators.fleet import states
+from operators.policy import sdc
+
+
+def _replay_result(statuses: Mapping[str, Any], steps: int, world_size: int) -> str | None:
+    """A replay group's result once every machine's part ended: the ranks' parameter digests after the
+    last step (``rank:digest`` in rank order), or ``failed: ...``; None while it runs."""
+    if any(d.get("error") for d in statuses.values()):
+        return "failed: " + "; ".join(f"{n}: {d['error']}" for n, d in statuses.items() if d.get("error"))[:300]
+    if any(d.get("state") == "running" for d in statuses.values()):
+        return None
+    bad = {n: d.get("returncode") for n, d in statuses.items() if d.get("returncode") not in (0, None)}
+    if bad:
+        return f"failed: exit codes {bad}"
+    digests = {}
+    for d in statuses.values():
+        for r in d.get("ranks", []):
+            last = r.get("last_step") or {}
+            if last.get("step") != steps - 1 or last.get("incarnation") != d.get("incarnation"):
+                return f"failed: rank {r.get('rank')} ended at step {last.get('step')}, not {steps - 1}"
+            digests[int(r["rank"])] = last.get("param_digest")
+    if len(digests) != world_size:
+        return f"failed: {len(digests)} of {world_size} ranks reported"
+    return ",".join(f"{r}:{digests[r]}" for r in sorted(digests))
+
+
+class Replay(ControllerBase):
+    """Replaying training steps on groups of machines."""
+
+    def replay_plan(self, job: str, *, k: int = 1) -> dict[str, Any]:
+        """The replay groups of the job (:func:`operators.policy.sdc.plan_replay`), and a reference
+        group of self-checked standbys (``k * PP`` of them, or none when too few are free)."""
+        j = self.fleet.job(job)
+        topo = self.topology(job)
+        plan = sdc.plan_replay(topo, j.machine_list, k=k)
+        standbys = sorted(m.name for m in self.fleet.machines(state=states.STANDBY))
+        size = k * topo.pp
+        return {"job": job, "k": k, "horizontal": plan.horizontal, "vertical": plan.vertical,
+                "reference": standbys[:size] if len(standbys) >= size else []}
+
+    def replay(self, job: str, groups: Mapping[str, Sequence[str]], *, k: int, steps: int = 2,
+               timeout_s: float = 300.0) -> dict[str, str]:
+        """Run the job's model and data (its code revision and training arguments, TP and PP, DP = ``k``)
+        on each group of machines at once, from the same seed, ``steps`` steps, no checkpoint: a
+        sub-job named ``<job>-replay-<group>`` per group. Every group computes the same thing, so
+        healthy groups agree bit for bit. Returns each group's result: its ranks' parameter digests
+        after the last step, or ``failed: ...``. The job itself must be stopped."""
+        j = self.fleet.job(job)
+        topo = Topology(j.tp, j.pp, k, ranks_per_machine=j.ranks_per_machine)
+        args = [*j.train_args, "--no-checkpoint", "--no-restore", "--steps", str(steps), "--step-delay-s", "0"]
+        plans = {tag: launcher.JobPlan(job=f"{job}-replay-{tag}", topology=topo, machines=self.machines(names),
+                                       train_args=args, master_port=REPLAY_PORT_BASE + i, revision=j.revision)
+                 for i, (tag, names) in enumerate(groups.items())}
+        if self.cfg.dry_run:
+            return {tag: "dry run" for tag in plans}
+        out: dict[str, str] = {}
+        try:
+            for tag, plan in plans.items():
+                try:
+                    launcher.launch(self.inventory, plan, transport=self.transport)
+                except TrainguardError as exc:
+                    out[tag] = f"failed: {exc}"[:300]
+            deadline = time.monotonic() + timeout_s
+            while len(out) < len(plans) and time.monotonic() < deadline:
+                for tag, plan in plans.items():
+                    if tag not in out:
+                        result = _replay_result(launcher.status(self.inventory, plan.job, plan.machines,
+                                                                transport=self.transport),
+                                                steps, topo.world_size)
+                        if result is not None:
+                            out[tag] = result
+                if len(out) < len(plans):
+                    time.sleep(1.0)
+            for tag in plans:
+                out.setdefault(tag, f"failed: no result within {timeout_s:.0f}s")
+        finally:
+            for plan in plans.values():  # ended, or ended now: marked stopped, out of the ranks check
+                with contextlib.suppress(TrainguardError):
+                    launcher.stop(self.inventory, plan.job, plan.machines, grace_s=2.0, transport=self.transport)
+        return out
+
+    def dual_phase_replay(self, job: str, *, k: int = 1) -> dict[str, Any]:
+        """Replay a fixed step on the horizontal groups (with the standbys' reference group beside them),
+        then on the vertical groups; the culprits are the machines in both a failing horizontal and a
+        failing vertical group (:func:`operators.policy.sdc.culprits`). With two groups and no reference,
+        a difference cannot be placed: ``inconclusive``."""
+        plan = self.replay_plan(job, k=k)
+        t0 = time.time()
+        h = self.replay_phase(plan, "horizontal")
+        v = self.replay_phase(plan, "vertical")
+        return {**plan, **self.replay_verdict(plan, h, v), "seconds": round(time.time() - t0, 3)}
+
+    def replay_phase(self, plan: Mapping[str, Any], phase: str) -> dict[str, str]:
+        """One phase of :meth:`replay_plan`'s replay: ``horizontal`` (groups ``h0``.., with the standbys'
+        reference group ``ref``) or ``vertical`` (``v0``..)."""
+        groups = {f"{phase[0]}{i}": g for i, g in enumerate(plan[phase])}
+        if phase == "horizontal" and plan["reference"]:
+            groups["ref"] = plan["reference"]
+        return self.replay(plan["job"], groups, k=int(plan["k"]))
+
+    @staticmethod
+    def replay_verdict(plan: Mapping[str, Any], h: Mapping[str, str], v: Mapping[str, str]) -> dict[str, Any]:
+        """The culprits from both phases' results (``h0``.., ``ref``; ``v0``..)."""
+        groups = sdc.ReplayPlan(plan["k"], plan["horizontal"], plan["vertical"])
+        h_res = {i: h[f"h{i}"] for i in range(len(groups.horizontal))}
+        v_res = {i: v[f"v{i}"] for i in range(len(groups.vertical))}
+        reference = h.get("ref")
+        if reference is not None and reference.startswith("failed"):
+            reference = None  # the reference did not run: judge by the majority
+        suspects = sdc.culprits(groups, h_res, v_res, reference=reference)
+        inconclusive = reference is None and len(h_res) == 2 and len(set(h_res.values()) | set(v_res.values())) > 1
+        return {"horizontal_results": h, "vertical_results": v, "reference_result": reference,
+                "culprits": [] if inconclusive else sorted(suspects), "inconclusive": inconclusive}
+
