@@ -42,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.campaign import balanced_draws
 from bench.common import emulated_cluster, seconds_range, stop_on_sigterm, summarize, write_result
+from emulation.guarded import DEVICE_TRAIN_ARGS, NO_SCHEDULES, TOPOLOGY, GuardedJob
+from emulation.standalone import poll
 from node_tools import cluster, inject, procs
 from node_tools.alerts import Alert
 from node_tools.bus import open_bus
 from node_tools.topology import Topology
-from operators.airflow.standalone import poll
 from operators.fleet import states
-from operators.guarded import DEVICE_TRAIN_ARGS, NO_SCHEDULES, TOPOLOGY, GuardedJob
 
 SPEC = cluster.ClusterSpec(name="tgx", machines=8, standbys=4, subnet="10.213.21.0/24", disk_mb=256, gpus=8)
 JOB = "chaos"
@@ -282,7 +282,7 @@ class Chaos(GuardedJob):
     def by_hand(self) -> list[str]:
         """What an operator does after a trial that waits for a human: the incidents resolved by hand, every
         machine in repair or evicted fixed and parked, the job restarted if it does not train."""
-        from operators.airflow.steps import _incident_by_hand
+        from operators.tasks.common import incident_by_hand as _incident_by_hand
 
         done = []
         for inc in self.ctl.fleet.incidents(JOB):

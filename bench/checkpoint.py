@@ -51,8 +51,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
+from emulation.standalone import free_port
 from node_tools.monitor import read_heartbeat, read_steps
-from operators.airflow.standalone import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 4

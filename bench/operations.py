@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
 from checkpoint import layout
 from checkpoint.verify import verify_step
+from emulation.standalone import poll
 from node_tools import cluster
 from node_tools.inventory import Inventory
 from node_tools.topology import Topology
-from operators.airflow.standalone import poll
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
 

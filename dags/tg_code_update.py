@@ -17,7 +17,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.airflow.schedules import schedule_from_env
+from operators.utils.schedules import schedule_from_env
 
 NAME = r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62})?$"
 
@@ -35,30 +35,30 @@ NAME = r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62})?$"
 def tg_code_update():
     @task
     def update(params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import code_update
 
-        return steps.code_update(params["job"], params["revision"], params["urgency"], params["reason"])
+        return code_update.code_update(params["job"], params["revision"], params["urgency"], params["reason"])
 
     @task.sensor(poke_interval=2, timeout=600, mode="poke")
     def training_resumed(result: dict):
         from airflow.sdk import PokeReturnValue
 
-        from operators.airflow import steps
+        from operators.tasks import code_update
 
-        info = steps.code_resumed(result)
+        info = code_update.code_resumed(result)
         return PokeReturnValue(is_done=info is not None, xcom_value=info)
 
     @task(trigger_rule="all_done")
     def rearm(result: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import code_update
 
-        return steps.code_rearm(result or {})
+        return code_update.code_rearm(result or {})
 
     @task
     def conclude(result: dict, resumed: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import code_update
 
-        return steps.code_conclude(result, resumed)
+        return code_update.code_conclude(result, resumed)
 
     result = update()
     resumed = training_resumed(result)

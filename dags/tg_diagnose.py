@@ -10,7 +10,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.airflow.forms import NAME, job_param
+from operators.utils.forms import NAME, job_param
 
 
 @dag(dag_id="tg_diagnose", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
@@ -24,27 +24,27 @@ from operators.airflow.forms import NAME, job_param
 def tg_diagnose():
     @task
     def targets(params: dict | None = None) -> list:
-        from operators.airflow import steps
+        from operators.tasks import diagnose
 
-        return steps.diagnose_targets(params["job"], list(params["machines"]), int(params["level"]))
+        return diagnose.diagnose_targets(params["job"], list(params["machines"]), int(params["level"]))
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
     def check_machine(target: dict) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import diagnose
 
-        return steps.diagnose_machine(target)
+        return diagnose.diagnose_machine(target)
 
     @task(pool="tg_ssh")
     def neighbours(results: list, params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import diagnose
 
-        return steps.diagnose_neighbours(params["job"], list(results), int(params["level"]))
+        return diagnose.diagnose_neighbours(params["job"], list(results), int(params["level"]))
 
     @task
     def conclude(results: list, l3: dict, params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import diagnose
 
-        return steps.diagnose_conclude(params["job"], list(results), l3, bool(params["evict"]))
+        return diagnose.diagnose_conclude(params["job"], list(results), l3, bool(params["evict"]))
 
     checked = check_machine.expand(target=targets())
     conclude(checked, neighbours(checked))

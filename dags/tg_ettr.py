@@ -19,9 +19,9 @@ from airflow.sdk import Param, dag, task
 def tg_ettr():
     @task
     def report(params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import ettr
 
-        return steps.ettr_reports(params["job"], float(params["window_s"]))
+        return ettr.ettr_reports(params["job"], float(params["window_s"]))
 
     report()
 

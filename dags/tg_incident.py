@@ -12,8 +12,8 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.airflow.resume import ResumeSensor
 from operators.policy.rungs import NO_RECOVERY, RUNGS
+from operators.sensors.resume import ResumeSensor
 
 
 @dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
@@ -28,18 +28,18 @@ def tg_incident():
         """The decision (XCom ``decision``), and the rung that handles it (the branch to follow)."""
         from airflow.sdk import get_current_context
 
-        from operators.airflow import steps
+        from operators.tasks import incident
 
-        decision = steps.triage(params["incident_id"])
+        decision = incident.triage(params["incident_id"])
         get_current_context()["ti"].xcom_push(key="decision", value=decision)
-        return steps.choose(decision)
+        return incident.choose(decision)
 
     def rung_task(rung):
         @task(task_id=rung.task_id, doc_md=rung.does)
         def act(decision: dict) -> dict:
-            from operators.airflow import steps
+            from operators.tasks import incident
 
-            return steps.handle(rung.task_id, decision)
+            return incident.handle(rung.task_id, decision)
 
         return act
 
@@ -47,35 +47,35 @@ def tg_incident():
     def restart_job(results: list, params: dict | None = None) -> dict:
         """Start the job again on its machine list, from what the rung's stop found (or leave it alone when
         the rung says so); cleared after it ran, it restarts the job again."""
-        from operators.airflow import steps
+        from operators.tasks import incident
 
-        return steps.restart_job(params["incident_id"], list(results),
+        return incident.restart_job(params["incident_id"], list(results),
                                  resume_timeout_s=params.get("resume_timeout_s"))
 
     @task(trigger_rule="all_done")
     def close_incident(decision: dict | None = None, recovery: dict | None = None, resume: dict | None = None,
                        params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import incident
 
-        return steps.close(params["incident_id"], decision, recovery, resume)
+        return incident.close(params["incident_id"], decision, recovery, resume)
 
     @task(trigger_rule="all_done")
     def rearm_job(params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import incident
 
-        return steps.rearm(params["incident_id"])
+        return incident.rearm(params["incident_id"])
 
     @task(trigger_rule="all_done")
     def outcome(params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import incident
 
-        return steps.outcome(params["incident_id"])
+        return incident.outcome(params["incident_id"])
 
     @task(task_id=NO_RECOVERY)
     def no_recovery(decision: dict) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import incident
 
-        return steps.no_recovery(decision)
+        return incident.no_recovery(decision)
 
     branch = triage()  # one task for the triage and the branch: a task hop less before every rung
     decision = branch["decision"]

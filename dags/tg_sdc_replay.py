@@ -11,7 +11,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.airflow.forms import job_param
+from operators.utils.forms import job_param
 
 
 @dag(dag_id="tg_sdc_replay", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
@@ -23,27 +23,27 @@ from operators.airflow.forms import job_param
 def tg_sdc_replay():
     @task
     def prepare(params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import sdc_replay
 
-        return steps.replay_prepare(params["job"], int(params["k"]))
+        return sdc_replay.replay_prepare(params["job"], int(params["k"]))
 
     @task
     def horizontal(plan: dict) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import sdc_replay
 
-        return steps.replay_phase(plan, "horizontal")
+        return sdc_replay.replay_phase(plan, "horizontal")
 
     @task
     def vertical(plan: dict) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import sdc_replay
 
-        return steps.replay_phase(plan, "vertical")
+        return sdc_replay.replay_phase(plan, "vertical")
 
     @task(trigger_rule="all_done")
     def conclude(plan: dict, h: dict | None = None, v: dict | None = None, params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import sdc_replay
 
-        return steps.replay_conclude(plan, h, v, bool(params["evict"]))
+        return sdc_replay.replay_conclude(plan, h, v, bool(params["evict"]))
 
     plan = prepare()
     h = horizontal(plan)

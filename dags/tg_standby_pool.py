@@ -11,7 +11,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.airflow.schedules import schedule_from_env
+from operators.utils.schedules import schedule_from_env
 
 
 @dag(dag_id="tg_standby_pool", schedule=schedule_from_env("TG_POOL_SCHEDULE", "*/10 * * * *"),
@@ -23,9 +23,9 @@ from operators.airflow.schedules import schedule_from_env
 def tg_standby_pool():
     @task
     def plan(params: dict | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import standby_pool
 
-        return steps.pool_plan(int(params["target"]))
+        return standby_pool.pool_plan(int(params["target"]))
 
     @task
     def machines(planned: dict) -> list:
@@ -33,15 +33,15 @@ def tg_standby_pool():
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
     def self_check(target: dict) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import standby_pool
 
-        return steps.pool_check(target)
+        return standby_pool.pool_check(target)
 
     @task(trigger_rule="none_failed")
     def conclude(planned: dict, results: list | None = None) -> dict:
-        from operators.airflow import steps
+        from operators.tasks import standby_pool
 
-        return steps.pool_conclude(planned, results)
+        return standby_pool.pool_conclude(planned, results)
 
     planned = plan()
     conclude(planned, self_check.expand(target=machines(planned)))

@@ -1,4 +1,4 @@
-"""What the Airflow UI's Fleet page shows (:mod:`operators.airflow.ui` renders it): every job with the
+"""What the Airflow UI's Fleet page shows (:mod:`operators.plugins.fleet` renders it): every job with the
 state the fleet database records *and* the state its machines report now (read over SSH with a short
 timeout: a job stopped behind the control plane's back shows as not training, whatever the database
 says), its revision and newest step, its machines and their states, its open incidents with the rung

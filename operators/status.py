@@ -15,7 +15,9 @@ What it reads, and what it calls unhealthy (exit 1; 0 when all is well, 2 when i
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 from operators.fleet import FleetStore
@@ -24,12 +26,23 @@ from operators.fleet.store import OPEN_INCIDENT_STATES
 STALE_S = 30.0
 
 
+def kept_airflow_url(home: Path) -> str:
+    """The URL of an ``airflow standalone`` a demo left running in ``home`` (``--keep``): its process group in
+    ``standalone.pid``, its URL in ``standalone.url``; "" when none runs there."""
+    try:
+        os.killpg(int((home / "standalone.pid").read_text()), 0)
+        return (home / "standalone.url").read_text().strip()
+    except (OSError, ValueError):
+        return ""
+
+
 def airflow_health(url: str, *, timeout: float = 5.0) -> dict[str, Any]:
     """The api-server's health document, or ``{"error": ...}`` when it does not answer."""
-    from operators.airflow import rest
+    from operators.hooks.airflow_api import AirflowApi
 
     try:
-        doc = rest.call(url.rstrip("/") + "/api/v2/monitor/health", timeout=timeout)
+        with AirflowApi(url, timeout_s=timeout, retry_s=0) as api:
+            doc = api.health()
     except Exception as exc:  # refused, a timeout, an HTTP error: one line
         return {"error": f"{url}: {type(exc).__name__}: {str(exc)[:200]}"}
     return doc if isinstance(doc, dict) else {"error": f"{url}: not a health document"}

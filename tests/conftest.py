@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from emulation.standalone import free_port, poll
 from node_tools import cluster
 from node_tools.inventory import Inventory
-from operators.airflow.standalone import free_port, poll
 
 # A cluster of its own for the tests, so a demo cluster ("tg") on the same host is left alone.
 TEST_CLUSTER = cluster.ClusterSpec(name="tgt", machines=6, standbys=2, subnet="10.213.9.0/24", disk_mb=64, gpus=8)

@@ -1,6 +1,6 @@
 """A scripted fleet for the control plane's policy tests: machines that answer ``tg-node`` commands from
 state a test sets (no processes, no ssh), so every rung of the ladder runs through the real
-:class:`operators.control.Controller` and :mod:`operators.airflow.steps` in milliseconds.
+:class:`operators.control.Controller` and the task bodies of :mod:`operators.tasks` in milliseconds.
 
 :class:`FakeFleet` keeps one job. While every machine of the job runs its part, each read of the job's
 status or steps is one more training step. A test breaks what it needs: a machine unreachable, a standby
@@ -262,15 +262,23 @@ def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topo
     return c, fleet
 
 
+def use_controller(monkeypatch: Any, c: Controller) -> None:
+    """Every task body (and the triggers' shared controller) works with ``c`` for the rest of the test."""
+    from operators.tasks import common
+
+    monkeypatch.setattr(common, "controller", lambda: c)
+    monkeypatch.setattr(common, "shared_controller", lambda: c)
+
+
 def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: Any, *,
                  joined: Sequence[dict[str, Any]] = (), joined_late: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     """What tg_incident does with a batch, task by task (triage, the branch's rung, restart_job, the resume
     check, close): returns ``{"decision", "result", "resumed", "closed", "incident"}``.
     ``joined``: alerts the guardian records right after the triage (they join the open incident);
     ``joined_late``: alerts it records after the restart, before the resume check."""
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
-    monkeypatch.setattr(steps, "controller", lambda **_: c)
+    use_controller(monkeypatch, c)
     [item] = c.ingest(alerts)
     incident = item["incident"]
     decision = steps.triage(incident)

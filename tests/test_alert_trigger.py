@@ -13,9 +13,9 @@ import pytest
 
 from node_tools.alerts import Alert
 from node_tools.bus import open_bus
-from operators.airflow.alerts import AlertTrigger
 from operators.fleet import FleetStore, states
 from operators.policy.liveness import AgentWatch
+from operators.triggers.alerts import AlertTrigger
 
 
 def first_event(trigger: AlertTrigger, timeout: float = 20.0) -> dict:
@@ -29,7 +29,7 @@ def first_event(trigger: AlertTrigger, timeout: float = 20.0) -> dict:
 
 
 def _fleet(tmp_path: Path, *, running: bool = True) -> FleetStore:
-    fleet = FleetStore(tmp_path / "fleet.db")
+    fleet = FleetStore(tmp_path / "fleet.db", migrate=True)
     for i in range(4):
         fleet.register_machine(f"m{i}", state=states.STANDBY)
     fleet.upsert_job("j", tp=1, pp=1, dp=2, ranks_per_machine=1, machines=["m0", "m1"])
@@ -92,7 +92,7 @@ def test_an_alert_an_hour_ahead_neither_blinds_the_guardian_nor_hides_the_next_o
 def test_the_trigger_serialises_to_its_arguments(tmp_path: Path):
     trigger = AlertTrigger("spool:///x", str(tmp_path / "f.db"), settle_s=3.0, kinds=["gpu_lost"], silent_s=15.0)
     path, kwargs = trigger.serialize()
-    assert path == "operators.airflow.alerts.AlertTrigger"
+    assert path == "operators.triggers.alerts.AlertTrigger"
     again = AlertTrigger(**kwargs)
     assert again.serialize() == (path, kwargs)
 
@@ -122,7 +122,8 @@ def test_an_explicit_machine_fault_fires_without_waiting_out_the_settle_window(t
 
 
 def test_the_settle_window_and_the_silence_threshold_come_from_the_environment_and_bad_values_are_named():
-    from operators.airflow.alerts import DEFAULT_SETTLE_S, settle_from_env, silent_from_env
+    from operators.sensors.alerts import settle_from_env, silent_from_env
+    from operators.settings import DEFAULT_SETTLE_S
 
     assert settle_from_env({}) == DEFAULT_SETTLE_S
     assert settle_from_env({"TG_ALERT_SETTLE_S": "1"}) == 1.0
@@ -205,7 +206,7 @@ def test_a_document_quarantined_on_its_own_fires_the_trigger_and_is_recorded_wit
     quarantine was never recorded."""
     import json
 
-    from operators.airflow.alerts import AlertSensor
+    from operators.sensors.alerts import AlertSensor
 
     url = f"spool://{tmp_path / 'bus'}"
     (tmp_path / "bus" / "alerts").mkdir(parents=True)

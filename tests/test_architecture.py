@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("checkpoint", "node_tools", "operators")
+PACKAGES = ("checkpoint", "node_tools", "operators", "emulation")
 
 
 def _module(path: Path) -> str:
@@ -58,6 +58,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_module_imports_itself_back_through_others():
     graph = _graph()
     assert len(graph) > 50 and graph["operators.control"]  # the graph is read, not empty
+    assert "emulation.standalone" in graph["emulation.guarded"]
     assert _cycles(graph) == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]  # and a cycle is seen
 
@@ -68,6 +69,19 @@ def test_the_packages_depend_one_way_and_checkpoint_takes_from_node_tools_only_t
         pkg = mod.split(".")[0]
         if pkg in ("checkpoint", "node_tools"):  # the machines' side never reaches into the control plane
             assert not [d for d in deps if d.startswith("operators")], (mod, deps)
+        if pkg != "emulation":  # the harness (Airflow standalone, the guarded job, the demo) is not the product's
+            assert not [d for d in deps if d.startswith("emulation")], (mod, deps)
         if pkg == "checkpoint":
             assert {d for d in deps if d.startswith("node_tools")} <= {"node_tools.topology", "node_tools.errors"}, \
                 (mod, deps)
+
+
+def test_the_dags_import_only_the_control_planes_airflow_facing_modules():
+    """DAG files are wiring: they import the sensors, triggers, forms, schedules and rung registry, and the
+    task bodies only inside their tasks; never the harness."""
+    for path in (REPO / "dags").glob("*.py"):
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        top = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
+        names = {a.name if isinstance(n, ast.Import) else n.module for n in top for a in n.names}
+        assert not {m for m in names if m and m.startswith(("operators.tasks", "operators.control", "emulation"))}, \
+            (path.name, names)

@@ -163,11 +163,11 @@ def test_upload_refuses_an_unverified_copy_and_the_remote_checksums_are_checked(
 # ---- the watcher ------------------------------------------------------------------------------------
 def test_the_notice_trigger_fires_once_per_batch_and_keeps_its_cursor(tmp_path: Path):
     from node_tools.alerts import Alert
-    from operators.airflow.alerts import NOTICES_READER, CheckpointNoticeTrigger
     from operators.fleet import FleetStore
+    from operators.triggers.alerts import NOTICES_READER, CheckpointNoticeTrigger
 
     bus = open_bus(str(tmp_path / "bus"), folder=NOTICES)
-    fleet = FleetStore(tmp_path / "fleet.db")
+    fleet = FleetStore(tmp_path / "fleet.db", migrate=True)
     trigger = CheckpointNoticeTrigger(str(tmp_path / "bus"), fleet.url, poll_s=0.05)
 
     async def first_event(timeout: float):

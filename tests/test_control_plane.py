@@ -29,13 +29,14 @@ from typing import Any
 
 import pytest
 
+from emulation.standalone import Standalone
 from node_tools import cluster, inject, launcher
 from node_tools.inventory import Inventory
 from node_tools.topology import Topology
 from node_tools.transport import transport_for
-from operators.airflow.standalone import Standalone
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
+from operators.policy.rungs import BRANCHES
 from tests.conftest import own_cluster, wait_until
 from tests.jobs import AlertWatch
 
@@ -193,13 +194,11 @@ def _quiet(ctl: Controller, airflow: Standalone, inv: Inventory) -> None:
 
 def _branch(airflow: Standalone, incident_id: int) -> str:
     """The handler task that ran in the incident's tg_incident run."""
-    from operators.airflow import steps
-
     run = airflow.incident_run(incident_id)
     if run is None:
         return "no run"
     tasks = airflow.task_states("tg_incident", run["dag_run_id"])
-    ran = [t for t in [*steps.BRANCHES.values(), "no_recovery"] if tasks.get(t) == "success"]
+    ran = [t for t in [*BRANCHES.values(), "no_recovery"] if tasks.get(t) == "success"]
     return ran[0] if ran else f"none ran: {tasks}"
 
 
@@ -207,11 +206,9 @@ def _why(ctl: Controller, airflow: Standalone, incident_id: int) -> str:
     """The incident's timeline and what its handler task returned (for failure messages)."""
     import json
 
-    from operators.airflow import steps
-
     out = {"timeline": ctl.timeline(incident_id)}
     run = airflow.incident_run(incident_id)
-    for task in [*steps.BRANCHES.values(), "no_recovery", "restart_job", "wait_for_resume"] if run else []:
+    for task in [*BRANCHES.values(), "no_recovery", "restart_job", "wait_for_resume"] if run else []:
         try:
             out[task] = airflow.xcom("tg_incident", run["dag_run_id"], task)
         except Exception:  # a skipped task has none

@@ -148,7 +148,7 @@ def test_l3_pairs_neighbours_and_an_odd_one_out_joins_the_last_pair():
 
 def test_an_incident_run_ends_failed_when_its_incident_failed_or_waits_for_a_human(tmp_path: Path, monkeypatch):
     from node_tools.errors import TrainguardError
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     c = _controller(tmp_path)
     monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
@@ -165,7 +165,7 @@ def test_an_incident_run_ends_failed_when_its_incident_failed_or_waits_for_a_hum
 
 
 def test_an_incident_runs_note_says_in_one_line_what_happened(tmp_path: Path, monkeypatch):
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     c = _controller(tmp_path)
     [lost] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])

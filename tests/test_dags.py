@@ -48,8 +48,8 @@ def test_guardian_is_continuous_with_one_run_and_a_deferrable_sensor(dagbag):
 
 
 def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits_and_closes(dagbag):
-    from operators.airflow import steps
-    from operators.policy.rungs import RUNGS
+    from operators.policy.rungs import BRANCHES, RUNGS
+    from operators.tasks.rungs import RUNG_ACTIONS
 
     dag = dagbag.get_dag("tg_incident")
     triage = dag.get_task("triage")  # triage is the branch (one task hop less before every rung)
@@ -57,7 +57,7 @@ def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits
     rung_ids = {r.task_id for r in RUNGS}
     assert {t.task_id for t in triage.downstream_list} == rung_ids | {"no_recovery"}
     # every rung of the registry has its function, and every function its rung
-    assert set(steps.RUNG_ACTIONS) == rung_ids and set(steps.BRANCHES.values()) == rung_ids
+    assert set(RUNG_ACTIONS) == rung_ids and set(BRANCHES.values()) == rung_ids
     assert all(dag.get_task(r.task_id).doc_md == r.does for r in RUNGS)
     restart = dag.get_task("restart_job")  # a task of its own after every rung: clearing it restarts the job
     assert restart.trigger_rule == "none_failed_min_one_success" and restart.upstream_task_ids == rung_ids
@@ -163,7 +163,7 @@ def test_checkpoint_verification_runs_on_commit_events_and_a_schedule_and_always
 def test_the_verification_schedule_follows_the_environment():
     from airflow.sdk import Asset
 
-    from operators.airflow.schedules import asset_or_cron
+    from operators.utils.schedules import asset_or_cron
 
     asset = Asset("a")
     env = {"TG_X_SCHEDULE": "", "TG_X_ON": "1"}

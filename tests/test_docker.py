@@ -88,7 +88,7 @@ def test_the_compose_file_has_airflows_official_services_on_the_trainguard_image
 
 
 def test_ports_connections_and_settings_match_what_the_code_reads():
-    from operators.airflow import standalone
+    from emulation import standalone
     from operators.checkpoints import S3Settings
     from operators.control import ControlConfig
 

@@ -8,16 +8,17 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
+from alembic.operations import Operations
 from alembic.runtime.migration import MigrationContext
 
 from operators.fleet import FleetError, FleetStore, states
-from operators.fleet.migrations import LATEST, VERSION_TABLE, SchemaError, migrate
+from operators.fleet.migrations import LATEST, MIGRATIONS, VERSION_TABLE, SchemaError, migrate
 from operators.fleet.models import Base
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> FleetStore:
-    s = FleetStore(tmp_path / "fleet.db")
+    s = FleetStore(tmp_path / "fleet.db", migrate=True)
     for i in range(6):
         s.register_machine(f"m{i}", address=f"10.0.0.{i + 1}", state=states.STANDBY)
     s.upsert_job("j", tp=2, pp=2, dp=2, ranks_per_machine=2, machines=["m0", "m1", "m2", "m3"], revision="r1")
@@ -50,7 +51,29 @@ def test_a_bad_database_url_is_one_line(tmp_path: Path):
     (tmp_path / "ro").mkdir()
     (tmp_path / "ro" / "fleet.db").mkdir()  # a directory where the file should be
     with pytest.raises(FleetError, match="cannot be opened"):
-        FleetStore(tmp_path / "ro" / "fleet.db")
+        FleetStore(tmp_path / "ro" / "fleet.db", migrate=True)
+
+
+def test_only_provisioning_migrates_anywhere_else_an_old_schema_is_one_line_naming_the_command(tmp_path: Path):
+    """Tasks, triggers and commands open the fleet database without migrating it: a database that is not
+    there, or at an older schema, is refused with what to run; provisioning brings it up to date."""
+    url = tmp_path / "fleet.db"
+    with pytest.raises(FleetError, match="does not exist; provision it first: trainguard fleet migrate") as exc:
+        FleetStore(url)
+    assert exc.value.exit_code == 2 and not url.exists()  # nothing created by a reader
+    engine = sa.create_engine(f"sqlite:///{url}")  # a fleet provisioned by the release before this one
+    with engine.begin() as conn:
+        VERSION_TABLE.create(conn)
+    for version, description, step in MIGRATIONS[:-1]:
+        with engine.begin() as conn:
+            step(Operations(MigrationContext.configure(conn)))
+            conn.execute(VERSION_TABLE.insert().values(version=version, description=description, applied_ts=0.0))
+    engine.dispose()
+    with pytest.raises(FleetError, match=f"schema version {LATEST - 1}, this trainguard needs {LATEST}; run: "
+                                         f"trainguard fleet migrate"):
+        FleetStore(url)
+    FleetStore(url, migrate=True).close()  # provisioning applies the missing migration
+    assert FleetStore(url).jobs() == []
 
 
 def test_machine_states_follow_the_state_machine_and_repeats_are_no_ops(store: FleetStore):
@@ -115,7 +138,7 @@ def test_two_controllers_swapping_the_same_machine_evict_it_once(store: FleetSto
 
 def test_alerts_join_the_open_incident_and_a_recurrence_escalates(tmp_path: Path):
     now = [1000.0]
-    store = FleetStore(tmp_path / "f.db", clock=lambda: now[0])
+    store = FleetStore(tmp_path / "f.db", clock=lambda: now[0], migrate=True)
     store.register_machine("m0")
     store.upsert_job("j", tp=1, pp=1, dp=1, ranks_per_machine=1, machines=["m0"])
     a, opened = store.open_incident("j", [{"id": "x1", "kind": "rank_exit", "machine": "m0", "ts": 995.0}])
@@ -145,7 +168,7 @@ def test_alerts_join_the_open_incident_and_a_recurrence_escalates(tmp_path: Path
 
 def test_an_incident_closed_without_a_recovery_does_not_escalate_the_next(tmp_path: Path):
     now = [1000.0]
-    store = FleetStore(tmp_path / "f.db", clock=lambda: now[0])
+    store = FleetStore(tmp_path / "f.db", clock=lambda: now[0], migrate=True)
     store.register_machine("m0")
     store.upsert_job("j", tp=1, pp=1, dp=1, ranks_per_machine=1, machines=["m0"])
     a, _ = store.open_incident("j", [{"id": "s1", "kind": "rank_slow", "ts": 999.0}])
@@ -198,7 +221,7 @@ def test_checkpoints_and_ettr_events(store: FleetStore):
 def test_the_eviction_breaker_counts_by_job_not_by_the_reasons_wording(tmp_path: Path):
     """It counted ``LIKE 'evicted from {job}:%'`` over free text: ``_`` in a job name is a wildcard, so the
     evictions of job ``axb`` counted against job ``a_b``."""
-    s = FleetStore(tmp_path / "fleet.db")
+    s = FleetStore(tmp_path / "fleet.db", migrate=True)
     for i in range(6):
         s.register_machine(f"m{i}", address=f"10.0.0.{i + 1}", state=states.STANDBY)
     s.upsert_job("a_b", tp=1, pp=1, dp=2, ranks_per_machine=1, machines=["m0", "m1"], revision="r1")

@@ -1,10 +1,10 @@
-"""The Fleet page of the Airflow UI (operators.fleet_view, operators.airflow.ui) on the scripted fleet: the
+"""The Fleet page of the Airflow UI (operators.fleet_view, operators.plugins.fleet) on the scripted fleet: the
 state a job's machines report wins over what the fleet database records."""
 
 from __future__ import annotations
 
 from operators import fleet_view
-from operators.airflow import ui
+from operators.plugins import fleet as ui
 from tests.fakes import alert, fleet_controller
 
 
@@ -66,7 +66,7 @@ def test_the_plugin_registers_its_app_and_a_page_in_the_uis_navigation():
 
 
 def test_the_job_forms_offer_the_fleets_jobs_and_prefill_the_first_without_creating_anything(tmp_path, monkeypatch):
-    from operators.airflow.forms import fleet_jobs, job_param
+    from operators.utils.forms import fleet_jobs, job_param
 
     missing = tmp_path / "nothing-here.db"
     monkeypatch.setenv("TG_FLEET_URL", str(missing))

@@ -14,6 +14,7 @@ from node_tools.bus import BusReader, open_bus
 from node_tools.inventory import Inventory, Machine
 from node_tools.transport import RunResult, Transport
 from operators.control import ControlConfig, Controller
+from tests.fakes import use_controller
 
 
 def _controller(tmp_path: Path) -> Controller:
@@ -117,14 +118,14 @@ class _Quiet(Transport):
 def test_an_eviction_of_machines_outside_the_job_neither_stops_nor_restarts_it(ctl, monkeypatch):
     """Defence in depth: when the explicit fault names a machine that has left the job by the time the rung
     runs (replaced by hand meanwhile), evict_now touches nothing."""
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     ctl.transport = _Quiet(ctl.inventory)
     [item] = ctl.ingest([Alert("gpu_lost", "m1", job="j").record()])
     decision = ctl.triage(item["incident"])
     assert decision["action"] == "evict" and decision["machines"] == ["m1"]
     ctl.fleet.swap("j", {"m1": "m4"}, reason="replaced by hand")
-    monkeypatch.setattr(steps, "controller", lambda **_: ctl)
+    use_controller(monkeypatch, ctl)
     out = steps.handle("evict_now", decision)
     assert out["swaps"] == {} and "recovery" not in out and "nothing to evict" in out["reason"]
     assert ctl.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]

@@ -10,11 +10,11 @@ from pydantic import ValidationError
 
 from operators.models import IncidentDecision, Restart, Resume, RungResult
 from operators.policy import ladder, rungs
-from tests.fakes import alert, fleet_controller, run_incident
+from tests.fakes import alert, fleet_controller, run_incident, use_controller
 
 
 def test_a_closed_incident_whose_restart_job_runs_again_restarts_the_job_and_closes_once_more(tmp_path, monkeypatch):
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
@@ -42,7 +42,7 @@ def test_a_closed_incident_whose_restart_job_runs_again_restarts_the_job_and_clo
 def test_a_restart_job_run_again_while_another_incident_of_the_job_is_open_refuses_and_changes_nothing(
         tmp_path, monkeypatch):
     from node_tools.errors import TrainguardError
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     first = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
@@ -54,10 +54,10 @@ def test_a_restart_job_run_again_while_another_incident_of_the_job_is_open_refus
 
 
 def test_restart_job_starts_from_what_the_rungs_stop_found_with_no_round_of_reads(tmp_path, monkeypatch):
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
-    monkeypatch.setattr(steps, "controller", lambda **_: c)
+    use_controller(monkeypatch, c)
     [item] = c.ingest([alert("gpu_lost", "m1")])
     result = steps.handle("evict_now", steps.triage(item["incident"]))
     found = RungResult.read(result).stopped
@@ -106,7 +106,8 @@ def test_every_rung_of_the_registry_has_a_branch_and_anything_else_goes_to_no_re
 def test_the_resume_sensor_defers_at_once_and_holds_no_worker_while_it_waits():
     from airflow.exceptions import TaskDeferred
 
-    from operators.airflow.resume import ResumeSensor, ResumeTrigger
+    from operators.sensors.resume import ResumeSensor
+    from operators.triggers.resume import ResumeTrigger
 
     sensor = ResumeSensor(task_id="wait_for_resume", incident_id="7",
                           recovery={"restarted": True, "job": "j", "restart_ts": 100.0, "steps_before": 5})
@@ -115,7 +116,7 @@ def test_the_resume_sensor_defers_at_once_and_holds_no_worker_while_it_waits():
     trigger = deferred.value.trigger
     assert isinstance(trigger, ResumeTrigger) and deferred.value.method_name == "execute_complete"
     path, kwargs = trigger.serialize()
-    assert path == "operators.airflow.resume.ResumeTrigger" and kwargs["incident_id"] == 7
+    assert path == "operators.triggers.resume.ResumeTrigger" and kwargs["incident_id"] == 7
     assert ResumeTrigger(**kwargs).recovery["restart_ts"] == 100.0  # the triggerer rebuilds it from JSON
     # nothing restarted: nothing to wait for
     assert ResumeSensor(task_id="w", incident_id=7, recovery={"restarted": False}).execute({}) == {"skipped": True}
@@ -124,12 +125,11 @@ def test_the_resume_sensor_defers_at_once_and_holds_no_worker_while_it_waits():
 
 
 def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_fires_once(tmp_path, monkeypatch):
-    from operators.airflow import steps
-    from operators.airflow.resume import ResumeTrigger
+    from operators.tasks import incident as steps
+    from operators.triggers.resume import ResumeTrigger
 
     c, _fleet = fleet_controller(tmp_path)
-    monkeypatch.setattr(steps, "controller", lambda **_: c)
-    monkeypatch.setattr(steps, "shared_controller", lambda: c)  # the triggerer's one controller
+    use_controller(monkeypatch, c)
     [item] = c.ingest([alert("gpu_lost", "m1")])
     recovery = steps.restart_job(item["incident"], [steps.handle("evict_now", steps.triage(item["incident"]))])
     answers = []
@@ -151,7 +151,7 @@ def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_
 
 
 def test_a_restart_job_run_again_while_its_incident_waits_for_a_human_restarts_and_reopens_it(tmp_path, monkeypatch):
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
@@ -169,10 +169,10 @@ def test_a_runs_own_resume_limit_overrides_the_setting_and_is_checked(tmp_path, 
     long to load) travels in restart_job's XCom to the resume check; without it the setting holds."""
     import time
 
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     c, _fleet = fleet_controller(tmp_path)
-    monkeypatch.setattr(steps, "controller", lambda **_: c)
+    use_controller(monkeypatch, c)
     [item] = c.ingest([alert("gpu_lost", "m1")])
     inc = item["incident"]
     result = steps.handle("evict_now", steps.triage(inc))

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from emulation.standalone import free_port
 from operators import metrics
-from operators.airflow.standalone import free_port
 from operators.control import Controller
 from tests.conftest import wait_until
 

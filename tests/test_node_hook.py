@@ -9,7 +9,7 @@ import pytest
 
 from node_tools import inject
 from node_tools.inventory import Inventory
-from operators.airflow.node_hook import NodeHook
+from operators.hooks.node import NodeHook
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

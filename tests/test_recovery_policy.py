@@ -5,7 +5,7 @@ guards against."""
 from __future__ import annotations
 
 from node_tools.topology import Topology
-from tests.fakes import alert, fleet_controller, run_incident
+from tests.fakes import alert, fleet_controller, run_incident, use_controller
 
 
 def test_a_stopped_rank_the_stacks_see_running_is_not_evicted_on_the_alerts_word(tmp_path, monkeypatch):
@@ -267,7 +267,7 @@ def test_a_restart_that_finds_no_step_to_restore_rescues_the_copies_and_restarts
 
 
 def test_a_recovery_that_keeps_failing_waits_for_a_human_and_says_so(tmp_path, monkeypatch):
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path, restart_attempts=2)
     fleet.restore_fails = True  # and there is nothing to rescue: no remote tier, no copies
@@ -382,14 +382,16 @@ def test_an_update_that_skipped_its_rearm_for_an_open_incident_is_rearmed_when_t
     """A hot update consumed the job's warm interpreters while a slowdown's incident was open: the update's
     run left the re-arm to the incident's run, which re-armed only after a restart of its own. The
     incident closed without one, and the job's next restart would have started cold."""
-    from operators.airflow import steps
+    from operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
-    monkeypatch.setattr(steps, "controller", lambda **_: c)
+    use_controller(monkeypatch, c)
     c.fleet.set_job_state("j", "running")
     [opened] = c.ingest([alert("rank_slow", "m1", rank=1)])
     fleet.parked -= {"m0", "m1", "m2", "m3"}  # the update restarted the job on them
-    skipped = steps.code_rearm({"restarts": [{"job": "j"}]})["j"]
+    from operators.tasks import code_update
+
+    skipped = code_update.code_rearm({"restarts": [{"job": "j"}]})["j"]
     assert skipped == {"skipped": f"incident {opened['incident']} of job j is open; its run re-arms when it ends"}
     assert not fleet.sent("standby", "park")
     # a second incident opened before the first run's re-arm: that one re-arms when it ends, not both at once

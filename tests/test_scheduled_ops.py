@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
+from emulation.standalone import Standalone
 from node_tools import cluster, inject, launcher
 from node_tools.inventory import Inventory
 from node_tools.topology import Topology
 from node_tools.transport import transport_for
-from operators.airflow.standalone import Standalone
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
 from tests.conftest import moto_server, own_cluster, wait_until

@@ -78,7 +78,7 @@ def test_wait_go_prints_the_mark_then_stops_once_stdin_ends(tmp_path: Path, monk
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_two_phases_over_openssh_and_paramiko(ns_cluster: Inventory, tmp_path: Path, monkeypatch):
-    from operators.airflow.node_hook import NodeHook
+    from operators.hooks.node import NodeHook
 
     monkeypatch.delenv("AIRFLOW_CONN_TG_SSH", raising=False)
     names = ["m0", "m1", "m2", "m3"]

@@ -44,11 +44,14 @@ class ControllerBase:
     """What every part of the controller stands on: one fleet, its inventory, a transport."""
 
     def __init__(self, config: ControlConfig, *, transport: Transport | None = None,
-                 inventory: Inventory | None = None) -> None:
+                 inventory: Inventory | None = None, fleet: FleetStore | None = None) -> None:
+        """``fleet``: the fleet database as the caller holds it (the tasks': :class:`~operators.hooks.fleet.
+        FleetHook`'s, one engine per process); without it, the controller opens it and provisions its schema
+        (a controller made outside Airflow: the provisioner, the harness, a script)."""
         self.cfg = config
         self.inventory = inventory or Inventory.load(Path(config.inventory))
         self.transport = transport or transport_for(self.inventory)
-        self.fleet = FleetStore(config.fleet_url)
+        self.fleet = fleet if fleet is not None else FleetStore(config.fleet_url, migrate=True)
         # what this controller's last stop of each job found when it ended the job everywhere: its machines
         # and the lowest step every rank finished; a restart right after needs no round of reads
         self._stopped: dict[str, dict[str, Any]] = {}

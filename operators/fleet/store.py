@@ -1,9 +1,11 @@
-"""The fleet database: every state change a transaction, every action idempotent.
-
-``FleetStore(url)`` opens (and migrates) a database: a SQLite file by default, Postgres by URL. The
-methods are the only way trainguard changes fleet state; each runs in one transaction (on SQLite
-``BEGIN IMMEDIATE``, so two writers serialise instead of both reading the old state), and applying the
-same change twice is a no-op that says so (``changed`` False), never a second row or a double eviction.
+"""The fleet database: every state change a transaction, every action idempotent. ``FleetStore(url)`` opens a
+database: a SQLite file by default, Postgres by URL. Its schema is brought up to date only when the fleet is
+provisioned (``migrate=True``: ``trainguard fleet migrate``, the compose file's provisioner, a controller
+made outside Airflow); anywhere else (every task, trigger and command) an out-of-date schema is a one-line
+error saying what to run. The methods are the only way trainguard changes fleet state; each runs in one
+transaction (on SQLite ``BEGIN IMMEDIATE``, so two writers serialise instead of both reading the old state),
+and applying the same change twice is a no-op that says so (``changed`` False), never a second row or a
+double eviction.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from node_tools.errors import EXIT_REFUSED, TrainguardError
 from operators.fleet import states
-from operators.fleet.migrations import migrate
+from operators.fleet.migrations import LATEST, current_version
+from operators.fleet.migrations import migrate as apply_migrations
 from operators.fleet.models import (
     Action,
     AgentLiveness,
@@ -75,9 +78,9 @@ def _sqlite_immediate(engine: sa.Engine) -> None:
 class FleetStore:
     """The fleet database of one control plane."""
 
-    def __init__(self, url: str | Path, *, clock: Any = time.time) -> None:
+    def __init__(self, url: str | Path, *, clock: Any = time.time, migrate: bool = False) -> None:
         self.url = url_for(url)
-        if self.url.startswith("sqlite:///"):
+        if self.url.startswith("sqlite:///") and migrate:
             Path(self.url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
         try:
             self.engine = sa.create_engine(self.url)
@@ -87,12 +90,29 @@ class FleetStore:
         if self.engine.dialect.name == "sqlite":
             _sqlite_immediate(self.engine)
         try:
-            migrate(self.engine)
+            self.migrations_applied: list[int] = []
+            if migrate:
+                self.migrations_applied = apply_migrations(self.engine)
+            else:
+                self._check_schema(url)
         except sa.exc.OperationalError as exc:
             raise FleetError(f"fleet database {self.url} cannot be opened ({exc.orig!s}); check the path "
                              f"or URL and its permissions", exit_code=2) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self.clock = clock
+
+    def _check_schema(self, url: str | Path) -> None:
+        """Refuse a database whose schema is not this code's (none yet, older, or newer), in one line."""
+        if self.url.startswith("sqlite:///") and not Path(self.url.removeprefix("sqlite:///")).exists():
+            raise FleetError(f"fleet database {url!s} does not exist; provision it first: trainguard fleet migrate "
+                             f"(TG_FLEET_URL names it)", exit_code=2)
+        with self.engine.connect() as conn:
+            have = current_version(conn)
+        if have != LATEST:
+            raise FleetError(f"fleet database {self.engine.url.render_as_string(hide_password=True)} has schema "
+                             f"version {have}, this trainguard needs {LATEST}; "
+                             + ("upgrade trainguard" if have > LATEST else "run: trainguard fleet migrate"),
+                             exit_code=2)
 
     def close(self) -> None:
         self.engine.dispose()

@@ -1,7 +1,7 @@
 """A real ``airflow standalone`` with trainguard's DAGs: its own AIRFLOW_HOME, port and process group, and
-a small client of its REST API v2. The end-to-end tests and ``bench/recovery.py`` run the control plane
-in it; an operator would run the same processes (scheduler, triggerer, dag processor, api-server) as
-services."""
+what the harness asks of its REST API v2 (through :class:`operators.hooks.airflow_api.AirflowApi`, as the
+admin). The end-to-end tests, the demo and the benchmarks run the control plane in it; an operator would
+run the same processes (scheduler, triggerer, dag processor, api-server) as services."""
 
 from __future__ import annotations
 
@@ -13,16 +13,15 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from operators.airflow import rest
+from operators.hooks.airflow_api import RETRY_S, AirflowApi, ApiError
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -53,7 +52,7 @@ SQLITE_BUSY_S = 30
 SQLITE_CONNECT_ARGS = {"timeout": SQLITE_BUSY_S}
 
 SSH_POOL = "tg_ssh"
-API_CONN = "tg_airflow_api"  # what the DAGs' tasks set their run's note through (operators.airflow.notes)
+API_CONN = "tg_airflow_api"  # what the DAGs' tasks set their run's note through (operators.utils.notes)
 # the login of that connection: the simple auth manager's ``user`` role (may edit DAG runs, e.g. their
 # notes; no connections, variables, pools or configuration), never the admin's
 NOTES_USER = "tg_notes"
@@ -91,7 +90,7 @@ class Standalone:
             self.env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", str(2 * SQLITE_BUSY_S))
         self.env.pop("AIRFLOW_CONN_TG_SSH", None)
         self.proc: subprocess.Popen[bytes] | None = None
-        self._token: str | None = None
+        self._api: AirflowApi | None = None
 
     def start(self, timeout: float = 240) -> None:
         self.launch()
@@ -126,8 +125,8 @@ class Standalone:
         try:
             action()
             return True
-        except urllib.error.HTTPError as exc:
-            if exc.code < 500:
+        except ApiError as exc:
+            if (exc.status or 500) < 500:
                 raise
             return False
 
@@ -136,8 +135,8 @@ class Standalone:
         settings = {"slots": slots, "description": "concurrent SSH sessions of trainguard's node tasks"}
         try:
             self.request("GET", f"/api/v2/pools/{name}")
-        except urllib.error.HTTPError as exc:
-            if exc.code != 404:
+        except ApiError as exc:
+            if exc.status != 404:
                 raise
             self.request("POST", "/api/v2/pools", {"name": name, **settings})
             return
@@ -151,44 +150,45 @@ class Standalone:
                 "login": NOTES_USER, "password": json.loads(pw_file.read_text())[NOTES_USER], "schema": "http"}
         try:
             self.request("POST", "/api/v2/connections", body)
-        except urllib.error.HTTPError as exc:
-            if exc.code != 409:
+        except ApiError as exc:
+            if exc.status != 409:
                 raise
             self.request("PATCH", f"/api/v2/connections/{API_CONN}", body)
 
     def run_note(self, dag_id: str, run_id: str) -> str | None:
-        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}").get("note")
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id)}").get("note")
 
     def _healthy(self) -> bool:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"airflow standalone exited {self.proc.returncode}; see {self.home}/standalone.log")
         try:
-            with urllib.request.urlopen(f"{self.url}/api/v2/monitor/health", timeout=2) as r:  # noqa: S310 (http://127.0.0.1)
-                return r.status == 200
-        except (OSError, urllib.error.URLError):
+            with AirflowApi(self.url, timeout_s=2, retry_s=0) as api:
+                return bool(api.health())
+        except Exception:  # not up yet: refused, reset, a 5xx while it starts
             return False
 
-    def token(self) -> str:
-        if self._token is None:
+    @property
+    def api(self) -> AirflowApi:
+        """The REST API as the admin (the harness clears, triggers and reads everything)."""
+        if self._api is None:
             pw_file = self.home / "simple_auth_manager_passwords.json.generated"
             poll(pw_file.exists, timeout=60, what="the admin password file")
-            password = json.loads(pw_file.read_text())["admin"]
-            doc = self.request("POST", "/auth/token", {"username": "admin", "password": password}, auth=False)
-            self._token = doc["access_token"]
-        return self._token
+            self._api = AirflowApi(self.url, username="admin", password=json.loads(pw_file.read_text())["admin"],
+                                   timeout_s=2 * SQLITE_BUSY_S, retry_s=RETRY_S)
+        return self._api
 
     def request(self, method: str, path: str, body: Any = None, *, auth: bool = True,
                 retry: bool | None = None) -> Any:
         """``method`` ``path`` on the api-server with ``body`` as JSON; the answer's JSON. A request that is
         safe to repeat (``retry``; by default every method but POST) is tried again while the server
-        answers 5xx (its SQLite database locked by another writer), for up to ``rest.RETRY_S``."""
+        answers 5xx (its SQLite database locked by another writer), for up to a minute."""
         repeatable = method != "POST" if retry is None else retry
         try:
-            return rest.call(f"{self.url}{path}", body, method=method, token=self.token() if auth else "",
-                             timeout=2 * SQLITE_BUSY_S, retry_s=rest.RETRY_S if repeatable else 0.0)
-        except urllib.error.HTTPError as exc:
-            if exc.code >= 500:
-                exc.msg = f"{exc.msg}; the api-server's last error: {self.last_error() or 'none logged'}"
+            return self.api.request(method, path, body, auth=auth, repeatable=repeatable)
+        except ApiError as exc:
+            if (exc.status or 0) >= 500:
+                raise ApiError(f"{exc}; the api-server's last error: {self.last_error() or 'none logged'}",
+                               exc.status, exc.body) from None
             raise
 
     def last_error(self) -> str | None:
@@ -205,7 +205,7 @@ class Standalone:
     def dag_ids(self) -> set[str]:
         try:
             return {d["dag_id"] for d in self.request("GET", "/api/v2/dags?limit=100")["dags"]}
-        except (OSError, urllib.error.URLError, KeyError):
+        except (OSError, ApiError, KeyError):
             return set()
 
     def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
@@ -215,8 +215,8 @@ class Standalone:
         try:
             self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns",
                          {"dag_run_id": run_id, "logical_date": None, "conf": conf}, retry=True)
-        except urllib.error.HTTPError as exc:
-            if exc.code != 409:
+        except ApiError as exc:
+            if exc.status != 409:
                 raise
         return run_id
 
@@ -224,18 +224,18 @@ class Standalone:
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns?limit=100&order_by=-start_date")["dag_runs"]
 
     def run_state(self, dag_id: str, run_id: str) -> str:
-        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}")["state"]
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id)}")["state"]
 
     def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
-        doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances")
+        doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id)}/taskInstances")
         return doc["task_instances"]
 
     def task_states(self, dag_id: str, run_id: str) -> dict[str, str]:
         return {t["task_id"]: t["state"] for t in self.task_instances(dag_id, run_id)}
 
     def xcom(self, dag_id: str, run_id: str, task_id: str) -> Any:
-        """What a task returned (its ``return_value`` XCom); HTTPError 404 when it has none."""
-        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances/"
+        """What a task returned (its ``return_value`` XCom); ApiError 404 when it has none."""
+        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id)}/taskInstances/"
                                    f"{task_id}/xcomEntries/return_value")["value"]
 
     def clear(self, dag_id: str, run_id: str, task_ids: list[str], *, downstream: bool = True) -> list[str]:
@@ -254,7 +254,7 @@ class Standalone:
     def task_log(self, dag_id: str, run_id: str, task_id: str, try_number: int = 1, *, map_index: int = -1) -> str:
         """A task's log of one try, as text: one line per entry, each entry's JSON (an error's message is
         in its ``error_detail``, not its ``event``). ``map_index``: which instance of a mapped task."""
-        doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.request.quote(run_id)}/taskInstances/"
+        doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id)}/taskInstances/"
                                   f"{task_id}/logs/{try_number}?full_content=true&map_index={map_index}")
         content = doc.get("content") if isinstance(doc, dict) else doc
         if isinstance(content, list):
@@ -268,22 +268,15 @@ class Standalone:
 
     def stop(self, *, grace_s: float = 30.0) -> None:
         """End airflow standalone and its components (SIGKILL for what is left after ``grace_s``)."""
+        if self._api is not None:
+            self._api.close()
+            self._api = None
         if self.proc is None:
             return
         stop_group(self.proc.pid, grace_s=grace_s)
         self.proc.wait(timeout=10)
         self.proc = None
         (self.home / "standalone.pid").unlink(missing_ok=True)
-
-    @staticmethod
-    def kept_url(home: Path) -> str | None:
-        """The URL of the standalone running in ``home`` (a demo's, kept with ``--keep``), or None."""
-        try:
-            pid = int((home / "standalone.pid").read_text())
-            os.killpg(pid, 0)
-            return (home / "standalone.url").read_text().strip() or None
-        except (OSError, ValueError):
-            return None
 
     @staticmethod
     def stop_kept(home: Path) -> bool:

@@ -26,9 +26,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from emulation.guarded import DEVICE_TRAIN_ARGS, FAULTS, NO_SCHEDULES, TOPOLOGY, Fault, GuardedJob, action_swaps
 from node_tools import cluster
 from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
-from operators.guarded import DEVICE_TRAIN_ARGS, FAULTS, NO_SCHEDULES, TOPOLOGY, Fault, GuardedJob, action_swaps
 
 JOB = "demo"
 DEFAULT_FAULTS = ("gpu_lost", "hang", "nan", "user_error", "slow")
@@ -169,7 +169,7 @@ def run_demo(args: argparse.Namespace) -> int:
     report_dir = Path(args.report_dir) if args.report_dir else state_dir.parent / "report"
     clock = Clock()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    from operators.airflow.standalone import Standalone
+    from emulation.standalone import Standalone
 
     if Standalone.stop_kept(home / "airflow"):
         clock.say("stopped the Airflow a kept demo left running")

@@ -21,12 +21,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from emulation.standalone import Standalone, poll
 from node_tools import inject
 from node_tools.bus import BusReader, open_bus
 from node_tools.inventory import Inventory
 from node_tools.topology import Topology
 from node_tools.transport import transport_for
-from operators.airflow.standalone import Standalone, poll
 from operators.control import ControlConfig, Controller
 from operators.fleet import states
 from operators.policy import rungs

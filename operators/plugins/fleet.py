@@ -34,9 +34,9 @@ app = FastAPI(title="trainguard fleet", description="The trainguard fleet's jobs
 
 def _doc() -> dict[str, Any]:
     from operators import fleet_view
-    from operators.airflow import steps
+    from operators.tasks import common
 
-    return fleet_view.collect(steps.shared_controller())  # one controller (and engine) per api-server
+    return fleet_view.collect(common.shared_controller())  # one controller (and engine) per api-server
 
 
 @app.get("/fleet.json", dependencies=[_authenticated()])

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import urllib.parse
-from typing import Any
-
-from operators.airflow import rest
 
 log = logging.getLogger(__name__)
 MAX_NOTE = 1000  # Airflow keeps at most 1000 characters of a note
@@ -25,14 +21,11 @@ MAX_NOTE = 1000  # Airflow keeps at most 1000 characters of a note
 NOTE_RETRY_S = 20.0
 
 
-def _api(conn: Any) -> str:
-    scheme = conn.schema if conn.schema in ("http", "https") else "http"
-    return f"{scheme}://{conn.host}:{conn.port or (443 if scheme == 'https' else 8080)}"
-
-
 def set_run_note(note: str) -> bool:
     """Set the running task's DAG run note to ``note`` (one line, at most 1000 characters). True when set."""
-    from airflow.sdk import BaseHook, get_current_context
+    from airflow.sdk import get_current_context
+
+    from operators.hooks.airflow_api import AirflowApiHook
 
     line = " ".join(note.split())[:MAX_NOTE]
     try:
@@ -42,18 +35,15 @@ def set_run_note(note: str) -> bool:
     dag_id, run_id = ctx["dag"].dag_id, ctx["run_id"]
     conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
     try:
-        conn = BaseHook.get_connection(conn_id)
+        api = AirflowApiHook(conn_id, retry_s=NOTE_RETRY_S).get_client()
     except Exception:
         log.info("no connection %s: the run's note stays in the task's result: %s", conn_id, line)
         return False
-    base = _api(conn)
     try:
-        token = rest.call(f"{base}/auth/token", {"username": conn.login, "password": conn.password},
-                          method="POST", timeout=10, retry_s=NOTE_RETRY_S)["access_token"]
-        rest.call(f"{base}/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id, safe='')}?update_mask=note",
-                  {"note": line}, method="PATCH", token=token, timeout=10, retry_s=NOTE_RETRY_S)
+        with api:
+            api.set_run_note(dag_id, run_id, line)
     except Exception as exc:  # the note is a courtesy: never fail the run for it
-        log.warning("could not set the run's note through %s (%s): %s", base, exc, line)
+        log.warning("could not set the run's note through %s (%s): %s", api.base_url, exc, line)
         return False
     log.info("run note: %s", line)
     return True

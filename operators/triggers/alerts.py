@@ -1,5 +1,5 @@
 """Waiting for alerts without holding a worker: ``AlertTrigger`` (runs in the triggerer) and the
-deferrable ``AlertSensor``.
+deferrable ``AlertSensor`` (:mod:`operators.sensors.alerts`).
 
 The trigger polls the alert bus (:class:`node_tools.bus.BusReader`) every ``poll_s``, from the reader's cursor
 in the fleet database (every name it has read and recorded, whatever the writers' clocks say). On the first
@@ -25,14 +25,12 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import BaseSensorOperator
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
 from operators.policy import ladder
-from operators.settings import DEFAULT_SETTLE_S, ControlSettings
+from operators.settings import DEFAULT_SETTLE_S
 
 DEFAULT_POLL_S = 0.25
 DEFAULT_RETAIN_S = 600.0
@@ -44,9 +42,10 @@ WATCHED_EVERY_S = 5.0
 
 
 def _fleet(fleet_url: str) -> Any:
-    from operators.fleet import FleetStore
+    """The process's fleet database (one engine for every trigger of the triggerer), or None without one."""
+    from operators.hooks.fleet import fleet_store
 
-    return FleetStore(fleet_url) if fleet_url else None
+    return fleet_store(fleet_url) if fleet_url else None
 
 
 def watched_machines(fleet: Any) -> dict[str, str]:
@@ -177,71 +176,6 @@ class AlertTrigger(BaseTrigger):
         yield TriggerEvent(watch.event(batch, first_seen))
 
 
-def settle_from_env(env: Any = None) -> float:
-    """``TG_ALERT_SETTLE_S`` (default 3 s): how long a batch keeps collecting after its first alert."""
-    return ControlSettings.from_env(env).alert_settle_s
-
-
-def silent_from_env(env: Any = None) -> float:
-    """``TG_AGENT_SILENT_S`` (default 15 s): an agent of a running job silent this long is an incident;
-    0 switches the watch off."""
-    return ControlSettings.from_env(env).agent_silent_s
-
-
-class AlertSensor(BaseSensorOperator):
-    """Waits (deferred, no worker slot held) until alerts arrive on the bus; returns the batch. Without
-    ``bus_url``/``fleet_url``, the control plane's (see :func:`operators.airflow.steps.alert_source`)."""
-
-    template_fields = ("bus_url", "fleet_url")
-
-    def __init__(self, *, bus_url: str = "", fleet_url: str = "", settle_s: float | None = None,
-                 poll_s: float = DEFAULT_POLL_S, kinds: Sequence[str] = (), max_wait: timedelta | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.bus_url = bus_url
-        self.fleet_url = fleet_url
-        self.settle_s = settle_s
-        self.poll_s = poll_s
-        self.kinds = list(kinds)
-        self.max_wait = max_wait
-
-    def execute(self, context: Any) -> Any:
-        bus_url, fleet_url = self.bus_url, self.fleet_url
-        if not bus_url or not fleet_url:  # the control plane's: the inventory's bus, the fleet database
-            from operators.airflow.steps import alert_source
-
-            default_bus, default_fleet = alert_source()
-            bus_url, fleet_url = bus_url or default_bus, fleet_url or default_fleet
-        settle_s = self.settle_s if self.settle_s is not None else settle_from_env()
-        self.defer(trigger=AlertTrigger(bus_url, fleet_url, settle_s=settle_s, poll_s=self.poll_s, kinds=self.kinds,
-                                        silent_s=silent_from_env()),
-                   method_name="execute_complete", timeout=self.max_wait)
-
-    def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
-        if not event or not (event.get("alerts") or event.get("quarantined")):
-            raise RuntimeError("the alert trigger fired without alerts or quarantined documents; nothing to "
-                               "record (the next run reads the bus again)")
-        if event.get("alerts"):
-            self.log.info("%d alerts, first at %.3f: %s", len(event["alerts"]), event["alerts"][0]["ts"],
-                          ", ".join(sorted({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})))
-        for q in event.get("quarantined") or ():
-            self.log.warning("quarantined %s: %s", q.get("name"), q.get("reason"))
-        return event
-
-
-class IncidentSensor(AlertSensor):
-    """An :class:`AlertSensor` that records its batch as soon as it resumes: the alerts join incidents (or
-    open new ones), the bus cursor is committed, and it returns the confs of the incidents to start (one
-    ``tg_incident`` run each). One task less between an alert and its incident's run; a failure here
-    fails the task before the cursor moves, so its retry reads the same alerts again."""
-
-    def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        batch = super().execute_complete(context, event)
-        from operators.airflow import steps
-
-        return steps.group_alerts(batch)
-
-
 class CheckpointNoticeTrigger(BaseEventTrigger):
     """The watcher of the ``checkpoint_committed`` asset: fires once with the notices found on the bus's
     notices folder (``{"notices": [{"job", "step", "machine", "ts"}]}``), then ends; the triggerer starts
@@ -263,7 +197,7 @@ class CheckpointNoticeTrigger(BaseEventTrigger):
 
         bus_url, fleet_url = self.bus_url, self.fleet_url
         if not bus_url or not fleet_url:
-            from operators.airflow.steps import alert_source
+            from operators.tasks.guardian import alert_source
 
             default_bus, default_fleet = await asyncio.to_thread(alert_source)
             bus_url, fleet_url = bus_url or default_bus, fleet_url or default_fleet

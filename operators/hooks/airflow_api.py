@@ -1,0 +1,137 @@
+"""A client of an Airflow api-server's public REST API (``/api/v2``), over httpx, with tenacity's retries.
+
+trainguard's clients of the REST API are the tasks' run notes (:mod:`operators.utils.notes`, through the
+Airflow connection ``tg_airflow_api``: :class:`AirflowApiHook`), ``trainguard status`` (the api-server's
+health) and the emulation harness that drives Airflow in the tests, the demo and the benchmarks.
+
+A request that is safe to repeat (a read, a PATCH, a creation that names what it creates: a DAG run with
+its own id answers 409 when repeated) may ask for retries: it is sent again while the api-server answers
+5xx (with the SQLite metadata database of ``airflow standalone``, a request that meets another process's
+write lock answers 500 "database is locked" and wrote nothing) or refuses the connection (it is starting),
+for up to ``retry_s`` seconds, with exponential back-off. Anything else fails at once: a 4xx is the
+caller's mistake, never worth repeating.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import tenacity
+
+# how long a client that asks for retries keeps trying an api-server that answers 5xx (SQLite's writers
+# hold their lock for well under a second each; a minute covers a queue of them on a loaded host)
+RETRY_S = 60.0
+DEFAULT_CONN_ID = "tg_airflow_api"
+
+
+class ApiError(Exception):
+    """The api-server answered with an error status (``status``), or did not answer."""
+
+    def __init__(self, message: str, status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, ApiError):
+        return exc.status is not None and exc.status >= 500
+    return isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError))
+
+
+class AirflowApi:
+    """JSON over HTTP to one api-server, authenticated with a JWT from ``/auth/token``.
+
+    :param base_url: the api-server, e.g. ``http://127.0.0.1:8080``
+    :param username: the login (the simple auth manager's, or the deployment's)
+    :param password: its password
+    :param timeout_s: seconds for one request
+    :param retry_s: how long repeatable requests are retried (see the module)
+    """
+
+    def __init__(self, base_url: str, *, username: str = "", password: str = "", timeout_s: float = 30.0,
+                 retry_s: float = RETRY_S) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.username = username
+        self.password = password
+        self.retry_s = retry_s
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s,
+                                    headers={"Content-Type": "application/json"})
+        self._token = ""
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> AirflowApi:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def token(self) -> str:
+        """A JWT for this client's login (fetched once)."""
+        if not self._token:
+            doc = self.request("POST", "/auth/token", {"username": self.username, "password": self.password},
+                               auth=False, repeatable=True)
+            self._token = doc["access_token"]
+        return self._token
+
+    def _once(self, method: str, path: str, body: Any, auth: bool) -> Any:
+        headers = {"Authorization": f"Bearer {self.token()}"} if auth else {}
+        r = self._client.request(method, path, json=body, headers=headers)
+        if r.status_code >= 400:
+            raise ApiError(f"{method} {path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code, r.text)
+        return r.json() if r.content.strip() else None
+
+    def request(self, method: str, path: str, body: Any = None, *, auth: bool = True,
+                repeatable: bool | None = None) -> Any:
+        """``method`` ``path`` with ``body`` as JSON; the answer's JSON (None when empty). Raises
+        :class:`ApiError` for an error status, httpx's errors when nothing answered. ``repeatable``
+        (default: GET and PATCH): retried on 5xx and refused connections for up to ``retry_s``."""
+        if repeatable is None:
+            repeatable = method in ("GET", "PATCH")
+        if not repeatable or self.retry_s <= 0:
+            return self._once(method, path, body, auth)
+        retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(_retryable),
+                                     stop=tenacity.stop_after_delay(self.retry_s),
+                                     wait=tenacity.wait_exponential(multiplier=0.25, max=2.0),
+                                     sleep=time.sleep, reraise=True)
+        return retrying(self._once, method, path, body, auth)
+
+    # ---- the endpoints trainguard's product code uses ----------------------------------------------------
+    def health(self) -> dict[str, Any]:
+        """``/api/v2/monitor/health``: the metadatabase's, scheduler's, triggerer's, dag processor's."""
+        return self.request("GET", "/api/v2/monitor/health", auth=False, repeatable=False)
+
+    def set_run_note(self, dag_id: str, run_id: str, note: str) -> Any:
+        """Set a DAG run's note (the simple auth manager's ``user`` role may)."""
+        from urllib.parse import quote
+
+        return self.request("PATCH", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}?update_mask=note",
+                            {"note": note})
+
+
+class AirflowApiHook:
+    """The REST API of the connection ``conn_id`` (type http: host, port, login, password; schema ``https``
+    for TLS), as an :class:`AirflowApi`. Its login needs no more than the simple auth manager's ``user``
+    role: trainguard only sets run notes through it.
+
+    :param conn_id: the Airflow connection (default ``tg_airflow_api``)
+    :param retry_s: how long repeatable requests are retried
+    """
+
+    def __init__(self, conn_id: str = DEFAULT_CONN_ID, *, retry_s: float = RETRY_S, timeout_s: float = 10.0) -> None:
+        self.conn_id = conn_id
+        self.retry_s = retry_s
+        self.timeout_s = timeout_s
+
+    def get_client(self) -> AirflowApi:
+        from airflow.sdk import BaseHook
+
+        conn = BaseHook.get_connection(self.conn_id)
+        scheme = conn.schema if conn.schema in ("http", "https") else "http"
+        url = f"{scheme}://{conn.host}:{conn.port or (443 if scheme == 'https' else 8080)}"
+        return AirflowApi(url, username=conn.login or "", password=conn.password or "", timeout_s=self.timeout_s,
+                          retry_s=self.retry_s)

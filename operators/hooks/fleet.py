@@ -1,0 +1,119 @@
+"""``FleetHook``: the control plane's hold on its fleet, for one task (or one triggerer, or one api-server).
+
+It owns, for whoever holds it:
+
+- the **fleet database**: one SQLAlchemy engine per process and URL, shared by every hook of the process
+  (a task process, the triggerer's triggers, the api-server's Fleet page); the schema is never migrated
+  here (only when the fleet is provisioned: :func:`provision`, ``trainguard fleet migrate``), so a task
+  opening it costs one query, and an out-of-date schema is a one-line error saying what to run;
+- the **bus cursors**: each reader's position on the alert bus, a table of the fleet database, committed by
+  the task that records what was read (:meth:`cursor`);
+- the **machines over SSH**: a :class:`~operators.hooks.node.NodeHook` holding one connection per machine
+  for the hook's life (:meth:`close` ends them);
+- the :class:`~operators.control.Controller` over all three (:meth:`get_controller`).
+
+Settings come from :class:`operators.settings.ControlSettings` (``TG_*`` variables), SSH credentials from
+the Airflow connection ``ssh_conn_id`` (default ``tg_ssh``), else the inventory's.
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseHook
+
+from operators.fleet.store import FleetStore, url_for
+from operators.settings import ControlSettings
+
+if TYPE_CHECKING:
+    from node_tools.inventory import Inventory
+    from operators.control import Controller
+    from operators.hooks.node import NodeHook
+
+_STORES: dict[str, FleetStore] = {}
+_LOCK = threading.Lock()
+
+
+def fleet_store(url: str | Path) -> FleetStore:
+    """The process's one :class:`FleetStore` (and engine) for ``url``: its schema checked the first time,
+    never migrated."""
+    key = url_for(url)
+    with _LOCK:
+        store = _STORES.get(key)
+        if store is None:
+            store = _STORES[key] = FleetStore(key)
+        return store
+
+
+def provision(settings: ControlSettings | None = None) -> dict[str, Any]:
+    """Provision the fleet database: create or migrate its schema and register the inventory's machines it
+    does not know yet. Run once per release, before the DAGs (``trainguard fleet migrate``, the compose
+    file's provisioner); repeating it changes nothing. Returns the versions applied and the machines added."""
+    from operators.control import Controller
+
+    settings = settings or ControlSettings.from_env()
+    store = FleetStore(settings.fleet_url, migrate=True)
+    try:
+        added = Controller(settings, fleet=store).sync_inventory()
+    finally:
+        store.close()
+    applied = store.migrations_applied
+    return {"fleet_url": settings.fleet_url, "migrations_applied": applied, "machines_added": added}
+
+
+class FleetHook(BaseHook):
+    """The fleet (database, cursors, machines) for one task, trigger or page.
+
+    :param settings: the control plane's settings (default: read from the ``TG_*`` variables)
+    :param ssh_conn_id: the Airflow connection with the machines' SSH login and key
+    """
+
+    conn_name_attr = "ssh_conn_id"
+    default_conn_name = "tg_ssh"
+    conn_type = "ssh"
+    hook_name = "trainguard fleet"
+
+    def __init__(self, *, settings: ControlSettings | None = None, ssh_conn_id: str | None = default_conn_name
+                 ) -> None:
+        super().__init__()
+        self._settings = settings
+        self.ssh_conn_id = ssh_conn_id
+
+    @cached_property
+    def settings(self) -> ControlSettings:
+        return self._settings or ControlSettings.from_env()
+
+    @cached_property
+    def store(self) -> FleetStore:
+        """The fleet database (the process's engine for its URL)."""
+        return fleet_store(self.settings.fleet_url)
+
+    @cached_property
+    def node(self) -> NodeHook:
+        """The machines over SSH, one held connection each."""
+        from operators.hooks.node import NodeHook
+
+        return NodeHook(self.settings.inventory, ssh_conn_id=self.ssh_conn_id)
+
+    @property
+    def inventory(self) -> Inventory:
+        return self.node.inventory
+
+    def cursor(self, reader: str) -> dict[str, float]:
+        """The bus names ``reader`` has read and recorded (name -> when first read)."""
+        return self.store.cursor(reader)
+
+    def get_controller(self) -> Controller:
+        """A controller over this hook's fleet database, inventory and SSH connections."""
+        from operators.control import Controller
+
+        return Controller(self.settings, transport=self.node.transport(), inventory=self.inventory,
+                          fleet=self.store)
+
+    def close(self) -> None:
+        """End the held SSH connections (the database engine stays: it is the process's)."""
+        if "node" in self.__dict__:
+            self.node.close()

@@ -1,0 +1,55 @@
+"""The deferrable ``ResumeSensor``: ``wait_for_resume`` of ``tg_incident``. Its ``execute`` only reads its
+input (``restart_job``'s :class:`~operators.models.Restart`) and defers to
+:class:`operators.triggers.resume.ResumeTrigger`; while an incident waits for its job to train again, no
+worker slot is held, so a fleet with many incidents at once keeps its slots for the rungs.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators.triggers.resume import DEFAULT_POLL_S, ResumeTrigger
+
+# a guard against a trigger that never answers: the resume check itself answers "failed" after the
+# control plane's resume_timeout_s
+MAX_WAIT = timedelta(hours=1)
+
+
+class ResumeSensor(BaseOperator):
+    """Waits, deferred, until the restarted job trains past its restored step (or the restart failed);
+    returns the :class:`~operators.models.Resume`. Nothing restarted: answers ``skipped`` at once.
+
+    :param incident_id: the incident (templated: ``{{ params.incident_id }}``)
+    :param recovery: ``restart_job``'s result (an XCom reference)
+    :param poll_s: seconds between the trigger's checks
+    """
+
+    template_fields = ("incident_id", "recovery")
+
+    def __init__(self, *, incident_id: Any, recovery: Any, poll_s: float = DEFAULT_POLL_S, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.incident_id = incident_id
+        self.recovery = recovery
+        self.poll_s = poll_s
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        from operators.models import Restart, Resume
+
+        rec = Restart.read(self.recovery)
+        if not rec.restarted:
+            return Resume(skipped=True).dump()
+        self.defer(trigger=ResumeTrigger(int(self.incident_id), rec.dump(), poll_s=self.poll_s),
+                   method_name="execute_complete", timeout=MAX_WAIT)
+
+    def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
+        from operators.models import Resume
+
+        event = dict(event or {})
+        checks = event.pop("checks", None)
+        info = Resume.read(event)
+        self.log.info("resume of incident %s after %s checks in the triggerer: %s", self.incident_id, checks,
+                      info.dump())
+        return info.dump()

@@ -1,0 +1,90 @@
+"""The bodies of ``tg_checkpoint_verify``'s tasks: verify every copy of a committed step, promote it to S3,
+retain.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from node_tools.errors import TrainguardError
+from operators.tasks import common
+
+
+def _announced(asset_events: Any) -> list[dict[str, Any]]:
+    """The notices carried by the asset events that started the run (none for a scheduled or manual run)."""
+    out: list[dict[str, Any]] = []
+    for events in (dict(asset_events) if asset_events else {}).values():
+        for e in events:
+            extra = getattr(e, "extra", None) if not isinstance(e, dict) else e.get("extra")
+            out += ((extra or {}).get("payload") or {}).get("notices", [])
+    return out
+
+
+def ckpt_targets(job: str, step: int | None, asset_events: Any = None) -> list[dict[str, Any]]:
+    """The (job, step) pairs this run verifies: the form's, the notices', or the schedule's sweep."""
+    from operators import checkpoints
+
+    return checkpoints.targets(common.controller(), job=(job or "").strip(), step=step,
+                               announced=_announced(asset_events))
+
+
+def ckpt_verify(target: dict[str, Any]) -> dict[str, Any]:
+    from airflow.sdk import get_current_context
+
+    from operators import checkpoints
+
+    get_current_context()["target"] = f"{target['job']} step {target['step']}"
+    return checkpoints.verify(common.controller(), target)
+
+
+def _s3() -> tuple[Any, Any, dict[str, str]]:
+    """Settings, a boto3 client and the machines' credentials, from the Airflow connection
+    ``TG_S3_CONN_ID`` (default ``tg_s3``: type aws, ``endpoint_url`` in its extra for an S3-compatible
+    store); short timeouts, so an endpoint that is down fails the task in seconds."""
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+    from botocore.config import Config
+
+    from operators import checkpoints
+
+    hook = S3Hook(aws_conn_id=os.environ.get("TG_S3_CONN_ID", "tg_s3"),
+                  config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"}))
+    settings = checkpoints.S3Settings.from_env(endpoint_url=hook.conn_config.endpoint_url or "")
+    creds = hook.get_credentials()
+    env = checkpoints.s3_credentials(creds.access_key, creds.secret_key, creds.token, hook.conn_region_name)
+    return settings, hook.get_conn(), env
+
+
+def ckpt_promote(verdict: dict[str, Any]) -> dict[str, Any]:
+    from airflow.sdk import get_current_context
+
+    from operators import checkpoints
+
+    get_current_context()["target"] = f"{verdict['job']} step {verdict['step']}"
+    settings, client, env = checkpoints.S3Settings.from_env(), None, {}
+    if verdict.get("ok") and settings.url:  # the S3 connection only when there is something to upload
+        settings, client, env = _s3()
+    return checkpoints.promote(common.controller(), verdict, settings, client=client, credentials=env)
+
+
+def ckpt_conclude(verdicts: list[dict[str, Any]] | None, promotions: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The run's one-line note; the run fails (its ``outcome`` task) when a step was not verified or not
+    promoted."""
+    from operators import checkpoints
+
+    verdicts, promotions = list(verdicts or []), [p for p in (promotions or []) if p]
+    done = {(p["job"], p["step"]) for p in promotions}
+    promotions += [{"job": v["job"], "step": v["step"], "promoted": False,
+                    "problems": ["the promote task failed: see its log"]}
+                   for v in verdicts if v["ok"] and (v["job"], v["step"]) not in done]
+    failed = [v for v in verdicts if not v["ok"]] + [p for p in promotions if p.get("problems")]
+    note = checkpoints.note(verdicts, promotions)
+    common.note(note)
+    return {"note": note, "ok": not failed, "verdicts": verdicts,
+            "promotions": promotions}
+
+
+def ckpt_outcome(concluded: dict[str, Any]) -> dict[str, Any]:
+    if not concluded.get("ok"):
+        raise TrainguardError(concluded.get("note") or "checkpoint verification failed")
+    return {"note": concluded["note"]}

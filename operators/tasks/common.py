@@ -1,0 +1,96 @@
+"""What every task body shares: its controller (over the process's :class:`~operators.hooks.fleet.FleetHook`),
+the run's note, the job's open incidents, work done by hand.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from node_tools.errors import TrainguardError
+from operators.control import ControlConfig, Controller
+from operators.fleet.store import OPEN_INCIDENT_STATES
+
+
+def controller() -> Controller:
+    """A controller for this task: the process's fleet database (no migration, one engine), the inventory,
+    and SSH connections held for the task's life (:class:`~operators.hooks.fleet.FleetHook`)."""
+    from operators.hooks.fleet import FleetHook
+
+    return FleetHook().get_controller()
+
+
+_SHARED: dict[tuple[str, str], Controller] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_controller() -> Controller:
+    """One controller per process and fleet for the triggers of a triggerer (and the api-server's Fleet
+    page): one fleet database engine, one SSH credential lookup and one held connection per machine for
+    all of them, built once (the first trigger pays it; the rest start checking at once). Its calls are
+    reads: safe from the triggers' threads at once."""
+    cfg = ControlConfig.from_env()
+    key = (cfg.fleet_url, cfg.inventory)
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            _SHARED[key] = controller()
+        return _SHARED[key]
+
+
+def note(text: str) -> None:
+    """The run's one-line note, in the UI (see :mod:`operators.utils.notes`)."""
+    from operators.utils.notes import set_run_note
+
+    set_run_note(text)
+
+
+def open_incidents(c: Controller, job: str, *, other_than: int | None = None) -> list[int]:
+    """The ids of the job's open incidents (open or waiting for a human), oldest first, but ``other_than``."""
+    return [i.id for i in c.fleet.incidents(job) if i.state in OPEN_INCIDENT_STATES and i.id != other_than]
+
+
+def arm_unless_busy(c: Controller, job: str, *, own_incident: int | None = None) -> dict[str, Any]:
+    """Warm interpreters on every machine of a running job that has none ready, unless another incident of
+    the job is open: its own run re-arms when it ends (arming here would race its restart)."""
+    others = open_incidents(c, job, other_than=own_incident)
+    if others:
+        return {"skipped": f"incident {others[0]} of job {job} is open; its run re-arms when it ends"}
+    state = c.fleet.job(job).state
+    if state != "running":
+        return {"skipped": f"job {job} is {state}"}
+    return c.arm(job)
+
+
+def name_mapped_task(machine: str) -> None:
+    """Names the running mapped task after its machine in the UI (its ``map_index_template``)."""
+    from airflow.sdk import get_current_context
+
+    get_current_context()["machine"] = machine
+
+
+def incident_by_hand(c: Controller, job: str, summary: str) -> int:
+    """An incident recording an operation run by hand (refused while the job has one open: alerts join
+    the open incident, and two hands on one job is one too many)."""
+    busy = open_incidents(c, job)
+    if busy:
+        raise TrainguardError(f"job {job} has incident {busy[-1]} open; run this by hand once it is closed")
+    inc, _ = c.fleet.open_incident(job, [], category="manual")
+    c.fleet.update_incident(inc.id, summary=summary, diagnosis_start_ts=time.time())
+    return inc.id
+
+
+def finish_by_hand(c: Controller, incident: int, culprits: list[str], *, evict: bool, reason: str,
+                    restart: bool, note: str) -> dict[str, Any]:
+    """Evict ``culprits`` (if asked, through the breaker), restart the job when it was stopped or its
+    machines changed, close the incident. Over the breaker, the incident waits for a human."""
+    out: dict[str, Any] = {"incident": incident}
+    c.fleet.update_incident(incident, decided_ts=time.time())
+    if evict and culprits:
+        out["eviction"] = c.evict(incident, culprits, reason=reason)
+    if c.fleet.incident(incident).state == "waiting_human":
+        return out
+    if restart or (out.get("eviction") or {}).get("swaps"):
+        out["recovery"] = c.recover(incident)
+    out["closed"] = c.close(incident, outcome="resolved", note=note)["state"]
+    return out

@@ -1,0 +1,274 @@
+"""The bodies of ``tg_incident``'s tasks: the triage and its branch, the rung's run, the restart, the resume
+check, the close (or the escalation of a restart that did not hold), the re-arm and the run's outcome. Each
+takes and returns JSON documents (typed: :mod:`operators.models`), so the DAG file stays wiring and every
+task is safe to clear.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from node_tools.errors import TrainguardError
+from operators.control import Controller
+from operators.models import IncidentDecision, Restart, Resume, RungResult, StopFound
+from operators.policy import rungs
+from operators.policy.rungs import NO_RECOVERY
+from operators.tasks import common
+from operators.tasks.rungs import RUNG_ACTIONS, act_on_joined
+
+
+def triage(incident_id: int) -> dict[str, Any]:
+    """The incident's :class:`~operators.models.IncidentDecision` (an XCom document)."""
+    return IncidentDecision.read(common.controller().triage(int(incident_id))).dump()
+
+
+def choose(decision: dict[str, Any]) -> str:
+    """The task that handles the decision (:data:`operators.policy.rungs.RUNGS`); anything without a
+    recovery goes to ``no_recovery``."""
+    return rungs.branch(IncidentDecision.read(decision).action)
+
+
+def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
+    """The rung ``name`` (a task id of :data:`operators.policy.rungs.RUNGS`): its action (stop, evict, roll
+    back ...); then the explicit machine faults that joined the incident meanwhile (:func:`act_on_joined`).
+    Returns a :class:`~operators.models.RungResult`: whether the job is to restart, and what the rung's stop
+    found (``restart_job`` starts the job from that, with no round of reads). A rung that fails returns its
+    error (the incident's close escalates from there)."""
+    decision = IncidentDecision.read(decision).dump()
+    c = common.controller()
+    if name != "evict_now":
+        explicit = c.unhandled_faults(decision["incident"])
+        if explicit:  # an explicit fault joined before the rung acted: the first rung decides (evict it alone)
+            why = ("explicit machine fault that joined the incident before its rung acted: "
+                   + "; ".join(f"{m}: {k}" for m, k in explicit.items()))
+            c.fleet.update_incident(decision["incident"], category="machine_fault", summary=f"{why}; next: evict")
+            decision = {**decision, "category": "machine_fault", "action": "evict", "machines": sorted(explicit),
+                        "reason": why, "instead_of": name}
+            name = "evict_now"
+    try:
+        result = RUNG_ACTIONS[name](c, decision)
+    except TrainguardError as exc:
+        return RungResult(rung=name, restart=False, error=f"{name} failed: {exc}"[:900], no_restart=True).dump()
+    result = act_on_joined(c, decision, result)
+    found = c.stop_found(decision["job"])
+    return RungResult.read({**result, "rung": name, "restart": not _leaves_it_alone(result),
+                            "stopped": StopFound.read(found) if found else None}).dump()
+
+
+def _leaves_it_alone(result: dict[str, Any]) -> bool:
+    """Whether a rung's result asks for no restart: waiting for a human, a dry run, a slow vote that
+    evicted nothing."""
+    return bool(result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"))
+
+
+def restart_job(incident_id: int, results: list[dict[str, Any] | None], *,
+                resume_timeout_s: float | None = None) -> dict[str, Any]:
+    """After whichever rung ran (skipped ones give None): restart the job on its machine list (standbys
+    swapped in by the rung), from what the rung's stop found, restoring its newest committed checkpoint (or
+    the step the rung names), unless the rung leaves the job alone. Its input is the rung's XCom only, so
+    the task is safe to clear: run again (cleared in the UI, or retried) after the job was restarted once,
+    it restarts the job again from what runs now (:func:`restart_again`). Returns a
+    :class:`~operators.models.Restart` (with the rung's result when nothing was restarted).
+    ``resume_timeout_s``: the run's own limit on the resume wait (None: the setting's)."""
+    done = [RungResult.read(r) for r in results if r]
+    result = done[0].dump() if done else {"rung": NO_RECOVERY, "restart": False, "no_restart": True}
+    c = common.controller()
+    incident_id = int(incident_id)
+    limit = {"resume_timeout_s": resume_timeout_s}
+    if any(a.kind == "launch" and a.outcome == "done" for a in c.fleet.actions(incident_id)):
+        return Restart.read({**restart_again(c, incident_id), **limit}).dump()
+    if not result["restart"]:
+        return Restart.read({**result, "restarted": False}).dump()
+    out = c.recover(incident_id, restore_max_step=result.get("restore_max_step"), found=result.get("stopped"))
+    return Restart.read({**out, "restarted": True, **limit}).dump()
+
+
+def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:
+    """``restart_job`` run again after it restarted the job (an operator cleared it, or a retry): the
+    incident opens again (unless another incident of the job is open: then that one's run acts, and this
+    refuses), the job is stopped and started again on its machines, from its newest committed checkpoint;
+    the tasks after it check the resume and close the incident again."""
+    inc = c.fleet.incident(incident_id)
+    if inc.state != "open":  # closed, or waiting for a human who now asks for the restart
+        busy = common.open_incidents(c, inc.job, other_than=incident_id)
+        if busy:
+            raise TrainguardError(f"incident {busy[0]} of job {inc.job} is open and its run acts on the job; "
+                                  f"clear this task again once it closed")
+        c.fleet.update_incident(incident_id, state="open",
+                                summary=f"{inc.summary}; restarted again (its run's restart_job ran again)")
+    begun = time.time()
+    out = c.recover(incident_id)
+    return Restart.read({**out, "restarted": True, "again": True, "again_ts": begun}).dump()
+
+
+def resumed(incident_id: int, recovery: dict[str, Any], c: Controller | None = None) -> dict[str, Any] | None:
+    """For the resume trigger: a :class:`~operators.models.Resume` once training passed the restored step;
+    ``failed`` once the restart ended without a step or did not get there within ``resume_timeout_s``;
+    ``pending`` when explicit machine faults joined the incident meanwhile; else None (ask again). ``c``: a
+    controller to reuse between calls (the trigger keeps one)."""
+    rec = Restart.read(recovery)
+    if not rec.restarted:
+        return Resume(skipped=True).dump()
+    recovery = rec.dump()
+    c = c or common.controller()
+    pending = c.unhandled_faults(int(incident_id))
+    if pending:
+        return Resume(pending=pending).dump()
+    try:
+        info = c.resumed(recovery["job"], recovery["restart_ts"])
+    except TrainguardError as exc:
+        return Resume(failed=str(exc)).dump()
+    limit = rec.resume_timeout_s or c.cfg.resume_timeout_s
+    if info is None and time.time() - float(recovery["restart_ts"]) > limit:
+        return Resume(failed=f"training did not pass the restored step within {limit:.0f}s of "
+                             f"the restart").dump()
+    return None if info is None else Resume.read(info).dump()
+
+
+def _wait_resumed(c: Controller, incident_id: int, recovery: dict[str, Any], *, poll_s: float = 2.0
+                  ) -> dict[str, Any]:
+    """:func:`resumed`'s answer, polled until it is one (the follow-up restarts of :func:`escalate`)."""
+    while True:
+        info = resumed(incident_id, recovery, c)
+        if info is not None:
+            return info
+        time.sleep(poll_s)
+
+
+def escalate(c: Controller, incident_id: int, why: str, *, resume_timeout_s: float | None = None) -> dict[str, Any]:
+    """A recovery that did not hold climbs on instead of leaving the job dead: before each new restart (at
+    most ``restart_attempts``) the controller removes what stands in the way (explicit faults that joined,
+    machines that failed, the last copies of a checkpoint still on evicted machines: :meth:`Controller.
+    before_retry`); when that runs out, the incident and the job wait for a human, with why and what next.
+    ``resume_timeout_s``: the run's own limit on each resume wait (None: the setting's)."""
+    tried: list[str] = []
+    for _attempt in range(c.cfg.restart_attempts):
+        try:
+            step = c.before_retry(incident_id, why)
+            if step.get("give_up"):
+                why = step["give_up"]
+                break
+            tried.append(step["did"])
+            out = c.recover(incident_id, found=c.stop_found(c.fleet.incident(incident_id).job))
+        except TrainguardError as exc:  # the escalation itself failed (a machine lost meanwhile): climb on
+            why = f"the restart itself failed: {exc}"
+            continue
+        if out.get("waiting_human"):
+            return c.timeline(incident_id)
+        recovery = {"restarted": True, **out, "resume_timeout_s": resume_timeout_s}
+        info = _wait_resumed(c, incident_id, recovery)
+        if not info.get("failed") and not info.get("pending"):
+            return c.close(incident_id, outcome="resolved", resumed=info,
+                           steps_before=int(out.get("steps_before", -1)),
+                           note=f"resumed at step {info['first_step']} after {len(tried)} more restart(s): "
+                                f"{'; '.join(tried)}")
+        why = info.get("failed") or "explicit faults joined again: " + ", ".join(sorted(info["pending"]))
+    reason = (f"recovery did not hold: {why}"[:700] + (f"; tried: {'; '.join(tried)}"[:400] if tried else "")
+              + "; next: look at 'tg-node logs --job J' on its machines, fix what stands in the way, then resolve "
+                "the incident (or trigger tg_diagnose with evict)")
+    c.wait_for_human(incident_id, reason)
+    return c.timeline(incident_id)
+
+
+def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
+          resume: dict[str, Any] | None) -> dict[str, Any]:
+    """Close the incident: resolved when training resumed (or nothing needed recovering and the job trains);
+    a restart that did not hold, a rung that failed or a job left down escalates (:func:`escalate`); an
+    incident waiting for a human stays so. ``decision``: what ``no_recovery`` returned (its ``action``), None
+    when a rung handled the incident."""
+    c = common.controller()
+    incident_id = int(incident_id)
+    inc = c.fleet.incident(incident_id)
+    if inc.state == "waiting_human":
+        return c.timeline(incident_id)
+    restarted = bool(recovery and recovery.get("restarted"))
+    if restarted and resume and not resume.get("skipped") and not resume.get("failed") and not resume.get("pending"):
+        if recovery.get("again"):  # its second restart: the job was down from the stop to the resume
+            start = float(recovery["again_ts"])
+            c.fleet.add_ettr(inc.job, "recovery", start, max(start, float(resume["ts"])),
+                             incident_id=incident_id, detail="restarted again (restart_job ran again)")
+            return c.close(incident_id, outcome="resolved",
+                           note=f"resumed at step {resume['first_step']} after the restart again")
+        return c.close(incident_id, outcome="resolved", resumed=resume,
+                       steps_before=int(recovery.get("steps_before", -1)),
+                       note=f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
+                            f"after the first alert)")
+    if restarted:  # the restart did not hold, faults joined after it, or the resume check itself failed
+        why = (resume or {}).get("failed") or (
+            "explicit faults joined after the restart: " + ", ".join(sorted((resume or {})["pending"]))
+            if (resume or {}).get("pending") else "the resume check ended without an answer")
+        return escalate(c, incident_id, why, resume_timeout_s=recovery.get("resume_timeout_s"))
+    vote = (recovery or {}).get("vote") or {}
+    if vote.get("superseded"):  # stronger alerts took the incident over: its new run closes it
+        return c.timeline(incident_id)
+    if (recovery or {}).get("error"):  # the rung itself failed: the job may be stopped halfway
+        if c.trains(inc.job):
+            return c.close(incident_id, outcome="failed", note=f"{recovery['error']}; the job still trains; next: "
+                                                               f"look at the task's log, then trigger tg_diagnose")
+        return escalate(c, incident_id, recovery["error"])
+    if (recovery or {}).get("not_evicted") and c.trains(inc.job):  # closed (failed), so that later alerts
+        # open incidents of their own instead of joining one that waits while the job trains
+        return c.close(incident_id, outcome="failed", note=recovery["not_evicted"])
+    if vote and not vote.get("machines"):
+        return c.close(incident_id, outcome="resolved",
+                       note=f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing "
+                            f"slowdown, nothing evicted")
+    if decision and decision.get("action") in ("tolerate", "observe"):
+        return c.close(incident_id, outcome="resolved", note=f"no recovery needed ({decision['action']})")
+    if recovery and recovery.get("resolved"):  # a rung that needed no restart (an agent restarted ...)
+        return c.close(incident_id, outcome="resolved", note=str(recovery["resolved"]))
+    if c.trains(inc.job):
+        return c.close(incident_id, outcome="failed",
+                       note="the incident's run ended without a recovery while the job trains on; next: look at "
+                            "its tasks' logs")
+    return escalate(c, incident_id, "the incident's run ended without a recovery and the job does not train")
+
+
+def rearm(incident_id: int) -> dict[str, Any]:
+    """When the incident's run ends: warm interpreters again on every machine of the job, for the next
+    restart (after this run's restart consumed them, or after another run skipped its re-arm while this
+    incident was open)."""
+    c = common.controller()
+    return common.arm_unless_busy(c, c.fleet.incident(incident_id).job, own_incident=incident_id)
+
+
+def outcome(incident_id: int) -> dict[str, Any]:
+    """The run's last task: fails when the incident failed or waits for a human, so the run's colour in
+    the UI says how the incident ended (its record holds the details)."""
+    c = common.controller()
+    inc = c.fleet.incident(int(incident_id))
+    note = incident_note(c, int(incident_id))
+    common.note(note)
+    if inc.state in ("failed", "waiting_human"):
+        raise TrainguardError(f"incident {inc.id} {inc.state.replace('_', ' for a ')}: {inc.summary}")
+    return {"incident": inc.id, "state": inc.state, "summary": inc.summary, "note": note}
+
+
+def incident_note(c: Controller, incident_id: int) -> str:
+    """The incident's run in one line: outcome, category, evictions with their standbys, rollback, and the
+    resume (step, seconds after the first alert)."""
+    import json
+
+    inc = c.fleet.incident(incident_id)
+    parts = []
+    for a in c.fleet.actions(incident_id):
+        if a.kind == "evict" and a.outcome == "done":
+            swaps = json.loads(a.detail or "{}")
+            parts.append("evicted " + ", ".join(f"{old} -> standby {new}" for old, new in sorted(swaps.items())))
+        elif a.kind == "rollback" and a.outcome == "done":
+            parts.append(f"rolled back {a.evidence.get('from')} -> {a.evidence.get('to')}")
+    if inc.resumed_ts and inc.first_alert_ts:
+        parts.append(f"resumed {inc.resumed_ts - inc.first_alert_ts:.0f}s after the first alert"
+                     + (f", {inc.lost_steps} steps lost" if inc.lost_steps is not None else ""))
+    elif inc.summary:
+        parts.append(inc.summary.split("; ")[-1])
+    head = f"incident {inc.id} {inc.state.replace('_', ' ')} ({inc.category or 'untriaged'})"
+    return head + (": " + "; ".join(parts) if parts else "")
+
+
+def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
+    c = common.controller()
+    if decision["action"] == "wait_human":
+        c.wait_for_human(decision["incident"], decision["reason"])
+    return {"action": decision["action"], "reason": decision["reason"]}
