@@ -93,9 +93,9 @@ def main() -> int:
     if os.environ.get("TG_NOTES_PASSWORD") and os.environ.get("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"):
         passwords_file(Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]),
                        {"tg_notes": os.environ["TG_NOTES_PASSWORD"]})
-    from operators.control import ControlConfig, Controller
+    from operators.hooks.fleet import provision
 
-    added = Controller(ControlConfig.from_env()).sync_inventory()
+    added = provision()["machines_added"]
     print(f"provision: {len(nodes)} machines in {inv.path} ({len(added)} new in the fleet database); "
           f"pool tg_ssh {POOL_SLOTS} slots; buckets {os.environ.get('TG_BUCKETS', '')}", flush=True)
     return 0

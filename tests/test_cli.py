@@ -23,3 +23,34 @@ def test_inject_without_a_machine_is_one_line_and_exit_2(capsys, tmp_path):
     assert main(["--state-dir", str(tmp_path), "inject", "--fault", "crash"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "trainguard: inject needs --machine NAME (or --list for the fault kinds)"
+
+
+def test_fleet_migrate_provisions_the_database_once_and_readers_never_migrate(capsys, tmp_path, monkeypatch):
+    """Only ``trainguard fleet migrate`` creates or migrates the fleet database; a command that reads it
+    before says what to run, in one line, and creates nothing."""
+    from node_tools.inventory import Inventory, Machine
+
+    inv = Inventory(cluster="t", transport="local", bus_url=f"spool://{tmp_path / 'bus'}",
+                    machines=[Machine(name=f"m{i}", address=f"10.0.0.{i + 1}", role="active") for i in range(2)])
+    inv.save(tmp_path / "inventory.json")
+    monkeypatch.setenv("TG_FLEET_URL", str(tmp_path / "fleet.db"))
+    monkeypatch.setenv("TG_INVENTORY", str(tmp_path / "inventory.json"))
+    assert main(["ettr", "--job", "j"]) == 2
+    assert "provision it first: trainguard fleet migrate" in capsys.readouterr().err
+    assert not (tmp_path / "fleet.db").exists()
+    assert main(["--json", "fleet", "migrate"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["migrations_applied"] and doc["machines_added"] == ["m0", "m1"]
+    assert main(["--json", "fleet", "migrate"]) == 0  # again: nothing to do
+    again = json.loads(capsys.readouterr().out)
+    assert again["migrations_applied"] == [] and again["machines_added"] == []
+    assert main(["revision", "list", "--job", "nosuch"]) == 2  # a reader of the provisioned database
+    assert "job nosuch is not in the fleet database" in capsys.readouterr().err
+
+
+def test_the_emulation_commands_come_from_their_entry_point():
+    from operators.cli import build_parser
+
+    _parser, handlers = build_parser()
+    assert {"cluster", "inject", "job", "demo"} <= set(handlers)
+    assert all(h.__module__ == "emulation.cli" for h in handlers.values())

@@ -8,8 +8,10 @@ its own transaction, and refuses a database newer than this code.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import sqlalchemy as sa
 from alembic.operations import Operations
@@ -147,6 +149,18 @@ class SchemaError(TrainguardError):
     """The database's schema is newer than this code, or a migration failed."""
 
 
+@contextlib.contextmanager
+def _quiet_alembic() -> Iterator[None]:
+    """Alembic's context logs two INFO lines per migration; a command's stdout (``--json``) is its document."""
+    log = logging.getLogger("alembic.runtime.migration")
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def current_version(conn: sa.Connection) -> int:
     if not sa.inspect(conn).has_table(VERSION_TABLE.name):
         return 0
@@ -166,7 +180,7 @@ def migrate(engine: sa.Engine) -> list[int]:
         if version <= have:
             continue
         try:
-            with engine.begin() as conn:
+            with engine.begin() as conn, _quiet_alembic():
                 step(Operations(MigrationContext.configure(conn)))
                 conn.execute(VERSION_TABLE.insert().values(version=version, description=description,
                                                            applied_ts=time.time()))
