@@ -1,10 +1,12 @@
 """tg_incident: one incident, task by task. ``triage`` decides (the ladder) and branches to its rung; the
-rung acts (stop, diagnose, evict, roll back ...); ``restart_job`` starts the job again on its machine list
-(standbys in its place) from what the rung's stop found; ``wait_for_resume`` waits, deferred in the
-triggerer, until training passed the restored checkpoint; ``close_incident`` closes it (or escalates a
-restart that did not hold); ``rearm_job`` parks warm interpreters again beside the job for the next
-restart; ``outcome`` gives the run its colour. Every task takes its input from XCom: clearing
-``restart_job`` (or ``wait_for_resume``) in the UI restarts the job (or checks its resume) again."""
+rung gathers its evidence and decides (what to evict, roll back, or restart as it is); ``stop_job`` stops
+the job (unless the rung left it running, or stopped it itself for its evidence); ``swap_machines`` puts
+standbys in the evicted machines' places; ``restart_job`` starts the job again on its machine list from
+what the stop found; ``wait_for_resume`` waits, deferred in the triggerer, until training passed the
+restored checkpoint; ``close_incident`` closes it (or escalates a restart that did not hold);
+``rearm_job`` parks warm interpreters again beside the job for the next restart; ``outcome`` gives the run
+its colour. Every task takes its input from XCom: clearing ``stop_job``, ``swap_machines``,
+``restart_job`` or ``wait_for_resume`` in the UI does that again (an eviction done once is not done twice)."""
 
 from __future__ import annotations
 
@@ -44,13 +46,28 @@ def tg_incident():
         return act
 
     @task(trigger_rule="none_failed_min_one_success")
-    def restart_job(results: list, params: dict | None = None) -> dict:
-        """Start the job again on its machine list, from what the rung's stop found (or leave it alone when
-        the rung says so); cleared after it ran, it restarts the job again."""
+    def stop_job(results: list, params: dict | None = None) -> dict:
+        """Stop the job on every machine, reading the steps finished and the checkpoint copies held (unless
+        the rung leaves it running or stopped it already)."""
         from operators.tasks import incident
 
-        return incident.restart_job(params["incident_id"], list(results),
-                                 resume_timeout_s=params.get("resume_timeout_s"))
+        return incident.stop_job(params["incident_id"], list(results))
+
+    @task(trigger_rule="none_failed_min_one_success")  # (the rungs not taken are skipped)
+    def swap_machines(results: list, stop: dict, params: dict | None = None) -> dict:
+        """Put standbys in the places of the machines the rung evicts (and of explicit faults that joined)."""
+        from operators.tasks import incident
+
+        return incident.swap_machines(params["incident_id"], list(results), stop)
+
+    @task(trigger_rule="none_failed_min_one_success")
+    def restart_job(results: list, stop: dict, swap: dict, params: dict | None = None) -> dict:
+        """Start the job again on its machine list, from what the stop found (or leave it alone when the
+        rung says so); cleared after it ran, it restarts the job again."""
+        from operators.tasks import incident
+
+        return incident.restart_job(params["incident_id"], list(results), stop, swap,
+                                    resume_timeout_s=params.get("resume_timeout_s"))
 
     @task(trigger_rule="all_done")
     def close_incident(decision: dict | None = None, recovery: dict | None = None, resume: dict | None = None,
@@ -83,7 +100,9 @@ def tg_incident():
     branch >> acted
     idle = no_recovery(decision)
     branch >> idle
-    recovery = restart_job(acted)
+    stopped = stop_job(acted)
+    swapped = swap_machines(acted, stopped)
+    recovery = restart_job(acted, stopped, swapped)
     # the resume limit is TG_RESUME_TIMEOUT_S, applied by the check (it answers "failed" past it)
     resume = ResumeSensor(task_id="wait_for_resume", incident_id="{{ params.incident_id }}", recovery=recovery)
     # what no_recovery says stands for the decision here: a task downstream of the branch would be skipped

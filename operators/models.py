@@ -44,21 +44,36 @@ class IncidentDecision(_Payload):
 
 
 class StopFound(_Payload):
-    """What a stop found when it ended the job on every machine: the machines and the lowest step every
-    rank had finished (a restart right after needs no round of reads)."""
+    """What a stop found when it ended the job on every machine: the machines, the lowest step every rank
+    had finished (a restart right after needs no round of reads) and the checkpoint copies each machine
+    held once nothing wrote them (``[tier, step, rank]`` each; None: it did not say), which an eviction
+    checks before it takes a machine away."""
 
     machines: list[str]
     step: int
+    copies: dict[str, list[tuple[str, int, int]] | None] | None = None
+
+
+class Eviction(_Payload):
+    """What a rung decided to evict: the machines, why, and the newest step the restart may restore (the
+    steps after it hold corrupted parameters)."""
+
+    machines: list[str] = Field(min_length=1)
+    reason: str
+    max_step: int | None = Field(default=None, ge=0)
 
 
 class RungResult(_Payload):
-    """What a rung did. ``restart`` says whether the job is to be restarted now (False: the rung left it
-    alone, it waits for a human, or it was a dry run); ``stopped`` is what the rung's stop found."""
+    """What a rung found and decided. ``restart`` says whether the job is to be stopped and started again
+    (False: the rung left it alone, it waits for a human, or it was a dry run); ``evict``: the machines
+    ``swap_machines`` replaces first; ``stopped``: what the rung's own stop found, when its evidence needed
+    the job stopped (else ``stop_job`` stops it)."""
 
     model_config = ConfigDict(extra="allow")
 
     rung: str
     restart: bool
+    evict: Eviction | None = None
     stopped: StopFound | None = None
     restore_max_step: int | None = Field(default=None, ge=0)
     swaps: dict[str, str] = {}
@@ -68,6 +83,34 @@ class RungResult(_Payload):
     resolved: str | None = None
     # a group the rung would evict but could not (breaker, pool short) while the job trains on: why
     not_evicted: str | None = None
+
+
+class Stop(_Payload):
+    """What ``stop_job`` did: ``found`` is what the stop found when it ended the job on every machine (None:
+    some machine did not say); ``said``: each machine's answer; ``skipped``: the job is left running (the
+    rung restarts nothing); ``by_rung``: the rung had stopped it already for its evidence."""
+
+    stopped: bool
+    found: StopFound | None = None
+    said: dict[str, str] = {}
+    skipped: bool = False
+    by_rung: bool = False
+
+
+class Swap(_Payload):
+    """What ``swap_machines`` did: the standbys that took the evicted machines' places (old -> new), the
+    explicit machine faults that joined the incident and were evicted too (``joined``), or why nothing
+    could be swapped (``waiting_human`` with the reason: the breaker, too few standbys, the last copy of a
+    checkpoint)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    swaps: dict[str, str] = {}
+    joined: dict[str, str] = {}  # machine -> the explicit fault kinds that joined
+    waiting_human: bool = False
+    dry_run: bool = False
+    reason: str = ""
+    skipped: bool = False
 
 
 class Restart(_Payload):

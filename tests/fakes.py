@@ -272,8 +272,9 @@ def use_controller(monkeypatch: Any, c: Controller) -> None:
 
 def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: Any, *,
                  joined: Sequence[dict[str, Any]] = (), joined_late: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """What tg_incident does with a batch, task by task (triage, the branch's rung, restart_job, the resume
-    check, close): returns ``{"decision", "result", "resumed", "closed", "incident"}``.
+    """What tg_incident does with a batch, task by task (triage, the branch's rung, stop_job, swap_machines,
+    restart_job, the resume check, close): returns ``{"decision", "result", "resumed", "closed",
+    "incident"}`` (``result``: the rung's, with the ``stop``, ``swap`` and ``recovery`` that followed it).
     ``joined``: alerts the guardian records right after the triage (they join the open incident);
     ``joined_late``: alerts it records after the restart, before the resume check."""
     from operators.tasks import incident as steps
@@ -292,8 +293,8 @@ def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: A
         closed = steps.close(incident, idle, recovery, resumed)
         return {"decision": decision, "result": idle, "resumed": resumed, "closed": closed, "incident": incident}
     result = steps.handle(branch, decision)
-    recovery = steps.restart_job(incident, [result])
-    result = {**result, "recovery": recovery}
+    recovery, stop, swap = recover(incident, result)
+    result = {**result, "stop": stop, "swap": swap, "recovery": recovery}
     if joined_late:
         assert [i["incident"] for i in c.ingest(joined_late)] == [incident]
     resumed = None
@@ -303,6 +304,18 @@ def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: A
             break
     closed = steps.close(incident, None, recovery, resumed)
     return {"decision": decision, "result": result, "resumed": resumed, "closed": closed, "incident": incident}
+
+
+def recover(incident: int, result: dict[str, Any] | None, **kwargs: Any
+            ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The tasks after a rung (its ``result``; None: the rung was skipped): stop_job, swap_machines,
+    restart_job; returns their results ``(restart, stop, swap)``. ``kwargs``: restart_job's."""
+    from operators.tasks import incident as steps
+
+    results = [result]
+    stop = steps.stop_job(incident, results)
+    swap = steps.swap_machines(incident, results, stop)
+    return steps.restart_job(incident, results, stop, swap, **kwargs), stop, swap
 
 
 def alert(kind: str, machine: str, *, rank: int | None = None, job: str = "j", ts: float | None = None,

@@ -208,7 +208,8 @@ def _why(ctl: Controller, airflow: Standalone, incident_id: int) -> str:
 
     out = {"timeline": ctl.timeline(incident_id)}
     run = airflow.incident_run(incident_id)
-    for task in [*BRANCHES.values(), "no_recovery", "restart_job", "wait_for_resume"] if run else []:
+    for task in [*BRANCHES.values(), "no_recovery", "stop_job", "swap_machines", "restart_job", "wait_for_resume"
+                 ] if run else []:
         try:
             out[task] = airflow.xcom("tg_incident", run["dag_run_id"], task)
         except Exception:  # a skipped task has none
@@ -251,6 +252,9 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
     run = airflow.incident_run(inc.id)
     tasks = airflow.task_states("tg_incident", run["dag_run_id"])
     assert tasks["evict_now"] == "success" and tasks["stop_time_diagnosis"] == "skipped", tasks
+    # the rung decided; stop, swap and restart are tasks of their own
+    assert tasks["stop_job"] == tasks["swap_machines"] == tasks["restart_job"] == "success", tasks
+    assert airflow.xcom("tg_incident", run["dag_run_id"], "swap_machines")["swaps"] == {"m1": job.machine_list[1]}
     # the run's note in the UI says it in one line (its last task sets it)
     assert airflow.finished("tg_incident", run["dag_run_id"], timeout=RUN_END_S) == "success"
     note = airflow.run_note("tg_incident", run["dag_run_id"])

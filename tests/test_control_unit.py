@@ -277,7 +277,7 @@ def test_a_restart_right_after_the_stop_starts_at_once_from_what_the_stop_found(
     [lost] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
     assert c.stop("j") == dict.fromkeys(["m0", "m1", "m2", "m3"], "stopped")
     found = c.stop_found("j")  # what the rung hands restart_job through XCom
-    assert found == {"machines": ["m0", "m1", "m2", "m3"], "step": 6}
+    assert found == {"machines": ["m0", "m1", "m2", "m3"], "step": 6, "copies": {m: [] for m in found["machines"]}}
     c.evict(lost["incident"], ["m1"], reason="gpu lost")
     machines.commands.clear()
     out = c.recover(lost["incident"], found=found)

@@ -59,8 +59,11 @@ def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits
     # every rung of the registry has its function, and every function its rung
     assert set(RUNG_ACTIONS) == rung_ids and set(BRANCHES.values()) == rung_ids
     assert all(dag.get_task(r.task_id).doc_md == r.does for r in RUNGS)
-    restart = dag.get_task("restart_job")  # a task of its own after every rung: clearing it restarts the job
-    assert restart.trigger_rule == "none_failed_min_one_success" and restart.upstream_task_ids == rung_ids
+    # stop, swap and restart are tasks of their own after every rung, each from the XCom of the ones before
+    stop, swap, restart = (dag.get_task(t) for t in ("stop_job", "swap_machines", "restart_job"))
+    assert stop.upstream_task_ids == rung_ids and swap.upstream_task_ids == rung_ids | {"stop_job"}
+    assert restart.upstream_task_ids == rung_ids | {"stop_job", "swap_machines"}
+    assert {t.trigger_rule for t in (stop, swap, restart)} == {"none_failed_min_one_success"}
     wait = dag.get_task("wait_for_resume")
     assert type(wait).__name__ == "ResumeSensor" and wait.upstream_task_ids == {"restart_job"}
     assert [t.task_id for t in wait.downstream_list] == ["close_incident"]

@@ -127,6 +127,7 @@ def test_an_eviction_of_machines_outside_the_job_neither_stops_nor_restarts_it(c
     ctl.fleet.swap("j", {"m1": "m4"}, reason="replaced by hand")
     use_controller(monkeypatch, ctl)
     out = steps.handle("evict_now", decision)
-    assert out["swaps"] == {} and "recovery" not in out and "nothing to evict" in out["reason"]
+    assert out["swaps"] == {} and not out["restart"] and "nothing to evict" in out["reason"]
+    assert steps.stop_job(item["incident"], [out])["skipped"]  # no stop (the transport refuses one)
     assert ctl.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]
     assert json.dumps(out)  # the handler's result is still a plain document

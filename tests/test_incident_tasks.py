@@ -1,5 +1,6 @@
 """The tasks of tg_incident one by one, on the scripted fleet of :mod:`tests.fakes`: what each hands the
-next through XCom (typed, validated), ``restart_job`` safe to clear, ``wait_for_resume`` deferred."""
+next through XCom (typed, validated), ``stop_job``, ``swap_machines`` and ``restart_job`` safe to clear,
+``wait_for_resume`` deferred."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pydantic import ValidationError
 
 from operators.models import IncidentDecision, Restart, Resume, RungResult
 from operators.policy import ladder, rungs
-from tests.fakes import alert, fleet_controller, run_incident, use_controller
+from tests.fakes import alert, fleet_controller, recover, replicated_copies, run_incident, use_controller
 
 
 def test_a_closed_incident_whose_restart_job_runs_again_restarts_the_job_and_closes_once_more(tmp_path, monkeypatch):
@@ -23,7 +24,7 @@ def test_a_closed_incident_whose_restart_job_runs_again_restarts_the_job_and_clo
     starts = len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate"))
     ettr_before = sorted((e.kind, e.start_ts) for e in c.fleet.ettr_events("j"))
     # the operator clears restart_job (and what follows it) of the finished run: the same XCom input again
-    again = steps.restart_job(inc, [out["result"]])
+    again = steps.restart_job(inc, [out["result"]], out["result"]["stop"], out["result"]["swap"])
     assert again["restarted"] and again["again"] and c.fleet.incident(inc).state == "open"
     assert len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate")) == starts + 4  # all restarted
     assert c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]  # on the machines it runs on: no eviction
@@ -49,24 +50,58 @@ def test_a_restart_job_run_again_while_another_incident_of_the_job_is_open_refus
     [second] = c.ingest([alert("gpu_lost", "m2")])
     starts = len(fleet.sent("job", "start"))
     with pytest.raises(TrainguardError, match=f"incident {second['incident']} of job j is open"):
-        steps.restart_job(first["incident"], [first["result"]])
+        steps.restart_job(first["incident"], [first["result"]], first["result"]["stop"], first["result"]["swap"])
     assert len(fleet.sent("job", "start")) == starts and c.fleet.incident(first["incident"]).state == "resolved"
 
 
-def test_restart_job_starts_from_what_the_rungs_stop_found_with_no_round_of_reads(tmp_path, monkeypatch):
+def test_stop_swap_and_restart_are_tasks_of_their_own_each_from_the_xcom_of_the_one_before(tmp_path, monkeypatch):
+    """The rung decides (no stop, no eviction of its own); stop_job stops the job and hands on what it found
+    (machines, steps, checkpoint copies); swap_machines evicts from that with no round of reads; restart_job
+    starts the job from it with no round of reads either."""
+    from operators.models import Stop, Swap
     from operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
+    fleet.copies = replicated_copies(fleet.topo, ["m0", "m1", "m2", "m3"], [9])
     [item] = c.ingest([alert("gpu_lost", "m1")])
-    result = steps.handle("evict_now", steps.triage(item["incident"]))
-    found = RungResult.read(result).stopped
-    assert found.machines == ["m0", "m1", "m2", "m3"] and result["restart"]
+    result = RungResult.read(steps.handle("evict_now", steps.triage(item["incident"])))
+    assert result.restart and result.evict.machines == ["m1"] and result.stopped is None
+    assert fleet.sent("job", "stop") == [] and c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
+    results = [None, result.dump(), None]  # the skipped rungs give None
+    stop = Stop.read(steps.stop_job(item["incident"], results))
+    assert stop.stopped and stop.found.machines == ["m0", "m1", "m2", "m3"]
+    assert stop.found.copies == {m: [tuple(x) for x in held] for m, held in fleet.copies.items()}
     fleet.commands.clear()
-    recovery = steps.restart_job(item["incident"], [None, result, None])  # the skipped rungs give None
-    assert Restart.read(recovery).steps_before == found.step
+    swap = Swap.read(steps.swap_machines(item["incident"], results, stop.dump()))
+    assert swap.swaps == {"m1": "m4"} and c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]
+    assert not fleet.sent("ckpt", "list")  # the copies came with the stop
+    # cleared and run again: the eviction is not done twice
+    assert Swap.read(steps.swap_machines(item["incident"], results, stop.dump())).swaps == {"m1": "m4"}
+    assert len([a for a in c.fleet.actions(item["incident"]) if a.kind == "evict"]) == 1
+    fleet.commands.clear()
+    recovery = steps.restart_job(item["incident"], results, stop.dump(), swap.dump())
+    assert Restart.read(recovery).steps_before == stop.found.step
     assert fleet.commands and {tuple(cmd[:2]) for _m, cmd in fleet.commands} <= {("job", "start"),
                                                                                  ("standby", "activate")}
+    # stop_job cleared after the restart: it stops the job again (the tasks after it start it again)
+    again = Stop.read(steps.stop_job(item["incident"], results))
+    assert again.stopped and not again.by_rung and set(fleet.sent("job", "stop")) == {"m0", "m4", "m2", "m3"}
+
+
+def test_stop_job_leaves_a_job_alone_that_the_rung_leaves_alone_unless_an_explicit_fault_joined(tmp_path,
+                                                                                                monkeypatch):
+    from operators.models import Stop
+    from operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("rank_stopped", "m1", rank=1)])
+    result = steps.handle(steps.choose(steps.triage(item["incident"])), steps.triage(item["incident"]))
+    assert result["restart"] is False  # the stacks refute the claim: the job trains on
+    assert Stop.read(steps.stop_job(item["incident"], [result])).skipped and fleet.sent("job", "stop") == []
+    c.ingest([alert("gpu_lost", "m2")])  # joins the open incident
+    assert Stop.read(steps.stop_job(item["incident"], [result])).stopped and fleet.sent("job", "stop")
 
 
 def test_a_rung_that_leaves_the_job_alone_is_not_restarted_and_its_result_reaches_close(tmp_path, monkeypatch):
@@ -131,7 +166,7 @@ def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("gpu_lost", "m1")])
-    recovery = steps.restart_job(item["incident"], [steps.handle("evict_now", steps.triage(item["incident"]))])
+    recovery, _stop, _swap = recover(item["incident"], steps.handle("evict_now", steps.triage(item["incident"])))
     answers = []
     real = steps.resumed
 
@@ -157,7 +192,7 @@ def test_a_restart_job_run_again_while_its_incident_waits_for_a_human_restarts_a
     out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
     c.wait_for_human(out["incident"], "the operator looked at it")  # say a later check sent it to a human
     starts = len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate"))
-    again = steps.restart_job(out["incident"], [out["result"]])  # the human clears restart_job
+    again = steps.restart_job(out["incident"], [out["result"]], out["result"]["stop"], out["result"]["swap"])
     assert again["again"] and c.fleet.incident(out["incident"]).state == "open"
     assert len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate")) == starts + 4
     closed = steps.close(out["incident"], None, again, steps.resumed(out["incident"], again))
@@ -176,7 +211,7 @@ def test_a_runs_own_resume_limit_overrides_the_setting_and_is_checked(tmp_path, 
     [item] = c.ingest([alert("gpu_lost", "m1")])
     inc = item["incident"]
     result = steps.handle("evict_now", steps.triage(inc))
-    recovery = steps.restart_job(inc, [result], resume_timeout_s=30)
+    recovery, stop, swap = recover(inc, result, resume_timeout_s=30)
     assert recovery["resume_timeout_s"] == 30 and c.cfg.resume_timeout_s > 60
     monkeypatch.setattr(c, "resumed", lambda *_: None)  # no rank trained since the restart
     ago = {**recovery, "restart_ts": time.time() - 60}  # ... for a minute
@@ -184,6 +219,6 @@ def test_a_runs_own_resume_limit_overrides_the_setting_and_is_checked(tmp_path, 
                                                  "restart"}
     assert steps.resumed(inc, {**ago, "resume_timeout_s": None}) is None  # the setting's limit: keep waiting
     # cleared and run again, the run's limit still holds; a limit that is not a positive number is refused
-    assert steps.restart_job(inc, [result], resume_timeout_s=45)["resume_timeout_s"] == 45
+    assert steps.restart_job(inc, [result], stop, swap, resume_timeout_s=45)["resume_timeout_s"] == 45
     with pytest.raises(ValidationError, match="resume_timeout_s"):
         Restart.read({**recovery, "resume_timeout_s": 0})

@@ -55,7 +55,7 @@ def test_a_machine_whose_rank_keeps_crashing_with_clean_diagnoses_is_swapped_at_
     _crashed_first_on(fleet, "m2")
     fleet.commands.clear()
     out = run_incident(c, [alert("rank_exit", "m2", rank=2)], monkeypatch)
-    assert out["result"]["repeat_offender"] == "m2" and "repeat offender" in out["result"]["reason"]
+    assert out["result"]["repeat_offender"] == "m2" and "repeat offender" in out["result"]["evict"]["reason"]
     assert not fleet.sent("diag")  # swapped at once, no third diagnosis
     assert c.fleet.job("j").machine_list == ["m0", "m1", "m4", "m3"] and out["closed"]["state"] == "resolved"
 
@@ -286,7 +286,8 @@ def test_a_second_lost_gpu_that_joins_the_incident_is_evicted_in_the_same_restar
     c, fleet = fleet_controller(tmp_path)
     out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch, joined=[alert("gpu_lost", "m2")])
     assert out["decision"]["machines"] == ["m1"]
-    assert out["result"]["joined"]["faults"] == {"m2": "gpu_lost"}
+    assert out["result"]["swap"]["joined"] == {"m2": "gpu_lost"}  # swap_machines evicts it with the rung's
+    assert out["result"]["swap"]["swaps"] == {"m1": "m4", "m2": "m5"}
     assert c.fleet.job("j").machine_list == ["m0", "m4", "m5", "m3"] and out["closed"]["state"] == "resolved"
     assert len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate")) == 4  # one restart
 
@@ -371,7 +372,8 @@ def test_an_explicit_fault_that_joins_before_the_rung_acts_decides_the_incident(
     out = run_incident(c, [alert("rank_hang", "m1", rank=1), alert("rank_hang", "m3", rank=3)], monkeypatch,
                        joined=[alert("disk_full", "m1")])
     assert out["decision"]["action"] == "analyze"
-    assert out["result"]["swaps"] == {"m1": "m4"} and not fleet.sent("stacks")  # no analysis: the fault explains it
+    assert out["result"]["swap"]["swaps"] == {"m1": "m4"} and not fleet.sent("stacks")  # no analysis: the fault
+    # explains it
     inc = c.fleet.incident(out["incident"])
     assert inc.category == "machine_fault" and inc.state == "resolved"
     assert c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]

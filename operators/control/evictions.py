@@ -7,7 +7,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from node_tools.logs import UNRESTORABLE_KIND
@@ -66,17 +66,21 @@ class Evictions(ControllerBase):
         return ""
 
     def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str,
-              breaker: bool = True, max_step: int | None = None) -> dict[str, Any]:
+              breaker: bool = True, max_step: int | None = None,
+              copies: Mapping[str, Sequence[Sequence[Any]] | None] | None = None) -> dict[str, Any]:
         """Replace ``machine_names`` in the incident's job with standbys (each checked reachable first),
         through the breaker (``breaker`` False: machines that failed to start, not a judgement of the ladder)
         and the checkpoint check (no eviction takes the last copy of a step; ``max_step``: the restart will
-        restore no newer step). Returns the swaps;
+        restore no newer step; ``copies``: each machine's checkpoint copies as the stop before it found them,
+        handed on by ``stop_job``, else read now). Returns the swaps;
         ``waiting_human`` when the breaker, a lack of standbys or the checkpoints stop it."""
         inc = self.fleet.incident(incident_id)
         job = self.fleet.job(inc.job)
         wanted = [n for n in machine_names if n in job.machine_list]
-        if not wanted:
-            return {"swaps": {}, "reason": "nothing to evict"}
+        if not wanted:  # gone from the job: by this incident's eviction (asked again), or otherwise
+            done = {old: new for a in self.fleet.actions(incident_id) if a.kind == "evict" and a.outcome == "done"
+                    for old, new in json.loads(a.detail or "{}").items() if old in machine_names}
+            return {"swaps": done, "reason": "done before"} if done else {"swaps": {}, "reason": "nothing to evict"}
         verdict = self._breaker(job, wanted)
         key = f"evict:{incident_id}:{','.join(sorted(wanted))}"
         action, created = self.fleet.record_action(
@@ -93,6 +97,9 @@ class Evictions(ControllerBase):
                    f"machines to the pool (tg_standby_pool) or repair the standbys, then resolve the incident")
             self.fleet.finish_action(action.id, "skipped", why, evidence={"standbys": standbys})
             return self.wait_for_human(incident_id, why)
+        if copies is not None:  # what the stop found, handed on: no round of reads
+            self._copies[inc.job] = {n: None if c is None else [(str(t), int(st), int(r)) for t, st, r in c]
+                                     for n, c in copies.items()}
         kept = self.protect_checkpoints(inc.job, wanted, max_step=max_step)
         if kept.get("refused"):
             self.fleet.finish_action(action.id, "skipped", kept["refused"], evidence={"checkpoint": kept})

@@ -155,7 +155,9 @@ class JobLifecycle(ControllerBase):
                              for n, r in results.items()}
         self._stopped.pop(job, None)
         if all(isinstance(st, dict) and st.get("state") in ("exited", "absent") for st in statuses.values()):
-            self._stopped[job] = {"machines": list(names), "step": launcher.min_step(statuses)}
+            self._stopped[job] = {"machines": list(names), "step": launcher.min_step(statuses),
+                                  "copies": {n: None if c is None else [list(x) for x in c]
+                                             for n, c in self._copies[job].items()}}
         return results
 
     def stop_and_read_logs(self, job: str, since: float = 0.0) -> tuple[dict[str, str], dict[str, Any]]:
@@ -168,7 +170,8 @@ class JobLifecycle(ControllerBase):
 
     def stop_found(self, job: str) -> dict[str, Any] | None:
         """What this controller's last stop of ``job`` found, when it ended the job on every machine: its
-        machines and the lowest step every rank finished (a rung hands it to ``restart_job`` through XCom)."""
+        machines, the lowest step every rank finished and the checkpoint copies each held (handed on to the
+        tasks after the stop through XCom: :class:`~operators.models.StopFound`)."""
         found = self._stopped.get(job)
         return dict(found) if found else None
 

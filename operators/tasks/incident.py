@@ -11,11 +11,11 @@ from typing import Any
 
 from node_tools.errors import TrainguardError
 from operators.control import Controller
-from operators.models import IncidentDecision, Restart, Resume, RungResult, StopFound
+from operators.models import IncidentDecision, Restart, Resume, RungResult, Stop, StopFound, Swap
 from operators.policy import rungs
 from operators.policy.rungs import NO_RECOVERY
 from operators.tasks import common
-from operators.tasks.rungs import RUNG_ACTIONS, act_on_joined
+from operators.tasks.rungs import RUNG_ACTIONS
 
 
 def triage(incident_id: int) -> dict[str, Any]:
@@ -30,11 +30,10 @@ def choose(decision: dict[str, Any]) -> str:
 
 
 def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
-    """The rung ``name`` (a task id of :data:`operators.policy.rungs.RUNGS`): its action (stop, evict, roll
-    back ...); then the explicit machine faults that joined the incident meanwhile (:func:`act_on_joined`).
-    Returns a :class:`~operators.models.RungResult`: whether the job is to restart, and what the rung's stop
-    found (``restart_job`` starts the job from that, with no round of reads). A rung that fails returns its
-    error (the incident's close escalates from there)."""
+    """The rung ``name`` (a task id of :data:`operators.policy.rungs.RUNGS`): its evidence and its decision
+    (what to evict, roll back, or restart as it is). Returns a :class:`~operators.models.RungResult`: whether
+    the job is to restart, what to evict, and what the rung's own stop found when it stopped the job for its
+    evidence. A rung that fails returns its error (the incident's close escalates from there)."""
     decision = IncidentDecision.read(decision).dump()
     c = common.controller()
     if name != "evict_now":
@@ -50,7 +49,6 @@ def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
         result = RUNG_ACTIONS[name](c, decision)
     except TrainguardError as exc:
         return RungResult(rung=name, restart=False, error=f"{name} failed: {exc}"[:900], no_restart=True).dump()
-    result = act_on_joined(c, decision, result)
     found = c.stop_found(decision["job"])
     return RungResult.read({**result, "rung": name, "restart": not _leaves_it_alone(result),
                             "stopped": StopFound.read(found) if found else None}).dump()
@@ -62,25 +60,99 @@ def _leaves_it_alone(result: dict[str, Any]) -> bool:
     return bool(result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"))
 
 
-def restart_job(incident_id: int, results: list[dict[str, Any] | None], *,
-                resume_timeout_s: float | None = None) -> dict[str, Any]:
-    """After whichever rung ran (skipped ones give None): restart the job on its machine list (standbys
-    swapped in by the rung), from what the rung's stop found, restoring its newest committed checkpoint (or
-    the step the rung names), unless the rung leaves the job alone. Its input is the rung's XCom only, so
-    the task is safe to clear: run again (cleared in the UI, or retried) after the job was restarted once,
-    it restarts the job again from what runs now (:func:`restart_again`). Returns a
-    :class:`~operators.models.Restart` (with the rung's result when nothing was restarted).
-    ``resume_timeout_s``: the run's own limit on the resume wait (None: the setting's)."""
+def _rung(results: list[dict[str, Any] | None]) -> RungResult:
+    """The result of the rung that ran (the skipped ones give None); none ran: nothing to restart."""
     done = [RungResult.read(r) for r in results if r]
-    result = done[0].dump() if done else {"rung": NO_RECOVERY, "restart": False, "no_restart": True}
+    return done[0] if done else RungResult(rung=NO_RECOVERY, restart=False, no_restart=True)
+
+
+def stop_job(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Stop the job on every machine of it that answers (reading in the same sessions the steps every rank
+    finished and the checkpoint copies each machine holds), when the rung restarts it or an explicit
+    machine fault joined the incident meanwhile; the rung's own stop stands when it stopped the job for
+    its evidence. Cleared and run again, it stops the job again (the tasks after it start it again).
+    Returns a :class:`~operators.models.Stop`."""
+    rung = _rung(results)
+    c = common.controller()
+    job = c.fleet.incident(int(incident_id)).job
+    joined = not (rung.waiting_human or rung.dry_run) and c.unhandled_faults(int(incident_id))
+    if not (rung.restart or joined):
+        return Stop(stopped=False, skipped=True).dump()
+    if rung.stopped is not None and not _restarted(c, int(incident_id)):
+        return Stop(stopped=True, found=rung.stopped, by_rung=True).dump()
+    said = c.stop(job)
+    found = c.stop_found(job)
+    return Stop(stopped=True, found=StopFound.read(found) if found else None, said=said).dump()
+
+
+def _restarted(c: Controller, incident_id: int) -> bool:
+    """Whether this incident restarted its job already (its ``restart_job`` ran, and now runs again)."""
+    return any(a.kind == "launch" and a.outcome == "done" for a in c.fleet.actions(incident_id))
+
+
+def swap_machines(incident_id: int, results: list[dict[str, Any] | None], stop: dict[str, Any] | None
+                  ) -> dict[str, Any]:
+    """Replace the machines the rung decided to evict with standbys (each checked reachable, through the
+    breaker, never taking the last copy of a checkpoint: the copies ``stop_job`` found), then any explicit
+    machine fault that joined the incident meanwhile (a second GPU lost 0.2 s after the first, a lost GPU
+    during a hang's analysis), in the same restart. Each eviction is an action of the incident, done once:
+    cleared and run again, it answers what was done. Returns a :class:`~operators.models.Swap`."""
+    rung = _rung(results)
+    if rung.waiting_human or rung.dry_run:
+        return Swap(skipped=True, waiting_human=rung.waiting_human, dry_run=rung.dry_run).dump()
+    c = common.controller()
+    incident_id = int(incident_id)
+    found = Stop.read(stop).found if stop else None
+    copies = found.copies if found else None
+    out: dict[str, Any] = {}
+    if rung.evict is not None:
+        ev = c.evict(incident_id, rung.evict.machines, reason=rung.evict.reason, max_step=rung.evict.max_step,
+                     copies=copies)
+        out = {**ev, "swaps": dict(ev.get("swaps") or {})}
+        if ev.get("waiting_human") or ev.get("dry_run"):
+            return Swap.read(out).dump()
+    extra = c.unhandled_faults(incident_id)
+    if extra:
+        ev = c.evict(incident_id, sorted(extra), copies=copies,
+                     reason="explicit machine fault that joined the incident: "
+                            + "; ".join(f"{m}: {k}" for m, k in extra.items()))
+        out = {**out, "joined": extra, "joined_eviction": {k: v for k, v in ev.items() if k != "swaps"},
+               "swaps": {**out.get("swaps", {}), **(ev.get("swaps") or {})}}
+        if ev.get("waiting_human"):
+            out.update(waiting_human=True, reason=ev["reason"])
+    return Swap.read(out or {"skipped": rung.evict is None}).dump()
+
+
+def restart_job(incident_id: int, results: list[dict[str, Any] | None], stop: dict[str, Any] | None = None,
+                swap: dict[str, Any] | None = None, *, resume_timeout_s: float | None = None) -> dict[str, Any]:
+    """After whichever rung ran (skipped ones give None), ``stop_job`` and ``swap_machines``: start the job on
+    its machine list (the standbys in the evicted machines' places), from what the stop found, restoring
+    its newest committed checkpoint (or the step the rung names), unless the rung leaves it alone or the
+    swap waits for a human. Its inputs are XCom only, so the task is safe to clear: run again (cleared in
+    the UI, or retried) after the job was restarted once, it restarts the job again from what runs now
+    (:func:`restart_again`). Returns a :class:`~operators.models.Restart` (with the rung's result when
+    nothing was restarted). ``resume_timeout_s``: the run's own limit on the resume wait (None: the
+    setting's)."""
+    rung = _rung(results)
+    swapped = Swap.read(swap) if swap else Swap(skipped=True)
+    stopped = Stop.read(stop) if stop else Stop(stopped=False, skipped=True)
     c = common.controller()
     incident_id = int(incident_id)
     limit = {"resume_timeout_s": resume_timeout_s}
-    if any(a.kind == "launch" and a.outcome == "done" for a in c.fleet.actions(incident_id)):
+    if _restarted(c, incident_id):
         return Restart.read({**restart_again(c, incident_id), **limit}).dump()
+    result = rung.dump()
+    if swapped.joined and not swapped.waiting_human:  # a fault that joined forces the restart the rung spared
+        result = {k: v for k, v in result.items() if k not in ("no_restart", "resolved")}
+        result["restart"] = True
+    if swapped.waiting_human or swapped.dry_run:
+        result.update(restart=False, waiting_human=swapped.waiting_human, dry_run=swapped.dry_run,
+                      reason=swapped.reason or result.get("reason"))
+    result["swap"] = swapped.dump()
     if not result["restart"]:
         return Restart.read({**result, "restarted": False}).dump()
-    out = c.recover(incident_id, restore_max_step=result.get("restore_max_step"), found=result.get("stopped"))
+    cap = rung.restore_max_step if rung.restore_max_step is not None else rung.evict.max_step if rung.evict else None
+    out = c.recover(incident_id, restore_max_step=cap, found=stopped.found.dump() if stopped.found else None)
     return Restart.read({**out, "restarted": True, **limit}).dump()
 
 

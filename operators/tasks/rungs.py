@@ -1,6 +1,10 @@
 """The ladder's rungs, one function each (the branch tasks of ``tg_incident``, listed in
-:data:`operators.policy.rungs.RUNGS`): each takes the triage's decision and returns what it did and whether
-the job is to restart.
+:data:`operators.policy.rungs.RUNGS`): each takes the triage's decision, gathers its evidence and decides;
+it returns what it found and decided (:class:`~operators.models.RungResult`): the machines to evict
+(``evict``, with the reason and the newest step the restart may restore), whether the job is to restart,
+or why it is left alone. A rung stops the job itself only when its evidence needs a stopped job (the logs
+read as it stops, the diagnosis of its machines); otherwise ``stop_job`` stops it, ``swap_machines``
+evicts, ``restart_job`` starts it again: tasks of their own.
 """
 
 from __future__ import annotations
@@ -12,36 +16,15 @@ from operators.control import Controller
 from operators.policy import ladder
 
 
-def act_on_joined(c: Controller, decision: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
-    """Alerts that joined the incident after its triage (a second GPU lost 0.2 s after the first, a lost GPU
-    during a hang's analysis): an explicit machine fault on a machine still in the job is evicted now, in the
-    same restart, before the incident closes."""
-    if result.get("waiting_human") or result.get("dry_run"):
-        return result
-    extra = c.unhandled_faults(decision["incident"])
-    if not extra:
-        return result
-    if result.get("no_restart"):  # the rung left the job running (a vote that found nothing): it stops now
-        c.stop(decision["job"])
-    ev = c.evict(decision["incident"], sorted(extra), reason="explicit machine fault that joined the incident: "
-                 + "; ".join(f"{m}: {k}" for m, k in extra.items()))
-    out = {k: v for k, v in result.items() if k not in ("no_restart", "resolved")}
-    out["joined"] = {"faults": extra, **ev}
-    if ev.get("waiting_human"):
-        out.update(waiting_human=True, reason=ev["reason"])
-    return out
-
-
 def evict_now(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
-    """An explicit machine fault: stop the job, evict the machines, restart. A decision naming no machine of
+    """An explicit machine fault: evict the machines (no diagnosis), restart. A decision naming no machine of
     the job (an alert about a machine that left it) touches nothing."""
     machines = c.fleet.job(decision["job"]).machine_list
     if not [m for m in decision["machines"] if m in machines]:
         named = ", ".join(decision["machines"]) or "no machine"
         why = f"nothing to evict: {named} does not serve job {decision['job']}"
         return {"swaps": {}, "no_restart": True, "reason": why, "resolved": why}
-    c.stop(decision["job"])
-    return c.evict(decision["incident"], decision["machines"], reason=decision["reason"])
+    return {"evict": {"machines": list(decision["machines"]), "reason": decision["reason"]}}
 
 
 def _stop_and_implicate(c: Controller, decision: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -61,7 +44,7 @@ def _stop_and_implicate(c: Controller, decision: dict[str, Any]) -> tuple[dict[s
         return logs, None
     reason = (f"repeat offender: {culprit} was where the job failed first in incidents {', '.join(map(str, before))} "
               f"within {c.cfg.repeat_window_s:.0f}s, each of which left it in the job; it is swapped out now")
-    return logs, {**c.evict(decision["incident"], [culprit], reason=reason), "logs": logs, "repeat_offender": culprit}
+    return logs, {"evict": {"machines": [culprit], "reason": reason}, "logs": logs, "repeat_offender": culprit}
 
 
 def stop_time_diagnosis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
@@ -92,11 +75,10 @@ def runtime_analysis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
                                 f"and the job trains: nothing to do"}
         out = stop_time_diagnosis(c, {**decision, "diagnose": {"align": False}})  # nothing stands out
         return {**out, "analysis": a}
-    c.stop(decision["job"])
-    ev = c.evict(decision["incident"], a["machines"],
-                 reason=f"{decision['category']}: ranks {a['outliers']} stand out; {a['group_kind'] or 'machine'} "
-                        f"group evicted")
-    return {**ev, "analysis": a}
+    group = a["group_kind"] or "machine"
+    return {"evict": {"machines": a["machines"],
+                      "reason": f"{decision['category']}: ranks {a['outliers']} stand out; {group} group evicted"},
+            "analysis": a}
 
 
 def slow_vote(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
@@ -110,11 +92,9 @@ def slow_vote(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
         return {"swaps": {}, "no_restart": True, "vote": vote,
                 "not_evicted": f"the slow {vote['verdict'] or 'machine'} group ({', '.join(vote['machines'])}) was "
                                f"not evicted: {blocked}; the job trains on at its reduced speed"}
-    c.stop(decision["job"])
-    ev = c.evict(decision["incident"], vote["machines"],
-                 reason=f"slow: the {vote['verdict'] or 'machine'} group of {', '.join(vote['machines'])} held the "
-                        f"slowest ranks in most of {len(vote['rounds'])} rounds")
-    return {**ev, "vote": vote}
+    return {"evict": {"machines": vote["machines"],
+                      "reason": f"slow: the {vote['verdict'] or 'machine'} group of {', '.join(vote['machines'])} held "
+                                f"the slowest ranks in most of {len(vote['rounds'])} rounds"}, "vote": vote}
 
 
 def silent_corruption(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
@@ -161,11 +141,10 @@ def probe_machine(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     if not probe["faulty"]:
         return {"swaps": {}, "no_restart": True, "probe": probe,
                 "resolved": "; ".join(f"{m}: {why}" for m, why in sorted(probe["restarted"].items()))}
-    c.stop(decision["job"])
-    ev = c.evict(decision["incident"], sorted(probe["faulty"]),
-                 reason="silent agent, and the machine " + "; ".join(f"{m} {why}" for m, why in
-                                                                   sorted(probe["faulty"].items())))
-    return {**ev, "probe": probe}
+    return {"evict": {"machines": sorted(probe["faulty"]),
+                      "reason": "silent agent, and the machine " + "; ".join(f"{m} {why}" for m, why in
+                                                                         sorted(probe["faulty"].items()))},
+            "probe": probe}
 
 
 RUNG_ACTIONS = {"evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnosis,
@@ -176,8 +155,8 @@ RUNG_ACTIONS = {"evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnos
 def _follow(c: Controller, incident: int, d: ladder.Decision, evidence: dict[str, Any],
             rollback_to: str | None = None) -> dict[str, Any]:
     if d.action == "evict":
-        return {**c.evict(incident, d.machines, reason=d.reason, max_step=evidence.get("restore_max_step")),
-                **evidence}
+        return {"evict": {"machines": list(d.machines), "reason": d.reason,
+                          "max_step": evidence.get("restore_max_step")}, **evidence}
     if d.action == "rollback" and rollback_to:
         return {**c.rollback(incident, rollback_to), **evidence}
     if d.action in ("reattempt", "replay"):
