@@ -15,7 +15,9 @@ from datetime import datetime
 from airflow.sdk import Param, dag, task
 
 from operators.policy.rungs import NO_RECOVERY, RUNGS
+from operators.sensors.close import CloseIncidentOperator
 from operators.sensors.resume import ResumeSensor
+from operators.sensors.vote import SlowVoteOperator
 
 
 @dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
@@ -37,6 +39,9 @@ def tg_incident():
         return incident.choose(decision)
 
     def rung_task(rung):
+        if rung.deferred:  # its wait runs in the triggerer
+            return lambda decision: SlowVoteOperator(task_id=rung.task_id, doc_md=rung.does, decision=decision).output
+
         @task(task_id=rung.task_id, doc_md=rung.does)
         def act(decision: dict) -> dict:
             from operators.tasks import incident
@@ -70,13 +75,6 @@ def tg_incident():
                                     resume_timeout_s=params.get("resume_timeout_s"))
 
     @task(trigger_rule="all_done")
-    def close_incident(decision: dict | None = None, recovery: dict | None = None, resume: dict | None = None,
-                       params: dict | None = None) -> dict:
-        from operators.tasks import incident
-
-        return incident.close(params["incident_id"], decision, recovery, resume)
-
-    @task(trigger_rule="all_done")
     def rearm_job(params: dict | None = None) -> dict:
         from operators.tasks import incident
 
@@ -106,7 +104,10 @@ def tg_incident():
     # the resume limit is TG_RESUME_TIMEOUT_S, applied by the check (it answers "failed" past it)
     resume = ResumeSensor(task_id="wait_for_resume", incident_id="{{ params.incident_id }}", recovery=recovery)
     # what no_recovery says stands for the decision here: a task downstream of the branch would be skipped
-    done = close_incident(idle, recovery, resume.output)
+    # closes the incident; a recovery that did not hold climbs, its restarts' resume waits in the triggerer
+    done = CloseIncidentOperator(task_id="close_incident", trigger_rule="all_done",
+                                 incident_id="{{ params.incident_id }}", decision=idle, recovery=recovery,
+                                 resume=resume.output)
     # after the incident closed: the next restart starts warm everywhere; then the run ends failed if the
     # incident did
     done >> rearm_job() >> outcome()

@@ -59,6 +59,9 @@ def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits
     # every rung of the registry has its function, and every function its rung
     assert set(RUNG_ACTIONS) == rung_ids and set(BRANCHES.values()) == rung_ids
     assert all(dag.get_task(r.task_id).doc_md == r.does for r in RUNGS)
+    # a rung whose wait runs in the triggerer is a deferrable operator (the slow vote's rounds)
+    assert {r.task_id for r in RUNGS if r.deferred} == {"slow_vote"}
+    assert type(dag.get_task("slow_vote")).__name__ == "SlowVoteOperator"
     # stop, swap and restart are tasks of their own after every rung, each from the XCom of the ones before
     stop, swap, restart = (dag.get_task(t) for t in ("stop_job", "swap_machines", "restart_job"))
     assert stop.upstream_task_ids == rung_ids and swap.upstream_task_ids == rung_ids | {"stop_job"}

@@ -139,7 +139,7 @@ def test_every_rung_of_the_registry_has_a_branch_and_anything_else_goes_to_no_re
 
 
 def test_the_resume_sensor_defers_at_once_and_holds_no_worker_while_it_waits():
-    from airflow.exceptions import TaskDeferred
+    from airflow.sdk.exceptions import TaskDeferred
 
     from operators.sensors.resume import ResumeSensor
     from operators.triggers.resume import ResumeTrigger
@@ -222,3 +222,96 @@ def test_a_runs_own_resume_limit_overrides_the_setting_and_is_checked(tmp_path, 
     assert steps.restart_job(inc, [result], stop, swap, resume_timeout_s=45)["resume_timeout_s"] == 45
     with pytest.raises(ValidationError, match="resume_timeout_s"):
         Restart.read({**recovery, "resume_timeout_s": 0})
+
+
+def test_the_slow_vote_defers_its_rounds_to_the_triggerer_then_decides_from_them(tmp_path, monkeypatch):
+    """No worker slot is held while the vote samples the job: the operator defers at once with a serialisable
+    trigger, the trigger takes the rounds, the operator resumes with them and decides as the rung does."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from operators.sensors.vote import SlowVoteOperator
+    from operators.tasks import incident as steps
+    from operators.triggers.vote import SlowVoteTrigger
+
+    c, fleet = fleet_controller(tmp_path, slow_rounds=3, slow_interval_s=0.01)
+    use_controller(monkeypatch, c)
+    for key, value in {"TG_SLOW_ROUNDS": "3", "TG_SLOW_INTERVAL_S": "0.01", "TG_FLEET_URL": c.cfg.fleet_url,
+                       "TG_INVENTORY": c.cfg.inventory}.items():
+        monkeypatch.setenv(key, value)
+    fleet.compute = {r: 0.36 for r in range(4)} | {1: 0.9}  # rank 1 (m1) computes 2.5x its peers
+    [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
+    decision = steps.triage(item["incident"])
+    assert steps.choose(decision) == "slow_vote"
+    op = SlowVoteOperator(task_id="slow_vote", decision=decision)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({})
+    trigger = deferred.value.trigger
+    path, kwargs = trigger.serialize()
+    assert path == "operators.triggers.vote.SlowVoteTrigger" and kwargs == {
+        "incident_id": item["incident"], "rounds": 3, "interval_s": 0.01}
+    assert not fleet.sent("job", "status")  # no round taken in the worker
+
+    async def fire(t):
+        async for event in t.run():
+            return event.payload
+
+    event = asyncio.run(fire(SlowVoteTrigger(**kwargs)))
+    assert len(event["rounds"]) == 3 and not event.get("superseded")
+    result = RungResult.read(op.execute_complete({}, event))
+    assert result.rung == "slow_vote" and result.restart and result.evict.machines == ["m1"]
+    assert result.model_extra["vote"]["rounds"] == [[1], [1], [1]]
+    # stronger alerts take the incident over while the vote runs: the trigger fires at once, nothing decided
+    [other] = c.ingest([alert("throughput_decline", f"m{r}", rank=r, job="j") for r in range(4)])
+    assert other["incident"] == item["incident"]
+    c.fleet.update_incident(item["incident"], category="crash")
+    early = asyncio.run(fire(SlowVoteTrigger(item["incident"], 5, 0.01)))
+    assert early == {"rounds": [], "superseded": True}
+
+
+def test_an_explicit_fault_that_joined_before_the_vote_decides_without_deferring(tmp_path, monkeypatch):
+    from operators.sensors.vote import SlowVoteOperator
+    from operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
+    decision = steps.triage(item["incident"])
+    c.ingest([alert("gpu_lost", "m2")])  # joins before the vote began
+    out = SlowVoteOperator(task_id="slow_vote", decision=decision).execute({})
+    assert out["rung"] == "evict_now" and out["evict"]["machines"] == ["m2"] and not fleet.sent("job", "status")
+
+
+def test_close_incident_escalates_a_restart_that_did_not_hold_and_waits_for_its_resume_deferred(tmp_path, monkeypatch):
+    """A restart that restored nothing climbs (its copies rescued from the evicted machine, the job started
+    again) and the new restart's resume is awaited in the triggerer: close_incident defers, then closes."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from operators.sensors.close import CloseIncidentOperator
+    from operators.tasks import incident as steps
+    from operators.triggers.resume import ResumeTrigger
+
+    url = f"file://{tmp_path / 'remote'}"
+    c, fleet = fleet_controller(tmp_path, train_args=["--checkpoint", "--checkpoint-remote", url])
+    use_controller(monkeypatch, c)
+    fleet.copies = replicated_copies(fleet.topo, ["m0", "m1", "m2", "m3"], [238])
+    fleet.restore_fails = True  # the restart finds no step it can restore on every rank
+    [item] = c.ingest([alert("gpu_lost", "m1")])
+    inc = item["incident"]
+    recovery, _stop, _swap = recover(inc, steps.handle("evict_now", steps.triage(inc)))
+    resume = steps.resumed(inc, recovery)
+    assert resume["failed"].startswith("job j ended on every machine after the restart without a step")
+    op = CloseIncidentOperator(task_id="close_incident", incident_id=str(inc), recovery=recovery, resume=resume)
+    with pytest.raises(TaskDeferred) as deferred:
+        op.execute({})
+    trigger, kwargs = deferred.value.trigger, deferred.value.kwargs
+    assert isinstance(trigger, ResumeTrigger) and deferred.value.method_name == "resumed"
+    assert kwargs["watch"]["attempt"] == 1 and "rescued" in kwargs["watch"]["tried"][0]
+    assert c.fleet.incident(inc).state == "open"  # not closed while its restart is watched
+
+    async def fire(t):
+        async for event in t.run():
+            return event.payload
+
+    event = asyncio.run(fire(ResumeTrigger(**{**trigger.serialize()[1], "poll_s": 0.01})))
+    done = op.resumed({}, event=event, watch=kwargs["watch"])
+    assert done["state"] == "resolved" and "after 1 more restart(s)" in c.fleet.incident(inc).summary

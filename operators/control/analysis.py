@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from node_tools import launcher
@@ -62,27 +63,48 @@ class RuntimeAnalysis(ControllerBase):
                     out[int(r["rank"])] = max(0.0, float(step_time) - float(comm))
         return out
 
-    def vote_slow(self, incident_id: int) -> dict[str, Any]:
-        """The fail-slow vote (:class:`operators.policy.runtime.SlowVoter`): ``slow_rounds`` rounds,
-        ``slow_interval_s`` apart, while the job trains. Stops early, with ``superseded``, when stronger
-        alerts took the incident over. Returns the rounds, the verdict (kind and machines) or None."""
+    def vote_round(self, incident_id: int) -> dict[str, Any]:
+        """One round of the fail-slow vote: each rank's recent compute time (``times``, rank -> seconds), or
+        ``superseded`` when stronger alerts took the incident over meanwhile (its category is no longer a
+        watched one). The rounds are taken ``slow_interval_s`` apart: by :meth:`vote_slow` here, by the
+        vote's trigger in Airflow (no worker held between them)."""
         inc = self.fleet.incident(incident_id)
-        voter = runtime.SlowVoter(self.topology(inc.job), rounds=self.cfg.slow_rounds)
+        if inc.category not in ladder.WATCHED:
+            return {"superseded": True}
+        return {"times": {str(r): t for r, t in self.compute_times(inc.job).items()}}
+
+    def vote_verdict(self, incident_id: int, rounds: Sequence[Mapping[str, float]], *,
+                     superseded: bool = False) -> dict[str, Any]:
+        """The vote's verdict over its rounds (:class:`operators.policy.runtime.SlowVoter`: the smallest group
+        holding the ranks flagged in most rounds), claimed on the incident before anything is acted on, so
+        that stronger alerts arriving from here on (the job being stopped, say) cannot start a second
+        handler; ``superseded`` when they came first. Returns the rounds (the ranks flagged in each), the
+        verdict's kind and machines."""
+        inc = self.fleet.incident(incident_id)
         j = self.fleet.job(inc.job)
-        rounds: list[list[int]] = []
-        while not voter.done:
-            if rounds:
-                time.sleep(self.cfg.slow_interval_s)  # the sampling interval of the vote
-            if self.fleet.incident(incident_id).category not in ladder.WATCHED:
-                return {"job": inc.job, "superseded": True, "rounds": rounds}
-            rounds.append(voter.add_round(self.compute_times(inc.job), factor=self.cfg.slow_factor))
+        voter = runtime.SlowVoter(self.topology(inc.job), rounds=max(1, len(rounds)))
+        flagged = [voter.add_round({int(r): float(t) for r, t in times.items()}, factor=self.cfg.slow_factor)
+                   for times in rounds]
+        if superseded:
+            return {"job": inc.job, "superseded": True, "rounds": flagged}
         verdict = voter.verdict()
         kind, machines = (None, []) if verdict is None else (verdict[0], [j.machine_list[i] for i in verdict[1]])
-        # the verdict is claimed before anything is acted on: stronger alerts arriving from here on (the
-        # job being stopped, say) cannot start a second handler on the same incident
         if not self.fleet.claim_watched(incident_id, f"vote:{incident_id}", watched=ladder.WATCHED, kind="vote",
-                                        machines=machines, evidence={"rounds": rounds, "verdict": kind},
-                                        detail=f"{kind or 'no'} group flagged in most of {len(rounds)} rounds"):
-            return {"job": inc.job, "superseded": True, "rounds": rounds}
-        return {"job": inc.job, "rounds": rounds, "verdict": kind, "machines": machines}
+                                        machines=machines, evidence={"rounds": flagged, "verdict": kind},
+                                        detail=f"{kind or 'no'} group flagged in most of {len(flagged)} rounds"):
+            return {"job": inc.job, "superseded": True, "rounds": flagged}
+        return {"job": inc.job, "rounds": flagged, "verdict": kind, "machines": machines}
 
+    def vote_slow(self, incident_id: int) -> dict[str, Any]:
+        """The fail-slow vote in one call: ``slow_rounds`` rounds (:meth:`vote_round`), ``slow_interval_s``
+        apart, while the job trains, then the verdict (:meth:`vote_verdict`); stops early, with
+        ``superseded``, when stronger alerts took the incident over."""
+        rounds: list[dict[str, float]] = []
+        while len(rounds) < self.cfg.slow_rounds:
+            if rounds:
+                time.sleep(self.cfg.slow_interval_s)  # the sampling interval of the vote
+            taken = self.vote_round(incident_id)
+            if taken.get("superseded"):
+                return self.vote_verdict(incident_id, rounds, superseded=True)
+            rounds.append(taken["times"])
+        return self.vote_verdict(incident_id, rounds)

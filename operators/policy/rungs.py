@@ -15,6 +15,7 @@ class Rung:
     action: Action  # the ladder's decision it handles
     task_id: str  # its task in tg_incident
     does: str  # one line: what the task does (its doc in the UI)
+    deferred: bool = False  # its wait runs in the triggerer (a deferrable operator), holding no worker slot
 
 
 RUNGS: tuple[Rung, ...] = (
@@ -24,8 +25,9 @@ RUNGS: tuple[Rung, ...] = (
                                                  "verdict (evict what failed, roll back, or restart in place)."),
     Rung(Action.ANALYZE, "runtime_analysis", "A hang: every rank's stack while it hangs; stop and over-evict the "
                                              "outliers' parallel group."),
-    Rung(Action.VOTE, "slow_vote", "A throughput decline: vote over rounds of compute times while the job trains; "
-                                   "stop and evict the slow group, or nothing."),
+    Rung(Action.VOTE, "slow_vote", "A throughput decline: vote over rounds of compute times while the job trains "
+                                   "(the rounds in the triggerer); stop and evict the slow group, or nothing.",
+         deferred=True),
     Rung(Action.REPLAY, "silent_corruption", "Peers disagree: stop; alignment test, then dual-phase replay; evict the "
                                              "machine that computes wrong."),
     Rung(Action.ROLLBACK, "roll_back", "The job's own code failed: stop and roll back to the last known-good "

@@ -7,6 +7,7 @@ task is safe to clear.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from node_tools.errors import TrainguardError
@@ -15,7 +16,7 @@ from operators.models import IncidentDecision, Restart, Resume, RungResult, Stop
 from operators.policy import rungs
 from operators.policy.rungs import NO_RECOVERY
 from operators.tasks import common
-from operators.tasks.rungs import RUNG_ACTIONS
+from operators.tasks.rungs import RUNG_ACTIONS, slow_vote_decide
 
 
 def triage(incident_id: int) -> dict[str, Any]:
@@ -34,24 +35,58 @@ def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
     (what to evict, roll back, or restart as it is). Returns a :class:`~operators.models.RungResult`: whether
     the job is to restart, what to evict, and what the rung's own stop found when it stopped the job for its
     evidence. A rung that fails returns its error (the incident's close escalates from there)."""
-    decision = IncidentDecision.read(decision).dump()
     c = common.controller()
-    if name != "evict_now":
-        explicit = c.unhandled_faults(decision["incident"])
-        if explicit:  # an explicit fault joined before the rung acted: the first rung decides (evict it alone)
-            why = ("explicit machine fault that joined the incident before its rung acted: "
-                   + "; ".join(f"{m}: {k}" for m, k in explicit.items()))
-            c.fleet.update_incident(decision["incident"], category="machine_fault", summary=f"{why}; next: evict")
-            decision = {**decision, "category": "machine_fault", "action": "evict", "machines": sorted(explicit),
-                        "reason": why, "instead_of": name}
-            name = "evict_now"
+    name, decision = _redirected(c, name, IncidentDecision.read(decision).dump())
+    return _result(c, name, decision, lambda: RUNG_ACTIONS[name](c, decision))
+
+
+def _redirected(c: Controller, name: str, decision: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """An explicit machine fault that joined the incident before its rung acted decides it: the first rung
+    (evict that machine alone) instead of ``name``."""
+    if name == "evict_now":
+        return name, decision
+    explicit = c.unhandled_faults(decision["incident"])
+    if not explicit:
+        return name, decision
+    why = ("explicit machine fault that joined the incident before its rung acted: "
+           + "; ".join(f"{m}: {k}" for m, k in explicit.items()))
+    c.fleet.update_incident(decision["incident"], category="machine_fault", summary=f"{why}; next: evict")
+    return "evict_now", {**decision, "category": "machine_fault", "action": "evict", "machines": sorted(explicit),
+                         "reason": why, "instead_of": name}
+
+
+def _result(c: Controller, name: str, decision: dict[str, Any], act: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """The rung's result as a :class:`~operators.models.RungResult` (its error, when it failed)."""
     try:
-        result = RUNG_ACTIONS[name](c, decision)
+        result = act()
     except TrainguardError as exc:
         return RungResult(rung=name, restart=False, error=f"{name} failed: {exc}"[:900], no_restart=True).dump()
     found = c.stop_found(decision["job"])
     return RungResult.read({**result, "rung": name, "restart": not _leaves_it_alone(result),
                             "stopped": StopFound.read(found) if found else None}).dump()
+
+
+def vote_begin(decision: dict[str, Any]) -> dict[str, Any] | None:
+    """The slow vote's rung in Airflow, before its rounds: None when the rounds are to be taken (deferred, in
+    the triggerer), or the rung's result at once when an explicit fault joined (then evict_now decides)."""
+    c = common.controller()
+    name, decision = _redirected(c, "slow_vote", IncidentDecision.read(decision).dump())
+    if name == "slow_vote":
+        return None
+    return _result(c, name, decision, lambda: RUNG_ACTIONS[name](c, decision))
+
+
+def vote_end(decision: dict[str, Any], rounds: list[dict[str, float]], *, superseded: bool = False) -> dict[str, Any]:
+    """The slow vote's rung after its rounds (each rank's compute times, per round): the verdict, claimed on
+    the incident, and what it asks (:func:`operators.tasks.rungs.slow_vote_decide`)."""
+    c = common.controller()
+    decision = IncidentDecision.read(decision).dump()
+
+    def decide() -> dict[str, Any]:
+        vote = c.vote_verdict(decision["incident"], rounds, superseded=superseded)
+        return slow_vote_decide(c, decision, vote)
+
+    return _result(c, "slow_vote", decision, decide)
 
 
 def _leaves_it_alone(result: dict[str, Any]) -> bool:
@@ -200,7 +235,7 @@ def resumed(incident_id: int, recovery: dict[str, Any], c: Controller | None = N
 
 def _wait_resumed(c: Controller, incident_id: int, recovery: dict[str, Any], *, poll_s: float = 2.0
                   ) -> dict[str, Any]:
-    """:func:`resumed`'s answer, polled until it is one (the follow-up restarts of :func:`escalate`)."""
+    """:func:`resumed`'s answer, polled until it is one (outside Airflow; there the resume trigger asks)."""
     while True:
         info = resumed(incident_id, recovery, c)
         if info is not None:
@@ -209,13 +244,26 @@ def _wait_resumed(c: Controller, incident_id: int, recovery: dict[str, Any], *, 
 
 
 def escalate(c: Controller, incident_id: int, why: str, *, resume_timeout_s: float | None = None) -> dict[str, Any]:
-    """A recovery that did not hold climbs on instead of leaving the job dead: before each new restart (at
-    most ``restart_attempts``) the controller removes what stands in the way (explicit faults that joined,
+    """A recovery that did not hold climbs on instead of leaving the job dead (:func:`escalation_step`), its
+    resume waits polled here (outside Airflow; ``close_incident`` defers them to the triggerer)."""
+    step = escalation_step(c, incident_id, why, resume_timeout_s=resume_timeout_s)
+    while "watch" in step:
+        step = escalation_after(c, incident_id, step["watch"], _wait_resumed(c, incident_id, step["watch"]["recovery"]))
+    return step["done"]
+
+
+def escalation_step(c: Controller, incident_id: int, why: str, *, attempt: int = 0, tried: list[str] | None = None,
+                    resume_timeout_s: float | None = None) -> dict[str, Any]:
+    """One climb of a recovery that did not hold (``why``): before each new restart (at most
+    ``restart_attempts`` in all) the controller removes what stands in the way (explicit faults that joined,
     machines that failed, the last copies of a checkpoint still on evicted machines: :meth:`Controller.
-    before_retry`); when that runs out, the incident and the job wait for a human, with why and what next.
-    ``resume_timeout_s``: the run's own limit on each resume wait (None: the setting's)."""
-    tried: list[str] = []
-    for _attempt in range(c.cfg.restart_attempts):
+    before_retry`) and restarts the job; when that runs out, the incident and the job wait for a human, with
+    why and what next. Returns ``{"done": timeline}``, or ``{"watch": ...}``: a restart whose resume is to be
+    waited for (then :func:`escalation_after` with the answer). ``resume_timeout_s``: the run's own limit on
+    each resume wait (None: the setting's)."""
+    tried = list(tried or [])
+    while attempt < c.cfg.restart_attempts:
+        attempt += 1
         try:
             step = c.before_retry(incident_id, why)
             if step.get("give_up"):
@@ -227,74 +275,96 @@ def escalate(c: Controller, incident_id: int, why: str, *, resume_timeout_s: flo
             why = f"the restart itself failed: {exc}"
             continue
         if out.get("waiting_human"):
-            return c.timeline(incident_id)
-        recovery = {"restarted": True, **out, "resume_timeout_s": resume_timeout_s}
-        info = _wait_resumed(c, incident_id, recovery)
-        if not info.get("failed") and not info.get("pending"):
-            return c.close(incident_id, outcome="resolved", resumed=info,
-                           steps_before=int(out.get("steps_before", -1)),
-                           note=f"resumed at step {info['first_step']} after {len(tried)} more restart(s): "
-                                f"{'; '.join(tried)}")
-        why = info.get("failed") or "explicit faults joined again: " + ", ".join(sorted(info["pending"]))
+            return {"done": c.timeline(incident_id)}
+        recovery = Restart.read({**out, "restarted": True, "resume_timeout_s": resume_timeout_s}).dump()
+        return {"watch": {"recovery": recovery, "attempt": attempt, "tried": tried, "why": why,
+                          "resume_timeout_s": resume_timeout_s}}
     reason = (f"recovery did not hold: {why}"[:700] + (f"; tried: {'; '.join(tried)}"[:400] if tried else "")
               + "; next: look at 'tg-node logs --job J' on its machines, fix what stands in the way, then resolve "
                 "the incident (or trigger tg_diagnose with evict)")
     c.wait_for_human(incident_id, reason)
-    return c.timeline(incident_id)
+    return {"done": c.timeline(incident_id)}
+
+
+def escalation_after(c: Controller, incident_id: int, watch: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
+    """The answer of the resume check after an escalation's restart (``watch``: what
+    :func:`escalation_step` asked to watch): the incident closes resolved, or the escalation climbs on."""
+    if not info.get("failed") and not info.get("pending"):
+        tried = watch["tried"]
+        return {"done": c.close(incident_id, outcome="resolved", resumed=info,
+                                steps_before=int(watch["recovery"].get("steps_before", -1)),
+                                note=f"resumed at step {info['first_step']} after {len(tried)} more restart(s): "
+                                     f"{'; '.join(tried)}")}
+    why = info.get("failed") or "explicit faults joined again: " + ", ".join(sorted(info["pending"]))
+    return escalation_step(c, incident_id, why, attempt=int(watch["attempt"]), tried=list(watch["tried"]),
+                           resume_timeout_s=watch.get("resume_timeout_s"))
 
 
 def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
           resume: dict[str, Any] | None) -> dict[str, Any]:
-    """Close the incident: resolved when training resumed (or nothing needed recovering and the job trains);
-    a restart that did not hold, a rung that failed or a job left down escalates (:func:`escalate`); an
-    incident waiting for a human stays so. ``decision``: what ``no_recovery`` returned (its ``action``), None
-    when a rung handled the incident."""
+    """Close the incident (:func:`close_step`), its escalation's resume waits polled here (outside Airflow;
+    ``close_incident`` defers them to the triggerer). Returns the incident's timeline."""
     c = common.controller()
+    step = close_step(incident_id, decision, recovery, resume, c)
+    while "watch" in step:
+        step = escalation_after(c, int(incident_id), step["watch"],
+                                _wait_resumed(c, int(incident_id), step["watch"]["recovery"]))
+    return step["done"]
+
+
+def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
+               resume: dict[str, Any] | None, c: Controller | None = None) -> dict[str, Any]:
+    """Close the incident: resolved when training resumed (or nothing needed recovering and the job trains);
+    a restart that did not hold, a rung that failed or a job left down escalates (:func:`escalation_step`);
+    an incident waiting for a human stays so. ``decision``: what ``no_recovery`` returned (its ``action``),
+    None when a rung handled the incident. Returns ``{"done": timeline}``, or ``{"watch": ...}`` when the
+    escalation restarted the job and its resume is to be waited for."""
+    c = c or common.controller()
     incident_id = int(incident_id)
     inc = c.fleet.incident(incident_id)
+
+    def closed(outcome: str, note: str, **kw: Any) -> dict[str, Any]:
+        return {"done": c.close(incident_id, outcome=outcome, note=note, **kw)}
+
     if inc.state == "waiting_human":
-        return c.timeline(incident_id)
+        return {"done": c.timeline(incident_id)}
     restarted = bool(recovery and recovery.get("restarted"))
     if restarted and resume and not resume.get("skipped") and not resume.get("failed") and not resume.get("pending"):
         if recovery.get("again"):  # its second restart: the job was down from the stop to the resume
             start = float(recovery["again_ts"])
             c.fleet.add_ettr(inc.job, "recovery", start, max(start, float(resume["ts"])),
                              incident_id=incident_id, detail="restarted again (restart_job ran again)")
-            return c.close(incident_id, outcome="resolved",
-                           note=f"resumed at step {resume['first_step']} after the restart again")
-        return c.close(incident_id, outcome="resolved", resumed=resume,
-                       steps_before=int(recovery.get("steps_before", -1)),
-                       note=f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
-                            f"after the first alert)")
+            return closed("resolved", f"resumed at step {resume['first_step']} after the restart again")
+        return closed("resolved", f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
+                                  f"after the first alert)",
+                      resumed=resume, steps_before=int(recovery.get("steps_before", -1)))
     if restarted:  # the restart did not hold, faults joined after it, or the resume check itself failed
         why = (resume or {}).get("failed") or (
             "explicit faults joined after the restart: " + ", ".join(sorted((resume or {})["pending"]))
             if (resume or {}).get("pending") else "the resume check ended without an answer")
-        return escalate(c, incident_id, why, resume_timeout_s=recovery.get("resume_timeout_s"))
+        return escalation_step(c, incident_id, why, resume_timeout_s=recovery.get("resume_timeout_s"))
     vote = (recovery or {}).get("vote") or {}
     if vote.get("superseded"):  # stronger alerts took the incident over: its new run closes it
-        return c.timeline(incident_id)
+        return {"done": c.timeline(incident_id)}
     if (recovery or {}).get("error"):  # the rung itself failed: the job may be stopped halfway
         if c.trains(inc.job):
-            return c.close(incident_id, outcome="failed", note=f"{recovery['error']}; the job still trains; next: "
-                                                               f"look at the task's log, then trigger tg_diagnose")
-        return escalate(c, incident_id, recovery["error"])
+            return closed("failed", f"{recovery['error']}; the job still trains; next: look at the task's log, then "
+                                    f"trigger tg_diagnose")
+        return escalation_step(c, incident_id, recovery["error"])
     if (recovery or {}).get("not_evicted") and c.trains(inc.job):  # closed (failed), so that later alerts
         # open incidents of their own instead of joining one that waits while the job trains
-        return c.close(incident_id, outcome="failed", note=recovery["not_evicted"])
+        return closed("failed", recovery["not_evicted"])
     if vote and not vote.get("machines"):
-        return c.close(incident_id, outcome="resolved",
-                       note=f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing "
-                            f"slowdown, nothing evicted")
+        return closed("resolved", f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing "
+                                  f"slowdown, nothing evicted")
     if decision and decision.get("action") in ("tolerate", "observe"):
-        return c.close(incident_id, outcome="resolved", note=f"no recovery needed ({decision['action']})")
+        return closed("resolved", f"no recovery needed ({decision['action']})")
     if recovery and recovery.get("resolved"):  # a rung that needed no restart (an agent restarted ...)
-        return c.close(incident_id, outcome="resolved", note=str(recovery["resolved"]))
+        return closed("resolved", str(recovery["resolved"]))
     if c.trains(inc.job):
-        return c.close(incident_id, outcome="failed",
-                       note="the incident's run ended without a recovery while the job trains on; next: look at "
-                            "its tasks' logs")
-    return escalate(c, incident_id, "the incident's run ended without a recovery and the job does not train")
+        return closed("failed", "the incident's run ended without a recovery while the job trains on; next: look at "
+                                "its tasks' logs")
+    return escalation_step(c, incident_id, "the incident's run ended without a recovery and the job does not train")
 
 
 def rearm(incident_id: int) -> dict[str, Any]:

@@ -83,8 +83,15 @@ def runtime_analysis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
 
 def slow_vote(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Throughput decline: vote over rounds on each rank's compute time while the job trains; evict the
-    group flagged in most rounds (then recover), or nothing when the slowdown was shared or passed."""
-    vote = c.vote_slow(decision["incident"])
+    group flagged in most rounds (then recover), or nothing when the slowdown was shared or passed. In
+    Airflow the rounds are taken in the triggerer (:class:`operators.sensors.vote.SlowVoteOperator`), then
+    :func:`slow_vote_decide` decides as here."""
+    return slow_vote_decide(c, decision, c.vote_slow(decision["incident"]))
+
+
+def slow_vote_decide(c: Controller, decision: dict[str, Any], vote: dict[str, Any]) -> dict[str, Any]:
+    """What the vote's verdict asks: the slow group evicted, or nothing (superseded, nothing stood out, or
+    the group could not be replaced: then the job is not stopped, it trains on at its reduced speed)."""
     if vote.get("superseded") or not vote["machines"]:
         return {"swaps": {}, "no_restart": True, "vote": vote}
     blocked = c.eviction_blocked(decision["incident"], vote["machines"])

@@ -1,0 +1,52 @@
+"""``slow_vote`` of ``tg_incident`` as a deferrable operator: it defers at once to
+:class:`operators.triggers.vote.SlowVoteTrigger`, which takes the vote's rounds in the triggerer, and
+resumes with them to decide (:func:`operators.tasks.incident.vote_end`: the verdict claimed on the
+incident, the slow group to evict or nothing). An explicit machine fault that joined the incident before
+the vote began decides it instead (evict that machine), with no rounds."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+
+class SlowVoteOperator(BaseOperator):
+    """The slow vote: rounds of compute times in the triggerer, then the verdict; returns the rung's
+    :class:`~operators.models.RungResult`.
+
+    :param decision: the triage's :class:`~operators.models.IncidentDecision` (an XCom reference)
+    """
+
+    template_fields = ("decision",)
+
+    def __init__(self, *, decision: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.decision = decision
+
+    def execute(self, context: Any) -> dict[str, Any] | None:
+        from operators.models import IncidentDecision
+        from operators.settings import ControlSettings
+        from operators.tasks import incident
+        from operators.triggers.vote import SlowVoteTrigger
+
+        early = incident.vote_begin(self.decision)
+        if early is not None:
+            return early
+        cfg = ControlSettings.from_env()
+        d = IncidentDecision.read(self.decision)
+        # a guard against a trigger that never fires: the rounds take rounds x interval, plus their reads
+        limit = timedelta(seconds=cfg.slow_rounds * (cfg.slow_interval_s + 60) + 60)
+        self.defer(trigger=SlowVoteTrigger(d.incident, cfg.slow_rounds, cfg.slow_interval_s),
+                   method_name="execute_complete", timeout=limit)
+        return None
+
+    def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
+        from operators.tasks import incident
+
+        event = dict(event or {})
+        self.log.info("vote: %d rounds in the triggerer%s", len(event.get("rounds") or []),
+                      " (superseded)" if event.get("superseded") else "")
+        return incident.vote_end(self.decision, list(event.get("rounds") or []),
+                                 superseded=bool(event.get("superseded")))
