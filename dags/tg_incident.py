@@ -10,7 +10,7 @@ its colour. Every task takes its input from XCom: clearing ``stop_job``, ``swap_
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from airflow.sdk import Param, dag, task
 
@@ -18,6 +18,11 @@ from operators.policy.rungs import NO_RECOVERY, RUNGS
 from operators.sensors.close import CloseIncidentOperator
 from operators.sensors.resume import ResumeSensor
 from operators.sensors.vote import SlowVoteOperator
+
+# A deferred task whose trigger fires before the executor reported the deferral's own end is failed by the
+# scheduler (apache/airflow#66374, #71580); each of these is safe to try again (a wait defers again; the close
+# resumes the watch of an escalation restart an earlier try made, instead of restarting the job once more)
+RETRY_DEFERRED = {"retries": 2, "retry_delay": timedelta(seconds=2)}
 
 
 @dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
@@ -40,7 +45,8 @@ def tg_incident():
 
     def rung_task(rung):
         if rung.deferred:  # its wait runs in the triggerer
-            return lambda decision: SlowVoteOperator(task_id=rung.task_id, doc_md=rung.does, decision=decision).output
+            return lambda decision: SlowVoteOperator(task_id=rung.task_id, doc_md=rung.does, decision=decision,
+                                                     **RETRY_DEFERRED).output
 
         @task(task_id=rung.task_id, doc_md=rung.does)
         def act(decision: dict) -> dict:
@@ -102,12 +108,13 @@ def tg_incident():
     swapped = swap_machines(acted, stopped)
     recovery = restart_job(acted, stopped, swapped)
     # the resume limit is TG_RESUME_TIMEOUT_S, applied by the check (it answers "failed" past it)
-    resume = ResumeSensor(task_id="wait_for_resume", incident_id="{{ params.incident_id }}", recovery=recovery)
+    resume = ResumeSensor(task_id="wait_for_resume", incident_id="{{ params.incident_id }}", recovery=recovery,
+                          **RETRY_DEFERRED)
     # what no_recovery says stands for the decision here: a task downstream of the branch would be skipped
     # closes the incident; a recovery that did not hold climbs, its restarts' resume waits in the triggerer
     done = CloseIncidentOperator(task_id="close_incident", trigger_rule="all_done",
                                  incident_id="{{ params.incident_id }}", decision=idle, recovery=recovery,
-                                 resume=resume.output)
+                                 resume=resume.output, **RETRY_DEFERRED)
     # after the incident closed: the next restart starts warm everywhere; then the run ends failed if the
     # incident did
     done >> rearm_job() >> outcome()

@@ -307,6 +307,13 @@ def test_close_incident_escalates_a_restart_that_did_not_hold_and_waits_for_its_
     assert isinstance(trigger, ResumeTrigger) and deferred.value.method_name == "resumed"
     assert kwargs["watch"]["attempt"] == 1 and "rescued" in kwargs["watch"]["tried"][0]
     assert c.fleet.incident(inc).state == "open"  # not closed while its restart is watched
+    launches = [a.id for a in c.fleet.actions(inc) if a.kind == "launch"]
+    # the try fails while deferred (the scheduler's race); its retry watches the same restart, restarts nothing
+    with pytest.raises(TaskDeferred) as retried:
+        op.execute({})
+    assert retried.value.kwargs["watch"]["attempt"] == 1
+    assert retried.value.trigger.recovery["restart_ts"] >= trigger.recovery["restart_ts"] - 5
+    assert [a.id for a in c.fleet.actions(inc) if a.kind == "launch"] == launches
 
     async def fire(t):
         async for event in t.run():

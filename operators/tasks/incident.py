@@ -329,6 +329,9 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
     if inc.state == "waiting_human":
         return {"done": c.timeline(incident_id)}
     restarted = bool(recovery and recovery.get("restarted"))
+    in_flight = _escalated_before(c, incident_id, recovery) if restarted else None
+    if in_flight is not None:  # a try of this task before (it failed while deferred) restarted the job already
+        return {"watch": in_flight}
     if restarted and resume and not resume.get("skipped") and not resume.get("failed") and not resume.get("pending"):
         if recovery.get("again"):  # its second restart: the job was down from the stop to the resume
             start = float(recovery["again_ts"])
@@ -365,6 +368,24 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
         return closed("failed", "the incident's run ended without a recovery while the job trains on; next: look at "
                                 "its tasks' logs")
     return escalation_step(c, incident_id, "the incident's run ended without a recovery and the job does not train")
+
+
+def _escalated_before(c: Controller, incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None:
+    """The escalation restart an earlier try of ``close_incident`` made after ``recovery``'s restart, while
+    the incident is still open (the try failed while its resume was awaited): the resume of that restart is
+    awaited again, instead of a second escalation restarting the job once more."""
+    rec = Restart.read(recovery)
+    if rec.restart_ts is None or c.fleet.incident(incident_id).state != "open":
+        return None
+    later = [a for a in c.fleet.actions(incident_id) if a.kind == "launch" and a.outcome == "done"
+             and (a.started_ts or 0) > rec.restart_ts]
+    if not later:
+        return None
+    restart = Restart(restarted=True, job=rec.job, restart_ts=float(later[-1].finished_ts or later[-1].started_ts),
+                      resume_timeout_s=rec.resume_timeout_s).dump()
+    return {"recovery": restart, "attempt": len(later), "tried": [f"{len(later)} restart(s) by an earlier try of "
+                                                                  f"this task"], "why": "",
+            "resume_timeout_s": rec.resume_timeout_s}
 
 
 def rearm(incident_id: int) -> dict[str, Any]:
