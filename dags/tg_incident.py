@@ -16,6 +16,7 @@ from airflow.sdk import Param, dag, task
 
 from operators.policy.rungs import NO_RECOVERY, RUNGS
 from operators.sensors.close import CloseIncidentOperator
+from operators.sensors.replay import SilentCorruptionOperator
 from operators.sensors.resume import ResumeSensor
 from operators.sensors.vote import SlowVoteOperator
 
@@ -23,6 +24,10 @@ from operators.sensors.vote import SlowVoteOperator
 # scheduler (apache/airflow#66374, #71580); each of these is safe to try again (a wait defers again; the close
 # resumes the watch of an escalation restart an earlier try made, instead of restarting the job once more)
 RETRY_DEFERRED = {"retries": 2, "retry_delay": timedelta(seconds=2)}
+
+
+# the rungs whose waits run in the triggerer (operators.policy.rungs marks them deferred)
+DEFERRED_RUNGS = {"slow_vote": SlowVoteOperator, "silent_corruption": SilentCorruptionOperator}
 
 
 @dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
@@ -44,9 +49,10 @@ def tg_incident():
         return incident.choose(decision)
 
     def rung_task(rung):
-        if rung.deferred:  # its wait runs in the triggerer
-            return lambda decision: SlowVoteOperator(task_id=rung.task_id, doc_md=rung.does, decision=decision,
-                                                     **RETRY_DEFERRED).output
+        if rung.deferred:  # its waits run in the triggerer
+            operator = DEFERRED_RUNGS[rung.task_id]
+            return lambda decision: operator(task_id=rung.task_id, doc_md=rung.does, decision=decision,
+                                             **RETRY_DEFERRED).output
 
         @task(task_id=rung.task_id, doc_md=rung.does)
         def act(decision: dict) -> dict:

@@ -11,6 +11,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
+from operators.sensors.replay import ReplayPhaseOperator
 from operators.utils.forms import job_param
 
 
@@ -27,17 +28,6 @@ def tg_sdc_replay():
 
         return sdc_replay.replay_prepare(params["job"], int(params["k"]))
 
-    @task
-    def horizontal(plan: dict) -> dict:
-        from operators.tasks import sdc_replay
-
-        return sdc_replay.replay_phase(plan, "horizontal")
-
-    @task
-    def vertical(plan: dict) -> dict:
-        from operators.tasks import sdc_replay
-
-        return sdc_replay.replay_phase(plan, "vertical")
 
     @task(trigger_rule="all_done")
     def conclude(plan: dict, h: dict | None = None, v: dict | None = None, params: dict | None = None) -> dict:
@@ -46,10 +36,11 @@ def tg_sdc_replay():
         return sdc_replay.replay_conclude(plan, h, v, bool(params["evict"]))
 
     plan = prepare()
-    h = horizontal(plan)
-    v = vertical(plan)
+    # each phase's groups are launched, then watched in the triggerer (no worker held while they compute)
+    h = ReplayPhaseOperator(task_id="horizontal", plan=plan, phase="horizontal")
+    v = ReplayPhaseOperator(task_id="vertical", plan=plan, phase="vertical")
     h >> v  # the phases share machines: one after the other
-    conclude(plan, h, v)
+    conclude(plan, h.output, v.output)
 
 
 tg_sdc_replay()

@@ -60,15 +60,17 @@ def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits
     assert set(RUNG_ACTIONS) == rung_ids and set(BRANCHES.values()) == rung_ids
     assert all(dag.get_task(r.task_id).doc_md == r.does for r in RUNGS)
     # a rung whose wait runs in the triggerer is a deferrable operator (the slow vote's rounds)
-    assert {r.task_id for r in RUNGS if r.deferred} == {"slow_vote"}
+    assert {r.task_id for r in RUNGS if r.deferred} == {"slow_vote", "silent_corruption"}
     assert type(dag.get_task("slow_vote")).__name__ == "SlowVoteOperator"
+    assert type(dag.get_task("silent_corruption")).__name__ == "SilentCorruptionOperator"
     # stop, swap and restart are tasks of their own after every rung, each from the XCom of the ones before
     stop, swap, restart = (dag.get_task(t) for t in ("stop_job", "swap_machines", "restart_job"))
     assert stop.upstream_task_ids == rung_ids and swap.upstream_task_ids == rung_ids | {"stop_job"}
     assert restart.upstream_task_ids == rung_ids | {"stop_job", "swap_machines"}
     assert {t.trigger_rule for t in (stop, swap, restart)} == {"none_failed_min_one_success"}
     # the deferred tasks are tried again when the scheduler fails a deferral it raced (see the DAG file)
-    assert all(dag.get_task(t).retries == 2 for t in ("slow_vote", "wait_for_resume", "close_incident"))
+    assert all(dag.get_task(t).retries == 2 for t in ("slow_vote", "silent_corruption", "wait_for_resume",
+                                                      "close_incident"))
     wait = dag.get_task("wait_for_resume")
     assert type(wait).__name__ == "ResumeSensor" and wait.upstream_task_ids == {"restart_job"}
     assert [t.task_id for t in wait.downstream_list] == ["close_incident"]

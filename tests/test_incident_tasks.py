@@ -322,3 +322,81 @@ def test_close_incident_escalates_a_restart_that_did_not_hold_and_waits_for_its_
     event = asyncio.run(fire(ResumeTrigger(**{**trigger.serialize()[1], "poll_s": 0.01})))
     done = op.resumed({}, event=event, watch=kwargs["watch"])
     assert done["state"] == "resolved" and "after 1 more restart(s)" in c.fleet.incident(inc).summary
+
+
+def test_silent_corruption_watches_both_replay_phases_in_the_triggerer_then_evicts_the_machine_both_blame(
+        tmp_path, monkeypatch):
+    """Every machine passes the alignment test; the replay's groups (a machine that computes wrong only in
+    training spoils each group it is in) are launched in the worker and watched deferred, phase by phase;
+    the machine in a failing horizontal and a failing vertical group is evicted."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from operators.sensors.replay import SilentCorruptionOperator
+    from operators.tasks import incident as steps
+    from operators.triggers.replay import ReplayTrigger
+
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    launched_groups, stopped = [], []
+
+    def launch(job, groups, *, k, steps=2):  # the replicas start: what replay_launch hands the trigger
+        launched_groups.append(dict(groups))
+        return {"job": job, "k": k, "steps": steps, "world_size": 4,
+                "groups": {t: {"job": f"{job}-replay-{t}", "machines": list(m), "failed": None}
+                           for t, m in groups.items()}}
+
+    polls = []
+
+    def poll(launched):  # the first read finds them computing; then m2 spoils every group it is in
+        polls.append(1)
+        return {t: None if len(polls) == 1 else ("0:bad" if "m2" in g["machines"] else "0:good")
+                for t, g in launched["groups"].items()}
+
+    monkeypatch.setattr(c, "replay_launch", launch)
+    monkeypatch.setattr(c, "replay_poll", poll)
+    monkeypatch.setattr(c, "replay_stop", lambda launched: stopped.append(sorted(launched["groups"])))
+    [item] = c.ingest([alert("sdc_suspect", "m0", rank=0, step=7), alert("sdc_suspect", "m2", rank=2, step=7)])
+    decision = steps.triage(item["incident"])
+    assert steps.choose(decision) == "silent_corruption"
+    op = SilentCorruptionOperator(task_id="silent_corruption", decision=decision)
+
+    async def fire(t):
+        async for event in t.run():
+            return event.payload
+
+    with pytest.raises(TaskDeferred) as h:
+        op.execute({})
+    assert fleet.sent("align") or fleet.sent("diag")  # the alignment test ran, in the worker
+    assert sorted(launched_groups[0]) == ["h0", "h1", "ref"] and not stopped  # computing: nothing stopped yet
+    path, kwargs = h.value.trigger.serialize()
+    assert path == "operators.triggers.replay.ReplayTrigger"
+    event = asyncio.run(fire(ReplayTrigger(**{**kwargs, "poll_s": 0.01})))
+    assert stopped == [["h0", "h1", "ref"]] and len(polls) == 2  # watched until done, then its groups ended
+    with pytest.raises(TaskDeferred) as v:
+        op.phase_done({}, event=event, **h.value.kwargs)
+    assert sorted(launched_groups[1]) == ["v0", "v1"] and v.value.kwargs["phase"] == "vertical"
+    event = asyncio.run(fire(ReplayTrigger(**{**v.value.trigger.serialize()[1], "poll_s": 0.01})))
+    result = RungResult.read(op.phase_done({}, event=event, **v.value.kwargs))
+    assert result.rung == "silent_corruption" and result.evict.machines == ["m2"] and result.restart
+    assert result.evict.max_step == 6  # restored before the step the peers first diverged at
+    assert result.stopped is not None  # what the rung's own stop found came through both deferrals
+    assert result.model_extra["replay"]["culprits"] == ["m2"]
+
+
+def test_a_replay_group_without_a_result_in_time_counts_as_failed_and_every_group_is_ended(tmp_path, monkeypatch):
+    from operators.triggers.replay import ReplayTrigger
+
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    stopped = []
+    monkeypatch.setattr(c, "replay_poll", lambda launched: {"h0": "0:aa", "h1": None})  # h1 never ends
+    monkeypatch.setattr(c, "replay_stop", lambda launched: stopped.append(sorted(launched["groups"])))
+    launched = {"job": "j", "k": 1, "steps": 2, "world_size": 4,
+                "groups": {t: {"job": f"j-replay-{t}", "machines": ["m0"], "failed": None} for t in ("h0", "h1")}}
+
+    async def fire():
+        async for event in ReplayTrigger(launched, timeout_s=0.05, poll_s=0.01).run():
+            return event.payload
+
+    assert asyncio.run(fire()) == {"results": {"h0": "0:aa", "h1": "failed: no result within 0s"}}
+    assert stopped == [["h0", "h1"]]

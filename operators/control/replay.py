@@ -52,45 +52,70 @@ class Replay(ControllerBase):
         return {"job": job, "k": k, "horizontal": plan.horizontal, "vertical": plan.vertical,
                 "reference": standbys[:size] if len(standbys) >= size else []}
 
-    def replay(self, job: str, groups: Mapping[str, Sequence[str]], *, k: int, steps: int = 2,
-               timeout_s: float = 300.0) -> dict[str, str]:
-        """Run the job's model and data (its code revision and training arguments, TP and PP, DP = ``k``)
-        on each group of machines at once, from the same seed, ``steps`` steps, no checkpoint: a
-        sub-job named ``<job>-replay-<group>`` per group. Every group computes the same thing, so
-        healthy groups agree bit for bit. Returns each group's result: its ranks' parameter digests
-        after the last step, or ``failed: ...``. The job itself must be stopped."""
+    def replay_launch(self, job: str, groups: Mapping[str, Sequence[str]], *, k: int, steps: int = 2
+                      ) -> dict[str, Any]:
+        """Start the job's model and data (its code revision and training arguments, TP and PP, DP = ``k``)
+        on each group of machines at once, from the same seed, ``steps`` steps, no checkpoint: a sub-job
+        named ``<job>-replay-<group>`` per group. Every group computes the same thing, so healthy groups
+        agree bit for bit. The job itself must be stopped. Returns what was launched (JSON: a trigger takes
+        it): each group's sub-job and machines, and the groups that failed to start."""
         j = self.fleet.job(job)
         topo = Topology(j.tp, j.pp, k, ranks_per_machine=j.ranks_per_machine)
         args = [*j.train_args, "--no-checkpoint", "--no-restore", "--steps", str(steps), "--step-delay-s", "0"]
-        plans = {tag: launcher.JobPlan(job=f"{job}-replay-{tag}", topology=topo, machines=self.machines(names),
-                                       train_args=args, master_port=REPLAY_PORT_BASE + i, revision=j.revision)
-                 for i, (tag, names) in enumerate(groups.items())}
-        if self.cfg.dry_run:
-            return {tag: "dry run" for tag in plans}
-        out: dict[str, str] = {}
-        try:
-            for tag, plan in plans.items():
+        launched: dict[str, Any] = {"job": job, "k": k, "steps": steps, "world_size": topo.world_size,
+                                    "groups": {}}
+        for i, (tag, names) in enumerate(groups.items()):
+            plan = launcher.JobPlan(job=f"{job}-replay-{tag}", topology=topo, machines=self.machines(names),
+                                    train_args=args, master_port=REPLAY_PORT_BASE + i, revision=j.revision)
+            group: dict[str, Any] = {"job": plan.job, "machines": list(names), "failed": None}
+            if self.cfg.dry_run:
+                group["failed"] = "dry run"
+            else:
                 try:
                     launcher.launch(self.inventory, plan, transport=self.transport)
                 except TrainguardError as exc:
-                    out[tag] = f"failed: {exc}"[:300]
+                    group["failed"] = f"failed: {exc}"[:300]
+            launched["groups"][tag] = group
+        return launched
+
+    def replay_poll(self, launched: Mapping[str, Any]) -> dict[str, str | None]:
+        """Each launched group's result: its ranks' parameter digests after the last step, ``failed: ...``,
+        or None while it still runs."""
+        out: dict[str, str | None] = {}
+        for tag, g in launched["groups"].items():
+            if g.get("failed"):
+                out[tag] = g["failed"]
+                continue
+            st = launcher.status(self.inventory, g["job"], self.machines(g["machines"]), transport=self.transport)
+            out[tag] = _replay_result(st, int(launched["steps"]), int(launched["world_size"]))
+        return out
+
+    def replay_stop(self, launched: Mapping[str, Any]) -> None:
+        """End every group's sub-job (ended already, or now): marked stopped, out of the ranks' checks."""
+        for g in launched["groups"].values():
+            with contextlib.suppress(TrainguardError):
+                launcher.stop(self.inventory, g["job"], self.machines(g["machines"]), grace_s=2.0,
+                              transport=self.transport)
+
+    def replay(self, job: str, groups: Mapping[str, Sequence[str]], *, k: int, steps: int = 2,
+               timeout_s: float = 300.0) -> dict[str, str]:
+        """:meth:`replay_launch`, then :meth:`replay_poll` every second until every group has a result (or
+        ``timeout_s`` passed: ``failed: no result ...``), then :meth:`replay_stop`. Returns each group's
+        result. (In Airflow the polling runs in the triggerer: :class:`operators.triggers.replay.ReplayTrigger`.)"""
+        launched = self.replay_launch(job, groups, k=k, steps=steps)
+        if self.cfg.dry_run:
+            return {tag: "dry run" for tag in launched["groups"]}
+        out: dict[str, str] = {}
+        try:
             deadline = time.monotonic() + timeout_s
-            while len(out) < len(plans) and time.monotonic() < deadline:
-                for tag, plan in plans.items():
-                    if tag not in out:
-                        result = _replay_result(launcher.status(self.inventory, plan.job, plan.machines,
-                                                                transport=self.transport),
-                                                steps, topo.world_size)
-                        if result is not None:
-                            out[tag] = result
-                if len(out) < len(plans):
+            while len(out) < len(launched["groups"]) and time.monotonic() < deadline:
+                out.update({t: r for t, r in self.replay_poll(launched).items() if r is not None})
+                if len(out) < len(launched["groups"]):
                     time.sleep(1.0)
-            for tag in plans:
+            for tag in launched["groups"]:
                 out.setdefault(tag, f"failed: no result within {timeout_s:.0f}s")
         finally:
-            for plan in plans.values():  # ended, or ended now: marked stopped, out of the ranks check
-                with contextlib.suppress(TrainguardError):
-                    launcher.stop(self.inventory, plan.job, plan.machines, grace_s=2.0, transport=self.transport)
+            self.replay_stop(launched)
         return out
 
     def dual_phase_replay(self, job: str, *, k: int = 1) -> dict[str, Any]:
@@ -104,13 +129,18 @@ class Replay(ControllerBase):
         v = self.replay_phase(plan, "vertical")
         return {**plan, **self.replay_verdict(plan, h, v), "seconds": round(time.time() - t0, 3)}
 
-    def replay_phase(self, plan: Mapping[str, Any], phase: str) -> dict[str, str]:
-        """One phase of :meth:`replay_plan`'s replay: ``horizontal`` (groups ``h0``.., with the standbys'
-        reference group ``ref``) or ``vertical`` (``v0``..)."""
-        groups = {f"{phase[0]}{i}": g for i, g in enumerate(plan[phase])}
+    @staticmethod
+    def phase_groups(plan: Mapping[str, Any], phase: str) -> dict[str, list[str]]:
+        """The groups of one phase of :meth:`replay_plan`'s replay: ``horizontal`` (groups ``h0``.., with the
+        standbys' reference group ``ref``) or ``vertical`` (``v0``..)."""
+        groups = {f"{phase[0]}{i}": list(g) for i, g in enumerate(plan[phase])}
         if phase == "horizontal" and plan["reference"]:
-            groups["ref"] = plan["reference"]
-        return self.replay(plan["job"], groups, k=int(plan["k"]))
+            groups["ref"] = list(plan["reference"])
+        return groups
+
+    def replay_phase(self, plan: Mapping[str, Any], phase: str) -> dict[str, str]:
+        """One phase of :meth:`replay_plan`'s replay (:meth:`phase_groups`), run to its end."""
+        return self.replay(plan["job"], self.phase_groups(plan, phase), k=int(plan["k"]))
 
     @staticmethod
     def replay_verdict(plan: Mapping[str, Any], h: Mapping[str, str], v: Mapping[str, str]) -> dict[str, Any]:

@@ -28,8 +28,9 @@ RUNGS: tuple[Rung, ...] = (
     Rung(Action.VOTE, "slow_vote", "A throughput decline: vote over rounds of compute times while the job trains "
                                    "(the rounds in the triggerer); stop and evict the slow group, or nothing.",
          deferred=True),
-    Rung(Action.REPLAY, "silent_corruption", "Peers disagree: stop; alignment test, then dual-phase replay; evict the "
-                                             "machine that computes wrong."),
+    Rung(Action.REPLAY, "silent_corruption", "Peers disagree: stop; alignment test, then dual-phase replay (its "
+                                             "groups watched in the triggerer); evict the machine that computes wrong.",
+         deferred=True),
     Rung(Action.ROLLBACK, "roll_back", "The job's own code failed: stop and roll back to the last known-good "
                                        "revision."),
     Rung(Action.REATTEMPT, "no_culprit", "Nothing to blame: stop (a repeat offender is evicted) and restart in "

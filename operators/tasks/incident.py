@@ -16,7 +16,7 @@ from operators.models import IncidentDecision, Restart, Resume, RungResult, Stop
 from operators.policy import rungs
 from operators.policy.rungs import NO_RECOVERY
 from operators.tasks import common
-from operators.tasks.rungs import RUNG_ACTIONS, slow_vote_decide
+from operators.tasks.rungs import RUNG_ACTIONS, sdc_before_replay, sdc_decide, slow_vote_decide
 
 
 def triage(incident_id: int) -> dict[str, Any]:
@@ -87,6 +87,61 @@ def vote_end(decision: dict[str, Any], rounds: list[dict[str, float]], *, supers
         return slow_vote_decide(c, decision, vote)
 
     return _result(c, "slow_vote", decision, decide)
+
+
+def sdc_begin(decision: dict[str, Any]) -> dict[str, Any]:
+    """The silent-corruption rung in Airflow, up to its replay: ``{"result": RungResult}`` when it decided
+    without one (a repeat offender, the alignment test found the machine, a layout the replay cannot split,
+    an explicit fault that joined), else ``{"replay": ...}``: the horizontal phase launched, its groups to
+    be watched in the triggerer (then :func:`sdc_phase_done`)."""
+    c = common.controller()
+    name, decision = _redirected(c, "silent_corruption", IncidentDecision.read(decision).dump())
+    if name != "silent_corruption":
+        return {"result": _result(c, name, decision, lambda: RUNG_ACTIONS[name](c, decision))}
+    replay: dict[str, Any] = {}
+
+    def act() -> dict[str, Any]:
+        early, evidence = sdc_before_replay(c, decision)
+        if early is not None:
+            return early
+        if evidence.pop("needs_replay"):
+            try:
+                plan = c.replay_plan(decision["job"])
+                replay.update(plan=plan, evidence=evidence, t0=time.time(), launched=c.replay_launch(
+                    decision["job"], c.phase_groups(plan, "horizontal"), k=int(plan["k"])))
+                return {}
+            except TrainguardError as exc:  # a layout the replay cannot split, too few machines ...
+                evidence["replay"] = {"error": str(exc)}
+        return sdc_decide(c, decision, evidence)
+
+    result = _result(c, name, decision, act)
+    if not replay or result.get("error"):
+        return {"result": result}
+    return {"replay": {**replay, "stopped": result.get("stopped")}}
+
+
+def sdc_phase_done(decision: dict[str, Any], replay: dict[str, Any], phase: str, results: dict[str, str]
+                   ) -> dict[str, Any]:
+    """A replay phase's results are in: after the horizontal one, the vertical one is launched (``{"replay":
+    ...}`` again); after both, the verdict and the rung's result (``{"result": RungResult}``)."""
+    c = common.controller()
+    decision = IncidentDecision.read(decision).dump()
+    replay = {**replay, phase: dict(results)}
+    plan = replay["plan"]
+    if phase == "horizontal":
+        try:
+            launched = c.replay_launch(decision["job"], c.phase_groups(plan, "vertical"), k=int(plan["k"]))
+        except TrainguardError as exc:
+            return {"result": RungResult(rung="silent_corruption", restart=False, no_restart=True,
+                                         error=f"silent_corruption failed: {exc}"[:900]).dump()}
+        return {"replay": {**replay, "launched": launched}}
+    verdict = {**plan, **c.replay_verdict(plan, replay["horizontal"], replay["vertical"]),
+               "seconds": round(time.time() - float(replay["t0"]), 3)}
+    evidence = {**replay["evidence"], "replay": verdict}
+    result = _result(c, "silent_corruption", decision, lambda: sdc_decide(c, decision, evidence))
+    if replay.get("stopped") and not result.get("stopped"):  # what the rung's own stop found, before the replay
+        result = RungResult.read({**result, "stopped": replay["stopped"]}).dump()
+    return {"result": result}
 
 
 def _leaves_it_alone(result: dict[str, Any]) -> bool:

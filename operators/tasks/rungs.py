@@ -107,24 +107,40 @@ def slow_vote_decide(c: Controller, decision: dict[str, Any], vote: dict[str, An
 def silent_corruption(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Parameters differ between data-parallel peers (or a failure recurred past a rollback): stop, run
     the alignment test on every machine; when every machine agrees, replay real training steps in groups
-    (dual-phase replay); evict the machines either finds (a repeat offender at once)."""
-    _logs, offender = _stop_and_implicate(c, decision)
-    if offender is not None:
-        return offender
-    diag = c.diagnose(decision["job"], levels=(), align=True)
-    failed = sorted(diag["failed"])
-    evidence: dict[str, Any] = {"diagnosis": diag}
-    if not failed:  # the alignment test's compute is clean; the fault may show only in training
+    (dual-phase replay); evict the machines either finds (a repeat offender at once). In Airflow the
+    replay's groups are watched in the triggerer (:class:`operators.sensors.replay.SilentCorruptionOperator`),
+    the same evidence decided by :func:`sdc_decide`."""
+    early, evidence = sdc_before_replay(c, decision)
+    if early is not None:
+        return early
+    if evidence.pop("needs_replay"):  # the alignment test's compute is clean; the fault may show only in training
         try:
             evidence["replay"] = c.dual_phase_replay(decision["job"])
-            failed = evidence["replay"]["culprits"]
         except TrainguardError as exc:  # a layout the replay cannot split, too few machines ...
             evidence["replay"] = {"error": str(exc)}
+    return sdc_decide(c, decision, evidence)
+
+
+def sdc_before_replay(c: Controller, decision: dict[str, Any]) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The silent-corruption rung up to the replay: stop (a repeat offender is evicted at once: returned as
+    the result), then the alignment test on every machine. Returns ``(result or None, evidence)``; the
+    evidence's ``needs_replay`` says whether every machine agreed (then only a replay can place the fault)."""
+    _logs, offender = _stop_and_implicate(c, decision)
+    if offender is not None:
+        return offender, {}
+    diag = c.diagnose(decision["job"], levels=(), align=True)
+    return None, {"diagnosis": diag, "needs_replay": not diag["failed"]}
+
+
+def sdc_decide(c: Controller, decision: dict[str, Any], evidence: dict[str, Any]) -> dict[str, Any]:
+    """What the ladder says from the alignment test's failures, else the replay's culprits; the restore is
+    capped before the step where the peers first diverged (those steps hold corrupted parameters)."""
+    failed = sorted(evidence["diagnosis"]["failed"]) or sorted((evidence.get("replay") or {}).get("culprits") or [])
     t = ladder.Triage(decision["job"], decision["category"], tuple(decision["machines"]))
     d = ladder.decide(t, level=decision["level"], diagnosis_done=True, diagnosis_failed=failed, log_verdict="")
     diverged = c.first_step_of(decision["incident"], ["sdc_suspect"])
     if diverged is not None:  # the steps from the divergence on hold corrupted parameters: restore before it
-        evidence["restore_max_step"] = max(0, diverged - 1)
+        evidence = {**evidence, "restore_max_step": max(0, diverged - 1)}
     return _follow(c, decision["incident"], d, evidence)
 
 

@@ -19,8 +19,16 @@ def replay_prepare(job: str, k: int) -> dict[str, Any]:
 
 
 def replay_phase(plan: dict[str, Any], phase: str) -> dict[str, str]:
-    """One phase of the replay: ``horizontal`` (with the standbys' reference group) or ``vertical``."""
+    """One phase of the replay, run to its end: ``horizontal`` (with the standbys' reference group) or
+    ``vertical`` (outside Airflow; there :func:`phase_launch` starts it and the triggerer watches it)."""
     return common.controller().replay_phase(plan, phase)
+
+
+def phase_launch(plan: dict[str, Any], phase: str) -> dict[str, Any]:
+    """Start one phase's groups (:meth:`operators.control.Controller.replay_launch`); the triggerer watches
+    them (:class:`operators.triggers.replay.ReplayTrigger`)."""
+    c = common.controller()
+    return c.replay_launch(plan["job"], c.phase_groups(plan, phase), k=int(plan["k"]))
 
 
 def replay_conclude(plan: dict[str, Any] | None, h: dict[str, str] | None, v: dict[str, str] | None,

@@ -1,0 +1,88 @@
+"""Dual-phase replay with its waits in the triggerer (:class:`operators.triggers.replay.ReplayTrigger`):
+
+- ``SilentCorruptionOperator``: ``silent_corruption`` of ``tg_incident``: the rung up to its replay in the
+  worker (stop, alignment test, the horizontal phase launched), the phase watched deferred, the vertical
+  phase launched and watched the same way, then the verdict and the rung's result;
+- ``ReplayPhaseOperator``: one phase of ``tg_sdc_replay`` (by hand), launched, then watched deferred.
+
+While the replicas compute (minutes on a large job), no worker slot is held.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from airflow.sdk import BaseOperator
+
+from operators.triggers.replay import DEFAULT_TIMEOUT_S
+
+# a guard against a trigger that never fires: it gives up on a group after DEFAULT_TIMEOUT_S itself
+MAX_WAIT = timedelta(seconds=DEFAULT_TIMEOUT_S + 600)
+
+
+class SilentCorruptionOperator(BaseOperator):
+    """The silent-corruption rung; returns its :class:`~operators.models.RungResult`.
+
+    :param decision: the triage's :class:`~operators.models.IncidentDecision` (an XCom reference)
+    """
+
+    template_fields = ("decision",)
+
+    def __init__(self, *, decision: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.decision = decision
+
+    def execute(self, context: Any) -> dict[str, Any] | None:
+        from operators.tasks import incident
+
+        return self._next(incident.sdc_begin(self.decision), "horizontal")
+
+    def _next(self, step: dict[str, Any], phase: str) -> dict[str, Any] | None:
+        from operators.triggers.replay import ReplayTrigger
+
+        if "result" in step:
+            return step["result"]
+        replay = step["replay"]
+        self.log.info("replay, %s phase: groups %s launched; watched in the triggerer", phase,
+                      {t: g["machines"] for t, g in replay["launched"]["groups"].items()})
+        self.defer(trigger=ReplayTrigger(replay["launched"]), method_name="phase_done",
+                   kwargs={"replay": replay, "phase": phase}, timeout=MAX_WAIT)
+        return None
+
+    def phase_done(self, context: Any, event: dict[str, Any] | None = None, replay: dict[str, Any] | None = None,
+                   phase: str = "horizontal") -> dict[str, Any] | None:
+        from operators.tasks import incident
+
+        results = dict((event or {}).get("results") or {})
+        self.log.info("replay, %s phase: %s", phase, results)
+        return self._next(incident.sdc_phase_done(self.decision, dict(replay or {}), phase, results), "vertical")
+
+
+class ReplayPhaseOperator(BaseOperator):
+    """One phase of a replay by hand; returns each group's result.
+
+    :param plan: the ``prepare`` task's plan (an XCom reference)
+    :param phase: ``horizontal`` or ``vertical``
+    """
+
+    template_fields = ("plan",)
+
+    def __init__(self, *, plan: Any, phase: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if phase not in ("horizontal", "vertical"):
+            raise ValueError(f"phase {phase!r}: use horizontal or vertical")
+        self.plan = plan
+        self.phase = phase
+
+    def execute(self, context: Any) -> None:
+        from operators.tasks import sdc_replay
+        from operators.triggers.replay import ReplayTrigger
+
+        launched = sdc_replay.phase_launch(self.plan, self.phase)
+        self.defer(trigger=ReplayTrigger(launched), method_name="execute_complete", timeout=MAX_WAIT)
+
+    def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, str]:
+        results = dict((event or {}).get("results") or {})
+        self.log.info("replay, %s phase: %s", self.phase, results)
+        return results

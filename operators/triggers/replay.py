@@ -1,0 +1,59 @@
+"""A dual-phase replay's groups, watched in the triggerer: ``ReplayTrigger`` asks every ``poll_s`` each
+launched group's result (:meth:`operators.control.Controller.replay_poll`: its ranks' parameter digests
+once every part ended, or why it failed), with the triggerer's one controller (one held SSH connection
+per machine for every trigger, its blocking reads in a thread); once every group has one (or ``timeout_s``
+passed) it ends the groups' sub-jobs and fires with the results. Its operators are in
+:mod:`operators.sensors.replay`: while the replicas compute, no worker slot is held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class ReplayTrigger(BaseTrigger):
+    """Fires with each replay group's result once all have one.
+
+    :param launched: what :meth:`operators.control.Controller.replay_launch` started (JSON)
+    :param timeout_s: seconds after which a group without a result counts as failed
+    :param poll_s: seconds between two rounds of status reads
+    """
+
+    def __init__(self, launched: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S, poll_s: float = 1.0) -> None:
+        super().__init__()
+        self.launched = dict(launched)
+        self.timeout_s = float(timeout_s)
+        self.poll_s = float(poll_s)
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        return (f"{type(self).__module__}.{type(self).__qualname__}",
+                {"launched": self.launched, "timeout_s": self.timeout_s, "poll_s": self.poll_s})
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        from operators.tasks import common
+
+        c = await asyncio.to_thread(common.shared_controller)
+        groups = list(self.launched["groups"])
+        out: dict[str, str] = {}
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while len(out) < len(groups) and time.monotonic() < deadline:
+                polled = await asyncio.to_thread(c.replay_poll, self.launched)
+                out.update({t: r for t, r in polled.items() if r is not None})
+                if len(out) < len(groups):
+                    await asyncio.sleep(self.poll_s)
+        except asyncio.CancelledError:  # the task was killed: its groups do not run on
+            await asyncio.shield(asyncio.to_thread(c.replay_stop, self.launched))
+            raise
+        for tag in groups:
+            out.setdefault(tag, f"failed: no result within {self.timeout_s:.0f}s")
+        await asyncio.to_thread(c.replay_stop, self.launched)
+        self.log.info("replay of %s: %s", self.launched.get("job"), out)
+        yield TriggerEvent({"results": out})
