@@ -45,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from operators import standby_pool
 from operators.fleet import FleetStore, states
+from operators.fleet.states import IncidentState
 
 PHASES = ("detection", "diagnosis", "recovery")
 
@@ -128,7 +129,8 @@ class FleetCollector(Collector):
         state = GaugeMetricFamily("trainguard_job_state", "The job's state in the fleet database (1)",
                                   labels=["job", "state"])
         for j in jobs:
-            human.add_metric([j.name], float(any(i.state == "waiting_human" for i in self.fleet.incidents(j.name))))
+            waiting = any(i.state == IncidentState.WAITING_HUMAN for i in self.fleet.incidents(j.name))
+            human.add_metric([j.name], float(waiting))
             state.add_metric([j.name, j.state], 1.0)
         quarantined = CounterMetricFamily("trainguard_alerts_quarantined", "Bus documents never acted on")
         quarantined.add_metric([], len(self.fleet.quarantined()))

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from operators.fleet import FleetStore
+from operators.fleet.states import IncidentState
 from operators.fleet.store import OPEN_INCIDENT_STATES
 
 STALE_S = 30.0
@@ -90,7 +91,7 @@ def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: f
                 incidents.append({"incident": inc.id, "job": j.name, "state": inc.state, "category": inc.category,
                                   "level": inc.level, "summary": inc.summary,
                                   "open_s": round(now - inc.opened_ts, 1)})
-                if inc.state == "waiting_human":
+                if inc.state == IncidentState.WAITING_HUMAN:
                     problems.append(f"HUMAN NEEDED: incident {inc.id} of job {j.name}: {inc.summary}")
     for j in jobs:
         if j.state not in ("running", "stopped") and not any(i["job"] == j.name for i in incidents):

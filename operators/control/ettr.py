@@ -9,6 +9,7 @@ from typing import Any
 
 from node_tools.errors import TrainguardError
 from operators.control.base import ControllerBase
+from operators.fleet.states import IncidentState
 from operators.fleet.store import OPEN_INCIDENT_STATES
 from operators.policy import ettr
 
@@ -48,7 +49,7 @@ class EttrLedger(ControllerBase):
         incidents, by_cause = [], {}
         since = first
         for inc in self.fleet.incidents(job):
-            if inc.state not in ("resolved", "failed") or inc.first_alert_ts is None:
+            if inc.state not in (IncidentState.RESOLVED, IncidentState.FAILED) or inc.first_alert_ts is None:
                 continue
             split = ettr.incident_split({"first_alert_ts": inc.first_alert_ts, "opened_ts": inc.opened_ts,
                                          "diagnosis_start_ts": inc.diagnosis_start_ts, "decided_ts": inc.decided_ts,

@@ -10,6 +10,7 @@ from typing import Any
 from node_tools.errors import TrainguardError
 from operators.control.base import ControllerBase, asdict_action
 from operators.fleet import states
+from operators.fleet.states import IncidentState
 from operators.policy import ladder
 
 
@@ -110,7 +111,7 @@ class Incidents(ControllerBase):
         something stronger gets the stronger category; its vote stops at its next round and a new
         tg_incident run handles it. Returns whether that happened."""
         inc = self.fleet.incident(incident_id)
-        if inc.state != "open" or inc.category not in ladder.WATCHED or self.fleet.actions(incident_id):
+        if inc.state != IncidentState.OPEN or inc.category not in ladder.WATCHED or self.fleet.actions(incident_id):
             return False
         t = self._triage(inc.job, incident_id)
         if not ladder.supersedes(inc.category, t):
@@ -195,7 +196,7 @@ class Incidents(ControllerBase):
         """The incident waits for a human, and so does its job (its state in the fleet database says so):
         ``reason`` says why and what to do."""
         inc = self.fleet.incident(incident_id)
-        self.fleet.update_incident(incident_id, state="waiting_human", summary=reason)
+        self.fleet.update_incident(incident_id, state=IncidentState.WAITING_HUMAN, summary=reason)
         self.fleet.set_job_state(inc.job, "waiting_human")
         return {"swaps": {}, "waiting_human": True, "reason": reason}
 

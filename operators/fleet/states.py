@@ -14,14 +14,30 @@
 
 from __future__ import annotations
 
-PROVISIONING = "provisioning"
-SELF_CHECK = "self_check"
-STANDBY = "standby"
-ACTIVE = "active"
-SUSPECT = "suspect"
-EVICTED = "evicted"
-REPAIR = "repair"
-RETIRED = "retired"
+from enum import StrEnum
+
+
+class MachineState(StrEnum):
+    """A machine's state (values as stored in the fleet database)."""
+
+    PROVISIONING = "provisioning"
+    SELF_CHECK = "self_check"
+    STANDBY = "standby"
+    ACTIVE = "active"
+    SUSPECT = "suspect"
+    EVICTED = "evicted"
+    REPAIR = "repair"
+    RETIRED = "retired"
+
+
+PROVISIONING = MachineState.PROVISIONING
+SELF_CHECK = MachineState.SELF_CHECK
+STANDBY = MachineState.STANDBY
+ACTIVE = MachineState.ACTIVE
+SUSPECT = MachineState.SUSPECT
+EVICTED = MachineState.EVICTED
+REPAIR = MachineState.REPAIR
+RETIRED = MachineState.RETIRED
 
 STATES = (PROVISIONING, SELF_CHECK, STANDBY, ACTIVE, SUSPECT, EVICTED, REPAIR, RETIRED)
 
@@ -38,6 +54,19 @@ TRANSITIONS: dict[str, frozenset[str]] = {
 
 # machines that count as serving or able to serve
 IN_SERVICE = frozenset({ACTIVE, SUSPECT})
+
+
+class IncidentState(StrEnum):
+    """An incident's state: open (being handled), waiting for a human, or closed (resolved, failed)."""
+
+    OPEN = "open"
+    WAITING_HUMAN = "waiting_human"
+    RESOLVED = "resolved"
+    FAILED = "failed"
+
+
+OPEN_INCIDENT_STATES = (IncidentState.OPEN, IncidentState.WAITING_HUMAN)
+INCIDENT_STATES = tuple(IncidentState)
 
 
 def allowed(from_state: str | None, to_state: str) -> bool:

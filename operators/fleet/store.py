@@ -40,8 +40,8 @@ from operators.fleet.models import (
     Revision,
 )
 
-OPEN_INCIDENT_STATES = ("open", "waiting_human")
-INCIDENT_STATES = ("open", "waiting_human", "resolved", "failed")
+OPEN_INCIDENT_STATES = states.OPEN_INCIDENT_STATES
+INCIDENT_STATES = states.INCIDENT_STATES
 
 
 class FleetError(TrainguardError):
@@ -351,7 +351,7 @@ class FleetStore:
         opened = inc is None
         if inc is None:
             first = min((float(a.get("ts", self.clock())) for a in alerts), default=self.clock())
-            inc = Incident(job=job, state="open", category=category,
+            inc = Incident(job=job, state=states.IncidentState.OPEN, category=category,
                            level=self._next_level(s, job, escalation_window_s, failed_ts=first),
                            opened_ts=self.clock(), first_alert_ts=first, summary="")
             s.add(inc)
@@ -423,7 +423,8 @@ class FleetStore:
         network blip, a passing slowdown) are not recoveries and do not count."""
         last = s.scalar(select(Incident).where(
             Incident.job == job,
-            or_(Incident.state == "failed", and_(Incident.state == "resolved", Incident.resumed_ts.is_not(None))))
+            or_(Incident.state == states.IncidentState.FAILED,
+                and_(Incident.state == states.IncidentState.RESOLVED, Incident.resumed_ts.is_not(None))))
             .order_by(Incident.id.desc()))
         end = None if last is None else (last.resumed_ts or last.closed_ts)
         if last is None or end is None or failed_ts - end > window_s:
@@ -505,7 +506,7 @@ class FleetStore:
         claimed verdict) the stronger ``category``, in one transaction; False when it is too late."""
         with self.tx() as s:
             inc = self._required(s, Incident, incident_id, lock=True)
-            if inc.state != "open" or inc.category not in watched:
+            if inc.state != states.IncidentState.OPEN or inc.category not in watched:
                 return False
             if s.scalar(select(Action.id).where(Action.incident_id == incident_id).limit(1)) is not None:
                 return False

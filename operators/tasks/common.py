@@ -10,6 +10,7 @@ from typing import Any
 
 from node_tools.errors import TrainguardError
 from operators.control import ControlConfig, Controller
+from operators.fleet.states import IncidentState
 from operators.fleet.store import OPEN_INCIDENT_STATES
 
 
@@ -88,9 +89,9 @@ def finish_by_hand(c: Controller, incident: int, culprits: list[str], *, evict: 
     c.fleet.update_incident(incident, decided_ts=time.time())
     if evict and culprits:
         out["eviction"] = c.evict(incident, culprits, reason=reason)
-    if c.fleet.incident(incident).state == "waiting_human":
+    if c.fleet.incident(incident).state == IncidentState.WAITING_HUMAN:
         return out
     if restart or (out.get("eviction") or {}).get("swaps"):
         out["recovery"] = c.recover(incident)
-    out["closed"] = c.close(incident, outcome="resolved", note=note)["state"]
+    out["closed"] = c.close(incident, outcome=IncidentState.RESOLVED, note=note)["state"]
     return out

@@ -12,6 +12,7 @@ from typing import Any
 
 from node_tools.errors import TrainguardError
 from operators.control import Controller
+from operators.fleet.states import IncidentState
 from operators.models import IncidentDecision, Restart, Resume, RungResult, Stop, StopFound, Swap
 from operators.policy import rungs
 from operators.policy.rungs import NO_RECOVERY
@@ -252,12 +253,12 @@ def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:
     refuses), the job is stopped and started again on its machines, from its newest committed checkpoint;
     the tasks after it check the resume and close the incident again."""
     inc = c.fleet.incident(incident_id)
-    if inc.state != "open":  # closed, or waiting for a human who now asks for the restart
+    if inc.state != IncidentState.OPEN:  # closed, or waiting for a human who now asks for the restart
         busy = common.open_incidents(c, inc.job, other_than=incident_id)
         if busy:
             raise TrainguardError(f"incident {busy[0]} of job {inc.job} is open and its run acts on the job; "
                                   f"clear this task again once it closed")
-        c.fleet.update_incident(incident_id, state="open",
+        c.fleet.update_incident(incident_id, state=IncidentState.OPEN,
                                 summary=f"{inc.summary}; restarted again (its run's restart_job ran again)")
     begun = time.time()
     out = c.recover(incident_id)
@@ -346,7 +347,7 @@ def escalation_after(c: Controller, incident_id: int, watch: dict[str, Any], inf
     :func:`escalation_step` asked to watch): the incident closes resolved, or the escalation climbs on."""
     if not info.get("failed") and not info.get("pending"):
         tried = watch["tried"]
-        return {"done": c.close(incident_id, outcome="resolved", resumed=info,
+        return {"done": c.close(incident_id, outcome=IncidentState.RESOLVED, resumed=info,
                                 steps_before=int(watch["recovery"].get("steps_before", -1)),
                                 note=f"resumed at step {info['first_step']} after {len(tried)} more restart(s): "
                                      f"{'; '.join(tried)}")}
@@ -378,10 +379,12 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
     incident_id = int(incident_id)
     inc = c.fleet.incident(incident_id)
 
+    RESOLVED, FAILED = IncidentState.RESOLVED, IncidentState.FAILED
+
     def closed(outcome: str, note: str, **kw: Any) -> dict[str, Any]:
         return {"done": c.close(incident_id, outcome=outcome, note=note, **kw)}
 
-    if inc.state == "waiting_human":
+    if inc.state == IncidentState.WAITING_HUMAN:
         return {"done": c.timeline(incident_id)}
     restarted = bool(recovery and recovery.get("restarted"))
     in_flight = _escalated_before(c, incident_id, recovery) if restarted else None
@@ -392,8 +395,8 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
             start = float(recovery["again_ts"])
             c.fleet.add_ettr(inc.job, "recovery", start, max(start, float(resume["ts"])),
                              incident_id=incident_id, detail="restarted again (restart_job ran again)")
-            return closed("resolved", f"resumed at step {resume['first_step']} after the restart again")
-        return closed("resolved", f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
+            return closed(RESOLVED, f"resumed at step {resume['first_step']} after the restart again")
+        return closed(RESOLVED, f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
                                   f"after the first alert)",
                       resumed=resume, steps_before=int(recovery.get("steps_before", -1)))
     if restarted:  # the restart did not hold, faults joined after it, or the resume check itself failed
@@ -406,21 +409,21 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
         return {"done": c.timeline(incident_id)}
     if (recovery or {}).get("error"):  # the rung itself failed: the job may be stopped halfway
         if c.trains(inc.job):
-            return closed("failed", f"{recovery['error']}; the job still trains; next: look at the task's log, then "
+            return closed(FAILED, f"{recovery['error']}; the job still trains; next: look at the task's log, then "
                                     f"trigger tg_diagnose")
         return escalation_step(c, incident_id, recovery["error"])
     if (recovery or {}).get("not_evicted") and c.trains(inc.job):  # closed (failed), so that later alerts
         # open incidents of their own instead of joining one that waits while the job trains
-        return closed("failed", recovery["not_evicted"])
+        return closed(FAILED, recovery["not_evicted"])
     if vote and not vote.get("machines"):
-        return closed("resolved", f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing "
+        return closed(RESOLVED, f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing "
                                   f"slowdown, nothing evicted")
     if decision and decision.get("action") in ("tolerate", "observe"):
-        return closed("resolved", f"no recovery needed ({decision['action']})")
+        return closed(RESOLVED, f"no recovery needed ({decision['action']})")
     if recovery and recovery.get("resolved"):  # a rung that needed no restart (an agent restarted ...)
-        return closed("resolved", str(recovery["resolved"]))
+        return closed(RESOLVED, str(recovery["resolved"]))
     if c.trains(inc.job):
-        return closed("failed", "the incident's run ended without a recovery while the job trains on; next: look at "
+        return closed(FAILED, "the incident's run ended without a recovery while the job trains on; next: look at "
                                 "its tasks' logs")
     return escalation_step(c, incident_id, "the incident's run ended without a recovery and the job does not train")
 
@@ -430,7 +433,7 @@ def _escalated_before(c: Controller, incident_id: int, recovery: dict[str, Any])
     the incident is still open (the try failed while its resume was awaited): the resume of that restart is
     awaited again, instead of a second escalation restarting the job once more."""
     rec = Restart.read(recovery)
-    if rec.restart_ts is None or c.fleet.incident(incident_id).state != "open":
+    if rec.restart_ts is None or c.fleet.incident(incident_id).state != IncidentState.OPEN:
         return None
     later = [a for a in c.fleet.actions(incident_id) if a.kind == "launch" and a.outcome == "done"
              and (a.started_ts or 0) > rec.restart_ts]
@@ -458,7 +461,7 @@ def outcome(incident_id: int) -> dict[str, Any]:
     inc = c.fleet.incident(int(incident_id))
     note = incident_note(c, int(incident_id))
     common.note(note)
-    if inc.state in ("failed", "waiting_human"):
+    if inc.state in (IncidentState.FAILED, IncidentState.WAITING_HUMAN):
         raise TrainguardError(f"incident {inc.id} {inc.state.replace('_', ' for a ')}: {inc.summary}")
     return {"incident": inc.id, "state": inc.state, "summary": inc.summary, "note": note}
 
