@@ -1,5 +1,6 @@
-"""tg_guardian: waits (deferred, in the triggerer) for alerts, groups each batch into incidents per job as
-it resumes, and starts one tg_incident run per newly opened incident. Continuous, one active run."""
+"""tg_guardian: waits (deferred, in the triggerer) for alerts; the trigger groups each batch into incidents
+per job and starts one tg_incident run per newly opened incident (the tasks do what it could not).
+Continuous, one active run: one run per batch, its note and log the batch's audit trail."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from operators.sensors.alerts import IncidentSensor
 @dag(dag_id="tg_guardian", schedule="@continuous", max_active_runs=1, start_date=datetime(2026, 1, 1),
      catchup=False, tags=["trainguard"], doc_md=__doc__)
 def tg_guardian():
-    # settle window: TG_ALERT_SETTLE_S (3 s); the batch is recorded (incidents, then the bus cursor) as the
-    # sensor resumes, and it returns the incidents to start
+    # settle window: TG_ALERT_SETTLE_S (1 s); the trigger records the batch (incidents and the bus cursor in one
+    # transaction) and starts the incidents' runs; the sensor returns them, and start_incident starts any the
+    # trigger could not (a run's id names its incident: one that exists is skipped)
     opened = IncidentSensor(task_id="wait_for_alerts", retries=3, retry_delay=timedelta(seconds=1))
-    TriggerDagRunOperator.partial(task_id="start_incident", trigger_dag_id="tg_incident").expand(conf=opened.output)
+    TriggerDagRunOperator.partial(task_id="start_incident", trigger_dag_id="tg_incident",
+                                  skip_when_already_exists=True).expand_kwargs(opened.output)
 
 
 tg_guardian()

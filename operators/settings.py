@@ -22,7 +22,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from node_tools.errors import EXIT_USAGE, TrainguardError
 from operators.policy.liveness import DEFAULT_SILENT_S
 
-DEFAULT_SETTLE_S = 3.0  # the guardian's batch window, seconds
+DEFAULT_SETTLE_S = 1.0  # the guardian's batch window, seconds
 
 PREFIX = "TG_"
 

@@ -224,3 +224,142 @@ def test_a_document_quarantined_on_its_own_fires_the_trigger_and_is_recorded_wit
     assert "over the limit" in q.reason and fleet.incidents("j") == []
     with pytest.raises(RuntimeError, match="without alerts or quarantined documents"):
         AlertSensor(task_id="w").execute_complete({}, {"alerts": [], "quarantined": []})
+
+
+class _DagRuns:
+    """A loopback HTTP server standing in for the api-server's ``POST /api/v2/dags/{dag}/dagRuns``: 200 for a
+    new run id, 409 for one it has; every run it created, by id."""
+
+    def __init__(self) -> None:
+        import json
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        runs = self.runs = {}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                if self.path == "/auth/token":
+                    out, code = {"access_token": "jwt"}, 200
+                elif body["dag_run_id"] in runs:
+                    out, code = {"detail": "exists"}, 409
+                else:
+                    runs[body["dag_run_id"]] = {"dag": self.path.split("/")[4], "conf": body["conf"]}
+                    out, code = {"dag_run_id": body["dag_run_id"]}, 200
+                data = json.dumps(out).encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def dag_runs():
+    server = _DagRuns()
+    yield server
+    server.close()
+
+
+def _recording(tmp_path, monkeypatch, api_url: str | None):
+    """A recording trigger over the scripted fleet's controller (its bus a real spool), its REST API the
+    loopback server (None: no connection to it)."""
+    from operators.hooks.airflow_api import AirflowApi
+    from tests.fakes import fleet_controller, use_controller
+
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+
+    def api(self):
+        if api_url is None:
+            raise LookupError("The conn_id `tg_airflow_api` isn't defined")
+        return AirflowApi(api_url, username="tg_notes", password="pw", retry_s=1.0)
+
+    monkeypatch.setattr(AlertTrigger, "_api", api)
+    trigger = AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.2, poll_s=0.05, record=True)
+    return c, trigger
+
+
+def test_the_guardians_trigger_records_the_batch_and_starts_the_incidents_run_itself(tmp_path, monkeypatch, dag_runs):
+    """No task between an alert and its incident's run: the trigger records the batch (incident, cursor) and
+    starts the run; the sensor then only hands on what was started, and the start_incident task finds it."""
+    from operators.sensors.alerts import IncidentSensor
+
+    c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
+    assert trigger.serialize()[1]["record"] is True
+    open_bus(c.inventory.bus_url).publish(Alert("gpu_lost", "m1"))
+    event = first_event(trigger)
+    [inc] = c.fleet.incidents("j")
+    assert event["recorded"] and event["started"] == {f"incident__{inc.id}": "started"}
+    assert dag_runs.runs == {f"incident__{inc.id}": {"dag": "tg_incident", "conf": {
+        "incident_id": inc.id, "job": "j", "first_seen_ts": event["first_seen_ts"]}}}
+    assert c.fleet.cursor("guardian")  # committed with the incident, in the triggerer
+    starts = IncidentSensor(task_id="wait_for_alerts").execute_complete({}, event)
+    assert starts == [{"conf": dag_runs.runs[f"incident__{inc.id}"]["conf"], "trigger_run_id": f"incident__{inc.id}"}]
+    assert "alerts" not in event or isinstance(event["alerts"], int)  # the batch itself does not travel again
+
+
+def test_without_the_rest_api_the_start_incident_task_starts_the_run(tmp_path, monkeypatch):
+    from operators.sensors.alerts import IncidentSensor
+
+    c, trigger = _recording(tmp_path, monkeypatch, None)
+    open_bus(c.inventory.bus_url).publish(Alert("gpu_lost", "m1"))
+    event = first_event(trigger)
+    [inc] = c.fleet.incidents("j")
+    assert event["recorded"] and event["started"][f"incident__{inc.id}"].startswith("not started: ")
+    # the task after the sensor (start_incident) is handed the run to start
+    assert [s["trigger_run_id"] for s in IncidentSensor(task_id="w").execute_complete({}, event)] == [
+        f"incident__{inc.id}"]
+
+
+def test_a_batch_the_trigger_cannot_record_is_recorded_by_the_sensor(tmp_path, monkeypatch, dag_runs):
+    from operators.sensors.alerts import IncidentSensor
+    from operators.tasks import guardian
+
+    c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
+    real = guardian.group_alerts
+
+    def locked(event, ctl=None):  # the fleet database does not answer in the triggerer
+        if ctl is not None:
+            raise RuntimeError("database is locked")
+        return real(event)
+
+    monkeypatch.setattr(guardian, "group_alerts", locked)
+    open_bus(c.inventory.bus_url).publish(Alert("gpu_lost", "m1"))
+    event = first_event(trigger)
+    assert not event.get("recorded") and [a["kind"] for a in event["alerts"]] == ["gpu_lost"]
+    assert c.fleet.incidents("j") == [] and dag_runs.runs == {}  # nothing recorded, nothing started
+    [start] = IncidentSensor(task_id="w").execute_complete({}, event)
+    [inc] = c.fleet.incidents("j")
+    assert start["trigger_run_id"] == f"incident__{inc.id}" and c.fleet.cursor("guardian")
+
+
+def test_an_open_incident_whose_run_was_never_started_is_started_by_the_sweep_once(tmp_path, monkeypatch, dag_runs):
+    """The starter died between recording the incident and starting its run: the trigger's sweep starts it;
+    incidents whose runs exist, incidents opened by hand and young ones are left alone."""
+    from operators.tasks import guardian
+    from tests.fakes import alert
+
+    c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
+    [item] = c.ingest([alert("gpu_lost", "m1")])
+    c.fleet.upsert_job("k", tp=1, pp=1, dp=1, ranks_per_machine=1, machines=["m5"])
+    by_hand, _ = c.fleet.open_incident("k", [], category="manual")  # a diagnosis by hand: no alerts
+    assert guardian.orphans(c) == []  # too young: its start may be on its way
+    later = time.time() + guardian.ORPHAN_AFTER_S + 1
+    [orphan] = guardian.orphans(c, now=later)  # not the one by hand
+    assert orphan["trigger_run_id"] == f"incident__{item['incident']}" and by_hand.id != item["incident"]
+    monkeypatch.setattr(guardian, "ORPHAN_AFTER_S", 0.0)
+    monkeypatch.setattr(guardian, "orphans", lambda ctl: [orphan])
+    trigger._sweep()
+    trigger._sweep()  # again: the run exists
+    assert list(dag_runs.runs) == [f"incident__{item['incident']}"]

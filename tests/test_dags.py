@@ -45,6 +45,8 @@ def test_guardian_is_continuous_with_one_run_and_a_deferrable_sensor(dagbag):
     assert type(sensor).__name__ == "IncidentSensor"  # records the batch as it resumes
     assert dag.get_task("start_incident").downstream_list == []
     assert [t.task_id for t in sensor.downstream_list] == ["start_incident"]
+    # the trigger starts the runs; the task starts any it could not, by the same run id (never twice)
+    assert dag.get_task("start_incident").partial_kwargs["skip_when_already_exists"] is True
 
 
 def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits_and_closes(dagbag):

@@ -15,7 +15,7 @@ from operators.triggers.alerts import DEFAULT_POLL_S, AlertTrigger
 
 
 def settle_from_env(env: Any = None) -> float:
-    """``TG_ALERT_SETTLE_S`` (default 3 s): how long a batch keeps collecting after its first alert."""
+    """``TG_ALERT_SETTLE_S`` (default 1 s): how long a batch keeps collecting after its first alert."""
     return ControlSettings.from_env(env).alert_settle_s
 
 
@@ -30,6 +30,7 @@ class AlertSensor(BaseSensorOperator):
     ``bus_url``/``fleet_url``, the control plane's (see :func:`operators.tasks.guardian.alert_source`)."""
 
     template_fields = ("bus_url", "fleet_url")
+    record = False  # the trigger records the batch and starts the incidents' runs (IncidentSensor)
 
     def __init__(self, *, bus_url: str = "", fleet_url: str = "", settle_s: float | None = None,
                  poll_s: float = DEFAULT_POLL_S, kinds: Sequence[str] = (), max_wait: timedelta | None = None,
@@ -51,7 +52,7 @@ class AlertSensor(BaseSensorOperator):
             bus_url, fleet_url = bus_url or default_bus, fleet_url or default_fleet
         settle_s = self.settle_s if self.settle_s is not None else settle_from_env()
         self.defer(trigger=AlertTrigger(bus_url, fleet_url, settle_s=settle_s, poll_s=self.poll_s, kinds=self.kinds,
-                                        silent_s=silent_from_env()),
+                                        silent_s=silent_from_env(), record=self.record),
                    method_name="execute_complete", timeout=self.max_wait)
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -67,13 +68,22 @@ class AlertSensor(BaseSensorOperator):
 
 
 class IncidentSensor(AlertSensor):
-    """An :class:`AlertSensor` that records its batch as soon as it resumes: the alerts join incidents (or
-    open new ones), the bus cursor is committed, and it returns the confs of the incidents to start (one
-    ``tg_incident`` run each). One task less between an alert and its incident's run; a failure here
-    fails the task before the cursor moves, so its retry reads the same alerts again."""
+    """An :class:`AlertSensor` for the guardian: its trigger records the batch (the alerts join incidents or
+    open new ones, the bus cursor is committed) and starts each new incident's ``tg_incident`` run itself;
+    as it resumes, the sensor returns what starts those runs (the ``start_incident`` task answers "exists"
+    for each). When the trigger could not record the batch, the sensor does (a failure here fails the task
+    before the cursor moves, so its retry reads the same alerts again)."""
+
+    record = True
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        batch = super().execute_complete(context, event)
         from operators.tasks import guardian
 
+        if event and event.get("recorded"):
+            self.log.info("%d alerts recorded in the triggerer (%s); runs: %s", event.get("alerts", 0),
+                          ", ".join(event.get("kinds") or []), event.get("started"))
+            for q in event.get("quarantined") or ():
+                self.log.warning("quarantined %s: %s", q.get("name"), q.get("reason"))
+            return list(event.get("starts") or [])
+        batch = super().execute_complete(context, event)
         return guardian.group_alerts(batch)

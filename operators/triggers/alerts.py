@@ -7,16 +7,22 @@ alert it keeps reading for ``settle_s`` more (default 3 s), so a burst from a th
 together becomes one batch, then fires (at once instead when the batch holds an alert the ladder acts on by
 itself, an explicit machine fault or a silent agent: waiting would only delay the eviction; what comes later
 joins the open incident) with every alert of the batch as JSON documents, the names it read, the documents
-it quarantined, and what it saw of the agents' heartbeats. The trigger never writes the cursor: the task
-that records the batch commits it in the same transaction (:meth:`operators.control.Controller.ingest`), so
-a run that fails after the trigger fired leaves the alerts for the next run (recording them again is a
-no-op: alerts are keyed by id).
+it quarantined, and what it saw of the agents' heartbeats. With ``record`` (the guardian's), the
+trigger records the batch itself as it fires (:func:`operators.tasks.guardian.group_alerts`: alerts into
+incidents, the bus cursor committed in the same transaction) and starts each new incident's tg_incident
+run through the REST API: an incident's run starts about a second after its alert, with no task to
+schedule in between; the event then carries what was started. When it cannot (the fleet database or the
+REST API does not answer there), the event carries the batch and the guardian's tasks record it and start
+the runs (recording a batch twice is a no-op: alerts are keyed by id; a run's id names its incident).
+Without ``record`` the trigger never writes the cursor.
 
 While it waits the trigger also watches trainguard itself: every second it lists the agents' heartbeats
 (:class:`operators.policy.liveness.AgentWatch`) and reports an agent silent past ``silent_s`` on a machine
 of a running job as an ``agent_silent`` alert of its own; every few seconds it records its own poll in the
-fleet database (component ``guardian``: ``trainguard status`` and the metrics say how old it is); and it
-moves names recorded longer than ``retain_s`` ago to the bus's archive, so the folder it lists stays short.
+fleet database (component ``guardian``: ``trainguard status`` and the metrics say how old it is); it
+moves names recorded longer than ``retain_s`` ago to the bus's archive, so the folder it lists stays short;
+and, recording, every ``ORPHAN_SWEEP_S`` it starts the run of any open incident whose start was lost
+(:func:`operators.tasks.guardian.orphans`: starting one that exists changes nothing).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ NOTICES_READER = "checkpoint-notices"
 LIVENESS_EVERY_S = 1.0
 BEAT_EVERY_S = 5.0
 WATCHED_EVERY_S = 5.0
+ORPHAN_SWEEP_S = 10.0
 
 
 def _fleet(fleet_url: str) -> Any:
@@ -134,8 +141,10 @@ class AlertTrigger(BaseTrigger):
 
     def __init__(self, bus_url: str, fleet_url: str = "", *, reader: str = GUARDIAN,
                  settle_s: float = DEFAULT_SETTLE_S, poll_s: float = DEFAULT_POLL_S, kinds: Sequence[str] = (),
-                 silent_s: float = 0.0, skew_s: float = 60.0, retain_s: float = DEFAULT_RETAIN_S) -> None:
+                 silent_s: float = 0.0, skew_s: float = 60.0, retain_s: float = DEFAULT_RETAIN_S,
+                 record: bool = False) -> None:
         super().__init__()
+        self.record = bool(record)
         self.bus_url = bus_url
         self.fleet_url = fleet_url
         self.reader = reader
@@ -150,7 +159,7 @@ class AlertTrigger(BaseTrigger):
         return (f"{type(self).__module__}.{type(self).__qualname__}",
                 {"bus_url": self.bus_url, "fleet_url": self.fleet_url, "reader": self.reader,
                  "settle_s": self.settle_s, "poll_s": self.poll_s, "kinds": self.kinds, "silent_s": self.silent_s,
-                 "skew_s": self.skew_s, "retain_s": self.retain_s})
+                 "skew_s": self.skew_s, "retain_s": self.retain_s, "record": self.record})
 
     def _keep(self, alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [a for a in alerts if not self.kinds or a["kind"] in self.kinds]
@@ -162,10 +171,14 @@ class AlertTrigger(BaseTrigger):
                                         silent_s=self.silent_s, skew_s=self.skew_s, retain_s=self.retain_s)
         # a document quarantined on its own (oversized, not an alert) fires too: it has left the alerts folder,
         # and only the task that records the batch records why; waiting for the next alert would lose it
+        sweep_at = time.monotonic() + ORPHAN_SWEEP_S
         while True:
             batch = self._keep(await asyncio.to_thread(watch.poll))
             if batch or watch.reader.quarantined:
                 break
+            if self.record and time.monotonic() >= sweep_at:
+                sweep_at = time.monotonic() + ORPHAN_SWEEP_S
+                await asyncio.to_thread(self._sweep)
             await asyncio.sleep(self.poll_s)
         first_seen = time.time()
         deadline = time.monotonic() + self.settle_s
@@ -173,7 +186,50 @@ class AlertTrigger(BaseTrigger):
             await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
             batch += self._keep(await asyncio.to_thread(watch.poll))
         batch.sort(key=lambda a: a["ts"])
-        yield TriggerEvent(watch.event(batch, first_seen))
+        event = watch.event(batch, first_seen)
+        if self.record:
+            event = await asyncio.to_thread(self._record, event)
+        yield TriggerEvent(event)
+
+    def _api(self) -> Any:
+        from operators.hooks.airflow_api import AirflowApiHook
+
+        return AirflowApiHook(os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api"), retry_s=10.0).get_client()
+
+    def _record(self, event: dict[str, Any]) -> dict[str, Any]:
+        """Record the batch and start its incidents' runs; the event says what was done. Whatever fails here
+        is left to the guardian's tasks (the event then carries the batch itself)."""
+        from operators.tasks import common, guardian
+
+        try:
+            starts = guardian.group_alerts(event, common.shared_controller())
+        except Exception as exc:
+            self.log.warning("batch not recorded in the triggerer (the guardian's task records it): %s", exc)
+            return event
+        try:
+            with self._api() as api:
+                started = guardian.start_runs(starts, api)
+        except Exception as exc:  # no connection, the api-server down: the start_incident task starts them
+            started = {s["trigger_run_id"]: f"not started: {exc}"[:300] for s in starts}
+        summary = sorted({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})
+        self.log.info("recorded %d alerts (%s); runs: %s", len(event["alerts"]), ", ".join(summary), started)
+        return {"recorded": True, "starts": starts, "started": started, "alerts": len(event["alerts"]),
+                "kinds": summary, "first_seen_ts": event["first_seen_ts"], "fired_ts": time.time(),
+                "quarantined": [{k: q.get(k) for k in ("name", "reason")} for q in event["quarantined"]]}
+
+    def _sweep(self) -> None:
+        """Start the run of any open incident whose start was lost (a no-op for those that run)."""
+        from operators.tasks import common, guardian
+
+        try:
+            starts = guardian.orphans(common.shared_controller())
+            if starts:
+                with self._api() as api:
+                    started = guardian.start_runs(starts, api)
+                if any(v == "started" for v in started.values()):
+                    self.log.warning("started the runs of incidents whose start was lost: %s", started)
+        except Exception as exc:  # the next sweep tries again
+            self.log.warning("orphan sweep: %s", exc)
 
 
 class CheckpointNoticeTrigger(BaseEventTrigger):
