@@ -1,16 +1,17 @@
-"""The control plane end to end: a real ``airflow standalone`` (scheduler, triggerer, dag processor,
-api-server) runs tg_guardian and tg_incident against a namespace cluster of its own, with a guarded
-reference job (TP=2 PP=2 DP=2 on m0..m3, checkpoints every step, standbys m4 and m5 parked warm).
+"""The control plane end to end: a real ``airflow standalone`` (scheduler, triggerer, dag processor, api-server)
+runs tg_guardian and tg_incident against a namespace cluster of its own, with a guarded reference job (TP=2
+PP=2 DP=2 on m0..m3, checkpoints every step, standbys m4 and m5 parked warm).
 
-Faults are injected for real; the tests then read the fleet database the DAGs wrote: which branch ran,
-which machines were evicted, which standbys joined, from which step training resumed, and why.
+Faults are injected for real; the tests then read the fleet database the DAGs wrote: which branch ran, which
+machines were evicted, which standbys joined, from which step training resumed, and why.
 
-This module is the suite's shared end-to-end tier (one Airflow, one cluster, one job): ``make test`` (CI)
-runs the scenarios that prove the ladder's paths (explicit eviction onto a warm standby, the graph as what
-runs, stop-time diagnosis and escalation, over-eviction without losing a checkpoint, a dead standby, a
-diagnosis by hand, the ETTR ledger); the scenarios marked ``full`` (one per further fault kind, code rollback,
-forged and clock-skewed alerts, the browser tests) run with ``make test-all``. Every rung's decision is also
-proven without Airflow against fakes (tests/test_recovery_policy.py, tests/test_incident_tasks.py,
+This module is the suite's shared end-to-end tier (one Airflow, one cluster, one job): ``make test`` (CI) runs
+the scenarios that prove the ladder's paths (explicit eviction onto a warm standby, passing over a dead one;
+the graph as what runs; stop-time diagnosis; a diagnosis by hand; the ETTR ledger; over-eviction without
+losing a checkpoint), ordered so that the scenarios that need no fresh failure run while the last recovery's
+escalation window passes; the scenarios marked ``full`` (the escalation, one per further fault kind, code
+rollback, forged and clock-skewed alerts, the browser tests) run with ``make test-all``. Every rung's decision
+is also proven without Airflow against fakes (tests/test_recovery_policy.py, tests/test_incident_tasks.py,
 tests/test_guardian_ingest.py, tests/test_code_policy.py).
 """
 
@@ -227,9 +228,22 @@ def _repair(ctl: Controller, inv: Inventory, name: str) -> None:
     ctl.fleet.transition(name, states.STANDBY, reason="self-check passed (parked warm)", checked=True)
 
 
-def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(control, cp_cluster: Inventory):
+def _kill_sshd(inv: Inventory, name: str) -> None:
+    """A standby dies: its sshd is gone (the machine answers nothing)."""
+    os.kill(int((Path(inv.machine(name).extra["machine_dir"]) / "sshd.pid").read_text()), signal.SIGKILL)
+
+
+def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job_passing_over_a_dead_one(
+        control, cp_cluster: Inventory):
+    """A lost GPU is evicted at once, and a warm standby takes its machine's place. The first standby in line is
+    dead (its sshd gone): it was once evicted onto without a check, the launch failed, the incident ended
+    failed and the job stopped training. It is passed over (and sent to repair); the next one takes the place."""
     ctl, airflow = control
     assert ctl.fleet.job(JOB).machine_list == ["m0", "m1", "m2", "m3"]  # the fixture's launch, untouched
+    standbys = sorted(m.name for m in ctl.fleet.machines(state=states.STANDBY))
+    assert len(standbys) == 2, standbys
+    dead, spare = standbys
+    _kill_sshd(cp_cluster, dead)
     last = _last_incident(ctl)
     t_fault = time.time()
     inject.inject(cp_cluster, "m1", "gpu_lost")
@@ -238,6 +252,7 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
                          what=f"the incident to close (runs: {[r['state'] for r in airflow.runs('tg_incident')]})")
     finally:
         inject.clear(cp_cluster, "m1", "gpu_lost")
+        cluster.up(SPEC, cp_cluster.path.parent, log=lambda *_: None)  # the dead standby's sshd back (repair)
     assert inc.state == "resolved", ctl.timeline(inc.id)
     # the driver's Xid line (kernel log, 1 s check) or NVML's missing GPU (5 s check), whichever comes first
     assert inc.category == "machine_fault" and ("m1: gpu_lost" in inc.summary or "m1: kernel_xid" in inc.summary)
@@ -245,8 +260,9 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
     assert ("evict", ["m1"], "done") in kinds, kinds
     assert ctl.fleet.machine("m1").state == states.EVICTED
     job = ctl.fleet.job(JOB)
-    assert job.machine_list[1] in ("m4", "m5") and job.machine_list[0] == "m0"  # same node rank, survivors stay
-    assert ctl.fleet.machine(job.machine_list[1]).state == states.ACTIVE
+    assert job.machine_list == ["m0", spare, "m2", "m3"]  # same node rank, survivors stay, the dead one passed over
+    assert ctl.fleet.machine(spare).state == states.ACTIVE
+    assert ctl.fleet.machine(dead).state == states.REPAIR and "did not answer" in ctl.fleet.machine(dead).reason
     # training resumed from the newest committed checkpoint, losing at most one step
     assert inc.resumed_ts is not None and inc.lost_steps is not None and inc.lost_steps <= 1, ctl.timeline(inc.id)
     run = airflow.incident_run(inc.id)
@@ -254,17 +270,28 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job(contro
     assert tasks["evict_now"] == "success" and tasks["stop_time_diagnosis"] == "skipped", tasks
     # the rung decided; stop, swap and restart are tasks of their own
     assert tasks["stop_job"] == tasks["swap_machines"] == tasks["restart_job"] == "success", tasks
-    assert airflow.xcom("tg_incident", run["dag_run_id"], "swap_machines")["swaps"] == {"m1": job.machine_list[1]}
+    assert airflow.xcom("tg_incident", run["dag_run_id"], "swap_machines")["swaps"] == {"m1": spare}
     # the run's note in the UI says it in one line (its last task sets it)
     assert airflow.finished("tg_incident", run["dag_run_id"], timeout=RUN_END_S) == "success"
     note = airflow.run_note("tg_incident", run["dag_run_id"])
-    assert note.startswith(f"incident {inc.id} resolved (machine_fault): evicted m1 -> standby {job.machine_list[1]}; "
-                           f"resumed "), note
+    assert note.startswith(f"incident {inc.id} resolved (machine_fault): evicted m1 -> standby {spare}; resumed "), note
     launch = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "launch")
     # the standby joined on its warm interpreters, and the survivors restarted on theirs (armed at launch)
     assert launch.evidence["warm"] == sorted(job.machine_list)
-    print(f"gpu_lost: alert {inc.first_alert_ts - t_fault:.1f}s after the fault, resumed "
-          f"{inc.resumed_ts - t_fault:.1f}s after it, lost {inc.lost_steps} steps")
+    # the trigger recorded the alert and started the incident's run itself: its run id names the incident
+    assert run["dag_run_id"] == f"incident__{inc.id}"
+    print(f"gpu_lost: alert {inc.first_alert_ts - t_fault:.1f}s after the fault, incident run's first task "
+          f"{_first_task_s(airflow, inc):.1f}s after the alert, resumed {inc.resumed_ts - t_fault:.1f}s after the "
+          f"fault, lost {inc.lost_steps} steps")
+
+
+def _first_task_s(airflow: Standalone, inc: Any) -> float:
+    """Seconds from the incident's first alert to the start of its run's first task (triage)."""
+    from datetime import datetime
+
+    run = airflow.incident_run(inc.id)
+    [triage] = [t for t in airflow.task_instances("tg_incident", run["dag_run_id"]) if t["task_id"] == "triage"]
+    return datetime.fromisoformat(triage["start_date"]).timestamp() - inc.first_alert_ts
 
 
 def _restarted_incident(ctl: Controller, airflow: Standalone) -> Any:
@@ -331,17 +358,72 @@ def test_clearing_restart_job_of_a_finished_incident_run_restarts_the_job_and_wa
     assert len(recoveries) == 2, recoveries  # the first restart's and the second's, each once
 
 
-def test_a_crash_with_a_clean_diagnosis_restarts_in_place_and_a_second_one_escalates(control, cp_cluster):
-    ctl, airflow = control
+def _crash_restarted_in_place(ctl: Controller, airflow: Standalone, inv: Inventory) -> tuple[Any, list[str]]:
     machines = list(ctl.fleet.job(JOB).machine_list)
-    first = _fault_and_recovery(ctl, airflow, cp_cluster, machines[2], "crash", rank=4)
+    first = _fault_and_recovery(ctl, airflow, inv, machines[2], "crash", rank=4)
     assert first.state == "resolved" and first.category == "crash" and first.level == 0, _why(ctl, airflow, first.id)
     assert _branch(airflow, first.id) == "stop_time_diagnosis"
     assert not [a for a in ctl.fleet.actions(first.id) if a.kind == "evict"]  # every machine passed L1-L3
     assert ctl.fleet.job(JOB).machine_list == machines  # restarted in place
     assert first.lost_steps is not None and first.lost_steps <= 1
-    # the same job fails again right after: the ladder goes one rung up (no other known-good revision:
-    # the silent-corruption check instead of the same diagnosis again)
+    return first, machines
+
+
+def test_a_crash_with_a_clean_diagnosis_restarts_in_place(control, cp_cluster):
+    ctl, airflow = control
+    _crash_restarted_in_place(ctl, airflow, cp_cluster)
+
+
+def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(control, cp_cluster):
+    ctl, airflow = control
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    assert airflow.request("GET", "/api/v2/pools/tg_ssh")["slots"] == 16  # created when Airflow started
+    run_id = airflow.trigger("tg_diagnose", {"job": JOB, "machines": [], "level": 1, "evict": False})
+    state = wait_until(lambda: (s := airflow.run_state("tg_diagnose", run_id)) in ("success", "failed") and s,
+                       timeout=240, what="the tg_diagnose run to end")
+    tis = airflow.task_instances("tg_diagnose", run_id)
+    assert state == "success", [(t["task_id"], t["state"]) for t in tis]
+    mapped = [t for t in tis if t["task_id"] == "check_machine"]
+    assert sorted(t["rendered_map_index"] for t in mapped) == sorted(machines)  # one task per machine, named
+    assert {(t["pool"], t["state"]) for t in mapped} == {("tg_ssh", "success")}
+    out = airflow.xcom("tg_diagnose", run_id, "conclude")
+    assert out["failed"] == {} and sorted(out["machines"]) == sorted(machines)
+    assert ctl.fleet.job(JOB).machine_list == machines  # nothing evicted without "evict"
+
+
+def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_cluster):
+    import json
+    import subprocess
+    import sys
+
+    ctl, _airflow = control
+    closed = [i for i in ctl.fleet.incidents(JOB) if i.state in ("resolved", "failed")]
+    trained = ctl.progress(JOB)["step"]
+    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory}
+    cli = subprocess.run([sys.executable, "-m", "operators.cli", "--json", "ettr", "--job", JOB, "--window-s", "600"],
+                         capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert cli.returncode == 0, cli.stderr
+    report = json.loads(cli.stdout)
+    total = report["cumulative"]
+    assert 0 < total["ettr"] < 1 and total["kept_steps"] >= trained + 1, (trained, total)  # steps 0 .. trained
+    assert [x["incident"] for x in report["incidents"]] == [i.id for i in closed]
+    assert set(report["by_cause"]) == {i.category for i in closed}
+    assert sum(v["incidents"] for v in report["by_cause"].values()) == len(closed)
+    # every step an incident lost was run again: the ledger counts it as lost work, not as progress
+    assert total["lost_steps"] >= sum(i.lost_steps or 0 for i in closed)
+    recovered = [x for x in report["incidents"] if x["recovery_s"] > 0]
+    assert len(recovered) == len([i for i in closed if i.resumed_ts]), report["incidents"]
+    bad = subprocess.run([sys.executable, "-m", "operators.cli", "ettr", "--job", "nosuchjob"],
+                         capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nosuchjob" in bad.stderr, bad.stderr
+
+
+@pytest.mark.full
+def test_a_second_crash_right_after_a_recovery_escalates_one_rung(control, cp_cluster):
+    """The same job fails again right after a recovery: the ladder goes one rung up (no other known-good
+    revision: the silent-corruption check instead of the same diagnosis again)."""
+    ctl, airflow = control
+    _first, machines = _crash_restarted_in_place(ctl, airflow, cp_cluster)
     second = _fault_and_recovery(ctl, airflow, cp_cluster, machines[2], "crash", rank=5, fresh=False)
     assert second.level == 1 and second.state == "resolved", _why(ctl, airflow, second.id)
     assert _branch(airflow, second.id) == "silent_corruption"
@@ -349,7 +431,9 @@ def test_a_crash_with_a_clean_diagnosis_restarts_in_place_and_a_second_one_escal
 
 
 def _repair_evicted(ctl: Controller, inv: Inventory) -> None:
-    for name in [m.name for m in ctl.fleet.machines(state=states.EVICTED)]:
+    """The repair crew: every machine evicted, or sent to repair (a standby that did not answer), is fixed
+    and parked warm again."""
+    for name in [m.name for m in [*ctl.fleet.machines(state=states.EVICTED), *ctl.fleet.machines(state=states.REPAIR)]]:
         inject.clear(inv, name)
         _repair(ctl, inv, name)
 
@@ -639,45 +723,6 @@ def test_forged_and_oversized_alerts_and_a_clock_an_hour_ahead_neither_blind_the
     assert next(a for a in ctl.fleet.actions(inc.id) if a.kind == "evict").machines == [machines[2]]
 
 
-def test_a_dead_standby_is_passed_over_and_the_next_one_takes_the_machine(control, cp_cluster):
-    """With the first standby's sshd gone, a lost GPU was evicted onto it without a check; the launch failed,
-    the incident ended failed and the job stopped training."""
-    ctl, airflow = control
-    _repair_evicted(ctl, cp_cluster)
-    standbys = sorted(m.name for m in ctl.fleet.machines(state=states.STANDBY))
-    assert len(standbys) == 2, standbys
-    dead = standbys[0]
-    sshd = int((Path(cp_cluster.machine(dead).extra["machine_dir"]) / "sshd.pid").read_text())
-    os.kill(sshd, signal.SIGKILL)
-    machines = list(ctl.fleet.job(JOB).machine_list)
-    try:
-        inc = _fault_and_recovery(ctl, airflow, cp_cluster, machines[1], "gpu_lost")
-    finally:
-        inject.clear(cp_cluster, machines[1], "gpu_lost")
-        cluster.up(SPEC, cp_cluster.path.parent, log=lambda *_: None)  # its sshd back (repair)
-    assert inc.state == "resolved", _why(ctl, airflow, inc.id)
-    assert ctl.fleet.job(JOB).machine_list[1] == standbys[1]
-    assert ctl.fleet.machine(dead).state == "repair" and "did not answer" in ctl.fleet.machine(dead).reason
-    assert inc.lost_steps is not None and inc.lost_steps <= 1
-
-
-def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(control, cp_cluster):
-    ctl, airflow = control
-    machines = list(ctl.fleet.job(JOB).machine_list)
-    assert airflow.request("GET", "/api/v2/pools/tg_ssh")["slots"] == 16  # created when Airflow started
-    run_id = airflow.trigger("tg_diagnose", {"job": JOB, "machines": [], "level": 1, "evict": False})
-    state = wait_until(lambda: (s := airflow.run_state("tg_diagnose", run_id)) in ("success", "failed") and s,
-                       timeout=240, what="the tg_diagnose run to end")
-    tis = airflow.task_instances("tg_diagnose", run_id)
-    assert state == "success", [(t["task_id"], t["state"]) for t in tis]
-    mapped = [t for t in tis if t["task_id"] == "check_machine"]
-    assert sorted(t["rendered_map_index"] for t in mapped) == sorted(machines)  # one task per machine, named
-    assert {(t["pool"], t["state"]) for t in mapped} == {("tg_ssh", "success")}
-    out = airflow.xcom("tg_diagnose", run_id, "conclude")
-    assert out["failed"] == {} and sorted(out["machines"]) == sorted(machines)
-    assert ctl.fleet.job(JOB).machine_list == machines  # nothing evicted without "evict"
-
-
 @pytest.mark.full
 @pytest.mark.timeout(1200)  # a first run installs chromium
 def test_an_operator_triggers_a_diagnosis_from_the_airflow_ui_in_a_browser(control, cp_cluster):
@@ -735,33 +780,6 @@ def test_an_operator_triggers_a_diagnosis_from_the_airflow_ui_in_a_browser(contr
         d.save_screenshot(str(shot))
         d.quit()
     assert shot.stat().st_size > 10_000
-
-
-def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_cluster):
-    import json
-    import subprocess
-    import sys
-
-    ctl, _airflow = control
-    closed = [i for i in ctl.fleet.incidents(JOB) if i.state in ("resolved", "failed")]
-    trained = ctl.progress(JOB)["step"]
-    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory}
-    cli = subprocess.run([sys.executable, "-m", "operators.cli", "--json", "ettr", "--job", JOB, "--window-s", "600"],
-                         capture_output=True, text=True, env=env, timeout=120, check=False)
-    assert cli.returncode == 0, cli.stderr
-    report = json.loads(cli.stdout)
-    total = report["cumulative"]
-    assert 0 < total["ettr"] < 1 and total["kept_steps"] >= trained + 1, (trained, total)  # steps 0 .. trained
-    assert [x["incident"] for x in report["incidents"]] == [i.id for i in closed]
-    assert set(report["by_cause"]) == {i.category for i in closed}
-    assert sum(v["incidents"] for v in report["by_cause"].values()) == len(closed)
-    # every step an incident lost was run again: the ledger counts it as lost work, not as progress
-    assert total["lost_steps"] >= sum(i.lost_steps or 0 for i in closed)
-    recovered = [x for x in report["incidents"] if x["recovery_s"] > 0]
-    assert len(recovered) == len([i for i in closed if i.resumed_ts]), report["incidents"]
-    bad = subprocess.run([sys.executable, "-m", "operators.cli", "ettr", "--job", "nosuchjob"],
-                         capture_output=True, text=True, env=env, timeout=120, check=False)
-    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nosuchjob" in bad.stderr, bad.stderr
 
 
 @pytest.mark.full

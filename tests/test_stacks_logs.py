@@ -442,6 +442,8 @@ def test_logs_name_the_user_bug_of_a_rank(node):
     try:
         faults.write_control(node.fault_file, [{"id": "u", "kind": "user_error", "rank": 1, "params": {}}])
         wait_until(lambda: (rd / "exit.json").exists(), timeout=120, what="the job to exit")
+        # its supervisor writes exit.json, then ends: the job is exited once that process is gone too
+        wait_until(lambda: logs(node, "s2")[1]["state"] == "exited", timeout=30, what="the supervisor to end")
         code, doc = logs(node, "s2")
     finally:
         job.stop(node, "s2", grace_s=5)
