@@ -15,23 +15,15 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
+from operators.sensors.rung import RungOperator
 from operators.triggers.replay import DEFAULT_TIMEOUT_S
 
 # a guard against a trigger that never fires: it gives up on a group after DEFAULT_TIMEOUT_S itself
 MAX_WAIT = timedelta(seconds=DEFAULT_TIMEOUT_S + 600)
 
 
-class SilentCorruptionOperator(BaseOperator):
-    """The silent-corruption rung; returns its :class:`~operators.models.RungResult`.
-
-    :param decision: the triage's :class:`~operators.models.IncidentDecision` (an XCom reference)
-    """
-
-    template_fields = ("decision",)
-
-    def __init__(self, *, decision: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.decision = decision
+class SilentCorruptionOperator(RungOperator):
+    """The silent-corruption rung; returns its :class:`~operators.models.RungResult`."""
 
     def execute(self, context: Any) -> dict[str, Any] | None:
         from operators.tasks import incident

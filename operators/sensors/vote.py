@@ -9,21 +9,12 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import BaseOperator
+from operators.sensors.rung import RungOperator
 
 
-class SlowVoteOperator(BaseOperator):
+class SlowVoteOperator(RungOperator):
     """The slow vote: rounds of compute times in the triggerer, then the verdict; returns the rung's
-    :class:`~operators.models.RungResult`.
-
-    :param decision: the triage's :class:`~operators.models.IncidentDecision` (an XCom reference)
-    """
-
-    template_fields = ("decision",)
-
-    def __init__(self, *, decision: Any, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.decision = decision
+    :class:`~operators.models.RungResult`."""
 
     def execute(self, context: Any) -> dict[str, Any] | None:
         from operators.models import IncidentDecision
