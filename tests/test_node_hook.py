@@ -1,4 +1,5 @@
-"""NodeHook (providers-ssh SSHHook, paramiko) against the namespace cluster's real sshd."""
+"""NodeHook (providers-ssh SSHHook, paramiko; one held connection per machine) against the namespace
+cluster's real sshd."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_a_machine_with_another_host_key_is_refused(ns_cluster: Inventory, tmp_p
 
 
 def test_unreachable_and_slow_machines_are_explicit_results(ns_cluster: Inventory):
-    hook = NodeHook(ns_cluster, ssh_conn_id=None, connect_timeout_s=2)
+    hook = NodeHook(ns_cluster, ssh_conn_id=None, connect_timeout_s=2, connect_attempts=1)
     inject.inject(ns_cluster, "m5", "nic_down")
     try:
         results = hook.run_many(["m4", "m5"], ["info"], timeout_s=10)
@@ -64,3 +65,23 @@ def test_unreachable_and_slow_machines_are_explicit_results(ns_cluster: Inventor
     slow = hook.run("m4", ["diag", "--level", "2"], timeout_s=1)
     assert slow.status == "timeout" and slow.seconds < 5, slow
     assert hook.run("m5", ["info"]).status == "ok"  # back once the link is up
+
+
+def test_one_connection_per_machine_is_held_and_opened_again_once_it_broke(ns_cluster: Inventory):
+    """Every command after the first opens a channel on the machine's held connection (no new handshake);
+    a connection that broke meanwhile (closed under the hook, as a restarted sshd or a rebooted machine
+    leaves it) is opened again before the next command runs, and the command runs once."""
+    hook = NodeHook(ns_cluster, ssh_conn_id=None)
+    m0 = ns_cluster.machine("m0")
+    try:
+        assert hook.run(m0, ["info"]).status == "ok"
+        held = hook.connection(m0).get_transport()
+        assert [hook.run(m0, ["info"]).status for _ in range(3)] == ["ok"] * 3
+        assert hook.connection(m0).get_transport() is held  # the same connection all along
+        held.close()  # it breaks under the hook
+        again = hook.run(m0, ["info"])
+        assert again.status == "ok" and again.document["machine"] == "m0"
+        assert hook.connection(m0).get_transport() is not held and hook.connection(m0).get_transport().is_active()
+    finally:
+        hook.close()
+    assert not held.is_active()
