@@ -24,6 +24,10 @@ class _Busy(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length).decode() if length else ""
         type(self).seen.append((self.command, self.path, self.headers.get("Authorization", "")))
+        if self.headers.get("Authorization") == "Bearer expired":
+            self.send_response(401)
+            self.end_headers()
+            return
         if len(type(self).seen) <= type(self).busy:
             self.send_response(500)
             self.end_headers()
@@ -108,3 +112,13 @@ def test_a_server_that_is_not_there_yet_is_waited_for_then_refused():
 
     with pytest.raises(httpx.ConnectError):
         api.request("GET", "/api/v2/monitor/health", auth=False)
+
+
+def test_an_expired_token_is_fetched_again_once(server):
+    """A client kept for long (the guardian's trigger keeps one) outlives its token: the request is sent
+    again once with a new one."""
+    url, handler = server
+    api = AirflowApi(url, username="notes", password="pw", retry_s=0)
+    api._token = "expired"
+    assert api.request("PATCH", "/api/v2/x", {"note": "n"}) == {"method": "PATCH", "body": {"note": "n"}}
+    assert [h[2] for h in handler.seen] == ["Bearer expired", "notes", "Bearer jwt-of-notes"]

@@ -81,6 +81,9 @@ class AirflowApi:
     def _once(self, method: str, path: str, body: Any, auth: bool) -> Any:
         headers = {"Authorization": f"Bearer {self.token()}"} if auth else {}
         r = self._client.request(method, path, json=body, headers=headers)
+        if r.status_code == 401 and auth:  # the token expired (a client kept for long): a new one, once
+            self._token = ""
+            r = self._client.request(method, path, json=body, headers={"Authorization": f"Bearer {self.token()}"})
         if r.status_code >= 400:
             raise ApiError(f"{method} {path}: HTTP {r.status_code}: {r.text[:300]}", r.status_code, r.text)
         return r.json() if r.content.strip() else None

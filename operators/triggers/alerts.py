@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -46,6 +47,9 @@ LIVENESS_EVERY_S = 1.0
 BEAT_EVERY_S = 5.0
 WATCHED_EVERY_S = 5.0
 ORPHAN_SWEEP_S = 10.0
+# the REST API's clients of the triggerer's recording triggers, one per connection id (their tokens kept)
+_APIS: dict[str, Any] = {}
+_API_LOCK = threading.Lock()
 
 
 def _fleet(fleet_url: str) -> Any:
@@ -169,6 +173,9 @@ class AlertTrigger(BaseTrigger):
 
         watch = await asyncio.to_thread(_Watch, self.bus_url, self.fleet_url, self.reader, folder=ALERTS,
                                         silent_s=self.silent_s, skew_s=self.skew_s, retain_s=self.retain_s)
+        if self.record:  # what recording needs, ready before the first alert (a fresh triggerer's first
+            # connection lookup takes seconds): the controller, the REST API's client and its token
+            await asyncio.to_thread(self._warm)
         # a document quarantined on its own (oversized, not an alert) fires too: it has left the alerts folder,
         # and only the task that records the batch records why; waiting for the next alert would lose it
         sweep_at = time.monotonic() + ORPHAN_SWEEP_S
@@ -192,27 +199,45 @@ class AlertTrigger(BaseTrigger):
         yield TriggerEvent(event)
 
     def _api(self) -> Any:
+        """The REST API's client, one per triggerer process (its token kept): built on first use."""
         from operators.hooks.airflow_api import AirflowApiHook
 
-        return AirflowApiHook(os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api"), retry_s=10.0).get_client()
+        conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
+        with _API_LOCK:
+            if conn_id not in _APIS:
+                _APIS[conn_id] = AirflowApiHook(conn_id, retry_s=10.0).get_client()
+            return _APIS[conn_id]
+
+    def _warm(self) -> None:
+        from operators.tasks import common
+
+        t0 = time.monotonic()
+        try:
+            common.shared_controller()
+            self._api().token()
+        except Exception as exc:  # recording falls back to the guardian's tasks for what it cannot do
+            self.log.warning("recording is not ready (%s): the guardian's tasks do what the trigger cannot", exc)
+        self.log.info("ready to record in %.2fs", time.monotonic() - t0)
 
     def _record(self, event: dict[str, Any]) -> dict[str, Any]:
         """Record the batch and start its incidents' runs; the event says what was done. Whatever fails here
         is left to the guardian's tasks (the event then carries the batch itself)."""
         from operators.tasks import common, guardian
 
+        began = time.monotonic()
         try:
             starts = guardian.group_alerts(event, common.shared_controller())
         except Exception as exc:
             self.log.warning("batch not recorded in the triggerer (the guardian's task records it): %s", exc)
             return event
+        recorded = time.monotonic()
         try:
-            with self._api() as api:
-                started = guardian.start_runs(starts, api)
+            started = guardian.start_runs(starts, self._api()) if starts else {}
         except Exception as exc:  # no connection, the api-server down: the start_incident task starts them
             started = {s["trigger_run_id"]: f"not started: {exc}"[:300] for s in starts}
         summary = sorted({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})
-        self.log.info("recorded %d alerts (%s); runs: %s", len(event["alerts"]), ", ".join(summary), started)
+        self.log.info("recorded %d alerts (%s) in %.2fs; runs: %s in %.2fs", len(event["alerts"]), ", ".join(summary),
+                      recorded - began, started, time.monotonic() - recorded)
         return {"recorded": True, "starts": starts, "started": started, "alerts": len(event["alerts"]),
                 "kinds": summary, "first_seen_ts": event["first_seen_ts"], "fired_ts": time.time(),
                 "quarantined": [{k: q.get(k) for k in ("name", "reason")} for q in event["quarantined"]]}
@@ -224,8 +249,7 @@ class AlertTrigger(BaseTrigger):
         try:
             starts = guardian.orphans(common.shared_controller())
             if starts:
-                with self._api() as api:
-                    started = guardian.start_runs(starts, api)
+                started = guardian.start_runs(starts, self._api())
                 if any(v == "started" for v in started.values()):
                     self.log.warning("started the runs of incidents whose start was lost: %s", started)
         except Exception as exc:  # the next sweep tries again
