@@ -206,6 +206,7 @@ def main() -> int:
         finally:
             b.stop()
 
+    settings = b.ctl.cfg
     failed = [t for t in b.trials if t["path"] == "warm" and t["state"] != "resolved"]
     warm = [t for t in b.trials if t["path"] == "warm" and t["state"] != "error"]
     cold = [t for t in b.trials if t["path"] == "cold"]
@@ -213,9 +214,10 @@ def main() -> int:
         "cluster": "6 emulated machines (network namespaces, real sshd), 4 active, 2 warm standbys",
         "job": f"reference GPT, {TOPO.tp}x{TOPO.pp}x{TOPO.dp} (TP x PP x DP), checkpoint every step, "
                f"step delay 0.2 s",
-        "control_plane": "airflow standalone (LocalExecutor), tg_guardian + tg_incident + tg_sdc_replay, settle "
-                         "window 3 s (none once a batch holds an explicit machine fault), fail-slow vote 5 rounds "
-                         "10 s apart",
+        "control_plane": f"airflow standalone (LocalExecutor), tg_guardian + tg_incident + tg_sdc_replay; the "
+                         f"guardian's trigger records each batch and starts its incident's run; settle window "
+                         f"{settings.alert_settle_s:g} s (none once a batch holds an explicit machine fault), "
+                         f"fail-slow vote {settings.slow_rounds} rounds {settings.slow_interval_s:g} s apart",
         "warm_trials": {f: sum(1 for t in warm if t["fault"] == f) for f in dict.fromkeys(t["fault"] for t in warm)},
         "cold_trials": len(cold),
         "cold_requeue": "alert seen on the bus; job stopped everywhere; replacement not pre-warmed; L1+L2 "
