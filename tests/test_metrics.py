@@ -153,3 +153,20 @@ def test_the_status_command_exits_1_when_something_needs_a_human(tmp_path: Path,
     assert json.loads(capsys.readouterr().out)["healthy"] is False
     monkeypatch.setenv("TG_AGENT_SILENT_S", "2")
     assert main(["status"]) == 2 and "TG_AGENT_SILENT_S=2" in capsys.readouterr().err
+
+
+def test_status_finds_the_airflow_a_demo_kept_running_and_nothing_where_none_runs(tmp_path: Path):
+    """``trainguard status`` finds a kept demo's api-server by the files its harness leaves (the product does
+    not import the harness): its process group's pid and its URL."""
+    import os
+
+    from operators.status import kept_airflow_url
+
+    home = tmp_path / "control" / "airflow"
+    assert kept_airflow_url(home) == ""  # nothing there
+    home.mkdir(parents=True)
+    (home / "standalone.url").write_text("http://127.0.0.1:8080\n")
+    (home / "standalone.pid").write_text(str(os.getpgrp()))  # a process group that runs: this test's
+    assert kept_airflow_url(home) == "http://127.0.0.1:8080"
+    (home / "standalone.pid").write_text("999999999")  # none runs
+    assert kept_airflow_url(home) == ""
