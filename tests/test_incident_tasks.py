@@ -5,6 +5,8 @@ next through XCom (typed, validated), ``stop_job``, ``swap_machines`` and ``rest
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import pytest
 from pydantic import ValidationError
@@ -225,8 +227,9 @@ def test_a_runs_own_resume_limit_overrides_the_setting_and_is_checked(tmp_path, 
 
 
 def test_the_slow_vote_defers_its_rounds_to_the_triggerer_then_decides_from_them(tmp_path, monkeypatch):
-    """No worker slot is held while the vote samples the job: the operator defers at once with a serialisable
-    trigger, the trigger takes the rounds, the operator resumes with them and decides as the rung does."""
+    """No worker slot is held while the vote samples the job: the operator takes the first round and defers
+    with a serialisable trigger, the trigger takes the other rounds on the first round's clock, the operator
+    resumes with them and decides as the rung does."""
     from airflow.sdk.exceptions import TaskDeferred
 
     from operators.sensors.vote import SlowVoteOperator
@@ -247,16 +250,26 @@ def test_the_slow_vote_defers_its_rounds_to_the_triggerer_then_decides_from_them
         op.execute({})
     trigger = deferred.value.trigger
     path, kwargs = trigger.serialize()
-    assert path == "operators.triggers.vote.SlowVoteTrigger" and kwargs == {
+    assert path == "operators.triggers.vote.SlowVoteTrigger"
+    assert {k: kwargs[k] for k in ("incident_id", "rounds", "interval_s")} == {
         "incident_id": item["incident"], "rounds": 3, "interval_s": 0.01}
-    assert not fleet.sent("job", "status")  # no round taken in the worker
+    assert len(kwargs["taken"]) == 1 and kwargs["taken"][0]["1"] == pytest.approx(0.9)  # one round in the worker
+    assert time.time() - 5 < kwargs["started"] <= time.time()
+    asked = len(fleet.sent("job", "status"))
 
     async def fire(t):
         async for event in t.run():
             return event.payload
 
-    event = asyncio.run(fire(SlowVoteTrigger(**kwargs)))
+    event = asyncio.run(fire(SlowVoteTrigger(**json.loads(json.dumps(kwargs)))))
     assert len(event["rounds"]) == 3 and not event.get("superseded")
+    assert len(fleet.sent("job", "status")) > asked  # the other two rounds were taken by the trigger
+    # the rounds keep the first round's clock: rounds whose time has passed are taken at once, not a full
+    # interval after the triggerer picked the vote up
+    late = {**kwargs, "interval_s": 600.0, "started": time.time() - 1300}
+    begun = time.monotonic()
+    assert len(asyncio.run(fire(SlowVoteTrigger(**late)))["rounds"]) == 3
+    assert time.monotonic() - begun < 60
     result = RungResult.read(op.execute_complete({}, event))
     assert result.rung == "slow_vote" and result.restart and result.evict.machines == ["m1"]
     assert result.model_extra["vote"]["rounds"] == [[1], [1], [1]]

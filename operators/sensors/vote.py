@@ -1,11 +1,13 @@
-"""``slow_vote`` of ``tg_incident`` as a deferrable operator: it defers at once to
-:class:`operators.triggers.vote.SlowVoteTrigger`, which takes the vote's rounds in the triggerer, and
+"""``slow_vote`` of ``tg_incident`` as a deferrable operator: it takes the first round and defers to
+:class:`operators.triggers.vote.SlowVoteTrigger`, which takes the other rounds in the triggerer on the
+first round's clock (the triggerer's pickup hides inside the first interval), and
 resumes with them to decide (:func:`operators.tasks.incident.vote_end`: the verdict claimed on the
 incident, the slow group to evict or nothing). An explicit machine fault that joined the incident before
 the vote began decides it instead (evict that machine), with no rounds."""
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -27,9 +29,16 @@ class SlowVoteOperator(RungOperator):
             return early
         cfg = ControlSettings.from_env()
         d = IncidentDecision.read(self.decision)
+        started = time.time()
+        first = incident.vote_first_round(d.incident)
+        if first.get("superseded"):
+            return incident.vote_end(self.decision, [], superseded=True)
+        if cfg.slow_rounds <= 1:
+            return incident.vote_end(self.decision, [first["times"]])
         # a guard against a trigger that never fires: the rounds take rounds x interval, plus their reads
         limit = timedelta(seconds=cfg.slow_rounds * (cfg.slow_interval_s + 60) + 60)
-        self.defer(trigger=SlowVoteTrigger(d.incident, cfg.slow_rounds, cfg.slow_interval_s),
+        self.defer(trigger=SlowVoteTrigger(d.incident, cfg.slow_rounds, cfg.slow_interval_s,
+                                           taken=[first["times"]], started=started),
                    method_name="execute_complete", timeout=limit)
         return None
 

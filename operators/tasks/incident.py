@@ -77,6 +77,11 @@ def vote_begin(decision: dict[str, Any]) -> dict[str, Any] | None:
     return _result(c, name, decision, lambda: RUNG_ACTIONS[name](c, decision))
 
 
+def vote_first_round(incident_id: int) -> dict[str, Any]:
+    """The vote's first round, taken by its operator before it defers (``times`` or ``superseded``)."""
+    return common.controller().vote_round(incident_id)
+
+
 def vote_end(decision: dict[str, Any], rounds: list[dict[str, float]], *, superseded: bool = False) -> dict[str, Any]:
     """The slow vote's rung after its rounds (each rank's compute times, per round): the verdict, claimed on
     the incident, and what it asks (:func:`operators.tasks.rungs.slow_vote_decide`)."""
