@@ -37,7 +37,6 @@ SETTINGS = {
     "TG_ESCALATION_WINDOW_S": "20",  # a failure this soon after a recovery climbs the ladder (1800)
     "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "60",  # evictions per window (0.5 per 3600 s)
     "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "3",  # the fail-slow vote (5 rounds, 10 s apart)
-    "TG_ALERT_SETTLE_S": "1",  # a batch of alerts collects for this long after its first (3)
     "TG_STOP_GRACE_S": "2",  # a failing job's processes: SIGTERM, then SIGKILL after this (5)
     **NO_SCHEDULES,  # the demo is the repair crew and deploys its own revisions
 }

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     sbsub.add_parser("status")
     sbsub.add_parser("unpark")
 
-    kp = sub.add_parser("ckpt", help="a job's checkpoint copies here: list, verify (and mark), upload to S3")
+    kp = sub.add_parser("ckpt", help="a job's checkpoint copies here: list, verify (and mark), upload to S3, rescue")
     ksub = kp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     kl = ksub.add_parser("list")
     kl.add_argument("--job", required=True)
