@@ -1,7 +1,7 @@
 # The two commands a new user needs:
 #   make run    bring up the emulated cluster and run the guarded training job (the demo)
 #   make test   run the test suite: lint, unit tests and the shared end-to-end tier (what CI runs)
-# make test-all adds the end-to-end scenarios marked `full` (before a release; over an hour on 2 cores).
+# make test-all adds the end-to-end scenarios marked `full` (before a release; about 50 minutes on 2 cores).
 # Both create or refresh ./.venv first (scripts/venv.sh).
 
 VENV := .venv

@@ -407,9 +407,38 @@ def verify_step(root: Path, step: int, *, s3_url: str = "", endpoint_url: str = 
     return report
 
 
+def _identity(copy: Path) -> tuple[int, int] | None:
+    """Which write of a copy directory this is (its manifest's inode and mtime), None when it has none."""
+    try:
+        st = (Path(copy) / mf.MANIFEST).stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def _reread_replaced(report: Report, before: Mapping[str, tuple[int, int] | None], *, machine: str,
+                     attempts: int = 3) -> None:
+    """A job restored from an older step writes the newer steps again, replacing their copies (atomically:
+    :func:`checkpoint.layout.write_copy`); a verification reading one meanwhile sees files vanish or change.
+    A copy that failed and was replaced while it was read is the job's newer write, not damage: read it
+    again (``attempts`` times at most), so only a copy that fails as it stands is reported."""
+    for _ in range(attempts):
+        again = [i for i, c in enumerate(report.copies)
+                 if not c.ok and c.tier != "s3" and _identity(Path(c.path)) != before.get(c.path)]
+        if not again:
+            return
+        for i in again:
+            path = Path(report.copies[i].path)
+            before = {**before, str(path): _identity(path)}
+            report.copies[i] = verify_copy(path, machine=machine)
+
+
 def _verify_step(root: Path, step: int, *, s3_url: str, endpoint_url: str, machine: str, mark: bool,
                  s3_timeout_s: float) -> Report:
+    before = {str(p): _identity(p) for tier in layout.TIERS for s, _r, p in layout.list_copies(root, tier)
+              if s == step}
     report = verify_root(root, machine=machine, steps=[step])
+    _reread_replaced(report, before, machine=machine)
     own_ranks = sorted({c.rank for c in report.copies if c.tier == "local"})
     if s3_url:
         s3 = verify_s3(s3_url, endpoint_url=endpoint_url, steps=[step], ranks=own_ranks, timeout_s=s3_timeout_s)

@@ -134,6 +134,58 @@ def test_verify_marks_nothing_unless_asked_and_names_a_corrupt_copy(tmp_path: Pa
     assert listing == {(3, False), (5, True)}
 
 
+def _rewrite(copy: Path, *, corrupt: bool = False) -> None:
+    """The job writing the same step again after a restore from an older one (a new directory renamed into
+    place), with the same bytes, or with one byte of the model flipped."""
+    from checkpoint import manifest as mf
+
+    manifest = (copy / mf.MANIFEST).read_bytes()
+    files = {name: bytearray((copy / name).read_bytes()) for name in mf.file_names(manifest)}
+    if corrupt:
+        files[MODEL_FILE][len(files[MODEL_FILE]) // 2] ^= 0x40
+    layout.write_copy(copy, manifest, [(n, [bytes(b)]) for n, b in files.items()], fsync=False)
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_copy_the_job_writes_again_while_it_is_read_is_read_again_not_failed(tmp_path: Path, monkeypatch,
+                                                                               corrupt: bool):
+    """After a restore from an older step, the job writes the newer steps again; a verification reading a
+    copy as it is replaced sees its model vanish. That is no damage: the new write is read again and judged
+    as it stands (and a new write that is itself corrupt is still named)."""
+    from checkpoint import verify
+
+    cfg, root = _node(tmp_path)
+    copy = layout.copy_dir(root, "local", 5, 0)
+    real_read, replaced = verify._read, []
+
+    def read(path: Path) -> bytes | None:
+        if path.name == MODEL_FILE and not replaced:
+            replaced.append(path)
+            _rewrite(copy, corrupt=corrupt)  # the rename lands while this read is under way
+            return None
+        return real_read(path)
+
+    monkeypatch.setattr(verify, "_read", read)
+    code, doc = ckpt.verify(cfg, JOB, 5, mark=True)
+    assert replaced == [copy / MODEL_FILE]
+    if corrupt:
+        assert code == EXIT_UNHEALTHY and doc["marked"] == []
+        assert doc["problem_lines"] == [f"machine m0 rank 0 step 5 tier local: {MODEL_FILE} sha256 mismatch "
+                                        f"(corrupt) ({copy})"]
+    else:
+        assert code == EXIT_OK and doc["ok"] and doc["marked"] == [str(copy)], doc["problem_lines"]
+
+
+def test_a_copy_that_vanishes_without_a_new_write_is_still_a_problem(tmp_path: Path, monkeypatch):
+    from checkpoint import verify
+
+    cfg, _root = _node(tmp_path)
+    real_read = verify._read
+    monkeypatch.setattr(verify, "_read", lambda p: None if p.name == MODEL_FILE else real_read(p))
+    code, doc = ckpt.verify(cfg, JOB, 5, mark=True)
+    assert code == EXIT_UNHEALTHY and doc["marked"] == [] and len(doc["problem_lines"]) == 1, doc
+
+
 def test_upload_refuses_an_unverified_copy_and_the_remote_checksums_are_checked(tmp_path: Path, s3_endpoint: str):
     import boto3
 

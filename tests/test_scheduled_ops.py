@@ -324,7 +324,7 @@ def test_an_s3_endpoint_that_is_down_fails_the_promotion_with_a_reason(ops, ops_
     run_id, state = _run(airflow, "tg_checkpoint_verify", {"job": JOB, "step": step})
     assert state == "failed"
     verdict = airflow.xcom("tg_checkpoint_verify", run_id, "conclude")["verdicts"][0]
-    assert verdict["step"] == step and verdict["ok"], verdict  # the copies passed; only the upload failed
+    assert verdict["step"] == step and verdict["ok"], (verdict["problems"], verdict)  # only the upload failed
     log = airflow.task_log("tg_checkpoint_verify", run_id, "promote", map_index=0)
     assert f"S3 tier {S3_URL}/{JOB} at {endpoint} is not usable (EndpointConnectionError" in log, log[-2000:]
     assert "start the endpoint or fix TG_CHECKPOINT_S3_URL / the S3 connection" in log
