@@ -334,11 +334,13 @@ def test_a_failed_rank_stops_its_waiting_peers(tmp_path):
 def test_stragglers_of_a_run_are_ended(tmp_path, node):
     runner = d._Runner(node, tmp_path, timeout_s=5, seed=0)
     env = {**os.environ, d.MARKER_ENV: runner.marker}
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env,
-                              start_new_session=True)
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"],
+                              env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
+        assert orphan.stdout.readline().strip() == "up"  # running as a straggler does, not still being born
         assert runner.sweep() == [orphan.pid]
         assert orphan.wait(timeout=10) != 0
     finally:
         orphan.kill()
         orphan.wait()
+        orphan.stdout.close()
