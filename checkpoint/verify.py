@@ -407,7 +407,7 @@ def verify_step(root: Path, step: int, *, s3_url: str = "", endpoint_url: str = 
     return report
 
 
-def _identity(copy: Path) -> tuple[int, int] | None:
+def _identity(copy: Path | str) -> tuple[int, int] | None:
     """Which write of a copy directory this is (its manifest's inode and mtime), None when it has none."""
     try:
         st = (Path(copy) / mf.MANIFEST).stat()
@@ -424,7 +424,7 @@ def _reread_replaced(report: Report, before: Mapping[str, tuple[int, int] | None
     again (``attempts`` times at most), so only a copy that fails as it stands is reported."""
     for _ in range(attempts):
         again = [i for i, c in enumerate(report.copies)
-                 if not c.ok and c.tier != "s3" and _identity(Path(c.path)) != before.get(c.path)]
+                 if not c.ok and c.tier != "s3" and _identity(c.path) != before.get(c.path)]
         if not again:
             return
         for i in again:

@@ -134,16 +134,14 @@ def test_verify_marks_nothing_unless_asked_and_names_a_corrupt_copy(tmp_path: Pa
     assert listing == {(3, False), (5, True)}
 
 
-def _rewrite(copy: Path, *, corrupt: bool = False) -> None:
+def _rewrite(copy: Path) -> None:
     """The job writing the same step again after a restore from an older one (a new directory renamed into
-    place), with the same bytes, or with one byte of the model flipped."""
+    place)."""
     from checkpoint import manifest as mf
 
     manifest = (copy / mf.MANIFEST).read_bytes()
-    files = {name: bytearray((copy / name).read_bytes()) for name in mf.file_names(manifest)}
-    if corrupt:
-        files[MODEL_FILE][len(files[MODEL_FILE]) // 2] ^= 0x40
-    layout.write_copy(copy, manifest, [(n, [bytes(b)]) for n, b in files.items()], fsync=False)
+    files = [(name, [(copy / name).read_bytes()]) for name in mf.file_names(manifest)]
+    layout.write_copy(copy, manifest, files, fsync=False)
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
@@ -161,7 +159,9 @@ def test_a_copy_the_job_writes_again_while_it_is_read_is_read_again_not_failed(t
     def read(path: Path) -> bytes | None:
         if path.name == MODEL_FILE and not replaced:
             replaced.append(path)
-            _rewrite(copy, corrupt=corrupt)  # the rename lands while this read is under way
+            _rewrite(copy)  # the rename lands while this read is under way
+            if corrupt:  # and the new write is itself damaged
+                flip_byte(copy / MODEL_FILE)
             return None
         return real_read(path)
 

@@ -7,7 +7,6 @@ the vote began decides it instead (evict that machine), with no rounds."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -24,21 +23,15 @@ class SlowVoteOperator(RungOperator):
         from operators.tasks import incident
         from operators.triggers.vote import SlowVoteTrigger
 
-        early = incident.vote_begin(self.decision)
-        if early is not None:
-            return early
+        begun = incident.vote_begin(self.decision)
+        if "result" in begun:
+            return begun["result"]
         cfg = ControlSettings.from_env()
         d = IncidentDecision.read(self.decision)
-        started = time.time()
-        first = incident.vote_first_round(d.incident)
-        if first.get("superseded"):
-            return incident.vote_end(self.decision, [], superseded=True)
-        if cfg.slow_rounds <= 1:
-            return incident.vote_end(self.decision, [first["times"]])
         # a guard against a trigger that never fires: the rounds take rounds x interval, plus their reads
         limit = timedelta(seconds=cfg.slow_rounds * (cfg.slow_interval_s + 60) + 60)
         self.defer(trigger=SlowVoteTrigger(d.incident, cfg.slow_rounds, cfg.slow_interval_s,
-                                           taken=[first["times"]], started=started),
+                                           taken=[begun["first"]], started=begun["started"]),
                    method_name="execute_complete", timeout=limit)
         return None
 

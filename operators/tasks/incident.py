@@ -67,27 +67,32 @@ def _result(c: Controller, name: str, decision: dict[str, Any], act: Callable[[]
                             "stopped": StopFound.read(found) if found else None}).dump()
 
 
-def vote_begin(decision: dict[str, Any]) -> dict[str, Any] | None:
-    """The slow vote's rung in Airflow, before its rounds: None when the rounds are to be taken (deferred, in
-    the triggerer), or the rung's result at once when an explicit fault joined (then evict_now decides)."""
+def vote_begin(decision: dict[str, Any]) -> dict[str, Any]:
+    """The slow vote's rung in Airflow, up to its deferral: ``{"result": RungResult}`` when it decided at once
+    (an explicit fault joined: evict_now decides; stronger alerts took the incident over; a vote of one
+    round), else ``{"first": one round's compute times, "started": when it began}``: the other rounds are
+    the triggerer's, on that round's clock."""
     c = common.controller()
     name, decision = _redirected(c, "slow_vote", IncidentDecision.read(decision).dump())
-    if name == "slow_vote":
-        return None
-    return _result(c, name, decision, lambda: RUNG_ACTIONS[name](c, decision))
-
-
-def vote_first_round(incident_id: int) -> dict[str, Any]:
-    """The vote's first round, taken by its operator before it defers (``times`` or ``superseded``)."""
-    return common.controller().vote_round(incident_id)
+    if name != "slow_vote":
+        return {"result": _result(c, name, decision, lambda: RUNG_ACTIONS[name](c, decision))}
+    started = time.time()
+    first = c.vote_round(decision["incident"])
+    if first.get("superseded"):
+        return {"result": _vote_end(c, decision, [], superseded=True)}
+    if c.cfg.slow_rounds <= 1:
+        return {"result": _vote_end(c, decision, [first["times"]])}
+    return {"first": first["times"], "started": started}
 
 
 def vote_end(decision: dict[str, Any], rounds: list[dict[str, float]], *, superseded: bool = False) -> dict[str, Any]:
     """The slow vote's rung after its rounds (each rank's compute times, per round): the verdict, claimed on
     the incident, and what it asks (:func:`operators.tasks.rungs.slow_vote_decide`)."""
-    c = common.controller()
-    decision = IncidentDecision.read(decision).dump()
+    return _vote_end(common.controller(), IncidentDecision.read(decision).dump(), rounds, superseded=superseded)
 
+
+def _vote_end(c: Controller, decision: dict[str, Any], rounds: list[dict[str, float]], *,
+              superseded: bool = False) -> dict[str, Any]:
     def decide() -> dict[str, Any]:
         vote = c.vote_verdict(decision["incident"], rounds, superseded=superseded)
         return slow_vote_decide(c, decision, vote)
