@@ -76,6 +76,20 @@ def test_only_provisioning_migrates_anywhere_else_an_old_schema_is_one_line_nami
     assert FleetStore(url).jobs() == []
 
 
+def test_opening_the_fleet_database_imports_no_migration_machinery(tmp_path: Path):
+    """A task that opens (never migrates) the fleet database does not pay for importing Alembic; only
+    provisioning does."""
+    import subprocess
+    import sys
+
+    FleetStore(tmp_path / "fleet.db", migrate=True).close()
+    code = ("import sys; from operators.fleet import FleetStore; FleetStore(sys.argv[1]).jobs(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('alembic', 'mako')))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fleet.db")], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_machine_states_follow_the_state_machine_and_repeats_are_no_ops(store: FleetStore):
     assert store.machine("m0").state == states.ACTIVE and store.machine("m0").job == "j"
     assert store.transition("m0", states.SUSPECT, reason="xid 79") is True
@@ -248,7 +262,7 @@ def test_migration_3_gives_events_recorded_before_it_their_job(tmp_path: Path):
     engine = sa.create_engine(f"sqlite:///{tmp_path / 'old.db'}")
     with engine.begin() as conn:  # a database of the release before migration 3, with a swap in it
         migrations.VERSION_TABLE.create(conn)
-        ops = migrations.Operations(MigrationContext.configure(conn))
+        ops = Operations(MigrationContext.configure(conn))
         for version, description, step in migrations.MIGRATIONS[:2]:
             step(ops)
             conn.execute(VERSION_TABLE.insert().values(version=version, description=description, applied_ts=0.0))

@@ -65,6 +65,20 @@ def test_the_plugin_registers_its_app_and_a_page_in_the_uis_navigation():
     assert {"/fleet", "/fleet.json"} <= routes
 
 
+def test_loading_the_plugin_preloads_what_a_task_process_imports():
+    """The scheduler loads its plugins before the LocalExecutor forks workers: loading this one leaves the
+    task modules, the SSH hooks and the fleet's models imported, for every task process to inherit."""
+    import subprocess
+    import sys
+
+    wanted = ["airflow.sdk.execution_time.task_runner", "operators.fleet.models", "operators.hooks.fleet",
+              "operators.hooks.node", "operators.tasks.incident", "operators.tasks.rungs", "paramiko"]
+    code = ("import sys; import operators.plugins.fleet; "
+            f"print(' '.join(m for m in {wanted!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines()[-1].split() == wanted
+
+
 def test_the_job_forms_offer_the_fleets_jobs_and_prefill_the_first_without_creating_anything(tmp_path, monkeypatch):
     from operators.utils.forms import fleet_jobs, job_param
 

@@ -12,12 +12,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
-from alembic.operations import Operations
-from alembic.runtime.migration import MigrationContext
 
 from node_tools.errors import TrainguardError
+
+if TYPE_CHECKING:  # Alembic (and Mako, Pygments under it) is imported only to migrate: a task opening the
+    # fleet database never pays for it
+    from alembic.operations import Operations
 
 VERSION_TABLE = sa.Table("tg_schema", sa.MetaData(),
                          sa.Column("version", sa.Integer, primary_key=True, autoincrement=False),
@@ -169,6 +172,9 @@ def current_version(conn: sa.Connection) -> int:
 
 def migrate(engine: sa.Engine) -> list[int]:
     """Bring the database to :data:`LATEST`; returns the versions applied (none: already there)."""
+    from alembic.operations import Operations
+    from alembic.runtime.migration import MigrationContext
+
     applied = []
     with engine.begin() as conn:
         VERSION_TABLE.create(conn, checkfirst=True)

@@ -18,6 +18,10 @@ from airflow.plugins_manager import AirflowPlugin
 from fastapi import Depends, FastAPI
 from fastapi.responses import HTMLResponse
 
+# Airflow's components load their plugins when they start: the scheduler does before its LocalExecutor forks
+# the workers that fork every task process, so the control plane's task imports are done once, here
+import operators.tasks.preload  # noqa: F401
+
 PREFIX = "/trainguard"
 REFRESH_S = 10
 
