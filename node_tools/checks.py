@@ -12,7 +12,7 @@ KernelLogCheck   1 s       Xid, machine checks, OOM kills, file-system errors, l
 GpuCheck         5 s       missing GPUs, Xid events, uncorrectable ECC / pending remaps,
                            heat and thermal throttling, PCIe link below its maximum
 NicCheck         5 s       no carrier / link down, growing error counters
-DiskCheck        10 s      work directory nearly full, or read-only
+DiskCheck        1 s       work directory nearly full, or read-only
 RankCheck        0.25 s    rank exited, heartbeat stopped, no progress beyond a calibrated
                            timeout, NaN or 5x jumps in loss and gradient norm, slow steps,
                            a sustained decline of the job's throughput
@@ -255,7 +255,11 @@ class NicCheck(Check):
 # Disk
 # ---------------------------------------------------------------------------------------
 class DiskCheck(Check):
-    name, group, interval_s = "disk", "disk", 10.0
+    """One ``statvfs`` a second (a system call, no I/O): a full disk fails the job's next checkpoint write
+    within a step, and its alert should be there when the rank's exit is, so the incident is the machine's
+    fault (evict at once) and not a crash to diagnose."""
+
+    name, group, interval_s = "disk", "disk", 1.0
 
     def __init__(self, path: Path, *, min_free_bytes: int = 64 << 20, min_free_fraction: float = 0.02) -> None:
         self.path = Path(path)
