@@ -43,12 +43,15 @@ def test_a_machine_fault_must_evict_its_machine_and_a_code_fault_must_evict_nobo
 def test_campaign_metrics_count_rates_over_the_trials_that_apply():
     trials = [_trial("gpu_lost", "m1", ["m1"]), _trial("hang", "m3", ["m3", "m2"]), _trial("nan", "m0", []),
               _trial("slow", "m2", [], incident=None)]
-    m = metrics_of(trials, {"periods": 4, "seconds": 120.0, "incidents": 1, "evicted": 0, "details": []}, 0.9)
+    m = metrics_of(trials, {"periods": 4, "seconds": 120.0, "incidents": 1, "evicted": 0, "details": []},
+                   {"ettr": 0.9, "productive_s": 360.0, "wall_s": 400.0})
     assert m["detection_rate"]["value"] == 0.75 and m["detection_rate"]["n"] == 4
     assert m["faulty_evicted_rate"]["value"] == round(2 / 3, 4) and m["faulty_evicted_rate"]["n"] == 3
     assert m["over_eviction_groups_max"]["value"] == 1 and m["healthy_evicted_quiet"]["value"] == 0
     assert m["false_incidents_quiet"]["value"] == 1 and m["ettr"]["value"] == 0.9
     assert m["healthy_evicted_per_incident"]["value"] == round(1 / 3, 3)
+    # 40 s of the job's 400 s lost over 4 faults; 4 faults in 400 s of job time is 36 an hour
+    assert m["lost_s_per_fault"]["value"] == 10.0 and m["faults_per_hour"]["value"] == 36.0
 
 
 def test_faults_are_drawn_only_where_they_act():
