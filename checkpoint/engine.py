@@ -162,6 +162,14 @@ class _Slot:
         with torch.no_grad():
             _copy_all(dst, src + [tensors[n][k] for n, k in rng], non_blocking)
 
+    def non_finite(self) -> str:
+        """The first floating-point tensor of the snapshot holding a NaN or an infinity ("" if none)."""
+        for name, views in self.views.items():
+            for key, t in views.items():
+                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+                    return f"tensor {key} of {name} holds {int((~torch.isfinite(t)).sum())} non-finite values"
+        return ""
+
     def parts(self, name: str) -> list[Any]:
         return [self.layouts[name].prefix, memoryview(self.flats[name].numpy())]
 
@@ -504,6 +512,10 @@ class Checkpointer:
         step = slot.step
         if slot.event is not None:
             slot.event.synchronize()
+        bad = slot.non_finite()
+        if bad:  # whatever the training loop said: a state holding NaN or Inf is never written nor committed
+            self._error(f"step {step}: snapshot not kept: {bad}", kind="non-finite")
+            return
         files = [(name, slot.parts(name)) for name in STATE_FILES]
         manifest = self._manifest(slot, files)
         dest = layout.copy_dir(self.root, "local", step, self.rank)

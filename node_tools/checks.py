@@ -382,6 +382,10 @@ class RankTimeouts:
 LEARN_FACTOR = 1.5  # a step time above this multiple of the baseline does not teach the baseline
 
 
+# the longest a rank's own word that it holds still on purpose is trusted: past it, no progress is a hang
+MAX_HOLD_S = 900.0
+
+
 @dataclass
 class _RankState:
     offset: int = 0
@@ -402,6 +406,7 @@ class _RankState:
     progress: Any = None  # the heartbeat's progress (step, collectives completed)
     progress_seen: float = 0.0
     frozen: tuple[int, float] | None = None  # (CPU ticks, since) while a stale heartbeat is being confirmed
+    held_seen: float | None = None  # when the rank was first seen holding still on purpose (status "held")
     tput: deque = field(default_factory=lambda: deque(maxlen=30))
     decline_run: int = 0
     declined: bool = False
@@ -539,6 +544,18 @@ class RankCheck(Check):
             return found
         progress_age = mono - st.progress_seen
         timeout = self.timeout_for(st)
+        hold = hb.get("hold") if status == "held" else None
+        if isinstance(hold, dict):
+            # the rank stopped stepping on purpose (a non-finite loss: it waits for the control plane); trusted
+            # for the time it gave, on this agent's clock, and judged as any rank once that has passed
+            seconds = _num(hold.get("seconds"))
+            seconds = min(seconds, MAX_HOLD_S) if math.isfinite(seconds) and seconds > 0 else 0.0
+            st.held_seen = mono if st.held_seen is None else st.held_seen
+            if mono - st.held_seen <= seconds:
+                return found
+            progress_age = mono - max(st.progress_seen, st.held_seen + seconds)
+        else:
+            st.held_seen = None
         if progress_age > timeout:
             found.append(Finding("rank_hang", f"hang:{job}:{rank}",
                                  f"rank {rank} of job {job}: no progress for {progress_age:.1f}s "

@@ -102,6 +102,7 @@ class JobMonitor:
         self._comm_s = 0.0  # time spent inside collectives since the last step end
         self._step = -1
         self._status = "starting"
+        self._hold: dict[str, Any] | None = None  # why and how long the rank holds still (hold())
         now = time.time()
         self._started_ts = now
         self._pid_start = procs.started(os.getpid())  # with the pid: this process, not a later namesake
@@ -179,7 +180,8 @@ class JobMonitor:
                 "pid": os.getpid(),
                 "pid_start": self._pid_start,
                 "coords": self.coords,
-                "status": self._status,
+                "status": "held" if self._hold is not None else self._status,
+                **({"hold": dict(self._hold)} if self._hold is not None else {}),
                 "beat": self._beats,
                 "started_ts": self._started_ts,
                 "alive_ts": now,
@@ -194,6 +196,20 @@ class JobMonitor:
             write_json_atomic(heartbeat_path(self.run_dir, self.rank), self.snapshot())
 
     # ---- what the training loop calls ---------------------------------------------------
+    def hold(self, reason: str, *, seconds: float) -> None:
+        """Say that the rank stops stepping on purpose for up to ``seconds`` (it found a non-finite loss
+        and waits for the control plane): the heartbeat goes on and says ``status: held`` with the reason,
+        so the agent does not take the missing progress for a hang until ``seconds`` have passed on its
+        own clock. :meth:`release` ends it."""
+        with self._lock:
+            self._hold = {"reason": reason, "seconds": float(seconds), "step": self._step}
+        self.flush()
+
+    def release(self) -> None:
+        with self._lock:
+            self._hold = None
+        self.flush()
+
     def step_begin(self, step: int) -> None:
         """Called before each step; applies in-job faults of the emulated cluster (slow, exit)."""
         if self.faults is not None:

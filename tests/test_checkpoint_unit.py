@@ -276,7 +276,33 @@ def test_restore_skips_a_damaged_copy_for_an_older_step(tmp_path: Path, damage: 
     assert any("rank 0 step 2 tier local" in line for line in lines), lines
 
 
-def test_non_finite_values_fail_verification_even_with_good_checksums(tmp_path: Path):
+def test_a_non_finite_state_the_loop_called_healthy_is_never_written_nor_committed(tmp_path: Path):
+    """Defence in depth: the writer checks every value before the copy leaves memory."""
+    model, opt = make_model()
+    lines: list[str] = []
+    ck = checkpointer(tmp_path, model, opt, lines, keep=2)
+    ck.restore()
+    ck.start()
+    digests: dict[int, str] = {}
+    run_steps(ck, model, opt, range(2), digests)
+    with torch.no_grad():
+        next(model.parameters())[0] = float("inf")
+    assert ck.after_step(2).taken  # the loop saw nothing wrong; the copy into memory is made
+    assert ck.drain(30)
+    ck.close()
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [0, 1]
+    assert ck.newest_committed == 1
+    assert any("step 2: snapshot not kept: tensor" in line and "non-finite" in line for line in lines), lines
+    model, opt = make_model()
+    result = checkpointer(tmp_path, model, opt).restore()
+    assert result is not None and result.step == 1 and digest(model, opt) == digests[1]
+
+
+def test_non_finite_values_fail_verification_even_with_good_checksums(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    from checkpoint.engine import _Slot
+
+    monkeypatch.setattr(_Slot, "non_finite", lambda self: "")  # a copy from before the writer checked
     model, opt = make_model()
     with torch.no_grad():
         model[0].weight[0, 0] = float("nan")

@@ -134,7 +134,7 @@ class FakeJob:
                                                           "log_dir": str(self.dir / "logs")})
         self.procs: dict[int, subprocess.Popen] = {}
 
-    def rank(self, r: int, *, status="running", alive_age=0.0, progress_age=0.0, pid_start_shift=0) -> None:
+    def rank(self, r: int, *, status="running", alive_age=0.0, progress_age=0.0, pid_start_shift=0, **extra) -> None:
         if r not in self.procs:
             self.procs[r] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         now = time.time()
@@ -142,7 +142,7 @@ class FakeJob:
         monitor.write_json_atomic(monitor.heartbeat_path(self.dir, r), {
             "rank": r, "local_rank": r, "pid": pid, "pid_start": procs.started(pid) + pid_start_shift,
             "status": status, "incarnation": self.inc, "alive_ts": now - alive_age, "progress_ts": now - progress_age,
-            "step": 5, "collectives": {"dp": 3},
+            "step": 5, "collectives": {"dp": 3}, **extra,
         })
 
     def step(self, r: int, step: int, loss, grad=1.0, ts=None, **extra) -> None:
@@ -292,6 +292,47 @@ def test_hang_timeout_is_calibrated_from_observed_steps(tmp_path, fake_job):
     other.run(time.time())
     clock.t += 60.0
     assert [x.rank for x in other.run(time.time())] == [0]
+
+
+def test_a_rank_holding_still_after_a_nan_is_not_a_hang_until_its_hold_runs_out(tmp_path, fake_job):
+    """A rank that found a non-finite loss skips the update and holds still for the control plane: its
+    progress stops on purpose. The agent reports the NaN, not a hang (a hang would evict machines), for as
+    long as the rank said it would hold (on the agent's clock, at most MAX_HOLD_S), and a hang after it."""
+    from node_tools.checks import MAX_HOLD_S
+
+    clock = Clock()
+    check = RankCheck(tmp_path, clock=clock, timeouts=RankTimeouts(floor_s=3.0, factor=5.0))
+    for r in (0, 1):
+        fake_job.rank(r)
+    for s in range(5):
+        for r in (0, 1):
+            fake_job.step(r, s, 2.0, step_time_s=0.2)
+            fake_job.rank(r)
+        assert check.run(time.time()) == []
+        clock.t += 0.2
+    hold = {0: {"reason": "step 5: loss nan: update skipped", "seconds": 20.0},
+            1: {"reason": "step 5: a rank that claims a day", "seconds": 86400.0}}
+    frozen = time.time()  # the progress the heartbeats carry from now on: none
+
+    def held(r: int) -> None:
+        fake_job.rank(r, status="held", hold=hold[r], progress_ts=frozen)
+
+    for r in (0, 1):
+        fake_job.step(r, 5, "nan", "nan", step_time_s=0.2)
+        held(r)
+    assert kinds(check.run(time.time())) == ["nan_loss", "nan_loss"]
+    for _ in range(9):  # 18 s without progress, six times the hang timeout
+        clock.t += 2.0
+        for r in (0, 1):
+            held(r)
+        assert check.run(time.time()) == []
+    clock.t += 2.0 + 3.5  # rank 0's 20 s are over, and the timeout after them
+    for r in (0, 1):
+        held(r)
+    assert [(f.kind, f.rank) for f in check.run(time.time())] == [("rank_hang", 0)]
+    clock.t += MAX_HOLD_S  # rank 1's day is trusted for MAX_HOLD_S only
+    held(1)
+    assert [(f.kind, f.rank) for f in check.run(time.time()) if f.rank == 1] == [("rank_hang", 1)]
 
 
 def test_a_one_off_stall_does_not_inflate_the_hang_timeout(tmp_path, fake_job):

@@ -165,3 +165,33 @@ def test_user_error_is_raised_from_the_jobs_own_file():
     last = traceback.extract_tb(info.value.__traceback__)[-1]
     assert Path(last.filename).resolve() == (REPO / TRAIN).resolve()
     assert last.name == "shuffle_window"
+
+
+def test_a_nan_step_is_never_trained_on_nor_snapshotted(tmp_path: Path):
+    """The loss turns NaN at step 0 (the emulated fault, on the last pipeline stage): every rank skips that
+    update together, records the step, holds still for the control plane (1 s here, nobody comes), then
+    goes on with the next batch from finite parameters; no copy of the NaN step is ever written."""
+    import json
+
+    from checkpoint import layout
+
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    control = tmp_path / "faults.json"
+    control.write_text(json.dumps({"faults": [{"kind": "nan", "rank": 1, "id": "f1"}]}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
+           TRAIN, "--tp", "1", "--pp", "2", "--dp", "1", "--steps", "4", "--nonfinite-hold-s", "1",
+           "--checkpoint", "--checkpoint-ranks-per-machine", "1", "--checkpoint-dir", f"{ckpt}/m{{machine}}",
+           *SMALL]
+    res = _run(cmd, {**_env(run_dir), "TG_FAULT_FILE": str(control)})
+    assert res.returncode == 0, res.stderr[-3000:]
+    records = {r: read_steps(run_dir, r) for r in range(2)}
+    losses = [s["loss"] for s in records[0]]
+    assert losses[0] == "nan", losses  # the fault fired at this run's first step
+    # the parameters stayed finite: an update with the NaN gradients would have made every later loss NaN
+    assert len(losses) == 4 and all(isinstance(x, float) for x in losses[1:]), losses
+    assert "holding up to 1s for the control plane" in res.stdout and "going on with the next batch" in res.stdout
+    for r in range(2):
+        steps = sorted(s for s, _r, _p in layout.list_copies(ckpt / f"m{r}", "local", rank=r))
+        assert 0 not in steps and steps, (r, steps)  # the NaN step was refused; later ones were kept
+        assert records[r][0]["ckpt_refused"] is True

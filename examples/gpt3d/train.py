@@ -92,6 +92,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--emulate-device-s", type=float, default=0.0,
                    help="wait this long inside each step, before the gradient all-reduce, as a GPU host's training "
                         "thread waits for its kernels with the CPU idle (benchmarks on CPU-only hosts; default 0)")
+    p.add_argument("--nonfinite-hold-s", type=float, default=300.0,
+                   help="on a non-finite loss or gradient norm the update is skipped, the step recorded and the "
+                        "job holds still this long for the control plane to restore the last finite step, then "
+                        "goes on with the next batch (default 300; 0 = go on at once)")
     p.add_argument("--collective-timeout-s", type=float, default=1800.0,
                    help="timeout of every collective (init_process_group(timeout=...))")
     c = p.add_argument_group("checkpoints")
@@ -370,16 +374,20 @@ class Trainer:
             if scale < 1.0:
                 for p in self.params:
                     p.grad.mul_(scale)
+        # the loss (a mean over the job) and the global norm are the same on every rank: all skip together
+        loss, replica_loss = self.reported_loss(losses)
+        finite = math.isfinite(norm) and math.isfinite(loss)
         ckpt_wait = self.ckpt.before_update() if self.ckpt else 0.0  # the last snapshot's copy must be done
-        self.optimizer.step()
+        if finite:
+            self.optimizer.step()
+        # else: never trained on; the parameters stay those of the last finite step
         digest = self.param_digest()
         match, peers = self.dp_digests(digest)
-        # a state not worth keeping is not snapshotted, so it cannot displace the last good one: a
-        # non-finite update, or parameters that differ from the data-parallel peers' (silent corruption)
-        why = "" if math.isfinite(norm) else f"gradient norm {norm}"
+        # a state not worth keeping is not snapshotted, so it cannot displace the last good one: a step
+        # whose update was skipped, or parameters that differ from the data-parallel peers' (silent corruption)
+        why = "" if finite else f"loss {loss}, gradient norm {norm}: update skipped"
         why = why or ("" if match else "parameters differ from the data-parallel peers'")
         snap = self.ckpt.after_step(step, healthy=not why, why=why) if self.ckpt else None
-        loss, replica_loss = self.reported_loss(losses)
         step_time = time.perf_counter() - t0
         tokens_per_s = self.global_tokens / step_time
         extra: dict[str, Any] = {}
@@ -401,6 +409,24 @@ class Trainer:
         if self.reporter:
             print(f"step {step} loss {loss:.4f} grad_norm {norm:.3g} step_time {step_time:.3f}s "
                   f"tokens/s {tokens_per_s:.0f}", flush=True)
+        if not finite:
+            self.hold_still(step, why)
+
+    def hold_still(self, step: int, why: str) -> None:
+        """After a non-finite step: tell the agent (the step record above carries the NaN; the heartbeat
+        says the rank holds still on purpose) and wait for the control plane to stop the job and restore
+        the last finite step. If nobody comes within ``--nonfinite-hold-s``, go on with the next batch:
+        the parameters are still those of the last finite step."""
+        hold = max(0.0, self.args.nonfinite_hold_s)
+        if self.reporter:
+            print(f"{PROG}: step {step}: {why}; holding up to {hold:.0f}s for the control plane", flush=True)
+        if hold <= 0:
+            return
+        self.monitor.hold(f"step {step}: {why}", seconds=hold)
+        time.sleep(hold)  # the control plane's stop ends the process
+        self.monitor.release()
+        if self.reporter:
+            print(f"{PROG}: step {step}: nobody came in {hold:.0f}s; going on with the next batch", flush=True)
 
     def run(self) -> None:
         if self.reporter:
