@@ -17,6 +17,7 @@ from pathlib import Path
 from checkpoint.errors import CheckpointError
 
 RESTORE_MODES = ("auto", "require", "off")
+SAVERS = ("process", "thread")
 
 
 @dataclass
@@ -59,6 +60,11 @@ class CheckpointConfig:
         s3_timeout_s: connect and read timeout of each S3 request. Seconds.
         measure_memcpy: also time a plain copy of the same state into a spare buffer after
             each snapshot (the benchmark's reference; costs one extra copy per step).
+        saver: where snapshots are persisted: "process" (a saver process on the machine, outside the
+            training process, that also keeps the newest snapshot in memory for a restart on this
+            machine: :mod:`checkpoint.saver`) or "thread" (background threads of the training process).
+        saver_idle_s: a saver process ends after this long with no rank connected (its memory
+            snapshots with it). Seconds.
         background_nice: nice increment of the background threads (Linux: per thread), so that
             on a host whose CPUs the training itself keeps busy the scheduler runs training
             first; when the background then falls behind, snapshots are skipped, not waited
@@ -84,6 +90,8 @@ class CheckpointConfig:
     replica_timeout_s: float = 3600.0
     s3_timeout_s: float = 5.0
     measure_memcpy: bool = False
+    saver: str = "process"
+    saver_idle_s: float = 600.0
     background_nice: int = 10
 
     def __post_init__(self) -> None:
@@ -100,6 +108,8 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint S3 every {self.s3_every_steps} steps: must be >= 0")
         if self.restore_max_step is not None and self.restore_max_step < 0:
             raise CheckpointError(f"checkpoint restore max step {self.restore_max_step}: must be >= 0")
+        if self.saver not in SAVERS:
+            raise CheckpointError(f"checkpoint saver {self.saver!r}: use one of {', '.join(SAVERS)}")
         if self.restore not in RESTORE_MODES:
             raise CheckpointError(f"checkpoint restore mode {self.restore!r}: use one of {', '.join(RESTORE_MODES)}")
         if self.s3_url and not self.s3_url.startswith(("s3://", "file:///")):

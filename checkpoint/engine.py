@@ -63,6 +63,7 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.errors import UNRESTORABLE, CheckpointError, RestoreError, S3TierError
 from checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
 from checkpoint.s3 import open_tier
+from checkpoint.saver import SaverLink, ShmFile, _b64
 from checkpoint.shards import MODEL_FILE, OPTIM_FILE, STATE_FILES, ShardLayout, StateReader, apply_state, meta_json
 from checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
 from node_tools.topology import Topology
@@ -117,10 +118,13 @@ class RestoreResult:
 class _Slot:
     """One pre-allocated snapshot buffer: a flat uint8 tensor per file, typed views into it."""
 
-    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], pin: bool, identity: tuple[Any, ...]) -> None:
+    def __init__(self, tensors: dict[str, dict[str, torch.Tensor]], pin: bool, identity: tuple[Any, ...],
+                 flats: dict[str, torch.Tensor] | None = None) -> None:
         self.layouts = {name: ShardLayout.for_tensors(ts) for name, ts in tensors.items()}
-        self.flats = {name: torch.empty(lay.data_bytes, dtype=torch.uint8, pin_memory=pin)
-                      for name, lay in self.layouts.items()}
+        self.flats = flats if flats is not None else {
+            name: torch.empty(lay.data_bytes, dtype=torch.uint8, pin_memory=pin) for name, lay in self.layouts.items()}
+        self.index = -1  # its number at the saver process (saver "process")
+        self.mapped: list[Any] = []  # the shared-memory files its buffers live in (saver "process")
         self.views = {name: lay.views(self.flats[name]) for name, lay in self.layouts.items()}
         self.signature = {name: lay.signature for name, lay in self.layouts.items()}
         self.identity = identity
@@ -238,7 +242,21 @@ class Checkpointer:
         except OSError as exc:
             raise CheckpointError(f"machine {self.machine} rank {rank}: checkpoint root {self.root} is not "
                                   f"writable ({exc.strerror}); fix the disk or pass --no-checkpoint") from None
-        layout.clean_temporaries(self.root)
+        self.link: SaverLink | None = None
+        self._memory: dict[str, Any] | None = None  # the saver's newest snapshot of this rank, at start
+        if config.saver == "process":
+            try:
+                self.link = SaverLink(self.root, rank=rank, job=job, host=_reachable_host(),
+                                      idle_s=config.saver_idle_s,
+                                      nice=config.background_nice, on_done=self._saved,
+                                      on_error=lambda line: self._error(line, kind="saver"))
+            except OSError as exc:
+                raise CheckpointError(f"machine {self.machine} rank {rank}: the checkpoint saver process did not "
+                                      f"start ({exc}); pass --checkpoint-saver thread to persist in the training "
+                                      f"process") from None
+            self._memory = self.link.memory
+        else:  # a saver process of this root would be writing its own temporaries
+            layout.clean_temporaries(self.root)
 
         self.use_cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self.stream = torch.cuda.Stream() if self.use_cuda else None
@@ -305,8 +323,9 @@ class Checkpointer:
                     "skipped": self.skipped, "refused": self.refused,
                     "committed": max(self.committed, default=None),
                     "replica": self.backup, "replica_broken": self._replica_broken,
-                    "s3_uploaded": list(self.s3_uploaded), "s3_superseded": self.s3_superseded,
-                    "errors": list(self.errors[-5:])}
+                    "s3_uploaded": list(self.link.uploaded[-5:] if self.link else self.s3_uploaded),
+                    "s3_superseded": self.s3_superseded, "saver": self.cfg.saver,
+                    "saver_pid": self.link.pid if self.link else None, "errors": list(self.errors[-5:])}
 
     def background_cpu_s(self) -> float:
         """CPU seconds the checkpoint's background threads have used so far (all tiers, commit, retention)."""
@@ -316,6 +335,8 @@ class Checkpointer:
         for t in threads:
             with contextlib.suppress(OSError, OverflowError):  # it may have just ended
                 total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        if self.link is not None:  # the saver process's, as of its last report (all ranks it serves)
+            total += self.link.saver_cpu_s
         return total
 
     @property
@@ -364,9 +385,17 @@ class Checkpointer:
             with self._lock:
                 self.skipped += 1
             return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
+        if self.link is not None:
+            self.link.send({"op": "fill", "slot": slot.index})  # its memory snapshot is no more
         try:
             self._copy_into(slot, tensors, identity)
         except RuntimeError:  # a tensor changed shape in place since the slot was laid out
+            if self.link is not None:
+                with self._lock:
+                    slot.busy = False
+                    self._slots = []  # laid out anew (both buffers) at the next snapshot
+                    self.skipped += 1
+                return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
             with self._lock:
                 index = self._slots.index(slot)
                 self._slots[index] = slot = _Slot(tensors, self.use_cuda, identity)
@@ -377,7 +406,10 @@ class Checkpointer:
         slot.data_position = dict(data_position or {"next_step": step + 1})
         with self._lock:
             self.snapshots += 1
-        self._writer_q.put(slot)
+        if self.link is not None:
+            self._hand_over(slot)
+        else:
+            self._writer_q.put(slot)
         blocking = time.perf_counter() - t0
         if self.cfg.measure_memcpy and memcpy is None:
             memcpy = self._measure_memcpy(tensors, identity)
@@ -396,6 +428,8 @@ class Checkpointer:
             slot.copy_from(tensors, non_blocking=False, identity=identity)
 
     def _take_slot(self, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...]) -> _Slot | None:
+        if self.link is not None:
+            return self._take_shared_slot(tensors, identity)
         with self._lock:
             if not self._slots:
                 self._slots = [_Slot(tensors, self.use_cuda, identity), _Slot(tensors, self.use_cuda, identity)]
@@ -406,6 +440,110 @@ class Checkpointer:
                     slot.busy = True
                     return slot
         return None
+
+    # ---- the saver process (saver "process") ----------------------------------------------------------
+    def _take_shared_slot(self, tensors: dict[str, dict[str, torch.Tensor]],
+                          identity: tuple[Any, ...]) -> _Slot | None:
+        """A free buffer in the saver's shared memory, the one holding the older snapshot first (the newer
+        one is the saver's copy in memory); both laid out anew when the state changed shape."""
+        with self._lock:
+            fits = bool(self._slots) and all(s.fits(tensors, identity) for s in self._slots)
+            if not fits and any(s.busy for s in self._slots):
+                return None  # lay out anew once both are free
+            if fits:
+                free = [s for s in self._slots if not s.busy]
+                if not free:
+                    return None
+                slot = min(free, key=lambda s: s.step)
+                slot.busy = True
+                return slot
+        slots = self._shared_slots(tensors, identity)  # no snapshot in flight: nothing else touches them
+        with self._lock:
+            self._slots = slots
+            slots[0].busy = True
+        return slots[0]
+
+    def _shared_slots(self, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...]) -> list[_Slot]:
+        assert self.link is not None
+        layouts = {name: ShardLayout.for_tensors(ts) for name, ts in tensors.items()}
+        reply = self.link.request({"op": "configure", "layouts": {
+            name: {"prefix": _b64(lay.prefix), "size": lay.data_bytes, "tensors": lay.describe(),
+                   "entries": [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in lay.entries]}
+            for name, lay in layouts.items()}}, "configured")
+        slots = []
+        for index, paths in enumerate(reply["slots"]):
+            mapped, flats = [], {}
+            for name, lay in layouts.items():
+                shm = ShmFile(Path(paths[name]), lay.data_bytes, create=False)
+                mapped.append(shm)
+                flats[name] = torch.frombuffer(shm.mm, dtype=torch.uint8, count=lay.data_bytes) \
+                    if lay.data_bytes else torch.empty(0, dtype=torch.uint8)
+                if self.use_cuda and lay.data_bytes:
+                    _pin(flats[name], self._log)
+            slot = _Slot(tensors, self.use_cuda, identity, flats=flats)
+            slot.index, slot.mapped = index, mapped
+            slots.append(slot)
+        return slots
+
+    def _hand_over(self, slot: _Slot) -> None:
+        """Tell the saver the buffer holds the snapshot of ``slot.step`` (after the device copy, on GPUs)."""
+        assert self.link is not None
+        if slot.event is not None:
+            slot.event.synchronize()
+        every = self.cfg.s3_every_steps
+        request = self._s3_requested or (self.s3 is not None and (self.root / layout.S3_REQUEST).exists())
+        due = self.s3 is not None and (request or bool(every and (slot.step + 1) % every == 0))
+        try:
+            self.link.send({"op": "snapshot", "slot": slot.index, "step": slot.step, "created_ts": time.time(),
+                            "data_position": slot.data_position, "s3": due,
+                            "meta": meta_json(slot.meta) | {"segment": self.segment}})
+        except OSError as exc:
+            self._error(f"step {slot.step}: the checkpoint saver is gone ({exc}); snapshots stop", kind="saver")
+            with self._lock:
+                self._processed += 1  # never coming back: nothing to wait for
+                self._persisted.notify_all()
+            return
+        if request:
+            self._s3_requested = False
+            with contextlib.suppress(OSError):
+                (self.root / layout.S3_REQUEST).unlink()
+
+    def _saved(self, doc: dict[str, Any]) -> None:
+        """The saver's report on one snapshot (its reader thread)."""
+        step = int(doc["step"])
+        with self._lock:
+            for slot in self._slots:
+                if slot.index == int(doc["slot"]) and slot.step == step:
+                    slot.busy = False
+            self._processed += 1
+            if doc.get("local") and doc.get("replica"):
+                self._done.append(step)
+            self._persisted.notify_all()
+        if doc.get("error"):
+            self._error(str(doc["error"]), kind=str(doc["error"]).split(":")[0][:40])
+
+    def _start_saver(self) -> None:
+        """Every rank: tell its saver where its backup's saver listens and what the snapshots share."""
+        assert self.link is not None
+        mine = {"host": self.link.host, "port": self.link.port, "token": uuid.uuid4().hex}
+        everyone = wire.gather_json(mine, self.ctl, self.world) if self.distributed else [mine]
+        backup = None
+        if self.replicate and self.backup is not None:
+            b = everyone[self.backup]
+            backup = {"rank": self.backup, "address": [b["host"], int(b["port"])]}
+        coords = self.placement.coords(self.rank)
+        reply = self.link.request({"op": "static", "static": {
+            "token": everyone[0]["token"], "backup": backup, "world_size": self.world,
+            "topology": {"tp": self.placement.tp, "pp": self.placement.pp, "dp": self.placement.dp,
+                         "ranks_per_machine": self.placement.ranks_per_machine},
+            "coords": {"tp": coords.tp, "pp": coords.pp, "dp": coords.dp}, "machine": self.machine,
+            "incarnation": self.incarnation, "fsync": self.cfg.fsync, "s3_url": self.cfg.s3_url,
+            "s3_endpoint_url": self.cfg.s3_endpoint_url, "s3_timeout_s": self.cfg.s3_timeout_s,
+            "s3_keep": self.cfg.s3_keep, "replica_timeout_s": self.cfg.replica_timeout_s}}, "ready")
+        if not reply.get("replica"):
+            self._error(f"tier replica: {reply.get('why')}; steps are not committed without it", kind="replica")
+        if self.distributed:  # every saver knows its job before any rank sends it a replica
+            wire.gather_json({}, self.ctl, self.world)
 
     def _measure_memcpy(self, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...]) -> float:
         """A plain copy of the same tensors into a spare buffer (the benchmark's reference)."""
@@ -446,6 +584,10 @@ class Checkpointer:
         if self._started:
             return
         self._started = True
+        if self.link is not None:  # the saver process writes, sends and uploads; the rank commits
+            self._start_saver()
+            self._commit_thread = self._spawn("tg-ckpt-commit", self._commit_loop)
+            return
         self._spawn("tg-ckpt-writer", self._writer_loop)
         for src in self.sources:
             self._spawn(f"tg-ckpt-replica-from-{src}", self._receiver_loop, src)
@@ -704,7 +846,15 @@ class Checkpointer:
         if not flush:
             self._abandoned.set()
         self._stop.set()
-        self._writer_q.put(None)  # the writer then ends the S3 thread and (flushing) the replica stream
+        if self.link is not None:
+            try:
+                self.link.close(flush=flush)  # with flush: every snapshot handed over is written and sent
+            except OSError as exc:
+                if flush:
+                    self._error(f"closing: {exc}", kind="close")
+            self._writer_finished.set()
+        else:
+            self._writer_q.put(None)  # the writer then ends the S3 thread and (flushing) the replica stream
         if not flush:
             return
         deadline = time.monotonic() + timeout_s
@@ -738,6 +888,10 @@ class Checkpointer:
             doc = check.manifest
             holdings.append(Holding(check.step, check.rank, tier, self.rank, mf.topology_key(doc),
                                     str(doc.get("state", {}).get("segment", ""))))
+        mem = self._memory
+        if mem and mem.get("layout"):  # checked when fetched, as any copy
+            holdings.append(Holding(int(mem["step"]), self.rank, "memory", self.rank, str(mem["layout"]),
+                                    str(mem.get("segment", ""))))
         return holdings, problems
 
     def restore(self) -> RestoreResult | None:
@@ -796,7 +950,8 @@ class Checkpointer:
         assert got is not None
         self._apply(got)
         src = plan.sources[self.rank]
-        if src.tier != "local":  # this machine gets its own copy back
+        self._memory = None
+        if src.tier not in ("local", "memory"):  # this machine gets its own copy back (the saver wrote it)
             self._keep_locally(plan.step, got)
         self._drop_newer(plan.step)
         with self._lock:
@@ -820,6 +975,9 @@ class Checkpointer:
         """Training goes on from ``step``: the copies of later steps here (local, and replicas held for
         others) belong to the timeline that was left and must never be restored; they go. (Copies in
         S3 are superseded as the new timeline uploads the same steps again.)"""
+        if self.link is not None:
+            with contextlib.suppress(OSError):
+                self.link.send({"op": "forget", "after": step})
         newer = [(s, p) for s, p, _tier in self._my_copies() if s > step]
         for _s, p in newer:
             with contextlib.suppress(OSError):
@@ -894,6 +1052,20 @@ class Checkpointer:
             got = check if check.ok else None
             if not check.ok:
                 fail(src, check)
+        elif src.tier == "memory":
+            fetched = self.link.fetch(step) if self.link is not None else None
+            if fetched is None:
+                fail(src, None, f"machine {self.machine} rank {self.rank} step {step} tier memory: the saver no "
+                                f"longer holds it")
+            else:
+                check = check_data(fetched[0], fetched[1], machine=self.machine, rank=self.rank, step=step,
+                                   tier="memory", path=f"saver memory of {self.root}", deep=True, keep_files=True)
+                if check.ok and not self._same_segment(check, plan):
+                    check.problems.append(Problem(self.machine, self.rank, step, "memory", check.path,
+                                                  "copy belongs to another training segment"))
+                got = check if check.ok else None
+                if not check.ok:
+                    fail(src, check)
         elif src.tier == "s3":
             if self.s3 is None:
                 fail(src, None, f"machine {self.machine} rank {self.rank} step {step} tier s3: no S3 tier configured")
@@ -931,6 +1103,24 @@ class Checkpointer:
         except OSError as exc:
             self._error(f"step {step} tier local: keeping the restored copy at {dest} failed "
                         f"({exc.strerror or exc})", kind="local-write")
+
+
+def _reachable_host() -> str:
+    """This machine's address as the job's other machines reach it: the one it uses towards the job's
+    rendezvous host (``MASTER_ADDR``)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # no packet is sent
+        return str(s.getsockname()[0])
+    return "127.0.0.1"
+
+
+def _pin(flat: torch.Tensor, log: Any) -> None:
+    """Page-lock a shared-memory buffer for the device-to-host copies (CUDA hosts)."""
+    rc = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
+    if int(rc) != 0:
+        log(f"could not page-lock a {flat.numel()}-byte snapshot buffer (cudaHostRegister returned {int(rc)}); "
+            f"device-to-host copies into it are synchronous", kind="pin")
 
 
 def _lower_priority(nice: int) -> None:

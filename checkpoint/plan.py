@@ -5,8 +5,8 @@ keeps for others) and rank 0 adds what the S3 tier lists; every rank gets the
 same list and computes the same :class:`RestorePlan`:
 
 * the newest step of the job's layout for which *every* rank's state can be
-  had: from the rank's own local copy, else from the replica on its holder,
-  else from S3;
+  had: from the saver's memory on the rank's machine, else its own local copy,
+  else the replica on its holder, else S3;
 * all of a step's copies must come from one *segment* (the stretch of training
   between two restores; its id is in every manifest), so a step saved again
   after a restore from an older one is never mixed with the abandoned run's
@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-TIER_ORDER = {"local": 0, "replica": 1, "s3": 2}
+TIER_ORDER = {"memory": 0, "local": 1, "replica": 2, "s3": 3}
+OWN_TIERS = ("memory", "local")  # copies only the rank that saved them (on its machine) can use
 S3_HOLDER = -1
 
 
@@ -75,7 +76,7 @@ class RestorePlan:
 
 
 def _best(copies: Iterable[Holding], rank: int) -> Holding | None:
-    usable = [h for h in copies if h.tier != "local" or h.holder == rank]
+    usable = [h for h in copies if h.tier not in OWN_TIERS or h.holder == rank]
     return min(usable, key=lambda h: (TIER_ORDER[h.tier], h.holder), default=None)
 
 

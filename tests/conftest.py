@@ -19,6 +19,29 @@ from node_tools.inventory import Inventory
 TEST_CLUSTER = cluster.ClusterSpec(name="tgt", machines=6, standbys=2, subnet="10.213.9.0/24", disk_mb=64, gpus=8)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_saver_left_running() -> Iterator[None]:
+    """Checkpoint saver processes outlive the jobs that start them (their memory snapshots serve the next
+    start); the ones this session started end with it."""
+    import time
+
+    import psutil
+
+    began = time.time() - 1
+    yield
+    left = []
+    for proc in psutil.process_iter(["cmdline", "create_time"]):
+        cmd = proc.info.get("cmdline") or []
+        if "checkpoint.saver" in cmd and (proc.info.get("create_time") or 0) >= began:
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+                left.append(proc)
+    psutil.wait_procs(left, timeout=10)
+    for proc in left:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
 def can_namespace() -> str:
     """Why the namespace cluster cannot run here, or "" if it can."""
     if os.geteuid() != 0:

@@ -92,8 +92,10 @@ def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
 
 def checkpointer(root: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, lines: list[str] | None = None,
                  **cfg: Any) -> Checkpointer:
+    cfg.setdefault("saver", "thread")  # the saver process has tests of its own (and the ones parametrized here)
+    job = cfg.pop("job", "job")
     return Checkpointer(CheckpointConfig(root=root, machine="m7", **cfg), topology=ONE, rank=0, model=model,
-                        optimizer=opt, log=(lines.append if lines is not None else None))
+                        optimizer=opt, job=job, log=(lines.append if lines is not None else None))
 
 
 def run_steps(ck: Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range,
@@ -120,16 +122,17 @@ def saved_run(root: Path, steps: int = 4, **cfg: Any) -> dict[int, str]:
 
 
 # ---- snapshot and restore ------------------------------------------------------------------
-def test_restore_is_bit_identical_parameters_optimizer_and_rng(tmp_path: Path):
+@pytest.mark.parametrize(("saver", "tier"), [("thread", "local"), ("process", "memory")])
+def test_restore_is_bit_identical_parameters_optimizer_and_rng(tmp_path: Path, saver: str, tier: str):
     ref_model, ref_opt = make_model()  # the uninterrupted run
     for step in range(5):
         train_step(ref_model, ref_opt, step)
-    digests = saved_run(tmp_path, steps=4)
+    digests = saved_run(tmp_path, steps=4, saver=saver)
     model, opt = make_model()
     torch.manual_seed(99)  # the restored RNG must replace whatever state the process is in
-    ck = checkpointer(tmp_path, model, opt)
+    ck = checkpointer(tmp_path, model, opt, saver=saver)
     result = ck.restore()
-    assert result is not None and result.step == 3 and result.tier == "local"
+    assert result is not None and result.step == 3 and result.tier == tier
     assert result.data_position == {"next_step": 4}
     assert digest(model, opt) == digests[3]
     # the RNG came back too: the next step (which draws from the global RNG) equals the uninterrupted one
@@ -185,9 +188,10 @@ def test_back_pressure_skips_a_snapshot_instead_of_blocking(tmp_path: Path, monk
     assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [0, 1, 3]  # 2 was never written
 
 
-def test_a_non_finite_step_is_not_snapshotted_and_the_last_good_one_survives_retention(tmp_path: Path):
+@pytest.mark.parametrize("saver", ["thread", "process"])
+def test_a_non_finite_step_is_not_snapshotted_and_the_last_good_one_survives_retention(tmp_path: Path, saver: str):
     model, opt = make_model()
-    ck = checkpointer(tmp_path, model, opt, keep=2)
+    ck = checkpointer(tmp_path, model, opt, keep=2, saver=saver)
     ck.restore()
     ck.start()
     digests: dict[int, str] = {}
@@ -199,7 +203,7 @@ def test_a_non_finite_step_is_not_snapshotted_and_the_last_good_one_survives_ret
     ck.close()
     assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [1, 2]
     model, opt = make_model()
-    result = checkpointer(tmp_path, model, opt).restore()
+    result = checkpointer(tmp_path, model, opt, saver=saver).restore()
     assert result is not None and result.step == 2 and digest(model, opt) == digests[2]
 
 
@@ -276,11 +280,12 @@ def test_restore_skips_a_damaged_copy_for_an_older_step(tmp_path: Path, damage: 
     assert any("rank 0 step 2 tier local" in line for line in lines), lines
 
 
-def test_a_non_finite_state_the_loop_called_healthy_is_never_written_nor_committed(tmp_path: Path):
-    """Defence in depth: the writer checks every value before the copy leaves memory."""
+@pytest.mark.parametrize("saver", ["thread", "process"])
+def test_a_non_finite_state_the_loop_called_healthy_is_never_written_nor_committed(tmp_path: Path, saver: str):
+    """Defence in depth: the writer (or the saver process) checks every value before the copy is written."""
     model, opt = make_model()
     lines: list[str] = []
-    ck = checkpointer(tmp_path, model, opt, lines, keep=2)
+    ck = checkpointer(tmp_path, model, opt, lines, keep=2, saver=saver)
     ck.restore()
     ck.start()
     digests: dict[int, str] = {}
@@ -294,7 +299,7 @@ def test_a_non_finite_state_the_loop_called_healthy_is_never_written_nor_committ
     assert ck.newest_committed == 1
     assert any("step 2: snapshot not kept: tensor" in line and "non-finite" in line for line in lines), lines
     model, opt = make_model()
-    result = checkpointer(tmp_path, model, opt).restore()
+    result = checkpointer(tmp_path, model, opt, saver=saver).restore()
     assert result is not None and result.step == 1 and digest(model, opt) == digests[1]
 
 
@@ -575,7 +580,11 @@ def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_p
     assert all(r["ckpt_blocking_s"] >= 0 and r["ckpt_skipped"] is False for r in recs)
     root = run / "checkpoints"
     assert sorted(s for s, _r, _p in layout.list_copies(root, "local")) == [1, 3]
-    # every copy damaged: the job refuses to start from scratch, in one line, with the damage named above it
+    # every copy damaged (and the machine's saver, which held step 3 in memory, gone): the job refuses to start
+    # from scratch, in one line, with the damage named above it
+    from checkpoint import saver
+
+    assert saver.stop(root)
     flip_byte(layout.copy_dir(root, "local", 3, 0) / MODEL_FILE)
     truncate(layout.copy_dir(root, "local", 1, 0) / OPTIM_FILE)
     res = _train(run, "--steps", "6")

@@ -121,6 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "set it to emulate several machines on one host")
     c.add_argument("--checkpoint-nice", type=int, default=10,
                    help="nice increment of the checkpoint's background threads, 0..19 (default 10)")
+    c.add_argument("--checkpoint-saver", choices=("process", "thread"), default="process",
+                   help="persist snapshots in a saver process on the machine, which also keeps the newest in memory "
+                        "for a restart there (default), or in background threads of the training process")
+    c.add_argument("--checkpoint-saver-idle-s", type=float, default=600.0,
+                   help="a saver process ends this long after the last rank left (default 600)")
     c.add_argument("--checkpoint-measure-memcpy", action="store_true",
                    help="also time a plain copy of the state each step (ckpt_memcpy_s; for benchmarks)")
     r = c.add_mutually_exclusive_group()
@@ -185,7 +190,8 @@ def make_checkpointer(args: argparse.Namespace, topo: Topology, rank: int, local
         restore=args.restore, restore_max_step=args.restore_max_step,
         ranks_per_machine=args.checkpoint_ranks_per_machine,
         control_timeout_s=args.collective_timeout_s, measure_memcpy=args.checkpoint_measure_memcpy,
-        background_nice=args.checkpoint_nice)
+        background_nice=args.checkpoint_nice, saver=args.checkpoint_saver,
+        saver_idle_s=args.checkpoint_saver_idle_s)
     return Checkpointer(cfg, topology=topo, rank=rank, model=model, optimizer=optimizer,
                         job=os.environ.get("TG_JOB", "job"), incarnation=int(os.environ.get("TG_INCARNATION", "0")))
 

@@ -1,0 +1,796 @@
+"""The checkpoint saver: one process per machine that persists what the training ranks snapshot.
+
+The design of DLRover's flash checkpoint and NVRx's local checkpointing: a training rank only copies
+its state into shared memory (files in ``/dev/shm`` the saver creates; pinned on GPU hosts) and says
+so in one short message; the saver, a process of its own at a lower CPU priority, does the rest:
+
+* checks every floating-point value is finite (a snapshot holding a NaN is never written),
+* hashes the files and seals the manifest,
+* writes the local copy atomically (:mod:`checkpoint.layout`),
+* sends the replica to the saver of the rank's backup rank (TCP, JSON header and raw bytes, a token
+  the job's ranks share; the receiver checks every checksum before it writes and acknowledges),
+* uploads to the remote tier when due,
+* and reports the step done (local copy durable, replica acknowledged) to the rank, which commits it
+  with its peers as before (:class:`checkpoint.engine.Checkpointer`).
+
+It keeps the newest complete snapshot of every rank in memory and outlives the training processes
+(its own session): a rank restarted on this machine after its process died restores from memory
+without reading the disk (tier ``memory``). It ends when no rank has been connected for ``idle_s``
+or its root directory is gone.
+
+Nothing here imports torch; nothing is pickled. The rank talks to it over the Unix socket
+``<root>/saver.sock`` (one JSON document per line); the ranks' buffers are ``/dev/shm`` files named
+after the root, the rank and the slot.
+
+    python -m checkpoint.saver --root DIR [--idle-s 600] [--nice 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import mmap
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkpoint import layout
+from checkpoint import manifest as mf
+from checkpoint.verify import check_data
+
+SOCKET = "saver.sock"
+LOCK = "saver.lock"
+INFO = "saver.json"
+SHM_DIR = Path("/dev/shm")
+SLOTS = 2
+
+# the bit patterns of an infinity or a NaN: every exponent bit set
+_EXPONENT = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
+             "BF16": ("<u2", 0x7F80)}
+
+
+def shm_prefix(root: Path) -> str:
+    """The ``/dev/shm`` name prefix of a root's buffers (one host may hold several emulated machines)."""
+    return "tg-ckpt-" + hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:12]
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"))
+
+
+def send_doc(sock: socket.socket, doc: dict[str, Any], lock: threading.Lock | None = None) -> None:
+    data = json.dumps(doc, separators=(",", ":")).encode("utf-8") + b"\n"
+    if lock is None:
+        sock.sendall(data)
+    else:
+        with lock:
+            sock.sendall(data)
+
+
+class LineReader:
+    """JSON documents, one per line, from a stream socket; raw byte blocks in between."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def doc(self) -> dict[str, Any] | None:
+        """The next document; None when the peer closed the connection."""
+        while True:
+            end = self.buf.find(b"\n")
+            if end >= 0:
+                line = bytes(self.buf[:end])
+                del self.buf[:end + 1]
+                value = json.loads(line)
+                if not isinstance(value, dict):
+                    raise ValueError("a message that is not a JSON object")
+                return value
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                return None
+            self.buf += chunk
+
+    def exactly(self, n: int) -> bytearray:
+        out = bytearray(self.buf[:n])
+        del self.buf[:n]
+        view = memoryview(bytearray(n - len(out)))
+        got = 0
+        while got < len(view):
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError(f"connection closed {len(view) - got} bytes before the end of a copy")
+            got += k
+        out += view
+        return out
+
+
+# ---- shared memory --------------------------------------------------------------------------------
+class ShmFile:
+    """A ``/dev/shm`` file mapped into this process."""
+
+    def __init__(self, path: Path, size: int, *, create: bool) -> None:
+        self.path = Path(path)
+        self.size = size
+        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, max(size, 1))
+            self.mm = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+
+    def view(self) -> memoryview:
+        return memoryview(self.mm)[:self.size]
+
+    def close(self, *, unlink: bool = False) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self.mm.close()
+        if unlink:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+
+def non_finite(data: memoryview, entries: list[list[Any]]) -> str:
+    """The first floating-point tensor (``[name, dtype, shape, begin, end]`` entries) of ``data`` holding
+    a NaN or an infinity, as a few words ("" if none)."""
+    import numpy as np
+
+    for name, dtype, _shape, begin, end in entries:
+        spec = _EXPONENT.get(dtype)
+        if spec is None or end <= begin:
+            continue
+        bits = np.frombuffer(data[begin:end], dtype=spec[0])
+        bad = int(np.count_nonzero((bits & spec[1]) == spec[1]))
+        if bad:
+            return f"tensor {name} holds {bad} non-finite values"
+    return ""
+
+
+# ---- the saver's view of one rank ----------------------------------------------------------------------
+@dataclass
+class _Slot:
+    files: dict[str, ShmFile]
+    state: str = "free"  # free | filling | queued (written, sent, uploaded: the rank must not touch it)
+    step: int = -1
+    manifest: bytes = b""  # set once the snapshot in it was written: a complete copy in memory
+    segment: str = ""
+
+
+@dataclass
+class _Rank:
+    rank: int
+    job: str
+    static: dict[str, Any] = field(default_factory=dict)
+    layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    slots: list[_Slot] = field(default_factory=list)
+    generation: int = 0
+    queue: queue.Queue[tuple[int, dict[str, Any]] | None] = field(default_factory=queue.Queue)
+    writer: threading.Thread | None = None
+    notify: Callable[[dict[str, Any]], None] | None = None
+    replica: socket.socket | None = None
+    replica_reader: LineReader | None = None
+    replica_broken: str = ""
+    s3: Any = None
+    s3_next: tuple[int, bytes, list[tuple[str, bytes]]] | None = None
+    s3_wake: threading.Condition = field(default_factory=lambda: threading.Condition(threading.Lock()))
+    s3_thread: threading.Thread | None = None
+    s3_closing: bool = False
+    s3_superseded: int = 0
+
+    def newest(self) -> _Slot | None:
+        """The slot holding the newest complete snapshot (written here, not being refilled)."""
+        done = [s for s in self.slots if s.manifest and s.state != "filling"]
+        return max(done, key=lambda s: s.step, default=None)
+
+
+class Saver:
+    """The server. :meth:`serve` runs until idle for ``idle_s`` or the root is gone."""
+
+    def __init__(self, root: Path, *, host: str = "127.0.0.1", idle_s: float = 600.0, nice: int = 10) -> None:
+        self.root = Path(root)
+        self.host = host
+        self.idle_s = idle_s
+        self.nice = nice
+        self.prefix = shm_prefix(self.root)
+        self.ranks: dict[int, _Rank] = {}
+        self.lock = threading.Lock()
+        self.clients = 0
+        self.last_client = time.monotonic()
+        self.stopping = threading.Event()
+        self.port = 0
+
+    # ---- life ------------------------------------------------------------------------------------
+    def serve(self) -> int:
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock_fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return 0  # another saver serves this root
+            raise
+        if self.nice and hasattr(os, "nice"):
+            with contextlib.suppress(OSError):
+                os.nice(self.nice)
+        layout.clean_temporaries(self.root)  # half-written copies of a saver of this root that was killed
+        for stale in SHM_DIR.glob(f"{self.prefix}-*"):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = self.root / SOCKET
+        with contextlib.suppress(OSError):
+            path.unlink()
+        unix.bind(str(path))
+        unix.listen(64)
+        tcp = socket.create_server((self.host, 0), backlog=64)
+        self.port = tcp.getsockname()[1]
+        layout.write_json(self.root / INFO, {"pid": os.getpid(), "port": self.port, "started_ts": time.time()})
+        for target, sock in ((self._accept_ranks, unix), (self._accept_replicas, tcp)):
+            threading.Thread(target=target, args=(sock,), daemon=True).start()
+        signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
+        try:
+            while not self.stopping.wait(1.0):
+                with self.lock:
+                    idle = self.clients == 0 and time.monotonic() - self.last_client > self.idle_s
+                if idle or not self.root.is_dir():
+                    break
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+            unix.close()
+            tcp.close()
+            with self.lock:
+                ranks = list(self.ranks.values())
+            for r in ranks:
+                r.queue.put(None)
+                if r.writer is not None:
+                    r.writer.join(timeout=30)
+                self._free(r)
+            os.close(lock_fd)
+        return 0
+
+    def _free(self, r: _Rank) -> None:
+        for slot in r.slots:
+            for f in slot.files.values():
+                f.close(unlink=True)
+        r.slots = []
+
+    # ---- the ranks of this machine ----------------------------------------------------------------
+    def _accept_ranks(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._rank_session, args=(conn,), daemon=True).start()
+
+    def _rank_session(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.clients += 1
+        send_lock = threading.Lock()
+        reader = LineReader(conn)
+        r: _Rank | None = None
+
+        def notify(doc: dict[str, Any]) -> None:
+            with contextlib.suppress(OSError):
+                send_doc(conn, doc, send_lock)
+
+        try:
+            while True:
+                msg = reader.doc()
+                if msg is None:
+                    break
+                op = msg.get("op")
+                if op == "hello":
+                    r = self._hello(int(msg["rank"]), str(msg["job"]))
+                    r.notify = notify
+                    newest = r.newest()
+                    notify({"op": "hello", "host": self.host, "port": self.port, "pid": os.getpid(),
+                            "memory": None if newest is None else {"step": newest.step, "segment": newest.segment,
+                                                                   "layout": self._layout_key(newest)}})
+                elif r is None:
+                    notify({"op": "error", "message": f"{op} before hello"})
+                elif op == "static":
+                    self._static(r, msg)
+                    notify({"op": "ready", "replica": not r.replica_broken, "why": r.replica_broken})
+                elif op == "configure":
+                    notify({"op": "configured", "slots": self._configure(r, msg)})
+                elif op == "fill":
+                    r.slots[int(msg["slot"])].state = "filling"
+                elif op == "snapshot":
+                    slot = r.slots[int(msg["slot"])]
+                    slot.state, slot.step, slot.manifest = "queued", int(msg["step"]), b""
+                    r.queue.put((int(msg["slot"]), msg))
+                elif op == "fetch":
+                    notify({"op": "fetched", **self._fetch(r, int(msg["step"]))})
+                elif op == "forget":
+                    for slot in r.slots:
+                        if slot.step > int(msg["after"]):
+                            slot.manifest = b""
+                elif op == "close":
+                    if msg.get("flush"):  # every queued snapshot written and sent first
+                        r.queue.join()
+                        self._close_replica(r)
+                        self._stop_s3(r)
+                    notify({"op": "closed", "cpu_s": time.process_time()})
+                else:
+                    notify({"op": "error", "message": f"unknown operation {op!r}"})
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+            print(f"checkpoint saver {self.root}: rank session ended: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+        finally:
+            if r is not None and r.notify is notify:
+                r.notify = None
+            conn.close()
+            with self.lock:
+                self.clients -= 1
+                self.last_client = time.monotonic()
+
+    def _hello(self, rank: int, job: str) -> _Rank:
+        with self.lock:
+            r = self.ranks.get(rank)
+            if r is not None and r.job != job:  # this machine now runs another job: the old state goes
+                r.queue.put(None)
+                self._free(r)
+                r = None
+            if r is None:
+                r = self.ranks[rank] = _Rank(rank=rank, job=job)
+            if r.writer is None or not r.writer.is_alive():
+                r.queue = queue.Queue()
+                r.writer = threading.Thread(target=self._writer, args=(r,), name=f"writer-{rank}", daemon=True)
+                r.writer.start()
+            return r
+
+    @staticmethod
+    def _layout_key(slot: _Slot) -> str:
+        with contextlib.suppress(mf.ManifestInvalid):
+            return mf.topology_key(mf.parse(slot.manifest))
+        return ""
+
+    def _static(self, r: _Rank, msg: dict[str, Any]) -> None:
+        """What every snapshot of the rank shares (job, topology, backup saver, token, tiers); opens the
+        replica connection and the remote tier."""
+        r.queue.join()
+        r.static = dict(msg["static"])
+        self._open_replica(r)
+        self._stop_s3(r)
+        s3_url = r.static.get("s3_url") or ""
+        if s3_url:
+            from checkpoint.s3 import open_tier
+
+            r.s3 = open_tier(s3_url, endpoint_url=r.static.get("s3_endpoint_url") or "",
+                             timeout_s=float(r.static.get("s3_timeout_s") or 5.0))
+            r.s3_closing = False
+            r.s3_thread = threading.Thread(target=self._s3_loop, args=(r,), name=f"s3-{r.rank}", daemon=True)
+            r.s3_thread.start()
+
+    def _configure(self, r: _Rank, msg: dict[str, Any]) -> list[dict[str, str]]:
+        """New buffers for the rank's layout (the slots holding older snapshots go)."""
+        r.queue.join()
+        old = r.slots
+        r.layouts = {name: {"prefix": _unb64(spec["prefix"]), "size": int(spec["size"]),
+                            "entries": spec["entries"], "tensors": spec["tensors"]}
+                     for name, spec in msg["layouts"].items()}
+        r.generation += 1
+        slots = []
+        for i in range(SLOTS):
+            files = {name: ShmFile(SHM_DIR / f"{self.prefix}-r{r.rank}-g{r.generation}-s{i}-{name}", spec["size"],
+                                   create=True) for name, spec in r.layouts.items()}
+            slots.append(_Slot(files))
+        r.slots = slots
+        for slot in old:
+            for f in slot.files.values():
+                f.close(unlink=True)
+        return [{name: str(f.path) for name, f in slot.files.items()} for slot in slots]
+
+    def _fetch(self, r: _Rank, step: int) -> dict[str, Any]:
+        newest = r.newest()
+        if newest is None or newest.step != step:
+            return {"ok": False, "why": f"no complete snapshot of step {step} in memory"}
+        return {"ok": True, "manifest": _b64(newest.manifest),
+                "files": [[name, str(f.path), _b64(r.layouts[name]["prefix"]), f.size]
+                          for name, f in newest.files.items()]}
+
+    # ---- persisting ----------------------------------------------------------------------------------
+    def _writer(self, r: _Rank) -> None:
+        while True:
+            item = r.queue.get()
+            try:
+                if item is None:
+                    return
+                index, msg = item
+                slot = r.slots[index]
+                out = {"op": "done", "slot": index, "step": slot.step, "local": False, "replica": False}
+                try:
+                    out.update(self._persist(r, slot, msg))
+                except Exception as exc:  # report and go on with the next snapshot
+                    out["error"] = f"step {slot.step}: snapshot failed: {type(exc).__name__}: {exc}"
+                slot.state = "free"
+                out["cpu_s"] = time.process_time()
+                if r.notify is not None:
+                    r.notify(out)
+            finally:
+                r.queue.task_done()
+
+    def _persist(self, r: _Rank, slot: _Slot, msg: dict[str, Any]) -> dict[str, Any]:
+        st = r.static
+        step, rank = slot.step, r.rank
+        names = list(r.layouts)
+        for name in names:
+            bad = non_finite(slot.files[name].view(), r.layouts[name]["entries"])
+            if bad:
+                return {"error": f"step {step}: snapshot not kept: {bad} ({name})"}
+        files = [(name, [r.layouts[name]["prefix"], slot.files[name].view()]) for name in names]
+        sums = []
+        for _name, parts in files:
+            h = hashlib.sha256()
+            for p in parts:
+                h.update(p)
+            sums.append((sum(len(p) for p in parts), h.hexdigest()))
+        manifest = mf.seal(mf.build(
+            step=step, rank=rank, world_size=int(st["world_size"]), topology=st["topology"], coords=st["coords"],
+            machine=st["machine"], job=r.job, incarnation=int(st["incarnation"]),
+            created_ts=float(msg.get("created_ts") or time.time()), data_position=msg.get("data_position") or {},
+            state=msg.get("meta") or {},
+            files=[{"name": name, "size": size, "sha256": sha, "tensors": r.layouts[name]["tensors"]}
+                   for name, (size, sha) in zip(names, sums, strict=True)]))
+        out: dict[str, Any] = {}
+        dest = layout.copy_dir(self.root, "local", step, rank)
+        try:
+            layout.write_copy(dest, manifest, files, fsync=bool(st.get("fsync", True)))
+            out["local"] = True
+        except OSError as exc:
+            out["local"] = False
+            out["error"] = (f"step {step} tier local: write to {dest} failed ({exc.strerror or exc}); this step "
+                            f"has no local copy")
+        slot.manifest, slot.segment = manifest, str((msg.get("meta") or {}).get("segment", ""))
+        if r.s3 is not None and msg.get("s3"):
+            self._queue_s3(r, step, manifest, files)
+        out["replica"], why = self._send_replica(r, step, manifest, files)
+        if why and "error" not in out:
+            out["error"] = why
+        return out
+
+    # ---- the replica: to the saver of the backup rank -----------------------------------------------
+    def _open_replica(self, r: _Rank) -> None:
+        self._close_replica(r)
+        backup = r.static.get("backup")
+        r.replica_broken = ""
+        if not backup:
+            return
+        host, port = backup["address"]
+        try:
+            r.replica = socket.create_connection((host, int(port)), timeout=float(r.static.get("replica_timeout_s",
+                                                                                                  600.0)))
+            r.replica_reader = LineReader(r.replica)
+        except OSError as exc:
+            r.replica_broken = f"connecting to rank {backup['rank']}'s saver at {host}:{port} failed ({exc})"
+
+    def _close_replica(self, r: _Rank) -> None:
+        if r.replica is not None:
+            with contextlib.suppress(OSError):
+                r.replica.close()
+        r.replica, r.replica_reader = None, None
+
+    def _send_replica(self, r: _Rank, step: int, manifest: bytes,
+                      files: list[tuple[str, list[Any]]]) -> tuple[bool, str]:
+        backup = r.static.get("backup")
+        if not backup:
+            return True, ""  # no replica wanted (one machine)
+        if r.replica is None or r.replica_reader is None:
+            return False, (f"step {step} tier replica: {r.replica_broken or 'no connection to the backup saver'}; "
+                           f"this step is not committed")
+        header = {"op": "replica", "token": r.static.get("token", ""), "owner": r.rank, "holder": backup["rank"],
+                  "step": step, "manifest": len(manifest),
+                  "files": [[name, sum(len(p) for p in parts)] for name, parts in files]}
+        try:
+            send_doc(r.replica, header)
+            r.replica.sendall(manifest)
+            for _name, parts in files:
+                for p in parts:
+                    r.replica.sendall(p)
+            ack = r.replica_reader.doc()
+        except (OSError, ValueError) as exc:
+            r.replica_broken = f"sending to rank {backup['rank']} failed ({type(exc).__name__}: {exc})"
+            self._close_replica(r)
+            return False, f"step {step} tier replica: {r.replica_broken}; replication stops"
+        if not ack or ack.get("step") != step or not ack.get("ok"):
+            return False, (f"step {step} tier replica: rank {backup['rank']} refused the replica "
+                           f"({(ack or {}).get('why', 'no answer')})")
+        return True, ""
+
+    def _accept_replicas(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._replica_session, args=(conn,), daemon=True).start()
+
+    def _replica_session(self, conn: socket.socket) -> None:
+        reader = LineReader(conn)
+        try:
+            while True:
+                head = reader.doc()
+                if head is None:
+                    return
+                owner, holder, step = int(head["owner"]), int(head["holder"]), int(head["step"])
+                manifest = bytes(reader.exactly(int(head["manifest"])))
+                data = {str(name): reader.exactly(int(size)) for name, size in head["files"]}
+                expected = self._token_of(holder)
+                if expected is None or head.get("token") != expected:
+                    send_doc(conn, {"step": step, "ok": False, "why": f"rank {holder} is not served here "
+                                                                      f"for this job"})
+                    continue
+                dest = layout.copy_dir(self.root, "replica", step, owner)
+                check = check_data(manifest, data, machine=str(self.root), rank=owner, step=step, tier="replica",
+                                   path=str(dest), deep=False)
+                why = "; ".join(p.what for p in check.problems)
+                if check.ok:
+                    try:
+                        layout.write_copy(dest, manifest, [(n, [d]) for n, d in data.items()],
+                                          extra={layout.REPLICA_INFO: json.dumps(
+                                              {"holder": holder, "owner": owner}, sort_keys=True).encode()},
+                                          fsync=self._fsync_of(holder))
+                    except OSError as exc:
+                        why = f"write to {dest} failed ({exc.strerror or exc})"
+                send_doc(conn, {"step": step, "ok": not why, "why": why})
+        except (OSError, ValueError, KeyError, TypeError, ConnectionError):
+            return
+        finally:
+            conn.close()
+
+    def _token_of(self, holder: int) -> str | None:
+        with self.lock:
+            r = self.ranks.get(holder)
+        return None if r is None or not r.static else str(r.static.get("token", ""))
+
+    def _fsync_of(self, holder: int) -> bool:
+        with self.lock:
+            r = self.ranks.get(holder)
+        return bool(r.static.get("fsync", True)) if r is not None else True
+
+    # ---- the remote tier: the newest due snapshot wins ---------------------------------------------
+    def _queue_s3(self, r: _Rank, step: int, manifest: bytes, files: list[tuple[str, list[Any]]]) -> None:
+        body = [(name, b"".join(bytes(p) for p in parts)) for name, parts in files]
+        with r.s3_wake:
+            if r.s3_next is not None:
+                r.s3_superseded += 1
+            r.s3_next = (step, manifest, body)
+            r.s3_wake.notify_all()
+
+    def _s3_loop(self, r: _Rank) -> None:
+        from checkpoint.errors import S3TierError
+
+        uploaded: list[int] = []
+        while True:
+            with r.s3_wake:
+                while r.s3_next is None and not r.s3_closing:
+                    r.s3_wake.wait()
+                item, r.s3_next = r.s3_next, None
+                r.s3_wake.notify_all()
+            if item is None:
+                return
+            step, manifest, body = item
+            try:
+                r.s3.upload_copy(step, r.rank, body, manifest)
+                uploaded.append(step)
+                keep = int(r.static.get("s3_keep") or 3)
+                while len(uploaded) > keep:
+                    old = uploaded[0]
+                    if not any(r.s3.is_verified(s, r.rank) for s in uploaded[1:]) and r.s3.is_verified(old, r.rank):
+                        break  # the newest verified copy stays
+                    r.s3.delete_copy(old, r.rank)
+                    uploaded.pop(0)
+                if r.notify is not None:
+                    r.notify({"op": "uploaded", "step": step})
+            except S3TierError as exc:
+                if r.notify is not None:
+                    r.notify({"op": "error", "message": f"step {step} tier s3: {exc}"})
+
+    def _stop_s3(self, r: _Rank) -> None:
+        if r.s3_thread is None:
+            return
+        with r.s3_wake:
+            r.s3_closing = True
+            r.s3_wake.notify_all()
+        r.s3_thread.join(timeout=120)
+        r.s3_thread, r.s3, r.s3_next = None, None, None
+
+
+# ---- the rank's side ---------------------------------------------------------------------------------
+def connect(root: Path, *, host: str, idle_s: float, nice: int, timeout_s: float = 30.0) -> socket.socket:
+    """A connection to the saver of ``root``, starting one (in a session of its own, so that it outlives
+    the rank) when none answers. Ranks of one machine starting together start one saver between them."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = str(root / SOCKET)
+
+    def attempt() -> socket.socket | None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            return s
+        except OSError:
+            s.close()
+            return None
+
+    sock = attempt()
+    if sock is not None:
+        return sock
+    # not one of the job's processes: the job's stop (which finds them by TG_JOB_TOKEN) leaves it running with
+    # its memory snapshots for the restart, and it never counts as a rank still alive
+    env = {k: v for k, v in os.environ.items() if k not in ("TG_JOB_TOKEN", "TG_FAULT_FILE")}
+    log = open(root / "saver.log", "ab")  # noqa: SIM115 - handed to the child
+    try:
+        subprocess.Popen([sys.executable, "-m", "checkpoint.saver", "--root", str(root), "--host", host,
+                          "--idle-s", str(idle_s), "--nice", str(nice)],
+                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
+                         close_fds=True,
+                         cwd=str(Path(__file__).resolve().parent.parent))
+    finally:
+        log.close()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:  # the saver that won the lock (this one or a sibling's) answers
+        sock = attempt()
+        if sock is not None:
+            return sock
+        time.sleep(0.02)
+    raise OSError(f"the checkpoint saver of {root} did not answer within {timeout_s:.0f}s (see {root}/saver.log)")
+
+
+class SaverLink:
+    """A rank's connection to its machine's saver (see the module). Requests that need an answer
+    (``hello``, ``static``, ``configure``, ``fetch``, ``close``) wait for it; the saver's reports
+    (a snapshot done, an upload, an error) go to the callbacks on a reader thread."""
+
+    def __init__(self, root: Path, *, rank: int, job: str, host: str = "127.0.0.1", idle_s: float = 600.0,
+                 nice: int = 10,
+                 on_done: Callable[[dict[str, Any]], None] = lambda doc: None,
+                 on_error: Callable[[str], None] = lambda line: None, timeout_s: float = 120.0) -> None:
+        self.root = Path(root)
+        self.timeout_s = timeout_s
+        self.on_done = on_done
+        self.on_error = on_error
+        self.sock = connect(self.root, host=host, idle_s=idle_s, nice=nice)
+        self._send_lock = threading.Lock()
+        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.saver_cpu_s = 0.0
+        self.uploaded: list[int] = []
+        self._closing = False
+        self._reader = threading.Thread(target=self._read, name="tg-ckpt-saver-link", daemon=True)
+        self._reader.start()
+        hello = self.request({"op": "hello", "rank": rank, "job": job}, "hello")
+        self.host = str(hello["host"])
+        self.port = int(hello["port"])
+        self.pid = int(hello["pid"])
+        self.memory: dict[str, Any] | None = hello.get("memory")
+
+    def _read(self) -> None:
+        reader = LineReader(self.sock)
+        try:
+            while True:
+                doc = reader.doc()
+                if doc is None:
+                    break
+                op = doc.get("op")
+                if "cpu_s" in doc:
+                    self.saver_cpu_s = float(doc["cpu_s"])
+                if op == "done":
+                    self.on_done(doc)
+                elif op == "uploaded":
+                    self.uploaded.append(int(doc["step"]))
+                elif op == "error":
+                    self.on_error(str(doc.get("message", "")))
+                else:
+                    self._replies.put(doc)
+        except (OSError, ValueError):
+            pass
+        self._replies.put(None)  # the saver is gone: a waiting request fails at once
+        if not self._closing:
+            self.on_error(f"the checkpoint saver of {self.root} closed the connection; snapshots stop")
+
+    def send(self, doc: dict[str, Any]) -> None:
+        send_doc(self.sock, doc, self._send_lock)
+
+    def request(self, doc: dict[str, Any], answer: str) -> dict[str, Any]:
+        self.send(doc)
+        try:
+            reply = self._replies.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise OSError(f"the checkpoint saver of {self.root} did not answer {doc['op']} in "
+                          f"{self.timeout_s:.0f}s") from None
+        if reply is None or reply.get("op") != answer:
+            raise OSError(f"the checkpoint saver of {self.root} answered {doc['op']} with {reply!r}")
+        return reply
+
+    def fetch(self, step: int) -> tuple[bytes, dict[str, bytes]] | None:
+        """The manifest and file bytes of the rank's snapshot of ``step`` held in memory, or None."""
+        reply = self.request({"op": "fetch", "step": step}, "fetched")
+        if not reply.get("ok"):
+            return None
+        files = {}
+        for name, path, prefix, size in reply["files"]:
+            shm = ShmFile(Path(path), int(size), create=False)
+            try:
+                files[name] = _unb64(prefix) + bytes(shm.view())
+            finally:
+                shm.close()
+        return _unb64(reply["manifest"]), files
+
+    def close(self, *, flush: bool) -> None:
+        self._closing = True
+        try:
+            if flush:
+                self.request({"op": "close", "flush": True}, "closed")
+            else:
+                self.send({"op": "close", "flush": False})
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()
+
+
+def stop(root: Path, *, timeout_s: float = 10.0) -> bool:
+    """End the saver of ``root`` (its memory snapshots go); True if one was running."""
+    info = layout.read_json(Path(root) / INFO) or {}
+    pid = info.get("pid")
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: when this process started the saver, it is reaped here)."""
+    with contextlib.suppress(ChildProcessError):
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", required=True, type=Path, help="the machine's checkpoint root")
+    ap.add_argument("--host", default="127.0.0.1", help="the address other machines' savers reach this one at")
+    ap.add_argument("--idle-s", type=float, default=600.0, help="end after this long with no rank connected")
+    ap.add_argument("--nice", type=int, default=10, help="CPU priority below the training's (0..19)")
+    args = ap.parse_args(argv)
+    return Saver(args.root, host=args.host, idle_s=args.idle_s, nice=args.nice).serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

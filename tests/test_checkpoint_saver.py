@@ -1,0 +1,170 @@
+"""The checkpoint saver process (checkpoint/saver.py): persistence outside the training process, the newest
+snapshot kept in memory across a rank's death, replicas only for the job's own ranks, no NaN written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import layout, saver
+from checkpoint.saver import LineReader, SaverLink, non_finite, send_doc
+from tests.test_checkpoint_unit import checkpointer, digest, make_model, run_steps
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {repo!r})
+    from pathlib import Path
+    from tests.test_checkpoint_unit import checkpointer, digest, make_model, train_step
+    model, opt = make_model()
+    ck = checkpointer(Path({root!r}), model, opt, saver="process", fsync=False)
+    ck.restore()
+    ck.start()
+    for step in range(4):
+        train_step(model, opt, step)
+        ck.after_step(step)
+        assert ck.drain(30)
+        print(step, digest(model, opt), flush=True)
+    print("ready", ck.status()["saver_pid"], flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_rank_killed_mid_run_restores_from_the_savers_memory_without_its_disk(tmp_path: Path):
+    """The rank's process dies (SIGKILL); its saver lives on with the newest snapshot in shared memory.
+    The restarted rank restores it bit for bit, with every copy on the machine's disk deleted first."""
+    proc = subprocess.Popen([sys.executable, "-c", CHILD.format(repo=str(REPO), root=str(tmp_path))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    digests: dict[int, str] = {}
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            word, _, rest = line.strip().partition(" ")
+            if word == "ready":
+                saver_pid = int(rest)
+                break
+            digests[int(word)] = rest
+        else:
+            pytest.fail(f"the training process ended early: {proc.stderr.read() if proc.stderr else ''}")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert sorted(digests) == [0, 1, 2, 3]
+    os.kill(saver_pid, 0)  # still there
+    for _step, _rank, path in layout.list_copies(tmp_path, "local"):
+        layout.remove_copy(path)
+    assert layout.list_copies(tmp_path, "local") == []
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, saver="process")
+    result = ck.restore()
+    assert result is not None and (result.step, result.tier) == (3, "memory")
+    assert digest(model, opt) == digests[3]
+    assert ck.status()["saver_pid"] == saver_pid  # the same saver, not a new one
+    ck.close()
+    assert saver.stop(tmp_path)
+
+
+def test_memory_is_offered_only_to_the_same_job(tmp_path: Path):
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, saver="process", job="a")
+    ck.restore()
+    ck.start()
+    run_steps(ck, model, opt, range(2))
+    ck.close()
+    other = SaverLink(tmp_path, rank=0, job="b")
+    assert other.memory is None
+    other.close(flush=False)
+    again = SaverLink(tmp_path, rank=0, job="a")
+    assert again.memory is None  # job b took the machine's saver over: job a's memory went with it
+    again.close(flush=False)
+    assert saver.stop(tmp_path)
+
+
+def _static(token: str) -> dict[str, object]:
+    return {"token": token, "backup": None, "world_size": 2, "topology": {"tp": 1, "pp": 1, "dp": 2,
+            "ranks_per_machine": 1}, "coords": {"tp": 0, "pp": 0, "dp": 1}, "machine": "m1", "incarnation": 0,
+            "fsync": False, "s3_url": ""}
+
+
+def test_a_saver_keeps_replicas_only_for_ranks_it_serves_under_the_jobs_token(tmp_path: Path):
+    source = tmp_path / "m0"
+    model, opt = make_model()
+    ck = checkpointer(source, model, opt, saver="thread")  # a real copy to send
+    ck.restore()
+    ck.start()
+    run_steps(ck, model, opt, range(1))
+    ck.close()
+    copy = layout.copy_dir(source, "local", 0, 0)
+    manifest = (copy / "manifest.json").read_bytes()
+    files = {name: (copy / name).read_bytes() for name in ("model.safetensors", "optim.safetensors")}
+
+    holder_root = tmp_path / "m1"
+    link = SaverLink(holder_root, rank=1, job="j")
+    assert link.request({"op": "static", "static": _static("secret")}, "ready")["replica"]
+    conn = socket.create_connection((link.host, link.port), timeout=30)
+    reader = LineReader(conn)
+
+    def send(token: str, holder: int = 1, body: dict[str, bytes] = files) -> dict[str, object]:
+        send_doc(conn, {"op": "replica", "token": token, "owner": 0, "holder": holder, "step": 0,
+                        "manifest": len(manifest), "files": [[n, len(d)] for n, d in body.items()]})
+        conn.sendall(manifest)
+        for data in body.values():
+            conn.sendall(data)
+        reply = reader.doc()
+        assert reply is not None
+        return reply
+
+    assert not send("guess")["ok"]
+    assert not send("secret", holder=5)["ok"]  # no such rank here
+    damaged = dict(files, **{"model.safetensors": files["model.safetensors"][:-1] + b"\0"})
+    refused = send("secret", body=damaged)
+    assert not refused["ok"] and "sha256 mismatch" in str(refused["why"])
+    assert layout.list_copies(holder_root, "replica") == []
+    assert send("secret")["ok"]
+    (step, owner, path), = layout.list_copies(holder_root, "replica")
+    assert (step, owner) == (0, 0)
+    assert json.loads((path / layout.REPLICA_INFO).read_text()) == {"holder": 1, "owner": 0}
+    conn.close()
+    link.close(flush=False)
+    assert saver.stop(holder_root)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_non_finite_values_are_found_in_every_float_format(dtype: torch.dtype):
+    t = torch.arange(6, dtype=torch.float32).to(dtype)
+    entries = [["w", {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.float64: "F64"}[dtype], [6], 0, 6 * t.element_size()]]
+    data = memoryview(t.view(torch.uint8).numpy().tobytes())
+    assert non_finite(data, entries) == ""
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t2 = t.clone()
+        t2[3] = bad
+        found = non_finite(memoryview(t2.view(torch.uint8).numpy().tobytes()), entries)
+        assert found == "tensor w holds 1 non-finite values", (dtype, bad)
+    ints = memoryview(np.full(4, 0x7F800000, dtype="<u4").tobytes())  # an integer tensor is never "non-finite"
+    assert non_finite(ints, [["n", "I32", [4], 0, 16]]) == ""
+
+
+def test_a_saver_ends_when_its_root_is_gone(tmp_path: Path):
+    root = tmp_path / "machine"
+    link = SaverLink(root, rank=0, job="j", idle_s=600)
+    pid = link.pid
+    link.close(flush=False)
+    import shutil
+
+    shutil.rmtree(root)
+    import psutil
+
+    psutil.Process(pid).wait(timeout=15)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
