@@ -43,6 +43,7 @@ import contextlib
 import hashlib
 import os
 import queue
+import re
 import socket
 import sys
 import threading
@@ -199,6 +200,40 @@ def _files_sha(parts_by_file: list[tuple[str, list[Any]]]) -> list[tuple[int, st
     return out
 
 
+def _timed_copy(slot: _Slot, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...],
+                cuda: bool) -> float:
+    t0 = time.perf_counter()
+    slot.copy_from(tensors, non_blocking=cuda, identity=identity)
+    if cuda:
+        torch.cuda.current_stream().synchronize()
+    return time.perf_counter() - t0
+
+
+class ReferenceCopy:
+    """A plain copy of a rank's whole state (the tensors a snapshot holds) into a spare buffer, pinned on
+    GPU hosts, timed: what checkpoint blocking is measured against, in runs of its own."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self._reader = StateReader(model, optimizer)
+        self._slot: _Slot | None = None
+        self.cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
+
+    def measure(self) -> float:
+        tensors, _meta, key = self._reader.read()
+        identity = (key, tuple(tensors[MODEL_FILE]), tuple(tensors[OPTIM_FILE]))
+        if self._slot is None or not self._slot.fits(tensors, identity):
+            self._slot = _Slot(tensors, self.cuda, identity)
+        return _timed_copy(self._slot, tensors, identity, self.cuda)
+
+
+def _QUIET() -> dict[str, Any]:  # the same message every step
+    return {"op": "quiet"}
+
+
+# how long a step waits for the saver process to lay out buffers for a new state shape (once per shape)
+CONFIGURE_WAIT_S = 10.0
+
+
 class Checkpointer:
     """One rank's checkpointing. Build it on every rank (it creates process groups), then
     :meth:`restore`, :meth:`start`, and per step :meth:`before_update` / :meth:`after_step`;
@@ -242,22 +277,6 @@ class Checkpointer:
         except OSError as exc:
             raise CheckpointError(f"machine {self.machine} rank {rank}: checkpoint root {self.root} is not "
                                   f"writable ({exc.strerror}); fix the disk or pass --no-checkpoint") from None
-        self.link: SaverLink | None = None
-        self._memory: dict[str, Any] | None = None  # the saver's newest snapshot of this rank, at start
-        if config.saver == "process":
-            try:
-                self.link = SaverLink(self.root, rank=rank, job=job, host=_reachable_host(),
-                                      idle_s=config.saver_idle_s,
-                                      nice=config.background_nice, on_done=self._saved,
-                                      on_error=lambda line: self._error(line, kind="saver"))
-            except OSError as exc:
-                raise CheckpointError(f"machine {self.machine} rank {rank}: the checkpoint saver process did not "
-                                      f"start ({exc}); pass --checkpoint-saver thread to persist in the training "
-                                      f"process") from None
-            self._memory = self.link.memory
-        else:  # a saver process of this root would be writing its own temporaries
-            layout.clean_temporaries(self.root)
-
         self.use_cuda = torch.cuda.is_available() and any(p.is_cuda for p in model.parameters())
         self.stream = torch.cuda.Stream() if self.use_cuda else None
         self.segment = uuid.uuid4().hex[:12]  # replaced by rank 0's in restore()
@@ -295,6 +314,23 @@ class Checkpointer:
         self._started = False
         self._finished_cpu_s = 0.0  # CPU time of background threads that have ended
         self._finished: set[threading.Thread] = set()
+        self.link: SaverLink | None = None
+        self._configuring: tuple[Any, ...] | None = None  # the layout the saver is making buffers for
+        self._memory: dict[str, Any] | None = None  # the saver's newest snapshot of this rank, at start
+        if config.saver == "process":
+            try:
+                self.link = SaverLink(self.root, rank=rank, job=job, host=_reachable_host(),
+                                      idle_s=config.saver_idle_s,
+                                      nice=config.background_nice, on_done=self._saved,
+                                      on_configured=self._configured,
+                                      on_error=lambda line: self._error(line, kind="saver"))
+            except OSError as exc:
+                raise CheckpointError(f"machine {self.machine} rank {rank}: the checkpoint saver process did not "
+                                      f"start ({exc}); pass --checkpoint-saver thread to persist in the training "
+                                      f"process") from None
+            self._memory = self.link.memory
+        else:  # a saver process of this root would be writing its own temporaries
+            layout.clean_temporaries(self.root)
 
     # ---- reporting ---------------------------------------------------------------------
     def _log(self, message: str, *, kind: str = "") -> None:
@@ -354,6 +390,12 @@ class Checkpointer:
         self._pending_event.synchronize()
         self._pending_event = None
         return time.perf_counter() - t0
+
+    def host_idle(self) -> None:
+        """Say that this rank's host is about to idle (its device computes; the host thread waits): the
+        saver process persists the last snapshot now. Optional; cheap (a message queued)."""
+        if self.link is not None and self._started:
+            self.link.post(_QUIET)
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.cfg.every_steps == 0
@@ -445,11 +487,12 @@ class Checkpointer:
     def _take_shared_slot(self, tensors: dict[str, dict[str, torch.Tensor]],
                           identity: tuple[Any, ...]) -> _Slot | None:
         """A free buffer in the saver's shared memory, the one holding the older snapshot first (the newer
-        one is the saver's copy in memory); both laid out anew when the state changed shape."""
+        one is the saver's copy in memory). When the state has no buffers of its shape yet (the first
+        snapshot, or the optimizer created its state), the saver is asked for them and this step waits for
+        its answer up to ``CONFIGURE_WAIT_S`` (milliseconds when the machine has CPU to spare), then goes on
+        without a snapshot; the buffers are used from the next step."""
         with self._lock:
             fits = bool(self._slots) and all(s.fits(tensors, identity) for s in self._slots)
-            if not fits and any(s.busy for s in self._slots):
-                return None  # lay out anew once both are free
             if fits:
                 free = [s for s in self._slots if not s.busy]
                 if not free:
@@ -457,33 +500,53 @@ class Checkpointer:
                 slot = min(free, key=lambda s: s.step)
                 slot.busy = True
                 return slot
-        slots = self._shared_slots(tensors, identity)  # no snapshot in flight: nothing else touches them
-        with self._lock:
-            self._slots = slots
-            slots[0].busy = True
-        return slots[0]
-
-    def _shared_slots(self, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...]) -> list[_Slot]:
+            if any(s.busy for s in self._slots) or self._configuring is not None:
+                return None  # laid out anew once both are free / once the saver answered
+            layouts = {name: ShardLayout.for_tensors(ts) for name, ts in tensors.items()}
+            self._configuring = (tensors, identity, layouts)
         assert self.link is not None
-        layouts = {name: ShardLayout.for_tensors(ts) for name, ts in tensors.items()}
-        reply = self.link.request({"op": "configure", "layouts": {
+        self.link.post(lambda: {"op": "configure", "layouts": {
             name: {"prefix": _b64(lay.prefix), "size": lay.data_bytes, "tensors": lay.describe(),
                    "entries": [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in lay.entries]}
-            for name, lay in layouts.items()}}, "configured")
+            for name, lay in layouts.items()}})
+        deadline = time.monotonic() + CONFIGURE_WAIT_S
+        with self._lock:
+            while self._configuring is not None and time.monotonic() < deadline:
+                self._persisted.wait(max(0.0, deadline - time.monotonic()))
+            if self._slots and all(s.fits(tensors, identity) for s in self._slots):
+                self._slots[0].busy = True
+                return self._slots[0]
+        return None
+
+    def _configured(self, reply: dict[str, Any]) -> None:
+        """The saver's buffers for the layout asked for (its reader thread): mapped here, then used."""
+        with self._lock:
+            pending = self._configuring
+        if pending is None:
+            return
+        tensors, identity, layouts = pending
         slots = []
-        for index, paths in enumerate(reply["slots"]):
-            mapped, flats = [], {}
-            for name, lay in layouts.items():
-                shm = ShmFile(Path(paths[name]), lay.data_bytes, create=False)
-                mapped.append(shm)
-                flats[name] = torch.frombuffer(shm.mm, dtype=torch.uint8, count=lay.data_bytes) \
-                    if lay.data_bytes else torch.empty(0, dtype=torch.uint8)
-                if self.use_cuda and lay.data_bytes:
-                    _pin(flats[name], self._log)
-            slot = _Slot(tensors, self.use_cuda, identity, flats=flats)
-            slot.index, slot.mapped = index, mapped
-            slots.append(slot)
-        return slots
+        try:
+            for index, paths in enumerate(reply["slots"]):
+                mapped, flats = [], {}
+                for name, lay in layouts.items():
+                    shm = ShmFile(Path(paths[name]), lay.data_bytes, create=False)
+                    mapped.append(shm)
+                    flats[name] = torch.frombuffer(shm.mm, dtype=torch.uint8, count=lay.data_bytes) \
+                        if lay.data_bytes else torch.empty(0, dtype=torch.uint8)
+                    if self.use_cuda and lay.data_bytes:
+                        _pin(flats[name], self._log)
+                slot = _Slot(tensors, self.use_cuda, identity, flats=flats)
+                slot.index, slot.mapped = index, mapped
+                slots.append(slot)
+        except (OSError, KeyError, ValueError) as exc:
+            self._error(f"the saver's snapshot buffers could not be mapped ({exc}); snapshots stop", kind="map")
+            with self._lock:
+                self._persisted.notify_all()  # _configuring stays set: no new layout is asked for
+            return
+        with self._lock:
+            self._slots, self._configuring = slots, None
+            self._persisted.notify_all()
 
     def _hand_over(self, slot: _Slot) -> None:
         """Tell the saver the buffer holds the snapshot of ``slot.step`` (after the device copy, on GPUs)."""
@@ -493,16 +556,11 @@ class Checkpointer:
         every = self.cfg.s3_every_steps
         request = self._s3_requested or (self.s3 is not None and (self.root / layout.S3_REQUEST).exists())
         due = self.s3 is not None and (request or bool(every and (slot.step + 1) % every == 0))
-        try:
-            self.link.send({"op": "snapshot", "slot": slot.index, "step": slot.step, "created_ts": time.time(),
-                            "data_position": slot.data_position, "s3": due,
-                            "meta": meta_json(slot.meta) | {"segment": self.segment}})
-        except OSError as exc:
-            self._error(f"step {slot.step}: the checkpoint saver is gone ({exc}); snapshots stop", kind="saver")
-            with self._lock:
-                self._processed += 1  # never coming back: nothing to wait for
-                self._persisted.notify_all()
-            return
+        doc = {"op": "snapshot", "slot": slot.index, "step": slot.step, "created_ts": time.time(),
+               "data_position": slot.data_position, "s3": due}
+        meta, segment = slot.meta, self.segment
+        # the state's description becomes JSON on the link's thread, not the training thread's
+        self.link.post(lambda: doc | {"meta": meta_json(meta) | {"segment": segment}})
         if request:
             self._s3_requested = False
             with contextlib.suppress(OSError):
@@ -519,8 +577,8 @@ class Checkpointer:
             if doc.get("local") and doc.get("replica"):
                 self._done.append(step)
             self._persisted.notify_all()
-        if doc.get("error"):
-            self._error(str(doc["error"]), kind=str(doc["error"]).split(":")[0][:40])
+        if doc.get("error"):  # repeated ones (every step's) are logged 1st, 10th, 100th ... time
+            self._error(str(doc["error"]), kind=re.sub(r"\d+", "N", str(doc["error"]))[:80])
 
     def _start_saver(self) -> None:
         """Every rank: tell its saver where its backup's saver listens and what the snapshots share."""
@@ -549,11 +607,7 @@ class Checkpointer:
         """A plain copy of the same tensors into a spare buffer (the benchmark's reference)."""
         if self._spare is None or not self._spare.fits(tensors, identity):
             self._spare = _Slot(tensors, self.use_cuda, identity)
-        t0 = time.perf_counter()
-        self._spare.copy_from(tensors, non_blocking=self.use_cuda, identity=identity)
-        if self.use_cuda:
-            torch.cuda.current_stream().synchronize()
-        return time.perf_counter() - t0
+        return _timed_copy(self._spare, tensors, identity, self.use_cuda)
 
     def drain(self, timeout_s: float = 60.0) -> bool:
         """Wait until every snapshot taken so far is written and replicated (or failed), and a due S3

@@ -13,6 +13,11 @@ so in one short message; the saver, a process of its own at a lower CPU priority
 * and reports the step done (local copy durable, replica acknowledged) to the rank, which commits it
   with its peers as before (:class:`checkpoint.engine.Checkpointer`).
 
+It runs at a lower CPU priority (``nice``), and when the rank says its host is about to idle
+(:meth:`checkpoint.engine.Checkpointer.host_idle`: the device computes, the host thread waits), it
+persists then (waiting at most ``QUIET_WAIT_S``): its copies and hashing then do not compete for the
+host's CPU, caches and memory bandwidth with the training's own busy phase.
+
 It keeps the newest complete snapshot of every rank in memory and outlives the training processes
 (its own session): a rank restarted on this machine after its process died restores from memory
 without reading the disk (tier ``memory``). It ends when no rank has been connected for ``idle_s``
@@ -57,6 +62,7 @@ LOCK = "saver.lock"
 INFO = "saver.json"
 SHM_DIR = Path("/dev/shm")
 SLOTS = 2
+QUIET_WAIT_S = 2.0  # the longest a snapshot waits for its rank's host to idle before it is persisted anyway
 
 # the bit patterns of an infinity or a NaN: every exponent bit set
 _EXPONENT = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
@@ -195,6 +201,10 @@ class _Rank:
     s3_thread: threading.Thread | None = None
     s3_closing: bool = False
     s3_superseded: int = 0
+    # the rank says when its host is about to idle (the device computes): persisting waits for that moment,
+    # at most QUIET_WAIT_S, so the saver's copies and hashing do not compete with the host's busy phase
+    quiet: threading.Event = field(default_factory=threading.Event)
+    gated: bool = False
 
     def newest(self) -> _Slot | None:
         """The slot holding the newest complete snapshot (written here, not being refilled)."""
@@ -228,13 +238,13 @@ class Saver:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 return 0  # another saver serves this root
             raise
-        if self.nice and hasattr(os, "nice"):
-            with contextlib.suppress(OSError):
-                os.nice(self.nice)
+        _background_priority(self.nice)
         layout.clean_temporaries(self.root)  # half-written copies of a saver of this root that was killed
-        for stale in SHM_DIR.glob(f"{self.prefix}-*"):
-            with contextlib.suppress(OSError):
-                stale.unlink()
+        for stale in SHM_DIR.glob(f"{self.prefix}-p*"):  # buffers of this root's savers that are gone
+            pid = stale.name[len(self.prefix) + 2:].partition("-")[0]
+            if not pid.isdigit() or not _alive(int(pid)):
+                with contextlib.suppress(OSError):
+                    stale.unlink()
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         path = self.root / SOCKET
         with contextlib.suppress(OSError):
@@ -300,6 +310,8 @@ class Saver:
                 if msg is None:
                     break
                 op = msg.get("op")
+                if op == "noop":
+                    continue
                 if op == "hello":
                     r = self._hello(int(msg["rank"]), str(msg["job"]))
                     r.notify = notify
@@ -319,7 +331,11 @@ class Saver:
                 elif op == "snapshot":
                     slot = r.slots[int(msg["slot"])]
                     slot.state, slot.step, slot.manifest = "queued", int(msg["step"]), b""
+                    r.quiet.clear()
                     r.queue.put((int(msg["slot"]), msg))
+                elif op == "quiet":
+                    r.gated = True
+                    r.quiet.set()
                 elif op == "fetch":
                     notify({"op": "fetched", **self._fetch(r, int(msg["step"]))})
                 elif op == "forget":
@@ -327,6 +343,8 @@ class Saver:
                         if slot.step > int(msg["after"]):
                             slot.manifest = b""
                 elif op == "close":
+                    r.gated = False
+                    r.quiet.set()
                     if msg.get("flush"):  # every queued snapshot written and sent first
                         r.queue.join()
                         self._close_replica(r)
@@ -340,6 +358,8 @@ class Saver:
         finally:
             if r is not None and r.notify is notify:
                 r.notify = None
+                r.gated = False  # nobody will say when: what is queued is persisted now
+                r.quiet.set()
             conn.close()
             with self.lock:
                 self.clients -= 1
@@ -354,11 +374,16 @@ class Saver:
                 r = None
             if r is None:
                 r = self.ranks[rank] = _Rank(rank=rank, job=job)
-            if r.writer is None or not r.writer.is_alive():
+            fresh = r.writer is None or not r.writer.is_alive()
+            if fresh:
                 r.queue = queue.Queue()
                 r.writer = threading.Thread(target=self._writer, args=(r,), name=f"writer-{rank}", daemon=True)
                 r.writer.start()
-            return r
+        if not fresh:  # the rank's last process died with snapshots still queued: they are complete, persist them
+            r.gated = False
+            r.quiet.set()
+            r.queue.join()
+        return r
 
     @staticmethod
     def _layout_key(slot: _Slot) -> str:
@@ -393,8 +418,8 @@ class Saver:
         r.generation += 1
         slots = []
         for i in range(SLOTS):
-            files = {name: ShmFile(SHM_DIR / f"{self.prefix}-r{r.rank}-g{r.generation}-s{i}-{name}", spec["size"],
-                                   create=True) for name, spec in r.layouts.items()}
+            files = {name: ShmFile(SHM_DIR / f"{self.prefix}-p{os.getpid()}-r{r.rank}-g{r.generation}-s{i}-{name}",
+                                   spec["size"], create=True) for name, spec in r.layouts.items()}
             slots.append(_Slot(files))
         r.slots = slots
         for slot in old:
@@ -418,6 +443,8 @@ class Saver:
                 if item is None:
                     return
                 index, msg = item
+                if r.gated:
+                    r.quiet.wait(QUIET_WAIT_S)
                 slot = r.slots[index]
                 out = {"op": "done", "slot": index, "step": slot.step, "local": False, "replica": False}
                 try:
@@ -617,6 +644,15 @@ class Saver:
         r.s3_thread, r.s3, r.s3_next = None, None, None
 
 
+def _background_priority(nice: int) -> None:
+    """``nice`` steps below the training, for this thread and the threads it starts. (Linux's SCHED_IDLE was
+    tried: on a host whose CPUs the training keeps busy the savers then fell so far behind that ranks
+    skipped different steps and the newest step every rank held was five steps old.)"""
+    if nice:
+        with contextlib.suppress(OSError):
+            os.nice(nice)
+
+
 # ---- the rank's side ---------------------------------------------------------------------------------
 def connect(root: Path, *, host: str, idle_s: float, nice: int, timeout_s: float = 30.0) -> socket.socket:
     """A connection to the saver of ``root``, starting one (in a session of its own, so that it outlives
@@ -666,19 +702,24 @@ class SaverLink:
     def __init__(self, root: Path, *, rank: int, job: str, host: str = "127.0.0.1", idle_s: float = 600.0,
                  nice: int = 10,
                  on_done: Callable[[dict[str, Any]], None] = lambda doc: None,
-                 on_error: Callable[[str], None] = lambda line: None, timeout_s: float = 120.0) -> None:
+                 on_error: Callable[[str], None] = lambda line: None,
+                 on_configured: Callable[[dict[str, Any]], None] = lambda doc: None, timeout_s: float = 120.0) -> None:
         self.root = Path(root)
         self.timeout_s = timeout_s
         self.on_done = on_done
         self.on_error = on_error
+        self.on_configured = on_configured
         self.sock = connect(self.root, host=host, idle_s=idle_s, nice=nice)
         self._send_lock = threading.Lock()
         self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.saver_cpu_s = 0.0
         self.uploaded: list[int] = []
         self._closing = False
+        self._posts: queue.SimpleQueue[Callable[[], dict[str, Any]] | None] = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="tg-ckpt-saver-link", daemon=True)
         self._reader.start()
+        self._poster = threading.Thread(target=self._post_loop, name="tg-ckpt-saver-post", daemon=True)
+        self._poster.start()
         hello = self.request({"op": "hello", "rank": rank, "job": job}, "hello")
         self.host = str(hello["host"])
         self.port = int(hello["port"])
@@ -697,6 +738,8 @@ class SaverLink:
                     self.saver_cpu_s = float(doc["cpu_s"])
                 if op == "done":
                     self.on_done(doc)
+                elif op == "configured":  # asked for without waiting (the training thread never waits)
+                    self.on_configured(doc)
                 elif op == "uploaded":
                     self.uploaded.append(int(doc["step"]))
                 elif op == "error":
@@ -712,7 +755,26 @@ class SaverLink:
     def send(self, doc: dict[str, Any]) -> None:
         send_doc(self.sock, doc, self._send_lock)
 
+    def post(self, make: Callable[[], dict[str, Any]]) -> None:
+        """Send ``make()`` from the link's own thread (the training thread only queues it)."""
+        self._posts.put(make)
+
+    def _post_loop(self) -> None:
+        while True:
+            make = self._posts.get()
+            if make is None:
+                return
+            try:
+                self.send(make())
+            except OSError as exc:
+                if not self._closing:
+                    self.on_error(f"the checkpoint saver of {self.root} is gone ({exc}); snapshots stop")
+                return
+            except Exception as exc:  # a state that cannot be described: the saver never gets this snapshot
+                self.on_error(f"a snapshot could not be handed to the saver ({type(exc).__name__}: {exc})")
+
     def request(self, doc: dict[str, Any], answer: str) -> dict[str, Any]:
+        self._drain_posts()
         self.send(doc)
         try:
             reply = self._replies.get(timeout=self.timeout_s)
@@ -737,14 +799,22 @@ class SaverLink:
                 shm.close()
         return _unb64(reply["manifest"]), files
 
+    def _drain_posts(self) -> None:
+        """Everything posted so far is sent (a request comes after the snapshots handed over before it)."""
+        done = threading.Event()
+        self._posts.put(lambda: (done.set(), {"op": "noop"})[1])
+        done.wait(self.timeout_s)
+
     def close(self, *, flush: bool) -> None:
-        self._closing = True
         try:
-            if flush:
+            if flush:  # what was posted goes first, then the saver writes and sends all of it
                 self.request({"op": "close", "flush": True}, "closed")
             else:
+                self._drain_posts()
                 self.send({"op": "close", "flush": False})
         finally:
+            self._closing = True
+            self._posts.put(None)
             with contextlib.suppress(OSError):
                 self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()

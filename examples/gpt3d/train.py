@@ -128,6 +128,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a saver process ends this long after the last rank left (default 600)")
     c.add_argument("--checkpoint-measure-memcpy", action="store_true",
                    help="also time a plain copy of the state each step (ckpt_memcpy_s; for benchmarks)")
+    b = p.add_argument_group("benchmark references")
+    b.add_argument("--measure-memcpy", action="store_true",
+                   help="time a plain copy of the rank's state into a spare buffer each step (memcpy_s), with "
+                        "checkpoints off: the reference checkpoint blocking is measured against")
+    b.add_argument("--dcp-dir", default="",
+                   help="checkpoint every step with torch.distributed.checkpoint.async_save into DIR/step_<n> "
+                        "(storage every rank reaches) instead: the peer trainguard is compared with")
+    b.add_argument("--dcp-restore", action="store_true", help="with --dcp-dir: load the newest step first")
     r = c.add_mutually_exclusive_group()
     r.add_argument("--restore", dest="restore", action="store_const", const="require",
                    help="restore from a checkpoint or fail (default: restore if anything usable exists)")
@@ -255,6 +263,17 @@ class Trainer:
         self.ckpt = make_checkpointer(args, topo, rank, local_rank, self.model, self.optimizer) \
             if args.checkpoint else None
         self.restored: Any = None  # the RestoreResult this run started from, reported with its first step
+        self.reference = None
+        if args.measure_memcpy:
+            from checkpoint.engine import ReferenceCopy
+
+            self.reference = ReferenceCopy(self.model, self.optimizer)
+        self.dcp = None
+        self.dcp_restored: tuple[int, float] | None = None
+        if args.dcp_dir:
+            from examples.gpt3d.dcp_baseline import DcpCheckpointer
+
+            self.dcp = DcpCheckpointer(Path(args.dcp_dir), rank=rank, model=self.model, optimizer=self.optimizer)
 
     # ---- communication ----------------------------------------------------------------
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -370,6 +389,8 @@ class Trainer:
             inputs = shuffle_window(inputs, window=8)
         self.optimizer.zero_grad(set_to_none=True)
         losses = self.forward_backward(inputs, targets)
+        if self.ckpt is not None:  # the host waits for the device from here: the saver's moment
+            self.ckpt.host_idle()
         if self.args.emulate_device_s > 0:  # an accelerator's kernels: the host thread waits, its CPU idles
             time.sleep(self.args.emulate_device_s)
         self.all_reduce_grads()
@@ -394,17 +415,25 @@ class Trainer:
         why = "" if finite else f"loss {loss}, gradient norm {norm}: update skipped"
         why = why or ("" if match else "parameters differ from the data-parallel peers'")
         snap = self.ckpt.after_step(step, healthy=not why, why=why) if self.ckpt else None
+        extra: dict[str, Any] = {}
+        if self.dcp is not None and not why:
+            extra["dcp_blocking_s"] = round(self.dcp.save(step), 6)
+        if self.reference is not None:
+            extra["memcpy_s"] = round(self.reference.measure(), 6)
         step_time = time.perf_counter() - t0
         tokens_per_s = self.global_tokens / step_time
-        extra: dict[str, Any] = {}
         if snap is not None:
-            extra = {"ckpt_blocking_s": round(ckpt_wait + snap.blocking_s, 6), "ckpt_saved": snap.taken,
+            extra |= {"ckpt_blocking_s": round(ckpt_wait + snap.blocking_s, 6), "ckpt_saved": snap.taken,
                      "ckpt_skipped": snap.skipped, "ckpt_refused": snap.refused,
                      "ckpt_committed": self.ckpt.newest_committed,
                      "ckpt_bg_cpu_s": round(self.ckpt.background_cpu_s(), 6)}
             if snap.memcpy_s is not None:
                 extra["ckpt_memcpy_s"] = round(snap.memcpy_s, 6)
         extra["cpu_s"] = round(time.thread_time(), 6)  # the training thread's CPU time so far
+        extra["proc_cpu_s"] = round(time.process_time(), 6)  # and the whole process's (its other threads too)
+        if self.dcp_restored is not None:
+            extra.update(dcp_restored_step=self.dcp_restored[0], dcp_restore_s=round(self.dcp_restored[1], 4))
+            self.dcp_restored = None
         if self.restored is not None:
             extra.update(ckpt_restored_step=self.restored.step, ckpt_restore_s=round(self.restored.seconds, 4),
                          ckpt_restore_source=self.restored.tier)
@@ -447,9 +476,14 @@ class Trainer:
                 time.sleep(self.args.step_delay_s)
         if self.ckpt is not None:  # write, replicate and commit the last snapshots before the groups go
             self.ckpt.close(flush=True)
+        if self.dcp is not None:
+            self.dcp.close()
 
     def restore(self) -> int:
         """Restore the newest usable checkpoint (all ranks together); the step to run next."""
+        if self.dcp is not None and self.args.dcp_restore:
+            self.dcp_restored = self.dcp.restore()
+            return 0 if self.dcp_restored is None else self.dcp_restored[0] + 1
         if self.ckpt is None:
             return 0
         result = self.ckpt.restore()
