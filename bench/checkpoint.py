@@ -100,7 +100,7 @@ class Job:
                "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--max-restarts", "0",
                "examples/gpt3d/train.py", *LAYOUT, *args]
         if mode == "on":
-            cmd += ["--checkpoint", "--checkpoint-ranks-per-machine", "1",
+            cmd += ["--checkpoint", "--checkpoint-saver", "process", "--checkpoint-ranks-per-machine", "1",
                     "--checkpoint-dir", str(self.base / "m{machine}")]
             if s3:
                 cmd += ["--checkpoint-s3", self.s3_url, "--checkpoint-s3-every", "1"]

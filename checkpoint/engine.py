@@ -40,7 +40,6 @@ tier stops (a step without its replica is never committed).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import queue
 import re
@@ -64,7 +63,7 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.errors import UNRESTORABLE, CheckpointError, RestoreError, S3TierError
 from checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
 from checkpoint.s3 import open_tier
-from checkpoint.saver import SaverLink, ShmFile, _b64
+from checkpoint.saver import SaverLink, ShmFile, _b64, files_sha
 from checkpoint.shards import MODEL_FILE, OPTIM_FILE, STATE_FILES, ShardLayout, StateReader, apply_state, meta_json
 from checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
 from node_tools.topology import Topology
@@ -186,18 +185,6 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bo
     else:
         for d, s in zip(dst, src, strict=True):
             d.copy_(s, non_blocking=non_blocking)
-
-
-def _files_sha(parts_by_file: list[tuple[str, list[Any]]]) -> list[tuple[int, str]]:
-    out = []
-    for _name, parts in parts_by_file:
-        h = hashlib.sha256()
-        size = 0
-        for p in parts:
-            h.update(p)
-            size += len(p)
-        out.append((size, h.hexdigest()))
-    return out
 
 
 def _timed_copy(slot: _Slot, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...],
@@ -667,7 +654,7 @@ class Checkpointer:
         return t
 
     def _manifest(self, slot: _Slot, files: list[tuple[str, list[Any]]]) -> bytes:
-        sums = _files_sha(files)
+        sums = files_sha(files)
         coords = self.placement.coords(self.rank)
         return mf.seal(mf.build(
             step=slot.step, rank=self.rank, world_size=self.world,

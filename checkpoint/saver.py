@@ -155,6 +155,19 @@ class ShmFile:
                 self.path.unlink()
 
 
+def files_sha(parts_by_file: list[tuple[str, list[Any]]]) -> list[tuple[int, str]]:
+    """``(size, sha256)`` of each file given as ``(name, parts)`` (bytes-like parts, in order)."""
+    out = []
+    for _name, parts in parts_by_file:
+        h = hashlib.sha256()
+        size = 0
+        for part in parts:
+            h.update(part)
+            size += len(part)
+        out.append((size, h.hexdigest()))
+    return out
+
+
 def non_finite(data: memoryview, entries: list[list[Any]]) -> str:
     """The first floating-point tensor (``[name, dtype, shape, begin, end]`` entries) of ``data`` holding
     a NaN or an infinity, as a few words ("" if none)."""
@@ -203,7 +216,8 @@ class _Rank:
     s3_superseded: int = 0
     # the rank says when its host is about to idle (the device computes): persisting waits for that moment,
     # at most QUIET_WAIT_S, so the saver's copies and hashing do not compete with the host's busy phase
-    quiet: threading.Event = field(default_factory=threading.Event)
+    quiet: threading.Condition = field(default_factory=threading.Condition)
+    quiets: int = 0  # how many times the rank said so
     gated: bool = False
 
     def newest(self) -> _Slot | None:
@@ -239,6 +253,7 @@ class Saver:
                 return 0  # another saver serves this root
             raise
         _background_priority(self.nice)
+        import numpy  # noqa: F401 - imported now, not while the first snapshot waits
         layout.clean_temporaries(self.root)  # half-written copies of a saver of this root that was killed
         for stale in SHM_DIR.glob(f"{self.prefix}-p*"):  # buffers of this root's savers that are gone
             pid = stale.name[len(self.prefix) + 2:].partition("-")[0]
@@ -254,8 +269,8 @@ class Saver:
         tcp = socket.create_server((self.host, 0), backlog=64)
         self.port = tcp.getsockname()[1]
         layout.write_json(self.root / INFO, {"pid": os.getpid(), "port": self.port, "started_ts": time.time()})
-        for target, sock in ((self._accept_ranks, unix), (self._accept_replicas, tcp)):
-            threading.Thread(target=target, args=(sock,), daemon=True).start()
+        for sock, session in ((unix, self._rank_session), (tcp, self._replica_session)):
+            threading.Thread(target=self._accept, args=(sock, session), daemon=True).start()
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         try:
             while not self.stopping.wait(1.0):
@@ -285,13 +300,15 @@ class Saver:
         r.slots = []
 
     # ---- the ranks of this machine ----------------------------------------------------------------
-    def _accept_ranks(self, sock: socket.socket) -> None:
+    @staticmethod
+    def _accept(sock: socket.socket, session: Callable[[socket.socket], None]) -> None:
+        """Each connection to ``sock`` served by ``session`` on a thread of its own."""
         while True:
             try:
                 conn, _ = sock.accept()
             except OSError:
                 return
-            threading.Thread(target=self._rank_session, args=(conn,), daemon=True).start()
+            threading.Thread(target=session, args=(conn,), daemon=True).start()
 
     def _rank_session(self, conn: socket.socket) -> None:
         with self.lock:
@@ -331,11 +348,13 @@ class Saver:
                 elif op == "snapshot":
                     slot = r.slots[int(msg["slot"])]
                     slot.state, slot.step, slot.manifest = "queued", int(msg["step"]), b""
-                    r.quiet.clear()
+                    msg["after_quiets"] = r.quiets  # persisted once the host idles after this hand-over
                     r.queue.put((int(msg["slot"]), msg))
                 elif op == "quiet":
-                    r.gated = True
-                    r.quiet.set()
+                    with r.quiet:
+                        r.gated = True
+                        r.quiets += 1
+                        r.quiet.notify_all()
                 elif op == "fetch":
                     notify({"op": "fetched", **self._fetch(r, int(msg["step"]))})
                 elif op == "forget":
@@ -343,8 +362,7 @@ class Saver:
                         if slot.step > int(msg["after"]):
                             slot.manifest = b""
                 elif op == "close":
-                    r.gated = False
-                    r.quiet.set()
+                    _ungate(r)
                     if msg.get("flush"):  # every queued snapshot written and sent first
                         r.queue.join()
                         self._close_replica(r)
@@ -358,8 +376,7 @@ class Saver:
         finally:
             if r is not None and r.notify is notify:
                 r.notify = None
-                r.gated = False  # nobody will say when: what is queued is persisted now
-                r.quiet.set()
+                _ungate(r)  # nobody will say when: what is queued is persisted now
             conn.close()
             with self.lock:
                 self.clients -= 1
@@ -380,8 +397,7 @@ class Saver:
                 r.writer = threading.Thread(target=self._writer, args=(r,), name=f"writer-{rank}", daemon=True)
                 r.writer.start()
         if not fresh:  # the rank's last process died with snapshots still queued: they are complete, persist them
-            r.gated = False
-            r.quiet.set()
+            _ungate(r)
             r.queue.join()
         return r
 
@@ -443,8 +459,9 @@ class Saver:
                 if item is None:
                     return
                 index, msg = item
-                if r.gated:
-                    r.quiet.wait(QUIET_WAIT_S)
+                after = int(msg.get("after_quiets", 0))
+                with r.quiet:  # a writer that fell behind finds the moment passed already: it does not wait
+                    r.quiet.wait_for(lambda after=after: not r.gated or r.quiets > after, timeout=QUIET_WAIT_S)
                 slot = r.slots[index]
                 out = {"op": "done", "slot": index, "step": slot.step, "local": False, "replica": False}
                 try:
@@ -467,12 +484,7 @@ class Saver:
             if bad:
                 return {"error": f"step {step}: snapshot not kept: {bad} ({name})"}
         files = [(name, [r.layouts[name]["prefix"], slot.files[name].view()]) for name in names]
-        sums = []
-        for _name, parts in files:
-            h = hashlib.sha256()
-            for p in parts:
-                h.update(p)
-            sums.append((sum(len(p) for p in parts), h.hexdigest()))
+        sums = files_sha(files)
         manifest = mf.seal(mf.build(
             step=step, rank=rank, world_size=int(st["world_size"]), topology=st["topology"], coords=st["coords"],
             machine=st["machine"], job=r.job, incarnation=int(st["incarnation"]),
@@ -544,14 +556,6 @@ class Saver:
             return False, (f"step {step} tier replica: rank {backup['rank']} refused the replica "
                            f"({(ack or {}).get('why', 'no answer')})")
         return True, ""
-
-    def _accept_replicas(self, sock: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._replica_session, args=(conn,), daemon=True).start()
 
     def _replica_session(self, conn: socket.socket) -> None:
         reader = LineReader(conn)
@@ -642,6 +646,12 @@ class Saver:
             r.s3_wake.notify_all()
         r.s3_thread.join(timeout=120)
         r.s3_thread, r.s3, r.s3_next = None, None, None
+
+
+def _ungate(r: _Rank) -> None:
+    with r.quiet:
+        r.gated = False
+        r.quiet.notify_all()
 
 
 def _background_priority(nice: int) -> None:

@@ -580,11 +580,7 @@ def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_p
     assert all(r["ckpt_blocking_s"] >= 0 and r["ckpt_skipped"] is False for r in recs)
     root = run / "checkpoints"
     assert sorted(s for s, _r, _p in layout.list_copies(root, "local")) == [1, 3]
-    # every copy damaged (and the machine's saver, which held step 3 in memory, gone): the job refuses to start
-    # from scratch, in one line, with the damage named above it
-    from checkpoint import saver
-
-    assert saver.stop(root)
+    # every copy damaged: the job refuses to start from scratch, in one line, with the damage named above it
     flip_byte(layout.copy_dir(root, "local", 3, 0) / MODEL_FILE)
     truncate(layout.copy_dir(root, "local", 1, 0) / OPTIM_FILE)
     res = _train(run, "--steps", "6")

@@ -121,9 +121,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "set it to emulate several machines on one host")
     c.add_argument("--checkpoint-nice", type=int, default=10,
                    help="nice increment of the checkpoint's background threads, 0..19 (default 10)")
-    c.add_argument("--checkpoint-saver", choices=("process", "thread"), default="process",
-                   help="persist snapshots in a saver process on the machine, which also keeps the newest in memory "
-                        "for a restart there (default), or in background threads of the training process")
+    c.add_argument("--checkpoint-saver", choices=("process", "thread"), default="thread",
+                   help="persist snapshots in background threads of the training process (default), or in a saver "
+                        "process on the machine, which also keeps the newest in memory for a restart there")
     c.add_argument("--checkpoint-saver-idle-s", type=float, default=600.0,
                    help="a saver process ends this long after the last rank left (default 600)")
     c.add_argument("--checkpoint-measure-memcpy", action="store_true",
