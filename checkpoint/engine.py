@@ -63,7 +63,7 @@ from checkpoint.config import CheckpointConfig
 from checkpoint.errors import UNRESTORABLE, CheckpointError, RestoreError, S3TierError
 from checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
 from checkpoint.s3 import open_tier
-from checkpoint.saver import SaverLink, ShmFile, _b64, files_sha
+from checkpoint.saver import SaverLink, ShmFile, _b64, files_sha, non_finite
 from checkpoint.shards import MODEL_FILE, OPTIM_FILE, STATE_FILES, ShardLayout, StateReader, apply_state, meta_json
 from checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
 from node_tools.topology import Topology
@@ -167,11 +167,12 @@ class _Slot:
             _copy_all(dst, src + [tensors[n][k] for n, k in rng], non_blocking)
 
     def non_finite(self) -> str:
-        """The first floating-point tensor of the snapshot holding a NaN or an infinity ("" if none)."""
-        for name, views in self.views.items():
-            for key, t in views.items():
-                if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
-                    return f"tensor {key} of {name} holds {int((~torch.isfinite(t)).sum())} non-finite values"
+        """The first floating-point tensor of the snapshot holding a NaN or an infinity ("" if none): the
+        saver process's check (:func:`checkpoint.saver.non_finite`), on this buffer."""
+        for name, lay in self.layouts.items():
+            bad = non_finite(memoryview(self.flats[name].numpy()), _entries(lay))
+            if bad:
+                return f"{bad} ({name})"
         return ""
 
     def parts(self, name: str) -> list[Any]:
@@ -185,6 +186,11 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bo
     else:
         for d, s in zip(dst, src, strict=True):
             d.copy_(s, non_blocking=non_blocking)
+
+
+def _entries(lay: ShardLayout) -> list[list[Any]]:
+    """A layout's tensors as the saver takes them: ``[name, dtype, shape, begin, end]``."""
+    return [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in lay.entries]
 
 
 def _timed_copy(slot: _Slot, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...],
@@ -494,7 +500,7 @@ class Checkpointer:
         assert self.link is not None
         self.link.post(lambda: {"op": "configure", "layouts": {
             name: {"prefix": _b64(lay.prefix), "size": lay.data_bytes, "tensors": lay.describe(),
-                   "entries": [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in lay.entries]}
+                   "entries": _entries(lay)}
             for name, lay in layouts.items()}})
         deadline = time.monotonic() + CONFIGURE_WAIT_S
         with self._lock:
@@ -1084,15 +1090,11 @@ class Checkpointer:
                 else:
                     fail(h, check)
         src = plan.sources[self.rank]
+        check = None
+        where = "s3" if src.tier == "s3" else self.machine
         if src.tier == "local":
             check = verify_copy(layout.copy_dir(self.root, "local", step, self.rank), machine=self.machine,
                                 keep_files=True)
-            if check.ok and not self._same_segment(check, plan):
-                check.problems.append(Problem(self.machine, self.rank, step, "local", check.path,
-                                              "copy belongs to another training segment"))
-            got = check if check.ok else None
-            if not check.ok:
-                fail(src, check)
         elif src.tier == "memory":
             fetched = self.link.fetch(step) if self.link is not None else None
             if fetched is None:
@@ -1101,12 +1103,6 @@ class Checkpointer:
             else:
                 check = check_data(fetched[0], fetched[1], machine=self.machine, rank=self.rank, step=step,
                                    tier="memory", path=f"saver memory of {self.root}", deep=True, keep_files=True)
-                if check.ok and not self._same_segment(check, plan):
-                    check.problems.append(Problem(self.machine, self.rank, step, "memory", check.path,
-                                                  "copy belongs to another training segment"))
-                got = check if check.ok else None
-                if not check.ok:
-                    fail(src, check)
         elif src.tier == "s3":
             if self.s3 is None:
                 fail(src, None, f"machine {self.machine} rank {self.rank} step {step} tier s3: no S3 tier configured")
@@ -1115,12 +1111,14 @@ class Checkpointer:
                 if check.ok and check.manifest and mf.topology_key(check.manifest) != self.layout_key:
                     check.problems.append(Problem("s3", self.rank, step, "s3", check.path,
                                                   f"saved with layout {mf.topology_key(check.manifest)}"))
-                if check.ok and not self._same_segment(check, plan):
-                    check.problems.append(Problem("s3", self.rank, step, "s3", check.path,
-                                                  "copy belongs to another training segment"))
-                got = check if check.ok else None
-                if not check.ok:
-                    fail(src, check)
+        if check is not None:  # this rank's own copy (local, memory, S3), judged alike
+            if check.ok and not self._same_segment(check, plan):
+                check.problems.append(Problem(where, self.rank, step, src.tier, check.path,
+                                              "copy belongs to another training segment"))
+            if check.ok:
+                got = check
+            else:
+                fail(src, check)
         return got, failures, lines
 
     @staticmethod
