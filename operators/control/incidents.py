@@ -120,11 +120,17 @@ class Incidents(ControllerBase):
         return self.fleet.take_over(incident_id, watched=ladder.WATCHED, category=t.category,
                                     summary=f"{inc.category} vote taken over: {t.reason}")
 
-    def _triage(self, job_name: str, incident_id: int) -> ladder.Triage:
-        job = self.fleet.job(job_name)
+    def _evidence(self, job_name: str, incident_id: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The incident's alerts, and the job's network alerts of its other incidents (the repeat rule's
+        history)."""
         alerts = [a.document for a in self.fleet.alerts_of(incident_id)]
         history = [a.document for i in self.fleet.incidents(job_name) if i.id != incident_id
                    for a in self.fleet.alerts_of(i.id) if a.kind in ladder.NETWORK]
+        return alerts, history
+
+    def _triage(self, job_name: str, incident_id: int) -> ladder.Triage:
+        job = self.fleet.job(job_name)
+        alerts, history = self._evidence(job_name, incident_id)
         return ladder.triage(job_name, alerts, job_machines=job.machine_list, network_history=history,
                              now=max((a["ts"] for a in alerts), default=time.time()))
 
@@ -140,9 +146,10 @@ class Incidents(ControllerBase):
         """The incident's category and first decision (recorded on the incident)."""
         inc = self.fleet.incident(incident_id)
         job = self.fleet.job(inc.job)
-        t = self._triage(inc.job, incident_id)
+        alerts, history = self._evidence(inc.job, incident_id)
         rollback_to = self.fleet.last_known_good(inc.job, other_than=job.revision)
-        d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
+        t, d = ladder.assess(inc.job, alerts, level=inc.level, rollback_to=rollback_to, job_machines=job.machine_list,
+                             network_history=history, now=max((a["ts"] for a in alerts), default=time.time()))
         if d.action in ("tolerate", "observe") and job.state == "running":
             states_now = self.progress(inc.job)["states"]
             down = sorted(n for n, st in states_now.items() if st != "running")
@@ -218,10 +225,11 @@ class Incidents(ControllerBase):
         self.fleet.record_action(f"implicate:{incident_id}:{machine}", kind="implicate", incident_id=incident_id,
                                  machines=[machine], evidence={"why": why[:300]})
 
-    def failures_of(self, job: str, machine: str, *, other_than: int) -> list[int]:
-        """The job's incidents within ``repeat_window_s`` that implicated ``machine`` and left it in the job
-        (a clean diagnosis, a restart in place): what makes a repeat offender."""
-        since = time.time() - self.cfg.repeat_window_s
+    def failures_of(self, job: str, machine: str, *, other_than: int, now: float | None = None) -> list[int]:
+        """The job's incidents within ``repeat_window_s`` before ``now`` (the wall clock when None) that
+        implicated ``machine`` and left it in the job (a clean diagnosis, a restart in place): what makes a
+        repeat offender."""
+        since = (time.time() if now is None else now) - self.cfg.repeat_window_s
         ids = {i.id for i in self.fleet.incidents(job) if i.id != other_than and i.first_alert_ts >= since}
         actions = [a for a in self.fleet.actions() if a.incident_id in ids]
         evicted = {a.incident_id for a in actions

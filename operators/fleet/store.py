@@ -39,6 +39,7 @@ from operators.fleet.models import (
     QuarantinedAlert,
     Revision,
 )
+from operators.policy import ladder
 
 OPEN_INCIDENT_STATES = states.OPEN_INCIDENT_STATES
 INCIDENT_STATES = states.INCIDENT_STATES
@@ -427,9 +428,8 @@ class FleetStore:
                 and_(Incident.state == states.IncidentState.RESOLVED, Incident.resumed_ts.is_not(None))))
             .order_by(Incident.id.desc()))
         end = None if last is None else (last.resumed_ts or last.closed_ts)
-        if last is None or end is None or failed_ts - end > window_s:
-            return 0
-        return last.level + 1
+        return ladder.escalation_level(last_level=None if last is None else last.level, last_recovery_end_ts=end,
+                                       failed_ts=failed_ts, window_s=window_s)
 
     def known_alerts(self, ids: Sequence[str]) -> set[str]:
         """Which of ``ids`` are recorded already."""

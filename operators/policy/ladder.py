@@ -273,6 +273,28 @@ def decide(t: Triage, *, level: int = 0, log_verdict: str = "", rollback_to: str
     return Decision("wait_human", (), f"failed {level + 1} times; automatic recovery stops here")
 
 
+def escalation_level(*, last_level: int | None, last_recovery_end_ts: float | None, failed_ts: float,
+                     window_s: float) -> int:
+    """The ladder level of a new failure of a job (its first alert at ``failed_ts``): 0 for a first failure; a
+    failure within ``window_s`` of the end of the job's last recovery (``last_recovery_end_ts``, of an incident
+    at ``last_level``) starts one level higher, because that recovery did not hold. The escalation state is an
+    input, not something this module remembers: the fleet database keeps it for the DAGs, the simulator keeps
+    it in memory, and both get the same answer."""
+    if last_level is None or last_recovery_end_ts is None or failed_ts - last_recovery_end_ts > window_s:
+        return 0
+    return last_level + 1
+
+
+def assess(job: str, alerts: Sequence[Mapping[str, Any]], *, level: int, rollback_to: str | None,
+           job_machines: Sequence[str] = (), network_history: Sequence[Mapping[str, Any]] = (),
+           now: float | None = None) -> tuple[Triage, Decision]:
+    """An incident's triage and its first decision: what ``tg_incident``'s triage task records and what the
+    simulator acts on. ``now`` is the incident's clock (its newest alert's time when None), ``level`` its
+    escalation level (:func:`escalation_level`)."""
+    t = triage(job, alerts, job_machines=job_machines, network_history=network_history, now=now)
+    return t, decide(t, level=level, rollback_to=rollback_to)
+
+
 # an incident still being watched (the job trains on while the slow ranks are voted on) is taken over
 # by stronger alerts that arrive meanwhile: a NaN, a crash or a hang during the vote is handled as such
 WATCHED = frozenset({"slow"})
