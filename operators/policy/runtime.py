@@ -249,11 +249,9 @@ class SlowVoter:
         stages: dict[int, list[float]] = {}
         for r, t in step_times.items():
             stages.setdefault(self.topo.coords(r).pp, []).append(t)
-        slow = []
-        for r, t in step_times.items():
-            peers = stages[self.topo.coords(r).pp]
-            if t > factor * (_median(peers) if len(peers) >= 3 else everyone):
-                slow.append(r)
+        # one median per stage per round (a median per rank would be quadratic in the job's ranks)
+        limit = {pp: factor * (_median(peers) if len(peers) >= 3 else everyone) for pp, peers in stages.items()}
+        slow = [r for r, t in step_times.items() if t > limit[self.topo.coords(r).pp]]
         self.seen += 1
         self.votes.update(slow)
         return sorted(slow)
