@@ -7,6 +7,8 @@ Commands::
     trainguard metrics [--port 9464 --addr 127.0.0.1]   (Prometheus; without --port: print one scrape)
     trainguard ettr --job J [--window-s 3600]   (the control plane's fleet database: $TG_FLEET_URL, $TG_INVENTORY)
     trainguard status [--airflow-url URL]       trainguard's own health and its jobs, one screen (exit 1: look)
+    trainguard simulate [--gpus 9600 --days 90 --profile byterobust|measured --model FILE --seed N
+                         --sensitivity --chart PNG]   projected ETTR of one job at scale (operators/sim)
 
 and the commands other packages register through the ``trainguard.commands`` entry point (the emulation's:
 ``cluster``, ``inject``, ``job``, ``demo``; see :mod:`emulation.cli`).
@@ -67,6 +69,17 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     ep = sub.add_parser("ettr", help="a job's effective training time ratio and its losses by failure cause")
     ep.add_argument("--job", required=True)
     ep.add_argument("--window-s", type=float, default=3600.0, help="the sliding window (default 3600)")
+    sim = sub.add_parser("simulate", help="project a job's ETTR at scale: months of failures, the real policy's "
+                                          "response, latencies from a profile")
+    sim.add_argument("--gpus", type=int, default=9600, help="GPUs of the job (default 9600)")
+    sim.add_argument("--days", type=float, default=90.0, help="simulated days (default 90)")
+    sim.add_argument("--profile", default="byterobust", help="phase latencies: byterobust (the paper's figures) or "
+                                                             "measured (bench/results/*.json)")
+    sim.add_argument("--model", type=Path, help="a YAML or JSON file overriding the failure model's keys")
+    sim.add_argument("--pp", type=int, default=8, help="pipeline stages (TP is one 8-GPU machine; default 8)")
+    sim.add_argument("--seed", type=int, default=1)
+    sim.add_argument("--sensitivity", action="store_true", help="also the sensitivity table (about 30 runs)")
+    sim.add_argument("--chart", type=Path, help="write a PNG chart here")
     handlers: dict[str, Handler] = {}
     for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
         try:
@@ -103,6 +116,29 @@ def cmd_ettr(args: argparse.Namespace) -> int:
     lines += [f"  {cause:14} {v['incidents']} incidents, {v['seconds']:.1f}s"
               for cause, v in report["by_cause"].items()]
     print_result(args, report, "\n".join(lines))
+    return EXIT_OK
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from operators.sim import model, profiles, report
+
+    if args.profile not in profiles.PROFILES:
+        raise TrainguardError(f"unknown profile {args.profile!r}; use --profile {' or '.join(profiles.PROFILES)}",
+                              exit_code=2)
+    m = model.load_model(args.model)
+    machines = args.gpus // m.gpus_per_machine if args.gpus > 0 else 0
+    prof = profiles.profile(args.profile, max(machines, 1), gpus_per_machine=m.gpus_per_machine)
+    result, wall = report.timed(m, prof, gpus=args.gpus, days=args.days, pp=args.pp, seed=args.seed)
+    doc: dict[str, Any] = {**result.as_dict(), "wall_s": round(wall, 3)}
+    lines = [*report.breakdown_lines(result), f"  simulated in {wall:.1f} s"]
+    if args.sensitivity:
+        rows = report.sensitivity(m, prof, gpus=args.gpus, days=args.days, seed=args.seed, pp=args.pp)
+        doc["sensitivity"] = rows
+        lines.append(report.sensitivity_markdown(rows))
+    if args.chart:
+        report.chart([result], args.chart)
+        lines.append(f"  chart: {args.chart}")
+    print_result(args, doc, "\n".join(lines))
     return EXIT_OK
 
 
@@ -207,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_metrics(args)
         if args.command == "status":
             return cmd_status(args)
+        if args.command == "simulate":
+            return cmd_simulate(args)
     except TrainguardError as exc:
         print(f"trainguard: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -53,14 +53,14 @@ def _setting(name: str) -> Any:
 @dataclass(frozen=True)
 class Knobs:
     """What the sensitivity table varies. ``pool_size``: a fixed standby target instead of the policy's;
-    ``checkpoint_interval_s``: instead of every step; ``detect_scale``/``restart_scale``/``diagnose_scale``:
-    multiply those phases; ``phase_scale``: multiply any ledger phase's cost (what-if for one phase)."""
+    ``checkpoint_interval_s``: instead of every step; ``detect_scale``/``restart_scale``: multiply those
+    phases (the swap and the hot update are restarts too); ``phase_scale``: multiply any ledger phase's cost
+    (what-if for one phase)."""
 
     pool_size: int | None = None
     checkpoint_interval_s: float | None = None
     detect_scale: float = 1.0
     restart_scale: float = 1.0
-    diagnose_scale: float = 1.0
     phase_scale: tuple[tuple[str, float], ...] = ()
 
 
@@ -311,11 +311,13 @@ class Simulation:
         return sorted(sdc.culprits(p, h, v))
 
     # ---- one incident ---------------------------------------------------------------------------------
-    def decide(self, kind: FailureKind, slot: int, ts: float, level: int) -> tuple[ladder.Triage, ladder.Decision]:
+    def decide(self, kind: FailureKind, slot: int, ts: float, level: int, rollback_to: str | None = "known-good"
+               ) -> tuple[ladder.Triage, ladder.Decision]:
         """The triage and first decision for a failure of ``kind`` on ``slot`` at ``ts``: the control plane's
-        own :func:`~operators.policy.ladder.assess` on the alerts the agent raises."""
-        return ladder.assess(JOB, self._alerts(kind, slot, ts), level=level, rollback_to=f"r{self.revision - 1}"
-                             if self.revision else "r-known-good", network_history=list(self.net_history), now=ts)
+        own :func:`~operators.policy.ladder.assess` on the alerts the agent raises. The simulated job always has
+        a known-good revision to roll back to (``rollback_to``)."""
+        return ladder.assess(JOB, self._alerts(kind, slot, ts), level=level, rollback_to=rollback_to,
+                             network_history=list(self.net_history), now=ts)
 
     def _incident(self, kind: FailureKind, slot: int, ts: float) -> tuple[float, dict[str, float]]:
         """Handle one failure; returns (how long the job is down, seconds by phase)."""
@@ -350,10 +352,10 @@ class Simulation:
             if action == ladder.Action.DIAGNOSE:
                 cost["diagnosis"] += diag["diagnose"] + (diag["align"] if t.category == "nan" else 0.0)
                 if kind.log_verdict == "user_code":
-                    d = ladder.decide(t, level=level, log_verdict="user_code", rollback_to=f"r{self.revision}")
+                    d = ladder.decide(t, level=level, log_verdict="user_code", rollback_to="known-good")
                 else:
                     seen = faulty is not None and kind.machine_fault and self.rng.random() < kind.recall
-                    d = ladder.decide(t, level=level, rollback_to="r-known-good", diagnosis_done=True,
+                    d = ladder.decide(t, level=level, rollback_to="known-good", diagnosis_done=True,
                                       diagnosis_failed=[machine] if seen else [])
             else:
                 cost["diagnosis"] += diag["replay"]
