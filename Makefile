@@ -39,6 +39,7 @@ bench: venv  # hours on 2 cores (chaos.py alone ~33 min); writes bench/results/*
 	$(BIN)/python bench/operations.py --out bench/results/operations.json $(ARGS)
 	$(BIN)/python bench/campaign.py --out bench/results/campaign.json $(ARGS)
 	$(BIN)/python bench/chaos.py --out bench/results/chaos.json $(ARGS)
+	$(BIN)/python bench/simulate.py --out bench/results/simulate.json --chart bench/results/simulate.png $(ARGS)
 	$(BIN)/python bench/table.py --update
 
 down: venv

@@ -107,7 +107,8 @@ class Simulation:
         self.topo = Topology(tp, pp, machines // pp, ranks_per_machine=gpm)
         self.n, self.horizon, self.rng = machines, days * DAY_S, random.Random(seed)  # noqa: S311 (a simulation, not a secret)
         self.interval = self.knobs.checkpoint_interval_s or prof.step_s
-        self.write_s = prof.checkpoint_overhead * prof.step_s  # one checkpoint's cost on the step
+        # one checkpoint's cost on the step (Meta's w: ETTR / (1 + w / interval))
+        self.write_s = prof.checkpoint_overhead * prof.step_s * dict(self.knobs.phase_scale).get("checkpoint", 1.0)
         shares = model.shares()
         self.kinds = {k.name: k for k in model.kinds}
         self.kind_names, self.kind_weights = list(shares), list(shares.values())
