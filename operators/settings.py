@@ -50,7 +50,8 @@ class ControlSettings(BaseModel):
     diag_concurrency: int = Field(8, ge=2, description="machines diagnosed at once (L3 pairs count as their "
                                                        "machines), so that diagnosis does not measure its own load")
     escalation_window_s: float = Field(1800.0, ge=0.0, description="a failure this soon after the job's last "
-                                                                   "recovery climbs the ladder, seconds")
+                                                                   "recovery that repeats it (same category) "
+                                                                   "climbs the ladder, seconds")
     slow_rounds: int = Field(5, ge=1, description="rounds of the fail-slow vote (ByteRobust: 5)")
     slow_interval_s: float = Field(10.0, ge=0.0, description="seconds between the vote's rounds (ByteRobust: 10)")
     slow_factor: float = Field(1.25, ge=1.0, description="a rank whose recent compute time is above this multiple "

@@ -276,7 +276,51 @@ def test_migration_3_gives_events_recorded_before_it_their_job(tmp_path: Path):
             conn.execute(sa.text("INSERT INTO machine_events (id, machine, from_state, to_state, ts, reason) "
                                  "VALUES (:i, :m, 'active', 'evicted', 0, :r)"),
                          {"i": i + 1, "m": machine, "r": reason})
-    assert migrate(engine) == [3]
+    assert migrate(engine) == [3, 4]
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT id, job FROM machine_events ORDER BY id")).all()
     assert [tuple(r) for r in rows] == [(1, "a_b"), (2, "a_b"), (3, "a"), (4, None)]
+
+
+def test_only_a_failure_that_repeats_the_last_recovered_one_climbs(tmp_path: Path):
+    """What the fleet database keeps of the last incident (its triage's category and machines) decides whether
+    a failure soon after its recovery repeats it: a crash after a GPU eviction starts at 0, the crash again
+    climbs; an incident closed before its triage is judged by its alerts."""
+    now = [1000.0]
+    store = FleetStore(tmp_path / "f.db", clock=lambda: now[0], migrate=True)
+    for m in ("m0", "m1"):
+        store.register_machine(m)
+    store.upsert_job("j", tp=1, pp=1, dp=2, ranks_per_machine=1, machines=["m0", "m1"])
+    lost, _ = store.open_incident("j", [{"id": "g1", "kind": "gpu_lost", "machine": "m0", "ts": 990.0}],
+                                  escalation_window_s=600)
+    assert store.relevel(lost.id, category="machine_fault", machines=["m0"], window_s=600) == 0
+    store.update_incident(lost.id, state="resolved", resumed_ts=1000.0, closed_ts=1001.0)
+    crash, _ = store.open_incident("j", [{"id": "c1", "kind": "rank_exit", "machine": "m1", "ts": 1060.0}],
+                                   escalation_window_s=600)
+    assert crash.level == 0  # the old rule: 1, and a rollback of good code
+    store.update_incident(crash.id, state="resolved", resumed_ts=1100.0, closed_ts=1101.0)  # never triaged
+    again, _ = store.open_incident("j", [{"id": "c2", "kind": "rank_exit", "machine": "m0", "ts": 1160.0}],
+                                   escalation_window_s=600)
+    assert again.level == 1
+    # its triage found a NaN, not the crash again: another failure, and what the next one is compared with
+    assert store.relevel(again.id, category="nan", machines=["m0"], window_s=600) == 0
+    inc = store.incident(again.id)
+    assert (inc.level, inc.category, inc.machines) == (0, "nan", ["m0"])
+
+
+def test_migration_4_leaves_incidents_recorded_before_it_naming_no_machine(tmp_path: Path):
+    from operators.fleet import migrations
+
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    with engine.begin() as conn:
+        migrations.VERSION_TABLE.create(conn)
+        ops = Operations(MigrationContext.configure(conn))
+        for version, description, step in migrations.MIGRATIONS[:3]:
+            step(ops)
+            conn.execute(VERSION_TABLE.insert().values(version=version, description=description, applied_ts=0.0))
+        conn.execute(sa.text("INSERT INTO jobs VALUES ('a', 1, 1, 2, 1, '[]', 'running', 'r0', NULL, '[]', 0, 0)"))
+        conn.execute(sa.text("INSERT INTO incidents (id, job, state, category, level, opened_ts, first_alert_ts, "
+                             "summary) VALUES (1, 'a', 'resolved', 'crash', 0, 0, 0, '')"))
+    assert migrate(engine) == [4]
+    store = FleetStore(f"sqlite:///{tmp_path / 'old.db'}")
+    assert store.incident(1).machines == [] and store.incident(1).category == "crash"

@@ -92,6 +92,58 @@ def test_the_crash_ladder_escalates_with_each_failed_recovery():
     assert ladder.decide(nan).diagnose["align"] is True
 
 
+def _level(last: ladder.Triage | None, new: ladder.Triage, *, gap_s: float = 60.0, last_level: int = 0) -> int:
+    """The level of ``new``, failing ``gap_s`` after the recovery from ``last`` (None: no recovery yet) ended,
+    with the 30-minute window."""
+    return ladder.escalation_level(
+        last_level=None if last is None else last_level, last_recovery_end_ts=None if last is None else 1000.0,
+        failed_ts=1000.0 + gap_s, window_s=1800.0, last_category=None if last is None else last.category,
+        last_machines=() if last is None else last.machines, category=new.category, machines=new.machines)
+
+
+def test_a_crash_that_comes_back_after_its_recovery_climbs_to_rollback_then_replay():
+    """ByteRobust's "fails again after the reattempt": the same crash soon after the restart climbs, on any
+    rank (the rank that dies first is not the cause), and climbs again after the rollback."""
+    crash = ladder.triage("j", [alert("rank_exit", "m0", 0)], job_machines=JOB)
+    again = ladder.triage("j", [alert("rank_exit", "m3", 6)], job_machines=JOB)
+    assert _level(None, crash) == 0
+    level = _level(crash, again)
+    assert level == 1 and ladder.decide(again, level=level, rollback_to="r1").action == "rollback"
+    level = _level(again, again, last_level=level)
+    assert level == 2 and ladder.decide(again, level=level, rollback_to="r0").action == "replay"
+    assert _level(crash, again, gap_s=1801.0) == 0  # long after the recovery: the recovery held
+
+
+def test_an_unrelated_crash_right_after_a_gpu_eviction_starts_at_the_bottom_of_the_ladder():
+    """At 1,200 machines unrelated failures often come minutes apart: a crash after a GPU was evicted is not
+    that eviction failing again, and is diagnosed, not rolled back."""
+    evicted = ladder.triage("j", [alert("gpu_lost", "m2")], job_machines=JOB)
+    crash = ladder.triage("j", [alert("rank_exit", "m0", 0)], job_machines=JOB)
+    level = _level(evicted, crash, gap_s=120.0)
+    assert level == 0 and ladder.decide(crash, level=level, rollback_to="r1").action == "diagnose"
+    nan = ladder.triage("j", [alert("nan_loss", "m1", 2)], job_machines=JOB)
+    assert _level(crash, nan, last_level=1) == 0  # another category: another failure
+
+
+def test_an_explicit_machine_fault_never_climbs_nor_makes_the_next_failure_climb():
+    """The faulty machine is evicted at once: nothing of it is left to fail again, even when the same kind of
+    fault strikes the same machine slot's successor or the machine itself again."""
+    lost = ladder.triage("j", [alert("gpu_lost", "m2")], job_machines=JOB)
+    other = ladder.triage("j", [alert("gpu_lost", "m3")], job_machines=JOB)
+    assert _level(lost, lost, last_level=1) == 0 and _level(lost, other, last_level=1) == 0
+    crash = ladder.triage("j", [alert("rank_exit", "m2", 4)], job_machines=JOB)
+    assert _level(crash, lost, last_level=1) == 0
+
+
+def test_a_silent_agent_climbs_only_when_it_is_the_same_machine_again():
+    silent = ladder.triage("j", [alert("agent_silent", "m1")], job_machines=JOB)
+    other = ladder.triage("j", [alert("agent_silent", "m3")], job_machines=JOB)
+    assert _level(silent, silent) == 1 and _level(silent, other) == 0
+    assert ladder.escalation_level(last_level=0, last_recovery_end_ts=1000.0, failed_ts=1060.0, window_s=1800.0,
+                                   last_category="agent", last_machines=(), category="agent",
+                                   machines=("m3",)) == 1  # an incident that named no machine: by category
+
+
 def test_silent_corruption_evicts_the_machine_that_computes_wrong():
     t = ladder.triage("j", [alert("sdc_suspect", "m0", 0), alert("sdc_suspect", "m2", 4)], job_machines=JOB)
     assert ladder.decide(t).action == "replay"

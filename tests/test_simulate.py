@@ -94,7 +94,8 @@ def test_the_simulator_and_the_control_plane_share_one_ladder_and_one_escalation
                           "severity": "fault", "ts": 900.0, "evidence": {}}])
     db_level = c.fleet.incident(second["incident"]).level
     sim_level = ladder.escalation_level(last_level=0, last_recovery_end_ts=200.0, failed_ts=900.0,
-                                        window_s=engine._setting("escalation_window_s"))
+                                        window_s=engine._setting("escalation_window_s"), last_category="crash",
+                                        last_machines=("m1",), category="crash", machines=("m2",))
     assert db_level == sim_level == 1
     sim = engine.Simulation(model.load_model(), profiles.byterobust(1200), gpus=9600, days=1)
     plane = c.triage(second["incident"])

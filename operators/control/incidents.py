@@ -157,10 +157,16 @@ class Incidents(ControllerBase):
                 t = ladder.Triage(inc.job, "crash", tuple(down), reason=f"{t.reason}; but the job does not run "
                                                                      f"on {', '.join(down)}")
                 d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
-        self.fleet.update_incident(incident_id, category=t.category, summary=f"{t.reason}; next: {d.action}")
+        # the level set when the incident opened came from its first alerts; whether it repeats the job's last
+        # incident is judged on this triage (its category and machines), which is also what the next one reads
+        level = self.fleet.relevel(incident_id, category=t.category, machines=t.machines,
+                                   window_s=self.cfg.escalation_window_s)
+        if level != inc.level:
+            d = ladder.decide(t, level=level, rollback_to=rollback_to)
+        self.fleet.update_incident(incident_id, summary=f"{t.reason}; next: {d.action}")
         if d.action in ("diagnose", "analyze", "replay", "vote"):
             self.fleet.update_incident(incident_id, diagnosis_start_ts=time.time())
-        return {"incident": incident_id, "job": inc.job, "level": inc.level, "category": t.category,
+        return {"incident": incident_id, "job": inc.job, "level": level, "category": t.category,
                 "machines": list(t.machines), "action": d.action, "reason": d.reason, "rollback_to": rollback_to,
                 "diagnose": dict(d.diagnose)}
 

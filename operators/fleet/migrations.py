@@ -140,10 +140,18 @@ def _v3(op: Operations) -> None:
             conn.execute(events.update().where(events.c.id == row.id).values(job=job))
 
 
+def _v4(op: Operations) -> None:
+    """Each incident names the machines its triage implicated: whether the next failure repeats it (and climbs
+    the ladder) depends on them. Incidents triaged before it name none, and the rule then goes by their
+    category alone."""
+    op.add_column("incidents", sa.Column("machines", sa.JSON, nullable=False, server_default="[]"))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Operations], None]]] = [
     (1, "initial schema", _v1),
     (2, "bus cursor, quarantined alerts, agent liveness, components", _v2),
     (3, "machine events name their job", _v3),
+    (4, "incidents name the machines their triage implicated", _v4),
 ]
 LATEST = MIGRATIONS[-1][0]
 

@@ -91,6 +91,7 @@ class Incident(Base):
     job: Mapped[str] = mapped_column(String(128), ForeignKey("jobs.name"), index=True)
     state: Mapped[str] = mapped_column(String(32), index=True)  # open, waiting_human, resolved, failed
     category: Mapped[str] = mapped_column(String(32), default="")  # triage outcome
+    machines: Mapped[list[str]] = mapped_column(JSON, default=list)  # the machines its triage implicated
     level: Mapped[int] = mapped_column(Integer, default=0)
     opened_ts: Mapped[float] = mapped_column(Float)
     first_alert_ts: Mapped[float] = mapped_column(Float)

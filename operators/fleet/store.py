@@ -352,8 +352,10 @@ class FleetStore:
         opened = inc is None
         if inc is None:
             first = min((float(a.get("ts", self.clock())) for a in alerts), default=self.clock())
+            what, machines = self._what_failed(job, alerts, category)
             inc = Incident(job=job, state=states.IncidentState.OPEN, category=category,
-                           level=self._next_level(s, job, escalation_window_s, failed_ts=first),
+                           level=self._next_level(s, job, escalation_window_s, failed_ts=first, category=what,
+                                                  machines=machines),
                            opened_ts=self.clock(), first_alert_ts=first, summary="")
             s.add(inc)
             s.flush()
@@ -417,19 +419,53 @@ class FleetStore:
         with self.tx() as s:
             return {c.name: c for c in s.scalars(select(Component))}
 
-    def _next_level(self, s: Session, job: str, window_s: float, *, failed_ts: float) -> int:
-        """0 for a first failure; a failure (its first alert at ``failed_ts``) within ``window_s`` of the
-        last recovery's end starts one level higher (the recovery did not hold). The failure's own time
-        counts, not when the control plane got to it. Incidents closed without a recovery (a tolerated
-        network blip, a passing slowdown) are not recoveries and do not count."""
-        last = s.scalar(select(Incident).where(
+    @staticmethod
+    def _what_failed(job: str, alerts: Sequence[dict[str, Any]], category: str = "") -> tuple[str, tuple[str, ...]]:
+        """A failure's category and implicated machines for the escalation rule: ``category`` when the caller
+        names one (a manual incident), else what :func:`ladder.triage` makes of ``alerts`` (all of them: they
+        were routed to this job already). The triage task judges the incident again with all its evidence and
+        re-levels it (:meth:`relevel`)."""
+        if category:
+            return category, ()
+        t = ladder.triage(job, alerts)
+        return t.category.value, t.machines
+
+    def _next_level(self, s: Session, job: str, window_s: float, *, failed_ts: float, category: str,
+                    machines: Sequence[str], before: int | None = None) -> int:
+        """The level of a failure of ``job`` (its first alert at ``failed_ts``, triaged as ``category`` on
+        ``machines``) by :func:`ladder.escalation_level`: one above the job's last recovery when it comes within
+        ``window_s`` of that recovery's end and repeats it, else 0. The failure's own time counts, not when the
+        control plane got to it. Incidents closed without a recovery (a tolerated network blip, a passing
+        slowdown) are not recoveries and do not count. The last incident's category and machines are what its
+        triage recorded; one closed before its triage ran is judged by :func:`ladder.triage` of its alerts.
+        ``before``: only incidents older than this one (re-levelling an open incident)."""
+        q = select(Incident).where(
             Incident.job == job,
             or_(Incident.state == states.IncidentState.FAILED,
                 and_(Incident.state == states.IncidentState.RESOLVED, Incident.resumed_ts.is_not(None))))
-            .order_by(Incident.id.desc()))
-        end = None if last is None else (last.resumed_ts or last.closed_ts)
-        return ladder.escalation_level(last_level=None if last is None else last.level, last_recovery_end_ts=end,
-                                       failed_ts=failed_ts, window_s=window_s)
+        if before is not None:
+            q = q.where(Incident.id < before)
+        last = s.scalar(q.order_by(Incident.id.desc()))
+        if last is None:
+            return 0
+        last_category, last_machines = last.category, tuple(last.machines or ())
+        if not last_category:
+            alerts = s.scalars(select(Alert.document).where(Alert.incident_id == last.id).order_by(Alert.ts))
+            last_category, last_machines = self._what_failed(job, list(alerts))
+        return ladder.escalation_level(last_level=last.level, last_recovery_end_ts=last.resumed_ts or last.closed_ts,
+                                       failed_ts=failed_ts, window_s=window_s, last_category=last_category,
+                                       last_machines=last_machines, category=category, machines=machines)
+
+    def relevel(self, incident_id: int, *, category: str, machines: Sequence[str], window_s: float) -> int:
+        """Record the triage's ``category`` and ``machines`` on the open incident and its level from them
+        (:meth:`_next_level`): the level set when it opened came from its first alerts alone. Returns the
+        level."""
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            inc.level = self._next_level(s, inc.job, window_s, failed_ts=inc.first_alert_ts, category=category,
+                                         machines=machines, before=inc.id)
+            inc.category, inc.machines = category, sorted(machines)
+            return inc.level
 
     def known_alerts(self, ids: Sequence[str]) -> set[str]:
         """Which of ``ids`` are recorded already."""

@@ -14,6 +14,8 @@ The ladder::
     crash / NaN without a culprit    -> stop-time diagnosis (logs -> L1 -> L2 -> L3; NaN adds the
                                         alignment test) -> evict what fails; all pass -> reattempt
                                         again (level 1) -> roll back; again (level 2) -> replay
+                                        ("again": the same category soon after the last recovery, see
+                                        :func:`escalation_level`)
     hang                             -> runtime analysis (stacks) -> over-evict the parallel group
     silent agent                     -> probe its machine (ssh + L1): unreachable or unhealthy -> evict it;
                                         healthy -> restart the agent, leave the job alone
@@ -273,14 +275,47 @@ def decide(t: Triage, *, level: int = 0, log_verdict: str = "", rollback_to: str
     return Decision("wait_human", (), f"failed {level + 1} times; automatic recovery stops here")
 
 
+# categories whose named machines are the culprits the ladder acts on (evicts, probes): the same kind of fault on
+# another machine is another fault, not the last one coming back
+CULPRIT_CATEGORIES = frozenset({Category.MACHINE_FAULT, Category.NETWORK, Category.AGENT})
+
+
+def related(*, last_category: str | None, last_machines: Sequence[str], category: str | None,
+            machines: Sequence[str]) -> bool:
+    """Whether a failure (``category``, ``machines``) repeats the job's last incident (``last_category``,
+    ``last_machines``), so that the last recovery did not hold. ByteRobust climbs its ladder when "the job fails
+    again after the reattempt": the same failure again. At 9,600 GPUs several unrelated failures strike a day and
+    many land soon after some recovery; taking each for a repeat would roll back good code and replay for a
+    culprit that is not there.
+
+    * An explicit machine fault is never a repeat and never makes the next failure one: its machine was
+      evicted at once, so nothing of it is left to fail again, and the fault says nothing about the code.
+    * Another category (a crash after a hang, a NaN after a crash) is another failure. An unknown category
+      (None or empty) is not taken for a repeat.
+    * Where the culprits are machines (network, silent agent) and both incidents name machines, a fault of
+      machines the last one did not name is another machine's fault. A crash, a NaN or a hang naming other
+      ranks is still the job failing again: the ranks that die first are not the cause."""
+    if not category or not last_category or category != last_category:
+        return False
+    if category == Category.MACHINE_FAULT:
+        return False
+    named = bool(machines) and bool(last_machines)
+    return category not in CULPRIT_CATEGORIES or not named or bool(set(machines) & set(last_machines))
+
+
 def escalation_level(*, last_level: int | None, last_recovery_end_ts: float | None, failed_ts: float,
-                     window_s: float) -> int:
-    """The ladder level of a new failure of a job (its first alert at ``failed_ts``): 0 for a first failure; a
-    failure within ``window_s`` of the end of the job's last recovery (``last_recovery_end_ts``, of an incident
-    at ``last_level``) starts one level higher, because that recovery did not hold. The escalation state is an
+                     window_s: float, last_category: str | None, last_machines: Sequence[str] = (),
+                     category: str | None, machines: Sequence[str] = ()) -> int:
+    """The ladder level of a new failure of a job (its first alert at ``failed_ts``, its triage ``category`` and
+    implicated ``machines``): 0 for a first failure; a failure within ``window_s`` of the end of the job's last
+    recovery (``last_recovery_end_ts``, of an incident at ``last_level`` triaged as ``last_category`` on
+    ``last_machines``) that repeats it (:func:`related`) starts one level higher, because that recovery did not
+    hold. A failure unrelated to the last one starts at 0 however soon it comes. The escalation state is an
     input, not something this module remembers: the fleet database keeps it for the DAGs, the simulator keeps
     it in memory, and both get the same answer."""
     if last_level is None or last_recovery_end_ts is None or failed_ts - last_recovery_end_ts > window_s:
+        return 0
+    if not related(last_category=last_category, last_machines=last_machines, category=category, machines=machines):
         return 0
     return last_level + 1
 

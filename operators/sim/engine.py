@@ -134,6 +134,8 @@ class Simulation:
         # control-plane state the policy reads
         self.last_level: int | None = None
         self.last_end: float | None = None
+        self.last_category: str | None = None
+        self.last_machines: tuple[str, ...] = ()
         self.net_history: deque[dict[str, Any]] = deque(maxlen=64)
         self.evicted_log: deque[tuple[float, str]] = deque()  # (ts, machine) evictions, for breaker/pool
         self.eviction_count: Counter[str] = Counter()
@@ -327,8 +329,12 @@ class Simulation:
         faulty = machine if kind.machine_fault else (self.left.get(machine) and machine)
         cost: Counter[str] = Counter()
         cost["detection"] = p.detect_s.get(kind.name, 0.0) * k.detect_scale
+        # the level needs the failure's triage (does it repeat the last incident?); the decision needs the level
+        first = ladder.triage(JOB, self._alerts(kind, slot, ts), network_history=list(self.net_history), now=ts)
         level = ladder.escalation_level(last_level=self.last_level, last_recovery_end_ts=self.last_end,
-                                        failed_ts=ts, window_s=_setting("escalation_window_s"))
+                                        failed_ts=ts, window_s=_setting("escalation_window_s"),
+                                        last_category=self.last_category, last_machines=self.last_machines,
+                                        category=first.category, machines=first.machines)
         t, d = self.decide(kind, slot, ts, level)
         self.incidents[kind.name] += 1
         action = d.action
@@ -395,7 +401,7 @@ class Simulation:
         elif not kind.machine_fault and kind.recur_p and self.rng.random() < kind.recur_p:
             self.left[machine] = kind.name  # a latent cause on this machine that no test sees
         if restart:
-            self.last_level = level
+            self.last_level, self.last_category, self.last_machines = level, t.category, t.machines
         for ph, f in k.phase_scale:
             if ph in cost:
                 cost[ph] *= f
