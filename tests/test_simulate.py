@@ -143,6 +143,18 @@ def test_the_measured_profile_is_read_from_the_committed_benchmark_results(tmp_p
 
     for name in ("detection", "recovery", "checkpoint"):
         shutil.copy(profiles.RESULTS / f"{name}.json", tmp_path / f"{name}.json")
+    base = profiles.measured(1200, tmp_path)
+    # the restore and the restart are the benchmarks' medians, not numbers typed in: the restore is the memory
+    # copy's, the restart what remains of the crash's resume (+ Table 7's growth to the job's size)
+    doc = json.loads((tmp_path / "checkpoint.json").read_text())
+    doc["metrics"]["restore_s.memory"]["median"] = base.restore_s + 1.0
+    (tmp_path / "checkpoint.json").write_text(json.dumps(doc))
+    rec = json.loads((tmp_path / "recovery.json").read_text())
+    rec["metrics"]["resume_s.crash"]["median"] += 100.0
+    (tmp_path / "recovery.json").write_text(json.dumps(rec))
+    changed = profiles.measured(1200, tmp_path)
+    assert changed.restore_s == pytest.approx(base.restore_s + 1.0)
+    assert changed.restart_s + changed.restore_s == pytest.approx(base.restart_s + base.restore_s + 100.0)
     doc = json.loads((tmp_path / "checkpoint.json").read_text())
     doc["metrics"]["device.step_overhead_ratio"]["median"] = 0.5
     (tmp_path / "checkpoint.json").write_text(json.dumps(doc))
