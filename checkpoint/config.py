@@ -52,12 +52,20 @@ class CheckpointConfig:
         ranks_per_machine: ranks sharing one machine for replica placement; 0 = torchrun's
             ``LOCAL_WORLD_SIZE``. Set it to emulate several machines on one host. Ranks.
         machine: this machine's name in reports; "" = ``TG_MACHINE`` or the host name.
-        commit_interval_s: how often the ranks exchange which steps they hold, to learn
-            which are committed everywhere (a tiny all-gather on the checkpoint group). Seconds.
+        commit_interval_s: how often at most the ranks exchange which steps they hold, to learn
+            which are committed everywhere (a tiny all-gather on the checkpoint group); a rank joins the
+            next exchange once it has a newly persisted step to say (or after 2 s without one). Seconds.
         control_timeout_s: timeout of each collective on the checkpoint control group. Seconds.
         replica_timeout_s: timeout of each replica transfer; a dead peer is noticed at once
             (its sockets close), this only bounds a live but stuck one. Seconds.
         s3_timeout_s: connect and read timeout of each S3 request. Seconds.
+        copy_at_idle: copy a CPU-resident state into its snapshot buffer while the host idles (from
+            :meth:`~checkpoint.engine.Checkpointer.host_idle` of the next step), not in ``after_step``: the
+            CPU counterpart of the copy on a side CUDA stream, for a host whose training thread waits for an
+            accelerator (the benchmark's emulated device). The loop must then call ``before_update()``
+            before anything changes the state; a snapshot whose copy had not run by the next
+            ``after_step`` is dropped, never taken from a changed state. GPU states ignore it (their copy
+            is already asynchronous).
         measure_memcpy: also time a plain copy of the same state into a spare buffer after
             each snapshot (the benchmark's reference; costs one extra copy per step).
         saver: where snapshots are persisted: "thread" (background threads of the training process) or
@@ -91,6 +99,7 @@ class CheckpointConfig:
     replica_timeout_s: float = 3600.0
     s3_timeout_s: float = 5.0
     measure_memcpy: bool = False
+    copy_at_idle: bool = False
     saver: str = "thread"
     saver_idle_s: float = 600.0
     background_nice: int = 10

@@ -225,6 +225,8 @@ def _QUIET() -> dict[str, Any]:  # the same message every step
 
 # how long a step waits for the saver process to lay out buffers for a new state shape (once per shape)
 CONFIGURE_WAIT_S = 10.0
+COMMIT_IDLE_S = 2.0  # the longest a rank waits for a step of its own to report before the next commit round
+RETAIN_EVERY_S = 5.0  # retention runs after each commit, and at least this often without one
 
 
 class Checkpointer:
@@ -281,6 +283,11 @@ class Checkpointer:
         self._reader = StateReader(model, optimizer)
         self._spare: _Slot | None = None
         self._pending_event: Any = None
+        # copy_at_idle: the snapshot taken by after_step whose copy waits for the host to idle, and whether
+        # the copier may start it (host_idle or before_update said so)
+        self._deferred: tuple[_Slot, dict[str, dict[str, torch.Tensor]], tuple[Any, ...]] | None = None
+        self._copy_go = False
+        self._copied = threading.Condition(self._lock)
         self._writer_q: queue.Queue[_Slot | None] = queue.Queue()
         # the next upload for the S3 thread: the newest due snapshot wins (one waiting, one in flight at most)
         self._s3_next: tuple[int, bytes, list[tuple[str, bytes]]] | None = None
@@ -288,6 +295,7 @@ class Checkpointer:
         self._s3_closing = False
         self._s3_requested = False
         self._done: deque[int] = deque(maxlen=16)  # steps done on this rank (local durable + replica acked)
+        self._done_count = 0  # how many steps were ever added to it (the commit thread waits for news)
         self.committed: set[int] = set()
         self.s3_uploaded: deque[int] = deque()
         self.s3_superseded = 0  # due uploads replaced by a newer snapshot before their turn came
@@ -310,6 +318,7 @@ class Checkpointer:
         self.link: SaverLink | None = None
         self._configuring: tuple[Any, ...] | None = None  # the layout the saver is making buffers for
         self._memory: dict[str, Any] | None = None  # the saver's newest snapshot of this rank, at start
+        self._saver_lost = False  # the saver process closed its connection: snapshots stop, training goes on
         if config.saver == "process":
             try:
                 self.link = SaverLink(self.root, rank=rank, job=job, host=_reachable_host(),
@@ -376,7 +385,12 @@ class Checkpointer:
     # ---- the training thread -------------------------------------------------------------
     def before_update(self) -> float:
         """Wait until the last snapshot's device-to-host copy is done (GPU hosts); call before the
-        optimizer changes the parameters. Returns the seconds waited (0 on CPU, where the copy is synchronous)."""
+        optimizer changes the parameters. Returns the seconds waited (0 on CPU, where the copy is synchronous,
+        unless ``copy_at_idle`` left it to the host's idle moment and it is not done yet)."""
+        if self._defers:
+            t0 = time.perf_counter()
+            self._copy_now(wait=True)
+            return time.perf_counter() - t0
         if self._pending_event is None:
             return 0.0
         t0 = time.perf_counter()
@@ -386,9 +400,28 @@ class Checkpointer:
 
     def host_idle(self) -> None:
         """Say that this rank's host is about to idle (its device computes; the host thread waits): the
-        saver process persists the last snapshot now. Optional; cheap (a message queued)."""
+        saver process persists the last snapshot now (with ``copy_at_idle``, the last snapshot's copy
+        starts first). Optional; cheap (a message queued)."""
+        if self._defers and self._copy_now(wait=False):
+            return  # the copier says so once the snapshot is handed over
         if self.link is not None and self._started:
             self.link.post(_QUIET)
+
+    @property
+    def _defers(self) -> bool:
+        return self.cfg.copy_at_idle and not self.use_cuda and self._started
+
+    def _copy_now(self, *, wait: bool) -> bool:
+        """Let the copier start the deferred snapshot's copy; with ``wait``, until it is done. Whether one
+        was waiting."""
+        with self._lock:
+            if self._deferred is None:
+                return False
+            self._copy_go = True
+            self._copied.notify_all()
+            while wait and self._deferred is not None:
+                self._copied.wait()
+        return True
 
     def due(self, step: int) -> bool:
         return (step + 1) % self.cfg.every_steps == 0
@@ -402,11 +435,18 @@ class Checkpointer:
         gradient norm, an all-gathered digest), so no rank commits a step the others refused."""
         if not self._started or not self.due(step):
             return SnapshotInfo()
+        if self._saver_lost or (self.link is not None and self.link.lost.is_set()):
+            with self._lock:
+                self.skipped += 1
+            return SnapshotInfo(skipped=True)
         if not healthy:
             with self._lock:
                 self.refused += 1
             self._log(f"step {step}: not snapshotted: {why or 'its state is not healthy'}", kind="refused")
             return SnapshotInfo(refused=True)
+        if self._defers:  # the last snapshot's copy should have run at this step's idle moment
+            self._drop_deferred("its copy had not started when the next step ended (copy_at_idle needs "
+                                "host_idle() or before_update() before the state changes)")
         t0 = time.perf_counter()
         tensors, meta, key = self._reader.read()
         identity = (key, tuple(tensors[MODEL_FILE]), tuple(tensors[OPTIM_FILE]))
@@ -421,34 +461,111 @@ class Checkpointer:
                 self.skipped += 1
             return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
         if self.link is not None:
-            self.link.send({"op": "fill", "slot": slot.index})  # its memory snapshot is no more
+            try:
+                self.link.send({"op": "fill", "slot": slot.index})  # its memory snapshot is no more
+            except OSError as exc:  # the saver is gone (killed, out of memory): training goes on without
+                with self._lock:
+                    slot.busy = False
+                    self.skipped += 1
+                    self._saver_lost = True
+                self._error(f"the checkpoint saver is gone ({exc}); no more snapshots in this run: restart the "
+                            f"job to start a new one", kind="saver-lost")
+                return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
+        slot.step = step
+        slot.meta = meta
+        slot.data_position = dict(data_position or {"next_step": step + 1})
+        if self._defers:  # copied while the host idles, before the next update (the copier thread)
+            with self._lock:
+                self._deferred = (slot, tensors, identity)
+                self.snapshots += 1
+            blocking = time.perf_counter() - t0
+        else:
+            filled = self._fill(slot, tensors, identity)
+            if filled is None:
+                return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
+            with self._lock:
+                self.snapshots += 1
+            self._publish(filled)
+            blocking = time.perf_counter() - t0
+        if self.cfg.measure_memcpy and memcpy is None:
+            memcpy = self._measure_memcpy(tensors, identity)
+        return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy)
+
+    def _fill(self, slot: _Slot, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...],
+              ) -> _Slot | None:
+        """Copy the state into ``slot``; the slot that holds it (a new one when a tensor changed shape in
+        place since the buffers were laid out), or None (the snapshot skipped, its buffer freed) when they
+        live in the saver's memory."""
         try:
             self._copy_into(slot, tensors, identity)
+            return slot
         except RuntimeError:  # a tensor changed shape in place since the slot was laid out
             if self.link is not None:
                 with self._lock:
                     slot.busy = False
                     self._slots = []  # laid out anew (both buffers) at the next snapshot
                     self.skipped += 1
-                return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
+                return None
             with self._lock:
-                index = self._slots.index(slot)
-                self._slots[index] = slot = _Slot(tensors, self.use_cuda, identity)
-                slot.busy = True
-            self._copy_into(slot, tensors, identity)
-        slot.step = step
-        slot.meta = meta
-        slot.data_position = dict(data_position or {"next_step": step + 1})
-        with self._lock:
-            self.snapshots += 1
+                fresh = _Slot(tensors, self.use_cuda, identity)
+                fresh.busy, fresh.step, fresh.meta, fresh.data_position = True, slot.step, slot.meta, \
+                    slot.data_position
+                self._slots[self._slots.index(slot)] = fresh
+            self._copy_into(fresh, tensors, identity)
+            return fresh
+
+    def _publish(self, slot: _Slot) -> None:
+        """A filled snapshot goes to the saver process, or to the writer thread."""
         if self.link is not None:
             self._hand_over(slot)
         else:
             self._writer_q.put(slot)
-        blocking = time.perf_counter() - t0
-        if self.cfg.measure_memcpy and memcpy is None:
-            memcpy = self._measure_memcpy(tensors, identity)
-        return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy)
+
+    def _copier_loop(self) -> None:
+        """``copy_at_idle``: copy each deferred snapshot once the host idles (or the update is due)."""
+        while True:
+            with self._lock:
+                while not (self._copy_go and self._deferred is not None) and not self._stop.is_set():
+                    self._copied.wait()
+                if self._deferred is None or not self._copy_go:
+                    return  # closing, nothing left to copy
+                slot, tensors, identity = self._deferred
+            published = False
+            try:
+                filled = self._fill(slot, tensors, identity)
+                if filled is not None:
+                    self._publish(filled)
+                    published = True
+            except Exception as exc:  # report it; the training thread must never wait for a dead copier
+                self._error(f"step {slot.step}: snapshot copy failed: {type(exc).__name__}: {exc}", kind="copy")
+                with self._lock:
+                    slot.busy = False
+                    self.skipped += 1
+            finally:
+                with self._lock:
+                    if not published:  # never to be processed: drain() must not wait for it
+                        self.snapshots -= 1
+                    self._deferred = None
+                    self._copy_go = False
+                    self._copied.notify_all()
+            if published and self.link is not None:
+                self.link.post(_QUIET)  # the host idles now: the saver persists this snapshot at once
+
+    def _drop_deferred(self, why: str = "") -> None:
+        """Forget a deferred snapshot whose copy has not started (its buffer freed, counted skipped); one
+        being copied is waited for instead."""
+        with self._lock:
+            while self._deferred is not None and self._copy_go:
+                self._copied.wait()
+            pending, self._deferred = self._deferred, None
+            if pending is None:
+                return
+            pending[0].busy = False
+            self.snapshots -= 1
+            self.skipped += 1
+            self._copied.notify_all()
+        if why:
+            self._error(f"step {pending[0].step}: snapshot dropped: {why}", kind="deferred")
 
     def _copy_into(self, slot: _Slot, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...],
                    ) -> None:
@@ -569,6 +686,7 @@ class Checkpointer:
             self._processed += 1
             if doc.get("local") and doc.get("replica"):
                 self._done.append(step)
+                self._done_count += 1
             self._persisted.notify_all()
         if doc.get("error"):  # repeated ones (every step's) are logged 1st, 10th, 100th ... time
             self._error(str(doc["error"]), kind=re.sub(r"\d+", "N", str(doc["error"]))[:80])
@@ -606,6 +724,7 @@ class Checkpointer:
         """Wait until every snapshot taken so far is written and replicated (or failed), and a due S3
         upload has been picked up by the uploader. For tests and benchmarks; training never calls it.
         Returns False on timeout."""
+        self._copy_now(wait=True)
         deadline = time.monotonic() + timeout_s
         with self._persisted:
             while self._processed < self.snapshots:
@@ -631,6 +750,8 @@ class Checkpointer:
         if self._started:
             return
         self._started = True
+        if self._defers:  # the copy is the training's own work, done while its host idles: not niced
+            self._spawn("tg-ckpt-copier", self._copier_loop, nice=0)
         if self.link is not None:  # the saver process writes, sends and uploads; the rank commits
             self._start_saver()
             self._commit_thread = self._spawn("tg-ckpt-commit", self._commit_loop)
@@ -642,8 +763,8 @@ class Checkpointer:
             self._spawn("tg-ckpt-s3", self._s3_loop)
         self._commit_thread = self._spawn("tg-ckpt-commit", self._commit_loop)
 
-    def _spawn(self, name: str, target: Any, *args: Any) -> threading.Thread:
-        nice = self.cfg.background_nice
+    def _spawn(self, name: str, target: Any, *args: Any, nice: int | None = None) -> threading.Thread:
+        nice = self.cfg.background_nice if nice is None else nice
 
         def run() -> None:
             _lower_priority(nice)
@@ -733,6 +854,8 @@ class Checkpointer:
         if local_ok and replica_ok:
             with self._lock:
                 self._done.append(step)
+                self._done_count += 1
+                self._persisted.notify_all()
 
     def _maybe_queue_s3(self, step: int, manifest: bytes, files: list[tuple[str, list[Any]]]) -> None:
         request = self.root / layout.S3_REQUEST
@@ -823,10 +946,12 @@ class Checkpointer:
 
     def _commit_loop(self) -> None:
         """Learn which steps are done on every rank; mark them committed; apply retention."""
+        retained = 0.0
         while True:
             stopping = self._writer_finished.is_set()  # every snapshot written, replicated and acknowledged
             with self._lock:
                 mine = sorted(self._done)
+                said = self._done_count
             try:
                 everyone = wire.gather_json({"stop": stopping, "done": mine}, self.ctl, self.world)
             except Exception as exc:
@@ -846,15 +971,24 @@ class Checkpointer:
                     with contextlib.suppress(OSError):
                         layout.write_marker(path, layout.COMMITTED, {"step": step, "committed_ts": time.time(),
                                                                      "verify": self.cfg.is_candidate(step)})
-            # every round, commits or not: a rank whose replica stopped (or a peer that never acknowledges)
-            # must not stop retention, or the disk fills with uncommitted steps
-            self._retain()
+            # after commits, and every RETAIN_EVERY_S without any: a rank whose replica stopped (or a peer
+            # that never acknowledges) must not stop retention, or the disk fills with uncommitted steps
+            if fresh or stopping or time.monotonic() - retained >= RETAIN_EVERY_S:
+                self._retain()
+                retained = time.monotonic()
             if all(d["stop"] for d in everyone):
                 return
-            if not stopping:
-                self._stop.wait(self.cfg.commit_interval_s)
-            else:
+            if stopping:
                 time.sleep(0.01)
+                continue
+            # the next round: at most every commit_interval_s, once this rank has a step more to say (each
+            # round's all-gather and JSON hold the interpreter lock the training thread needs; a round per
+            # snapshot is enough), or COMMIT_IDLE_S without one (a rank that finishes none must not keep the
+            # others' rounds waiting for long)
+            self._stop.wait(self.cfg.commit_interval_s)
+            with self._lock:
+                self._persisted.wait_for(lambda said=said: self._done_count != said or self._stop.is_set(),
+                                         timeout=COMMIT_IDLE_S)
 
     def _retain(self) -> None:
         """Delete old copies here. Kept: the newest ``keep`` steps that are committed or still in
@@ -890,9 +1024,15 @@ class Checkpointer:
         rank finished (all ranks must call it); without, just stop (the job is failing)."""
         if not self._started:
             return
-        if not flush:
+        if flush:
+            self._copy_now(wait=True)
+        else:
             self._abandoned.set()
-        self._stop.set()
+            self._drop_deferred()
+        with self._lock:
+            self._stop.set()
+            self._copied.notify_all()  # the copier ends
+            self._persisted.notify_all()  # the commit thread stops waiting for news
         if self.link is not None:
             try:
                 self.link.close(flush=flush)  # with flush: every snapshot handed over is written and sent

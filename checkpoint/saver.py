@@ -725,6 +725,7 @@ class SaverLink:
         self.saver_cpu_s = 0.0
         self.uploaded: list[int] = []
         self._closing = False
+        self.lost = threading.Event()  # the saver closed the connection (it died): nothing more is persisted
         self._posts: queue.SimpleQueue[Callable[[], dict[str, Any]] | None] = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name="tg-ckpt-saver-link", daemon=True)
         self._reader.start()
@@ -759,6 +760,7 @@ class SaverLink:
         except (OSError, ValueError):
             pass
         self._replies.put(None)  # the saver is gone: a waiting request fails at once
+        self.lost.set()
         if not self._closing:
             self.on_error(f"the checkpoint saver of {self.root} closed the connection; snapshots stop")
 

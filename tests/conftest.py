@@ -20,20 +20,27 @@ TEST_CLUSTER = cluster.ClusterSpec(name="tgt", machines=6, standbys=2, subnet="1
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _no_saver_left_running() -> Iterator[None]:
+def _no_saver_left_running(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Checkpoint saver processes outlive the jobs that start them (their memory snapshots serve the next
-    start); the ones this session started end with it."""
-    import time
+    start); the ones this session started end with it, and only those: a saver inherits this session's
+    marker in its environment, or serves a root under this session's temporary directory (another session's
+    or a real job's savers on the same host are left alone)."""
+    import uuid
 
     import psutil
 
-    began = time.time() - 1
+    marker = uuid.uuid4().hex
+    os.environ["TG_TEST_SESSION"] = marker
+    base = str(tmp_path_factory.getbasetemp())
     yield
     left = []
-    for proc in psutil.process_iter(["cmdline", "create_time"]):
+    for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info.get("cmdline") or []
-        if "checkpoint.saver" in cmd and (proc.info.get("create_time") or 0) >= began:
-            with contextlib.suppress(psutil.Error):
+        if "checkpoint.saver" not in cmd:
+            continue
+        with contextlib.suppress(psutil.Error):
+            root = cmd[cmd.index("--root") + 1] if "--root" in cmd[:-1] else ""
+            if root.startswith(base) or proc.environ().get("TG_TEST_SESSION") == marker:
                 proc.terminate()
                 left.append(proc)
     psutil.wait_procs(left, timeout=10)

@@ -18,7 +18,7 @@ import torch
 
 from checkpoint import layout, saver
 from checkpoint.saver import LineReader, SaverLink, non_finite, send_doc
-from tests.test_checkpoint_unit import checkpointer, digest, make_model, run_steps
+from tests.test_checkpoint_unit import checkpointer, digest, make_model, run_steps, train_step
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -168,3 +168,24 @@ def test_a_saver_ends_when_its_root_is_gone(tmp_path: Path):
 
     psutil.Process(pid).wait(timeout=15)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_saver_that_dies_stops_snapshots_but_never_the_training(tmp_path: Path):
+    """The saver process is killed (out of memory, an operator's mistake): the training thread's next
+    snapshots are skipped with one line saying why, and no call raises."""
+    lines: list[str] = []
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, lines, saver="process", fsync=False)
+    assert ck.restore() is None
+    ck.start()
+    run_steps(ck, model, opt, range(2))
+    pid = ck.status()["saver_pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert ck.link is not None and ck.link.lost.wait(10), "the link did not notice its saver's death"
+    for step in range(2, 6):
+        train_step(model, opt, step)
+        info = ck.after_step(step)  # raises nothing
+        assert info.skipped and not info.taken
+    assert ck.skipped == 4
+    assert any("saver" in line and ("closed" in line or "gone" in line) for line in lines)
+    ck.close(flush=False)

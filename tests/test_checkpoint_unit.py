@@ -140,6 +140,61 @@ def test_restore_is_bit_identical_parameters_optimizer_and_rng(tmp_path: Path, s
     assert digest(model, opt) == digest(ref_model, ref_opt)
 
 
+@pytest.mark.parametrize("saver", ["thread", "process"])
+def test_a_copy_left_to_the_idle_moment_holds_its_own_steps_state(tmp_path: Path, saver: str):
+    """copy_at_idle: after_step only reads the state; the copy runs at the next step's host_idle(), after that
+    step's forward and backward (which change the gradients and draw from the RNG, not the parameters),
+    and before_update() waits for it. What is restored is the state as it was when its step ended."""
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, saver=saver, copy_at_idle=True)
+    assert ck.restore() is None
+    ck.start()
+    digests, rng = {}, {}
+    for step in range(4):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)) + torch.rand(1)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        ck.host_idle()  # the copy of the last step's snapshot starts now
+        ck.before_update()
+        assert ck.drain(30)  # persisted (the copy itself is done: before_update waited for it)
+        opt.step()
+        info = ck.after_step(step)
+        assert info.taken and not info.skipped
+        assert ck._deferred is not None  # nothing copied yet: the training thread only read references
+        digests[step], rng[step] = digest(model, opt), torch.get_rng_state()
+        torch.rand(3)  # the next step's RNG draws happen before its copy
+    ck.close()
+    assert ck.skipped == 0 and ck.errors == []
+    model2, opt2 = make_model()
+    result = checkpointer(tmp_path, model2, opt2, saver=saver).restore()
+    assert result is not None and result.step == 3
+    assert digest(model2, opt2) == digests[3]
+    assert torch.equal(torch.get_rng_state(), rng[3])
+
+
+def test_a_copy_left_to_the_idle_moment_that_never_ran_is_dropped_not_taken_from_a_later_state(tmp_path: Path):
+    """A loop that changes the state without host_idle() or before_update() in between: the snapshot of the
+    step before cannot be copied any more (the parameters are the next step's); it is dropped and said so,
+    never written under the wrong step number."""
+    lines: list[str] = []
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, lines, copy_at_idle=True, keep=5)
+    assert ck.restore() is None
+    ck.start()
+    train_step(model, opt, 0)
+    assert ck.after_step(0).taken
+    train_step(model, opt, 1)  # no host_idle, no before_update: step 0's copy never ran
+    assert ck.after_step(1).taken
+    after_1 = digest(model, opt)
+    ck.close()
+    assert ck.skipped == 1
+    assert any("step 0: snapshot dropped" in line for line in lines)
+    assert [s for s, _r, _p in layout.list_copies(tmp_path, "local", rank=0)] == [1]
+    model2, opt2 = make_model()
+    result = checkpointer(tmp_path, model2, opt2).restore()
+    assert result is not None and result.step == 1 and digest(model2, opt2) == after_1
+
+
 def test_files_are_plain_safetensors_with_the_manifests_tensors(tmp_path: Path):
     from safetensors.torch import load_file
 
