@@ -256,16 +256,23 @@ def test_a_standby_is_marked_checked_by_its_check_not_by_the_words_of_its_reason
     assert store.machine("m5").checked_ts is not None
 
 
-def test_migration_3_gives_events_recorded_before_it_their_job(tmp_path: Path):
+def _database_before(tmp_path: Path, version: int) -> sa.Engine:
+    """A database as the release before migration ``version`` left it: the migrations before it applied."""
     from operators.fleet import migrations
 
     engine = sa.create_engine(f"sqlite:///{tmp_path / 'old.db'}")
-    with engine.begin() as conn:  # a database of the release before migration 3, with a swap in it
+    with engine.begin() as conn:
         migrations.VERSION_TABLE.create(conn)
         ops = Operations(MigrationContext.configure(conn))
-        for version, description, step in migrations.MIGRATIONS[:2]:
+        for number, description, step in migrations.MIGRATIONS[:version - 1]:
             step(ops)
-            conn.execute(VERSION_TABLE.insert().values(version=version, description=description, applied_ts=0.0))
+            conn.execute(VERSION_TABLE.insert().values(version=number, description=description, applied_ts=0.0))
+    return engine
+
+
+def test_migration_3_gives_events_recorded_before_it_their_job(tmp_path: Path):
+    engine = _database_before(tmp_path, 3)
+    with engine.begin() as conn:  # with a swap in it
         conn.execute(sa.text("INSERT INTO jobs VALUES ('a_b', 1, 1, 2, 1, '[]', 'running', 'r0', NULL, '[]', 0, 0)"))
         conn.execute(sa.text("INSERT INTO jobs VALUES ('a', 1, 1, 2, 1, '[]', 'running', 'r0', NULL, '[]', 0, 0)"))
         for machine in ("m0", "m1", "m2"):
@@ -309,15 +316,8 @@ def test_only_a_failure_that_repeats_the_last_recovered_one_climbs(tmp_path: Pat
 
 
 def test_migration_4_leaves_incidents_recorded_before_it_naming_no_machine(tmp_path: Path):
-    from operators.fleet import migrations
-
-    engine = sa.create_engine(f"sqlite:///{tmp_path / 'old.db'}")
+    engine = _database_before(tmp_path, 4)
     with engine.begin() as conn:
-        migrations.VERSION_TABLE.create(conn)
-        ops = Operations(MigrationContext.configure(conn))
-        for version, description, step in migrations.MIGRATIONS[:3]:
-            step(ops)
-            conn.execute(VERSION_TABLE.insert().values(version=version, description=description, applied_ts=0.0))
         conn.execute(sa.text("INSERT INTO jobs VALUES ('a', 1, 1, 2, 1, '[]', 'running', 'r0', NULL, '[]', 0, 0)"))
         conn.execute(sa.text("INSERT INTO incidents (id, job, state, category, level, opened_ts, first_alert_ts, "
                              "summary) VALUES (1, 'a', 'resolved', 'crash', 0, 0, 0, '')"))
