@@ -225,6 +225,7 @@ def _QUIET() -> dict[str, Any]:  # the same message every step
 
 # how long a step waits for the saver process to lay out buffers for a new state shape (once per shape)
 CONFIGURE_WAIT_S = 10.0
+COPY_LATEST_S = 0.25  # with copy_at_idle: the soonest the copier copies without waiting for host_idle
 COMMIT_IDLE_S = 2.0  # the longest a rank waits for a step of its own to report before the next commit round
 RETAIN_EVERY_S = 5.0  # retention runs after each commit, and at least this often without one
 
@@ -288,6 +289,8 @@ class Checkpointer:
         self._deferred: tuple[_Slot, dict[str, dict[str, torch.Tensor]], tuple[Any, ...]] | None = None
         self._copy_go = False
         self._copied = threading.Condition(self._lock)
+        self._deferred_at = 0.0  # when after_step deferred it (monotonic)
+        self._idle_gap_s = COPY_LATEST_S / 2  # how long the host usually takes from after_step to host_idle
         self._writer_q: queue.Queue[_Slot | None] = queue.Queue()
         # the next upload for the S3 thread: the newest due snapshot wins (one waiting, one in flight at most)
         self._s3_next: tuple[int, bytes, list[tuple[str, bytes]]] | None = None
@@ -402,8 +405,13 @@ class Checkpointer:
         """Say that this rank's host is about to idle (its device computes; the host thread waits): the
         saver process persists the last snapshot now (with ``copy_at_idle``, the last snapshot's copy
         starts first). Optional; cheap (a message queued)."""
-        if self._defers and self._copy_now(wait=False):
-            return  # the copier says so once the snapshot is handed over
+        if self._defers:
+            with self._lock:
+                if self._deferred is not None:  # learn the loop's pace: the copier's deadline follows it
+                    gap = time.monotonic() - self._deferred_at
+                    self._idle_gap_s = 0.8 * self._idle_gap_s + 0.2 * gap
+            if self._copy_now(wait=False):
+                return  # the copier says so once the snapshot is handed over
         if self.link is not None and self._started:
             self.link.post(_QUIET)
 
@@ -477,7 +485,9 @@ class Checkpointer:
         if self._defers:  # copied while the host idles, before the next update (the copier thread)
             with self._lock:
                 self._deferred = (slot, tensors, identity)
+                self._deferred_at = time.monotonic()
                 self.snapshots += 1
+                self._copied.notify_all()  # the copier's deadline starts now
             blocking = time.perf_counter() - t0
         else:
             filled = self._fill(slot, tensors, identity)
@@ -522,11 +532,21 @@ class Checkpointer:
             self._writer_q.put(slot)
 
     def _copier_loop(self) -> None:
-        """``copy_at_idle``: copy each deferred snapshot once the host idles (or the update is due)."""
+        """``copy_at_idle``: copy each deferred snapshot once the host idles (or the update is due), or at the
+        latest twice the loop's usual time to its idle moment after ``after_step`` (at least ``COPY_LATEST_S``):
+        a step that never gets there (a hung collective, a rank blocked on a dead peer) must not cost the
+        snapshot of the step before it, which the state still holds."""
         while True:
             with self._lock:
-                while not (self._copy_go and self._deferred is not None) and not self._stop.is_set():
-                    self._copied.wait()
+                while not self._stop.is_set():
+                    if self._deferred is not None:
+                        left = self._deferred_at + max(COPY_LATEST_S, 2 * self._idle_gap_s) - time.monotonic()
+                        if self._copy_go or left <= 0:
+                            self._copy_go = True
+                            break
+                        self._copied.wait(left)
+                    else:
+                        self._copied.wait()
                 if self._deferred is None or not self._copy_go:
                     return  # closing, nothing left to copy
                 slot, tensors, identity = self._deferred
@@ -1024,11 +1044,14 @@ class Checkpointer:
         rank finished (all ranks must call it); without, just stop (the job is failing)."""
         if not self._started:
             return
-        if flush:
+        if flush or self.link is not None:
+            # a deferred copy still holds its step's state (the optimizer has not run since): the saver process
+            # persists it even as this process fails; the threads of a failing process would not
             self._copy_now(wait=True)
         else:
-            self._abandoned.set()
             self._drop_deferred()
+        if not flush:
+            self._abandoned.set()
         with self._lock:
             self._stop.set()
             self._copied.notify_all()  # the copier ends

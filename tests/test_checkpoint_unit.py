@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 
+from checkpoint import engine as engine_module
 from checkpoint import layout
 from checkpoint import manifest as mf
 from checkpoint.config import CheckpointConfig, expand_root
@@ -172,10 +173,12 @@ def test_a_copy_left_to_the_idle_moment_holds_its_own_steps_state(tmp_path: Path
     assert torch.equal(torch.get_rng_state(), rng[3])
 
 
-def test_a_copy_left_to_the_idle_moment_that_never_ran_is_dropped_not_taken_from_a_later_state(tmp_path: Path):
+def test_a_copy_left_to_the_idle_moment_that_never_ran_is_dropped_not_taken_from_a_later_state(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A loop that changes the state without host_idle() or before_update() in between: the snapshot of the
     step before cannot be copied any more (the parameters are the next step's); it is dropped and said so,
     never written under the wrong step number."""
+    monkeypatch.setattr(engine_module, "COPY_LATEST_S", 600.0)  # the copier's own deadline never comes here
     lines: list[str] = []
     model, opt = make_model()
     ck = checkpointer(tmp_path, model, opt, lines, copy_at_idle=True, keep=5)
@@ -193,6 +196,46 @@ def test_a_copy_left_to_the_idle_moment_that_never_ran_is_dropped_not_taken_from
     model2, opt2 = make_model()
     result = checkpointer(tmp_path, model2, opt2).restore()
     assert result is not None and result.step == 1 and digest(model2, opt2) == after_1
+
+
+def test_a_step_that_never_reaches_its_idle_moment_still_gets_the_snapshot_of_the_step_before(tmp_path: Path):
+    """The next step hangs before host_idle() (a collective blocked on a dead peer): the copier copies the
+    deferred snapshot on its own deadline, so a restart finds the step the job finished, not the one before."""
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, copy_at_idle=True)
+    assert ck.restore() is None
+    ck.start()
+    run_steps(ck, model, opt, range(2))
+    train_step(model, opt, 2)
+    assert ck.after_step(2).taken
+    done = digest(model, opt)
+    with ck._copied:  # nobody calls host_idle() nor before_update(): the job hangs in step 3
+        assert ck._copied.wait_for(lambda: ck._deferred is None, timeout=30)
+    assert ck.drain(30)
+    ck.close(flush=False)  # the hung job is stopped
+    model2, opt2 = make_model()
+    result = checkpointer(tmp_path, model2, opt2).restore()
+    assert result is not None and result.step == 2 and digest(model2, opt2) == done
+
+
+def test_a_failing_rank_hands_its_deferred_snapshot_to_the_saver_on_its_way_out(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch):
+    """The next step raises before its idle moment (a user's bug in the data pipeline): the state is still the
+    finished step's, and the saver process persists it after the rank is gone."""
+    monkeypatch.setattr(engine_module, "COPY_LATEST_S", 600.0)
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, saver="process", copy_at_idle=True, fsync=False)
+    assert ck.restore() is None
+    ck.start()
+    train_step(model, opt, 0)
+    assert ck.after_step(0).taken and ck._deferred is not None
+    done = digest(model, opt)
+    ck.close(flush=False)  # the loop raised: the job is failing
+    model2, opt2 = make_model()
+    ck2 = checkpointer(tmp_path, model2, opt2, saver="process")
+    result = ck2.restore()
+    assert result is not None and result.step == 0 and digest(model2, opt2) == done
+    ck2.close(flush=False)
 
 
 def test_files_are_plain_safetensors_with_the_manifests_tensors(tmp_path: Path):

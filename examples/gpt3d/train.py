@@ -199,8 +199,9 @@ def make_checkpointer(args: argparse.Namespace, topo: Topology, rank: int, local
         ranks_per_machine=args.checkpoint_ranks_per_machine,
         control_timeout_s=args.collective_timeout_s, measure_memcpy=args.checkpoint_measure_memcpy,
         background_nice=args.checkpoint_nice, saver=args.checkpoint_saver,
-        # an emulated accelerator: the state is copied while the host waits for it, as a side stream does
-        copy_at_idle=args.emulate_device_s > 0,
+        # an emulated accelerator: the state is copied while the host waits for it, as a side stream does; only
+        # with the saver process, which persists a snapshot handed over even as the rank fails
+        copy_at_idle=args.emulate_device_s > 0 and args.checkpoint_saver == "process",
         saver_idle_s=args.checkpoint_saver_idle_s)
     return Checkpointer(cfg, topology=topo, rank=rank, model=model, optimizer=optimizer,
                         job=os.environ.get("TG_JOB", "job"), incarnation=int(os.environ.get("TG_INCARNATION", "0")))
