@@ -63,9 +63,12 @@ class CheckpointConfig:
             :meth:`~checkpoint.engine.Checkpointer.host_idle` of the next step), not in ``after_step``: the
             CPU counterpart of the copy on a side CUDA stream, for a host whose training thread waits for an
             accelerator (the benchmark's emulated device). The loop must then call ``before_update()``
-            before anything changes the state; a snapshot whose copy had not run by the next
-            ``after_step`` is dropped, never taken from a changed state. GPU states ignore it (their copy
-            is already asynchronous).
+            before anything changes the state. When the next step never reaches its idle moment (a hang)
+            the copy runs on its own deadline (twice the loop's usual time to it, at least 0.25 s); a
+            failing rank's ``close(flush=False)`` still hands it to the saver process; a snapshot whose
+            copy had not started by the next ``after_step`` is dropped, never taken from a changed state.
+            Meant for the saver process (the reference job sets it only then). GPU states ignore it
+            (their copy is already asynchronous).
         measure_memcpy: also time a plain copy of the same state into a spare buffer after
             each snapshot (the benchmark's reference; costs one extra copy per step).
         saver: where snapshots are persisted: "thread" (background threads of the training process) or
