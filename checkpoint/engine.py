@@ -443,7 +443,9 @@ class Checkpointer:
         gradient norm, an all-gathered digest), so no rank commits a step the others refused."""
         if not self._started or not self.due(step):
             return SnapshotInfo()
-        if self._saver_lost or (self.link is not None and self.link.lost.is_set()):
+        if self.link is not None and not self._saver_lost and self.link.lost.is_set():
+            self._saver_gone("it closed its connection")
+        if self._saver_lost:
             with self._lock:
                 self.skipped += 1
             return SnapshotInfo(skipped=True)
@@ -475,9 +477,7 @@ class Checkpointer:
                 with self._lock:
                     slot.busy = False
                     self.skipped += 1
-                    self._saver_lost = True
-                self._error(f"the checkpoint saver is gone ({exc}); no more snapshots in this run: restart the "
-                            f"job to start a new one", kind="saver-lost")
+                self._saver_gone(str(exc))
                 return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
         slot.step = step
         slot.meta = meta
@@ -500,6 +500,18 @@ class Checkpointer:
         if self.cfg.measure_memcpy and memcpy is None:
             memcpy = self._measure_memcpy(tensors, identity)
         return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy)
+
+    def _saver_gone(self, why: str) -> None:
+        """The saver process died: snapshots stop for this run (the training goes on), and its buffers go from
+        /dev/shm (it cannot remove them itself; a new saver never reuses a dead one's). This process keeps its
+        mappings until it ends, so nothing it still holds becomes invalid."""
+        self._saver_lost = True
+        for slot in self._slots:
+            for shm in slot.mapped:
+                with contextlib.suppress(OSError):
+                    shm.path.unlink()
+        self._error(f"the checkpoint saver is gone ({why}); no more snapshots in this run: restart the job to "
+                    f"start a new one", kind="saver-lost")
 
     def _fill(self, slot: _Slot, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...],
               ) -> _Slot | None:

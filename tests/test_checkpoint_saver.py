@@ -188,4 +188,6 @@ def test_a_saver_that_dies_stops_snapshots_but_never_the_training(tmp_path: Path
         assert info.skipped and not info.taken
     assert ck.skipped == 4
     assert any("saver" in line and ("closed" in line or "gone" in line) for line in lines)
+    # the dead saver's buffers do not stay in /dev/shm (it cannot remove them; nobody else would)
+    assert not list(saver.SHM_DIR.glob(f"{saver.shm_prefix(tmp_path)}-*"))
     ck.close(flush=False)
