@@ -717,11 +717,17 @@ class Checkpointer:
                     slot.busy = False
             self._processed += 1
             if doc.get("local") and doc.get("replica"):
-                self._done.append(step)
-                self._done_count += 1
+                self._mark_done(step)
             self._persisted.notify_all()
         if doc.get("error"):  # repeated ones (every step's) are logged 1st, 10th, 100th ... time
             self._error(str(doc["error"]), kind=re.sub(r"\d+", "N", str(doc["error"]))[:80])
+
+    def _mark_done(self, step: int) -> None:
+        """``step`` is on this rank's disk and its replica acknowledged (caller holds the lock): the commit
+        thread's next exchange says so."""
+        self._done.append(step)
+        self._done_count += 1
+        self._persisted.notify_all()
 
     def _start_saver(self) -> None:
         """Every rank: tell its saver where its backup's saver listens and what the snapshots share."""
@@ -885,9 +891,7 @@ class Checkpointer:
                             f"({type(exc).__name__}: {str(exc)[:160]}); replication stops", kind="replica")
         if local_ok and replica_ok:
             with self._lock:
-                self._done.append(step)
-                self._done_count += 1
-                self._persisted.notify_all()
+                self._mark_done(step)
 
     def _maybe_queue_s3(self, step: int, manifest: bytes, files: list[tuple[str, list[Any]]]) -> None:
         request = self.root / layout.S3_REQUEST

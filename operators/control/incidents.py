@@ -120,17 +120,11 @@ class Incidents(ControllerBase):
         return self.fleet.take_over(incident_id, watched=ladder.WATCHED, category=t.category,
                                     summary=f"{inc.category} vote taken over: {t.reason}")
 
-    def _evidence(self, job_name: str, incident_id: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """The incident's alerts, and the job's network alerts of its other incidents (the repeat rule's
-        history)."""
+    def _triage(self, job_name: str, incident_id: int) -> ladder.Triage:
+        job = self.fleet.job(job_name)
         alerts = [a.document for a in self.fleet.alerts_of(incident_id)]
         history = [a.document for i in self.fleet.incidents(job_name) if i.id != incident_id
                    for a in self.fleet.alerts_of(i.id) if a.kind in ladder.NETWORK]
-        return alerts, history
-
-    def _triage(self, job_name: str, incident_id: int) -> ladder.Triage:
-        job = self.fleet.job(job_name)
-        alerts, history = self._evidence(job_name, incident_id)
         return ladder.triage(job_name, alerts, job_machines=job.machine_list, network_history=history,
                              now=max((a["ts"] for a in alerts), default=time.time()))
 
@@ -146,23 +140,20 @@ class Incidents(ControllerBase):
         """The incident's category and first decision (recorded on the incident)."""
         inc = self.fleet.incident(incident_id)
         job = self.fleet.job(inc.job)
-        alerts, history = self._evidence(inc.job, incident_id)
+        t = self._triage(inc.job, incident_id)
         rollback_to = self.fleet.last_known_good(inc.job, other_than=job.revision)
-        t, d = ladder.assess(inc.job, alerts, level=inc.level, rollback_to=rollback_to, job_machines=job.machine_list,
-                             network_history=history, now=max((a["ts"] for a in alerts), default=time.time()))
+        d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
         if d.action in ("tolerate", "observe") and job.state == "running":
             states_now = self.progress(inc.job)["states"]
             down = sorted(n for n, st in states_now.items() if st != "running")
             if down:  # what the alerts say needs nothing, but the job is not running: a crash to diagnose
                 t = ladder.Triage(inc.job, "crash", tuple(down), reason=f"{t.reason}; but the job does not run "
                                                                      f"on {', '.join(down)}")
-                d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
         # the level set when the incident opened came from its first alerts; whether it repeats the job's last
         # incident is judged on this triage (its category and machines), which is also what the next one reads
         level = self.fleet.relevel(incident_id, category=t.category, machines=t.machines,
                                    window_s=self.cfg.escalation_window_s)
-        if level != inc.level:
-            d = ladder.decide(t, level=level, rollback_to=rollback_to)
+        d = ladder.decide(t, level=level, rollback_to=rollback_to)
         self.fleet.update_incident(incident_id, summary=f"{t.reason}; next: {d.action}")
         if d.action in ("diagnose", "analyze", "replay", "vote"):
             self.fleet.update_incident(incident_id, diagnosis_start_ts=time.time())

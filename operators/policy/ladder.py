@@ -323,9 +323,9 @@ def escalation_level(*, last_level: int | None, last_recovery_end_ts: float | No
 def assess(job: str, alerts: Sequence[Mapping[str, Any]], *, level: int, rollback_to: str | None,
            job_machines: Sequence[str] = (), network_history: Sequence[Mapping[str, Any]] = (),
            now: float | None = None) -> tuple[Triage, Decision]:
-    """An incident's triage and its first decision: what ``tg_incident``'s triage task records and what the
-    simulator acts on. ``now`` is the incident's clock (its newest alert's time when None), ``level`` its
-    escalation level (:func:`escalation_level`)."""
+    """An incident's triage and its first decision, as ``tg_incident``'s triage task makes them (:func:`triage`,
+    then :func:`decide` at the incident's level): what the simulator acts on. ``now`` is the incident's clock
+    (its newest alert's time when None), ``level`` its escalation level (:func:`escalation_level`)."""
     t = triage(job, alerts, job_machines=job_machines, network_history=network_history, now=now)
     return t, decide(t, level=level, rollback_to=rollback_to)
 
