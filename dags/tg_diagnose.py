@@ -1,6 +1,7 @@
 """tg_diagnose: the stop-time diagnosis hierarchy on chosen machines, by hand from the UI. Each machine is
-one mapped task (L1 quick health, then L2 compute + memory + intra-machine collective), run in the
-``tg_ssh`` pool that caps concurrent SSH sessions; L3 (collectives with neighbours, in pairs) follows on
+one mapped task (L1 quick health, then L2 compute + memory + intra-machine collective; past Airflow's
+``max_map_length`` machines go in batches, one after another in a task), run in the ``tg_ssh`` pool that
+caps concurrent SSH sessions; L3 (collectives with neighbours, in pairs) follows on
 the machines that passed. With "evict", machines that fail are replaced by standbys, the job restarts on
 its new machine list, and an incident records it."""
 
@@ -29,7 +30,7 @@ def tg_diagnose():
         return diagnose.diagnose_targets(params["job"], list(params["machines"]), int(params["level"]))
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
-    def check_machine(target: dict) -> dict:
+    def check_machine(target: dict) -> list:
         from operators.tasks import diagnose
 
         return diagnose.diagnose_machine(target)

@@ -2,7 +2,8 @@
 and by hand. The target is the P99 of Binomial(machines serving jobs, p), p the per-machine daily failure
 rate from the fleet's history (with a prior while it is short), or a number given in the form. Free
 inventory machines fill the shortfall; each new machine, and each standby idle past its re-check age,
-runs the self-check (L1 + L2) as one mapped task in the ``tg_ssh`` pool; healthy ones are parked warm as
+runs the self-check (L1 + L2) as one mapped task in the ``tg_ssh`` pool (in batches past Airflow's
+``max_map_length``); healthy ones are parked warm as
 standbys, failures go to repair, and machines evicted too often are retired."""
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def tg_standby_pool():
         return planned["targets"]
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
-    def self_check(target: dict) -> dict:
+    def self_check(target: list) -> list:
         from operators.tasks import standby_pool
 
         return standby_pool.pool_check(target)

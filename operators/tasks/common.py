@@ -64,10 +64,20 @@ def arm_unless_busy(c: Controller, job: str, *, own_incident: int | None = None)
 
 
 def name_mapped_task(machine: str) -> None:
-    """Names the running mapped task after its machine in the UI (its ``map_index_template``)."""
+    """Names the running mapped task after its machine (or its batch: see
+    :func:`operators.utils.mapping.label`) in the UI (its ``map_index_template``)."""
     from airflow.sdk import get_current_context
 
     get_current_context()["machine"] = machine
+
+
+def max_mapped_tasks() -> int:
+    """The most mapped task instances one expansion may have here (``[core] max_map_length``)."""
+    from airflow.configuration import conf
+
+    from operators.utils.mapping import DEFAULT_MAX_MAP_LENGTH
+
+    return conf.getint("core", "max_map_length", fallback=DEFAULT_MAX_MAP_LENGTH)
 
 
 def incident_by_hand(c: Controller, job: str, summary: str) -> int:
