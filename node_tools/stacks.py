@@ -26,6 +26,7 @@ thousands of ranks by where they are.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -67,13 +68,18 @@ def stack_signature(frames: list[dict[str, Any]], *, depth: int | None = None) -
     keeps only the innermost ``depth`` frames.
     """
     chosen = frames if depth is None else frames[:max(depth, 0)]
-    parts = []
-    for frame in chosen:
-        name = _ADDRESS_RE.sub("0x?", str(frame.get("name") or "?"))
-        filename = str(frame.get("filename") or frame.get("short_filename") or "")
-        base = filename.replace("\\", "/").rsplit("/", 1)[-1]
-        parts.append(f"{name} ({_ADDRESS_RE.sub('0x?', base)})" if base else name)
-    return " < ".join(parts)
+    return " < ".join([_frame_part(str(frame.get("name") or "?"),
+                                   str(frame.get("filename") or frame.get("short_filename") or ""))
+                       for frame in chosen])
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _frame_part(name: str, filename: str) -> str:
+    """One frame of :func:`stack_signature` from its function and file name (plain ``str``: equal arguments,
+    equal part); remembered, since thousands of ranks share their frames."""
+    text = _ADDRESS_RE.sub("0x?", name)
+    base = filename.replace("\\", "/").rsplit("/", 1)[-1]
+    return f"{text} ({_ADDRESS_RE.sub('0x?', base)})" if base else text
 
 
 # ---------------------------------------------------------------------------------------

@@ -240,7 +240,7 @@ def test_near_identical_stacks_merge_and_a_function_only_some_ranks_are_in_stand
 
 def test_stacks_of_thirty_thousand_ranks_group_by_their_few_distinct_signatures():
     """DBSCAN over one row per rank was quadratic: 11-14 s and 1.75 GB at 10,000 ranks, out of memory at
-    30,000. Equal signatures are grouped by a dict first; scikit-learn sees the three distinct ones."""
+    30,000. Equal signatures are grouped by a dict, then the three distinct ones by their frame sets."""
     waiting = "wait < all_reduce < step < train < main"
     sigs = [waiting] * 30_000
     sigs[7], sigs[29_999] = "sleep < step < train < main", runtime.MISSING

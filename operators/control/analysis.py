@@ -3,7 +3,6 @@ evict) and the fail-slow vote over rounds of compute times."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,12 +25,8 @@ class RuntimeAnalysis(ControllerBase):
         claimed = sorted({a.rank for a in alerts if a.kind == "rank_stopped" and a.rank is not None})
         first = next((a.rank for a in alerts if a.kind in ("rank_hang", "rank_slow") and a.rank is not None), None)
         topo = self.topology(job)
-        # scikit-learn takes seconds to import: in the background while the stacks are taken
-        preload = threading.Thread(target=runtime.preload, name="preload-sklearn", daemon=True)
-        preload.start()
         results = self._run(self.machines(j.machine_list),
                             lambda m: [self.inventory.tg_node, "stacks", "--job", job], timeout=60)
-        preload.join()
         docs = {n: r.json() for n, r in results.items() if r.reachable and not r.timed_out and r.json()}
         # an alert saying a rank stopped is a claim; the process the stacks see is the evidence
         stopped = runtime.confirmed_stopped(claimed, docs)

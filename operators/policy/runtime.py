@@ -3,18 +3,19 @@
 Input: ``tg-node stacks`` documents of every machine of the job (each rank's main-thread frames, and
 its collective counters from the heartbeat). Each rank's stack becomes a normalised signature
 (:func:`node_tools.stacks.stack_signature`: function and file names, no lines or addresses); the
-signatures are grouped: equal ones by a dict, then the few distinct ones with scikit-learn (``DBSCAN`` over
-their sets of frames, Jaccard distance ``eps`` 0: stacks through the same functions in another order or
-depth merge, a function only some ranks are in stands apart). The largest group is
+signatures are grouped by their sets of frames (stacks through the same functions in another order or
+depth merge, a function only some ranks are in stands apart: what DBSCAN over the frame sets with Jaccard
+distance ``eps`` 0 computes, found with dicts in time linear in the ranks). The largest group is
 the healthy behaviour (1,000 ranks waiting in the same all-reduce); ranks in minority groups are the
 outliers, and so are ranks whose collective counters lag behind the rest (a rank stuck before a
 collective the others already entered). A rank whose stack could not be taken at all is an outlier too.
 
 Outliers are mapped to the smallest parallel group that holds them all: the TP group (one machine),
 else the PP group (one pipeline, every stage of a data-parallel replica), else the DP group; the
-machines of that group are evicted together. ByteRobust over-evicts this way on purpose: a whole group
-costs little next to a thousand GPUs waiting for a precise diagnosis, and the checkpoint's backup
-placement (no rank's replica inside its own TP, PP or DP group) means no state is lost.
+machines of that group are evicted together (found in time linear in the ranks, however many are
+outliers). ByteRobust over-evicts this way on purpose: a whole group costs little next to a thousand GPUs
+waiting for a precise diagnosis, and the checkpoint's backup placement (no rank's replica inside its own
+TP, PP or DP group) means no state is lost.
 
 Fail-slow (``rank_slow``): :class:`SlowVoter` gathers rounds (every 10 s, 5 rounds) of each rank's compute
 time (its step time less the time it waited in collectives: in a synchronous job every rank's step takes
@@ -31,8 +32,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from node_tools.errors import TopologyError
 from node_tools.stacks import stack_signature
-from node_tools.topology import Topology
+from node_tools.topology import GROUP_KINDS, RankCoords, Topology
 
 STACK_DEPTH = 12
 GROUP_ORDER = ("tp", "pp", "dp")
@@ -80,7 +82,8 @@ def rank_stacks(documents: Mapping[str, Mapping[str, Any]], world_size: int,
             frames = _main_thread(p)
             sig = stack_signature(frames, depth=STACK_DEPTH) if frames and not p.get("error") else MISSING
             coll = counters.get(str(p["rank"])) or {}
-            started = {g: int(c.get("started", 0)) for g, c in coll.items() if isinstance(c, Mapping)}
+            started = {g: int(c.get("started", 0)) for g, c in coll.items()
+                       if isinstance(c, (dict, Mapping))}  # a dict without the ABC's slow check
             found[p["rank"]] = RankStack(p["rank"], machine, sig, started)
     return [found.get(r) or RankStack(r, machine_of_rank.get(r, "?"), MISSING) for r in range(world_size)]
 
@@ -104,18 +107,10 @@ def confirmed_stopped(claimed: Sequence[int], documents: Mapping[str, Mapping[st
     return sorted(r for r in claimed if states.get(r, "") in ("T", "t", "", "gone"))
 
 
-def preload() -> None:
-    """Import what :func:`group_stacks` needs (seconds of CPU on a busy machine), e.g. in a thread while
-    the stacks are being taken."""
-    import importlib
-
-    for name in ("sklearn.cluster", "sklearn.feature_extraction"):
-        importlib.import_module(name)
-
-
 def group_stacks(signatures: Sequence[str]) -> list[int]:
-    """Group labels for ``signatures``: equal signatures share a label (a dict, linear in ranks), then the few
-    distinct ones that are near-identical merge (:func:`merge_signatures`). Labels are dense, from 0."""
+    """Group labels for ``signatures``: equal signatures share a label (a dict), then distinct ones through
+    the same set of frames merge (:func:`merge_signatures`). Labels are dense, from 0, in the order each
+    group is first seen; time linear in the signatures, however many are distinct."""
     exact: dict[str, int] = {}
     labels = [exact.setdefault(sig, len(exact)) for sig in signatures]
     if len(exact) < 2:
@@ -125,19 +120,17 @@ def group_stacks(signatures: Sequence[str]) -> list[int]:
 
 
 def merge_signatures(distinct: Sequence[str]) -> list[int]:
-    """A label per distinct signature: scikit-learn's DBSCAN over each signature's set of frames (one-hot,
-    Jaccard distance, eps 0, min_samples 1), so signatures that call the same functions and differ only in
-    their order or in how often a frame repeats (a recursion's depth, a re-entered wrapper) merge, and a
-    function only some of them are in keeps them apart. It runs over the distinct signatures only: a few,
-    however many ranks share them."""
-    from sklearn.cluster import DBSCAN
-    from sklearn.feature_extraction import DictVectorizer
+    """A label per signature: signatures through the same set of frames share one, so signatures that call
+    the same functions and differ only in their order or in how often a frame repeats (a recursion's depth,
+    a re-entered wrapper) merge, and a function only some of them are in keeps them apart.
 
-    rows = [dict.fromkeys(sig.split(" < "), 1) for sig in distinct]
-    vectors = DictVectorizer(sparse=False).fit_transform(rows) > 0
-    raw = DBSCAN(eps=1e-9, min_samples=1, metric="jaccard").fit_predict(vectors)
-    dense: dict[int, int] = {}
-    return [dense.setdefault(int(x), len(dense)) for x in raw]
+    This is exactly DBSCAN over each signature's set of frames (one-hot, Jaccard distance, ``eps`` 1e-9,
+    ``min_samples`` 1): a Jaccard distance below ``eps`` means equal sets (two different sets are at least
+    1 / (frames in their union) apart), every signature is a core point, so the clusters are the classes of
+    equal frame sets, labelled in the order of their first member; a dict keyed by the set finds them in
+    linear time where the distances were quadratic in the distinct signatures. Labels are dense, from 0."""
+    by_frames: dict[frozenset[str], int] = {}
+    return [by_frames.setdefault(frozenset(sig.split(" < ")), len(by_frames)) for sig in distinct]
 
 
 def _lagging(stacks: Sequence[RankStack]) -> dict[int, str]:
@@ -156,16 +149,53 @@ def _lagging(stacks: Sequence[RankStack]) -> dict[int, str]:
     return out
 
 
+def _group_key(kind: str, c: RankCoords) -> tuple[int, int]:
+    """What names a rank's group of ``kind`` (the coordinates its members share)."""
+    if kind == "tp":
+        return c.pp, c.dp
+    if kind == "pp":
+        return c.tp, c.dp
+    if kind == "dp":
+        return c.tp, c.pp
+    raise TopologyError(f"unknown group kind {kind!r}; use one of {', '.join(GROUP_KINDS)}")
+
+
+def _group_machines(topo: Topology, kind: str, key: tuple[int, int]) -> set[int]:
+    """The machine indices holding the group of ``kind`` named ``key`` (:func:`_group_key`)."""
+    a, b = key
+    if kind == "tp":
+        members = (topo.rank_of(tp=i, pp=a, dp=b) for i in range(topo.tp))
+    elif kind == "pp":
+        members = (topo.rank_of(tp=a, pp=i, dp=b) for i in range(topo.pp))
+    else:
+        members = (topo.rank_of(tp=a, pp=b, dp=i) for i in range(topo.dp))
+    return {topo.machine_of(r) for r in members}
+
+
 def smallest_group(topo: Topology, ranks: Sequence[int], kinds: Sequence[str] = GROUP_ORDER
                    ) -> tuple[str, list[int]]:
     """The kind and machine indices of the smallest parallel group (of ``kinds``, in order) whose
     machines hold every rank in ``ranks``: the TP group (the machine), else the PP group (every stage of
-    one pipeline), else the DP group; ("", the ranks' own machines) when no single group holds them all."""
+    one pipeline), else the DP group; ("", the ranks' own machines) when no single group holds them all.
+    Of several groups of one kind that hold them, the one of the lowest rank in ``ranks``.
+
+    Time linear in the job's ranks however many ``ranks`` there are: each distinct group of the ranks is
+    looked at once (the groups of one kind are disjoint), and a kind whose groups have fewer ranks than
+    there are machines to hold is passed over."""
     ranks = sorted(set(ranks))
     needed = {topo.machine_of(r) for r in ranks}
-    for kind in kinds:
-        for r in ranks:  # any outlier's group of this kind may be the one holding all of them
-            machines = set(topo.machines_of_group(kind, r))
+    coords = [topo.coords(r) for r in ranks]
+    for kind in kinds if ranks else ():
+        size = {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp}.get(kind)
+        if size is not None and size < len(needed):
+            continue  # a group of `size` ranks is on at most `size` machines
+        looked_at: set[tuple[int, int]] = set()
+        for c in coords:  # any rank's group of this kind may be the one holding all of them
+            key = _group_key(kind, c)
+            if key in looked_at:
+                continue
+            looked_at.add(key)
+            machines = _group_machines(topo, kind, key)
             if needed <= machines:
                 return kind, sorted(machines)
     return "", sorted(needed)
@@ -236,22 +266,28 @@ class SlowVoter:
     rounds: int = 5
     votes: Counter[int] = field(default_factory=Counter)  # rank -> rounds it was flagged in
     seen: int = 0
+    _stage: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)  # rank -> pp
 
     def add_round(self, step_times: Mapping[int, float], *, factor: float = 1.5) -> list[int]:
         """Vote with one round of per-rank recent compute times; returns the ranks flagged this round.
 
         A rank is compared with the ranks doing the same work, those of its pipeline stage (the last
         stage also computes the loss, the first the embeddings: stages differ by design); a stage with
-        fewer than three ranks reported is compared with the whole job."""
+        fewer than three ranks reported is compared with the whole job. Time linear in the ranks (and a sort
+        per stage); each rank's stage is worked out once per voter."""
         if not step_times:
             return []
         everyone = _median(step_times.values())
+        stage_of = self._stage
+        for r in step_times:
+            if r not in stage_of:
+                stage_of[r] = self.topo.coords(r).pp
         stages: dict[int, list[float]] = {}
         for r, t in step_times.items():
-            stages.setdefault(self.topo.coords(r).pp, []).append(t)
+            stages.setdefault(stage_of[r], []).append(t)
         # one median per stage per round (a median per rank would be quadratic in the job's ranks)
         limit = {pp: factor * (_median(peers) if len(peers) >= 3 else everyone) for pp, peers in stages.items()}
-        slow = [r for r, t in step_times.items() if t > limit[self.topo.coords(r).pp]]
+        slow = [r for r, t in step_times.items() if t > limit[stage_of[r]]]
         self.seen += 1
         self.votes.update(slow)
         return sorted(slow)
