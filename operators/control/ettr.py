@@ -40,20 +40,26 @@ class EttrLedger(ControllerBase):
         ``window_s``, and each closed incident's time split into detection, diagnosis, recovery and lost
         work (steps recomputed after the restore), summed by failure cause. ``records``: the job's
         :meth:`step_history` when the caller has it already (one round of sessions less), read at
-        ``as_of`` (default: now)."""
+        ``as_of`` (default: now).
+
+        The step records are read once into a :class:`~operators.policy.ettr.StepHistory` (kept and lost
+        marked once for the whole history); each incident's lost work comes from its own window of it (after
+        the previous incident's resumption, by its opening), so the report is linear in the steps."""
         now = time.time() if as_of is None else as_of
         records = list(self.step_history(job) if records is None else records)
         if not records:
             raise TrainguardError(f"job {job} has no step records on any machine of the inventory; has it run?")
         first = min(float(r["ts"]) - float(r.get("step_time_s") or 0.0) for r in records)
+        steps = ettr.StepHistory(records)
+        job_incidents = self.fleet.incidents(job)
         incidents, by_cause = [], {}
         since = first
-        for inc in self.fleet.incidents(job):
+        for inc in job_incidents:
             if inc.state not in (IncidentState.RESOLVED, IncidentState.FAILED) or inc.first_alert_ts is None:
                 continue
             split = ettr.incident_split({"first_alert_ts": inc.first_alert_ts, "opened_ts": inc.opened_ts,
                                          "diagnosis_start_ts": inc.diagnosis_start_ts, "decided_ts": inc.decided_ts,
-                                         "resumed_ts": inc.resumed_ts}, records, since_ts=since)
+                                         "resumed_ts": inc.resumed_ts}, steps, since_ts=since)
             incidents.append({"incident": inc.id, "category": inc.category, "state": inc.state,
                               **{k: round(v, 3) for k, v in split.items()}})
             cause = by_cause.setdefault(inc.category or "unknown", {"incidents": 0, "seconds": 0.0})
@@ -61,10 +67,8 @@ class EttrLedger(ControllerBase):
             cause["seconds"] = round(cause["seconds"] + sum(split.values()), 3)
             since = inc.resumed_ts or since
         # the window ends at the last finished step while the job steps on (no incident open, no stall)
-        now = ettr.window_end(records, now, incident_open=any(i.state in OPEN_INCIDENT_STATES
-                                                              for i in self.fleet.incidents(job)))
-        return {"job": job, "cumulative": ettr.ettr(records, start_ts=first, end_ts=now).as_dict(),
+        now = steps.window_end(now, incident_open=any(i.state in OPEN_INCIDENT_STATES for i in job_incidents))
+        return {"job": job, "cumulative": steps.ettr(start_ts=first, end_ts=now).as_dict(),
                 "sliding": {"window_s": window_s,
-                            **ettr.ettr(records, start_ts=max(first, now - window_s), end_ts=now).as_dict()},
+                            **steps.ettr(start_ts=max(first, now - window_s), end_ts=now).as_dict()},
                 "incidents": incidents, "by_cause": by_cause}
-

@@ -6,12 +6,24 @@ lost work. ``productive = sum of step times of kept executions``; ``ETTR = produ
 over the job's life (cumulative) or over a trailing window (sliding). Per incident, the time is split
 into detection (first alert -> incident opened), diagnosis (-> decision), recovery (-> training resumed)
 and lost work (step time of executions that were recomputed).
+
+A report reads one :class:`StepHistory`: the executions in compact columns, ordered and marked kept or lost
+once, so that every window (each incident's, the sliding one) is found by bisection on the end times and
+a report is linear in the steps (plus a log factor per incident) instead of re-reading the whole history
+for every incident. :func:`ettr`, :func:`window_end` and :func:`incident_split` take either the records or
+a :class:`StepHistory` and give the same numbers both ways.
 """
 
 from __future__ import annotations
 
+import math
+from array import array
+from bisect import bisect_right
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import compress, islice
+from operator import lt
 from typing import Any
 
 
@@ -66,46 +78,166 @@ class Ettr:
                 "kept_steps": self.kept_steps, "lost_steps": self.lost_steps}
 
 
-def window_end(records: Iterable[Mapping[str, Any]], now: float, *, incident_open: bool) -> float:
+class StepHistory:
+    """Rank 0's step executions of a job (see :func:`executions`), in compact columns, built once.
+
+    Guarantees: the executions are the ones :func:`executions` makes of the same records, in its order (by
+    end time, then incarnation; equal keys keep the records' order); each is kept or lost exactly as
+    :func:`kept` says; every figure read from here (:meth:`ettr`, :meth:`window_end`, :meth:`lost_work`) is
+    the number the record-by-record definition gives, float for float. Building costs one pass over the
+    records (plus a sort only when they are not in that order already) and about 17 bytes per execution
+    (the :class:`Execution` objects and :func:`kept`'s tables take some 250); a window is found by bisection
+    on the end times, so a figure costs the executions of its window, not the whole history."""
+
+    __slots__ = ("_bisectable", "_kept_count", "_lost_end_ts", "_lost_step_time_s", "end_ts", "kept", "step_time_s")
+
+    def __init__(self, records: Iterable[Mapping[str, Any]]) -> None:
+        steps, incarnations, ends, times = array("q"), array("q"), array("d"), array("d")
+        for r in records:
+            t = r.get("step_time_s")
+            if isinstance(t, int | float):
+                steps.append(int(r["step"]))
+                incarnations.append(int(r.get("incarnation", 0)))
+                ends.append(float(r["ts"]))
+                times.append(float(t))
+        order = _execution_order(ends, incarnations)
+        if order is not None:
+            steps, incarnations, ends, times = (array(col.typecode, map(col.__getitem__, order))
+                                                for col in (steps, incarnations, ends, times))
+        #: end time, step time (seconds) and kept (1) or lost (0) of each execution, in execution order
+        self.end_ts, self.step_time_s = ends, times
+        self.kept = _kept_marks(steps, incarnations, ends)
+        self._kept_count = self.kept.count(1)
+        lost = self.kept.translate(_NOT)
+        self._lost_end_ts = array("d", compress(ends, lost))
+        self._lost_step_time_s = array("d", compress(times, lost))
+        # a NaN end time leaves the order undefined: windows are then found by reading every execution
+        self._bisectable = not any(map(math.isnan, ends))
+
+    def __len__(self) -> int:
+        return len(self.end_ts)
+
+    def ettr(self, *, start_ts: float, end_ts: float) -> Ettr:
+        """ETTR of the wall time ``[start_ts, end_ts]``: see :func:`ettr`."""
+        if end_ts <= start_ts:
+            raise ValueError(f"ETTR window is empty: {start_ts} .. {end_ts}")
+        # executions that ended by start_ts overlap nothing (0.0 each, which leaves a sum as it is); with
+        # two int bounds an overlap can be an int, and Python's sum of floats and ints depends on where the
+        # first float comes, so then every execution is read, as the definition does
+        whole = isinstance(start_ts, int) and isinstance(end_ts, int)
+        first = bisect_right(self.end_ts, start_ts) if self._bisectable and start_ts == start_ts and not whole else 0
+        good: list[float] | array[float] = [] if whole else array("d")
+        lost: list[float] | array[float] = [] if whole else array("d")
+        into = (lost.append, good.append)
+        for e, t, k in zip(memoryview(self.end_ts)[first:], memoryview(self.step_time_s)[first:],
+                           memoryview(self.kept)[first:], strict=True):
+            # max(0.0, min(e, end_ts) - max(e - t, start_ts)), spelled out: min and max keep their first
+            # argument unless another is strictly smaller (larger), and so do these
+            s = e - t
+            x = (end_ts if end_ts < e else e) - (start_ts if start_ts > s else s)
+            into[k](x if x > 0.0 else 0.0)
+        # the skipped executions' 0.0s make a sum a float: 0.0 when nothing else is in it, as the definition has
+        kept_total = self._kept_count
+        productive = sum(good) if good or not kept_total else 0.0
+        wasted = sum(lost) if lost or kept_total == len(self) else 0.0
+        return Ettr(productive / (end_ts - start_ts), productive, wasted, end_ts - start_ts,
+                    len(good) - good.count(0.0), len(lost) - lost.count(0.0))
+
+    def window_end(self, now: float, *, incident_open: bool) -> float:
+        """Where an ETTR window that runs "until now" ends: see :func:`window_end`."""
+        if incident_open or not len(self):
+            return now
+        last = max(self.end_ts)
+        since_last = now - last
+        if not since_last >= 0.0:  # a NaN too
+            return now
+        times = self.step_time_s
+        if not any(map(math.isnan, times)):  # the median lies between the shortest and the longest step
+            if since_last <= 2.0 * min(times):
+                return last
+            if since_last > 2.0 * max(times):
+                return now
+        median = sorted(times)[len(self) // 2]
+        return last if since_last <= 2.0 * median else now
+
+    def lost_work(self, *, after_ts: float, until_ts: float) -> float:
+        """The summed step time (summed in execution order) of the lost executions that ended after
+        ``after_ts`` and by ``until_ts``: a bisection and the lost executions of that window."""
+        if self._bisectable and after_ts == after_ts and until_ts == until_ts:
+            ends = self._lost_end_ts
+            return sum(self._lost_step_time_s[bisect_right(ends, after_ts):bisect_right(ends, until_ts)])
+        return sum(t for e, t in zip(self._lost_end_ts, self._lost_step_time_s, strict=True)
+                   if after_ts < e <= until_ts)
+
+
+_NOT = bytes([1, 0]) + bytes(254)  # bytes.translate table: a kept mark (1) to a lost one (0) and back
+
+
+def _execution_order(ends: array[float], incarnations: array[int]) -> list[int] | None:
+    """The order :func:`executions` puts executions in (sorted by end time, then incarnation; stable):
+    None when they are in it already (the usual case: step records are read in time order)."""
+    following = islice(ends, 1, None)
+    if all(map(lt, ends, following)):
+        return None
+    if all(a < b or (a == b and i <= j) for a, b, i, j in
+           zip(ends, islice(ends, 1, None), incarnations, islice(incarnations, 1, None), strict=False)):
+        return None
+    return sorted(range(len(ends)), key=lambda i: (ends[i], incarnations[i]))
+
+
+def _kept_marks(steps: array[int], incarnations: array[int], ends: array[float]) -> bytearray:
+    """1 for each execution that :func:`kept` keeps (the highest incarnation's of its step, the later of
+    equal ones, the first of identical ones), 0 for each it loses; executions in execution order."""
+    n = len(steps)
+    best: array[int] | defaultdict[int, int]  # step - low -> the execution kept so far (-1: none)
+    low = min(steps, default=0)
+    if max(steps, default=0) - low < 2 * n + 1024:  # step numbers are dense: a table, 8 bytes a step
+        best = array("q", [-1]) * (max(steps, default=0) - low + 1)
+    else:
+        best, low = defaultdict(lambda: -1), 0
+    for i, (s, c, e) in enumerate(zip(steps, incarnations, ends, strict=True)):
+        b = best[s - low]
+        if b < 0 or c > incarnations[b] or (c == incarnations[b] and e > ends[b]):
+            best[s - low] = i
+    marks = bytearray(n)
+    for b in (best.values() if isinstance(best, defaultdict) else best):
+        if b >= 0:
+            marks[b] = 1
+    return marks
+
+
+def _history(records: Iterable[Mapping[str, Any]] | StepHistory) -> StepHistory:
+    return records if isinstance(records, StepHistory) else StepHistory(records)
+
+
+def window_end(records: Iterable[Mapping[str, Any]] | StepHistory, now: float, *, incident_open: bool) -> float:
     """Where an ETTR window that runs "until now" ends: at the end of the last finished step while the
     job is still stepping (no incident open, and that step ended within two median step times of
     ``now``): the step in flight is neither kept nor lost yet, and counts once it finishes. Otherwise
     ``now``: a job that stopped stepping, or one in an incident, is losing that time."""
-    execs = executions(records)
-    if incident_open or not execs:
-        return now
-    last = max(e.end_ts for e in execs)
-    times = sorted(e.step_time_s for e in execs)
-    median = times[len(times) // 2]
-    return last if 0.0 <= now - last <= 2.0 * median else now
+    return _history(records).window_end(now, incident_open=incident_open)
 
 
-def ettr(records: Iterable[Mapping[str, Any]], *, start_ts: float, end_ts: float) -> Ettr:
+def ettr(records: Iterable[Mapping[str, Any]] | StepHistory, *, start_ts: float, end_ts: float) -> Ettr:
     """ETTR of the wall time ``[start_ts, end_ts]`` (the job's start and now for the cumulative value;
-    ``now - window`` and now for the sliding one)."""
-    if end_ts <= start_ts:
-        raise ValueError(f"ETTR window is empty: {start_ts} .. {end_ts}")
-    good, lost = kept(executions(records))
-    productive = sum(_overlap(e, start_ts, end_ts) for e in good)
-    wasted = sum(_overlap(e, start_ts, end_ts) for e in lost)
-    inside = [e for e in good if _overlap(e, start_ts, end_ts) > 0]
-    lost_in = [e for e in lost if _overlap(e, start_ts, end_ts) > 0]
-    return Ettr(productive / (end_ts - start_ts), productive, wasted, end_ts - start_ts, len(inside), len(lost_in))
+    ``now - window`` and now for the sliding one): kept executions' time inside the window over its length;
+    ``lost_work_s`` the lost executions' time inside it; the step counts those that overlap it."""
+    return _history(records).ettr(start_ts=start_ts, end_ts=end_ts)
 
 
-def incident_split(incident: Mapping[str, Any], records: Iterable[Mapping[str, Any]], *, since_ts: float = 0.0,
-                   ) -> dict[str, float]:
+def incident_split(incident: Mapping[str, Any], records: Iterable[Mapping[str, Any]] | StepHistory, *,
+                   since_ts: float = 0.0) -> dict[str, float]:
     """Seconds of detection, diagnosis, recovery and lost work of one incident (fleet DB fields:
     first_alert_ts, opened_ts, diagnosis_start_ts, decided_ts, resumed_ts). Lost work: executions of the
     incarnation that failed which a later incarnation recomputed, ending after ``since_ts`` (the previous
-    incident's resumption) and before this incident opened."""
+    incident's resumption) and before this incident opened. With a :class:`StepHistory` it costs a bisection
+    and the lost executions of that window."""
     first = incident["first_alert_ts"]
     opened = incident.get("opened_ts") or first
     decided = incident.get("decided_ts") or incident.get("diagnosis_start_ts") or opened
     resumed = incident.get("resumed_ts")
     diag_start = incident.get("diagnosis_start_ts") or opened
-    _good, lost = kept(executions(records))
-    lost_work = sum(e.step_time_s for e in lost if since_ts < e.end_ts <= opened + 1e-6)
+    lost_work = _history(records).lost_work(after_ts=since_ts, until_ts=opened + 1e-6)
     return {
         "detection_s": max(0.0, opened - first),
         "diagnosis_s": max(0.0, decided - diag_start) if incident.get("diagnosis_start_ts") else 0.0,
