@@ -246,6 +246,7 @@ def test_the_report_has_the_numbers_of_the_record_by_record_report(tmp_path: Pat
     for as_of in (last + 0.5, last + 500.0):  # stepping (a step in flight), stalled
         for window_s in (3600.0, 60.0):
             got = ledger.ettr_report("j", records=records, as_of=as_of, window_s=window_s)
+            assert got.pop("unanswered") == []  # records given: no machine was asked
             want = ref_report(fleet, "j", records, as_of, window_s)
             assert json.dumps(got) == json.dumps(want)  # every number, 0 and 0.0 told apart
     closed = [i for i in fleet.incidents("j") if i.state not in OPEN_INCIDENT_STATES]
@@ -276,3 +277,23 @@ def test_the_report_reads_each_step_record_the_same_number_of_times_whatever_the
         reads.append(CountingRecord.reads)
         fleet.close()
     assert reads[0] == reads[1] <= 2 * len(records)  # not once more per incident
+
+
+def test_a_report_says_which_machines_did_not_answer_for_their_step_records(tmp_path: Path, monkeypatch):
+    """A machine that cannot be asked may hold part of the history: the report is marked partial, naming it,
+    instead of passing a part of the history for the whole."""
+    from operators.tasks import common
+    from operators.tasks import ettr as ettr_task
+    from tests.fakes import fleet_controller, use_controller
+
+    c, fake = fleet_controller(tmp_path)
+    fake.records = [{"step": s, "incarnation": 0, "ts": 1000.0 + s, "step_time_s": 1.0} for s in range(1, 30)]
+    fake.unreachable = {"m3"}
+    use_controller(monkeypatch, c)
+    notes: list[str] = []
+    monkeypatch.setattr(common, "note", notes.append)
+    out = ettr_task.ettr_reports("j", 3600.0)
+    assert out["j"]["unanswered"] == ["m3"]
+    assert notes[0].endswith("(partial: m3 did not answer)"), notes
+    fake.unreachable = set()
+    assert ettr_task.ettr_reports("j", 3600.0)["j"]["unanswered"] == []

@@ -17,13 +17,17 @@ from operators.policy import ettr
 class EttrLedger(ControllerBase):
     """The job's effective training time."""
 
-    def step_history(self, job: str, rank: int = 0) -> list[dict[str, Any]]:
+    def step_history(self, job: str, rank: int = 0, *, unanswered: list[str] | None = None
+                     ) -> list[dict[str, Any]]:
         """Every step record of ``rank`` of the job, from every machine that ran it (the rank moves when
         its machine is evicted), oldest first. Each machine counts its own incarnations; here
         ``incarnation`` is renumbered across machines in the order the parts started, so a later restart
-        always has the higher number."""
+        always has the higher number. ``unanswered``: gets the machines that could not be asked (unreachable,
+        or no answer in time), whose records, if they hold any, are missing from the history."""
         argv = [self.inventory.tg_node, "job", "steps", "--job", job, "--rank", str(rank)]
         results = self._run(self.inventory.machines, lambda m: argv, timeout=30)
+        if unanswered is not None:
+            unanswered.extend(sorted(n for n, res in results.items() if not res.reachable or res.timed_out))
         records = [dict(r, machine=name) for name, res in results.items() if res.ok
                    for r in (res.json() or {}).get("steps", [])]
         records.sort(key=lambda r: float(r.get("ts", 0.0)))
@@ -46,7 +50,8 @@ class EttrLedger(ControllerBase):
         marked once for the whole history); each incident's lost work comes from its own window of it (after
         the previous incident's resumption, by its opening), so the report is linear in the steps."""
         now = time.time() if as_of is None else as_of
-        records = list(self.step_history(job) if records is None else records)
+        unanswered: list[str] = []
+        records = list(self.step_history(job, unanswered=unanswered) if records is None else records)
         if not records:
             raise TrainguardError(f"job {job} has no step records on any machine of the inventory; has it run?")
         first = min(float(r["ts"]) - float(r.get("step_time_s") or 0.0) for r in records)
@@ -71,4 +76,6 @@ class EttrLedger(ControllerBase):
         return {"job": job, "cumulative": steps.ettr(start_ts=first, end_ts=now).as_dict(),
                 "sliding": {"window_s": window_s,
                             **steps.ettr(start_ts=max(first, now - window_s), end_ts=now).as_dict()},
-                "incidents": incidents, "by_cause": by_cause}
+                "incidents": incidents, "by_cause": by_cause,
+                # machines whose step records could not be read: the report may miss their steps (it is partial)
+                "unanswered": unanswered}

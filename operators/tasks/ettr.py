@@ -29,5 +29,13 @@ def ettr_reports(job: str, window_s: float) -> dict[str, Any]:
                                         "window_s": window_s, "by_cause": rep["by_cause"]})
     common.note("; ".join(f"{n}: {r['error']}" if "error" in r else
                     f"{n}: ETTR {r['cumulative']['ettr']:.1%} since its first step, {r['sliding']['ettr']:.1%} over "
-                    f"the last {window_s:.0f}s" for n, r in out.items()) or "no job")
+                    f"the last {window_s:.0f}s" + _partial(r) for n, r in out.items()) or "no job")
     return out
+
+
+def _partial(report: dict[str, Any]) -> str:
+    missing = report.get("unanswered") or []
+    if not missing:
+        return ""
+    shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    return f" (partial: {shown} did not answer)"
