@@ -260,8 +260,7 @@ class Checkpointer:
             self.ctl, self.data = _background_groups(self.world, config)
         self.replicate = config.replicate and self.distributed and self.placement.machines >= 2
         self.backup = self.placement.backup_rank(rank) if self.replicate else None
-        self.sources = [s for s in range(self.world) if self.placement.backup_rank(s) == rank] \
-            if self.replicate else []
+        self.sources = list(self.placement.backed_up_by(rank)) if self.replicate else []
         self.s3 = open_tier(config.s3_url, endpoint_url=config.s3_endpoint_url, timeout_s=config.s3_timeout_s) \
             if config.s3_url else None
 

@@ -66,6 +66,27 @@ class Machine:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+#: machine names an unknown-machine error lists before it says how many more there are
+_NAMES_IN_ERRORS = 20
+
+
+@dataclass(frozen=True, eq=False)
+class _NameIndex:
+    """Where each name first appears in one machine list, as that list was when indexed."""
+
+    machines: list[Machine]  # the list indexed (kept, so that its identity cannot be reused)
+    snapshot: list[Machine]  # a copy of it then
+    positions: dict[str, int]
+    names: frozenset[str]
+
+    @classmethod
+    def of(cls, machines: list[Machine]) -> _NameIndex:
+        positions: dict[str, int] = {}
+        for at, m in enumerate(machines):
+            positions.setdefault(m.name, at)
+        return cls(machines=machines, snapshot=list(machines), positions=positions, names=frozenset(positions))
+
+
 @dataclass
 class Inventory:
     cluster: str
@@ -78,18 +99,39 @@ class Inventory:
 
     # ---- lookup ----------------------------------------------------------------------
     def machine(self, name: str) -> Machine:
-        for m in self.machines:
-            if m.name == name:
-                return m
-        known = ", ".join(m.name for m in self.machines) or "none"
+        """The first machine called ``name``, in O(1) on average. Follows every change to ``machines``
+        (appended, removed or replaced machines, a new list, a machine renamed in place)."""
+        index = self._name_index()
+        machines = self.machines
+        at = index.positions.get(name)
+        if at is None or at >= len(machines) or machines[at].name != name:  # unknown, or the list changed
+            at = self._name_index(rebuild=True).positions.get(name)
+        if at is not None:
+            return machines[at]
+        known = ", ".join(m.name for m in machines[:_NAMES_IN_ERRORS]) or "none"
+        if len(machines) > _NAMES_IN_ERRORS:
+            known += f" and {len(machines) - _NAMES_IN_ERRORS} more"
         raise InventoryError(f"unknown machine {name!r}; the inventory has: {known}")
 
     def by_role(self, role: str) -> list[Machine]:
         return [m for m in self.machines if m.role == role]
 
-    def names(self) -> set[str]:
-        """The names of every machine of the inventory."""
-        return {m.name for m in self.machines}
+    def names(self) -> frozenset[str]:
+        """The names of every machine of the inventory, as a read-only set. Follows every change to the
+        ``machines`` list (not a machine renamed in place: a name is a machine's identity) at the cost of one
+        comparison of the list with its indexed copy (identity checks, no Python loop)."""
+        index = self._name_index()
+        if index.snapshot != self.machines:  # machines appended, removed or replaced since it was indexed
+            index = self._name_index(rebuild=True)
+        return index.names
+
+    def _name_index(self, *, rebuild: bool = False) -> _NameIndex:
+        """The index of ``machines`` by name, rebuilt when asked or when ``machines`` is another list."""
+        index: _NameIndex | None = self.__dict__.get("_index")
+        if rebuild or index is None or index.machines is not self.machines:
+            index = _NameIndex.of(self.machines)
+            self.__dict__["_index"] = index  # one assignment: readers see the old index or the new one
+        return index
 
     def resolve(self, relative: str) -> Path:
         """A path from the ``ssh`` section, relative to the inventory's folder."""

@@ -8,6 +8,7 @@ the error names the machine and what it said.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,19 +53,45 @@ class JobPlan:
     warm_if_parked: bool = False
 
     def validate(self) -> None:
+        """Refuse a plan whose machines do not fit its topology or name a machine twice (linear in the
+        machines)."""
         check_job_name(self.job)
         if len(self.machines) != self.topology.machines:
             raise ClusterError(
                 f"topology {self.topology} with {self.topology.ranks_per_machine} ranks per machine needs "
                 f"{self.topology.machines} machines, but {len(self.machines)} were given "
-                f"({', '.join(m.name for m in self.machines)})"
+                f"({_some([m.name for m in self.machines])})"
             )
-        names = [m.name for m in self.machines]
-        if len(set(names)) != len(names):
-            raise ClusterError(f"a machine appears twice in the job's machine list: {', '.join(names)}")
+        repeated = sorted(name for name, times in Counter(m.name for m in self.machines).items() if times > 1)
+        if repeated:
+            raise ClusterError(f"a machine appears twice in the job's machine list: {_some(repeated)}; "
+                               f"list each machine once")
+
+    def node_rank(self, machine: Machine) -> int:
+        """``machine``'s node rank: its position in ``machines`` (the first machine equal to it, as
+        ``list.index`` finds it; ValueError when there is none). O(1) on average; follows any change to
+        ``machines``."""
+        index: tuple[list[Machine], dict[str, int]] | None = self.__dict__.get("_node_ranks")
+        if index is None or index[0] is not self.machines:
+            index = self._index_node_ranks()
+        at = index[1].get(machine.name)
+        if at is not None and at < len(self.machines) and self.machines[at] == machine:
+            return at
+        at = self.machines.index(machine)  # the list changed since it was indexed, or an unknown machine
+        self._index_node_ranks()
+        return at
+
+    def _index_node_ranks(self) -> tuple[list[Machine], dict[str, int]]:
+        positions: dict[str, int] = {}
+        for at, m in enumerate(self.machines):
+            positions.setdefault(m.name, at)
+        index = (self.machines, positions)  # the list itself kept: its identity cannot be reused
+        self.__dict__["_node_ranks"] = index
+        return index
 
     def start_argv(self, inv: Inventory, machine: Machine) -> list[str]:
-        i = self.machines.index(machine)
+        """The command that starts ``machine``'s part of the job (O(1) in the machines, on average)."""
+        i = self.node_rank(machine)
         t = self.topology
         command = (["standby", "activate"] if machine.name in self.warm
                    else ["job", "start", "--warm-if-parked"] if self.warm_if_parked else ["job", "start"])
@@ -83,6 +110,12 @@ class JobPlan:
             "--tp", str(t.tp), "--pp", str(t.pp), "--dp", str(t.dp),
             *self.train_args,
         ]
+
+
+def _some(names: Sequence[str], shown: int = 20) -> str:
+    """``names`` for an error line: the first ``shown`` of them, then how many more there are."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 class PartsFailed(ClusterError):

@@ -19,6 +19,8 @@ rank to the parallel group it shares with others). It is pure Python.
 from __future__ import annotations
 
 import functools
+import math
+from array import array
 from dataclasses import dataclass
 
 from node_tools.errors import TopologyError
@@ -140,22 +142,35 @@ class Topology:
         return (dp * self.pp + pp) * self.tp + tp
 
     def group(self, kind: str, rank: int) -> tuple[int, ...]:
-        """The ranks of ``rank``'s group of ``kind`` ("tp", "pp" or "dp"), in order."""
+        """The ranks of ``rank``'s group of ``kind`` ("tp", "pp" or "dp"), in order (O(group size))."""
         c = self.coords(rank)
+        start, stride, count = self._progression(kind, c)
+        return tuple(range(start, start + stride * count, stride))
+
+    def _progression(self, kind: str, c: RankCoords) -> tuple[int, int, int]:
+        """The group of ``kind`` holding the rank at ``c`` as an arithmetic progression of ranks:
+        ``(first rank, stride, members)``."""
         if kind == "tp":
-            return tuple(self.rank_of(tp=i, pp=c.pp, dp=c.dp) for i in range(self.tp))
+            return (c.dp * self.pp + c.pp) * self.tp, 1, self.tp
         if kind == "pp":
-            return tuple(self.rank_of(tp=c.tp, pp=i, dp=c.dp) for i in range(self.pp))
+            return c.dp * self.pp * self.tp + c.tp, self.tp, self.pp
         if kind == "dp":
-            return tuple(self.rank_of(tp=c.tp, pp=c.pp, dp=i) for i in range(self.dp))
+            return c.pp * self.tp + c.tp, self.tp * self.pp, self.dp
         raise TopologyError(f"unknown group kind {kind!r}; use one of {', '.join(GROUP_KINDS)}")
 
     def groups(self, kind: str) -> list[tuple[int, ...]]:
-        """Every group of ``kind``, in a fixed order that all ranks agree on."""
-        seen: dict[tuple[int, ...], None] = {}
-        for rank in range(self.world_size):
-            seen.setdefault(self.group(kind, rank), None)
-        return list(seen)
+        """Every group of ``kind``, in a fixed order that all ranks agree on: ordered by their lowest rank,
+        each group's ranks ascending (O(world size))."""
+        tp, pp, world = self.tp, self.pp, self.world_size
+        if kind == "tp":
+            return [tuple(range(first, first + tp)) for first in range(0, world, tp)]
+        if kind == "pp":
+            replica = tp * pp
+            return [tuple(range(first + i, first + replica, tp)) for first in range(0, world, replica)
+                    for i in range(tp)]
+        if kind == "dp":
+            return [tuple(range(first, world, tp * pp)) for first in range(tp * pp)]
+        raise TopologyError(f"unknown group kind {kind!r}; use one of {', '.join(GROUP_KINDS)}")
 
     def machine_of(self, rank: int) -> int:
         self._check_rank(rank)
@@ -168,8 +183,10 @@ class Topology:
         return tuple(range(start, start + self.ranks_per_machine))
 
     def machines_of_group(self, kind: str, rank: int) -> tuple[int, ...]:
-        """The machine indexes that hold ``rank``'s group of ``kind`` (what over-eviction removes)."""
-        return tuple(sorted({self.machine_of(r) for r in self.group(kind, rank)}))
+        """The machine indexes that hold ``rank``'s group of ``kind``, ascending (what over-eviction removes);
+        O(machines of the group)."""
+        start, stride, count = self._progression(kind, self.coords(rank))
+        return tuple(_machines_of_progression(start, stride, count, self.ranks_per_machine))
 
     def backup_rank(self, rank: int) -> int:
         """A rank that shares none of ``rank``'s TP, PP or DP groups, on another machine, and on none of the
@@ -181,56 +198,132 @@ class Topology:
         are avoided first; among equally safe choices each rank gets a different backup where it can (the
         replicas' load spread evenly). With a single degree > 1 (pure DP, pure PP ...) no rank off its
         groups exists; then the nearest rank on the next machine is used, which still survives the loss of
-        one machine. Every rank computes the same placement.
+        one machine. Every rank computes the same placement. The whole placement is computed once per
+        layout (linear in the ranks) and cached.
         """
+        self._check_placement(rank)
+        return _replica_placement(self).backups[rank]
+
+    def backed_up_by(self, rank: int) -> tuple[int, ...]:
+        """The ranks whose checkpoint replica ``rank`` holds (those whose :meth:`backup_rank` is ``rank``),
+        ascending; the inverse of :meth:`backup_rank`, from the same cached placement."""
+        self._check_placement(rank)
+        return _replica_placement(self).backed_up_by(rank)
+
+    def _check_placement(self, rank: int) -> None:
         self._check_rank(rank)
         if self.machines < 2:
             raise TopologyError(
                 f"topology {self} runs on one machine; a checkpoint replica needs a second machine"
             )
-        return _backups(self)[rank]
 
-    def _backup_candidates(self, rank: int) -> list[tuple[tuple[int, ...], int]]:
-        """Ranks that may back ``rank`` up, each with its exposure (for each of ``rank``'s groups, smallest
-        first: 1 when the candidate sits on one of that group's machines), safest first (see
-        :meth:`backup_rank`)."""
-        c = self.coords(rank)
-        own_groups = [set(self.group(kind, rank)) for kind in GROUP_KINDS]
-        own_machine = self.machine_of(rank)
-        spans = sorted(({r // self.ranks_per_machine for r in members} for members in own_groups), key=len)
-        found: list[tuple[tuple[int, ...], int, int]] = []
-        seen: set[int] = set()
-        for shift in range(1, self.world_size):
-            candidate = self.rank_of(
-                tp=(c.tp + shift) % self.tp, pp=(c.pp + shift) % self.pp, dp=(c.dp + shift) % self.dp
-            )
-            machine = candidate // self.ranks_per_machine
-            if machine == own_machine or candidate in seen or any(candidate in members for members in own_groups):
-                continue
-            seen.add(candidate)
-            exposure = tuple(int(machine in span) for span in spans)
-            found.append((exposure, len(found), candidate))
-            safe = sum(1 for e, _i, _c in found if not any(e))
-            if len(found) >= MAX_BACKUP_CANDIDATES or safe >= 4:  # linear in the ranks, not quadratic
-                break
-        return [(exposure, cand) for exposure, _i, cand in sorted(found)]
+
+def clear_layout_caches() -> None:
+    """Forget every cached replica placement, as a fresh process starts (measurements and tests)."""
+    _replica_placement.cache_clear()
+
+
+def _machines_of_progression(start: int, stride: int, count: int, ranks_per_machine: int,
+                             ) -> range | tuple[int, ...]:
+    """The machines, ascending and distinct, of the ranks ``start, start + stride, ...`` (``count`` of
+    them): a ``range`` where they are evenly spaced (the usual layouts), else a tuple."""
+    first = start // ranks_per_machine
+    if stride < ranks_per_machine:  # consecutive members are on the same or the next machine: no gaps
+        return range(first, (start + stride * (count - 1)) // ranks_per_machine + 1)
+    if stride % ranks_per_machine == 0:  # each member a whole number of machines after the one before
+        step = stride // ranks_per_machine
+        return range(first, first + step * count, step)
+    return tuple(r // ranks_per_machine for r in range(start, start + stride * count, stride))
 
 
 @functools.lru_cache(maxsize=64)
-def _backups(topo: Topology) -> tuple[int, ...]:
-    """Every rank's backup rank (:meth:`Topology.backup_rank`), chosen in rank order: the safest candidate
-    not yet holding a replica, else the safest."""
-    out: list[int] = []
-    used: set[int] = set()
-    for rank in range(topo.world_size):
-        candidates = topo._backup_candidates(rank)
-        if not candidates:  # no fully disjoint rank: the same local slot on the next machine
-            next_machine = (topo.machine_of(rank) + 1) % topo.machines
-            out.append(next_machine * topo.ranks_per_machine + rank % topo.ranks_per_machine)
+def _replica_placement(topo: Topology) -> _Placement:
+    """Every rank's backup rank (:meth:`Topology.backup_rank`) and, per rank, the ranks it backs up.
+
+    Backups are chosen in rank order: the safest candidate not yet holding a replica, else the safest.
+    A rank's candidates are met along the diagonal ``(tp + s, pp + s, dp + s)`` for shifts ``s = 1, 2, ...``
+    (each degree's index modulo the degree), skipping ranks on its own machine or in one of its groups, until
+    :data:`MAX_BACKUP_CANDIDATES` are found or 4 of them are safe (on none of its groups' machines). A
+    candidate's exposure lists, for the rank's groups from the one on fewest machines to the one on most
+    (ties in the order TP, PP, DP), whether the candidate's machine is one of that group's; the safest
+    candidate has the smallest exposure, ties going to the candidate met first. With no candidate at all,
+    the backup is the same local slot on the next machine.
+
+    Linear in the ranks: whether a shift lands in one of the rank's groups depends on the shift alone (those
+    shifts are dropped once for all ranks); the diagonal repeats after ``lcm(tp, pp, dp)`` shifts, so the
+    candidates met are distinct and at most ``ranks_per_machine - 1`` of them share the rank's machine: a
+    rank looks at no more than ``ranks_per_machine - 1 + MAX_BACKUP_CANDIDATES`` shifts. Each group's
+    machines are computed once.
+    """
+    tp, pp, dp, rpm, world = topo.tp, topo.pp, topo.dp, topo.ranks_per_machine, topo.world_size
+    # a shift's candidate shares one of the rank's groups when it leaves two of the three indexes unchanged
+    shifts = [s for s in range(1, math.lcm(tp, pp, dp)) if (s % tp == 0) + (s % pp == 0) + (s % dp == 0) < 2]
+    # each group's machines (membership in O(1)): TP groups by rank // tp, PP groups by dp * tp + tp index,
+    # DP groups by pp * tp + tp index
+    tp_spans = [_span(g * tp, 1, tp, rpm) for g in range(world // tp)]
+    pp_spans = [_span(c * pp * tp + a, tp, pp, rpm) for c in range(dp) for a in range(tp)]
+    dp_spans = [_span(b * tp + a, tp * pp, dp, rpm) for b in range(pp) for a in range(tp)]
+    backups: list[int] = []
+    used = bytearray(world)  # 1: the rank holds a replica already
+    for rank in range(world):
+        a, q = rank % tp, rank // tp
+        b, c = q % pp, q // pp
+        own = rank // rpm
+        span0, span1, span2 = sorted((tp_spans[q], pp_spans[c * tp + a], dp_spans[b * tp + a]), key=len)
+        best = 8  # above every exposure (as bits, the first group's the most significant)
+        safest = choice = -1  # the first candidate of the best exposure met; the first of them not in use
+        found = safe = 0
+        for s in shifts:
+            candidate = (((c + s) % dp) * pp + (b + s) % pp) * tp + (a + s) % tp
+            machine = candidate // rpm
+            if machine == own:
+                continue
+            exposure = (machine in span0) * 4 + (machine in span1) * 2 + (machine in span2)
+            found += 1
+            if exposure < best:
+                best, safest, choice = exposure, candidate, (-1 if used[candidate] else candidate)
+            elif exposure == best and choice < 0 and not used[candidate]:
+                choice = candidate
+            if not exposure:
+                if choice >= 0:  # a safe candidate not in use: no later candidate can be chosen over it
+                    break
+                safe += 1
+            if found >= MAX_BACKUP_CANDIDATES or safe >= 4:
+                break
+        if not found:  # no fully disjoint rank: the same local slot on the next machine
+            backups.append((own + 1) % topo.machines * rpm + rank % rpm)
             continue
-        best = candidates[0][0]
-        choice = next((cand for exposure, cand in candidates if exposure == best and cand not in used),
-                      candidates[0][1])
-        used.add(choice)
-        out.append(choice)
-    return tuple(out)
+        choice = choice if choice >= 0 else safest
+        used[choice] = 1
+        backups.append(choice)
+    return _Placement(backups)
+
+
+def _span(start: int, stride: int, count: int, ranks_per_machine: int) -> range | frozenset[int]:
+    """The machines of a progression of ranks (:func:`_machines_of_progression`), with O(1) membership."""
+    span = _machines_of_progression(start, stride, count, ranks_per_machine)
+    return span if isinstance(span, range) else frozenset(span)
+
+
+class _Placement:
+    """A layout's replica placement in compact arrays: each rank's backup, and the inverse (the ranks that
+    each rank backs up, ascending, as one array ordered by backup with each rank's offset into it)."""
+
+    def __init__(self, backups: list[int]) -> None:
+        world = len(backups)
+        self.backups = array("q", backups)
+        starts = [0] * (world + 1)
+        for backup in backups:
+            starts[backup + 1] += 1
+        for rank in range(world):
+            starts[rank + 1] += starts[rank]
+        sources = array("q", [0]) * world
+        free = starts[:-1]  # where each rank's next source goes
+        for rank, backup in enumerate(backups):  # in rank order: each rank's sources ascending
+            sources[free[backup]] = rank
+            free[backup] += 1
+        self.starts = array("q", starts)
+        self.sources = sources
+
+    def backed_up_by(self, rank: int) -> tuple[int, ...]:
+        return tuple(self.sources[self.starts[rank]:self.starts[rank + 1]])

@@ -55,7 +55,8 @@ class Evictions(ControllerBase):
         standbys in the pool than machines to replace), or "" when it may: asked before a rung stops a job
         that still trains, however slowly, for an eviction (:meth:`evict` checks again, reachability too)."""
         job = self.fleet.job(self.fleet.incident(incident_id).job)
-        wanted = [n for n in machine_names if n in job.machine_list]
+        serving = set(job.machine_list)
+        wanted = [n for n in machine_names if n in serving]
         verdict = self._breaker(job, wanted)
         if not verdict.allowed:
             return verdict.reason
@@ -76,7 +77,8 @@ class Evictions(ControllerBase):
         ``waiting_human`` when the breaker, a lack of standbys or the checkpoints stop it."""
         inc = self.fleet.incident(incident_id)
         job = self.fleet.job(inc.job)
-        wanted = [n for n in machine_names if n in job.machine_list]
+        serving = set(job.machine_list)
+        wanted = [n for n in machine_names if n in serving]
         if not wanted:  # gone from the job: by this incident's eviction (asked again), or otherwise
             done = {old: new for a in self.fleet.actions(incident_id) if a.kind == "evict" and a.outcome == "done"
                     for old, new in json.loads(a.detail or "{}").items() if old in machine_names}
@@ -170,7 +172,8 @@ class Evictions(ControllerBase):
         world = j.tp * j.pp * j.dp
         if fresh:
             self._copies.pop(job, None)
-        names = [*j.machine_list, *(n for n in evict if n not in j.machine_list and n in self.inventory.names())]
+        serving, known = set(j.machine_list), self.inventory.names()
+        names = [*j.machine_list, *(n for n in evict if n not in serving and n in known)]
         copies = self.copies(job, names)
         if max_step is not None:  # the restart restores no newer step: only those count
             copies = {n: None if c is None else [x for x in c if x[1] <= max_step] for n, c in copies.items()}

@@ -207,7 +207,8 @@ class JobLifecycle(ControllerBase):
                                       tag=f"{incident_id}" if not n else f"{incident_id}-restart{n + 1}")
                 break
             except launcher.PartsFailed as exc:
-                bad = {n: why for n, why in exc.failed.items() if n in self.fleet.job(job).machine_list}
+                serving = set(self.fleet.job(job).machine_list)
+                bad = {n: why for n, why in exc.failed.items() if n in serving}
                 if attempt + 1 >= attempts or not bad:
                     return {"job": job, "stopped": stopped, "started": {"launched": False, "error": str(exc)},
                             **self.wait_for_human(incident_id, f"the restart failed {attempt + 1} times: {exc}"[:900]
