@@ -24,7 +24,7 @@ Commands::
                       --master-addr A --master-port PORT [--entry SCRIPT] [--revision R] -- ARGS...
     tg-node job stop --job J [--grace-s S]
     tg-node job status --job J
-    tg-node job steps --job J --rank R [--since STEP]
+    tg-node job steps --job J --rank R [--since STEP] [--since-ts T]
     tg-node standby park --nproc N | activate <job start arguments> | status | unpark
     tg-node ckpt list --job J | verify --job J --step N [--mark] | upload --job J --step N --s3 URL
                 | rescue --job J --step N --to URL      (a step's copies here into the remote tier)
@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     jr.add_argument("--rank", type=int, required=True)
     jr.add_argument("--since", type=int, default=-1, help="only steps after this one")
     jr.add_argument("--incarnation", type=int, help="only steps of this incarnation of the job")
+    jr.add_argument("--since-ts", type=float, help="only steps that ended after this time (epoch seconds); "
+                                                   "reads only the tail of the rank's history")
 
     sb = sub.add_parser("standby", help="warm standby: park pre-warmed interpreters, activate a job on them")
     sbsub = sb.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
@@ -306,7 +308,8 @@ def run(argv: list[str]) -> tuple[int, Any]:
                     out["logs"] = {"error": str(exc)}
             return EXIT_OK, out
         if ns.action == "steps":
-            return EXIT_OK, job.steps(cfg, ns.job, ns.rank, since=ns.since, incarnation=ns.incarnation)
+            return EXIT_OK, job.steps(cfg, ns.job, ns.rank, since=ns.since, incarnation=ns.incarnation,
+                                      since_ts=ns.since_ts)
         return EXIT_OK, job.status(cfg, job.check_job_name(ns.job))
     if ns.command == "standby":
         from node_tools import job, standby

@@ -311,14 +311,16 @@ def status(cfg: NodeConfig, job: str) -> dict[str, Any]:
     }
 
 
-def steps(cfg: NodeConfig, job: str, rank: int, *, since: int = -1, incarnation: int | None = None
-          ) -> dict[str, Any]:
-    """The step records of ``rank`` on this machine after step ``since`` (of one incarnation, if given)."""
+def steps(cfg: NodeConfig, job: str, rank: int, *, since: int = -1, incarnation: int | None = None,
+          since_ts: float | None = None) -> dict[str, Any]:
+    """The step records of ``rank`` on this machine after step ``since`` (of one incarnation, if given;
+    ended after ``since_ts``, if given: then only the file's tail is read)."""
     rd = run_dir(cfg, job)
     if not (rd / "ranks" / f"rank{rank}.json").exists() and not monitor.steps_path(rd, rank).exists():
         raise TrainguardError(f"machine {cfg.machine} has no rank {rank} of job {job}")
+    read = monitor.read_steps(rd, rank) if since_ts is None else monitor.read_steps_since(rd, rank, since_ts)
     records = [
-        r for r in monitor.read_steps(rd, rank)
+        r for r in read
         if r.get("step", -1) > since and (incarnation is None or r.get("incarnation") == incarnation)
     ]
     return {"job": job, "machine": cfg.machine, "rank": rank, "steps": records}

@@ -200,14 +200,17 @@ def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: fl
 
 
 def steps(inv: Inventory, job: str, machine: Machine, *, rank: int, since: int = -1,
-          incarnation: int | None = None, timeout: float = 20.0, transport: Transport | None = None,
-          ) -> list[dict[str, Any]]:
-    """A rank's step records (after step ``since``, of one incarnation if given), read on its machine."""
+          incarnation: int | None = None, since_ts: float | None = None, timeout: float = 20.0,
+          transport: Transport | None = None) -> list[dict[str, Any]]:
+    """A rank's step records (after step ``since``, of one incarnation if given, ended after ``since_ts`` if
+    given: the machine then reads only the tail of the history), read on its machine."""
     check_job_name(job)
     transport = transport or transport_for(inv)
     argv = [inv.tg_node, "job", "steps", "--job", job, "--rank", str(rank), "--since", str(since)]
     if incarnation is not None:
         argv += ["--incarnation", str(incarnation)]
+    if since_ts is not None:
+        argv += ["--since-ts", repr(float(since_ts))]
     doc = _check({machine.name: transport.run(machine, argv, timeout=timeout)}, f"reading steps of job {job}")
     return doc[machine.name]["steps"]
 

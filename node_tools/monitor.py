@@ -280,6 +280,53 @@ def read_heartbeat(run_dir: Path, rank: int) -> dict[str, Any] | None:
         return None
 
 
+def read_steps_since(run_dir: Path, rank: int, since_ts: float, *, block: int = 1 << 16) -> list[dict[str, Any]]:
+    """The complete step records of a rank that ended after ``since_ts`` (their ``ts``, this machine's clock),
+    oldest first, read from the end of its file backwards: the records are appended as steps end, so the
+    first record at or before ``since_ts`` ends the search, and what is read is what is new, however long
+    the job's history (three months of steps are millions of records). A torn last line is ignored."""
+    out: list[dict[str, Any]] = []
+    try:
+        fh = open(steps_path(run_dir, rank), "rb")  # noqa: SIM115 - closed below
+    except OSError:
+        return []
+    with fh:
+        end = fh.seek(0, os.SEEK_END)
+        tail = b""
+        pos = end
+        first_block = True
+        while pos > 0:
+            start = max(0, pos - block)
+            fh.seek(start)
+            chunk = fh.read(pos - start) + tail
+            pos = start
+            lines = chunk.split(b"\n")
+            tail = lines.pop(0) if pos > 0 else b""  # possibly cut: completed by the next block read
+            if first_block:
+                lines.pop()  # after the last newline: empty, or a torn line being written
+                first_block = False
+            for line in reversed(lines):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if not isinstance(record.get("ts"), int | float) or record["ts"] <= since_ts:
+                    out.reverse()
+                    return out
+                out.append(record)
+        if tail.strip():
+            try:
+                record = json.loads(tail)
+                if isinstance(record.get("ts"), int | float) and record["ts"] > since_ts:
+                    out.append(record)
+            except ValueError:
+                pass
+    out.reverse()
+    return out
+
+
 def read_steps(run_dir: Path, rank: int) -> list[dict[str, Any]]:
     """Every complete step record of a rank (a torn last line is ignored)."""
     records: list[dict[str, Any]] = []

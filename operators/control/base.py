@@ -57,6 +57,8 @@ class ControllerBase:
         self._stopped: dict[str, dict[str, Any]] = {}
         # the checkpoint copies each machine of a job held when this controller last stopped it
         self._copies: dict[str, dict[str, list[tuple[str, int, int]] | None]] = {}
+        # when a restart's wait last asked every machine whether the job ended everywhere: (job, restart) -> time
+        self._exited_checked: dict[tuple[str, float], float] = {}
 
     def sync_inventory(self) -> list[str]:
         """Register the inventory's machines that the fleet database does not know yet."""

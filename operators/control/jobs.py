@@ -14,6 +14,8 @@ from node_tools.transport import RunResult
 from operators.control.base import PORT_BASE, PORT_SPAN, ControllerBase, described, held_copies
 
 SECONDARY_KINDS = ("peer_connection", "collective_timeout", "network")
+#: seconds between two rounds over every machine asking whether a restarted job ended without a step
+EXITED_CHECK_S = 10.0
 
 
 def _verdict(by_machine: Mapping[str, Any]) -> dict[str, Any]:
@@ -255,12 +257,18 @@ class JobLifecycle(ControllerBase):
         step and the first step run, else None."""
         j = self.fleet.job(job)
         m0 = self.inventory.machine(j.machine_list[0])
-        try:
-            records = launcher.steps(self.inventory, job, m0, rank=0, transport=self.transport)
+        try:  # only what rank 0 ran since the restart: its machine reads the tail of its history
+            records = launcher.steps(self.inventory, job, m0, rank=0, since_ts=restart_ts, transport=self.transport)
         except TrainguardError:
             return None
         fresh = [r for r in records if r.get("ts", 0) > restart_ts]
         if not fresh:
+            # whether the job ended everywhere without a step: a round over every machine, so at most every
+            # EXITED_CHECK_S per job (a crash also comes as alerts, which end the wait at once)
+            checked = self._exited_checked.get((job, restart_ts), 0.0)
+            if time.monotonic() - checked < EXITED_CHECK_S:
+                return None
+            self._exited_checked[(job, restart_ts)] = time.monotonic()
             st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
             if st and all(d.get("state") == "exited" for d in st.values()):
                 raise TrainguardError(f"job {job} ended on every machine after the restart without a step; "

@@ -1,0 +1,88 @@
+"""The resume check at fleet scale: rank 0's machine sends only the steps after the restart (read from the
+tail of a history that may hold millions), and the round over every machine that asks whether the job ended
+without a step is taken at most every EXITED_CHECK_S, not at each poll."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from node_tools import monitor
+from operators.control import jobs as jobs_mod
+from tests.fakes import fleet_controller
+
+
+def _write(rd: Path, records: list[dict], *, torn: str = "") -> Path:
+    path = monitor.steps_path(rd, 0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(r) if isinstance(r, dict) else r for r in records]
+    path.write_text("".join(line + "\n" for line in lines) + torn)
+    return path
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_tail_read_gives_what_the_whole_read_filtered_gives(tmp_path, seed):
+    rng = random.Random(seed)
+    records: list = []
+    ts = 1000.0
+    for step in range(rng.randint(0, 3000)):
+        ts += rng.uniform(0.01, 2.0)
+        records.append({"step": step, "incarnation": step // 700, "ts": round(ts, 3), "step_time_s": 0.5,
+                        "pad": "x" * rng.randint(0, 300)})
+        if rng.random() < 0.01:
+            records.append("")  # a blank line
+    torn = '{"step": 99999, "ts": 1e12, "step_ti' if seed % 2 else ""
+    _write(tmp_path, records, torn=torn)
+    whole = monitor.read_steps(tmp_path, 0)
+    for since in [0.0, 999.0, ts + 1, *(rng.uniform(1000.0, ts) for _ in range(20))]:
+        want = [r for r in whole if r["ts"] > since]
+        for block in (64, 4096, 1 << 16):
+            assert monitor.read_steps_since(tmp_path, 0, since, block=block) == want
+
+
+def test_the_tail_read_of_a_long_history_reads_only_its_end(tmp_path, monkeypatch):
+    records = [{"step": s, "incarnation": 0, "ts": 1000.0 + s, "step_time_s": 1.0} for s in range(50_000)]
+    path = _write(tmp_path, records)
+    read = {"bytes": 0}
+    real_open = open
+
+    class Counting(io.BufferedReader):
+        def read(self, n: int = -1) -> bytes:
+            data = super().read(n)
+            read["bytes"] += len(data)
+            return data
+
+    def counting_open(file, mode="r", *args, **kwargs):
+        if Path(file) == path and "b" in mode:
+            return Counting(io.FileIO(file, "rb"))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    got = monitor.read_steps_since(tmp_path, 0, 1000.0 + 49_990)
+    assert [r["step"] for r in got] == list(range(49_991, 50_000))
+    assert read["bytes"] <= 1 << 16 < path.stat().st_size // 20  # one block of a 3 MB history
+
+
+def test_a_restart_wait_asks_every_machine_at_most_every_exited_check_s(tmp_path, monkeypatch):
+    c, fake = fleet_controller(tmp_path)
+    clock = {"now": 5000.0}
+    monkeypatch.setattr(jobs_mod.time, "monotonic", lambda: clock["now"])
+    fake.records = []  # rank 0 has run no step since the restart
+
+    def rounds() -> int:
+        return len(fake.sent("job", "status"))
+
+    before = rounds()
+    for _ in range(5):  # five polls within a second
+        assert c.resumed("j", restart_ts=1e12) is None
+        clock["now"] += 0.2
+    assert rounds() - before == 4  # one round: one status per machine of the job
+    clock["now"] += jobs_mod.EXITED_CHECK_S
+    assert c.resumed("j", restart_ts=1e12) is None
+    assert rounds() - before == 8  # the next round, once the interval passed
+    steps_asked = [argv for _m, argv in fake.commands if argv[:2] == ["job", "steps"]]
+    assert steps_asked and all("--since-ts" in argv for argv in steps_asked)
