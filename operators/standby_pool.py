@@ -46,12 +46,15 @@ def _ranks_per_machine(ctl: Controller) -> int:
 
 def sizing(fleet: FleetStore, now: float) -> tuple[list[pool.Event], dict[str, float], int, int]:
     """The fleet's last window of machine state changes, the failure rate they give, the machines
-    serving running jobs, and the pool target those make."""
+    serving running jobs, and the pool target those make: the P99 of a day's failures, and never fewer
+    than one pipeline's machines (what one over-eviction takes: :func:`pool.over_eviction_floor`)."""
     history = [pool.Event(e.machine, e.to_state, e.ts, e.reason)
                for e in fleet.all_events(since=now - pool.HISTORY_WINDOW_S)]
     rate = pool.failure_rate(history, now)
-    serving = sum(len(j.machine_list) for j in fleet.jobs() if j.state == "running")
-    return history, rate, serving, pool.pool_target(serving, rate["rate"])
+    running = [j for j in fleet.jobs() if j.state == "running"]
+    serving = sum(len(j.machine_list) for j in running)
+    floor = pool.over_eviction_floor((j.tp, j.pp, j.dp, j.ranks_per_machine) for j in running)
+    return history, rate, serving, max(pool.pool_target(serving, rate["rate"]), floor)
 
 
 def plan(ctl: Controller, *, target: int | None = None, provider: Provider | None = None,

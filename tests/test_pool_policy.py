@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from operators.policy.pool import DAY_S, PRIOR_RATE, Event, PoolError, Standby, failure_rate, plan_pool, pool_target
+from operators.policy.pool import (
+    DAY_S,
+    PRIOR_RATE,
+    Event,
+    PoolError,
+    Standby,
+    failure_rate,
+    over_eviction_floor,
+    plan_pool,
+    pool_target,
+)
 
 
 @pytest.mark.parametrize(("machines", "standbys"), [(128, 2), (256, 2), (512, 3), (1024, 4)])
@@ -15,6 +25,22 @@ def test_the_target_reproduces_the_papers_table_5(machines: int, standbys: int):
 def test_the_target_grows_with_the_failure_rate_and_is_zero_without_machines():
     assert pool_target(1024, 0.01) > pool_target(1024, PRIOR_RATE) > pool_target(1024, 0.0001)
     assert pool_target(0, PRIOR_RATE) == 0 and pool_target(64, 0.0) == 0
+
+
+@pytest.mark.parametrize(("layouts", "floor"), [
+    ([], 0),
+    ([(1, 2, 2, 2)], 1),  # a pipeline's 2 ranks on one machine
+    ([(8, 8, 19, 8)], 8),  # 1,216 machines of 8 GPUs, PP=8: one hang evicts 8 machines
+    ([(2, 3, 4, 4)], 2),  # pipelines of 6 ranks on machines of 4: each spans two machines
+    ([(8, 8, 19, 8), (8, 16, 2, 8)], 16),  # the largest job's pipeline
+])
+def test_the_pool_never_holds_less_than_one_pipeline(layouts, floor):
+    assert over_eviction_floor(layouts) == floor
+
+
+def test_a_job_of_1200_machines_keeps_a_pipeline_of_standbys_not_the_p99_of_single_failures():
+    assert pool_target(1216, PRIOR_RATE) == 5  # single-machine failures alone: 5 (a hang would wait)
+    assert max(pool_target(1216, PRIOR_RATE), over_eviction_floor([(8, 8, 19, 8)])) == 8
 
 
 def test_a_young_fleet_gets_the_prior_and_a_long_history_its_own_rate():
@@ -83,7 +109,8 @@ def test_the_pool_job_claims_free_machines_for_a_target_and_refuses_one_it_canno
 
     c = _fleet(tmp_path)
     plan = standby_pool.plan(c)
-    assert plan["computed_target"] == 0 and plan["serving_machines"] == 4  # 4 machines at 0.0012/day: none
+    # 4 machines at 0.0012/day make none by the P99; a pipeline (2 ranks on one machine of 2) makes one
+    assert plan["computed_target"] == 1 and plan["serving_machines"] == 4
     assert plan["provision"] == [] and plan["recheck"] == []  # the inventory's standby counts as checked
     assert standby_pool.claim(c, plan) == []
     before = {m.name: m.state for m in c.fleet.machines()}

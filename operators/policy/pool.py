@@ -2,7 +2,10 @@
 job does about it.
 
 The pool covers the P99 of the job's machine failures over a day: with N machines that each fail on a
-given day with probability p, failures follow Binomial(N, p) and the target is its 0.99 quantile.
+given day with probability p, failures follow Binomial(N, p) and the target is its 0.99 quantile; and it
+never holds fewer than the machines of one pipeline (:func:`over_eviction_floor`): a hang or a straggler is
+over-evicted by its whole pipeline at once, and a pool sized by single-machine failures (5 standbys at 1,200
+machines) would leave every hang of a job with 8 or more machines per pipeline waiting for a human.
 p comes from the fleet's own history (evictions per machine-day in service) smoothed with a prior, so a
 young fleet starts from the paper's rate (~0.0012 per machine-day reproduces Table 5: 128 -> 2,
 256 -> 2, 512 -> 3, 1024 -> 4) and moves toward what it observes as machine-days accumulate.
@@ -82,6 +85,20 @@ def pool_target(machines: int, rate: float, *, quantile: float = QUANTILE, horiz
 
     p = -math.expm1(-rate * horizon_days)
     return int(binom.ppf(quantile, machines, p))
+
+
+def over_eviction_floor(layouts: Iterable[tuple[int, int, int, int]]) -> int:
+    """The most machines one automatic over-eviction takes among the jobs of ``layouts`` (``(tp, pp, dp,
+    ranks_per_machine)`` each): the ladder evicts a hang's or a straggler's pipeline (every stage of one
+    data-parallel replica), so the pool must hold a pipeline's machines to swap it in one step."""
+    from node_tools.topology import Topology
+
+    most = 0
+    for tp, pp, dp, rpm in layouts:
+        topo = Topology(tp=tp, pp=pp, dp=dp, ranks_per_machine=rpm)
+        # the pipelines of a layout span equally many machines but where a machine holds part of two
+        most = max(most, *(len(topo.machines_of_group("pp", r)) for r in {0, topo.world_size - 1}))
+    return most
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,8 @@ class Simulation:
             self.pool_series.append((now, len(self.standbys)))
 
     def _size_pool(self, now: float) -> None:
-        """The pool's target, once a day, from the simulated history (the pool job's :func:`sizing`)."""
+        """The pool's target, once a day, from the simulated history (the pool job's :func:`sizing`: the P99
+        of a day's failures, never fewer than one pipeline's machines)."""
         day = int(now // DAY_S)
         if day == self.target_day and self.knobs.pool_size is None:
             return
@@ -225,7 +226,9 @@ class Simulation:
         events = [e for e in self.past_events if e.ts >= since - pool.HISTORY_WINDOW_S]
         events += [pool.Event(n, "active", s) for n, s in self.since.items()]
         rate = pool.failure_rate(events, now)["rate"]
-        self.target = pool.pool_target(self.n, rate)
+        t = self.topo
+        self.target = max(pool.pool_target(self.n, rate),
+                          pool.over_eviction_floor([(t.tp, t.pp, t.dp, t.ranks_per_machine)]))
 
     def _arrivals(self, now: float) -> None:
         """Standbys whose self-check ended by ``now`` park; repaired machines return to the free inventory."""
