@@ -4,7 +4,7 @@ bus cursor), the triage, the repeat-offender record, the close and its timeline.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from node_tools.errors import TrainguardError
@@ -13,39 +13,65 @@ from operators.fleet import states
 from operators.fleet.states import IncidentState
 from operators.policy import ladder
 
+#: a machine named by an alert of a job it does not serve: the job's machines the reason lists, at most
+LISTED_MACHINES = 16
 
-class Incidents(ControllerBase):
-    """Alerts into incidents, triage, close."""
 
-    def job_of(self, alert: Mapping[str, Any]) -> str | None:
-        if alert.get("job"):
-            try:
-                return self.fleet.job(alert["job"]).name
-            except TrainguardError:
-                return None
-        try:
-            return self.fleet.machine(alert["machine"]).job
-        except TrainguardError:
-            return None
+class Roster:
+    """What alerts read off the bus are checked against, read once per batch: the inventory's machine names,
+    the fleet's jobs, and for each job the set of machines serving it, so that checking an alert costs the
+    same whatever the size of the fleet and of its job."""
 
-    def untrusted(self, alert: Mapping[str, Any], jobs: Mapping[str, Any]) -> str:
-        """Why an alert read off the bus must not be acted on ("" when it may): a machine the inventory does not
-        list, a job the fleet does not know, a machine that does not serve the job it names, a rank outside
-        the job. ``jobs``: the fleet's jobs by name."""
+    def __init__(self, machines: Collection[str], jobs: Iterable[Any]) -> None:
+        self.machines = frozenset(machines)
+        self.jobs: dict[str, Any] = {j.name: j for j in jobs}
+        self._serving: dict[str, frozenset[str]] = {}
+        self._listed: dict[str, str] = {}
+
+    def serving(self, job: str) -> frozenset[str]:
+        """The machines serving ``job`` (a job the roster holds)."""
+        if job not in self._serving:
+            self._serving[job] = frozenset(self.jobs[job].machine_list)
+        return self._serving[job]
+
+    def listed(self, job: str) -> str:
+        """The machines of ``job`` as a reason names them: all of a small job, the first few of a large one."""
+        if job not in self._listed:
+            order = list(self.jobs[job].machine_list)
+            text = ", ".join(order[:LISTED_MACHINES])
+            self._listed[job] = text if len(order) <= LISTED_MACHINES else f"{text}, ... {len(order)} in all"
+        return self._listed[job]
+
+    def untrusted(self, alert: Mapping[str, Any]) -> str:
+        """See :meth:`Incidents.untrusted`."""
         machine, job_name = str(alert.get("machine", "")), str(alert.get("job") or "")
-        if machine not in self.inventory.names():
+        if machine not in self.machines:
             return f"machine {machine[:63]!r} is not in the inventory"
         if not job_name:
             return ""
-        job = jobs.get(job_name)
+        job = self.jobs.get(job_name)
         if job is None:
             return f"job {job_name[:64]!r} is not in the fleet database"
-        if machine not in job.machine_list:
-            return f"machine {machine} does not serve job {job_name} ({', '.join(job.machine_list)})"
+        if machine not in self.serving(job_name):
+            return f"machine {machine} does not serve job {job_name} ({self.listed(job_name)})"
         rank = alert.get("rank")
         if isinstance(rank, int) and not 0 <= rank < job.tp * job.pp * job.dp:
             return f"rank {rank} is outside job {job_name}'s {job.tp * job.pp * job.dp} ranks"
         return ""
+
+
+class Incidents(ControllerBase):
+    """Alerts into incidents, triage, close."""
+
+    def roster(self) -> Roster:
+        """The inventory's machines and the fleet's jobs as they are now (one read of each)."""
+        return Roster(self.inventory.names(), self.fleet.jobs())
+
+    def untrusted(self, alert: Mapping[str, Any], roster: Roster | None = None) -> str:
+        """Why an alert read off the bus must not be acted on ("" when it may): a machine the inventory does not
+        list, a job the fleet does not know, a machine that does not serve the job it names, a rank outside
+        the job. ``roster``: what to check against (read now when None; a batch reads it once)."""
+        return (roster or self.roster()).untrusted(alert)
 
     def ingest(self, alerts: Sequence[Mapping[str, Any]], *, reader: str = "guardian",
                read: Mapping[str, float] | None = None, gone: Sequence[str] = (),
@@ -57,25 +83,40 @@ class Incidents(ControllerBase):
         the inventory and the fleet do not know (or a machine that does not serve the job it names) is
         quarantined with the reason and never acted on; one whose writer's clock is off (``clock_skew_s``)
         counts from when it arrived. Alerts about machines serving no job are recorded against nothing; an
-        explicit fault on a standby sends it to repair. Returns ``[{incident, job, opened, taken_over,
-        alerts}]`` for the incidents to work on."""
+        explicit fault on a standby sends it to repair. An alert recorded before, or delivered twice in the
+        batch, is recorded once. Returns ``[{incident, job, opened, taken_over, alerts}]`` for the incidents
+        to work on.
+
+        The cost grows with the batch, not with the batch times the fleet: the inventory, the jobs and the
+        machines the batch names are read once, and the fleet database is written in bulk (a burst from
+        every rank of a 100,000-rank job is one transaction of a few hundred statements)."""
         by_job: dict[str, list[dict[str, Any]]] = {}
         rejected: list[dict[str, Any]] = []
         known = self.fleet.known_alerts([str(a["id"]) for a in alerts])
-        jobs = {j.name: j for j in self.fleet.jobs()}
+        roster = self.roster()
+        taken: set[str] = set()
+        trusted: list[dict[str, Any]] = []
         for a in alerts:
-            if str(a["id"]) in known:
+            alert_id = str(a["id"])
+            if alert_id in known:
                 continue  # delivered again after a failed guardian run: recorded already
-            why = self.untrusted(a, jobs)
+            why = roster.untrusted(a)
             if why:
                 rejected.append({"name": a.get("bus_name") or "", "reason": why, "machine": str(a.get("machine", "")),
                                  "kind": a.get("kind", ""), "ts": a.get("received_ts") or time.time(),
                                  "document": dict(a)})
                 continue
+            if alert_id in taken:
+                continue  # the same alert twice in the batch
+            taken.add(alert_id)
             doc = dict(a)
             if doc.get("clock_skew_s") is not None and doc.get("received_ts") is not None:
                 doc["sent_ts"], doc["ts"] = doc["ts"], doc["received_ts"]  # handled by its arrival time
-            job = self.job_of(doc)
+            trusted.append(doc)
+        # an alert naming no job belongs to the job its machine serves now (the fleet database's, read once)
+        serves = self.fleet.jobs_of({str(d["machine"]) for d in trusted if not d.get("job")})
+        for doc in trusted:
+            job = str(doc["job"]) if doc.get("job") else serves.get(str(doc["machine"]))
             if job is not None:
                 by_job.setdefault(job, []).append(doc)
             elif ladder.triage("", [doc]).category == "machine_fault":
@@ -125,7 +166,8 @@ class Incidents(ControllerBase):
         alerts = [a.document for a in self.fleet.alerts_of(incident_id)]
         history = [a.document for i in self.fleet.incidents(job_name) if i.id != incident_id
                    for a in self.fleet.alerts_of(i.id) if a.kind in ladder.NETWORK]
-        return ladder.triage(job_name, alerts, job_machines=job.machine_list, network_history=history,
+        # the job's machines as a set: each of the incident's alerts (every rank of a hung job) is looked up in it
+        return ladder.triage(job_name, alerts, job_machines=frozenset(job.machine_list), network_history=history,
                              now=max((a["ts"] for a in alerts), default=time.time()))
 
     def _standby_fault(self, alert: Mapping[str, Any]) -> None:

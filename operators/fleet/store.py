@@ -43,12 +43,21 @@ from operators.policy import ladder
 
 OPEN_INCIDENT_STATES = states.OPEN_INCIDENT_STATES
 INCIDENT_STATES = states.INCIDENT_STATES
+#: rows (or ids) per statement when the store writes or looks up many at once: well within every database's
+#: limit on a statement's parameters
+CHUNK = 1000
 
 
 class FleetError(TrainguardError):
     """A fleet change that is not allowed (unknown machine, forbidden transition ...)."""
 
     exit_code = EXIT_REFUSED
+
+
+def _chunks(items: Sequence[Any], size: int = CHUNK) -> Iterator[list[Any]]:
+    """``items`` in consecutive lists of at most ``size``."""
+    for start in range(0, len(items), size):
+        yield list(items[start:start + size])
 
 
 def url_for(path_or_url: str | Path) -> str:
@@ -179,6 +188,16 @@ class FleetStore:
                 q = q.where(Machine.job == job)
             return list(s.scalars(q))
 
+    def jobs_of(self, names: Collection[str]) -> dict[str, str | None]:
+        """The job each machine of ``names`` serves (None: it serves none), read in chunks of :data:`CHUNK`
+        names; a machine the fleet database does not know is left out."""
+        out: dict[str, str | None] = {}
+        with self.tx() as s:
+            for chunk in _chunks(sorted(set(names))):
+                rows = s.execute(select(Machine.name, Machine.job).where(Machine.name.in_(chunk)))
+                out.update((name, job) for name, job in rows)
+        return out
+
     def _move(self, s: Session, m: Machine, to_state: str, reason: str, incident_id: int | None, *,
               job: str | None = None, checked: bool = False) -> bool:
         if m.state == to_state:
@@ -271,10 +290,11 @@ class FleetStore:
         with self.tx() as s:
             j = self._required(s, Job, job, lock=True)
             order = list(j.machine_list)
+            at = {n: i for i, n in enumerate(order)}  # node rank by machine: a swap per machine, not a scan
             for old, new in replacements.items():
-                if old not in order and new in order:
+                if old not in at and new in at:
                     continue  # done before
-                if old not in order:
+                if old not in at:
                     raise FleetError(f"machine {old} does not serve job {job} ({', '.join(order)})")
                 m_old = s.get(Machine, old, with_for_update=True)
                 m_new = s.get(Machine, new, with_for_update=True)
@@ -285,7 +305,8 @@ class FleetStore:
                 self._move(s, m_old, states.EVICTED, f"evicted from {job}: {reason}", incident_id, job=job)
                 self._move(s, m_new, states.ACTIVE, f"replaces {old} in {job}", incident_id)
                 m_new.job = job
-                order[order.index(old)] = new
+                order[at[old]] = new
+                at[new] = at.pop(old)
                 done[old] = new
             if done:
                 j.machine_list, j.updated_ts = order, self.clock()
@@ -347,6 +368,13 @@ class FleetStore:
 
     def _attach(self, s: Session, job: str, alerts: list[dict[str, Any]], *, category: str = "",
                 escalation_window_s: float) -> tuple[Incident, bool]:
+        """Attach ``alerts`` to the job's open incident (or open one) within ``s``. An alert whose id is
+        recorded already keeps its incident; one that comes twice in ``alerts`` is attached once. The alerts
+        are written in bulk: a statement per :data:`CHUNK` alerts, not per alert."""
+        # the job's row first: two writers attaching to a job that has no open incident yet (two guardians, a
+        # retried event) queue here, so the second sees the incident the first opened (Postgres runs them
+        # concurrently at READ COMMITTED; SQLite's BEGIN IMMEDIATE had serialised them already)
+        s.execute(select(Job.name).where(Job.name == job).with_for_update())
         inc = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(OPEN_INCIDENT_STATES))
                        .order_by(Incident.id.desc()).with_for_update())
         opened = inc is None
@@ -359,13 +387,82 @@ class FleetStore:
                            opened_ts=self.clock(), first_alert_ts=first, summary="")
             s.add(inc)
             s.flush()
+        rows, batch = [], set()
         for a in alerts:
-            if s.get(Alert, str(a["id"])) is not None:
+            alert_id = str(a["id"])
+            if alert_id in batch:
                 continue
-            s.add(Alert(id=str(a["id"]), ts=float(a.get("ts", 0.0)), job=a.get("job") or "",
-                        machine=a.get("machine") or "", rank=a.get("rank"), kind=a["kind"],
-                        severity=a.get("severity") or "", incident_id=inc.id, document=a))
+            batch.add(alert_id)
+            rows.append({"id": alert_id, "ts": float(a.get("ts", 0.0)), "job": a.get("job") or "",
+                         "machine": a.get("machine") or "", "rank": a.get("rank"), "kind": a["kind"],
+                         "severity": a.get("severity") or "", "incident_id": inc.id, "document": a})
+        self._insert_new(s, Alert, rows, keys=("id",))
         return inc, opened
+
+    @staticmethod
+    def _recorded_alerts(s: Session, ids: Sequence[str]) -> set[str]:
+        """Which of ``ids`` are recorded already (within ``s``), read in chunks of :data:`CHUNK` ids."""
+        found: set[str] = set()
+        for chunk in _chunks(sorted(set(ids))):
+            found.update(s.scalars(select(Alert.id).where(Alert.id.in_(chunk))))
+        return found
+
+    @staticmethod
+    def _dialect_insert(s: Session) -> Any:
+        """The ``insert`` of the session's database with ON CONFLICT (SQLite, Postgres), or None."""
+        dialect = s.get_bind().dialect.name
+        if dialect == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert
+        if dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+            return sqlite_insert
+        return None
+
+    @classmethod
+    def _insert_new(cls, s: Session, model: type, rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> int:
+        """Insert those of ``rows`` whose key (``keys``: the primary key or a unique one) ``model``'s table does
+        not hold yet, leaving the rows it holds as they are: a statement per :data:`CHUNK` rows (INSERT ... ON
+        CONFLICT DO NOTHING), written as plain rows (no ORM objects). Returns the rows inserted."""
+        if not rows:
+            return 0
+        table: sa.Table = model.__table__  # type: ignore[attr-defined]
+        insert = cls._dialect_insert(s)
+        if insert is None:  # another database: look the keys up first (a statement per chunk all the same)
+            cols = [table.c[k] for k in keys]
+            held: set[tuple[Any, ...]] = set()
+            for chunk in _chunks(rows):
+                wanted = sa.tuple_(*cols).in_([tuple(r[k] for k in keys) for r in chunk])
+                held.update(tuple(r) for r in s.execute(select(*cols).where(wanted)))
+            rows = [r for r in rows if tuple(r[k] for k in keys) not in held]
+            for chunk in _chunks(rows):
+                s.execute(sa.insert(table), chunk)
+            return len(rows)
+        stmt = insert(table).on_conflict_do_nothing(index_elements=list(keys))
+        inserted = 0
+        for chunk in _chunks(rows):
+            inserted += max(0, s.execute(stmt, chunk).rowcount or 0)
+        return inserted
+
+    @classmethod
+    def _upsert(cls, s: Session, model: type, rows: Sequence[dict[str, Any]], keys: Sequence[str]) -> None:
+        """Insert ``rows`` into ``model``'s table, a row whose primary key (``keys``) is there already updating its
+        other columns: a statement per :data:`CHUNK` rows (INSERT ... ON CONFLICT DO UPDATE, on SQLite and
+        Postgres alike)."""
+        if not rows:
+            return
+        insert = cls._dialect_insert(s)
+        if insert is None:  # another database: one merge per row (correct, not bulk)
+            for row in rows:
+                s.merge(model(**row))
+            return
+        stmt = insert(model.__table__)  # type: ignore[attr-defined]
+        stmt = stmt.on_conflict_do_update(index_elements=list(keys),
+                                          set_={c: stmt.excluded[c] for c in rows[0] if c not in keys})
+        for chunk in _chunks(rows):
+            s.execute(stmt, chunk)
 
     def ingest(self, by_job: dict[str, list[dict[str, Any]]], *, escalation_window_s: float, reader: str = "",
                read: dict[str, float] | None = None, gone: Sequence[str] = (),
@@ -374,23 +471,38 @@ class FleetStore:
         """One batch of the bus in one transaction: each job's alerts attached to its open incident (or one
         opened), the ``reader``'s cursor advanced (the names ``read`` with the reader's time; ``gone``: names
         that left the bus), ``quarantined`` documents recorded, the agents' ``liveness`` as the reader last saw
-        it. Returns (incident, opened) per job, in job order. Either all of it is recorded or none."""
+        it. Returns (incident, opened) per job, in job order. Either all of it is recorded or none. Recording
+        the same batch again changes nothing. Every part is written in bulk (a statement per :data:`CHUNK`
+        rows), so a burst of 100,000 alerts and names costs about a hundred statements per part."""
         with self.tx() as s:
             out = [self._attach(s, job, list(alerts), escalation_window_s=escalation_window_s)
                    for job, alerts in sorted(by_job.items())]
-            for name, ts in (read or {}).items():
-                s.merge(BusCursor(reader=reader, name=name, seen_ts=float(ts)))
-            if gone:
-                s.execute(sa.delete(BusCursor).where(BusCursor.reader == reader, BusCursor.name.in_(list(gone))))
-            for q in quarantined:
-                s.add(QuarantinedAlert(reader=reader, name=str(q.get("name", ""))[:256],
-                                       machine=str(q.get("machine", ""))[:128], kind=str(q.get("kind", ""))[:64],
-                                       reason=str(q.get("reason", ""))[:2000], ts=float(q.get("ts") or self.clock()),
-                                       document=dict(q.get("document") or {})))
-            for machine, st in (liveness or {}).items():
-                s.merge(AgentLiveness(machine=machine, token=str(st.get("token", ""))[:256],
-                                      changed_ts=float(st["changed_ts"]), reported_ts=st.get("reported_ts")))
+            self._upsert(s, BusCursor, [{"reader": reader, "name": name, "seen_ts": float(ts)}
+                                        for name, ts in (read or {}).items()], keys=("reader", "name"))
+            for chunk in _chunks(sorted(set(gone))):
+                s.execute(sa.delete(BusCursor).where(BusCursor.reader == reader, BusCursor.name.in_(chunk)))
+            rows = [{"reader": reader, "name": str(q.get("name", ""))[:256], "machine": str(q.get("machine", ""))[:128],
+                     "kind": str(q.get("kind", ""))[:64], "reason": str(q.get("reason", ""))[:2000],
+                     "ts": float(q.get("ts") or self.clock()), "document": dict(q.get("document") or {})}
+                    for q in quarantined]
+            for chunk in _chunks(rows):
+                s.execute(sa.insert(QuarantinedAlert.__table__), chunk)
+            if liveness:
+                self._record_liveness(s, liveness)
             return out
+
+    def _record_liveness(self, s: Session, liveness: dict[str, dict[str, Any]]) -> None:
+        """The agents' ``liveness`` as the reader last saw it, within ``s``: only the machines whose record
+        changed are written (the reader sends every watched machine's each time; most have not changed)."""
+        held = {r.machine: (r.token, r.changed_ts, r.reported_ts) for r in s.execute(select(
+            AgentLiveness.machine, AgentLiveness.token, AgentLiveness.changed_ts, AgentLiveness.reported_ts))}
+        rows = []
+        for machine, st in liveness.items():
+            row = {"machine": machine, "token": str(st.get("token", ""))[:256], "changed_ts": float(st["changed_ts"]),
+                   "reported_ts": st.get("reported_ts")}
+            if held.get(machine) != (row["token"], row["changed_ts"], row["reported_ts"]):
+                rows.append(row)
+        self._upsert(s, AgentLiveness, rows, keys=("machine",))
 
     def cursor(self, reader: str) -> dict[str, float]:
         """The ``reader``'s cursor: name -> when it first read it."""
@@ -468,11 +580,11 @@ class FleetStore:
             return inc.level
 
     def known_alerts(self, ids: Sequence[str]) -> set[str]:
-        """Which of ``ids`` are recorded already."""
+        """Which of ``ids`` are recorded already (read in chunks of :data:`CHUNK` ids)."""
         if not ids:
             return set()
         with self.tx() as s:
-            return set(s.scalars(select(Alert.id).where(Alert.id.in_(list(ids)))))
+            return self._recorded_alerts(s, ids)
 
     def incident(self, incident_id: int) -> Incident:
         with self.tx() as s:
@@ -510,15 +622,14 @@ class FleetStore:
         """Record a decision under an idempotency ``key``; the same key again returns the first record
         (created False)."""
         with self.tx() as s:
-            existing = s.scalar(select(Action).where(Action.key == key))
-            if existing is not None:
-                return existing, False
-            a = Action(key=key, kind=kind, incident_id=incident_id, machines=list(machines),
-                       evidence=evidence or {}, outcome="dry_run" if dry_run else "pending", detail="",
-                       dry_run=dry_run, started_ts=self.clock())
-            s.add(a)
-            s.flush()
-            return a, True
+            row = {"key": key, "kind": kind, "incident_id": incident_id, "machines": list(machines),
+                   "evidence": evidence or {}, "outcome": "dry_run" if dry_run else "pending", "detail": "",
+                   "dry_run": dry_run, "started_ts": self.clock()}
+            # one statement that inserts or leaves the first record: two handlers claiming the same key at once
+            # (a duplicate task, a takeover) get one record, and the second its "created False"
+            created = self._insert_new(s, Action, [row], keys=("key",))
+            a = s.scalar(select(Action).where(Action.key == key))
+            return a, bool(created)
 
     def claim_watched(self, incident_id: int, key: str, *, watched: Collection[str], kind: str,
                       machines: Sequence[str] = (), evidence: dict[str, Any] | None = None, detail: str = "") -> bool:
@@ -578,11 +689,10 @@ class FleetStore:
 
     # ---- checkpoints, ETTR ---------------------------------------------------------------------
     def record_checkpoint(self, job: str, step: int, *, committed_ts: float | None = None) -> bool:
-        with self.tx() as s:
-            if s.scalar(select(Checkpoint).where(Checkpoint.job == job, Checkpoint.step == step)):
-                return False
-            s.add(Checkpoint(job=job, step=step, committed_ts=committed_ts or self.clock(), problems=[]))
-            return True
+        row = {"job": job, "step": step, "problems": [], "verified": None, "verified_ts": None,
+               "committed_ts": committed_ts or self.clock()}
+        with self.tx() as s:  # one statement: two recorders of the same step at once make one row
+            return self._insert_new(s, Checkpoint, [row], keys=("job", "step")) == 1
 
     def mark_checkpoint(self, job: str, step: int, *, verified: bool, problems: Sequence[str] = ()) -> None:
         with self.tx() as s:
