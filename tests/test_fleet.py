@@ -112,6 +112,24 @@ def test_machine_states_follow_the_state_machine_and_repeats_are_no_ops(store: F
     assert store.machine("m0").state == states.STANDBY
 
 
+def test_an_inventory_of_12500_machines_registers_in_one_transaction_and_again_is_a_no_op(store: FleetStore):
+    import sqlalchemy as sa
+
+    m0 = store.machine("m0")
+    commits = []
+    sa.event.listen(store.engine, "commit", lambda conn: commits.append(1))
+    machines = [(f"n{i}", "10.1.0.1", states.STANDBY, "from the inventory") for i in range(12_500)]
+    machines.append(("m0", "10.9.9.9", states.ACTIVE, "from the inventory"))  # known: left as it is
+    machines.append(("n7", "10.1.0.1", states.STANDBY, "listed twice"))
+    added = store.register_machines(machines)
+    assert added == [f"n{i}" for i in range(12_500)] and len(commits) == 1
+    assert (store.machine("m0").state, store.machine("m0").address) == (m0.state, m0.address)
+    assert [(e.to_state, e.reason) for e in store.events("n7")] == [("standby", "from the inventory")]
+    assert store.register_machines(machines) == []
+    with pytest.raises(FleetError, match="unknown machine state 'broken'"):
+        store.register_machines([("x", "", "broken", "")])
+
+
 def test_a_swap_is_one_transaction_and_idempotent(store: FleetStore):
     inc, _ = store.open_incident("j", [{"id": "a1", "kind": "gpu_lost", "machine": "m1", "ts": 1.0}])
     assert store.swap("j", {"m1": "m4"}, reason="gpu_lost", incident_id=inc.id) == {"m1": "m4"}

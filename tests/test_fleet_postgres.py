@@ -152,3 +152,31 @@ def test_eight_writers_at_once_lose_nothing_and_double_nothing(pg_url, fleet):
         assert fleet.machine(name).state == states.STANDBY
     for w in range(4):
         assert "shared-name" in fleet.cursor(f"guardian{w}")
+
+
+def test_two_controllers_syncing_a_large_inventory_at_once_register_each_machine_once(pg_url, fleet):
+    names = [f"n{i}" for i in range(3000)]
+    machines = [(n, "10.1.0.1", states.STANDBY, "from the inventory") for n in names]
+    added: list[list[str]] = []
+    errors: list[str] = []
+    start = threading.Barrier(2)
+
+    def sync() -> None:
+        store = FleetStore(pg_url)
+        try:
+            start.wait()
+            added.append(store.register_machines(machines))
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            store.close()
+
+    threads = [threading.Thread(target=sync) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    assert sorted(added[0] + added[1]) == sorted(names)  # each machine added by exactly one of them
+    assert all(len(fleet.events(n)) == 1 for n in ("n0", "n1500", "n2999"))  # and registered once
+    assert len([m for m in fleet.machines() if m.name.startswith("n")]) == 3000

@@ -62,12 +62,8 @@ class ControllerBase:
 
     def sync_inventory(self) -> list[str]:
         """Register the inventory's machines that the fleet database does not know yet."""
-        added = []
-        for m in self.inventory.machines:
-            if self.fleet.register_machine(m.name, address=m.address, state=ROLE_STATE.get(m.role, states.STANDBY),
-                                           reason=f"from the inventory (role {m.role})"):
-                added.append(m.name)
-        return added
+        return self.fleet.register_machines([(m.name, m.address, ROLE_STATE.get(m.role, states.STANDBY),
+                                              f"from the inventory (role {m.role})") for m in self.inventory.machines])
 
     def machines(self, names: Sequence[str]) -> list[Machine]:
         return [self.inventory.machine(n) for n in names]

@@ -175,6 +175,40 @@ class FleetStore:
             s.add(MachineEvent(machine=name, from_state=None, to_state=state, ts=now, reason=reason))
             return True
 
+    def register_machines(self, machines: Sequence[tuple[str, str, str, str]]) -> list[str]:
+        """Add each of ``machines`` (``(name, address, state, reason)``) the database does not know yet, in one
+        transaction (a statement per :data:`CHUNK` machines: an inventory of 12,500 machines is not 12,500
+        transactions), each with its first event; machines already known (or registered meanwhile by another
+        writer) are left as they are. Returns the names added, in order."""
+        bad = sorted({state for _n, _a, state, _r in machines} - set(states.STATES))
+        if bad:
+            raise FleetError(f"unknown machine state {bad[0]!r}; use one of {', '.join(states.STATES)}")
+        now = self.clock()
+        rows: dict[str, dict[str, Any]] = {}
+        for name, address, state, reason in machines:
+            rows.setdefault(name, {"name": name, "address": address, "state": state, "state_since": now,
+                                   "reason": reason, "evictions": 0})
+        added: set[str] = set()
+        with self.tx() as s:
+            known: set[str] = set()
+            for chunk in _chunks(list(rows)):
+                known.update(s.scalars(select(Machine.name).where(Machine.name.in_(chunk))))
+            fresh = [r for n, r in rows.items() if n not in known]
+            insert = self._dialect_insert(s)
+            table = Machine.__table__  # type: ignore[attr-defined]
+            for chunk in _chunks(fresh):
+                if insert is None:
+                    s.execute(sa.insert(table), chunk)
+                    added.update(r["name"] for r in chunk)
+                else:  # the names this statement inserted: not those another writer registered meanwhile
+                    stmt = insert(table).on_conflict_do_nothing(index_elements=["name"]).returning(table.c.name)
+                    added.update(s.execute(stmt, chunk).scalars().all())
+            events = [{"machine": n, "from_state": None, "to_state": rows[n]["state"], "ts": now,
+                       "reason": rows[n]["reason"], "incident_id": None, "job": None} for n in rows if n in added]
+            for chunk in _chunks(events):
+                s.execute(sa.insert(MachineEvent.__table__), chunk)  # type: ignore[attr-defined]
+        return [n for n in rows if n in added]
+
     def machine(self, name: str) -> Machine:
         with self.tx() as s:
             return self._required(s, Machine, name)
