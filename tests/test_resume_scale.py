@@ -86,3 +86,30 @@ def test_a_restart_wait_asks_every_machine_at_most_every_exited_check_s(tmp_path
     assert rounds() - before == 8  # the next round, once the interval passed
     steps_asked = [argv for _m, argv in fake.commands if argv[:2] == ["job", "steps"]]
     assert steps_asked and all("--since-ts" in argv for argv in steps_asked)
+
+
+def test_questions_about_a_storms_incident_load_only_the_alerts_they_ask_about(tmp_path):
+    """An incident of an NCCL hang holds an alert from every rank. The resume wait asks every second for
+    explicit machine faults among them, the hang analysis for the stopped ranks and the first to stall: none
+    of them loads the storm."""
+    import sqlalchemy as sa
+
+    from operators.fleet.models import Alert
+    from tests.fakes import alert
+
+    c, _fake = fleet_controller(tmp_path)
+    t0 = 1_000_000.0
+    storm = [alert("rank_hang", f"m{i % 4}", rank=i % 4, ts=t0 + i * 1e-4) for i in range(20_000)]
+    storm.append(alert("gpu_lost", "m2", ts=t0 + 5))
+    storm.append(alert("rank_stopped", "m1", rank=1, ts=t0 + 6))
+    [opened] = c.ingest(storm)
+    incident = opened["incident"]
+    loaded = []
+    sa.event.listen(Alert, "load", lambda target, _ctx: loaded.append(target.kind))
+    assert c.unhandled_faults(incident) == {"m2": "gpu_lost"}
+    assert loaded == ["gpu_lost"]
+    loaded.clear()
+    stops = c.fleet.alerts_of(incident, kinds={"rank_stopped"})
+    firsts = c.fleet.alerts_of(incident, kinds={"rank_hang"}, limit=64)
+    assert [a.rank for a in stops] == [1] and firsts[0].ts == t0 and firsts[0].rank == 0
+    assert len(loaded) == 65

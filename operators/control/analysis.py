@@ -21,9 +21,13 @@ class RuntimeAnalysis(ControllerBase):
         ranks to prefer when the outliers do not fit one group: a stopped process, else the first rank
         to stall or slow down."""
         j = self.fleet.job(job)
-        alerts = sorted(self.fleet.alerts_of(incident_id), key=lambda a: a.ts) if incident_id is not None else []
-        claimed = sorted({a.rank for a in alerts if a.kind == "rank_stopped" and a.rank is not None})
-        first = next((a.rank for a in alerts if a.kind in ("rank_hang", "rank_slow") and a.rank is not None), None)
+        # the claims of stopped ranks, and the first rank to stall or slow down (the incident of a hang may hold
+        # an alert from every rank: only these are read)
+        stops = self.fleet.alerts_of(incident_id, kinds={"rank_stopped"}) if incident_id is not None else []
+        claimed = sorted({a.rank for a in stops if a.rank is not None})
+        firsts = [] if incident_id is None else [
+            a for kind in ("rank_hang", "rank_slow") for a in self.fleet.alerts_of(incident_id, kinds={kind}, limit=64)]
+        first = next((a.rank for a in sorted(firsts, key=lambda a: (a.ts, a.id)) if a.rank is not None), None)
         topo = self.topology(job)
         results = self._run(self.machines(j.machine_list),
                             lambda m: [self.inventory.tg_node, "stacks", "--job", job], timeout=60)

@@ -253,7 +253,9 @@ class Incidents(ControllerBase):
         inc = self.fleet.incident(incident_id)
         serving = set(self.fleet.job(inc.job).machine_list)
         out: dict[str, set[str]] = {}
-        for a in self.fleet.alerts_of(incident_id):
+        # only the kinds that can be explicit machine faults: the resume wait asks every second, and the
+        # incident may hold an alert storm of another kind (every rank's hang)
+        for a in self.fleet.alerts_of(incident_id, kinds=ladder.EXPLICIT | ladder.XID):
             if a.machine in serving and ladder.decisive(a.document) and ladder.triage("", [a.document]).category \
                     == "machine_fault":
                 out.setdefault(a.machine, set()).add(a.kind)

@@ -631,9 +631,19 @@ class FleetStore:
                 q = q.where(Incident.job == job)
             return list(s.scalars(q))
 
-    def alerts_of(self, incident_id: int) -> list[Alert]:
+    def alerts_of(self, incident_id: int, *, kinds: Collection[str] | None = None, limit: int | None = None
+                  ) -> list[Alert]:
+        """The incident's alerts, oldest first; only those of ``kinds`` and the first ``limit`` when given (an
+        incident of an alert storm holds one alert per rank: a question about a few kinds need not load them
+        all)."""
+        q = select(Alert).where(Alert.incident_id == incident_id)
+        if kinds is not None:
+            q = q.where(Alert.kind.in_(sorted(kinds)))
+        q = q.order_by(Alert.ts, Alert.id)
+        if limit is not None:
+            q = q.limit(limit)
         with self.tx() as s:
-            return list(s.scalars(select(Alert).where(Alert.incident_id == incident_id).order_by(Alert.ts)))
+            return list(s.scalars(q))
 
     def update_incident(self, incident_id: int, **fields: Any) -> None:
         allowed = {"state", "category", "level", "diagnosis_start_ts", "decided_ts", "resumed_ts", "closed_ts",
