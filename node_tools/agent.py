@@ -7,7 +7,11 @@ follow the rule "a fault only when repeated": the first occurrence is published
 as a warning, a second within ``network_window_s`` (default 2 in 5 min) as a
 fault. A check that raises is recorded in the status file and retried at its
 next interval; it never stops the agent. Alerts that cannot be published (bus
-unreachable) wait in a bounded outbox and are retried.
+unreachable) wait in a bounded outbox and are retried. Alerts made together (the
+ranks of this machine timing out at once, an outbox flushed after an outage) are
+published as one batch document (:meth:`node_tools.bus.AlertBus.publish_batch`), so
+an NCCL hang across a fleet puts one object per machine on the bus, not one per
+rank; a lone alert is published as a single-alert document, as before.
 
 Every ``heartbeat_every_s`` (2 s) the agent rewrites its machine's heartbeat on the
 bus (:meth:`node_tools.bus.AlertBus.beat`: a sequence number, its pid, when it
@@ -23,6 +27,7 @@ when it dies, with a growing back-off.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -37,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from node_tools import __version__, monitor
-from node_tools.alerts import NOTICE_KINDS, Alert
+from node_tools.alerts import MAX_BATCH_ALERTS, NOTICE_KINDS, Alert
 from node_tools.bus import NOTICES, AlertBus, BusError, open_bus
 from node_tools.checks import Check, CheckpointCheck, DiskCheck, Finding, GpuCheck, KernelLogCheck, NicCheck, RankCheck
 from node_tools.config import NodeConfig
@@ -183,17 +188,25 @@ class Agent:
         self.beats += 1
 
     def _flush_outbox(self) -> None:
+        """Publish the outbox in order; alerts waiting together for the same folder go as one batch document
+        (the ranks of this machine timing out at once are one object on the bus, not one each)."""
         while self.outbox:
-            alert = self.outbox[0]
+            notice = self.outbox[0].kind in NOTICE_KINDS
+            group = []
+            for alert in itertools.islice(self.outbox, MAX_BATCH_ALERTS):
+                if (alert.kind in NOTICE_KINDS) != notice:
+                    break
+                group.append(alert)
             try:
-                (self.notices if alert.kind in NOTICE_KINDS else self.bus).publish(alert)
+                _name, count = (self.notices if notice else self.bus).publish_batch(group)
             except BusError as exc:
                 self.errors["bus"] = str(exc)[:500]
                 return
             self.errors.pop("bus", None)
-            self.outbox.popleft()
-            self.published += 1
-            self.published_by_kind[alert.kind] = self.published_by_kind.get(alert.kind, 0) + 1
+            for _ in range(count):
+                alert = self.outbox.popleft()
+                self.published += 1
+                self.published_by_kind[alert.kind] = self.published_by_kind.get(alert.kind, 0) + 1
 
     # ---- status -----------------------------------------------------------------------------
     def status(self, now: float | None = None) -> dict[str, Any]:

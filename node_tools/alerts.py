@@ -10,7 +10,19 @@ One alert is one JSON object::
 ``rank`` is null for machine-level alerts, ``job`` is "" when no job is
 concerned. It is validated with a JSON Schema on both ends: by the agent before
 it publishes and by every reader before it acts. Readers refuse alerts of an
-unknown schema version or from an agent of another major version.
+unknown schema version or from an agent of another major version. (A quick check
+accepts the common, plainly valid document; anything it does not accept is judged,
+and its reason worded, by the full JSON Schema, so both accept exactly the same.)
+
+An agent that has several alerts at once (the ranks of its machine timing out
+together) publishes them as one **batch document**, ``{"schema": 1, "alerts":
+[<alert>, ...]}`` (:func:`batch_document`): one machine's alerts, at most
+:data:`MAX_BATCH_ALERTS` of them and :data:`MAX_ALERT_BYTES` in all, so a storm
+from every rank of a fleet is one object per machine on the bus. A lone alert is
+still published as a single-alert document, and readers take both
+(:func:`parse_document`); a batch is accepted whole or refused whole (the reason
+names the first alert at fault). A reader older than batch documents quarantines
+them: upgrade the control plane before the agents.
 
 The bus is an untrusted input (a machine with a broken clock, a buggy or forged
 writer), so every field is bounded: a whole document above :data:`MAX_ALERT_BYTES`
@@ -26,8 +38,10 @@ of the published document.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,8 +50,10 @@ from node_tools.errors import TrainguardError
 
 SCHEMA_VERSION = 1
 SEVERITIES = ("info", "warning", "fault")
-#: a document above this is refused without being parsed (quarantined with the reason)
+#: a document above this (a single alert or a batch) is refused without being parsed (quarantined with the reason)
 MAX_ALERT_BYTES = 64 * 1024
+#: the most alerts one batch document holds
+MAX_BATCH_ALERTS = 256
 #: evidence above this (as compact JSON) is cut down and marked ``_truncated``
 MAX_EVIDENCE_BYTES = 8 * 1024
 #: how evidence is cut down: strings to this many characters, lists to their last items, depth
@@ -132,8 +148,13 @@ class Alert:
     bus_name: str | None = field(default=None, compare=False)  # its object name on the bus, when read from one
 
     def to_dict(self) -> dict[str, Any]:
-        """The published document (the reader's notes left out)."""
-        return {k: v for k, v in asdict(self).items() if k in WIRE_FIELDS}
+        """The published document (the reader's notes left out): a copy, sharing nothing mutable with the alert."""
+        evidence = _plain_copy(self.evidence)
+        if evidence is _NOT_PLAIN:  # something other than JSON's types inside: the general deep copy
+            return {k: v for k, v in asdict(self).items() if k in WIRE_FIELDS}
+        return {"kind": self.kind, "machine": self.machine, "severity": self.severity, "job": self.job,
+                "rank": self.rank, "evidence": evidence, "ts": self.ts, "id": self.id,
+                "agent_version": self.agent_version, "schema": self.schema}
 
     def record(self) -> dict[str, Any]:
         """The document with the reader's notes, as the control plane keeps it: ``received_ts``, ``bus_name``
@@ -157,15 +178,99 @@ class Alert:
     def from_json(cls, text: str | bytes, *, max_bytes: int = MAX_ALERT_BYTES) -> Alert:
         """Parse and validate one published alert; evidence over the limit is cut down and marked. A
         document over ``max_bytes`` is refused unread."""
-        if len(text) > max_bytes:
-            raise AlertError(f"{len(text)} bytes, over the limit of {max_bytes} bytes for one alert")
-        try:
-            document = json.loads(text)
-        except ValueError as exc:
-            raise AlertError(f"not JSON: {str(exc)[:200]}") from None
+        return cls.from_document(_load(text, max_bytes))
+
+    @classmethod
+    def from_document(cls, document: Any) -> Alert:
+        """Validate one parsed alert document; evidence over the limit is cut down and marked."""
         validate(document)
         document["evidence"], _ = bound_evidence(document["evidence"])
         return cls(**document)
+
+
+def _load(text: str | bytes, max_bytes: int) -> Any:
+    if len(text) > max_bytes:
+        raise AlertError(f"{len(text)} bytes, over the limit of {max_bytes} bytes for one alert")
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise AlertError(f"not JSON: {str(exc)[:200]}") from None
+
+
+def batch_document(alerts: Sequence[Alert], *, max_bytes: int = MAX_ALERT_BYTES,
+                   max_alerts: int = MAX_BATCH_ALERTS) -> tuple[int, str]:
+    """One document holding the first alerts of ``alerts``, as many as fit: all of one machine (the first's),
+    at most ``max_alerts`` and ``max_bytes`` in all. Returns how many it holds and its JSON; one alert is its
+    own single-alert document (what :meth:`Alert.to_json` gives). Each alert is validated as it is added."""
+    if not alerts:
+        raise ValueError("a batch document needs at least one alert")
+    head, tail = f'{{"schema":{SCHEMA_VERSION},"alerts":[', "]}"
+    docs: list[str] = []
+    size = len(head) + len(tail)
+    for alert in alerts[:max_alerts]:
+        if alert.machine != alerts[0].machine:
+            break
+        text = alert.to_json()  # ASCII: characters are bytes
+        if docs and size + len(text) + 1 > max_bytes:
+            break
+        docs.append(text)
+        size += len(text) + 1
+    if len(docs) == 1:
+        return 1, docs[0]
+    return len(docs), head + ",".join(docs) + tail
+
+
+def parse_document(text: str | bytes, *, max_bytes: int = MAX_ALERT_BYTES) -> list[Alert]:
+    """The alerts of one document of the bus, a single alert or a batch (see the module's text), validated. A
+    document over ``max_bytes`` is refused unread; a batch with any alert that is not valid is refused whole,
+    the reason naming it (``alerts/3/kind: ...``)."""
+    document = _load(text, max_bytes)
+    if not (isinstance(document, dict) and "alerts" in document and "kind" not in document):
+        return [Alert.from_document(document)]
+    if document.get("schema") != SCHEMA_VERSION:
+        raise AlertError(f"batch schema {document.get('schema')!r} is unknown; this reader reads {SCHEMA_VERSION}")
+    extra = sorted(set(document) - {"schema", "alerts"})
+    if extra:
+        raise AlertError(f"batch: additional properties are not allowed ({', '.join(map(str, extra))[:200]})")
+    items = document["alerts"]
+    if not isinstance(items, list) or not 1 <= len(items) <= MAX_BATCH_ALERTS:
+        size = len(items) if isinstance(items, list) else type(items).__name__
+        raise AlertError(f"alerts: a batch holds 1 to {MAX_BATCH_ALERTS} alerts, not {size}")
+    out = []
+    for i, item in enumerate(items):
+        try:
+            out.append(Alert.from_document(item))
+        except AlertError as exc:
+            raise AlertError(f"alerts/{i}/{exc}") from None
+    return out
+
+
+_NOT_PLAIN = object()
+_ATOMS = (str, int, float, bool, type(None))
+
+
+def _plain_copy(value: Any) -> Any:
+    """A deep copy of ``value`` made only of JSON's types (dict, list, tuple, str, numbers, None), or
+    ``_NOT_PLAIN`` when anything else is inside."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is dict:
+        out = {}
+        for k, v in value.items():
+            if type(k) not in _ATOMS:
+                return _NOT_PLAIN
+            c = _plain_copy(v)
+            if c is _NOT_PLAIN:
+                return _NOT_PLAIN
+            out[k] = c
+        return out
+    if kind is list or kind is tuple:
+        items = [_plain_copy(v) for v in value]
+        if any(c is _NOT_PLAIN for c in items):
+            return _NOT_PLAIN
+        return items if kind is list else tuple(items)
+    return _NOT_PLAIN
 
 
 def _compact(value: Any) -> int:
@@ -206,22 +311,49 @@ def bound_evidence(evidence: Any, limit: int = MAX_EVIDENCE_BYTES) -> tuple[dict
 
 
 _validator: Any = None
+_FIELDS = frozenset(WIRE_FIELDS)
+_KINDS = frozenset(ALERT_KINDS)
+_ID = re.compile(r"[0-9a-f]{8,64}")
+_MACHINE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_VERSION = re.compile(r"\d+\.\d+\.\d+")
+
+
+def _plainly_valid(d: Any) -> bool:
+    """True only for documents :data:`ALERT_JSON_SCHEMA` accepts, checked field by field in plain Python (about
+    40 times faster than the JSON Schema); False for anything unusual, which the JSON Schema then judges."""
+    if type(d) is not dict or d.keys() != _FIELDS:
+        return False
+    rank, ts, evidence, version, ident, machine = (d["rank"], d["ts"], d["evidence"], d["agent_version"], d["id"],
+                                                  d["machine"])
+    return bool(
+        type(d["schema"]) is int and d["schema"] == SCHEMA_VERSION
+        and type(ident) is str and _ID.fullmatch(ident)
+        and type(d["job"]) is str and len(d["job"]) <= 64
+        and type(machine) is str and len(machine) <= 63 and _MACHINE.fullmatch(machine)
+        and (rank is None or (type(rank) is int and 0 <= rank <= 1 << 24))
+        and type(d["kind"]) is str and d["kind"] in _KINDS
+        and type(d["severity"]) is str and d["severity"] in SEVERITIES
+        and type(ts) in (int, float) and 0 <= ts <= 1e11
+        and type(evidence) is dict and len(evidence) <= 64
+        and type(version) is str and len(version) <= 32 and _VERSION.match(version))
 
 
 def validate(document: Any) -> None:
     """Raise :class:`AlertError` with a one-line reason unless ``document`` is a valid alert."""
     global _validator
-    if _validator is None:
-        import jsonschema
+    if not _plainly_valid(document):
+        if _validator is None:
+            import jsonschema
 
-        _validator = jsonschema.Draft202012Validator(ALERT_JSON_SCHEMA)
-    if isinstance(document, dict) and document.get("schema") not in (None, SCHEMA_VERSION):
-        raise AlertError(f"alert schema {document.get('schema')!r} is unknown; this reader reads {SCHEMA_VERSION}")
-    errors = sorted(_validator.iter_errors(document), key=lambda e: list(e.path))
-    if errors:
-        err = errors[0]
-        where = "/".join(str(p) for p in err.path) or "alert"
-        raise AlertError(f"{where}: {err.message}")
+            _validator = jsonschema.Draft202012Validator(ALERT_JSON_SCHEMA)
+        if isinstance(document, dict) and document.get("schema") not in (None, SCHEMA_VERSION):
+            raise AlertError(f"alert schema {document.get('schema')!r} is unknown; this reader reads "
+                             f"{SCHEMA_VERSION}")
+        errors = sorted(_validator.iter_errors(document), key=lambda e: list(e.path))
+        if errors:
+            err = errors[0]
+            where = "/".join(str(p) for p in err.path) or "alert"
+            raise AlertError(f"{where}: {err.message}")
     major = str(document["agent_version"]).split(".")[0]
     if major != __version__.split(".")[0]:
         raise AlertError(

@@ -3,26 +3,39 @@ deferrable ``AlertSensor`` (:mod:`operators.sensors.alerts`).
 
 The trigger polls the alert bus (:class:`node_tools.bus.BusReader`) every ``poll_s``, from the reader's cursor
 in the fleet database (every name it has read and recorded, whatever the writers' clocks say). On the first
-alert it keeps reading for ``settle_s`` more (default 3 s), so a burst from a thousand ranks timing out
+alert it keeps reading for ``settle_s`` more (default 1 s), so a burst from a thousand ranks timing out
 together becomes one batch, then fires (at once instead when the batch holds an alert the ladder acts on by
-itself, an explicit machine fault or a silent agent: waiting would only delay the eviction; what comes later
-joins the open incident) with every alert of the batch as JSON documents, the names it read, the documents
-it quarantined, and what it saw of the agents' heartbeats. With ``record`` (the guardian's), the
-trigger records the batch itself as it fires (:func:`operators.tasks.guardian.group_alerts`: alerts into
-incidents, the bus cursor committed in the same transaction) and starts each new incident's tg_incident
-run through the REST API: an incident's run starts about a second after its alert, with no task to
+itself, an explicit machine fault or a silent agent: waiting would only delay the eviction; or when the batch
+is full: what comes later joins the open incident) with every alert of the batch as JSON documents, the names
+it read, the documents it quarantined, and what it saw of the agents' heartbeats. With ``record`` (the
+guardian's), the trigger records the batch itself as it fires (:func:`operators.tasks.guardian.group_alerts`:
+alerts into incidents, the bus cursor committed in the same transaction) and starts each new incident's
+tg_incident run through the REST API: an incident's run starts about a second after its alert, with no task to
 schedule in between; the event then carries what was started. When it cannot (the fleet database or the
 REST API does not answer there), the event carries the batch and the guardian's tasks record it and start
 the runs (recording a batch twice is a no-op: alerts are keyed by id; a run's id names its incident).
 Without ``record`` the trigger never writes the cursor.
 
+An alert storm (every rank of a 100,000-rank job at once) is cut into batches of at most
+:data:`BATCH_ALERTS` alerts and :data:`BATCH_BYTES` of documents, each read within about :data:`READ_S`: the
+first batch that is full (or that its reading time ended with documents still unread) fires at once, so the
+incident opens within a second or so of the storm's first alerts whatever its size and however slow the bus,
+and no event grows with the storm. Recording, the trigger then records the next batches one after the
+other (each joins the open incident; each commits the cursor) until the bus holds nothing unread or
+:attr:`AlertTrigger.drain_s` has passed, and fires once with what it recorded; a batch it cannot record is
+left unrecorded, and the next run reads it again. Without ``record``, each run fires with one batch and the
+next run reads the next.
+
 While it waits the trigger also watches trainguard itself: every second it lists the agents' heartbeats
 (:class:`operators.policy.liveness.AgentWatch`) and reports an agent silent past ``silent_s`` on a machine
 of a running job as an ``agent_silent`` alert of its own; every few seconds it records its own poll in the
-fleet database (component ``guardian``: ``trainguard status`` and the metrics say how old it is); it
-moves names recorded longer than ``retain_s`` ago to the bus's archive, so the folder it lists stays short;
-and, recording, every ``ORPHAN_SWEEP_S`` it starts the run of any open incident whose start was lost
-(:func:`operators.tasks.guardian.orphans`: starting one that exists changes nothing).
+fleet database (component ``guardian``: ``trainguard status`` and the metrics say how old it is); every
+:data:`RETIRE_EVERY_S` it removes from the bus the names recorded longer than ``retain_s`` ago by its own
+clock (:meth:`node_tools.bus.AlertBus.retire`, in bulk; the fleet database keeps every alert's document), so
+the folder it lists holds only what is unread or recent; recording, it drops them from the committed cursor
+at once, otherwise its event reports them ``gone``. And, recording, every ``ORPHAN_SWEEP_S`` it starts the run
+of any open incident whose start was lost (:func:`operators.tasks.guardian.orphans`: starting one that exists
+changes nothing).
 """
 
 from __future__ import annotations
@@ -40,7 +53,21 @@ from operators.policy import ladder
 from operators.settings import DEFAULT_SETTLE_S
 
 DEFAULT_POLL_S = 0.25
-DEFAULT_RETAIN_S = 600.0
+#: a name recorded this long ago (by the reader's clock) leaves the bus's folder; other readers of the folder
+#: (tools, a demo's watchers) poll far more often than this
+DEFAULT_RETAIN_S = 30.0
+RETIRE_EVERY_S = 5.0
+#: names retired per round (S3: one DeleteObjects call per 1,000)
+RETIRE_ROUND = 20_000
+#: one event holds at most this many alerts (quarantined documents count as alerts) ...
+BATCH_ALERTS = 5_000
+#: ... and this many bytes of documents read; the rest comes with the next batch
+BATCH_BYTES = 8 << 20
+#: a poll reads for at most this long (once it holds something): a bus slower than the storm it carries (S3 at
+#: one GET an alert) still fires the first batch within about this, the rest following batch by batch
+READ_S = 1.0
+#: names an event reports gone, at most (each a cursor row to delete in the same transaction as the batch)
+GONE_PER_EVENT = 5_000
 GUARDIAN = "guardian"
 NOTICES_READER = "checkpoint-notices"
 LIVENESS_EVERY_S = 1.0
@@ -68,16 +95,18 @@ def watched_machines(fleet: Any) -> dict[str, str]:
 
 
 class _Watch:
-    """The trigger's reading state: the bus reader over the committed cursor, the agent watch, clocks."""
+    """The trigger's reading state: the bus reader over the committed cursor, the agent watch, clocks.
+    ``commits``: this watch may write the reader's cursor itself (a recording trigger's)."""
 
     def __init__(self, bus_url: str, fleet_url: str, reader: str, *, folder: str, silent_s: float, skew_s: float,
-                 retain_s: float) -> None:
+                 retain_s: float, commits: bool = False) -> None:
         from node_tools.bus import BusReader, open_bus
         from operators.policy.liveness import AgentWatch
 
         self.bus = open_bus(bus_url, folder=folder)
         self.fleet = _fleet(fleet_url)
         self.reader_name = reader
+        self.commits = commits and self.fleet is not None
         self.committed = self.fleet.cursor(reader) if self.fleet else {}
         self.reader = BusReader(self.bus, seen=dict(self.committed), skew_s=skew_s)
         self.retain_s = retain_s
@@ -87,32 +116,47 @@ class _Watch:
                 m: {"token": a.token, "changed_ts": a.changed_ts, "reported_ts": a.reported_ts}
                 for m, a in self.fleet.liveness().items()})
         self.watched: dict[str, str] = {}
-        self.next = {"liveness": 0.0, "beat": 0.0, "watched": 0.0, "archive": 0.0}
+        self.next = {"liveness": 0.0, "beat": 0.0, "watched": 0.0, "retire": 0.0}
         self.polls = 0
 
-    def archive(self) -> int:
-        """Move names recorded more than ``retain_s`` ago (by this reader's clock) to the archive."""
+    def retire(self) -> int:
+        """Remove from the bus the names recorded more than ``retain_s`` ago (by this reader's clock), at most
+        :data:`RETIRE_ROUND` of them; returns how many left. They leave the cursor: committed at once when this
+        watch commits, else reported ``gone`` by the next event (none is retired while that list is full)."""
+        if not self.commits and len(self.reader.gone) >= GONE_PER_EVENT:
+            return 0
         now = time.time()
-        old = [n for n, ts in self.committed.items() if now - ts > self.retain_s]
-        done = 0
-        for name in old:
-            try:
-                self.bus.archive(name)
-                done += 1
-            except Exception:  # noqa: S112 - a bus error now: the next run tries again
-                continue
+        old = [n for n, ts in self.committed.items() if now - ts > self.retain_s][:RETIRE_ROUND]
+        if not old:
+            return 0
+        try:
+            done = self.bus.retire(old)
+        except Exception:  # a bus error now: the next round tries again
+            return 0
+        for name in done:
             self.committed.pop(name, None)
-            if self.reader.seen.pop(name, None) is not None:
-                self.reader.gone.append(name)
-        return done
+        self.reader.forget(done)
+        if self.commits and self.fleet is not None:
+            for i in range(0, len(done), GONE_PER_EVENT):
+                try:
+                    self.fleet.advance_cursor(self.reader_name, {}, done[i:i + GONE_PER_EVENT])
+                except Exception:  # the next event reports the rest gone
+                    self.reader.gone += done[i:]
+                    break
+        else:
+            self.reader.gone += done
+        return len(done)
 
-    def poll(self) -> list[dict[str, Any]]:
-        """One round: new alerts, and (when due) agents found silent, the guardian's own beat, archiving."""
+    def poll(self, room: int | None = None, *, tidy: bool = True, read_s: float = READ_S) -> list[dict[str, Any]]:
+        """One round: the new alerts read within ``read_s``, at most ``room`` (default :data:`BATCH_ALERTS`;
+        the last document read may hold a few more), and (when due) agents found silent, the guardian's own
+        beat and, with ``tidy`` (not while a batch is being gathered), the retirement of old names."""
+        room = BATCH_ALERTS if room is None else room
         self.polls += 1
-        if self.fleet is not None and time.monotonic() >= self.next["archive"]:
-            self.next["archive"] = time.monotonic() + 60.0
-            self.archive()
-        out = [a.record() for a in self.reader.read()]
+        if self.fleet is not None and tidy and time.monotonic() >= self.next["retire"]:
+            self.next["retire"] = time.monotonic() + RETIRE_EVERY_S
+            self.retire()
+        out = [a.record() for a in self.reader.read(max(1, room), max_read_bytes=BATCH_BYTES, max_read_s=read_s)]
         now, mono = time.time(), time.monotonic()
         if self.fleet is not None:
             if mono >= self.next["watched"]:
@@ -129,12 +173,22 @@ class _Watch:
         return out
 
     def event(self, batch: list[dict[str, Any]], first_seen: float) -> dict[str, Any]:
+        """The event of ``batch``: the names read and not committed, at most :data:`GONE_PER_EVENT` names gone,
+        what was quarantined, the agents' liveness; ``more``: unread documents wait on the bus."""
         read = {n: ts for n, ts in self.reader.seen.items() if n not in self.committed}
         now = time.time()
         quarantined = [{**q, "ts": now} for q in self.reader.quarantined]
         return {"alerts": batch, "first_seen_ts": first_seen, "fired_ts": now, "reader": self.reader_name,
-                "read": read, "gone": list(self.reader.gone), "quarantined": quarantined,
-                "liveness": self.watch.state if self.watch is not None else None}
+                "read": read, "gone": self.reader.gone[:GONE_PER_EVENT], "quarantined": quarantined,
+                "liveness": self.watch.state if self.watch is not None else None, "more": self.reader.more}
+
+    def commit(self, event: dict[str, Any]) -> None:
+        """``event`` was recorded (its cursor committed): what it read is committed, what it reported is done."""
+        self.committed.update(event["read"])
+        for name in event["gone"]:
+            self.committed.pop(name, None)
+        del self.reader.gone[:len(event["gone"])]
+        del self.reader.quarantined[:len(event["quarantined"])]
 
 
 class AlertTrigger(BaseTrigger):
@@ -142,6 +196,9 @@ class AlertTrigger(BaseTrigger):
     batch so far, once it holds an alert the ladder acts on by itself). ``fleet_url``: the fleet database
     holding the cursor of ``reader`` (empty: no cursor, no agent watch; for tools and tests);
     ``silent_s``: an agent of a running job silent this long is reported (0: not watched)."""
+
+    #: how long a recording trigger goes on recording the batches of a storm before it fires
+    drain_s = 60.0
 
     def __init__(self, bus_url: str, fleet_url: str = "", *, reader: str = GUARDIAN,
                  settle_s: float = DEFAULT_SETTLE_S, poll_s: float = DEFAULT_POLL_S, kinds: Sequence[str] = (),
@@ -172,7 +229,8 @@ class AlertTrigger(BaseTrigger):
         from node_tools.bus import ALERTS
 
         watch = await asyncio.to_thread(_Watch, self.bus_url, self.fleet_url, self.reader, folder=ALERTS,
-                                        silent_s=self.silent_s, skew_s=self.skew_s, retain_s=self.retain_s)
+                                        silent_s=self.silent_s, skew_s=self.skew_s, retain_s=self.retain_s,
+                                        commits=self.record)
         if self.record:  # what recording needs, ready before the first alert (a fresh triggerer's first
             # connection lookup takes seconds): the controller, the REST API's client and its token
             await asyncio.to_thread(self._warm)
@@ -189,14 +247,38 @@ class AlertTrigger(BaseTrigger):
             await asyncio.sleep(self.poll_s)
         first_seen = time.time()
         deadline = time.monotonic() + self.settle_s
-        while batch and time.monotonic() < deadline and not any(ladder.decisive(a) for a in batch):
+        while batch and time.monotonic() < deadline and not watch.reader.more and len(batch) < BATCH_ALERTS \
+                and not any(ladder.decisive(a) for a in batch):
             await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
-            batch += self._keep(await asyncio.to_thread(watch.poll))
+            batch += self._keep(await asyncio.to_thread(watch.poll, BATCH_ALERTS - len(batch), tidy=False,
+                                                        read_s=max(0.1, deadline - time.monotonic())))
         batch.sort(key=lambda a: a["ts"])
         event = watch.event(batch, first_seen)
         if self.record:
-            event = await asyncio.to_thread(self._record, event)
+            event = await asyncio.to_thread(self._record_all, watch, event)
         yield TriggerEvent(event)
+
+    def _record_all(self, watch: _Watch, event: dict[str, Any]) -> dict[str, Any]:
+        """Record ``event``'s batch, then the batches still waiting on the bus one after the other (each joins
+        the incidents open by then) until none is left or :attr:`drain_s` has passed; returns what was recorded
+        (or, when the first batch could not be, that event itself for the guardian's task). A later batch that
+        cannot be recorded is left: its names are not committed, so the next run reads them again."""
+        out = self._record(event)
+        if not out.get("recorded"):
+            return out
+        watch.commit(event)
+        began = time.monotonic()
+        while (watch.reader.more or watch.reader.gone) and time.monotonic() - began < self.drain_s:
+            batch = sorted(self._keep(watch.poll(tidy=False)), key=lambda a: a["ts"])
+            nxt = watch.event(batch, time.time())
+            if not (batch or nxt["read"] or nxt["gone"] or nxt["quarantined"]):
+                break
+            done = self._record(nxt)
+            if not done.get("recorded"):
+                break
+            watch.commit(nxt)
+            out = _merged(out, done)
+        return out
 
     def _api(self) -> Any:
         """The REST API's client, one per triggerer process (its token kept): built on first use."""
@@ -235,7 +317,7 @@ class AlertTrigger(BaseTrigger):
             started = guardian.start_runs(starts, self._api()) if starts else {}
         except Exception as exc:  # no connection, the api-server down: the start_incident task starts them
             started = {s["trigger_run_id"]: f"not started: {exc}"[:300] for s in starts}
-        summary = sorted({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})
+        summary = _summary({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})
         self.log.info("recorded %d alerts (%s) in %.2fs; runs: %s in %.2fs", len(event["alerts"]), ", ".join(summary),
                       recorded - began, started, time.monotonic() - recorded)
         return {"recorded": True, "starts": starts, "started": started, "alerts": len(event["alerts"]),
@@ -254,6 +336,31 @@ class AlertTrigger(BaseTrigger):
                     self.log.warning("started the runs of incidents whose start was lost: %s", started)
         except Exception as exc:  # the next sweep tries again
             self.log.warning("orphan sweep: %s", exc)
+
+
+#: machine:kind pairs an event names, at most (a storm's are counted, not listed)
+SUMMARY_MAX = 50
+
+
+def _summary(pairs: set[str]) -> list[str]:
+    """The sorted ``machine:kind`` pairs, at most :data:`SUMMARY_MAX` of them and then how many more."""
+    ordered = sorted(pairs)
+    if len(ordered) <= SUMMARY_MAX:
+        return ordered
+    return [*ordered[:SUMMARY_MAX], f"... {len(ordered) - SUMMARY_MAX} more"]
+
+
+def _merged(out: dict[str, Any], done: dict[str, Any]) -> dict[str, Any]:
+    """Two recorded events as one: the runs started by either, the alerts of both counted, their
+    ``machine:kind`` pairs up to :data:`SUMMARY_MAX` (then "..." when either had more)."""
+    both = [*out["kinds"], *done["kinds"]]
+    kinds = sorted({k for k in both if not k.startswith("...")})
+    if len(kinds) > SUMMARY_MAX or any(k.startswith("...") for k in both):
+        kinds = [*kinds[:SUMMARY_MAX], "... more"]
+    starts = {s["trigger_run_id"]: s for s in [*out["starts"], *done["starts"]]}
+    return {**out, "starts": list(starts.values()), "started": {**out["started"], **done["started"]},
+            "alerts": out["alerts"] + done["alerts"], "kinds": kinds, "fired_ts": done["fired_ts"],
+            "quarantined": [*out["quarantined"], *done["quarantined"]][:BATCH_ALERTS]}
 
 
 class CheckpointNoticeTrigger(BaseEventTrigger):
@@ -282,7 +389,7 @@ class CheckpointNoticeTrigger(BaseEventTrigger):
             default_bus, default_fleet = await asyncio.to_thread(alert_source)
             bus_url, fleet_url = bus_url or default_bus, fleet_url or default_fleet
         watch = await asyncio.to_thread(_Watch, bus_url, fleet_url, NOTICES_READER, folder=NOTICES, silent_s=0.0,
-                                        skew_s=60.0, retain_s=DEFAULT_RETAIN_S)
+                                        skew_s=60.0, retain_s=DEFAULT_RETAIN_S, commits=True)
         while True:
             docs = await asyncio.to_thread(lambda: [a.record() for a in watch.reader.read()])
             notices = [{"job": d["job"], "step": d["evidence"].get("step"), "machine": d["machine"], "ts": d["ts"]}
@@ -291,7 +398,8 @@ class CheckpointNoticeTrigger(BaseEventTrigger):
                 event = watch.event([], 0.0)
                 if watch.fleet is not None:
                     await asyncio.to_thread(watch.fleet.advance_cursor, NOTICES_READER, event["read"], event["gone"])
-                    await asyncio.to_thread(watch.archive)
+                    watch.commit(event)
+                    await asyncio.to_thread(watch.retire)
                 yield TriggerEvent({"notices": notices})
                 return
             await asyncio.sleep(self.poll_s)
