@@ -51,7 +51,8 @@ SIZE_NAMES: dict[str, dict[str, str]] = {"ettr_report_s": {"1": "1day", "7": "7d
 #: Each size's unit, for the table.
 SIZE_UNITS: dict[str, str] = {"ettr_report_s": "days of 2 s steps", "restart_plan_s": "machines",
                               "bus_storm_read_s": "alerts", "bus_storm_drain_s": "alerts",
-                              "guardian_ingest_s": "alerts", "alert_storm_open_s": "alerts"}
+                              "guardian_ingest_s": "alerts", "alert_storm_open_s": "alerts",
+                              "bus_idle_poll_s": "alerts read before"}
 
 
 def areas() -> list[str]:

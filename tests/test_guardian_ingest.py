@@ -131,3 +131,23 @@ def test_an_eviction_of_machines_outside_the_job_neither_stops_nor_restarts_it(c
     assert steps.stop_job(item["incident"], [out])["skipped"]  # no stop (the transport refuses one)
     assert ctl.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]
     assert json.dumps(out)  # the handler's result is still a plain document
+
+
+def test_a_batch_object_with_one_untrusted_alert_stays_on_the_bus_for_the_alerts_it_recorded(ctl):
+    """An agent publishes its ranks' alerts as one object: the rank outside the job is quarantined in the fleet
+    database, but the object, whose other alerts were recorded, is not moved to the bus's quarantine; an object
+    of untrusted alerts only still is."""
+    bus = open_bus(ctl.inventory.bus_url)
+    good, bad = Alert("rank_hang", "m1", job="j", rank=1), Alert("rank_hang", "m1", job="j", rank=12)
+    name, held = bus.publish_batch([good, bad])
+    assert held == 2
+    forged = Alert("rank_hang", "m1", job="j", rank=40)
+    lone = bus.publish(forged)
+    reader = BusReader(bus, seen=ctl.fleet.cursor("guardian"))
+    docs = [a.record() for a in reader.read()]
+    [item] = ctl.ingest(docs, read=dict(reader.seen), gone=reader.gone, quarantined=reader.quarantined)
+    assert item["alerts"] == 1 and ctl.fleet.known_alerts([good.id, bad.id, forged.id]) == {good.id}
+    assert sorted(q.document["id"] for q in ctl.fleet.quarantined()) == sorted([bad.id, forged.id])
+    spool = Path(ctl.inventory.bus_url.removeprefix("spool://"))
+    assert (spool / "alerts" / name).exists() and not (spool / "quarantine" / name).exists()
+    assert (spool / "quarantine" / lone).exists()

@@ -126,7 +126,10 @@ class Incidents(ControllerBase):
                                     quarantined=[*quarantined, *rejected],
                                     liveness={m: dict(v) for m, v in liveness.items()} if liveness else None)
         if rejected:
-            self._quarantine_on_bus(rejected)
+            # a bus object may hold a batch of one machine's alerts: it leaves the folder only when none of them
+            # was trusted (the trusted ones are recorded; the untrusted ones are recorded as quarantined)
+            kept = {str(d.get("bus_name") or "") for d in trusted}
+            self._quarantine_on_bus([r for r in rejected if r["name"] not in kept])
         out = []
         for (job, batch), (incident, opened) in zip(sorted(by_job.items()), results, strict=True):
             taken_over = not opened and self._take_over(incident.id)
