@@ -1,7 +1,8 @@
 """How each control-plane path's cost grows with the fleet: time and memory at each size, and where it crosses
 its limit.
 
-    python bench/scale.py [--quick] [--trials 3] [--only AREA[,AREA]] [--out FILE] [--chart PNG]
+    python bench/scale.py [--quick] [--trials 3] [--trials-for AREA=N,..] [--only AREA[,AREA]] [--out FILE]
+                          [--chart PNG]
 
 Each area is a module ``bench/scale_<area>.py`` with ``CASES``: metric name -> (prepare, sizes). For every
 size, every trial runs in a fresh interpreter (so one case's caches and heap never help or burden another):
@@ -132,6 +133,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="one trial of the two smallest sizes of each case")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated areas (default: every bench/scale_*.py)")
+    ap.add_argument("--trials-for", default="", help="AREA=N,... trials of those areas (those whose set-up "
+                                                      "alone takes minutes: the storm on moto_server)")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="limit for one trial")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--chart", type=Path)
@@ -142,6 +145,13 @@ def main() -> int:
         print(f"no bench/scale_{unknown[0]}.py; areas are {', '.join(areas())}", file=sys.stderr)
         return 2
     trials = 1 if args.quick else max(1, args.trials)
+    per_area: dict[str, int] = {}
+    for item in filter(None, args.trials_for.split(",")):
+        area, _, n = item.partition("=")
+        if area not in areas() or not n.isdigit() or int(n) < 1:
+            print(f"--trials-for {item!r}: write AREA=N with an area of {', '.join(areas())}", file=sys.stderr)
+            return 2
+        per_area[area] = 1 if args.quick else int(n)
     metrics: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     errors: dict[str, str] = {}
@@ -154,7 +164,7 @@ def main() -> int:
             crossed: str | None = None
             for size in run_sizes:
                 key = key_of(metric, size)
-                runs = [trial(area, metric, size, args.timeout_s) for _ in range(trials)]
+                runs = [trial(area, metric, size, args.timeout_s) for _ in range(per_area.get(area, trials))]
                 failed = [r["error"] for r in runs if "error" in r]
                 good = [r for r in runs if "error" not in r]
                 if failed:
@@ -183,7 +193,7 @@ def main() -> int:
                                   "crosses_limit_at": crossed,
                                   "statement": (f"crosses its limit at {crossed}" if crossed else
                                                 f"no limit crossed up to {max(run_sizes)}")}
-    setup = {"trials": trials, "areas": chosen, "limits": limits, "errors": errors,
+    setup = {"trials": trials, "trials_per_area": per_area, "areas": chosen, "limits": limits, "errors": errors,
              "cpu_count": os.cpu_count()}
     if args.chart:
         chart(points, args.chart)
