@@ -99,26 +99,42 @@ def key_of(metric: str, size: int) -> str:
     return f"{base}.{label}" + (f".{variant}" if variant else "")
 
 
+def points_from(metrics: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
+    """A result document's metrics as (size, median seconds) per metric: the inverse of :func:`key_of`."""
+    names = {label: int(size) for labels in SIZE_NAMES.values() for size, label in labels.items()}
+    out: dict[str, list[tuple[int, float]]] = {}
+    for key, m in metrics.items():
+        base, label, *variant = key.split(".")
+        size = names.get(label) if not label.isdigit() else int(label)
+        if size is not None:
+            out.setdefault(".".join([base, *variant]), []).append((size, float(m["median"])))
+    return out
+
+
 def chart(points: dict[str, list[tuple[int, float]]], path: Path) -> None:
-    """Seconds against fleet size, log-log, one line per metric."""
+    """Seconds against size, log-log, one line per metric, the legend beside the plot."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=80)
-    for metric, pts in sorted(points.items()):
-        if len(pts) < 1:
-            continue
+    fig, ax = plt.subplots(figsize=(11, 5.2), dpi=80)
+    colours = plt.get_cmap("tab20").colors
+    markers = "os^vD<>p*hX"
+    for i, (metric, pts) in enumerate(sorted(points.items())):
         xs, ys = zip(*sorted(pts), strict=True)
-        ax.plot(xs, [max(y, 1e-4) for y in ys], marker="o", ms=4, label=metric)
+        ax.plot(xs, [max(y, 1e-4) for y in ys], marker=markers[i % len(markers)], ms=5, lw=1.2,
+                color=colours[i % len(colours)], label=metric)
+    for limit, text in ((2.0, "2 s"), (30.0, "30 s")):
+        ax.axhline(limit, color="grey", ls=":", lw=0.8)
+        ax.text(1.0, limit * 1.1, text, fontsize=7, color="grey")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("size (ranks, machines, alerts or days: see the metric)")
+    ax.set_xlabel("size: ranks (stacks, topology), machines (restart plan), alerts (bus, ingest, storm), days (ETTR)")
     ax.set_ylabel("seconds (median)")
-    ax.set_title("trainguard control-plane paths against fleet size")
+    ax.set_title("trainguard control-plane paths against fleet size (2 cores)")
     ax.grid(True, which="both", lw=0.3)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -128,6 +144,9 @@ def chart(points: dict[str, list[tuple[int, float]]], path: Path) -> None:
 def main() -> int:
     if len(sys.argv) == 5 and sys.argv[1] == "--child":
         print(json.dumps(child(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+        return 0
+    if len(sys.argv) == 4 and sys.argv[1] == "--chart-only":  # redraw: --chart-only RESULT.json CHART.png
+        chart(points_from(json.loads(Path(sys.argv[2]).read_text())["metrics"]), Path(sys.argv[3]))
         return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one trial of the two smallest sizes of each case")
