@@ -54,6 +54,21 @@ def seconds_range(text: str) -> tuple[float, float] | None:
     return (lo, hi) if 0 <= lo <= hi else None
 
 
+def run_cases(cases: dict[str, Any], argv: list[str]) -> int:
+    """A ``bench/scale_<area>.py``'s self-check: one run of each case at each size (the sizes given as
+    arguments, else the case's), its seconds and what it returned."""
+    import time
+
+    only = [int(a) for a in argv]
+    for metric, (prepare, sizes) in cases.items():
+        for size in [s for s in only if s in sizes] if only else sizes:
+            run = prepare(size)
+            t0 = time.perf_counter()
+            out = run()
+            print(f"{metric} {size}: {time.perf_counter() - t0:.3f} s  {out}", flush=True)
+    return 0
+
+
 def stop_on_sigterm() -> None:
     """A kill ends the run through its clean-up (Airflow, the job, the cluster's namespaces and mounts)."""
     import signal

@@ -16,7 +16,6 @@ import random
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -104,16 +103,7 @@ CASES: dict[str, tuple[Callable[[int], Callable[[], Any]], list[int]]] = {
 }
 
 
-def main(argv: list[str]) -> int:
-    only = [int(a) for a in argv]
-    for metric, (prepare, sizes) in CASES.items():
-        for size in only or sizes:
-            run = prepare(size)
-            t = time.perf_counter()
-            out = run()
-            print(f"{metric} {size}: {time.perf_counter() - t:.3f} s  {out}", flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from bench.common import run_cases
+
+    sys.exit(run_cases(CASES, sys.argv[1:]))

@@ -101,20 +101,7 @@ CASES: dict[str, tuple[Callable[[int], Callable[[], Any]], list[int]]] = {
 }
 
 
-def main(argv: list[str]) -> int:
-    import time
-
-    sizes = [int(a) for a in argv] or SIZES
-    for metric, (prepare, _sizes) in CASES.items():
-        for size in sizes:
-            if size not in _sizes:
-                continue
-            run = prepare(size)
-            t0 = time.perf_counter()
-            result = run()
-            print(f"{metric} {size}: {time.perf_counter() - t0:.3f} s  {result}", flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from bench.common import run_cases
+
+    sys.exit(run_cases(CASES, sys.argv[1:]))

@@ -12,6 +12,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,4 +55,15 @@ def server(folder: Path) -> Iterator[str]:
     finally:
         subprocess.run([*prefix, str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"],
                        capture_output=True, timeout=60, check=False)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def private_server() -> Iterator[str]:
+    """A server in a temporary folder of its own for a test module (a short path: a Unix socket's path has a
+    limit of 107 bytes); yields its URL, then stops it and removes the folder."""
+    folder = Path(tempfile.mkdtemp(prefix="tgpg-"))
+    try:
+        with server(folder / "pg") as url:
+            yield url
+    finally:
         shutil.rmtree(folder, ignore_errors=True)

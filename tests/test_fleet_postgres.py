@@ -7,11 +7,8 @@ every check-then-insert of the store must hold up there."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -29,12 +26,7 @@ STANDBYS = [f"s{i}" for i in range(6)]
 
 @pytest.fixture(scope="module")
 def pg_url():
-    folder = Path(tempfile.mkdtemp(prefix="tgpg-"))  # short: a Unix socket path has a limit of 107 bytes
-    try:
-        with pg.server(folder / "pg") as url:
-            yield url
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    yield from pg.private_server()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ and the guardian's trigger firing with the first full batch, on a spool and on S
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -26,6 +25,7 @@ from node_tools.bus import BusReader, S3Bus, SpoolBus, open_bus
 from operators.fleet import FleetStore, states
 from operators.triggers import alerts as trigger_module
 from operators.triggers.alerts import AlertTrigger, _Watch
+from tests.test_alert_trigger import first_event
 
 
 def hang(machine: str, rank: int, **over) -> Alert:
@@ -240,14 +240,6 @@ def test_retire_removes_in_bulk_and_only_the_names_it_is_given(bus, tmp_path):
 
 
 # ---- the guardian's trigger -------------------------------------------------------------------------------
-def first_event(trigger: AlertTrigger, timeout: float = 20.0) -> dict:
-    async def go() -> dict:
-        agen = trigger.run()
-        event = await asyncio.wait_for(agen.__anext__(), timeout)
-        await agen.aclose()
-        return event.payload
-
-    return asyncio.run(go())
 
 
 def _fleet(tmp_path: Path) -> FleetStore:

@@ -5,8 +5,6 @@ server (:mod:`tests.pg`) where its binaries and driver are installed."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -44,12 +42,7 @@ def pg_url() -> Iterator[str]:
     """A private PostgreSQL server for this module (:mod:`tests.pg`)."""
     from tests import pg
 
-    folder = Path(tempfile.mkdtemp(prefix="tgpg-"))  # short: a Unix socket path has a limit of 107 bytes
-    try:
-        with pg.server(folder / "pg") as url:
-            yield url
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    yield from pg.private_server()
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
