@@ -1,5 +1,6 @@
-"""A private PostgreSQL server for tests: Debian's ``postgresql`` binaries, a cluster of its own in a temporary
-folder, reached only through a Unix socket in that folder (no TCP port), stopped and removed at the end.
+"""A private PostgreSQL server for tests: Debian's ``postgresql`` binaries (installed on first use when
+missing), a cluster of its own in a temporary folder, reached only through a Unix socket in that folder (no
+TCP port), stopped and removed at the end.
 
 PostgreSQL refuses to run as root; under root the server runs as the ``postgres`` system user (the folder is
 handed to it)."""
@@ -25,6 +26,25 @@ def binaries() -> Path | None:
     return Path(found[-1]).parent if found else None
 
 
+def ensure_binaries() -> Path:
+    """The server binaries' folder, installing Debian's ``postgresql`` with apt-get when it is missing (root
+    only, once), as the emulated cluster installs ``openssh-server``."""
+    found = binaries()
+    if found is not None:
+        return found
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        raise RuntimeError("PostgreSQL is not installed and cannot be installed here: apt-get install postgresql")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "postgresql"]):
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900, check=False)
+        if done.returncode:
+            raise RuntimeError(f"'{' '.join(argv)}' failed: {done.stderr.strip()[-300:]}")
+    found = binaries()
+    if found is None:
+        raise RuntimeError("postgresql was installed but no pg_ctl was found under /usr/lib/postgresql")
+    return found
+
+
 def _as_server_user() -> list[str]:
     if os.geteuid() != 0:
         return []
@@ -35,9 +55,7 @@ def _as_server_user() -> list[str]:
 @contextlib.contextmanager
 def server(folder: Path) -> Iterator[str]:
     """A running server with an empty database ``tg``; yields its SQLAlchemy URL."""
-    bin_dir = binaries()
-    if bin_dir is None:
-        raise RuntimeError("PostgreSQL is not installed: apt-get install postgresql (Debian's package)")
+    bin_dir = ensure_binaries()
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / "data"
     prefix = _as_server_user()

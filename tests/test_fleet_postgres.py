@@ -17,8 +17,6 @@ from operators.fleet.migrations import LATEST, MIGRATIONS
 from operators.fleet.store import FleetStore
 from tests import pg
 
-pytestmark = pytest.mark.skipif(pg.binaries() is None, reason="needs Debian's postgresql package")
-
 JOB = "j"
 MACHINES = [f"m{i}" for i in range(8)]
 STANDBYS = [f"s{i}" for i in range(6)]

@@ -34,7 +34,11 @@ def _postgres_missing() -> str:
         from tests import pg
     except ImportError as exc:
         return f"no PostgreSQL driver or test server helper ({exc})"
-    return "" if pg.binaries() is not None else "needs Debian's postgresql package"
+    try:
+        pg.ensure_binaries()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
 
 
 @pytest.fixture(scope="module")
