@@ -193,6 +193,15 @@ def _sshd_binary() -> str:
     return ""
 
 
+def apt_install(package: str, *, timeout_s: float = 900.0) -> None:
+    """Install one of Debian's packages with apt-get (root); ClusterError naming the failing command."""
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=timeout_s, check=False)
+        if proc.returncode:
+            raise ClusterError(f"'{' '.join(argv)}' failed: {proc.stderr.strip()[-300:]}")
+
+
 def ensure_openssh(log: Any = print) -> str:
     """The sshd binary, installing Debian's openssh-server when it is missing (root only)."""
     sshd = _sshd_binary()
@@ -201,11 +210,7 @@ def ensure_openssh(log: Any = print) -> str:
     if not shutil.which("apt-get"):
         raise ClusterError("sshd is not installed and apt-get is not available; install openssh-server")
     log("openssh-server is missing; installing it with apt-get (once)")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "openssh-server"]):
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, check=False)
-        if proc.returncode:
-            raise ClusterError(f"'{' '.join(argv)}' failed: {proc.stderr.strip()[-300:]}")
+    apt_install("openssh-server")
     sshd = _sshd_binary()
     if not sshd:
         raise ClusterError("openssh-server was installed but no sshd binary was found")

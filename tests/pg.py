@@ -34,11 +34,13 @@ def ensure_binaries() -> Path:
         return found
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise RuntimeError("PostgreSQL is not installed and cannot be installed here: apt-get install postgresql")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for argv in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "postgresql"]):
-        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900, check=False)
-        if done.returncode:
-            raise RuntimeError(f"'{' '.join(argv)}' failed: {done.stderr.strip()[-300:]}")
+    from node_tools.cluster import apt_install
+    from node_tools.errors import ClusterError
+
+    try:
+        apt_install("postgresql")
+    except ClusterError as exc:
+        raise RuntimeError(str(exc)) from None
     found = binaries()
     if found is None:
         raise RuntimeError("postgresql was installed but no pg_ctl was found under /usr/lib/postgresql")
