@@ -182,6 +182,10 @@ class Topology:
         start = machine * self.ranks_per_machine
         return tuple(range(start, start + self.ranks_per_machine))
 
+    def group_id(self, kind: str, rank: int) -> int:
+        """The lowest rank of ``rank``'s group of ``kind``: equal for the members of one group, O(1)."""
+        return self._progression(kind, self.coords(rank))[0]
+
     def machines_of_group(self, kind: str, rank: int) -> tuple[int, ...]:
         """The machine indexes that hold ``rank``'s group of ``kind``, ascending (what over-eviction removes);
         O(machines of the group)."""

@@ -25,9 +25,9 @@ class RuntimeAnalysis(ControllerBase):
         # an alert from every rank: only these are read)
         stops = self.fleet.alerts_of(incident_id, kinds={"rank_stopped"}) if incident_id is not None else []
         claimed = sorted({a.rank for a in stops if a.rank is not None})
-        firsts = [] if incident_id is None else [
-            a for kind in ("rank_hang", "rank_slow") for a in self.fleet.alerts_of(incident_id, kinds={kind}, limit=64)]
-        first = next((a.rank for a in sorted(firsts, key=lambda a: (a.ts, a.id)) if a.rank is not None), None)
+        firsts = [] if incident_id is None else \
+            self.fleet.alerts_of(incident_id, kinds={"rank_hang", "rank_slow"}, limit=64)  # oldest first
+        first = next((a.rank for a in firsts if a.rank is not None), None)
         topo = self.topology(job)
         results = self._run(self.machines(j.machine_list),
                             lambda m: [self.inventory.tg_node, "stacks", "--job", job], timeout=60)

@@ -32,9 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from node_tools.errors import TopologyError
 from node_tools.stacks import stack_signature
-from node_tools.topology import GROUP_KINDS, RankCoords, Topology
+from node_tools.topology import Topology
 
 STACK_DEPTH = 12
 GROUP_ORDER = ("tp", "pp", "dp")
@@ -149,29 +148,6 @@ def _lagging(stacks: Sequence[RankStack]) -> dict[int, str]:
     return out
 
 
-def _group_key(kind: str, c: RankCoords) -> tuple[int, int]:
-    """What names a rank's group of ``kind`` (the coordinates its members share)."""
-    if kind == "tp":
-        return c.pp, c.dp
-    if kind == "pp":
-        return c.tp, c.dp
-    if kind == "dp":
-        return c.tp, c.pp
-    raise TopologyError(f"unknown group kind {kind!r}; use one of {', '.join(GROUP_KINDS)}")
-
-
-def _group_machines(topo: Topology, kind: str, key: tuple[int, int]) -> set[int]:
-    """The machine indices holding the group of ``kind`` named ``key`` (:func:`_group_key`)."""
-    a, b = key
-    if kind == "tp":
-        members = (topo.rank_of(tp=i, pp=a, dp=b) for i in range(topo.tp))
-    elif kind == "pp":
-        members = (topo.rank_of(tp=a, pp=i, dp=b) for i in range(topo.pp))
-    else:
-        members = (topo.rank_of(tp=a, pp=b, dp=i) for i in range(topo.dp))
-    return {topo.machine_of(r) for r in members}
-
-
 def smallest_group(topo: Topology, ranks: Sequence[int], kinds: Sequence[str] = GROUP_ORDER
                    ) -> tuple[str, list[int]]:
     """The kind and machine indices of the smallest parallel group (of ``kinds``, in order) whose
@@ -184,18 +160,17 @@ def smallest_group(topo: Topology, ranks: Sequence[int], kinds: Sequence[str] = 
     there are machines to hold is passed over."""
     ranks = sorted(set(ranks))
     needed = {topo.machine_of(r) for r in ranks}
-    coords = [topo.coords(r) for r in ranks]
     for kind in kinds if ranks else ():
         size = {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp}.get(kind)
         if size is not None and size < len(needed):
             continue  # a group of `size` ranks is on at most `size` machines
-        looked_at: set[tuple[int, int]] = set()
-        for c in coords:  # any rank's group of this kind may be the one holding all of them
-            key = _group_key(kind, c)
-            if key in looked_at:
+        looked_at: set[int] = set()
+        for r in ranks:  # any rank's group of this kind may be the one holding all of them
+            group = topo.group_id(kind, r)
+            if group in looked_at:
                 continue
-            looked_at.add(key)
-            machines = _group_machines(topo, kind, key)
+            looked_at.add(group)
+            machines = set(topo.machines_of_group(kind, r))
             if needed <= machines:
                 return kind, sorted(machines)
     return "", sorted(needed)
