@@ -8,7 +8,7 @@ VENV := .venv
 BIN  := $(VENV)/bin
 ARGS ?=
 
-.PHONY: venv run test test-all test-fast lint bench down clean
+.PHONY: venv run test test-all test-fast test-scaleout lint bench down clean
 
 venv:
 	@./scripts/venv.sh
@@ -47,3 +47,6 @@ down: venv
 
 clean: down
 	rm -rf .tg artifacts
+
+test-scaleout: venv  # the scale-out control plane end to end alone (make test runs it too; about 3 minutes)
+	$(BIN)/pytest -m scaleout $(ARGS)

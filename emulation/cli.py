@@ -12,6 +12,8 @@ so the product's command line never imports the harness)::
     trainguard job stop --job J
     trainguard job status --job J
     trainguard demo [--faults gpu_lost,hang,nan,user_error,slow --every 90 --machines 6 --port 8080 --keep]
+    trainguard controlplane up [--profile embedded|scaleout --workers 2 --schedulers 2 --machines 6 --port 8080]
+    trainguard controlplane down | status
 """
 
 from __future__ import annotations
@@ -86,7 +88,25 @@ def register(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     dp.add_argument("--report-dir", help="where the report and the timeline chart go (default .tg/report)")
     dp.add_argument("--keep", action="store_true",
                     help="leave Airflow, the cluster and the job up at the end ('trainguard cluster down' ends them)")
-    return {"cluster": cmd_cluster, "inject": cmd_inject, "job": cmd_job, "demo": cmd_demo}
+    pp = sub.add_parser("controlplane", help="the control plane over the emulated cluster, run as a service: the "
+                                             "embedded default (airflow standalone, SQLite) or the scale-out profile")
+    psub = pp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
+    pu = psub.add_parser("up", help="bring the cluster and the control plane up (or repair them)")
+    pu.add_argument("--profile", default="embedded", choices=["embedded", "scaleout"],
+                    help="embedded: airflow standalone and a SQLite fleet database; scaleout: PostgreSQL, Celery "
+                         "with Redis, workers in namespaces of their own, two schedulers, the bus on S3")
+    pu.add_argument("--workers", type=int, default=2, help="scaleout: Celery workers (each a namespace)")
+    pu.add_argument("--schedulers", type=int, default=2, help="scaleout: schedulers")
+    pu.add_argument("--concurrency", type=int, default=4, help="scaleout: task slots of each worker")
+    pu.add_argument("--machines", type=int, default=d.machines)
+    pu.add_argument("--standbys", type=int, default=d.standbys)
+    pu.add_argument("--name", default=d.name)
+    pu.add_argument("--subnet", default=d.subnet)
+    pu.add_argument("--port", type=int, default=8080, help="the api-server's port (default 8080; 0: any free one)")
+    psub.add_parser("down", help="stop the control plane and its servers, then bring the cluster down")
+    psub.add_parser("status", help="the control plane's processes and where its UI is")
+    return {"cluster": cmd_cluster, "inject": cmd_inject, "job": cmd_job, "demo": cmd_demo,
+            "controlplane": cmd_controlplane}
 
 
 def _machines(inv: Any, names: str, default_role: str = "active") -> list[Any]:
@@ -197,6 +217,36 @@ def cmd_job(args: argparse.Namespace) -> int:
         lines.append(f"{name}: {doc['state']} {ranks}")
     _print(args, docs, "\n".join(lines))
     return EXIT_OK
+
+
+def cmd_controlplane(args: argparse.Namespace) -> int:
+    from emulation import controlplane
+
+    state = Path(args.state_dir or _default_state()).resolve()
+    if args.action == "up":
+        doc = controlplane.up(args, state, log=lambda msg: print(msg, file=sys.stderr))
+        _print(args, doc, "\n".join([
+            f"control plane up ({doc['profile']}): Airflow UI {doc['url']} (admin; password in {doc['passwords']})",
+            f"  fleet database {doc['fleet_url']}", f"  alert bus {doc['bus_url']}",
+            f"  processes: {', '.join(n for n, alive in doc['processes'].items() if alive)}",
+            f"  for trainguard's commands here: {' '.join(f'{k}={v}' for k, v in doc['env'].items())}",
+            "  'trainguard controlplane down' ends it all"]))
+        return EXIT_OK
+    if args.action == "down":
+        doc = controlplane.down(state)
+        _print(args, doc, f"control plane down: {', '.join(doc['stopped']) or 'nothing was running'}; "
+                          f"cluster: {len(doc['cluster'].get('namespaces', []))} namespaces removed")
+        return EXIT_OK
+    doc = controlplane.status(state)
+    _print(args, doc, "\n".join([f"control plane ({doc['profile'] or 'none'}): {doc['url'] or 'no api-server'}",
+                                 *(f"  {n}: {'running' if up else 'GONE'}" for n, up in doc["processes"].items())]))
+    return EXIT_OK if doc["processes"] and all(doc["processes"].values()) else 1
+
+
+def _default_state() -> Path:
+    from node_tools.cluster import default_state_dir
+
+    return default_state_dir()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

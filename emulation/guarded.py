@@ -95,7 +95,7 @@ class GuardedJob:
 
     def __init__(self, inv: Inventory, home: Path, *, job: str, topology: Topology = TOPOLOGY,
                  train_args: Sequence[str] = TRAIN_ARGS, settings: Mapping[str, str] | None = None,
-                 port: int | None = None, remote_tier: bool = True) -> None:
+                 port: int | None = None, remote_tier: bool = True, airflow: Standalone | None = None) -> None:
         self.inv, self.home, self.job, self.topology = inv, home, job, topology
         self.train_args = list(train_args)
         # the third tier: a directory of this host stands for the shared storage every machine mounts (the
@@ -111,7 +111,9 @@ class GuardedJob:
         self.ctl = Controller(ControlConfig.from_env(env))
         self.ctl.sync_inventory()
         (home / "airflow").mkdir(parents=True, exist_ok=True)
-        self.airflow = Standalone(home / "airflow", env, port=port)
+        # the control plane: ``airflow standalone`` (the embedded default), or the caller's (the scale-out
+        # profile, :class:`emulation.scaleout.ScaleOut`, whose settings ``settings`` must be)
+        self.airflow = airflow or Standalone(home / "airflow", env, port=port)
         self._arming: threading.Thread | None = None  # the job's machines being armed again (see start)
 
     # ---- bring-up and teardown --------------------------------------------------------------------

@@ -146,7 +146,8 @@ class Standalone:
         """The connection the tasks use to set their run's note: this api-server, as ``NOTES_USER`` (a
         ``user``-role login, not the admin's)."""
         pw_file = self.home / "simple_auth_manager_passwords.json.generated"
-        body = {"connection_id": API_CONN, "conn_type": "http", "host": "127.0.0.1", "port": self.port,
+        host = urllib.parse.urlparse(self.url).hostname  # where the tasks reach it (a worker: not loopback)
+        body = {"connection_id": API_CONN, "conn_type": "http", "host": host, "port": self.port,
                 "login": NOTES_USER, "password": json.loads(pw_file.read_text())[NOTES_USER], "schema": "http"}
         try:
             self.request("POST", "/api/v2/connections", body)

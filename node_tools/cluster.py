@@ -66,6 +66,8 @@ class ClusterSpec:
         job_nice: each machine's ``job_nice``: the machines share this host's cores, and a job's ranks
             on all of them would otherwise starve the agents, sshd sessions and the control plane that
             a real GPU machine's idle cores serve at once.
+        bus_url: the alert bus (``s3://bucket/prefix?endpoint_url=...``: each machine gets S3 credentials
+            in its folder, ``aws_credentials``); "" (default): a spool folder in the cluster's state.
     """
 
     name: str = "tg"
@@ -77,6 +79,7 @@ class ClusterSpec:
     transport: str = "auto"
     free: int = 0
     job_nice: int = 10
+    bus_url: str = ""
 
     def role(self, i: int) -> str:
         """Machine ``i``'s role at start: active first, then standbys, then free machines."""
@@ -114,6 +117,8 @@ class ClusterSpec:
             raise ClusterError(f"--transport {self.transport!r} must be auto, ssh or local")
         if not 0 <= self.job_nice <= 19:
             raise ClusterError(f"--job-nice {self.job_nice} must be 0..19")
+        if self.bus_url and not self.bus_url.startswith("s3://"):
+            raise ClusterError(f"bus {self.bus_url!r} must be an s3://bucket/prefix URL (or empty: a spool folder)")
 
     # naming ------------------------------------------------------------------------------
     def netns(self, i: int) -> str:
@@ -293,6 +298,23 @@ def _agent_running(mdir: Path) -> int | None:
     return pid if procs.alive(pid) and "agent" in cmdline and "--supervise" in cmdline else None
 
 
+def _credentials_env(mdir: Path) -> dict[str, str]:
+    """The machine's S3 credentials for its agent and its SSH sessions (an S3 bus): the shared-credentials
+    file in its folder, as a real machine has its own (an instance profile, a credentials file)."""
+    creds = mdir / "aws_credentials"
+    if not creds.exists():
+        return {}
+    return {"AWS_SHARED_CREDENTIALS_FILE": str(creds), "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _write_credentials(mdir: Path) -> None:
+    key = os.environ.get("AWS_ACCESS_KEY_ID", "trainguard")
+    secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "trainguard-secret")
+    fd = os.open(mdir / "aws_credentials", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"[default]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
+
+
 def start_agent(config_path: Path, *, netns: str = "") -> int:
     """Start the machine's agent under its supervisor (unless it runs); returns the supervisor's pid."""
     mdir = config_path.parent
@@ -305,7 +327,8 @@ def start_agent(config_path: Path, *, netns: str = "") -> int:
         argv = ["ip", "netns", "exec", netns, *argv]  # ip execs the command: the pid stays the same
     with open(mdir / "agent.log", "ab") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env=dict(os.environ, TG_NODE_CONFIG=str(config_path)))
+                                start_new_session=True,
+                                env={**os.environ, **_credentials_env(mdir), "TG_NODE_CONFIG": str(config_path)})
     (mdir / "agent.pid").write_text(f"{proc.pid}\n")
     return proc.pid
 
@@ -336,7 +359,8 @@ def machine_up(config_path: Path, *, netns: str = "", sshd: str = "", listen: st
         if host_key_dir is not None:
             write_atomic(host_key_dir / f"{cfg.machine}.pub", host_key + "\n")
         env = {"TG_NODE_CONFIG": str(config_path.resolve()),
-               "PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+               "PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               **_credentials_env(mdir)}
         (mdir / "sshd_config").write_text(_sshd_config(mdir, listen, authorized_keys or mdir / "authorized_keys", env))
         sshd_pid = _sshd_up(cfg, mdir, netns, sshd)
     agent_pid = start_agent(config_path, netns=netns) if cfg.bus_url else 0
@@ -509,9 +533,11 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
             if old is not None and (
                 old.cluster != spec.name or len(old.machines) != spec.machines or old.transport != transport
                 or old.machines[0].extra.get("subnet") != spec.subnet
+                or (spec.bus_url or "spool://") != (old.bus_url if old.bus_url.startswith("s3://") else "spool://")
             ):
                 raise ClusterError(
-                    f"a cluster {old.cluster!r} of {len(old.machines)} machines ({old.transport}) is already up in "
+                    f"a cluster {old.cluster!r} of {len(old.machines)} machines ({old.transport}, bus "
+                    f"{old.bus_url.split('?')[0]}) is already up in "
                     f"{state_dir}; run 'trainguard cluster down' first to change its shape"
                 )
         sshd = ensure_openssh(log) if transport == "ssh" else ""
@@ -525,6 +551,7 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
             pub = _keygen(client_key, f"trainguard-{spec.name}")
             authorized.write_text(pub + "\n")
             _network_up(spec)
+        bus_url = spec.bus_url or f"spool://{state_dir / 'bus'}"
         machines: list[Machine] = []
         for i in range(spec.machines):
             mdir = _machine_dir(state_dir, i)
@@ -538,10 +565,12 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
                 machine=name, workdir=workdir, install_dir=install_dir, gpus=spec.gpus,
                 nvml_backend="emulated", nvml_state=mdir / "nvml.json", fault_file=mdir / "faults.json",
                 netns=netns, iface="eth0" if netns else "lo",
-                bus_url=f"spool://{state_dir / 'bus'}", kmsg_path=mdir / "kmsg",
+                bus_url=bus_url, kmsg_path=mdir / "kmsg",
                 status_path=mdir / "agent" / "status.json", job_nice=spec.job_nice,
             )
             cfg.save(mdir / "node.json")
+            if spec.bus_url:
+                _write_credentials(mdir)
             if transport == "ssh":
                 _namespace_up(spec, i)
             host_key = _tg_node_up(tg_node, mdir / "node.json", netns=netns, sshd=sshd,
@@ -562,7 +591,7 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
             ))
         inv = Inventory(
             cluster=spec.name, transport=transport, machines=machines, tg_node=tg_node,
-            bus_url=f"spool://{state_dir / 'bus'}",
+            bus_url=bus_url,
             ssh={"user": "root", "identity_file": "keys/id_ed25519", "known_hosts": "known_hosts",
                  "connect_timeout_s": 5} if transport == "ssh" else {},
         )

@@ -81,6 +81,12 @@ class TwoPhaseSession(Protocol):
         """End the session now (from another thread): its pending read returns."""
 
 
+# SSH sessions a fan-out (stop, restart, status round) opens at once: every machine of a fleet up to this size
+# in one wave (a fixed 32 made a stop of 256 machines eight waves); each session is a thread and a client
+# process or connection on the control plane, one login on its machine
+FANOUT = 256
+
+
 class Transport:
     """Runs argument lists on machines of an inventory."""
 
@@ -88,8 +94,9 @@ class Transport:
     #: with more machines than this do the two phases in two rounds
     max_two_phase = 256
 
-    def __init__(self, inventory: Inventory) -> None:
+    def __init__(self, inventory: Inventory, *, fanout: int = FANOUT) -> None:
         self.inventory = inventory
+        self.fanout = max(1, int(fanout))
 
     def command(self, machine: Machine, argv: Sequence[str]) -> tuple[list[str], dict[str, str] | None]:
         raise NotImplementedError
@@ -142,13 +149,14 @@ class Transport:
         return False
 
     def run_many(
-        self, machines: Sequence[Machine], argv_for: Any, *, timeout: float = 30.0, parallel: int = 32,
+        self, machines: Sequence[Machine], argv_for: Any, *, timeout: float = 30.0, parallel: int | None = None,
         env: Mapping[str, str] | None = None,
     ) -> dict[str, RunResult]:
-        """Run on many machines at once; ``argv_for(machine)`` gives each one's argument list."""
+        """Run on many machines at once (at most ``parallel`` sessions, default :attr:`fanout`: the whole fleet
+        in one wave up to that many machines); ``argv_for(machine)`` gives each one's argument list."""
         if not machines:
             return {}
-        with ThreadPoolExecutor(max_workers=min(parallel, len(machines))) as pool:
+        with ThreadPoolExecutor(max_workers=min(parallel or self.fanout, len(machines))) as pool:
             futures = {m.name: pool.submit(self.run, m, argv_for(m), timeout=timeout, env=env) for m in machines}
             return {name: f.result() for name, f in futures.items()}
 
@@ -291,8 +299,9 @@ class LocalTransport(Transport):
         return list(argv), env
 
 
-def transport_for(inventory: Inventory) -> Transport:
-    return SshTransport(inventory) if inventory.transport == "ssh" else LocalTransport(inventory)
+def transport_for(inventory: Inventory, *, fanout: int = FANOUT) -> Transport:
+    cls = SshTransport if inventory.transport == "ssh" else LocalTransport
+    return cls(inventory, fanout=fanout)
 
 
 def known_hosts_lines(inventory: Inventory) -> list[str]:

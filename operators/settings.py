@@ -47,6 +47,9 @@ class ControlSettings(BaseModel):
     resume_timeout_s: float = Field(300.0, ge=1.0, description="how long a recovery waits for training to pass "
                                                                "the restored step, seconds")
     diag_timeout_s: float = Field(120.0, ge=1.0, description="per diagnostic level, seconds")
+    ssh_fanout: int = Field(256, ge=1, le=4096, description="SSH sessions a task opens at once for a fan-out "
+                                                           "(stop, restart, status rounds): a fleet up to this "
+                                                           "size in one wave")
     diag_concurrency: int = Field(8, ge=2, description="machines diagnosed at once (L3 pairs count as their "
                                                        "machines), so that diagnosis does not measure its own load")
     escalation_window_s: float = Field(1800.0, ge=0.0, description="a failure this soon after the job's last "

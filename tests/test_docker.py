@@ -67,10 +67,16 @@ def test_the_compose_file_has_airflows_official_services_on_the_trainguard_image
     assert [services[n]["command"] for n in ("airflow-apiserver", "airflow-scheduler", "airflow-dag-processor",
                                               "airflow-triggerer")] == ["api-server", "scheduler", "dag-processor",
                                                                         "triggerer"]
-    # LocalExecutor by default; Celery (worker + redis) only with its profile
-    assert c["x-airflow-common"]["environment"]["AIRFLOW__CORE__EXECUTOR"] == "LocalExecutor"
-    assert services["airflow-worker"]["environment"]["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
-    assert services["airflow-worker"]["profiles"] == ["celery"] == services["redis"]["profiles"]
+    # the scale-out profile as emulation/scaleout.py runs it: Celery with Redis, two workers, two schedulers,
+    # psycopg 3 for both the metadata and the fleet database, every Airflow service after Redis is healthy
+    env = c["x-airflow-common"]["environment"]
+    assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor" and "profiles" not in services["redis"]
+    assert services["airflow-worker"]["deploy"]["replicas"] == 2 == services["airflow-scheduler"]["deploy"]["replicas"]
+    for key in ("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN_ASYNC", "TG_FLEET_URL"):
+        assert env[key].startswith("postgresql+psycopg://"), key
+    assert env["AIRFLOW__CELERY__RESULT_BACKEND"].startswith("db+postgresql+psycopg://")
+    assert "psycopg[binary]" in _pins() and "apache-airflow-providers-celery" in _pins()
+    assert c["x-airflow-common"]["depends_on"]["redis"]["condition"] == "service_healthy"
     # the images are the pinned Airflow and its Python
     first = (DOCKER / "airflow.Dockerfile").read_text().split("\nFROM ", 1)[1].split()[0]
     assert first == f"apache/airflow:{_pins()['apache-airflow']}-python3.11"

@@ -34,9 +34,11 @@ def _postgres_missing() -> str:
         from tests import pg
     except ImportError as exc:
         return f"no PostgreSQL driver or test server helper ({exc})"
+    from node_tools.errors import ClusterError
+
     try:
-        pg.ensure_binaries()
-    except RuntimeError as exc:
+        pg.ensure_pg_binaries()
+    except ClusterError as exc:
         return str(exc)
     return ""
 

@@ -50,7 +50,7 @@ class ControllerBase:
         (a controller made outside Airflow: the provisioner, the harness, a script)."""
         self.cfg = config
         self.inventory = inventory or Inventory.load(Path(config.inventory))
-        self.transport = transport or transport_for(self.inventory)
+        self.transport = transport or transport_for(self.inventory, fanout=config.ssh_fanout)
         self.fleet = fleet if fleet is not None else FleetStore(config.fleet_url, migrate=True)
         # what this controller's last stop of each job found when it ended the job everywhere: its machines
         # and the lowest step every rank finished; a restart right after needs no round of reads

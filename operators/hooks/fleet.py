@@ -96,7 +96,7 @@ class FleetHook(BaseHook):
         """The machines over SSH, one held connection each."""
         from operators.hooks.node import NodeHook
 
-        return NodeHook(self.settings.inventory, ssh_conn_id=self.ssh_conn_id)
+        return NodeHook(self.settings.inventory, ssh_conn_id=self.ssh_conn_id, max_parallel=self.settings.ssh_fanout)
 
     @property
     def inventory(self) -> Inventory:

@@ -37,7 +37,7 @@ from airflow.providers.ssh.hooks.ssh import SSHHook
 from airflow.sdk import BaseHook
 
 from node_tools.inventory import Inventory, Machine
-from node_tools.transport import RunResult, Transport
+from node_tools.transport import FANOUT, RunResult, Transport
 
 DEFAULT_CONN_ID = "tg_ssh"
 
@@ -90,7 +90,7 @@ class NodeHook(BaseHook):
     hook_name = "trainguard node"
 
     def __init__(self, inventory: Inventory | str | Path, *, ssh_conn_id: str | None = DEFAULT_CONN_ID,
-                 connect_timeout_s: float = 5.0, connect_attempts: int = 2, max_parallel: int = 32) -> None:
+                 connect_timeout_s: float = 5.0, connect_attempts: int = 2, max_parallel: int = FANOUT) -> None:
         super().__init__()
         self.inventory = inventory if isinstance(inventory, Inventory) else Inventory.load(Path(inventory))
         self.ssh_conn_id = ssh_conn_id
@@ -257,7 +257,7 @@ class HookTransport(Transport):
     one held connection per machine)."""
 
     def __init__(self, hook: NodeHook) -> None:
-        super().__init__(hook.inventory)
+        super().__init__(hook.inventory, fanout=hook.max_parallel)
         self.hook = hook
 
     def run(self, machine: Machine, argv: Sequence[str], *, timeout: float = 30.0, stdin: str | None = None,

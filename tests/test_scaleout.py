@@ -1,0 +1,131 @@
+"""The scale-out control plane end to end (``make test-scaleout``, which CI runs): PostgreSQL as Airflow's
+metadata database and the fleet database, the CeleryExecutor with Redis, two Celery workers each in a network
+namespace of its own (its own Airflow home, its own copy of the deployment's files), two schedulers, a
+separate api-server, dag-processor and triggerer, and the alert bus on S3 (``moto_server``), over a namespace
+cluster whose agents publish to that bus (:mod:`emulation.scaleout`).
+
+The scenario is the shared tier's first: a GPU falls off the bus on one of the guarded job's machines; the
+machine is evicted and a warm standby takes its place. Here one of the two schedulers is killed (SIGKILL, as a
+host that dies) while the incident's run is under way: the other one carries the run to its end, and the fleet
+database holds each of the recovery's actions exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from emulation import scaleout
+from emulation.guarded import FAULTS, NO_SCHEDULES, GuardedJob
+from node_tools import cluster
+from operators.fleet import states
+from tests.conftest import can_namespace
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.scaleout,
+              pytest.mark.timeout(1200)]
+
+SPEC = cluster.ClusterSpec(name="tgs", machines=6, standbys=2, subnet="10.213.23.0/24", disk_mb=256, gpus=8)
+JOB = "scaled"
+
+
+@pytest.fixture(scope="module")
+def plane(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[tuple[GuardedJob, scaleout.ScaleOut]]:
+    reason = can_namespace()
+    if reason:
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="tg-test-so-"))
+    state = root / "state"
+    spec = replace(SPEC, bus_url=scaleout.bus_url(SPEC))
+    settings = {**NO_SCHEDULES, "TG_INVENTORY": str(state / "inventory.json")}
+    so = scaleout.ScaleOut(root / "control", settings, spec)
+    job: GuardedJob | None = None
+    try:
+        cluster.down(state, name=spec.name, log=lambda *_: None)  # leftovers of an aborted run
+        so.servers_up()
+        inv = cluster.up(spec, state, log=lambda *_: None)
+        # this process is the operator's host: it reaches the fleet database as the plane's components do
+        for key in ("PGPASSFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_DEFAULT_REGION"):
+            monkeypatch_module.setenv(key, so.env[key])
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):  # the file's, not another test's
+            monkeypatch_module.delenv(key, raising=False)
+        job = GuardedJob(inv, root / "control", job=JOB, settings={**settings, "TG_FLEET_URL": so.fleet_url},
+                         airflow=so)
+        job.start()
+        yield job, so
+    finally:
+        try:
+            if job is not None:
+                job.stop()
+        finally:
+            so.stop(grace_s=10.0)
+            so.servers_down()
+            cluster.down(state, name=spec.name, log=lambda *_: None)
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_the_plane_is_postgres_celery_and_two_workers_in_namespaces_of_their_own(plane):
+    job, so = plane
+    assert job.ctl.fleet.url.startswith("postgresql+psycopg://trainguard@")
+    homes = {name: so.root / "workers" / f"w{i}" for i, name in enumerate(("worker-0", "worker-1"))}
+    for name, home in homes.items():
+        # a host of its own: its Airflow home and deployment files, none of them the scheduler's
+        assert (home / "airflow" / "airflow.cfg").stat().st_mode & 0o077 == 0
+        assert (home / "deploy" / "inventory.json").exists() and home.resolve() != so.home.resolve()
+        assert so.procs[name].poll() is None
+    namespaces = {scaleout.worker_netns(so.spec, i) for i in range(2)}
+    assert namespaces <= cluster._netns_list()
+    assert so.env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor"
+    assert not any("airflow" in v and ":" in v.split("@")[0].removeprefix("postgresql+psycopg://")
+                   for v in so.env.values() if v.startswith("postgresql")), "a password in the environment"
+
+
+def test_an_explicit_fault_evicts_onto_a_warm_standby_while_a_scheduler_dies_mid_incident(plane):
+    job, so = plane
+    fault = FAULTS["gpu_lost"]
+    last = job.last_incident()
+    killed: list[str] = []
+
+    def kill_a_scheduler_once_the_incident_runs() -> None:
+        if killed:
+            return
+        run = next((r for r in so.runs("tg_incident") if (r.get("conf") or {}).get("incident_id", 0) > last
+                    and r["state"] == "running"), None)
+        if run is not None:
+            so.kill("scheduler-0")
+            killed.append(run["dag_run_id"])
+
+    inc, machine, _t = job.fault_and_incident(fault, on_tick=kill_a_scheduler_once_the_incident_runs)
+    assert killed, "the incident closed before its run was seen running"
+    assert so.procs["scheduler-0"].poll() is not None and so.procs["scheduler-1"].poll() is None
+    assert inc.state == "resolved", (inc.state, inc.reason)
+    swaps = job.swaps(inc.id)
+    assert list(swaps) == [machine]
+    assert job.ctl.fleet.machine(machine).state == states.EVICTED
+    assert swaps[machine] in job.ctl.fleet.job(JOB).machine_list
+    done = collections.Counter(a.kind for a in job.ctl.fleet.actions(inc.id) if a.outcome == "done")
+    assert done["evict"] == 1 and done["launch"] == 1, done
+    assert all(n == 1 for n in done.values()), f"an action done twice: {done}"
+    # the run the dead scheduler had a hand in ended, run by the workers in their namespaces
+    run_id = killed[0]
+    assert so.finished("tg_incident", run_id, timeout=600) == "success"
+    tis = so.task_instances("tg_incident", run_id)
+    hosts = {t["hostname"] for t in tis if t["state"] == "success"}
+    workers = {scaleout.worker_address(so.spec, i) for i in range(2)}
+    assert hosts and hosts <= workers, hosts
+    # a task's log comes from its worker's log server, through the api-server
+    ran = next(t for t in tis if t["state"] == "success" and t["task_id"] == "triage")
+    log = so.task_log("tg_incident", run_id, "triage", ran["try_number"])
+    assert f"http://{ran['hostname']}:" in log and "Following branch" in log, log[:2000]
+    job.training(2, timeout=300)  # the job trains on, with the standby in the evicted machine's place
