@@ -19,6 +19,7 @@ metric, the first size whose median crossed its limit, or that none did up to th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -50,6 +51,8 @@ MEMORY_LIMITS_MB: dict[str, dict[str, float]] = {"stack_analysis_s": {"100000": 
 #: Sizes named by what they stand for in the metric's key (90 days of steps is "3months").
 SIZE_NAMES: dict[str, dict[str, str]] = {"ettr_report_s": {"1": "1day", "7": "7days", "90": "3months"}}
 #: Each size's unit, for the table.
+#: Metrics another benchmark writes into this file (bench/fanout.py: the SSH fan-out on namespace clusters).
+FANOUT_KEYS = ("fanout_", "largest_fanout")
 SIZE_UNITS: dict[str, str] = {"ettr_report_s": "days of 2 s steps", "restart_plan_s": "machines",
                               "bus_storm_read_s": "alerts", "bus_storm_drain_s": "alerts",
                               "guardian_ingest_s": "alerts", "alert_storm_open_s": "alerts",
@@ -214,6 +217,12 @@ def main() -> int:
                                                 f"no limit crossed up to {max(run_sizes)}")}
     setup = {"trials": trials, "trials_per_area": per_area, "areas": chosen, "limits": limits, "errors": errors,
              "cpu_count": os.cpu_count()}
+    if args.out and args.out.exists():  # what bench/fanout.py measured on namespace clusters stays
+        with contextlib.suppress(ValueError):
+            old = json.loads(args.out.read_text())
+            metrics.update({k: v for k, v in old.get("metrics", {}).items() if k.startswith(FANOUT_KEYS)})
+            if "fanout" in old.get("setup", {}):
+                setup["fanout"] = old["setup"]["fanout"]
     if args.chart:
         chart(points, args.chart)
     print(write_result("scale", quick=args.quick, setup=setup, metrics=metrics, out=args.out)[:200])

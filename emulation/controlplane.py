@@ -76,12 +76,13 @@ def up(args: argparse.Namespace, state: Path, *, log: Callable[[str], None]) -> 
             return running
     spec = cluster.ClusterSpec(name=args.name, machines=args.machines, standbys=args.standbys, subnet=args.subnet)
     spec.validate()
+    shape = scaleout.Shape(workers=args.workers, schedulers=args.schedulers, concurrency=args.concurrency)
+    shape.validate()  # bad input is refused before anything starts
     inventory = state / "inventory.json"
     settings = {"TG_INVENTORY": str(inventory)}
     port = args.port or None
     home.mkdir(parents=True, exist_ok=True)
     if args.profile == "scaleout":
-        shape = scaleout.Shape(workers=args.workers, schedulers=args.schedulers, concurrency=args.concurrency)
         plane: Standalone = scaleout.ScaleOut(home, settings, spec, shape=shape, port=port)
         assert isinstance(plane, scaleout.ScaleOut)
         log("starting PostgreSQL, Redis and moto_server on the cluster's bridge")

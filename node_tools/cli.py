@@ -56,6 +56,8 @@ def _job_start_args(js: argparse.ArgumentParser) -> None:
     js.add_argument("--entry", default="examples/gpt3d/train.py")
     js.add_argument("--revision", default="")
     js.add_argument("--checkpoint", default="", help="checkpoint location for the job (TG_CHECKPOINT)")
+    js.add_argument("--launcher", default="torchrun", help="torchrun, or direct: one process, no torchrun "
+                                                          "(--nproc-per-node 1)")
     js.add_argument("args", nargs=argparse.REMAINDER)
 
 
@@ -67,7 +69,7 @@ def _job_spec(ns: argparse.Namespace, *, warm: bool) -> Any:
         job=ns.job, nnodes=ns.nnodes, node_rank=ns.node_rank, nproc_per_node=ns.nproc_per_node,
         master_addr=ns.master_addr, master_port=ns.master_port, entry=ns.entry, args=args,
         revision=ns.revision, checkpoint=ns.checkpoint, warm=warm,
-        warm_if_parked=bool(getattr(ns, "warm_if_parked", False)),
+        warm_if_parked=bool(getattr(ns, "warm_if_parked", False)), launcher=ns.launcher,
     )
 
 

@@ -92,8 +92,9 @@ class ClusterSpec:
             raise ClusterError(
                 f"cluster name {self.name!r} must be 1-6 lower-case letters or digits, starting with a letter"
             )
-        if not 1 <= self.machines <= 64:
-            raise ClusterError(f"--machines {self.machines} must be 1..64")
+        if not 1 <= self.machines <= 1000:
+            raise ClusterError(f"--machines {self.machines} must be 1..1000 (more than 244 need a --subnet larger "
+                               f"than a /24)")
         if not 0 <= self.standbys < self.machines:
             raise ClusterError(
                 f"--standbys {self.standbys} must be 0..{self.machines - 1} (at least one active machine)"

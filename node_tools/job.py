@@ -67,6 +67,10 @@ class JobSpec:
             instead of starting torchrun and its workers cold.
         warm_if_parked: run on the parked warm interpreters when enough are free, else cold (a
             restart need not ask every machine first which it has).
+        launcher: ``torchrun`` (the default), or ``direct``: one process per machine (``nproc_per_node``
+            1) started without torchrun, with torchrun's variables set (``RANK`` = the node rank,
+            ``WORLD_SIZE`` = the machines): a job of plain processes, such as the fan-out benchmark's
+            stand-in (``examples/standin.py``), which needs no torch.
     """
 
     job: str
@@ -81,15 +85,24 @@ class JobSpec:
     checkpoint: str = ""
     warm: bool = False
     warm_if_parked: bool = False
+    launcher: str = "torchrun"
 
     def validate(self) -> None:
         check_job_name(self.job)
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise TrainguardError(f"job {self.job}: nnodes and nproc-per-node must be >= 1")
+        if self.launcher not in LAUNCHERS:
+            raise TrainguardError(f"job {self.job}: launcher {self.launcher!r} must be one of {', '.join(LAUNCHERS)}")
+        if self.launcher == "direct" and (self.nproc_per_node != 1 or self.warm or self.warm_if_parked):
+            raise TrainguardError(f"job {self.job}: the direct launcher starts one cold process per machine; "
+                                  f"use --nproc-per-node 1 without --warm, or --launcher torchrun")
         if not 0 <= self.node_rank < self.nnodes:
             raise TrainguardError(f"job {self.job}: node-rank {self.node_rank} is outside 0..{self.nnodes - 1}")
         if not 0 < self.master_port < 65536:
             raise TrainguardError(f"job {self.job}: master-port {self.master_port} must be 1..65535")
+
+
+LAUNCHERS = ("torchrun", "direct")
 
 
 def run_dir(cfg: NodeConfig, job: str) -> Path:
@@ -151,7 +164,13 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         "--redirects", "3",
         str(entry), *spec.args,
     ]
+    if spec.launcher == "direct":
+        torchrun = [sys.executable, str(entry), *spec.args]
     env = dict(os.environ)
+    if spec.launcher == "direct":  # what torchrun would have set for this machine's one rank
+        env.update({"RANK": str(spec.node_rank), "GROUP_RANK": str(spec.node_rank), "LOCAL_RANK": "0",
+                    "WORLD_SIZE": str(spec.nnodes), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": spec.master_addr,
+                    "MASTER_PORT": str(spec.master_port)})
     env.update({
         "TG_JOB": spec.job,
         "TG_JOB_TOKEN": token,

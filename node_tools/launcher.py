@@ -51,6 +51,7 @@ class JobPlan:
     checkpoint: str = ""
     warm: set[str] = field(default_factory=set)
     warm_if_parked: bool = False
+    launcher: str = "torchrun"  # or "direct" (one process a machine, no torchrun: see node_tools.job.JobSpec)
 
     def validate(self) -> None:
         """Refuse a plan whose machines do not fit its topology or name a machine twice (linear in the
@@ -106,6 +107,7 @@ class JobPlan:
             "--entry", self.entry,
             "--revision", self.revision,
             "--checkpoint", self.checkpoint,
+            *(["--launcher", self.launcher] if self.launcher != "torchrun" else []),
             "--",
             "--tp", str(t.tp), "--pp", str(t.pp), "--dp", str(t.dp),
             *self.train_args,

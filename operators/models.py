@@ -61,6 +61,10 @@ class Eviction(_Payload):
     machines: list[str] = Field(min_length=1)
     reason: str
     max_step: int | None = Field(default=None, ge=0)
+    # the machines with direct evidence (a hang's outlier ranks) among an over-evicted group: when the pool
+    # holds fewer standbys than the group, these are swapped first and the job restarts (the rest stay,
+    # recorded as deferred) instead of waiting for a human; empty: the whole group or nothing
+    priority: list[str] = []
 
 
 class RungResult(_Payload):

@@ -4,6 +4,8 @@ guards against."""
 
 from __future__ import annotations
 
+import json
+
 from node_tools.topology import Topology
 from tests.fakes import alert, fleet_controller, run_incident, use_controller
 
@@ -31,6 +33,40 @@ def test_a_rank_the_stacks_see_stopped_is_proof(tmp_path, monkeypatch):
     # rank 3 (dp 1, stage 1) on m3: its pipeline (m2, m3) is over-evicted
     assert sorted(analysis["machines"]) == ["m2", "m3"]
     assert out["closed"]["state"] == "resolved" and c.fleet.job("j").machine_list == ["m0", "m1", "m4", "m5"]
+
+
+def test_a_hung_pipeline_larger_than_the_pool_swaps_its_stopped_ranks_machine_and_the_job_resumes(
+        tmp_path, monkeypatch):
+    """A hang over-evicts its pipeline; with fewer standbys than the pipeline's machines the whole incident
+    waited for a human (every hang at PP >= 6 with a pool sized for single failures). Now the machine of the
+    stopped rank is swapped, the rest of the pipeline kept (recorded as deferred), and the job resumes."""
+    c, fleet = fleet_controller(tmp_path, machines=5, active=4, topology=Topology(tp=1, pp=2, dp=2))
+    fleet.process_state[3] = "T"
+    fleet.frames[3] = ["wait", "step", "main"]
+    out = run_incident(c, [alert("rank_stopped", "m3", rank=3)], monkeypatch)
+    analysis = out["result"]["analysis"]
+    assert sorted(analysis["machines"]) == ["m2", "m3"] and analysis["culprits"] == ["m3"]
+    assert out["closed"]["state"] == "resolved", c.fleet.incident(out["incident"]).summary
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m4"]  # m3 out, m2 kept in its place
+    [ev] = [a for a in c.fleet.actions(out["incident"]) if a.kind == "evict"]
+    assert ev.outcome == "done" and ev.evidence["deferred"] == ["m2"] and json.loads(ev.detail) == {"m3": "m4"}
+    from operators.tasks.incident import incident_note
+
+    assert "evicted m3 -> standby m4; kept m2 of the group (too few standbys)" in incident_note(c, out["incident"])
+    # asked again (the task cleared and run again), it does nothing more
+    again = c.evict(out["incident"], ["m2", "m3"], reason="again", priority=["m3"])
+    assert again["reason"] == "done before" and again["deferred"] == ["m2"]
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m4"]
+
+
+def test_a_short_pool_without_evidence_for_any_one_machine_still_waits_for_a_human(tmp_path):
+    c, _fleet = fleet_controller(tmp_path, machines=5, active=4, topology=Topology(tp=1, pp=2, dp=2))
+    inc = c.ingest([alert("gpu_lost", "m2"), alert("gpu_lost", "m3")])[0]["incident"]
+    out = c.evict(inc, ["m2", "m3"], reason="two lost GPUs")  # no priority: the whole set or nothing
+    assert out.get("waiting_human") and "2 machines to replace (m2, m3), 1 standbys answer" in out["reason"]
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
+    out = c.evict(inc, ["m2", "m3"], reason="two lost GPUs", priority=["m1"])  # evidence outside the set
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
 
 
 def _crashed_first_on(fleet, machine: str) -> None:

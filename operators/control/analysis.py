@@ -42,7 +42,9 @@ class RuntimeAnalysis(ControllerBase):
                 "refuted": sorted(set(claimed) - set(stopped)),
                 "reasons": {str(k): v for k, v in a.reasons.items()},
                 "group_kind": a.group_kind, "groups": [len(g) for g in a.groups],
-                "machines": [j.machine_list[i] for i in a.evict_machines]}
+                "machines": [j.machine_list[i] for i in a.evict_machines],
+                # the machines of the outlier ranks: swapped first when the pool cannot take the whole group
+                "culprits": list(dict.fromkeys(machine_of[r] for r in sorted(a.outliers)))}
 
     def compute_times(self, job: str) -> dict[int, float]:
         """Each rank's compute time in its last step (step time less the time spent in collectives),

@@ -68,13 +68,19 @@ class Evictions(ControllerBase):
 
     def evict(self, incident_id: int, machine_names: Sequence[str], *, reason: str,
               breaker: bool = True, max_step: int | None = None,
-              copies: Mapping[str, Sequence[Sequence[Any]] | None] | None = None) -> dict[str, Any]:
+              copies: Mapping[str, Sequence[Sequence[Any]] | None] | None = None,
+              priority: Sequence[str] = ()) -> dict[str, Any]:
         """Replace ``machine_names`` in the incident's job with standbys (each checked reachable first),
         through the breaker (``breaker`` False: machines that failed to start, not a judgement of the ladder)
         and the checkpoint check (no eviction takes the last copy of a step; ``max_step``: the restart will
         restore no newer step; ``copies``: each machine's checkpoint copies as the stop before it found them,
         handed on by ``stop_job``, else read now). Returns the swaps;
-        ``waiting_human`` when the breaker, a lack of standbys or the checkpoints stop it."""
+        ``waiting_human`` when the breaker, a lack of standbys or the checkpoints stop it. ``priority``: the
+        machines of an over-evicted group with direct evidence; with fewer standbys answering than the group,
+        they are swapped first (then as many of the others as there are standbys) and the job restarts on that
+        list, the rest of the group ``deferred`` (recorded in the action), where waiting for a human would stall
+        the whole job (ByteRobust's partial swap; at PP >= 6 a hang's pipeline outnumbers a pool sized for
+        single failures)."""
         inc = self.fleet.incident(incident_id)
         job = self.fleet.job(inc.job)
         serving = set(job.machine_list)
@@ -83,6 +89,10 @@ class Evictions(ControllerBase):
             done = {old: new for a in self.fleet.actions(incident_id) if a.kind == "evict" and a.outcome == "done"
                     for old, new in json.loads(a.detail or "{}").items() if old in machine_names}
             return {"swaps": done, "reason": "done before"} if done else {"swaps": {}, "reason": "nothing to evict"}
+        for a in self.fleet.actions(incident_id):  # a partial swap asked again: what it kept stays
+            deferred = (a.evidence or {}).get("deferred") if a.kind == "evict" and a.outcome == "done" else None
+            if deferred and set(wanted) <= set(deferred):
+                return {"swaps": json.loads(a.detail or "{}"), "reason": "done before", "deferred": deferred}
         verdict = self._breaker(job, wanted)
         key = f"evict:{incident_id}:{','.join(sorted(wanted))}"
         action, created = self.fleet.record_action(
@@ -94,11 +104,18 @@ class Evictions(ControllerBase):
             self.fleet.finish_action(action.id, "skipped", verdict.reason)
             return self.wait_for_human(incident_id, verdict.reason)
         standbys = self.ready_standbys(len(wanted), why=f" to replace {', '.join(wanted)} in {inc.job}")
+        deferred: list[str] = []
         if len(standbys) < len(wanted):
+            must = [n for n in wanted if n in set(priority)]
             why = (f"{len(wanted)} machines to replace ({', '.join(wanted)}), {len(standbys)} standbys answer; add "
                    f"machines to the pool (tg_standby_pool) or repair the standbys, then resolve the incident")
-            self.fleet.finish_action(action.id, "skipped", why, evidence={"standbys": standbys})
-            return self.wait_for_human(incident_id, why)
+            if not must or len(standbys) < len(must):
+                self.fleet.finish_action(action.id, "skipped", why, evidence={"standbys": standbys})
+                return self.wait_for_human(incident_id, why)
+            order = must + [n for n in wanted if n not in set(must)]
+            wanted, deferred = order[:len(standbys)], order[len(standbys):]
+            reason = (f"{reason}; partial swap: {len(standbys)} standbys for {len(order)} machines, "
+                      f"{', '.join(wanted)} swapped (the evidence's first), {', '.join(deferred)} kept for now")
         if copies is not None:  # what the stop found, handed on: no round of reads
             self._copies[inc.job] = {n: None if c is None else [(str(t), int(st), int(r)) for t, st, r in c]
                                      for n, c in copies.items()}
@@ -112,9 +129,11 @@ class Evictions(ControllerBase):
             return {"swaps": plan, "dry_run": True, "reason": reason, "checkpoint": kept}
         swaps = self.fleet.swap(inc.job, plan, reason=reason, incident_id=incident_id)
         self.fleet.finish_action(action.id, "done", json.dumps(swaps), evidence={"checkpoint": kept,
-                                                                               "standbys": standbys})
+                                                                               "standbys": standbys,
+                                                                               **({"deferred": deferred}
+                                                                                  if deferred else {})})
         self.fleet.update_incident(incident_id, decided_ts=time.time())
-        return {"swaps": swaps, "reason": reason, "checkpoint": kept}
+        return {"swaps": swaps, "reason": reason, "checkpoint": kept, **({"deferred": deferred} if deferred else {})}
 
     def remote_url(self, job: str) -> str:
         """The job's remote checkpoint tier (its ``--checkpoint-remote`` / ``--checkpoint-s3``), or ""."""

@@ -208,7 +208,7 @@ def swap_machines(incident_id: int, results: list[dict[str, Any] | None], stop: 
     out: dict[str, Any] = {}
     if rung.evict is not None:
         ev = c.evict(incident_id, rung.evict.machines, reason=rung.evict.reason, max_step=rung.evict.max_step,
-                     copies=copies)
+                     copies=copies, priority=rung.evict.priority)
         out = {**ev, "swaps": dict(ev.get("swaps") or {})}
         if ev.get("waiting_human") or ev.get("dry_run"):
             return Swap.read(out).dump()
@@ -487,6 +487,8 @@ def incident_note(c: Controller, incident_id: int) -> str:
         if a.kind == "evict" and a.outcome == "done":
             swaps = json.loads(a.detail or "{}")
             parts.append("evicted " + ", ".join(f"{old} -> standby {new}" for old, new in sorted(swaps.items())))
+            if a.evidence.get("deferred"):  # a partial swap: the pool was short of the whole group
+                parts.append(f"kept {', '.join(a.evidence['deferred'])} of the group (too few standbys)")
         elif a.kind == "rollback" and a.outcome == "done":
             parts.append(f"rolled back {a.evidence.get('from')} -> {a.evidence.get('to')}")
     if inc.resumed_ts and inc.first_alert_ts:

@@ -76,7 +76,7 @@ def runtime_analysis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
         out = stop_time_diagnosis(c, {**decision, "diagnose": {"align": False}})  # nothing stands out
         return {**out, "analysis": a}
     group = a["group_kind"] or "machine"
-    return {"evict": {"machines": a["machines"],
+    return {"evict": {"machines": a["machines"], "priority": [m for m in a.get("culprits", []) if m in a["machines"]],
                       "reason": f"{decision['category']}: ranks {a['outliers']} stand out; {group} group evicted"},
             "analysis": a}
 
