@@ -100,13 +100,12 @@ def measure(size: int, trials: int, *, l1: bool, log: Callable[[str], None]) -> 
     cluster.down(state, name=spec.name, log=lambda *_: None)
     avail0 = _mem_available_mb()
     t0 = time.monotonic()
-    inv = cluster.up(spec, state, log=lambda *_: None)
-    up_s = time.monotonic() - t0
-    transport = transport_for(inv)
-    plan = _plan(inv)
-    out: dict[str, Any] = {"machines": size, "up_s": round(up_s, 2), "rounds": {r: [] for r in ROUNDS},
-                           "refused": 0, "failed": []}
+    out: dict[str, Any] = {"machines": size, "rounds": {r: [] for r in ROUNDS}, "refused": 0, "failed": []}
     try:
+        inv = cluster.up(spec, state, log=lambda *_: None)
+        out["up_s"] = round(time.monotonic() - t0, 2)
+        transport = transport_for(inv)
+        plan = _plan(inv)
         for trial in range(trials):
             try:
                 launched = _timed(lambda: launcher.launch(inv, plan, transport=transport))
@@ -151,6 +150,8 @@ def measure(size: int, trials: int, *, l1: bool, log: Callable[[str], None]) -> 
                 out["failed"].append(f"L1: {len(bad)} machines failed, e.g. {next(iter(bad.values()))}")
             out["rounds"]["l1"] = [diag]
             log(f"  {size} machines: L1 diagnosis round {diag['s']:.1f} s")
+    except ClusterError as exc:  # the cluster did not come up (or a round raised): what was measured stays
+        out["failed"].append(str(exc)[:300])
     finally:
         with contextlib.suppress(Exception):
             launcher.stop(inv, JOB, inv.machines, transport=transport)

@@ -41,7 +41,7 @@ from typing import Any
 from emulation import servers
 from emulation import servers as _servers
 from emulation.standalone import Standalone, free_port
-from node_tools.cluster import ClusterSpec, _link_exists, _netns_list, _network_up, _run
+from node_tools.cluster import ClusterSpec, _netns_list, _network_up, _run, namespace_on_bridge
 from node_tools.errors import ClusterError
 
 BUS_BUCKET = "trainguard-bus"
@@ -225,20 +225,7 @@ class ScaleOut(Standalone):
 
     def _worker_up(self, i: int) -> None:
         spec, ns = self.spec, worker_netns(self.spec, i)
-        veth = f"{spec.name}w{i}"
-        if ns not in _netns_list():
-            _run(["ip", "netns", "add", ns])
-        if not _link_exists("eth0", ns):
-            if _link_exists(veth):
-                _run(["ip", "link", "del", veth])
-            _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
-        _run(["ip", "link", "set", veth, "master", spec.bridge, "up"])
-        inside = ["ip", "netns", "exec", ns]
-        addr = f"{worker_address(spec, i)}/{spec.prefixlen}"
-        if f" {addr} " not in _run([*inside, "ip", "-o", "addr", "show", "dev", "eth0"]).stdout:
-            _run([*inside, "ip", "addr", "add", addr, "dev", "eth0"])
-        _run([*inside, "ip", "link", "set", "eth0", "up"])
-        _run([*inside, "ip", "link", "set", "lo", "up"])
+        namespace_on_bridge(spec, ns, f"{spec.name}w{i}", worker_address(spec, i))
         home = self._worker_home(i)
         env = {**self.env, "AIRFLOW_HOME": str(home / "airflow"), "PGPASSFILE": str(home / "airflow" / ".pgpass"),
                "AWS_SHARED_CREDENTIALS_FILE": str(home / "airflow" / "aws_credentials"),

@@ -67,22 +67,9 @@ def _secret_file(path: Path, text: str) -> Path:
 
 def stop_pid(pid: int, *, grace_s: float = 10.0) -> bool:
     """End the process group ``pid`` leads (SIGTERM, SIGKILL after ``grace_s``); True when it ran."""
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.1)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pid, signal.SIGKILL)
-    return True
+    from emulation.standalone import stop_group
+
+    return stop_group(pid, grace_s=grace_s, sig=signal.SIGTERM)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -293,11 +293,11 @@ class Standalone:
         return running
 
 
-def stop_group(pid: int, grace_s: float = 30.0) -> bool:
-    """End the process group ``pid`` leads: SIGINT (airflow standalone ends its components), SIGKILL
+def stop_group(pid: int, grace_s: float = 30.0, sig: int = signal.SIGINT) -> bool:
+    """End the process group ``pid`` leads: ``sig`` (SIGINT: airflow standalone ends its components), SIGKILL
     after ``grace_s``. True when it was running."""
     try:
-        os.killpg(pid, signal.SIGINT)
+        os.killpg(pid, sig)
     except ProcessLookupError:
         return False
     deadline = time.monotonic() + grace_s

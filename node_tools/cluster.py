@@ -471,7 +471,12 @@ def _network_up(spec: ClusterSpec) -> None:
 
 
 def _namespace_up(spec: ClusterSpec, i: int) -> None:
-    ns, veth = spec.netns(i), spec.veth(i)
+    namespace_on_bridge(spec, spec.netns(i), spec.veth(i), spec.address(i))
+
+
+def namespace_on_bridge(spec: ClusterSpec, ns: str, veth: str, address: str) -> None:
+    """Network namespace ``ns`` with ``eth0`` at ``address`` on the cluster's bridge (through the veth pair
+    ``veth``), and its loopback up: a host of its own on the cluster's network. Idempotent."""
     if ns not in _netns_list():
         _run(["ip", "netns", "add", ns])
     if not _link_exists("eth0", ns):
@@ -480,7 +485,7 @@ def _namespace_up(spec: ClusterSpec, i: int) -> None:
         _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
     _run(["ip", "link", "set", veth, "master", spec.bridge, "up"])
     inside = ["ip", "netns", "exec", ns]
-    addr = f"{spec.address(i)}/{spec.prefixlen}"
+    addr = f"{address}/{spec.prefixlen}"
     if f" {addr} " not in _run([*inside, "ip", "-o", "addr", "show", "dev", "eth0"]).stdout:
         _run([*inside, "ip", "addr", "add", addr, "dev", "eth0"])
     _run([*inside, "ip", "link", "set", "eth0", "up"])
@@ -496,19 +501,25 @@ def _disk_up(workdir: Path, size_mb: int) -> bool:
     return True
 
 
-def _wait_reachable(inv: Inventory, timeout_s: float = 30.0) -> None:
+def _wait_reachable(inv: Inventory, timeout_s: float | None = None) -> None:
+    """Wait until every machine answers over its transport. The machines of an emulated cluster share this
+    host's cores, and a few hundred of them starting their agents at once answer slowly: the wait and each
+    session's limit grow with the machines (30 s and 10 s for a handful; 158 s and 36 s at 256)."""
+    n = len(inv.machines)
+    timeout_s = 30.0 + 0.5 * n if timeout_s is None else timeout_s
     transport = transport_for(inv)
     deadline = time.monotonic() + timeout_s
     pending = list(inv.machines)
     last: dict[str, str] = {}
     while pending and time.monotonic() < deadline:
-        results = transport.run_many(pending, lambda m: [inv.tg_node, "version"], timeout=10)
+        results = transport.run_many(pending, lambda m: [inv.tg_node, "version"], timeout=10.0 + 0.1 * len(pending))
         pending = [m for m in pending if not results[m.name].ok]
         last = {m.name: results[m.name].describe() for m in pending}
         if pending:
             time.sleep(0.2)
     if pending:
-        raise ClusterError(f"machines not reachable after {timeout_s:.0f}s: {'; '.join(last.values())}")
+        shown = "; ".join(list(last.values())[:3]) + (f"; and {len(last) - 3} more" if len(last) > 3 else "")
+        raise ClusterError(f"{len(pending)} of {n} machines not reachable after {timeout_s:.0f}s: {shown}")
 
 
 def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) -> Inventory:

@@ -1,13 +1,15 @@
-"""The scale-out control plane end to end (``make test-scaleout``, which CI runs): PostgreSQL as Airflow's
-metadata database and the fleet database, the CeleryExecutor with Redis, two Celery workers each in a network
-namespace of its own (its own Airflow home, its own copy of the deployment's files), two schedulers, a
+"""The scale-out control plane end to end (in ``make test``; alone: ``make test-scaleout``): PostgreSQL as
+Airflow's metadata database and the fleet database, the CeleryExecutor with Redis, two Celery workers each in a
+network namespace of its own (its own Airflow home, its own copy of the deployment's files), two schedulers, a
 separate api-server, dag-processor and triggerer, and the alert bus on S3 (``moto_server``), over a namespace
 cluster whose agents publish to that bus (:mod:`emulation.scaleout`).
 
-The scenario is the shared tier's first: a GPU falls off the bus on one of the guarded job's machines; the
-machine is evicted and a warm standby takes its place. Here one of the two schedulers is killed (SIGKILL, as a
-host that dies) while the incident's run is under way: the other one carries the run to its end, and the fleet
-database holds each of the recovery's actions exactly once.
+Two of the shared tier's scenarios run under it. A GPU falls off the bus on one of the guarded job's machines:
+the machine is evicted and a warm standby takes its place, while one of the two schedulers is killed (SIGKILL,
+as a host that dies) as soon as the incident's run is under way: the other one carries the run to its end, and
+the fleet database holds each of the recovery's actions exactly once. Then a rank crashes: stop-time diagnosis
+runs on the workers (L1 to L3 over SSH from their namespaces), every machine passes, and the job restarts in
+place, on the one scheduler left.
 """
 
 from __future__ import annotations
@@ -129,3 +131,19 @@ def test_an_explicit_fault_evicts_onto_a_warm_standby_while_a_scheduler_dies_mid
     log = so.task_log("tg_incident", run_id, "triage", ran["try_number"])
     assert f"http://{ran['hostname']}:" in log and "Following branch" in log, log[:2000]
     job.training(2, timeout=300)  # the job trains on, with the standby in the evicted machine's place
+
+
+def test_a_crash_is_diagnosed_by_the_workers_and_restarted_in_place_on_the_surviving_scheduler(plane):
+    job, so = plane
+    machines = list(job.ctl.fleet.job(JOB).machine_list)
+    job.settled()
+    inc, _machine, _t = job.fault_and_incident(FAULTS["crash"])
+    assert inc.state == "resolved" and inc.category == "crash", (inc.state, inc.category, inc.summary)
+    _conf, tasks = job.incident_run(inc.id)
+    assert job.branch(tasks)["task_id"] == "stop_time_diagnosis"
+    assert not [a for a in job.ctl.fleet.actions(inc.id) if a.kind == "evict"]  # every machine passed
+    assert job.ctl.fleet.job(JOB).machine_list == machines  # restarted in place
+    assert inc.lost_steps is not None and inc.lost_steps <= 1
+    run = so.incident_run(inc.id)
+    hosts = {t["hostname"] for t in so.task_instances("tg_incident", run["dag_run_id"]) if t["state"] == "success"}
+    assert hosts <= {scaleout.worker_address(so.spec, i) for i in range(2)}, hosts
