@@ -107,6 +107,8 @@ def points_from(metrics: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
     names = {label: int(size) for labels in SIZE_NAMES.values() for size, label in labels.items()}
     out: dict[str, list[tuple[int, float]]] = {}
     for key, m in metrics.items():
+        if "." not in key or key.startswith(FANOUT_KEYS):  # the fan-out's sizes are machines of a cluster
+            continue
         base, label, *variant = key.split(".")
         size = names.get(label) if not label.isdigit() else int(label)
         if size is not None:

@@ -180,9 +180,19 @@ class ScaleOut(Standalone):
         self.pg.start()
         for db in ("airflow", "trainguard"):
             self.pg.create(db, db, self.secrets[db])
-        self._record(redis=self.redis.start())
-        self._record(moto=self.moto.start(buckets=(BUS_BUCKET,), credentials=("trainguard", self.secrets["s3"])))
+        if not self._alive("redis"):
+            self._record(redis=self.redis.start())
+        if not self._alive("moto"):
+            self._record(moto=self.moto.start(buckets=(BUS_BUCKET,),
+                                              credentials=("trainguard", self.secrets["s3"])))
         self._host_files(self.home)
+
+    def _alive(self, name: str) -> bool:
+        """Whether the process this plane recorded as ``name`` still runs (a repair leaves it be)."""
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            os.killpg(int(json.loads((self.root / STATE).read_text())["pids"][name]), 0)
+            return True
+        return False
 
     def launch(self) -> None:
         """Migrate Airflow's database, then start its components and the workers; returns at once
@@ -192,16 +202,19 @@ class ScaleOut(Standalone):
                                  timeout=600, check=False)
         if migrate.returncode:
             raise ClusterError(f"airflow db migrate failed: {migrate.stderr.strip()[-400:]}")
-        for name in COMPONENTS:
-            self._start(name, [name], self.env, self.home)
-        for i in range(self.shape.schedulers):
-            self._start(f"scheduler-{i}", ["scheduler"], self.env, self.home)
+        for name, args in [*((n, [n]) for n in COMPONENTS),
+                           *((f"scheduler-{i}", ["scheduler"]) for i in range(self.shape.schedulers))]:
+            if not self._alive(name):  # up again after one died: the rest run on
+                self._start(name, args, self.env, self.home)
         for i in range(self.shape.workers):
-            self._worker_up(i)
-        self.proc = self.procs["api-server"]
+            if not self._alive(f"worker-{i}"):
+                self._worker_up(i)
+        self.proc = self.procs.get("api-server")
         # where ``trainguard status`` finds the api-server (as it finds a kept ``airflow standalone``)
         (self.home / "standalone.url").write_text(self.url)
-        (self.home / "standalone.pid").write_text(str(self.proc.pid))
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            pid = json.loads((self.root / STATE).read_text())["pids"]["api-server"]
+            (self.home / "standalone.pid").write_text(str(pid))
 
     def _airflow(self) -> str:
         return str(Path(sys.executable).parent / "airflow")

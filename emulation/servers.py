@@ -133,6 +133,9 @@ class Postgres:
             if self.host:
                 with open(self.data / "pg_hba.conf", "a", encoding="utf-8") as fh:
                     fh.write(f"host all all {self.clients or self.host + '/32'} scram-sha-256\n")
+        if subprocess.run([*self._as_server_user(), str(bin_dir / "pg_ctl"), "-D", str(self.data), "status"],
+                          capture_output=True, timeout=30, check=False).returncode == 0:
+            return  # it runs already
         listen = f"'{self.host}'" if self.host else "''"
         options = (f"-k {self.folder} -p {self.port} -c listen_addresses={listen} -c fsync=off "
                    f"-c max_connections={self.max_connections}")

@@ -168,13 +168,14 @@ def stop(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: floa
 
 def stop_sessions(inv: Inventory, job: str, machines: Sequence[Machine], *, grace_s: float = 10.0,
                   transport: Transport | None = None, logs_since: float | None = None,
-                  status: bool = False, copies: bool = False) -> dict[str, RunResult]:
+                  status: bool = False, copies: bool = False, limit_s: float = 30.0) -> dict[str, RunResult]:
     """Stop the job on ``machines`` in one round of sessions of two phases: mark the stop on all of them
     (so ranks that die because a peer stopped first are not reported as failures), then, once every
     machine is marked, stop each. ``logs_since``: each answer also holds the machine's log verdict
     after the stop (``tg-node logs --since``), a round of sessions less for stop-time diagnosis;
     ``status``: and its ``tg-node job status`` (the steps each rank finished); ``copies``: and the job's
-    checkpoint copies it holds (``tg-node ckpt list``), what an eviction checks before it takes a machine."""
+    checkpoint copies it holds (``tg-node ckpt list``), what an eviction checks before it takes a machine.
+    ``limit_s``: how long every machine has to be marked, and each session beyond the grace."""
     check_job_name(job)
     transport = transport or transport_for(inv)
     extra = ["--logs-since", str(logs_since)] if logs_since is not None else []
@@ -182,10 +183,10 @@ def stop_sessions(inv: Inventory, job: str, machines: Sequence[Machine], *, grac
     extra += ["--copies"] if copies else []
     stop = [inv.tg_node, "job", "stop", "--job", job, "--grace-s", str(grace_s)]
     if len(machines) > transport.max_two_phase:  # more sessions than one may hold open: a round per phase
-        transport.run_many(machines, lambda m: [*stop, "--mark-only"], timeout=30)
-        return transport.run_many(machines, lambda m: [*stop, *extra], timeout=grace_s + 30)
-    return transport.run_two_phase(machines, lambda m: [*stop, "--wait-go", *extra], timeout=grace_s + 30,
-                                   ready_timeout=30)
+        transport.run_many(machines, lambda m: [*stop, "--mark-only"], timeout=limit_s)
+        return transport.run_many(machines, lambda m: [*stop, *extra], timeout=grace_s + limit_s)
+    return transport.run_two_phase(machines, lambda m: [*stop, "--wait-go", *extra], timeout=grace_s + limit_s,
+                                   ready_timeout=limit_s)
 
 
 def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: float = 20.0,

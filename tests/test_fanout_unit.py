@@ -147,3 +147,20 @@ def test_a_plane_with_nothing_started_comes_down_as_a_no_op(tmp_path):
 def test_password_file_lines_escape_what_libpq_would_split_on():
     line = servers.pgpass_line("10.0.0.1", 5432, "db", "role", "pa:ss\\word")
     assert line == "10.0.0.1:5432:db:role:pa\\:ss\\\\word"
+
+
+def test_a_stop_gives_every_machine_the_limit_it_is_handed_to_be_marked(tmp_path):
+    from node_tools import launcher
+
+    seen: dict[str, float] = {}
+
+    class Recording(Transport):
+        def run_two_phase(self, machines, argv_for, *, timeout=30.0, ready_timeout=None):
+            seen.update(timeout=timeout, ready=ready_timeout)
+            return {m.name: RunResult(m.name, argv_for(m), 0, "{}", "", 0.0) for m in machines}
+
+    inv = _inventory(4)
+    launcher.stop_sessions(inv, "j", inv.machines, grace_s=10, transport=Recording(inv))
+    assert seen == {"timeout": 40.0, "ready": 30.0}  # the recovery's limits
+    launcher.stop_sessions(inv, "j", inv.machines, grace_s=10, transport=Recording(inv), limit_s=300)
+    assert seen == {"timeout": 310.0, "ready": 300.0}

@@ -15,6 +15,7 @@ place, on the one scheduler left.
 from __future__ import annotations
 
 import collections
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -147,3 +148,15 @@ def test_a_crash_is_diagnosed_by_the_workers_and_restarted_in_place_on_the_survi
     run = so.incident_run(inc.id)
     hosts = {t["hostname"] for t in so.task_instances("tg_incident", run["dag_run_id"]) if t["state"] == "success"}
     assert hosts <= {scaleout.worker_address(so.spec, i) for i in range(2)}, hosts
+
+
+def test_bringing_the_plane_up_again_restarts_only_what_died(plane):
+    _job, so = plane
+    before = json.loads((so.root / scaleout.STATE).read_text())["pids"]
+    assert so.procs["scheduler-0"].poll() is not None  # killed by the first scenario
+    so.launch()
+    so.ready(timeout=120)
+    after = json.loads((so.root / scaleout.STATE).read_text())["pids"]
+    assert after["scheduler-0"] != before["scheduler-0"] and so.procs["scheduler-0"].poll() is None
+    assert {k: v for k, v in after.items() if k != "scheduler-0"} == \
+        {k: v for k, v in before.items() if k != "scheduler-0"}  # nothing else started twice
