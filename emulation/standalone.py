@@ -140,7 +140,8 @@ class Standalone:
                 raise
             self.request("POST", "/api/v2/pools", {"name": name, **settings})
             return
-        self.request("PATCH", f"/api/v2/pools/{name}", settings)
+        # Airflow 3.3 validates a patch as a whole pool: its name ("pool") and include_deferred with it
+        self.request("PATCH", f"/api/v2/pools/{name}", {"pool": name, "include_deferred": False, **settings})
 
     def ensure_api_connection(self) -> None:
         """The connection the tasks use to set their run's note: this api-server, as ``NOTES_USER`` (a

@@ -162,7 +162,8 @@ def test_local_transport_fallback(cluster_dir: Path):
 @pytest.mark.parametrize(
     "argv,match",
     [
-        (["cluster", "up", "--machines", "0"], "--machines 0 must be 1..64"),
+        (["cluster", "up", "--machines", "0"], "--machines 0 must be 1..1000"),
+        (["cluster", "up", "--machines", "300"], "must be a private network with room for 300 machines"),
         (["cluster", "up", "--standbys", "6"], "--standbys 6 must be 0..5"),
         (["cluster", "up", "--name", "Bad_Name"], "cluster name 'Bad_Name'"),
         (["cluster", "up", "--subnet", "8.8.8.0/24"], "must be a private network"),
