@@ -104,6 +104,7 @@ def measure(size: int, trials: int, *, l1: bool, log: Callable[[str], None], pat
     t0 = time.monotonic()
     out: dict[str, Any] = {"machines": size, "rounds": {r: [] for r in ROUNDS}, "refused": 0, "failed": [],
                            "limits": "the recovery's" if patient == 1 else f"the recovery's x {patient:g}"}
+    inv: Inventory | None = None
     try:
         inv = cluster.up(spec, state, log=lambda *_: None)
         out["up_s"] = round(time.monotonic() - t0, 2)
@@ -157,8 +158,9 @@ def measure(size: int, trials: int, *, l1: bool, log: Callable[[str], None], pat
     except ClusterError as exc:  # the cluster did not come up (or a round raised): what was measured stays
         out["failed"].append(str(exc)[:300])
     finally:
-        with contextlib.suppress(Exception):
-            launcher.stop(inv, JOB, inv.machines, transport=transport)
+        if inv is not None:  # whatever still runs there ends with the cluster below anyway
+            with contextlib.suppress(Exception):
+                launcher.stop(inv, JOB, inv.machines)
         cluster.down(state, name=spec.name, log=lambda *_: None)
         import shutil
 

@@ -172,7 +172,8 @@ def _storm(backend: str, size: int, *, batched: bool = True) -> tuple[str, Fleet
     return url, fleet
 
 
-async def _first_event(trigger: AlertTrigger) -> dict[str, Any]:
+async def first_event(trigger: AlertTrigger) -> dict[str, Any]:
+    """The payload of the trigger's first event (the run is closed after it)."""
     run = trigger.run()
     try:
         return (await run.__anext__()).payload
@@ -185,7 +186,7 @@ def storm_read(backend: str, *, batched: bool = True) -> Callable[[int], Callabl
         url, fleet = _storm(backend, size, batched=batched)
 
         def run() -> int:
-            event = asyncio.run(_first_event(AlertTrigger(url, fleet.url, settle_s=DEFAULT_SETTLE_S,
+            event = asyncio.run(first_event(AlertTrigger(url, fleet.url, settle_s=DEFAULT_SETTLE_S,
                                                           poll_s=DEFAULT_POLL_S)))
             if not any(a["job"] == JOB for a in event["alerts"]):
                 raise RuntimeError("the first event holds no alert of the job")
@@ -214,7 +215,7 @@ def storm_drain(backend: str, *, batched: bool = True) -> Callable[[int], Callab
         url, fleet = _storm(backend, size, batched=batched)
 
         def run() -> int:
-            event = asyncio.run(_first_event(_Delivering(url, fleet.url, settle_s=DEFAULT_SETTLE_S,
+            event = asyncio.run(first_event(_Delivering(url, fleet.url, settle_s=DEFAULT_SETTLE_S,
                                                          poll_s=DEFAULT_POLL_S, record=True)))
             if event["alerts"] != size:
                 raise RuntimeError(f"{event['alerts']} of {size} alerts delivered")

@@ -58,14 +58,6 @@ class _Opening(AlertTrigger):
                 "first_seen_ts": event["first_seen_ts"], "fired_ts": event["fired_ts"], "quarantined": []}
 
 
-async def _first(trigger: AlertTrigger) -> dict[str, Any]:
-    run = trigger.run()
-    try:
-        return (await run.__anext__()).payload
-    finally:
-        await run.aclose()
-
-
 def _prepare(backend: str, *, whole: bool = False) -> Callable[[int], Callable[[], Any]]:
     def prepare(size: int) -> Callable[[], Any]:
         tmp = tempfile.TemporaryDirectory(prefix="tg-scale-storm-")
@@ -78,7 +70,7 @@ def _prepare(backend: str, *, whole: bool = False) -> Callable[[int], Callable[[
         def run() -> Any:
             trigger = _Opening(url, c.fleet.url, settle_s=DEFAULT_SETTLE_S, poll_s=DEFAULT_POLL_S, record=True)
             trigger.controller, trigger.whole = c, whole
-            asyncio.run(_first(trigger))
+            asyncio.run(scale_bus.first_event(trigger))
             incidents = c.fleet.incidents(scale_ingest.JOB)
             if len(incidents) != 1 or not trigger.opened:
                 raise RuntimeError(f"{len(incidents)} incidents after the first batch, not one")

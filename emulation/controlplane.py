@@ -83,14 +83,14 @@ def up(args: argparse.Namespace, state: Path, *, log: Callable[[str], None]) -> 
     port = args.port or None
     home.mkdir(parents=True, exist_ok=True)
     if args.profile == "scaleout":
-        plane: Standalone = scaleout.ScaleOut(home, settings, spec, shape=shape, port=port)
-        assert isinstance(plane, scaleout.ScaleOut)
+        scaled = scaleout.ScaleOut(home, settings, spec, shape=shape, port=port)
         log("starting PostgreSQL, Redis and moto_server on the cluster's bridge")
-        plane.servers_up()
+        scaled.servers_up()
         spec = replace(spec, bus_url=scaleout.bus_url(spec))
-        fleet_url = plane.fleet_url
-        env = {"TG_FLEET_URL": fleet_url, "TG_INVENTORY": str(inventory), "PGPASSFILE": plane.env["PGPASSFILE"],
-               "AWS_SHARED_CREDENTIALS_FILE": plane.env["AWS_SHARED_CREDENTIALS_FILE"]}
+        fleet_url = scaled.fleet_url
+        env = {"TG_FLEET_URL": fleet_url, "TG_INVENTORY": str(inventory), "PGPASSFILE": scaled.env["PGPASSFILE"],
+               "AWS_SHARED_CREDENTIALS_FILE": scaled.env["AWS_SHARED_CREDENTIALS_FILE"]}
+        plane: Standalone = scaled
     else:
         fleet_url = str(home / "fleet.db")
         (home / "airflow").mkdir(exist_ok=True)

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from emulation import servers
-from emulation import servers as _servers
 from emulation.standalone import Standalone, free_port
 from node_tools.cluster import ClusterSpec, _netns_list, _network_up, _run, namespace_on_bridge
 from node_tools.errors import ClusterError
@@ -136,18 +135,18 @@ class ScaleOut(Standalone):
         made = {"airflow": secrets.token_hex(16), "trainguard": secrets.token_hex(16),
                 "redis": secrets.token_hex(16), "s3": secrets.token_hex(16), "jwt": secrets.token_hex(32),
                 "api": secrets.token_hex(32), "fernet": base64.urlsafe_b64encode(os.urandom(32)).decode()}
-        servers._secret_file(path, json.dumps(made))
+        servers.secret_file(path, json.dumps(made))
         return made
 
     def _host_files(self, airflow_home: Path) -> None:
         """One host's ``airflow.cfg`` (its secrets) and database password file, both mode 0600."""
         s = self.secrets
-        servers._secret_file(airflow_home / "airflow.cfg", "\n".join([
+        servers.secret_file(airflow_home / "airflow.cfg", "\n".join([
             "[core]", f"fernet_key = {s['fernet']}", "[api]", f"secret_key = {s['api']}",
             "[api_auth]", f"jwt_secret = {s['jwt']}", "[celery]", f"broker_url = {self.redis.url}", ""]))
-        servers._secret_file(airflow_home / "aws_credentials", "[default]\naws_access_key_id = trainguard\n"
+        servers.secret_file(airflow_home / "aws_credentials", "[default]\naws_access_key_id = trainguard\n"
                              f"aws_secret_access_key = {s['s3']}\n")
-        servers._secret_file(airflow_home / ".pgpass", "".join(
+        servers.secret_file(airflow_home / ".pgpass", "".join(
             servers.pgpass_line(self.host, PG_PORT, db, db, s[db]) + "\n" for db in ("airflow", "trainguard")))
 
     def _worker_home(self, i: int) -> Path:
@@ -156,10 +155,10 @@ class ScaleOut(Standalone):
         home = self.root / "workers" / f"w{i}"
         deploy = home / "deploy"
         inv = Path(self.env["TG_INVENTORY"])
-        (deploy / "keys").mkdir(parents=True, exist_ok=True)
-        doc = json.loads(inv.read_text())
-        shutil.copy2(inv, deploy / "inventory.json")
-        ssh = doc.get("ssh") or {}
+        deploy.mkdir(parents=True, exist_ok=True)
+        text = inv.read_text()
+        (deploy / "inventory.json").write_text(text)
+        ssh = json.loads(text).get("ssh") or {}
         for key in ("identity_file", "known_hosts"):
             rel = ssh.get(key)
             if rel:
@@ -292,7 +291,7 @@ class ScaleOut(Standalone):
         if self._api is not None:
             self._api.close()
             self._api = None
-        down(self.root, grace_s=grace_s, servers=False)
+        down(self.root, grace_s=grace_s, stop_servers=False)
         (self.home / "standalone.pid").unlink(missing_ok=True)
         for proc in self.procs.values():
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -302,15 +301,15 @@ class ScaleOut(Standalone):
 
     def servers_down(self) -> None:
         """Stop PostgreSQL, Redis and moto_server (after :meth:`stop`)."""
-        down(self.root, servers=True)
+        down(self.root)
 
 
 SERVERS = ("redis", "moto")
 
 
-def down(root: Path, *, grace_s: float = 30.0, servers: bool = True) -> dict[str, Any]:
+def down(root: Path, *, grace_s: float = 30.0, stop_servers: bool = True) -> dict[str, Any]:
     """Stop what a plane in ``root`` started (from its :data:`STATE` file): Airflow's components and workers
-    and the workers' namespaces, then (``servers``) Redis, moto_server and PostgreSQL. Safe to repeat; the
+    and the workers' namespaces, then (``stop_servers``) Redis, moto_server and PostgreSQL. Safe to repeat; the
     folder stays (databases, logs)."""
     path = root / STATE
     try:
@@ -320,7 +319,7 @@ def down(root: Path, *, grace_s: float = 30.0, servers: bool = True) -> dict[str
     pids: dict[str, int] = doc.get("pids", {})
     stopped = []
     for name in [n for n in pids if n not in SERVERS]:  # Airflow's processes first: they end their tasks
-        if _servers.stop_pid(int(pids.pop(name)), grace_s=grace_s):
+        if servers.stop_pid(int(pids.pop(name)), grace_s=grace_s):
             stopped.append(name)
     removed = []
     for ns in doc.get("namespaces", []):
@@ -331,12 +330,12 @@ def down(root: Path, *, grace_s: float = 30.0, servers: bool = True) -> dict[str
         if ns in _netns_list() and _run(["ip", "netns", "del", ns], check=False).returncode == 0:
             removed.append(ns)
     doc["namespaces"] = []
-    if servers:
+    if stop_servers:
         for name in [n for n in pids if n in SERVERS]:
-            if _servers.stop_pid(int(pids.pop(name)), grace_s=10.0):
+            if servers.stop_pid(int(pids.pop(name)), grace_s=10.0):
                 stopped.append(name)
         if doc.get("pg"):
-            _servers.Postgres(Path(doc["pg"])).stop()
+            servers.Postgres(Path(doc["pg"])).stop()
             stopped.append("postgres")
         path.unlink(missing_ok=True)
     else:

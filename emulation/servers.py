@@ -56,7 +56,7 @@ def _listening(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def _secret_file(path: Path, text: str) -> Path:
+def secret_file(path: Path, text: str) -> Path:
     """Write ``text`` to ``path`` readable by its owner only."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -214,7 +214,7 @@ class Redis:
                                                                  else None))
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.folder.mkdir(parents=True, exist_ok=True)
-        conf = _secret_file(self.folder / "redis.conf", "\n".join([
+        conf = secret_file(self.folder / "redis.conf", "\n".join([
             f"bind {self.host}", f"port {self.port}", "protected-mode yes", f'requirepass "{self.password}"',
             'save ""', "appendonly no", f"dir {self.folder}", f"logfile {self.folder / 'redis.log'}",
             "daemonize no", ""]))
