@@ -149,8 +149,7 @@ def _cont(pid: int) -> None:
 
 def dead_standby_and_gpu_lost(c: Chaos, ms: list[str]) -> Callable[[], None]:
     standby = c.first_standby()
-    sshd = int((Path(c.inv.machine(standby).extra["machine_dir"]) / "sshd.pid").read_text())
-    os.kill(sshd, signal.SIGKILL)
+    cluster.kill_sshd(Path(c.inv.machine(standby).extra["machine_dir"]))  # with its connections
     return _both(_gpu(c, ms[1]), lambda: cluster.up(SPEC, c.inv.path.parent, log=lambda *_: None))
 
 

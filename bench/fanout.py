@@ -8,10 +8,12 @@ A thin machine runs what the control plane talks to and nothing else: sshd, the 
 a step record a second, no torch). Each round is the code the recovery runs (:mod:`node_tools.launcher`'s
 ``launch``, ``stop`` and ``status``; ``tg-node diag --level 1`` in waves of ``TG_DIAG_CONCURRENCY`` machines)
 over the OpenSSH transport with strict host keys, at the default fan-out (``node_tools.transport.FANOUT``
-sessions at once). For each round and size: the wall time (median of ``--trials``), the control plane's own
-CPU (this process and its ssh clients) and peak memory, the host's CPU in all (every machine's side of the
-round runs on the same cores), and the sessions refused (sshd's ``MaxStartups``, or a session that failed);
-for each size, the cores the idle machines keep busy (``idle_cores``: agents and stand-ins, no round).
+sessions at once), one master connection per machine held across the rounds (``ControlPersist``: a
+trial's first round opens them). For each round and size: the wall time (median of ``--trials``), the
+control plane's own CPU (this process, its ssh clients and the masters) and peak memory, the host's CPU in
+all (every machine's side of the round runs on the same cores), and the sessions refused (sshd's
+``MaxStartups``, or a session that failed); for each size, the cores the idle machines keep busy
+(``idle_cores``: agents and stand-ins, no round).
 ``--max`` adds the largest cluster the host's free memory holds (measured per machine at the first size).
 
 The results go into the scale benchmark's file (``bench/results/scale.json``: metrics ``fanout_<round>_s.<N>``,
@@ -40,7 +42,7 @@ from node_tools import cluster, launcher  # noqa: E402
 from node_tools.errors import ClusterError  # noqa: E402
 from node_tools.inventory import Inventory  # noqa: E402
 from node_tools.topology import Topology  # noqa: E402
-from node_tools.transport import FANOUT, RunResult, transport_for  # noqa: E402
+from node_tools.transport import CONTROL_PERSIST_S, FANOUT, RunResult, control_dir, transport_for  # noqa: E402
 
 JOB = "fanout"
 SUBNET = "10.214.0.0/22"  # room for 1,000 machines
@@ -57,8 +59,28 @@ def _host_cpu_s() -> float:
 
 
 def _own_cpu_s() -> float:
+    """This process's CPU, its ssh clients' and the OpenSSH master connections' (daemons: no child of ours)."""
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime + _masters_cpu_s()
+
+
+def _masters_cpu_s() -> float:
+    """CPU seconds of the live OpenSSH masters in this user's control folder (``ssh: <folder>/... [mux]``)."""
+    folder = control_dir()
+    if folder is None:
+        return 0.0
+    mark, total = f"ssh: {folder}/".encode(), 0.0
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(mark):
+                continue
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def _mem_available_mb() -> float:
@@ -203,7 +225,7 @@ def merge(path: Path, sizes: dict[int, dict[str, Any]], setup: dict[str, Any]) -
     if 16 in every and 256 in every:
         for name in ROUNDS:
             a, b = every[16]["rounds"].get(name), every[256]["rounds"].get(name)
-            if a and b:
+            if a and b and a["control_cpu_s"] is not None and b["control_cpu_s"] is not None:
                 metrics[f"fanout_{name}_ratio_256_vs_16"] = {
                     "value": round(b["s"] / a["s"], 2),
                     "control_cpu": round(b["control_cpu_s"] / max(a["control_cpu_s"], 1e-6), 2),
@@ -248,7 +270,8 @@ def main() -> int:
             print(f"{biggest} machines (the most {per:.0f} MB each fit) ...", file=sys.stderr, flush=True)
             results[biggest] = measure(biggest, 1, l1=False, log=lambda m: print(m, file=sys.stderr))
     setup = {"fanout_sessions": FANOUT, "diag_wave": DIAG_WAVE, "trials": args.trials, "cpus": os.cpu_count(),
-             "transport": "OpenSSH client, strict host keys", "job": "examples/standin.py (direct launcher)"}
+             "transport": "OpenSSH client, strict host keys, one master connection per machine (ControlPersist "
+                          f"{CONTROL_PERSIST_S} s)", "job": "examples/standin.py (direct launcher)"}
     doc = merge(args.out, results, setup)
     for key, value in doc["metrics"].items():
         if key.startswith(("fanout_", "largest_fanout")):

@@ -67,6 +67,9 @@ QUIET_WAIT_S = 2.0  # the longest a snapshot waits for its rank's host to idle b
 # the bit patterns of an infinity or a NaN: every exponent bit set
 _EXPONENT = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
              "BF16": ("<u2", 0x7F80)}
+# the formats numpy computes in: checked with its vectorised isfinite (one pass, a bool per value; the
+# exponent mask below makes two temporaries as large as the data: 3.9 ms against 0.5 ms for 4.9 MB here)
+_NUMPY_FLOAT = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
 
 
 def shm_prefix(root: Path) -> str:
@@ -176,6 +179,9 @@ def non_finite(data: memoryview, entries: list[list[Any]]) -> str:
     for name, dtype, _shape, begin, end in entries:
         spec = _EXPONENT.get(dtype)
         if spec is None or end <= begin:
+            continue
+        native = _NUMPY_FLOAT.get(dtype)
+        if native and np.isfinite(np.frombuffer(data[begin:end], dtype=native)).all():
             continue
         bits = np.frombuffer(data[begin:end], dtype=spec[0])
         bad = int(np.count_nonzero((bits & spec[1]) == spec[1]))

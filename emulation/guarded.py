@@ -252,10 +252,27 @@ class GuardedJob:
                     on_tick()
                     return self.incident_since(after, since)
 
-                inc = poll(closed, timeout=fault.timeout, interval=0.5, what=f"the {fault.kind} incident to close")
+                try:
+                    inc = poll(closed, timeout=fault.timeout, interval=0.5,
+                               what=f"the {fault.kind} incident to close")
+                except TimeoutError as exc:  # say where it stands: which incident, which task of its run
+                    raise TimeoutError(f"{exc}; {self.where_incidents_stand(last)}") from None
             finally:
                 inject.clear(self.inv, machine, fault.kind)
         return inc, machine, t_fault
+
+    def where_incidents_stand(self, after_id: int) -> str:
+        """The incidents of the job after ``after_id``, each with its state and its run's unfinished tasks."""
+        said = []
+        for inc in self.ctl.fleet.incidents(self.job):
+            if inc.id <= after_id:
+                continue
+            _conf, tasks = self.incident_run(inc.id)
+            open_tasks = sorted(f"{t['task_id']}={t['state']}" for t in tasks.values()
+                                if t["state"] not in ("success", "skipped"))
+            said.append(f"incident {inc.id} {inc.state} ({inc.category}): run "
+                        f"{'tasks ' + ', '.join(open_tasks) if open_tasks else 'done' if tasks else 'not found'}")
+        return "; ".join(said) or "no incident opened"
 
     def swaps(self, incident_id: int) -> dict[str, str]:
         """The incident's evictions done: evicted machine -> the standby in its place."""

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,6 +37,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from checkpoint.files import write_atomic
 from node_tools import procs
@@ -290,6 +293,22 @@ def _sshd_running(mdir: Path, netns: str) -> int | None:
     return pid
 
 
+def kill_sshd(mdir: Path, sig: int = signal.SIGKILL) -> int:
+    """An emulated machine's sshd dies with every session it serves, as when its host goes: the listener
+    (``sshd.pid`` in its folder) and its connections' processes (a connection a client holds open, an
+    OpenSSH master's, would outlive the listener alone). Returns the listener's pid."""
+    pid = int((mdir / "sshd.pid").read_text().strip())
+    try:
+        listener = psutil.Process(pid)
+        every = [listener, *listener.children(recursive=True)]
+    except psutil.Error:  # gone already
+        return pid
+    for proc in every:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(sig)
+    return pid
+
+
 def _agent_running(mdir: Path) -> int | None:
     try:
         pid = int((mdir / "agent.pid").read_text().strip())
@@ -341,10 +360,14 @@ def machine_up(config_path: Path, *, netns: str = "", sshd: str = "", listen: st
     With ``sshd`` (its binary), the machine's host key is made once (``ssh_host_ed25519_key`` beside
     the configuration) and its ``sshd_config`` written: key-only login for ``authorized_keys`` (default
     ``authorized_keys`` beside the configuration) on ``listen``, every session seeing this machine's
-    configuration; with ``host_key_dir``, its public half is published there as ``<machine>.pub`` (where
-    a provisioner builds known_hosts from). This is ``tg-node up``: ``cluster up`` runs it for each
-    namespace and the node image (``docker/node.Dockerfile``) has it as its entrypoint. Idempotent:
-    what runs is left running. Returns the machine, the pids of sshd (0 without) and the agent, and the host public key.
+    configuration; in a namespace (``netns``: a machine emulated on a shared host), a home directory of
+    its own too (``home`` beside the configuration: a session's login shell reads that home's dotfiles,
+    not those of the host, whose ``.bashrc`` may start anything: one that ran ``pyenv init`` cost each
+    session 130 ms of CPU). With ``host_key_dir``, the host key's public half is published there as
+    ``<machine>.pub`` (where a provisioner builds known_hosts from). This is ``tg-node up``: ``cluster up``
+    runs it for each namespace and the node image (``docker/node.Dockerfile``) has it as its entrypoint.
+    Idempotent: what runs is left running. Returns the machine, the pids of sshd (0 without) and the agent,
+    and the host public key.
     """
     cfg = NodeConfig.load(config_path)
     mdir = config_path.parent
@@ -362,6 +385,10 @@ def machine_up(config_path: Path, *, netns: str = "", sshd: str = "", listen: st
         env = {"TG_NODE_CONFIG": str(config_path.resolve()),
                "PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                **_credentials_env(mdir)}
+        if netns:  # an emulated machine's own home: the host's dotfiles run in none of its sessions
+            home = mdir.resolve() / "home"
+            home.mkdir(mode=0o700, exist_ok=True)
+            env["HOME"] = str(home)
         (mdir / "sshd_config").write_text(_sshd_config(mdir, listen, authorized_keys or mdir / "authorized_keys", env))
         sshd_pid = _sshd_up(cfg, mdir, netns, sshd)
     agent_pid = start_agent(config_path, netns=netns) if cfg.bus_url else 0

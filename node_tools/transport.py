@@ -12,9 +12,12 @@ this module serves the command line, the emulated cluster and the tests.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shlex
+import stat
 import subprocess
 import tempfile
 import threading
@@ -22,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from node_tools.inventory import Inventory, Machine
@@ -256,11 +260,59 @@ class _ProcessSession:
         self.proc.kill()
 
 
+# seconds an OpenSSH master connection outlives its last session (the inventory's ``ssh.control_persist_s``;
+# 0: every session its own connection): an incident's rounds (stop, swap, restart, status) come within it
+CONTROL_PERSIST_S = 120
+
+
+def control_dir() -> Path | None:
+    """The private folder of this user's OpenSSH master sockets (``$XDG_RUNTIME_DIR`` or the temporary
+    folder, ``tg-ssh-<uid>``), made 0700; None when what is there is not a folder of this user's that
+    nobody else may enter (a link, another owner, wider modes): sessions then connect each on its own."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
+    path = base / f"tg-ssh-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    try:
+        st = path.lstat()
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
 class SshTransport(Transport):
-    """OpenSSH client with strict host key checking against the inventory's keys."""
+    """OpenSSH client with strict host key checking against the inventory's keys.
+
+    Sessions to a machine share one connection (OpenSSH's ``ControlMaster``): the first opens it, and it
+    stays ``control_persist_s`` after the last; every later session is a channel on it, without a new
+    handshake on either side (the client's key exchange alone cost 90 ms of CPU a session, a machine's
+    sshd as much again). The master sockets are in :func:`control_dir`; a master whose machine stops
+    answering ends after three missed keepalives 5 s apart, and a session that finds no master connects
+    on its own."""
 
     def known_hosts_path(self) -> str:
         return str(self.inventory.resolve(self.inventory.ssh.get("known_hosts", "known_hosts")))
+
+    def multiplex(self) -> list[str]:
+        """The options that share one connection per machine ([] when turned off or no private folder).
+        A master serves only sessions of the same trust: its socket's name carries a digest of the
+        known_hosts it verified the machine against and of the key it logged in with (a session checking
+        another host key, or logging in with another key, opens its own connection)."""
+        persist = int(self.inventory.ssh.get("control_persist_s", CONTROL_PERSIST_S))
+        folder = control_dir() if persist > 0 else None
+        if folder is None:
+            return []
+        trust = hashlib.sha256()
+        try:
+            trust.update(Path(self.known_hosts_path()).read_bytes())
+        except OSError:  # no known_hosts: the session fails its host key check on its own
+            return []
+        identity = self.inventory.ssh.get("identity_file")
+        trust.update(str(self.inventory.resolve(identity) if identity else "").encode())
+        return ["-o", "ControlMaster=auto", "-o", f"ControlPath={folder}/{trust.hexdigest()[:12]}-%C",
+                "-o", f"ControlPersist={persist}", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
 
     def command(self, machine: Machine, argv: Sequence[str]) -> tuple[list[str], dict[str, str] | None]:
         ssh = self.inventory.ssh
@@ -272,6 +324,7 @@ class SshTransport(Transport):
             "-o", "GlobalKnownHostsFile=/dev/null",
             "-o", f"ConnectTimeout={int(ssh.get('connect_timeout_s', 5))}",
             "-o", "LogLevel=ERROR",
+            *self.multiplex(),
             "-p", str(machine.port),
         ]
         identity = ssh.get("identity_file")

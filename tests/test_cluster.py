@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -87,8 +88,9 @@ def test_up_twice_changes_nothing(ns_cluster: Inventory, state_dir: Path):
 def test_up_repairs_a_dead_sshd(ns_cluster: Inventory, state_dir: Path):
     m = ns_cluster.machines[5]
     pid_file = Path(m.extra["machine_dir"]) / "sshd.pid"
-    old = int(pid_file.read_text())
-    procs.terminate([old], grace_s=2)
+    assert transport_for(ns_cluster).run(m, ["true"], timeout=15).ok  # a master connection is held now
+    old = cluster.kill_sshd(Path(m.extra["machine_dir"]), signal.SIGTERM)  # with the connection it holds
+    wait_until(lambda: not procs.alive(old), timeout=5, what="sshd to end")
     assert not transport_for(ns_cluster).run(m, ["true"], timeout=15).reachable
     cluster.up(TEST_CLUSTER, state_dir, log=lambda *_: None)
     assert int(pid_file.read_text()) != old

@@ -229,8 +229,8 @@ def _repair(ctl: Controller, inv: Inventory, name: str) -> None:
 
 
 def _kill_sshd(inv: Inventory, name: str) -> None:
-    """A standby dies: its sshd is gone (the machine answers nothing)."""
-    os.kill(int((Path(inv.machine(name).extra["machine_dir"]) / "sshd.pid").read_text()), signal.SIGKILL)
+    """A standby dies: its sshd is gone, with every connection to it (the machine answers nothing)."""
+    cluster.kill_sshd(Path(inv.machine(name).extra["machine_dir"]))
 
 
 def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job_passing_over_a_dead_one(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 
 import pytest
@@ -98,3 +99,49 @@ def test_local_inventory_needs_no_host_keys(tmp_path):
     d = doc(transport="local", machines=[{"name": "m0", "address": "127.0.0.1"}])
     (tmp_path / "i.json").write_text(json.dumps(d))
     assert Inventory.load(tmp_path / "i.json").transport == "local"
+
+
+def _mux(argv: list[str]) -> dict[str, str]:
+    opts = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-o"]
+    return dict(o.split("=", 1) for o in opts if o.startswith("Control"))
+
+
+def _inventory(tmp_path, known_hosts: str, **ssh):
+    inv = Inventory.from_dict(doc(ssh={**doc()["ssh"], **ssh}))
+    inv.path = tmp_path / "inventory.json"
+    (tmp_path / "known_hosts").write_text(known_hosts)
+    return inv
+
+
+def test_sessions_share_a_master_connection_only_with_the_same_trust(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    inv = _inventory(tmp_path, "\n".join(known_hosts_lines(Inventory.from_dict(doc()))))
+    mux = _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0])
+    folder = tmp_path / f"tg-ssh-{os.getuid()}"
+    assert mux["ControlMaster"] == "auto" and mux["ControlPath"].startswith(f"{folder}/")
+    assert folder.stat().st_mode & 0o777 == 0o700
+    assert int(mux["ControlPersist"]) > 0
+    # another host key for the machine (it was reinstalled): the old master is not used
+    (tmp_path / "known_hosts").write_text(f"10.0.0.10 {KEY[:-4]}AAAA\n")
+    other = _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0])
+    assert other["ControlPath"] != mux["ControlPath"]
+    # another key to log in with: neither
+    inv.ssh["identity_file"] = "keys/other"
+    assert _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0])["ControlPath"] != other["ControlPath"]
+
+
+def test_no_master_connection_when_turned_off_or_the_socket_folder_is_not_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    inv = _inventory(tmp_path, "", control_persist_s=0)
+    assert _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0]) == {}
+    inv.ssh["control_persist_s"] = 60
+    folder = tmp_path / f"tg-ssh-{os.getuid()}"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)  # others may enter: another user could stand a socket of theirs there
+    assert _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0]) == {}
+    folder.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    folder.symlink_to(elsewhere)  # a link planted in its place
+    argv, _ = SshTransport(inv).command(inv.machine("m0"), ["true"])
+    assert _mux(argv) == {} and "StrictHostKeyChecking=yes" in argv

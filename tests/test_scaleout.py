@@ -4,12 +4,13 @@ network namespace of its own (its own Airflow home, its own copy of the deployme
 separate api-server, dag-processor and triggerer, and the alert bus on S3 (``moto_server``), over a namespace
 cluster whose agents publish to that bus (:mod:`emulation.scaleout`).
 
-Two of the shared tier's scenarios run under it. A GPU falls off the bus on one of the guarded job's machines:
+Three of the shared tier's scenarios run under it. A GPU falls off the bus on one of the guarded job's machines:
 the machine is evicted and a warm standby takes its place, while one of the two schedulers is killed (SIGKILL,
 as a host that dies) as soon as the incident's run is under way: the other one carries the run to its end, and
 the fleet database holds each of the recovery's actions exactly once. Then a rank crashes: stop-time diagnosis
 runs on the workers (L1 to L3 over SSH from their namespaces), every machine passes, and the job restarts in
-place, on the one scheduler left.
+place, on the one scheduler left. Last a rank hangs in a collective: the workers take every rank's stacks
+(py-spy over SSH), and the stuck rank's whole pipeline is evicted onto warm standbys.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from emulation import scaleout
-from emulation.guarded import FAULTS, NO_SCHEDULES, GuardedJob
+from emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob
 from node_tools import cluster
 from operators.fleet import states
 from tests.conftest import can_namespace
@@ -45,7 +46,10 @@ def plane(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[tuple[GuardedJob, 
     root = Path(tempfile.mkdtemp(prefix="tg-test-so-"))
     state = root / "state"
     spec = replace(SPEC, bus_url=scaleout.bus_url(SPEC))
-    settings = {**NO_SCHEDULES, "TG_INVENTORY": str(state / "inventory.json")}
+    # the demo's breaker: the hang's pipeline (2 machines) after the explicit fault's (1) is 3 of the job's 4
+    # machines evicted, which the default (half the job an hour) leaves to a human
+    settings = {**NO_SCHEDULES, "TG_INVENTORY": str(state / "inventory.json"), "TG_BREAKER_SHARE": "0.75",
+                "TG_BREAKER_WINDOW_S": "60"}
     so = scaleout.ScaleOut(root / "control", settings, spec)
     job: GuardedJob | None = None
     try:
@@ -145,6 +149,27 @@ def test_a_crash_is_diagnosed_by_the_workers_and_restarted_in_place_on_the_survi
     assert not [a for a in job.ctl.fleet.actions(inc.id) if a.kind == "evict"]  # every machine passed
     assert job.ctl.fleet.job(JOB).machine_list == machines  # restarted in place
     assert inc.lost_steps is not None and inc.lost_steps <= 1
+    run = so.incident_run(inc.id)
+    hosts = {t["hostname"] for t in so.task_instances("tg_incident", run["dag_run_id"]) if t["state"] == "success"}
+    assert hosts <= {scaleout.worker_address(so.spec, i) for i in range(2)}, hosts
+
+
+def test_a_hang_over_evicts_the_stuck_ranks_pipeline_from_the_stacks_the_workers_took(plane):
+    job, so = plane
+    job.settled()
+    assert job.repair()  # the machine the explicit fault evicted is fixed and parked warm again
+    before = list(job.ctl.fleet.job(JOB).machine_list)
+    fault = FAULTS["hang"]
+    inc, machine, _t = job.fault_and_incident(fault)
+    assert inc.state == "resolved" and inc.category == "hang", (inc.state, inc.category, inc.summary)
+    _conf, tasks = job.incident_run(inc.id)
+    assert job.branch(tasks)["task_id"] == "runtime_analysis"
+    evicted = [a for a in job.ctl.fleet.actions(inc.id) if a.kind == "evict" and a.outcome == "done"]
+    pipeline = {before[i] for i in TOPOLOGY.machines_of_group("pp", fault.rank)}
+    assert len(evicted) == 1 and set(evicted[0].machines) == pipeline and machine in pipeline, evicted
+    after = job.ctl.fleet.job(JOB).machine_list
+    assert not set(after) & pipeline and len(after) == len(before)
+    assert inc.lost_steps is not None and inc.lost_steps <= 1  # the pipeline's state came from the replicas
     run = so.incident_run(inc.id)
     hosts = {t["hostname"] for t in so.task_instances("tg_incident", run["dag_run_id"]) if t["state"] == "success"}
     assert hosts <= {scaleout.worker_address(so.spec, i) for i in range(2)}, hosts
