@@ -8,12 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from node_tools import cluster, procs
 from node_tools.errors import ClusterError
 from node_tools.inventory import Inventory
-from node_tools.transport import LocalTransport, SshTransport, transport_for
+from node_tools.transport import LocalTransport, SshTransport, control_dir, transport_for
 from tests.conftest import TEST_CLUSTER, can_namespace, wait_until
 
 pytestmark = pytest.mark.cluster
@@ -63,6 +64,21 @@ def test_an_unknown_or_wrong_host_key_is_refused(ns_cluster: Inventory, tmp_path
     wrong.write_text("")
     res = SshTransport(inv).run(m0, ["true"], timeout=20)
     assert not res.reachable and "host key" in res.stderr.lower()
+
+
+def test_sessions_to_a_machine_share_one_connection(ns_cluster: Inventory):
+    m = ns_cluster.machines[1]
+    listener = psutil.Process(int((Path(m.extra["machine_dir"]) / "sshd.pid").read_text()))
+    transport = SshTransport(ns_cluster)
+    assert transport.run(m, ["true"], timeout=20).ok
+    held = {c.pid for c in listener.children()}  # each connection is a process under the machine's sshd
+    assert held  # the session ended, its connection stays
+    for _ in range(3):
+        assert transport.run(m, ["true"], timeout=20).ok
+    assert {c.pid for c in listener.children()} == held  # no new connection
+    masters = [p for p in psutil.process_iter(["cmdline"])
+               if (p.info["cmdline"] or [""])[0].startswith(f"ssh: {control_dir()}/")]
+    assert masters
 
 
 def test_password_login_is_off(ns_cluster: Inventory):

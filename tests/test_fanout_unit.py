@@ -164,3 +164,30 @@ def test_a_stop_gives_every_machine_the_limit_it_is_handed_to_be_marked(tmp_path
     assert seen == {"timeout": 40.0, "ready": 30.0}  # the recovery's limits
     launcher.stop_sessions(inv, "j", inv.machines, grace_s=10, transport=Recording(inv), limit_s=300)
     assert seen == {"timeout": 310.0, "ready": 300.0}
+
+
+def test_the_fanout_results_merge_into_the_scale_file_and_render_in_the_benchmark_table(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
+    from bench import fanout, table
+
+    out = tmp_path / "scale.json"
+    out.write_text(json.dumps({"name": "scale", "metrics": {"stack_analysis_s.1000": {
+        "median": 0.007, "n": 3, "unit": "s"}}, "setup": {}}))
+
+    def size(n: int, stop_s: float, *, failed: list[str] | None = None, limits: str = "the recovery's") -> dict:
+        rounds = {r: {"s": stop_s, "trials_s": [stop_s] * 3, "control_cpu_s": n * 0.008, "host_cpu_s": n * 0.2}
+                  for r in fanout.ROUNDS}
+        return {"machines": n, "rounds": rounds, "refused": 0, "failed": failed or [], "limits": limits}
+
+    fanout.merge(out, {16: size(16, 1.3), 256: size(256, 63.0, failed=["trial 0: stop: 256 machines"])}, {})
+    doc = fanout.merge(out, {256: size(256, 90.0, limits="the recovery's x 3")}, {})  # measured again, patient
+    m = doc["metrics"]
+    assert m["stack_analysis_s.1000"]["median"] == 0.007  # the scale benchmark's own metrics stay
+    assert m["fanout_stop_ratio_256_vs_16"]["value"] == round(90.0 / 1.3, 2)
+    assert m["largest_fanout_machines"]["value"] == 16  # 256 passed only with longer limits
+    assert doc["setup"]["fanout"]["sizes"]["256"]["with_the_recoverys_limits"] == ["trial 0: stop: 256 machines"]
+    monkeypatch.setattr(table, "ROOT", tmp_path)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "scale.json").write_text(out.read_text())
+    rendered = "\n".join(table.rows())
+    assert "| scale | fanout_stop_s.256 | 90 s |" in rendered and "largest_fanout_machines | 16 machines" in rendered
