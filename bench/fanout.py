@@ -219,7 +219,8 @@ def merge(path: Path, sizes: dict[int, dict[str, Any]], setup: dict[str, Any]) -
     metrics = {k: v for k, v in doc.get("metrics", {}).items() if not k.startswith(("fanout_", "largest_fanout"))}
     for size, res in sorted(every.items()):
         for name, r in res["rounds"].items():
-            metrics[f"fanout_{name}_s.{size}"] = {"median": r["s"], "n": len(r["trials_s"]), "trials": r["trials_s"],
+            metrics[f"fanout_{name}_s.{size}"] = {"median": r["s"], "n": len(r["trials_s"]), "script": "fanout",
+                                                  "trials": r["trials_s"],
                                                   "control_cpu_s": r["control_cpu_s"], "host_cpu_s": r["host_cpu_s"],
                                                   "unit": "s", "limits": res.get("limits", "the recovery's"),
                                                   "failed_trials": len(res["failed"])}
@@ -228,12 +229,12 @@ def merge(path: Path, sizes: dict[int, dict[str, Any]], setup: dict[str, Any]) -
             a, b = every[16]["rounds"].get(name), every[256]["rounds"].get(name)
             if a and b and a["control_cpu_s"] is not None and b["control_cpu_s"] is not None:
                 metrics[f"fanout_{name}_ratio_256_vs_16"] = {
-                    "value": round(b["s"] / a["s"], 2), "n": 1, "unit": "ratio",
+                    "value": round(b["s"] / a["s"], 2), "n": 1, "unit": "ratio", "script": "fanout",
                     "control_cpu": round(b["control_cpu_s"] / max(a["control_cpu_s"], 1e-6), 2),
                     **({"target": 2.0} if name == "stop" else {})}
     ok = [s for s, r in every.items()
           if not r["failed"] and not r["refused"] and r.get("limits", "the recovery's") == "the recovery's"]
-    metrics["largest_fanout_machines"] = {"value": max(ok, default=0), "n": 1, "unit": "machines",
+    metrics["largest_fanout_machines"] = {"value": max(ok, default=0), "n": 1, "unit": "machines", "script": "fanout",
                                           "largest_run": max(every, default=0)}
     doc["metrics"] = dict(sorted(metrics.items()))
     doc.setdefault("setup", {})["fanout"] = {**doc.get("setup", {}).get("fanout", {}), **setup,

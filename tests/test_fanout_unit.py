@@ -191,3 +191,7 @@ def test_the_fanout_results_merge_into_the_scale_file_and_render_in_the_benchmar
     (tmp_path / "bench" / "results" / "scale.json").write_text(out.read_text())
     rendered = "\n".join(table.rows())
     assert "| scale | fanout_stop_s.256 | 90 s |" in rendered and "largest_fanout_machines | 16 machines" in rendered
+    row = next(line for line in rendered.splitlines() if "fanout_stop_s.256" in line)
+    assert row.endswith("`python bench/fanout.py` |")  # the script that measured it, not the file's
+    own = next(line for line in rendered.splitlines() if "stack_analysis" in line)
+    assert own.endswith("`python bench/scale.py` |")
