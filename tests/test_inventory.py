@@ -55,6 +55,9 @@ def test_round_trip(tmp_path):
         ({"machines": [{"name": "m0", "address": "a b", "host_key": KEY}]}, "neither an IP address"),
         ({"machines": [{"name": "m0; rm -rf /", "address": "10.0.0.1", "host_key": KEY}]}, "must be letters"),
         ({"machines": [{"name": "m0", "address": "10.0.0.1", "host_key": KEY, "port": 0}]}, "port 0"),
+        ({"ssh": {"control_persist_s": "2m"}}, "control_persist_s '2m' must be whole seconds"),
+        ({"ssh": {"control_persist_s": -1}}, "control_persist_s -1"),
+        ({"ssh": {"connect_timeout_s": 0}}, "connect_timeout_s 0 must be a number of seconds > 0"),
     ],
 )
 def test_malformed_inventories_are_refused_with_one_line(change, match):
