@@ -38,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node_tools import cluster, launcher  # noqa: E402
+from node_tools import cluster, launcher, procs  # noqa: E402
 from node_tools.errors import ClusterError  # noqa: E402
 from node_tools.inventory import Inventory  # noqa: E402
 from node_tools.topology import Topology  # noqa: E402
@@ -69,18 +69,7 @@ def _masters_cpu_s() -> float:
     folder = control_dir()
     if folder is None:
         return 0.0
-    mark, total = f"ssh: {folder}/".encode(), 0.0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            if not Path(f"/proc/{pid}/cmdline").read_bytes().startswith(mark):
-                continue
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(procs.cpu_seconds(pid) or 0.0 for pid in procs.pids_with_cmdline(f"ssh: {folder}/"))
 
 
 def _mem_available_mb() -> float:

@@ -186,10 +186,16 @@ class ScaleOut(Standalone):
                                               credentials=("trainguard", self.secrets["s3"])))
         self._host_files(self.home)
 
+    def _pids(self) -> dict[str, int]:
+        """The pids this plane recorded, by component ({} before anything started)."""
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return {str(k): int(v) for k, v in json.loads((self.root / STATE).read_text())["pids"].items()}
+        return {}
+
     def _alive(self, name: str) -> bool:
         """Whether the process this plane recorded as ``name`` still runs (a repair leaves it be)."""
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            os.killpg(int(json.loads((self.root / STATE).read_text())["pids"][name]), 0)
+        with contextlib.suppress(OSError, KeyError):
+            os.killpg(self._pids()[name], 0)
             return True
         return False
 
@@ -211,9 +217,9 @@ class ScaleOut(Standalone):
         self.proc = self.procs.get("api-server")
         # where ``trainguard status`` finds the api-server (as it finds a kept ``airflow standalone``)
         (self.home / "standalone.url").write_text(self.url)
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            pid = json.loads((self.root / STATE).read_text())["pids"]["api-server"]
-            (self.home / "standalone.pid").write_text(str(pid))
+        api_server = self._pids().get("api-server")
+        if api_server:
+            (self.home / "standalone.pid").write_text(str(api_server))
 
     def _airflow(self) -> str:
         return str(Path(sys.executable).parent / "airflow")

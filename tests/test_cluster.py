@@ -76,9 +76,7 @@ def test_sessions_to_a_machine_share_one_connection(ns_cluster: Inventory):
     for _ in range(3):
         assert transport.run(m, ["true"], timeout=20).ok
     assert {c.pid for c in listener.children()} == held  # no new connection
-    masters = [p for p in psutil.process_iter(["cmdline"])
-               if (p.info["cmdline"] or [""])[0].startswith(f"ssh: {control_dir()}/")]
-    assert masters
+    assert procs.pids_with_cmdline(f"ssh: {control_dir()}/")  # the master, a process of the control host
 
 
 def test_password_login_is_off(ns_cluster: Inventory):
