@@ -61,6 +61,7 @@ from checkpoint import layout, wire
 from checkpoint import manifest as mf
 from checkpoint.config import CheckpointConfig
 from checkpoint.errors import UNRESTORABLE, CheckpointError, RestoreError, S3TierError
+from checkpoint.hostboard import BUSY, IDLE, HostBoard
 from checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
 from checkpoint.s3 import open_tier
 from checkpoint.saver import SaverLink, ShmFile, _b64, files_sha, non_finite
@@ -219,10 +220,6 @@ class ReferenceCopy:
         return _timed_copy(self._slot, tensors, identity, self.cuda)
 
 
-def _QUIET() -> dict[str, Any]:  # the same message every step
-    return {"op": "quiet"}
-
-
 # how long a step waits for the saver process to lay out buffers for a new state shape (once per shape)
 CONFIGURE_WAIT_S = 10.0
 COPY_LATEST_S = 0.25  # with copy_at_idle: the soonest the copier copies without waiting for host_idle
@@ -290,6 +287,10 @@ class Checkpointer:
         self._copied = threading.Condition(self._lock)
         self._deferred_at = 0.0  # when after_step deferred it (monotonic)
         self._idle_gap_s = COPY_LATEST_S / 2  # how long the host usually takes from after_step to host_idle
+        # the host's board (hostboard): this rank's busy and idle moments, for every saver of the host
+        self._board: HostBoard | None = None
+        self._idle_at: float | None = None  # when host_idle() last said so (monotonic); None while busy
+        self._idle_span_s = 0.0  # how long this rank's host usually idles (host_idle() to its next busy moment)
         self._writer_q: queue.Queue[_Slot | None] = queue.Queue()
         # the next upload for the S3 thread: the newest due snapshot wins (one waiting, one in flight at most)
         self._s3_next: tuple[int, bytes, list[tuple[str, bytes]]] | None = None
@@ -389,6 +390,7 @@ class Checkpointer:
         """Wait until the last snapshot's device-to-host copy is done (GPU hosts); call before the
         optimizer changes the parameters. Returns the seconds waited (0 on CPU, where the copy is synchronous,
         unless ``copy_at_idle`` left it to the host's idle moment and it is not done yet)."""
+        self.host_busy()
         if self._defers:
             t0 = time.perf_counter()
             self._copy_now(wait=True)
@@ -403,7 +405,12 @@ class Checkpointer:
     def host_idle(self) -> None:
         """Say that this rank's host is about to idle (its device computes; the host thread waits): the
         saver process persists the last snapshot now (with ``copy_at_idle``, the last snapshot's copy
-        starts first). Optional; cheap (a message queued)."""
+        starts first). Optional; cheap (a message queued). Say :meth:`host_busy` when the host thread works
+        again (else the next :meth:`before_update` or :meth:`after_step` says it)."""
+        if self._idle_at is None:
+            self._idle_at = time.monotonic()
+            if self._board is not None:
+                self._board.mark(IDLE)
         if self._defers:
             with self._lock:
                 if self._deferred is not None:  # learn the loop's pace: the copier's deadline follows it
@@ -412,7 +419,22 @@ class Checkpointer:
             if self._copy_now(wait=False):
                 return  # the copier says so once the snapshot is handed over
         if self.link is not None and self._started:
-            self.link.post(_QUIET)
+            self.link.post(self._quiet)
+
+    def host_busy(self) -> None:
+        """Say that this rank's host thread works again (the device's result is in): the host's savers
+        hold back from here until every rank of the host idles (:mod:`checkpoint.hostboard`). Cheap."""
+        if self._idle_at is None:
+            return
+        span = time.monotonic() - self._idle_at
+        self._idle_at = None
+        self._idle_span_s = span if not self._idle_span_s else 0.8 * self._idle_span_s + 0.2 * span
+        if self._board is not None:
+            self._board.mark(BUSY)
+
+    def _quiet(self) -> dict[str, Any]:
+        """The saver may persist now; the host usually stays idle about ``idle_s``."""
+        return {"op": "quiet", "idle_s": round(self._idle_span_s, 4)}
 
     @property
     def _defers(self) -> bool:
@@ -440,6 +462,7 @@ class Checkpointer:
         ``healthy``: False when the step's state must not be kept (``why``: its gradients were not
         finite, its data-parallel replicas disagree); every rank of the job must say the same (a global
         gradient norm, an all-gathered digest), so no rank commits a step the others refused."""
+        self.host_busy()
         if not self._started or not self.due(step):
             return SnapshotInfo()
         if self.link is not None and not self._saver_lost and self.link.lost.is_set():
@@ -580,7 +603,7 @@ class Checkpointer:
                     self._copy_go = False
                     self._copied.notify_all()
             if published and self.link is not None:
-                self.link.post(_QUIET)  # the host idles now: the saver persists this snapshot at once
+                self.link.post(self._quiet)  # the host idles now: the saver persists this snapshot at once
 
     def _drop_deferred(self, why: str = "") -> None:
         """Forget a deferred snapshot whose copy has not started (its buffer freed, counted skipped); one
@@ -790,6 +813,13 @@ class Checkpointer:
         if self._defers:  # the copy is the training's own work, done while its host idles: not niced
             self._spawn("tg-ckpt-copier", self._copier_loop, nice=0)
         if self.link is not None:  # the saver process writes, sends and uploads; the rank commits
+            self._board = HostBoard.open()
+            if self._board is None:
+                self._log("the host's board (checkpoint.hostboard) cannot be used privately: the saver goes by "
+                          "this rank's idle moments alone", kind="board")
+            elif self._board.claim() is None:
+                self._board.close()
+                self._board = None
             self._start_saver()
             self._commit_thread = self._spawn("tg-ckpt-commit", self._commit_loop)
             return
@@ -1071,6 +1101,9 @@ class Checkpointer:
             self._stop.set()
             self._copied.notify_all()  # the copier ends
             self._persisted.notify_all()  # the commit thread stops waiting for news
+        if self._board is not None:  # this rank holds no saver back any more
+            self._board.close()
+            self._board = None
         if self.link is not None:
             try:
                 self.link.close(flush=flush)  # with flush: every snapshot handed over is written and sent

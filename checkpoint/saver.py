@@ -16,7 +16,9 @@ so in one short message; the saver, a process of its own at a lower CPU priority
 It runs at a lower CPU priority (``nice``), and when the rank says its host is about to idle
 (:meth:`checkpoint.engine.Checkpointer.host_idle`: the device computes, the host thread waits), it
 persists then (waiting at most ``QUIET_WAIT_S``): its copies and hashing then do not compete for the
-host's CPU, caches and memory bandwidth with the training's own busy phase.
+host's CPU, caches and memory bandwidth with the training's own busy phase. A host runs several ranks, which
+do not idle at the same moment: it then also waits, at most ``HOST_WAIT_SHARE`` of its rank's usual idle
+span, until no rank on the host's board is busy (:mod:`checkpoint.hostboard`).
 
 It keeps the newest complete snapshot of every rank in memory and outlives the training processes
 (its own session): a rank restarted on this machine after its process died restores from memory
@@ -55,6 +57,7 @@ from typing import Any
 
 from checkpoint import layout
 from checkpoint import manifest as mf
+from checkpoint.hostboard import HostBoard
 from checkpoint.verify import check_data
 
 SOCKET = "saver.sock"
@@ -63,6 +66,9 @@ INFO = "saver.json"
 SHM_DIR = Path("/dev/shm")
 SLOTS = 2
 QUIET_WAIT_S = 2.0  # the longest a snapshot waits for its rank's host to idle before it is persisted anyway
+# once its rank idles, the share of the rank's usual idle span a snapshot waits for the host's other ranks to
+# idle too (checkpoint.hostboard); what is left of the span is the saver's
+HOST_WAIT_SHARE = 0.5
 
 # the bit patterns of an infinity or a NaN: every exponent bit set
 _EXPONENT = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
@@ -225,6 +231,8 @@ class _Rank:
     quiet: threading.Condition = field(default_factory=threading.Condition)
     quiets: int = 0  # how many times the rank said so
     gated: bool = False
+    quiet_at: float = 0.0  # when it last said so (monotonic)
+    idle_s: float = 0.0  # how long the rank said its host usually idles then
 
     def newest(self) -> _Slot | None:
         """The slot holding the newest complete snapshot (written here, not being refilled)."""
@@ -247,6 +255,7 @@ class Saver:
         self.last_client = time.monotonic()
         self.stopping = threading.Event()
         self.port = 0
+        self.board: HostBoard | None = None  # the host's ranks' busy and idle moments (opened by serve)
 
     # ---- life ------------------------------------------------------------------------------------
     def serve(self) -> int:
@@ -260,6 +269,7 @@ class Saver:
             raise
         _background_priority(self.nice)
         import numpy  # noqa: F401 - imported now, not while the first snapshot waits
+        self.board = HostBoard.open()
         layout.clean_temporaries(self.root)  # half-written copies of a saver of this root that was killed
         for stale in SHM_DIR.glob(f"{self.prefix}-p*"):  # buffers of this root's savers that are gone
             pid = stale.name[len(self.prefix) + 2:].partition("-")[0]
@@ -360,6 +370,7 @@ class Saver:
                     with r.quiet:
                         r.gated = True
                         r.quiets += 1
+                        r.quiet_at, r.idle_s = time.monotonic(), max(0.0, float(msg.get("idle_s") or 0.0))
                         r.quiet.notify_all()
                 elif op == "fetch":
                     notify({"op": "fetched", **self._fetch(r, int(msg["step"]))})
@@ -468,6 +479,15 @@ class Saver:
                 after = int(msg.get("after_quiets", 0))
                 with r.quiet:  # a writer that fell behind finds the moment passed already: it does not wait
                     r.quiet.wait_for(lambda after=after: not r.gated or r.quiets > after, timeout=QUIET_WAIT_S)
+                    idled = r.gated and r.quiets > after
+                    until = r.quiet_at + HOST_WAIT_SHARE * min(r.idle_s, QUIET_WAIT_S)
+                if idled and self.board is not None and r.queue.empty():  # and the host's other ranks
+                    try:  # an aid, never a reason to stop persisting
+                        self.board.wait_idle(until, give_up=lambda: not r.queue.empty() or not r.gated)
+                    except Exception as exc:
+                        self.board = None
+                        print(f"checkpoint saver {self.root}: the host's board failed ({type(exc).__name__}: {exc}); "
+                              f"persisting at this machine's ranks' idle moments alone", file=sys.stderr, flush=True)
                 slot = r.slots[index]
                 out = {"op": "done", "slot": index, "step": slot.step, "local": False, "replica": False}
                 try:

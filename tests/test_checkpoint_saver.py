@@ -10,13 +10,14 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from checkpoint import layout, saver
+from checkpoint import hostboard, layout, saver
 from checkpoint.saver import LineReader, SaverLink, non_finite, send_doc
 from tests.test_checkpoint_unit import checkpointer, digest, make_model, run_steps, train_step
 
@@ -191,3 +192,45 @@ def test_a_saver_that_dies_stops_snapshots_but_never_the_training(tmp_path: Path
     # the dead saver's buffers do not stay in /dev/shm (it cannot remove them; nobody else would)
     assert not list(saver.SHM_DIR.glob(f"{saver.shm_prefix(tmp_path)}-*"))
     ck.close(flush=False)
+
+
+def test_a_saver_persists_once_every_rank_of_its_host_idles_and_no_later_than_its_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Its own rank idles, but another rank of the host still computes on the CPU: the saver holds the
+    snapshot back until that rank idles too (checkpoint/hostboard.py); a rank that never idles (hung) holds
+    it back at most half its own rank's idle span (capped by QUIET_WAIT_S)."""
+    monkeypatch.setenv("TG_HOST_BOARD", str(tmp_path / "board"))  # the saver started below inherits it
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        neighbour = hostboard.HostBoard(tmp_path / "board")
+        neighbour.claim(pid=other.pid)  # busy
+        model, opt = make_model()
+        ck = checkpointer(tmp_path / "m", model, opt, saver="process", fsync=False)
+        assert ck.restore() is None
+        ck.start()
+        board = hostboard.HostBoard(tmp_path / "board")
+        assert sorted(board.busy()) == sorted([os.getpid(), other.pid])  # this rank claimed its record at start
+        ck.host_idle()  # from now on the saver persists at this rank's idle moments
+        assert board.busy() == [other.pid]
+        ck._idle_span_s = 20.0  # as if the device computed 20 s each step: the bound is QUIET_WAIT_S / 2
+        train_step(model, opt, 0)
+        ck.after_step(0)
+        assert sorted(board.busy()) == sorted([os.getpid(), other.pid])
+        ck.host_idle()
+        assert not ck.drain(0.5), "the snapshot was persisted while another rank of the host was busy"
+        neighbour.mark(hostboard.IDLE)
+        assert ck.drain(30)
+        assert ck.status()["snapshots"] == 1 and not ck.errors
+        neighbour.mark(hostboard.BUSY)  # and stays busy: a hung rank
+        train_step(model, opt, 1)
+        ck.after_step(1)
+        t0 = time.monotonic()
+        ck.host_idle()
+        assert ck.drain(30)
+        assert time.monotonic() - t0 >= 0.8 * saver.HOST_WAIT_SHARE * saver.QUIET_WAIT_S
+        ck.close()
+        assert os.getpid() not in board.busy()  # its record is given back
+        assert saver.stop(tmp_path / "m")
+    finally:
+        other.kill()
+        other.wait()

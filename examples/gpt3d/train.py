@@ -396,6 +396,8 @@ class Trainer:
             self.ckpt.host_idle()
         if self.args.emulate_device_s > 0:  # an accelerator's kernels: the host thread waits, its CPU idles
             time.sleep(self.args.emulate_device_s)
+        if self.ckpt is not None:  # the device's result is in: the host works again
+            self.ckpt.host_busy()
         self.all_reduce_grads()
         self.faults.corrupt_grads(self.params)
         norm = self.grad_norm()
