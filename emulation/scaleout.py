@@ -117,6 +117,10 @@ class ScaleOut(Standalone):
             "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "10",
             "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "10",
             "AIRFLOW__SCHEDULER__JOB_HEARTBEAT_SEC": "2",
+            # a task a dying scheduler queued whose message never reached a worker stays queued: after 60 s the
+            # surviving scheduler revokes and queues it again, checked every 10 s (defaults: 600 s and 120 s)
+            "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "60",
+            "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT_CHECK_INTERVAL": "10",
             "AIRFLOW__API__WORKERS": "1",
             "TG_FLEET_URL": self.fleet_url,
             "PGPASSFILE": str(home / "airflow" / ".pgpass"),
