@@ -71,16 +71,20 @@ class CheckpointConfig:
             (their copy is already asynchronous).
         measure_memcpy: also time a plain copy of the same state into a spare buffer after
             each snapshot (the benchmark's reference; costs one extra copy per step).
-        saver: where snapshots are persisted: "thread" (background threads of the training process) or
-            "process" (a saver process on the machine, outside the training process, that also keeps the
-            newest snapshot in memory for a restart on this machine: :mod:`checkpoint.saver`; not yet the
-            default: early in a CPU-bound run its snapshots fall behind and a killed job can lose 2 steps).
+        saver: where snapshots are persisted: "process" (the default: a saver process on the machine,
+            outside the training process, that also keeps the newest snapshot in memory for a restart on
+            this machine: :mod:`checkpoint.saver`) or "thread" (background threads of the training process).
+        backpressure_wait_s: when both snapshot buffers are still being persisted at a due step, the step
+            waits this long at most for one to be freed (the saver is told to persist at once: the host
+            idles); a wait that runs out skips the snapshot, and due steps skip without waiting until a buffer
+            is freed. Waiting keeps the ranks' snapshots the same steps, so a persister that is merely slower
+            than the steps never costs a commit; 0 = skip at once (ranks may then skip different steps). Seconds.
         saver_idle_s: a saver process ends after this long with no rank connected (its memory
             snapshots with it). Seconds.
         background_nice: nice increment of the background threads (Linux: per thread), so that
             on a host whose CPUs the training itself keeps busy the scheduler runs training
-            first; when the background then falls behind, snapshots are skipped, not waited
-            for. 0 = same priority as training. Nice levels (0..19).
+            first; when the background then falls behind, the steps wait for it (``backpressure_wait_s``).
+            0 = same priority as training. Nice levels (0..19).
     """
 
     root: Path
@@ -103,8 +107,9 @@ class CheckpointConfig:
     s3_timeout_s: float = 5.0
     measure_memcpy: bool = False
     copy_at_idle: bool = False
-    saver: str = "thread"
+    saver: str = "process"
     saver_idle_s: float = 600.0
+    backpressure_wait_s: float = 5.0
     background_nice: int = 10
 
     def __post_init__(self) -> None:
@@ -121,6 +126,9 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint S3 every {self.s3_every_steps} steps: must be >= 0")
         if self.restore_max_step is not None and self.restore_max_step < 0:
             raise CheckpointError(f"checkpoint restore max step {self.restore_max_step}: must be >= 0")
+        if not self.backpressure_wait_s >= 0:  # NaN too
+            raise CheckpointError(f"checkpoint back-pressure wait {self.backpressure_wait_s}s: must be >= 0 "
+                                  f"(0: skip a snapshot at once when both buffers are busy)")
         if self.saver not in SAVERS:
             raise CheckpointError(f"checkpoint saver {self.saver!r}: use one of {', '.join(SAVERS)}")
         if self.restore not in RESTORE_MODES:

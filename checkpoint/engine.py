@@ -7,9 +7,17 @@ What it guarantees to the training loop:
   (pinned, on a side CUDA stream, on GPU hosts; there the step only waits for
   the copy before the next optimizer update, :meth:`before_update`). Everything
   else (manifest, checksums, disk, replica, S3) runs on background threads.
-* **Back-pressure skips, never blocks.** When both buffers are still being
-  written or sent, the step's snapshot is skipped and counted
-  (``SnapshotInfo.skipped``); training goes on.
+* **Back-pressure waits, bounded; a stuck persister costs snapshots, never the
+  training.** When both buffers are still being written or sent, the step waits
+  for the older one (its host idles meanwhile: the saver persists at once), at
+  most ``backpressure_wait_s`` (``SnapshotInfo.waited_s``), so a persister that
+  is only slower than the steps (early in a run, a host whose CPUs training keeps
+  busy) slows the training to its pace instead of letting ranks skip different
+  steps: a step is committed only when every rank holds it, and ranks that
+  skipped 2 and 3 respectively leave step 1 the newest. A wait that runs out
+  skips the snapshot (``SnapshotInfo.skipped``) and every due step after it
+  skips at once until the persister frees a buffer: a stuck one costs the
+  training one wait.
 * **Tiers.** Each snapshot is written atomically to the machine's local disk
   (:mod:`checkpoint.layout`), sent to the rank's backup rank
   (:meth:`node_tools.topology.Topology.backup_rank`: shares none of its TP, PP,
@@ -77,7 +85,10 @@ class SnapshotInfo:
     Attributes:
         blocking_s: time the training thread spent in the checkpointer this step. Seconds.
         taken: a snapshot of this step was copied and queued.
-        skipped: the step was due but both buffers were busy (back-pressure).
+        skipped: the step was due but both buffers stayed busy (back-pressure: the wait ran out, or the
+            persister had not freed a buffer since a wait ran out).
+        waited_s: of ``blocking_s``, the time the step waited for the persister to free a buffer (0 when
+            one was free, the normal case). Seconds.
         refused: the step was due but its state is not worth keeping (its gradients were not finite, or
             its data-parallel replicas disagree): not snapshotted, so the newest committed step stays the
             last good one and retention keeps it.
@@ -89,6 +100,7 @@ class SnapshotInfo:
     skipped: bool = False
     refused: bool = False
     memcpy_s: float | None = None
+    waited_s: float = 0.0
 
 
 @dataclass
@@ -305,6 +317,10 @@ class Checkpointer:
         self.skipped = 0
         self.refused = 0
         self.snapshots = 0
+        self.waits = 0  # due steps that waited for a free buffer (back-pressure)
+        self.waited_s = 0.0  # and how long in all. Seconds
+        # a wait for a free buffer ran out: due steps skip at once until the persister frees one
+        self._stalled = False
         self.errors: list[str] = []
         self._replica_broken = False
         self._stop = threading.Event()
@@ -361,7 +377,8 @@ class Checkpointer:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"machine": self.machine, "rank": self.rank, "snapshots": self.snapshots,
-                    "skipped": self.skipped, "refused": self.refused,
+                    "skipped": self.skipped, "refused": self.refused, "waits": self.waits,
+                    "waited_s": round(self.waited_s, 3), "stalled": self._stalled,
                     "committed": max(self.committed, default=None),
                     "replica": self.backup, "replica_broken": self._replica_broken,
                     "s3_uploaded": list(self.link.uploaded[-5:] if self.link else self.s3_uploaded),
@@ -488,10 +505,14 @@ class Checkpointer:
             memcpy = self._measure_memcpy(tensors, identity)
             t0 += time.perf_counter() - t1  # not part of the blocking time
         slot = self._take_slot(tensors, identity)
+        waited = 0.0
+        if slot is None:
+            waited = self._await_free_slot(step)
+            slot = self._take_slot(tensors, identity) if waited else None
         if slot is None:
             with self._lock:
                 self.skipped += 1
-            return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
+            return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy, waited_s=waited)
         if self.link is not None:
             try:
                 self.link.send({"op": "fill", "slot": slot.index})  # its memory snapshot is no more
@@ -521,7 +542,51 @@ class Checkpointer:
             blocking = time.perf_counter() - t0
         if self.cfg.measure_memcpy and memcpy is None:
             memcpy = self._measure_memcpy(tensors, identity)
-        return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy)
+        return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy, waited_s=waited)
+
+    def _await_free_slot(self, step: int) -> float:
+        """Back-pressure: both buffers are still being persisted. Wait until the persister frees one, at most
+        ``backpressure_wait_s``; meanwhile this rank's host idles (the training thread waits), so the saver
+        process is told to persist now instead of at the next idle moment. Returns the seconds waited (0: no
+        wait, the snapshot is skipped at once: waiting is off, the buffers are being laid out, or an earlier
+        wait ran out and the persister has freed nothing since). A wait that runs out leaves the rank
+        *stalled*, skipping due steps without waiting until the persister frees a buffer."""
+        limit = self.cfg.backpressure_wait_s
+        with self._lock:
+            if limit <= 0 or self._stalled or not self._slots or self._configuring is not None:
+                return 0.0
+            if not all(s.busy for s in self._slots):
+                return 1e-9  # freed since the caller looked: take it
+        t0 = time.monotonic()
+        if self._board is not None:
+            self._board.mark(IDLE)
+        if self.link is not None:  # persist what is queued now (a "quiet" would also gate later snapshots)
+            self.link.post(lambda: {"op": "now"})
+        free = False
+        try:
+            with self._lock:
+                deadline = t0 + limit
+                while not self._stop.is_set() and not (self.link is not None and self.link.lost.is_set()):
+                    free = bool(self._slots) and any(not s.busy for s in self._slots)
+                    left = deadline - time.monotonic()
+                    if free or left <= 0:
+                        break
+                    self._persisted.wait(min(left, 0.25))  # the saver's loss is noticed within 0.25 s
+                self._stalled = not free
+                waited = time.monotonic() - t0
+                self.waits += 1
+                self.waited_s += waited
+        finally:
+            if self._board is not None:
+                self._board.mark(BUSY)
+        if free:
+            self._log(f"step {step}: both snapshot buffers were still being persisted; waited {waited:.3f}s for "
+                      f"one (the {self.cfg.saver} persists slower than the job steps; if this repeats, raise "
+                      f"--checkpoint-every)", kind="backpressure")
+        else:
+            self._error(f"step {step}: snapshot skipped: no buffer was freed within {limit:g}s; due steps skip "
+                        f"without waiting until the {self.cfg.saver} persister frees one", kind="stalled")
+        return max(waited, 1e-9)
 
     def _saver_gone(self, why: str) -> None:
         """The saver process died: snapshots stop for this run (the training goes on), and its buffers go from
@@ -737,6 +802,7 @@ class Checkpointer:
             for slot in self._slots:
                 if slot.index == int(doc["slot"]) and slot.step == step:
                     slot.busy = False
+                    self._stalled = False  # the persister frees buffers again: back-pressure waits again
             self._processed += 1
             if doc.get("local") and doc.get("replica"):
                 self._mark_done(step)
@@ -872,6 +938,7 @@ class Checkpointer:
             finally:
                 with self._lock:
                     slot.busy = False
+                    self._stalled = False
                     self._processed += 1
                     self._persisted.notify_all()
         if self.s3 is not None:  # the S3 thread uploads what is still waiting, then ends

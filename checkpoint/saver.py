@@ -372,6 +372,11 @@ class Saver:
                         r.quiets += 1
                         r.quiet_at, r.idle_s = time.monotonic(), max(0.0, float(msg.get("idle_s") or 0.0))
                         r.quiet.notify_all()
+                elif op == "now":  # the rank waits for a free buffer: its host idles, persist what is queued
+                    with r.quiet:
+                        r.quiets += 1
+                        r.quiet_at, r.idle_s = time.monotonic(), 0.0  # and hold back for no other rank
+                        r.quiet.notify_all()
                 elif op == "fetch":
                     notify({"op": "fetched", **self._fetch(r, int(msg["step"]))})
                 elif op == "forget":

@@ -234,3 +234,88 @@ def test_a_saver_persists_once_every_rank_of_its_host_idles_and_no_later_than_it
     finally:
         other.kill()
         other.wait()
+
+
+def test_a_paused_saver_makes_the_step_wait_and_the_snapshot_is_kept(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch):
+    """The saver falls behind (here: stopped with SIGSTOP, continued once the training thread waits): the
+    step whose buffers are both still queued waits for one instead of skipping, so no rank misses a step its
+    peers keep."""
+    from tests.test_checkpoint_unit import _when_waiting
+
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, saver="process", fsync=False)
+    assert ck.restore() is None
+    ck.start()
+    run_steps(ck, model, opt, range(1))  # step 0 persisted: its buffer is the saver's memory copy
+    pid = ck.status()["saver_pid"]
+    waiting = _when_waiting(monkeypatch, lambda: os.kill(pid, signal.SIGCONT))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        infos = []
+        for step in range(1, 4):  # 1 and 2 fill both buffers at the stopped saver; 3 waits for one
+            train_step(model, opt, step)
+            infos.append(ck.after_step(step))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert waiting.is_set()
+    assert [i.taken for i in infos] == [True, True, True] and ck.status()["skipped"] == 0
+    assert infos[2].waited_s > 0
+    assert ck.drain(30)
+    ck.close()
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [1, 2, 3]  # retention keeps 3
+    assert saver.stop(tmp_path)
+
+
+def test_a_stuck_saver_costs_one_bounded_wait_then_snapshots_skip_until_it_runs_again(tmp_path: Path):
+    lines: list[str] = []
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, lines, saver="process", fsync=False, backpressure_wait_s=0.5)
+    assert ck.restore() is None
+    ck.start()
+    run_steps(ck, model, opt, range(1))
+    pid = ck.status()["saver_pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        infos = []
+        for step in range(1, 5):
+            train_step(model, opt, step)
+            infos.append(ck.after_step(step))
+        assert [i.taken for i in infos] == [True, True, False, False]
+        assert infos[2].skipped and infos[2].waited_s >= 0.5  # one wait, to its bound
+        assert infos[3].skipped and infos[3].waited_s == 0  # then at once: the training never waits again
+        assert ck.status()["stalled"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert ck.drain(30)
+    assert not ck.status()["stalled"]
+    train_step(model, opt, 5)
+    assert ck.after_step(5).taken
+    assert ck.drain(30)
+    assert any("no buffer was freed within 0.5s" in line for line in lines)
+    ck.close()
+    assert saver.stop(tmp_path)
+
+
+def test_a_step_waiting_for_a_buffer_lets_the_saver_persist_without_waiting_for_the_next_idle_moment(
+        tmp_path: Path):
+    """A loop that says when its host idles gates the saver: a snapshot is persisted at the next idle moment
+    (at most QUIET_WAIT_S later). A step that waits for a free buffer is such a moment: the queued snapshot
+    is persisted at once, not after QUIET_WAIT_S."""
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, saver="process", fsync=False)
+    assert ck.restore() is None
+    ck.start()
+    train_step(model, opt, 0)
+    ck.after_step(0)
+    ck.host_idle()  # the saver now waits for idle moments
+    assert ck.drain(30)
+    infos = []
+    for step in range(1, 4):  # no idle moment said: 1 waits at the saver, 2 behind it, 3 finds both busy
+        train_step(model, opt, step)
+        infos.append(ck.after_step(step))
+    assert [i.taken for i in infos] == [True, True, True]
+    assert 0 < infos[2].waited_s < 0.75 * saver.QUIET_WAIT_S
+    assert ck.drain(30)
+    ck.close()
+    assert saver.stop(tmp_path)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from checkpoint import engine as engine_module
-from checkpoint import layout
+from checkpoint import layout, saver
 from checkpoint import manifest as mf
 from checkpoint.config import CheckpointConfig, expand_root
 from checkpoint.engine import Checkpointer
@@ -257,33 +257,117 @@ def test_files_are_plain_safetensors_with_the_manifests_tensors(tmp_path: Path):
     assert not any(p.suffix == ".pkl" or p.name.endswith(".pt") for p in tmp_path.rglob("*"))
 
 
-def test_back_pressure_skips_a_snapshot_instead_of_blocking(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    model, opt = make_model()
-    ck = checkpointer(tmp_path, model, opt)
-    ck.restore()
+def _held_writer(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """The writer thread persists nothing until the returned event is set (a persister that fell behind)."""
     release = threading.Event()
     persist = Checkpointer._persist
 
-    def slow_persist(self: Checkpointer, slot: Any) -> None:
+    def held_persist(self: Checkpointer, slot: Any) -> None:
         assert release.wait(30)
         persist(self, slot)
 
-    monkeypatch.setattr(Checkpointer, "_persist", slow_persist)
+    monkeypatch.setattr(Checkpointer, "_persist", held_persist)
+    return release
+
+
+def _when_waiting(monkeypatch: pytest.MonkeyPatch, then: Any) -> threading.Event:
+    """Call ``then()`` from another thread once the training thread waits for a free buffer: from inside the
+    wait on the checkpointer's condition (its lock released), so a buffer ``then`` frees cannot come first."""
+    waiting = threading.Event()
+    wait = Checkpointer._await_free_slot
+
+    def watched(self: Checkpointer, step: int) -> float:
+        cond, me = self._persisted, threading.get_ident()
+
+        class Watched(type(cond)):  # type: ignore[misc]
+            def wait(self, timeout: float | None = None) -> bool:
+                if threading.get_ident() == me and not waiting.is_set():
+                    waiting.set()
+                    threading.Thread(target=then, daemon=True).start()
+                return super().wait(timeout)
+
+        self._persisted = Watched(self._lock)
+        try:
+            return wait(self, step)
+        finally:
+            self._persisted = cond
+
+    monkeypatch.setattr(Checkpointer, "_await_free_slot", watched)
+    return waiting
+
+
+def test_back_pressure_waits_for_a_slow_persister_and_keeps_every_step(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """Both buffers busy: the step waits until the writer frees one (no snapshot skipped, so every rank of a
+    job keeps the same steps), and says how long it waited."""
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt)
+    ck.restore()
+    release = _held_writer(monkeypatch)
+    waiting = _when_waiting(monkeypatch, release.set)
     ck.start()
     infos = []
     for step in range(3):
         train_step(model, opt, step)
         infos.append(ck.after_step(step))
-    # two buffers: steps 0 and 1 are held by the stalled writer, step 2 is skipped at once
-    assert [i.taken for i in infos] == [True, True, False]
-    assert infos[2].skipped and infos[2].blocking_s < 1.0
-    assert ck.status()["skipped"] == 1
+    assert waiting.is_set()  # steps 0 and 1 held both buffers: step 2 waited for one
+    assert [i.taken for i in infos] == [True, True, True] and not any(i.skipped for i in infos)
+    assert infos[0].waited_s == infos[1].waited_s == 0 and infos[2].waited_s > 0
+    assert infos[2].blocking_s >= infos[2].waited_s
+    status = ck.status()
+    assert (status["skipped"], status["waits"], status["stalled"]) == (0, 1, False)
+    assert ck.drain(30)
+    ck.close()
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [0, 1, 2]
+
+
+def test_back_pressure_on_a_stuck_persister_costs_one_bounded_wait_then_skips_until_it_frees_a_buffer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    model, opt = make_model()
+    lines: list[str] = []
+    ck = checkpointer(tmp_path, model, opt, lines, backpressure_wait_s=0.3)
+    ck.restore()
+    release = _held_writer(monkeypatch)
+    ck.start()
+    infos = []
+    for step in range(4):
+        train_step(model, opt, step)
+        infos.append(ck.after_step(step))
+    assert [i.taken for i in infos] == [True, True, False, False]
+    assert 0.3 <= infos[2].waited_s < 5 and infos[2].skipped  # one wait, to its bound
+    assert infos[3].skipped and infos[3].waited_s == 0 and infos[3].blocking_s < 0.3  # stalled: skipped at once
+    assert ck.status()["stalled"] and ck.status()["skipped"] == 2
+    assert any("snapshot skipped: no buffer was freed within 0.3s" in line for line in lines)
     release.set()
     assert ck.drain(30)
-    train_step(model, opt, 3)
-    assert ck.after_step(3).taken
+    assert not ck.status()["stalled"]  # the writer freed its buffers: the next due step is taken
+    train_step(model, opt, 4)
+    assert ck.after_step(4).taken
     ck.close()
-    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [0, 1, 3]  # 2 was never written
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [0, 1, 4]  # 2 and 3 never written
+
+
+def test_back_pressure_without_a_wait_skips_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, backpressure_wait_s=0)
+    ck.restore()
+    release = _held_writer(monkeypatch)
+    ck.start()
+    infos = []
+    for step in range(3):
+        train_step(model, opt, step)
+        infos.append(ck.after_step(step))
+    assert [i.taken for i in infos] == [True, True, False]
+    assert infos[2].skipped and infos[2].waited_s == 0 and ck.status()["waits"] == 0
+    release.set()
+    assert ck.drain(30)
+    ck.close()
+
+
+@pytest.mark.parametrize("wait", [-1.0, float("nan")])
+def test_a_negative_or_unknown_back_pressure_wait_is_refused(tmp_path: Path, wait: float):
+    with pytest.raises(CheckpointError, match=r"back-pressure wait .* must be >= 0"):
+        CheckpointConfig(root=tmp_path, backpressure_wait_s=wait)
 
 
 @pytest.mark.parametrize("saver", ["thread", "process"])
@@ -678,7 +762,9 @@ def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_p
     assert all(r["ckpt_blocking_s"] >= 0 and r["ckpt_skipped"] is False for r in recs)
     root = run / "checkpoints"
     assert sorted(s for s, _r, _p in layout.list_copies(root, "local")) == [1, 3]
-    # every copy damaged: the job refuses to start from scratch, in one line, with the damage named above it
+    # every copy damaged (and the saver's memory gone with its process, as after a reboot): the job refuses to
+    # start from scratch, in one line, with the damage named above it
+    assert saver.stop(root)
     flip_byte(layout.copy_dir(root, "local", 3, 0) / MODEL_FILE)
     truncate(layout.copy_dir(root, "local", 1, 0) / OPTIM_FILE)
     res = _train(run, "--steps", "6")

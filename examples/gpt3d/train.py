@@ -35,7 +35,8 @@ with ``--checkpoint-s3``, uploads it to S3. At start the job restores the newest
 step every rank can get (``--restore`` insists, ``--no-restore`` starts from
 step 0) and resumes at the next step, bit for bit. Step records gain
 ``ckpt_blocking_s`` (time the step spent in the checkpointer), ``ckpt_saved``,
-``ckpt_skipped`` (back-pressure), ``ckpt_refused`` (not snapshotted: the step's
+``ckpt_skipped`` (back-pressure), ``ckpt_waited_s`` (of the blocking time, the wait for a
+free snapshot buffer), ``ckpt_refused`` (not snapshotted: the step's
 gradient norm was not finite, or its parameters differ from the data-parallel
 peers'), ``ckpt_committed`` (newest step committed on
 every rank), ``ckpt_bg_cpu_s`` (CPU seconds of the checkpoint's background
@@ -121,9 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "set it to emulate several machines on one host")
     c.add_argument("--checkpoint-nice", type=int, default=10,
                    help="nice increment of the checkpoint's background threads, 0..19 (default 10)")
-    c.add_argument("--checkpoint-saver", choices=("process", "thread"), default="thread",
-                   help="persist snapshots in background threads of the training process (default), or in a saver "
-                        "process on the machine, which also keeps the newest in memory for a restart there")
+    c.add_argument("--checkpoint-saver", choices=("process", "thread"), default="process",
+                   help="persist snapshots in a saver process on the machine, which also keeps the newest in memory "
+                        "for a restart there (default), or in background threads of the training process")
+    c.add_argument("--checkpoint-wait-s", type=float, default=5.0,
+                   help="when both snapshot buffers are still being persisted, a step waits at most this long for "
+                        "one (0 = skip the snapshot at once; default 5)")
     c.add_argument("--checkpoint-saver-idle-s", type=float, default=600.0,
                    help="a saver process ends this long after the last rank left (default 600)")
     c.add_argument("--checkpoint-measure-memcpy", action="store_true",
@@ -173,6 +177,8 @@ def check_layout(args: argparse.Namespace, world_size: int, ranks_per_machine: i
         if min(args.checkpoint_s3_every, args.checkpoint_ranks_per_machine, args.checkpoint_verify_every) < 0:
             raise TrainguardError("--checkpoint-s3-every, --checkpoint-ranks-per-machine and "
                                   "--checkpoint-verify-every must be >= 0")
+        if not args.checkpoint_wait_s >= 0:
+            raise TrainguardError(f"--checkpoint-wait-s {args.checkpoint_wait_s} must be >= 0")
         if not 0 <= args.checkpoint_nice <= 19:
             raise TrainguardError(f"--checkpoint-nice {args.checkpoint_nice} must be 0..19")
         rpm = args.checkpoint_ranks_per_machine
@@ -202,7 +208,7 @@ def make_checkpointer(args: argparse.Namespace, topo: Topology, rank: int, local
         # an emulated accelerator: the state is copied while the host waits for it, as a side stream does; only
         # with the saver process, which persists a snapshot handed over even as the rank fails
         copy_at_idle=args.emulate_device_s > 0 and args.checkpoint_saver == "process",
-        saver_idle_s=args.checkpoint_saver_idle_s)
+        saver_idle_s=args.checkpoint_saver_idle_s, backpressure_wait_s=args.checkpoint_wait_s)
     return Checkpointer(cfg, topology=topo, rank=rank, model=model, optimizer=optimizer,
                         job=os.environ.get("TG_JOB", "job"), incarnation=int(os.environ.get("TG_INCARNATION", "0")))
 
@@ -430,6 +436,7 @@ class Trainer:
         if snap is not None:
             extra |= {"ckpt_blocking_s": round(ckpt_wait + snap.blocking_s, 6), "ckpt_saved": snap.taken,
                      "ckpt_skipped": snap.skipped, "ckpt_refused": snap.refused,
+                     "ckpt_waited_s": round(snap.waited_s, 6),
                      "ckpt_committed": self.ckpt.newest_committed,
                      "ckpt_bg_cpu_s": round(self.ckpt.background_cpu_s(), 6)}
             if snap.memcpy_s is not None:
