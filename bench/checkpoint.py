@@ -31,7 +31,9 @@ DCP (``dcp.<setting>.<metric>``):
 * ``background_cpu_ms_per_step``: CPU of the checkpoint's background work per step and rank (trainguard:
   the saver process and the rank's own checkpoint threads; DCP: the process's other threads);
 * ``train_cpu_ms_per_step``: the training thread's own CPU per step, off / on / dcp;
-* ``skipped_ratio``: snapshots skipped because both buffers were still busy (back-pressure).
+* ``skipped_ratio``: snapshots skipped because both buffers stayed busy (back-pressure that ran out);
+* ``waited_ratio``, ``waited_ms_per_step``: steps that waited for a free buffer (back-pressure: the saver
+  persists slower than the job steps) and the mean wait per step (part of ``blocking_s``).
 
 Then restores, each the slowest rank's time, each checked bit for bit: the first step after it must
 give the loss of an uninterrupted run at that step (``restore_exact``):
@@ -194,6 +196,9 @@ def overhead_trial(job: Job, steps: int, order: list[str], setting: str) -> dict
         elif mode == "on":
             out["blocking"] = [r["ckpt_blocking_s"] for r in recs if r["ckpt_saved"]]
             out["skipped_ratio"] = sum(r["ckpt_skipped"] for r in recs) / len(recs)
+            waits = [r.get("ckpt_waited_s", 0.0) for r in recs]
+            out["waited_ratio"] = sum(w > 0 for w in waits) / len(recs)
+            out["waited_ms"] = sum(waits) / len(recs) * 1000
             out["background_cpu_ms"] = per_step_ms(run_dir, "ckpt_bg_cpu_s")
             out["on_run"] = run_dir
         elif mode == "dcp":
@@ -339,6 +344,8 @@ def main() -> int:
             f"{setting}.blocking_vs_memcpy": summarize(values("blocking_vs_memcpy"), "ratio", 1.2),
             f"dcp.{setting}.blocking_vs_memcpy": summarize(values("dcp.blocking_vs_memcpy"), "ratio"),
             f"{setting}.skipped_ratio": summarize(values("skipped_ratio"), "ratio"),
+            f"{setting}.waited_ratio": summarize(values("waited_ratio"), "ratio"),
+            f"{setting}.waited_ms_per_step": summarize(values("waited_ms"), "ms"),
         }
     for tier in ("memory", "local", "peer", "s3"):
         metrics[f"restore_s.{tier}"] = summarize([r[f"restore_s.{tier}"] for r in results], "s")
