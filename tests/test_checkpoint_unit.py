@@ -296,20 +296,32 @@ def _when_waiting(monkeypatch: pytest.MonkeyPatch, then: Any) -> threading.Event
     return waiting
 
 
+def _steps_against_a_held_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, steps: int, *,
+                                 release_when_waiting: bool = False, **cfg: Any,
+                                 ) -> tuple[Checkpointer, list[Any], threading.Event, list[str], threading.Event]:
+    """``steps`` steps of the tiny job while its writer persists nothing (until ``release`` is set, or, with
+    ``release_when_waiting``, once a step waits for a free buffer). Returns the checkpointer, each step's
+    SnapshotInfo, ``release``, the lines it logged and whether a step waited."""
+    model, opt = make_model()
+    lines: list[str] = []
+    ck = checkpointer(tmp_path, model, opt, lines, **cfg)
+    ck.restore()
+    release = _held_writer(monkeypatch)
+    waiting = _when_waiting(monkeypatch, release.set if release_when_waiting else lambda: None)
+    ck.start()
+    infos = []
+    for step in range(steps):
+        train_step(model, opt, step)
+        infos.append(ck.after_step(step))
+    return ck, infos, release, lines, waiting
+
+
 def test_back_pressure_waits_for_a_slow_persister_and_keeps_every_step(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch):
     """Both buffers busy: the step waits until the writer frees one (no snapshot skipped, so every rank of a
     job keeps the same steps), and says how long it waited."""
-    model, opt = make_model()
-    ck = checkpointer(tmp_path, model, opt)
-    ck.restore()
-    release = _held_writer(monkeypatch)
-    waiting = _when_waiting(monkeypatch, release.set)
-    ck.start()
-    infos = []
-    for step in range(3):
-        train_step(model, opt, step)
-        infos.append(ck.after_step(step))
+    ck, infos, _release, _lines, waiting = _steps_against_a_held_writer(tmp_path, monkeypatch, 3,
+                                                                        release_when_waiting=True)
     assert waiting.is_set()  # steps 0 and 1 held both buffers: step 2 waited for one
     assert [i.taken for i in infos] == [True, True, True] and not any(i.skipped for i in infos)
     assert infos[0].waited_s == infos[1].waited_s == 0 and infos[2].waited_s > 0
@@ -323,16 +335,8 @@ def test_back_pressure_waits_for_a_slow_persister_and_keeps_every_step(tmp_path:
 
 def test_back_pressure_on_a_stuck_persister_costs_one_bounded_wait_then_skips_until_it_frees_a_buffer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    model, opt = make_model()
-    lines: list[str] = []
-    ck = checkpointer(tmp_path, model, opt, lines, backpressure_wait_s=0.3)
-    ck.restore()
-    release = _held_writer(monkeypatch)
-    ck.start()
-    infos = []
-    for step in range(4):
-        train_step(model, opt, step)
-        infos.append(ck.after_step(step))
+    ck, infos, release, lines, _waiting = _steps_against_a_held_writer(tmp_path, monkeypatch, 4,
+                                                                       backpressure_wait_s=0.3)
     assert [i.taken for i in infos] == [True, True, False, False]
     assert 0.3 <= infos[2].waited_s < 5 and infos[2].skipped  # one wait, to its bound
     assert infos[3].skipped and infos[3].waited_s == 0 and infos[3].blocking_s < 0.3  # stalled: skipped at once
@@ -341,24 +345,17 @@ def test_back_pressure_on_a_stuck_persister_costs_one_bounded_wait_then_skips_un
     release.set()
     assert ck.drain(30)
     assert not ck.status()["stalled"]  # the writer freed its buffers: the next due step is taken
-    train_step(model, opt, 4)
+    train_step(ck.model, ck.optimizer, 4)
     assert ck.after_step(4).taken
     ck.close()
     assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [0, 1, 4]  # 2 and 3 never written
 
 
 def test_back_pressure_without_a_wait_skips_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    model, opt = make_model()
-    ck = checkpointer(tmp_path, model, opt, backpressure_wait_s=0)
-    ck.restore()
-    release = _held_writer(monkeypatch)
-    ck.start()
-    infos = []
-    for step in range(3):
-        train_step(model, opt, step)
-        infos.append(ck.after_step(step))
+    ck, infos, release, _lines, waiting = _steps_against_a_held_writer(tmp_path, monkeypatch, 3,
+                                                                       backpressure_wait_s=0)
     assert [i.taken for i in infos] == [True, True, False]
-    assert infos[2].skipped and infos[2].waited_s == 0 and ck.status()["waits"] == 0
+    assert infos[2].skipped and infos[2].waited_s == 0 and ck.status()["waits"] == 0 and not waiting.is_set()
     release.set()
     assert ck.drain(30)
     ck.close()
