@@ -78,7 +78,9 @@ class CheckpointConfig:
             waits this long at most for one to be freed (the saver is told to persist at once: the host
             idles); a wait that runs out skips the snapshot, and due steps skip without waiting until a buffer
             is freed. Waiting keeps the ranks' snapshots the same steps, so a persister that is merely slower
-            than the steps never costs a commit; 0 = skip at once (ranks may then skip different steps). Seconds.
+            than the steps never costs a commit; 0 = skip at once (ranks may then skip different steps). Keep
+            it well below the node agent's floor for calling a rank hung (5 s): a rank waiting here makes no
+            progress. Seconds.
         saver_idle_s: a saver process ends after this long with no rank connected (its memory
             snapshots with it). Seconds.
         background_nice: nice increment of the background threads (Linux: per thread), so that
@@ -109,7 +111,7 @@ class CheckpointConfig:
     copy_at_idle: bool = False
     saver: str = "process"
     saver_idle_s: float = 600.0
-    backpressure_wait_s: float = 5.0
+    backpressure_wait_s: float = 2.0
     background_nice: int = 10
 
     def __post_init__(self) -> None:

@@ -345,7 +345,9 @@ class RankTimeouts:
         stale_heartbeat_s: a heartbeat unchanged this long (the agent's monotonic clock) while the
             process exists is a candidate for "stopped", seconds.
         confirm_s: ... and it is called stopped once the process used no CPU time for this much longer
-            (a process in state ``T`` needs no confirmation), seconds.
+            (a process in state ``T`` needs no confirmation; one in a tracing stop, ``t``, is called
+            stopped once it stayed there this long: py-spy pauses a rank so while it takes its stacks),
+            seconds.
         spike_factor: a loss / grad norm above this multiple of the recent median is a spike.
         spike_history: steps of history needed before spikes are judged.
         slow_factor: a step time above this multiple of the recent median counts as slow.
@@ -407,6 +409,7 @@ class _RankState:
     progress_seen: float = 0.0
     frozen: tuple[int, float] | None = None  # (CPU ticks, since) while a stale heartbeat is being confirmed
     held_seen: float | None = None  # when the rank was first seen holding still on purpose (status "held")
+    traced_seen: float | None = None  # when the rank was first seen in a tracing stop ("t") in a row
     tput: deque = field(default_factory=lambda: deque(maxlen=30))
     decline_run: int = 0
     declined: bool = False
@@ -525,8 +528,18 @@ class RankCheck(Check):
                                  f"(status {status}, pid {pid})", job=job, rank=rank, evidence=evidence))
             return found
         unchanged = mono - st.beat_seen
-        stopped = state in ("T", "t")
-        if not stopped and unchanged > self.t.stale_heartbeat_s:
+        # "T" (SIGSTOP) is proof at once. "t", a tracing stop, is also what py-spy's own dump of the rank looks
+        # like while it lasts (the runtime analysis takes every rank's stacks): proof only once it lasted
+        # confirm_s on this agent's clock, or every stack collection could open an incident of its own
+        if state == "t":
+            st.traced_seen = mono if st.traced_seen is None else st.traced_seen
+        else:
+            st.traced_seen = None
+        traced = st.traced_seen is not None and mono - st.traced_seen >= self.t.confirm_s
+        stopped = state == "T" or traced
+        if state == "t" and not traced:
+            st.frozen = None  # confirmed by the tracing stop's own clock below, not by CPU ticks
+        elif not stopped and unchanged > self.t.stale_heartbeat_s:
             ticks = procs.cpu_seconds(pid)
             if st.frozen is None or ticks != st.frozen[0]:
                 st.frozen = (ticks if ticks is not None else -1, mono)  # running, or just started confirming
@@ -539,7 +552,9 @@ class RankCheck(Check):
                                  f"rank {rank} of job {job}: heartbeat unchanged for {unchanged:.1f}s, process "
                                  f"state {state}", job=job, rank=rank,
                                  evidence=dict(base, alive_age_s=round(unchanged, 3), process_state=state,
-                                               confirmed="process stopped" if state in ("T", "t")
+                                               confirmed="process stopped" if state == "T"
+                                               else "process traced (a debugger holds it) for "
+                                                    f"{mono - st.traced_seen:.1f}s" if traced
                                                else "no CPU time used")))
             return found
         progress_age = mono - st.progress_seen

@@ -230,6 +230,37 @@ def test_a_stopped_process_is_proof_and_a_stale_heartbeat_needs_a_frozen_process
     assert check.run(time.time()) == []
 
 
+def test_a_tracing_stop_is_proof_only_once_it_lasts(tmp_path, fake_job, monkeypatch):
+    """py-spy pauses a rank (state "t") for the moment it takes its stacks, as the runtime analysis does on
+    every rank: an agent that took that for a stopped rank opened a hang incident of the control plane's own
+    making after each analysis (the recovery benchmark's hang, then again on the job it had just restarted).
+    A tracing stop that lasts (a debugger holds the rank) is still proof."""
+    fake_job.rank(0)
+    pid = fake_job.procs[0].pid
+    states = {pid: "S"}
+    real = procs.proc_state
+    monkeypatch.setattr(procs, "proc_state",
+                        lambda p, started_at=None: states.get(p) or real(p, started_at))
+    clock = Clock()
+    check = RankCheck(tmp_path, clock=clock)
+    assert check.run(time.time()) == []
+    for _ in range(3):  # py-spy dumps it again and again, each time for less than confirm_s
+        states[pid] = "t"
+        assert check.run(time.time()) == []
+        clock.t += 0.6
+        assert check.run(time.time()) == []
+        states[pid] = "S"
+        fake_job.rank(0)
+        clock.t += 0.25
+        assert check.run(time.time()) == []
+    states[pid] = "t"  # and now it stays traced
+    assert check.run(time.time()) == []
+    clock.t += 1.0
+    (f,) = check.run(time.time())
+    assert f.kind == "rank_stopped" and f.evidence["process_state"] == "t"
+    assert f.evidence["confirmed"].startswith("process traced")
+
+
 def test_heartbeats_whose_clock_stepped_back_an_hour_still_beat(tmp_path, fake_job):
     """A rank whose clock stepped back an hour wrote heartbeats an hour old: the agent once called it stopped
     at once, and two healthy machines were evicted."""
