@@ -505,10 +505,12 @@ class Checkpointer:
             memcpy = self._measure_memcpy(tensors, identity)
             t0 += time.perf_counter() - t1  # not part of the blocking time
         slot = self._take_slot(tensors, identity)
-        waited = 0.0
+        waited = None
         if slot is None:
             waited = self._await_free_slot(step)
-            slot = self._take_slot(tensors, identity) if waited else None
+            if waited is not None:
+                slot = self._take_slot(tensors, identity)
+        waited = waited or 0.0
         if slot is None:
             with self._lock:
                 self.skipped += 1
@@ -544,19 +546,19 @@ class Checkpointer:
             memcpy = self._measure_memcpy(tensors, identity)
         return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy, waited_s=waited)
 
-    def _await_free_slot(self, step: int) -> float:
+    def _await_free_slot(self, step: int) -> float | None:
         """Back-pressure: both buffers are still being persisted. Wait until the persister frees one, at most
         ``backpressure_wait_s``; meanwhile this rank's host idles (the training thread waits), so the saver
-        process is told to persist now instead of at the next idle moment. Returns the seconds waited (0: no
-        wait, the snapshot is skipped at once: waiting is off, the buffers are being laid out, or an earlier
+        process is told to persist now instead of at the next idle moment. Returns the seconds waited, or None
+        when the snapshot is skipped at once (waiting is off, the buffers are being laid out, or an earlier
         wait ran out and the persister has freed nothing since). A wait that runs out leaves the rank
         *stalled*, skipping due steps without waiting until the persister frees a buffer."""
         limit = self.cfg.backpressure_wait_s
         with self._lock:
             if limit <= 0 or self._stalled or not self._slots or self._configuring is not None:
-                return 0.0
+                return None
             if not all(s.busy for s in self._slots):
-                return 1e-9  # freed since the caller looked: take it
+                return 0.0  # freed since the caller looked: take it
         t0 = time.monotonic()
         if self._board is not None:
             self._board.mark(IDLE)
@@ -586,7 +588,7 @@ class Checkpointer:
         else:
             self._error(f"step {step}: snapshot skipped: no buffer was freed within {limit:g}s; due steps skip "
                         f"without waiting until the {self.cfg.saver} persister frees one", kind="stalled")
-        return max(waited, 1e-9)
+        return waited
 
     def _saver_gone(self, why: str) -> None:
         """The saver process died: snapshots stop for this run (the training goes on), and its buffers go from

@@ -537,9 +537,7 @@ class RankCheck(Check):
             st.traced_seen = None
         traced = st.traced_seen is not None and mono - st.traced_seen >= self.t.confirm_s
         stopped = state == "T" or traced
-        if state == "t" and not traced:
-            st.frozen = None  # confirmed by the tracing stop's own clock below, not by CPU ticks
-        elif not stopped and unchanged > self.t.stale_heartbeat_s:
+        if not stopped and state != "t" and unchanged > self.t.stale_heartbeat_s:  # a tracing stop has its own clock
             ticks = procs.cpu_seconds(pid)
             if st.frozen is None or ticks != st.frozen[0]:
                 st.frozen = (ticks if ticks is not None else -1, mono)  # running, or just started confirming
