@@ -42,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.campaign import balanced_draws
 from bench.common import emulated_cluster, seconds_range, stop_on_sigterm, summarize, write_result
-from emulation.guarded import DEVICE_TRAIN_ARGS, NO_SCHEDULES, TOPOLOGY, GuardedJob
-from emulation.standalone import poll
-from node_tools import cluster, inject, procs
-from node_tools.alerts import Alert
-from node_tools.bus import open_bus
-from node_tools.topology import Topology
-from operators.fleet import states
+from trainguard.emulation.guarded import DEVICE_TRAIN_ARGS, NO_SCHEDULES, TOPOLOGY, GuardedJob
+from trainguard.emulation.standalone import poll
+from trainguard.node_tools import cluster, inject, procs
+from trainguard.node_tools.alerts import Alert
+from trainguard.node_tools.bus import open_bus
+from trainguard.node_tools.topology import Topology
+from trainguard.operators.fleet import states
 
 SPEC = cluster.ClusterSpec(name="tgx", machines=8, standbys=4, subnet="10.213.21.0/24", disk_mb=256, gpus=8)
 JOB = "chaos"
@@ -259,8 +259,8 @@ class Chaos(GuardedJob):
 
     # ---- helpers of the scenarios ---------------------------------------------------------------------
     def agent_pid(self, machine: str) -> int:
-        from node_tools import agent
-        from node_tools.config import NodeConfig
+        from trainguard.node_tools import agent
+        from trainguard.node_tools.config import NodeConfig
 
         doc = agent.processes(NodeConfig.load(Path(self.inv.machine(machine).extra["node_config"])))
         return int(doc["agent"]["pid"])
@@ -281,7 +281,7 @@ class Chaos(GuardedJob):
     def by_hand(self) -> list[str]:
         """What an operator does after a trial that waits for a human: the incidents resolved by hand, every
         machine in repair or evicted fixed and parked, the job restarted if it does not train."""
-        from operators.tasks.common import incident_by_hand as _incident_by_hand
+        from trainguard.operators.tasks.common import incident_by_hand as _incident_by_hand
 
         done = []
         for inc in self.ctl.fleet.incidents(JOB):

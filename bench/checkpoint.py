@@ -70,9 +70,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
-from checkpoint import saver
-from emulation.standalone import free_port
-from node_tools.monitor import read_heartbeat, read_steps
+from trainguard.checkpoint import saver
+from trainguard.emulation.standalone import free_port
+from trainguard.node_tools.monitor import read_heartbeat, read_steps
 
 REPO = Path(__file__).resolve().parent.parent
 WORLD = 4

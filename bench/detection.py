@@ -28,11 +28,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
-from node_tools import cluster, inject, launcher, monitor
-from node_tools.alerts import Alert
-from node_tools.bus import BusReader, open_bus
-from node_tools.inventory import Inventory, Machine
-from node_tools.topology import Topology
+from trainguard.node_tools import cluster, inject, launcher, monitor
+from trainguard.node_tools.alerts import Alert
+from trainguard.node_tools.bus import BusReader, open_bus
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.topology import Topology
 
 SPEC = cluster.ClusterSpec(name="tgd", machines=6, standbys=2, subnet="10.213.13.0/24", disk_mb=64, gpus=8)
 TARGETS = {"crash": 1.0, "hang": 10.0, "hang_collective": 10.0, "gpu_lost": 5.0, "xid": 5.0, "nic_down": 10.0,

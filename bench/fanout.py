@@ -5,9 +5,9 @@ namespace clusters of 16, 64, 256 ... thin machines.
 
 A thin machine runs what the control plane talks to and nothing else: sshd, the agent, and a stand-in job
 (``examples/standin.py`` through ``tg-node job start --launcher direct``: the trainguard hook's heartbeats and
-a step record a second, no torch). Each round is the code the recovery runs (:mod:`node_tools.launcher`'s
+a step record a second, no torch). Each round is the code the recovery runs (:mod:`trainguard.node_tools.launcher`'s
 ``launch``, ``stop`` and ``status``; ``tg-node diag --level 1`` in waves of ``TG_DIAG_CONCURRENCY`` machines)
-over the OpenSSH transport with strict host keys, at the default fan-out (``node_tools.transport.FANOUT``
+over the OpenSSH transport with strict host keys, at the default fan-out (``trainguard.node_tools.transport.FANOUT``
 sessions at once), one master connection per machine held across the rounds (``ControlPersist``: a
 trial's first round opens them). For each round and size: the wall time (median of ``--trials``), the
 control plane's own CPU (this process, its ssh clients and the masters) and peak memory, the host's CPU in
@@ -38,11 +38,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node_tools import cluster, launcher, procs  # noqa: E402
-from node_tools.errors import ClusterError  # noqa: E402
-from node_tools.inventory import Inventory  # noqa: E402
-from node_tools.topology import Topology  # noqa: E402
-from node_tools.transport import CONTROL_PERSIST_S, FANOUT, RunResult, control_dir, transport_for  # noqa: E402
+from trainguard.node_tools import cluster, launcher, procs  # noqa: E402
+from trainguard.node_tools.errors import ClusterError  # noqa: E402
+from trainguard.node_tools.inventory import Inventory  # noqa: E402
+from trainguard.node_tools.topology import Topology  # noqa: E402
+from trainguard.node_tools.transport import CONTROL_PERSIST_S, FANOUT, RunResult, control_dir, transport_for  # noqa: E402
 
 JOB = "fanout"
 SUBNET = "10.214.0.0/22"  # room for 1,000 machines

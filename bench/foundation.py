@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
-from node_tools import cluster, launcher, monitor
-from node_tools.topology import Topology
-from node_tools.transport import transport_for
+from trainguard.node_tools import cluster, launcher, monitor
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import transport_for
 
 SPEC = cluster.ClusterSpec(name="tgb", machines=6, standbys=2, subnet="10.213.11.0/24", disk_mb=64, gpus=8)
 

@@ -13,7 +13,7 @@ is not in these numbers; the recovery benchmark measures it):
 * **standby activation vs cold provisioning**: a machine of the job is replaced by a parked standby
   (evict, restart: until training resumed) vs by a free machine provisioned on the spot (its L1 + L2
   self-check, then the same restart with that machine cold). Alternating.
-* **verification throughput**: ``checkpoint.verify.verify_step`` (checksums, safetensors load, finite
+* **verification throughput**: ``trainguard.checkpoint.verify.verify_step`` (checksums, safetensors load, finite
   values, great-expectations metric checks) over the newest committed step of every machine's
   checkpoint root, in GB of checkpoint verified per second.
 
@@ -33,14 +33,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
-from checkpoint import layout
-from checkpoint.verify import verify_step
-from emulation.standalone import poll
-from node_tools import cluster
-from node_tools.inventory import Inventory
-from node_tools.topology import Topology
-from operators.control import ControlConfig, Controller
-from operators.fleet import states
+from trainguard.checkpoint import layout
+from trainguard.checkpoint.verify import verify_step
+from trainguard.emulation.standalone import poll
+from trainguard.node_tools import cluster
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.topology import Topology
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.fleet import states
 
 SPEC = cluster.ClusterSpec(name="tgo", machines=5, standbys=1, free=2, subnet="10.213.19.0/24", disk_mb=256, gpus=8)
 TOPO = Topology(tp=2, pp=1, dp=2)

@@ -38,12 +38,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
-from emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob
-from emulation.standalone import poll
-from node_tools import cluster, inject
-from node_tools.bus import BusReader, open_bus
-from node_tools.inventory import Inventory
-from operators.policy import ladder
+from trainguard.emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob
+from trainguard.emulation.standalone import poll
+from trainguard.node_tools import cluster, inject
+from trainguard.node_tools.bus import BusReader, open_bus
+from trainguard.node_tools.inventory import Inventory
+from trainguard.operators.policy import ladder
 
 SPEC = cluster.ClusterSpec(name="tgr", machines=6, standbys=2, subnet="10.213.16.0/24", disk_mb=256, gpus=8)
 TOPO = TOPOLOGY

@@ -9,7 +9,7 @@ publishes its alerts as its agent does: one batch document for its ranks (``.spo
 ``.s3_single``: one object per alert, as agents before batching did). Publishing is untimed.
 
 ``bus_storm_read_s``
-    what the guardian's trigger does (:class:`operators.triggers.alerts.AlertTrigger`, its cursor in a fleet
+    what the guardian's trigger does (:class:`trainguard.operators.triggers.alerts.AlertTrigger`, its cursor in a fleet
     database, the default settle window and poll) until its first event, holding alerts of the job, is ready:
     this bounds how soon the incident can open.
 ``bus_storm_drain_s``
@@ -47,11 +47,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node_tools.alerts import Alert
-from node_tools.bus import ALERTS, AlertBus, open_bus
-from operators.fleet import FleetStore
-from operators.settings import DEFAULT_SETTLE_S
-from operators.triggers.alerts import DEFAULT_POLL_S, AlertTrigger, _Watch
+from trainguard.node_tools.alerts import Alert
+from trainguard.node_tools.bus import ALERTS, AlertBus, open_bus
+from trainguard.operators.fleet import FleetStore
+from trainguard.operators.settings import DEFAULT_SETTLE_S
+from trainguard.operators.triggers.alerts import DEFAULT_POLL_S, AlertTrigger, _Watch
 
 MACHINES = 12_500
 JOB = "big"
@@ -81,7 +81,7 @@ def _moto() -> str:
     """The endpoint of this process's moto_server (started on first use, ended when the process exits)."""
     if "url" in _MOTO:
         return _MOTO["url"]
-    from emulation.standalone import free_port
+    from trainguard.emulation.standalone import free_port
 
     port = free_port()
     proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
@@ -161,8 +161,8 @@ def _storm(backend: str, size: int, *, batched: bool = True) -> tuple[str, Fleet
     """The bus holding the storm, and the fleet database holding the guardian's (empty) cursor, with what a
     triggerer that has run before holds already: the modules the trigger imports as it starts, the process's
     engine of the fleet database."""
-    from operators.hooks.fleet import fleet_store
-    from operators.policy import liveness  # noqa: F401
+    from trainguard.operators.hooks.fleet import fleet_store
+    from trainguard.operators.policy import liveness  # noqa: F401
 
     folder = _folder()
     url = _bus_url(backend, folder)

@@ -22,12 +22,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node_tools.inventory import Inventory, Machine
-from operators.control import ControlConfig
-from operators.control.ettr import EttrLedger
-from operators.fleet import FleetStore
-from operators.fleet.models import Incident
-from operators.fleet.states import IncidentState
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.operators.control import ControlConfig
+from trainguard.operators.control.ettr import EttrLedger
+from trainguard.operators.fleet import FleetStore
+from trainguard.operators.fleet.models import Incident
+from trainguard.operators.fleet.states import IncidentState
 
 JOB = "scale"
 CAUSES = ("hardware", "network", "user_code", "infrastructure")

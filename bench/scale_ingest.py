@@ -5,7 +5,7 @@ A fleet of 12,500 machines (a SQLite fleet database in a temporary folder, every
 100,000 ranks) receives ``size`` schema-valid ``rank_hang`` alerts spread over all its machines, with the
 heartbeats of all their agents, as one trigger event (``guardian_ingest_s``) or as ten events of a tenth each
 (``guardian_ingest_10_batches_s``). What is timed is what the guardian does with the event(s):
-:func:`operators.tasks.guardian.group_alerts` (the alerts attached to the job's one incident, the bus cursor
+:func:`trainguard.operators.tasks.guardian.group_alerts` (the alerts attached to the job's one incident, the bus cursor
 and the agents' liveness recorded, in one transaction per event).
 
     python bench/scale_ingest.py [SIZE ...]
@@ -25,12 +25,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node_tools.alerts import Alert
-from node_tools.inventory import Inventory, Machine
-from operators.control import ControlConfig, Controller
-from operators.fleet import states
-from operators.fleet.models import Machine as FleetMachine
-from operators.fleet.models import MachineEvent
+from trainguard.node_tools.alerts import Alert
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.fleet import states
+from trainguard.operators.fleet.models import Machine as FleetMachine
+from trainguard.operators.fleet.models import MachineEvent
 
 MACHINES = 12_500
 TP, PP, DP, RANKS_PER_MACHINE = 8, 10, 1250, 8  # 100,000 ranks, 8 per machine
@@ -86,7 +86,7 @@ def _events(size: int, batches: int) -> list[dict[str, Any]]:
 
 def _prepare(batches: int) -> Callable[[int], Callable[[], Any]]:
     def prepare(size: int) -> Callable[[], Any]:
-        from operators.tasks.guardian import group_alerts
+        from trainguard.operators.tasks.guardian import group_alerts
 
         tmp = tempfile.TemporaryDirectory(prefix="tg-scale-ingest-")
         c = _fleet(Path(tmp.name))

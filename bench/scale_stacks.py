@@ -1,10 +1,10 @@
 """Scale benchmark of the runtime analysis: every rank's stack in a hang, and the fail-slow vote.
 
 What the control plane does once every machine's ``tg-node stacks`` document is in
-(:meth:`operators.control.analysis.RuntimeAnalysis.analyze` after the SSH round): each rank's
-signature and collective counters (:func:`operators.policy.runtime.rank_stacks`), the grouping, the
-outliers and the parallel group to over-evict (:func:`operators.policy.runtime.analyze`, kinds
-``("pp", "dp")``); and the fail-slow vote (:class:`operators.policy.runtime.SlowVoter`: 5 rounds of every
+(:meth:`trainguard.operators.control.analysis.RuntimeAnalysis.analyze` after the SSH round): each rank's
+signature and collective counters (:func:`trainguard.operators.policy.runtime.rank_stacks`), the grouping, the
+outliers and the parallel group to over-evict (:func:`trainguard.operators.policy.runtime.analyze`, kinds
+``("pp", "dp")``); and the fail-slow vote (:class:`trainguard.operators.policy.runtime.SlowVoter`: 5 rounds of every
 rank's compute time, then the verdict).
 
 The layout is TP=8, PP=8, DP=the rest, 8 ranks per machine; DP is rounded so that the world is the
@@ -35,8 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node_tools.topology import Topology
-from operators.policy import runtime
+from trainguard.node_tools.topology import Topology
+from trainguard.operators.policy import runtime
 
 SIZES = [1_000, 10_000, 100_000]
 TP, PP, RANKS_PER_MACHINE = 8, 8, 8

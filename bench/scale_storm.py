@@ -4,8 +4,8 @@ Every rank of a job of 100,000 ranks on 12,500 machines alerts at once (an NCCL 
 alerts, one batch document per machine as the agents publish them, stamped within 5 s by the machines' own
 clocks, one of them an hour ahead and one an hour behind). The fleet database knows the machines and the job.
 What is timed is the guardian's recording trigger from its start, the whole storm already on the bus, until
-its first batch is recorded: the bus read in batches (:class:`operators.triggers.alerts.AlertTrigger`), the
-batch ingested into the fleet database (:func:`operators.tasks.guardian.group_alerts`: the incident opened,
+its first batch is recorded: the bus read in batches (:class:`trainguard.operators.triggers.alerts.AlertTrigger`), the
+batch ingested into the fleet database (:func:`trainguard.operators.tasks.guardian.group_alerts`: the incident opened,
 the alerts attached, the cursor committed). Starting the incident's DAG run through Airflow's REST API is left
 out (one call, whatever the fleet's size).
 
@@ -31,9 +31,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import scale_bus, scale_ingest
-from node_tools.bus import open_bus
-from operators.settings import DEFAULT_SETTLE_S
-from operators.triggers.alerts import DEFAULT_POLL_S, AlertTrigger
+from trainguard.node_tools.bus import open_bus
+from trainguard.operators.settings import DEFAULT_SETTLE_S
+from trainguard.operators.triggers.alerts import DEFAULT_POLL_S, AlertTrigger
 
 SIZES = [10_000, 100_000]
 
@@ -49,7 +49,7 @@ class _Opening(AlertTrigger):
         return None
 
     def _record(self, event: dict[str, Any]) -> dict[str, Any]:
-        from operators.tasks import guardian
+        from trainguard.operators.tasks import guardian
 
         starts = guardian.group_alerts(event, self.controller)
         self.opened = self.opened or tuple(starts)

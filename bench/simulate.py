@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
-from operators.sim import model, profiles, report
+from trainguard.operators.sim import model, profiles, report
 
 
 def main() -> int:

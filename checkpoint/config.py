@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoint.errors import CheckpointError
+from trainguard.checkpoint.errors import CheckpointError
 
 RESTORE_MODES = ("auto", "require", "off")
 SAVERS = ("process", "thread")
@@ -60,7 +60,7 @@ class CheckpointConfig:
             (its sockets close), this only bounds a live but stuck one. Seconds.
         s3_timeout_s: connect and read timeout of each S3 request. Seconds.
         copy_at_idle: copy a CPU-resident state into its snapshot buffer while the host idles (from
-            :meth:`~checkpoint.engine.Checkpointer.host_idle` of the next step), not in ``after_step``: the
+            :meth:`~trainguard.checkpoint.engine.Checkpointer.host_idle` of the next step), not in ``after_step``: the
             CPU counterpart of the copy on a side CUDA stream, for a host whose training thread waits for an
             accelerator (the benchmark's emulated device). The loop must then call ``before_update()``
             before anything changes the state. When the next step never reaches its idle moment (a hang)
@@ -73,7 +73,7 @@ class CheckpointConfig:
             each snapshot (the benchmark's reference; costs one extra copy per step).
         saver: where snapshots are persisted: "process" (the default: a saver process on the machine,
             outside the training process, that also keeps the newest snapshot in memory for a restart on
-            this machine: :mod:`checkpoint.saver`) or "thread" (background threads of the training process).
+            this machine: :mod:`trainguard.checkpoint.saver`) or "thread" (background threads of the training process).
         backpressure_wait_s: when both snapshot buffers are still being persisted at a due step, the step
             waits this long at most for one to be freed (the saver is told to persist at once: the host
             idles); a wait that runs out skips the snapshot, and due steps skip without waiting until a buffer

@@ -19,8 +19,8 @@ What it guarantees to the training loop:
   skips at once until the persister frees a buffer: a stuck one costs the
   training one wait.
 * **Tiers.** Each snapshot is written atomically to the machine's local disk
-  (:mod:`checkpoint.layout`), sent to the rank's backup rank
-  (:meth:`node_tools.topology.Topology.backup_rank`: shares none of its TP, PP,
+  (:mod:`trainguard.checkpoint.layout`), sent to the rank's backup rank
+  (:meth:`trainguard.node_tools.topology.Topology.backup_rank`: shares none of its TP, PP,
   DP groups, on another machine) over a gloo group of the checkpoint's own, and
   every ``s3_every_steps`` steps (or on request) uploaded to S3.
 * **Commit.** A rank's step is done when its local copy is durable and its
@@ -32,7 +32,7 @@ What it guarantees to the training loop:
   verified step, so a machine's disk holds about ``keep`` x (its ranks' states + the
   replicas it keeps).
 * **Restore** (:meth:`restore`, before training, all ranks together): every rank
-  reports what it holds, all compute the same :class:`checkpoint.plan.RestorePlan`
+  reports what it holds, all compute the same :class:`trainguard.checkpoint.plan.RestorePlan`
   (newest step every rank can get, own local copy first, then the replica
   holder, then S3), copies are verified (checksums, tensors, finite values) as
   they are read, received or downloaded; a bad one is reported with machine,
@@ -65,17 +65,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from checkpoint import layout, wire
-from checkpoint import manifest as mf
-from checkpoint.config import CheckpointConfig
-from checkpoint.errors import UNRESTORABLE, CheckpointError, RestoreError, S3TierError
-from checkpoint.hostboard import BUSY, IDLE, HostBoard
-from checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
-from checkpoint.s3 import open_tier
-from checkpoint.saver import SaverLink, ShmFile, _b64, files_sha, non_finite
-from checkpoint.shards import MODEL_FILE, OPTIM_FILE, STATE_FILES, ShardLayout, StateReader, apply_state, meta_json
-from checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
-from node_tools.topology import Topology
+from trainguard.checkpoint import layout, wire
+from trainguard.checkpoint import manifest as mf
+from trainguard.checkpoint.config import CheckpointConfig
+from trainguard.checkpoint.errors import UNRESTORABLE, CheckpointError, RestoreError, S3TierError
+from trainguard.checkpoint.hostboard import BUSY, IDLE, HostBoard
+from trainguard.checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
+from trainguard.checkpoint.s3 import open_tier
+from trainguard.checkpoint.saver import SaverLink, ShmFile, _b64, files_sha, non_finite
+from trainguard.checkpoint.shards import (
+    MODEL_FILE,
+    OPTIM_FILE,
+    STATE_FILES,
+    ShardLayout,
+    StateReader,
+    apply_state,
+    meta_json,
+)
+from trainguard.checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
+from trainguard.node_tools.topology import Topology
 
 
 @dataclass
@@ -181,7 +189,7 @@ class _Slot:
 
     def non_finite(self) -> str:
         """The first floating-point tensor of the snapshot holding a NaN or an infinity ("" if none): the
-        saver process's check (:func:`checkpoint.saver.non_finite`), on this buffer."""
+        saver process's check (:func:`trainguard.checkpoint.saver.non_finite`), on this buffer."""
         for name, lay in self.layouts.items():
             bad = non_finite(memoryview(self.flats[name].numpy()), _entries(lay))
             if bad:
@@ -440,7 +448,7 @@ class Checkpointer:
 
     def host_busy(self) -> None:
         """Say that this rank's host thread works again (the device's result is in): the host's savers
-        hold back from here until every rank of the host idles (:mod:`checkpoint.hostboard`). Cheap."""
+        hold back from here until every rank of the host idles (:mod:`trainguard.checkpoint.hostboard`). Cheap."""
         if self._idle_at is None:
             return
         span = time.monotonic() - self._idle_at
@@ -883,8 +891,8 @@ class Checkpointer:
         if self.link is not None:  # the saver process writes, sends and uploads; the rank commits
             self._board = HostBoard.open()
             if self._board is None:
-                self._log("the host's board (checkpoint.hostboard) cannot be used privately: the saver goes by "
-                          "this rank's idle moments alone", kind="board")
+                self._log("the host's board (trainguard.checkpoint.hostboard) cannot be used privately: the saver "
+                          "goes by this rank's idle moments alone", kind="board")
             elif self._board.claim() is None:
                 self._board.close()
                 self._board = None

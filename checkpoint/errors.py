@@ -1,13 +1,13 @@
 """Errors of the checkpoint library: one line each, saying where and what to do next.
 
-Every error is a :class:`node_tools.errors.TrainguardError`, so the training
+Every error is a :class:`trainguard.node_tools.errors.TrainguardError`, so the training
 script (and any trainguard command line) prints its message on one line and
 exits with its code instead of a traceback.
 """
 
 from __future__ import annotations
 
-from node_tools.errors import EXIT_UNHEALTHY, TrainguardError
+from trainguard.node_tools.errors import EXIT_UNHEALTHY, TrainguardError
 
 
 class CheckpointError(TrainguardError):

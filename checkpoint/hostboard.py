@@ -1,7 +1,7 @@
 """Which training ranks of this host are busy: the host's CPUs idle only when every one of them waits.
 
 A rank's saver persists its snapshot when the rank says its host idles
-(:meth:`checkpoint.engine.Checkpointer.host_idle`: the device computes, the host thread waits). But one
+(:meth:`trainguard.checkpoint.engine.Checkpointer.host_idle`: the device computes, the host thread waits). But one
 host runs several ranks (eight GPUs to a machine; every rank of a cluster emulated on one host), and they
 do not idle at the same moment: pipeline stages are offset, a rank's data loading runs while another's
 device computes. Work that starts at one rank's idle moment competes with a neighbour's busy phase, and

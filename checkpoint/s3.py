@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpoint.errors import S3TierError
-from checkpoint.files import write_atomic
-from checkpoint.layout import VERIFIED
-from checkpoint.manifest import MANIFEST
+from trainguard.checkpoint.errors import S3TierError
+from trainguard.checkpoint.files import write_atomic
+from trainguard.checkpoint.layout import VERIFIED
+from trainguard.checkpoint.manifest import MANIFEST
 
 _KEY_RE = re.compile(r"step_(\d+)/rank_(\d+)/([^/]+)$")
 
@@ -233,7 +233,7 @@ class DirTier:
 
     def upload_copy(self, step: int, rank: int, files: Iterable[tuple[str, bytes]], manifest: bytes) -> None:
         """Write a rank's copy of a step: the state files, then the manifest."""
-        from checkpoint.manifest import MANIFEST
+        from trainguard.checkpoint.manifest import MANIFEST
 
         for name, data in files:
             self._write(self._dir(step, rank) / name, bytes(data))
@@ -255,7 +255,7 @@ class DirTier:
 
     def list_copies(self) -> dict[tuple[int, int], set[str]]:
         """Every ``(step, rank)`` with the names of its files; only copies that have a manifest."""
-        from checkpoint.manifest import MANIFEST
+        from trainguard.checkpoint.manifest import MANIFEST
 
         found: dict[tuple[int, int], set[str]] = {}
         try:

@@ -6,19 +6,19 @@ so in one short message; the saver, a process of its own at a lower CPU priority
 
 * checks every floating-point value is finite (a snapshot holding a NaN is never written),
 * hashes the files and seals the manifest,
-* writes the local copy atomically (:mod:`checkpoint.layout`),
+* writes the local copy atomically (:mod:`trainguard.checkpoint.layout`),
 * sends the replica to the saver of the rank's backup rank (TCP, JSON header and raw bytes, a token
   the job's ranks share; the receiver checks every checksum before it writes and acknowledges),
 * uploads to the remote tier when due,
 * and reports the step done (local copy durable, replica acknowledged) to the rank, which commits it
-  with its peers as before (:class:`checkpoint.engine.Checkpointer`).
+  with its peers as before (:class:`trainguard.checkpoint.engine.Checkpointer`).
 
 It runs at a lower CPU priority (``nice``), and when the rank says its host is about to idle
-(:meth:`checkpoint.engine.Checkpointer.host_idle`: the device computes, the host thread waits), it
+(:meth:`trainguard.checkpoint.engine.Checkpointer.host_idle`: the device computes, the host thread waits), it
 persists then (waiting at most ``QUIET_WAIT_S``): its copies and hashing then do not compete for the
 host's CPU, caches and memory bandwidth with the training's own busy phase. A host runs several ranks, which
 do not idle at the same moment: it then also waits, at most ``HOST_WAIT_SHARE`` of its rank's usual idle
-span, until no rank on the host's board is busy (:mod:`checkpoint.hostboard`).
+span, until no rank on the host's board is busy (:mod:`trainguard.checkpoint.hostboard`).
 
 It keeps the newest complete snapshot of every rank in memory and outlives the training processes
 (its own session): a rank restarted on this machine after its process died restores from memory
@@ -29,7 +29,7 @@ Nothing here imports torch; nothing is pickled. The rank talks to it over the Un
 ``<root>/saver.sock`` (one JSON document per line); the ranks' buffers are ``/dev/shm`` files named
 after the root, the rank and the slot.
 
-    python -m checkpoint.saver --root DIR [--idle-s 600] [--nice 10]
+    python -m trainguard.checkpoint.saver --root DIR [--idle-s 600] [--nice 10]
 """
 
 from __future__ import annotations
@@ -55,10 +55,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoint import layout
-from checkpoint import manifest as mf
-from checkpoint.hostboard import HostBoard
-from checkpoint.verify import check_data
+from trainguard.checkpoint import layout
+from trainguard.checkpoint import manifest as mf
+from trainguard.checkpoint.hostboard import HostBoard
+from trainguard.checkpoint.verify import check_data
 
 SOCKET = "saver.sock"
 LOCK = "saver.lock"
@@ -67,7 +67,7 @@ SHM_DIR = Path("/dev/shm")
 SLOTS = 2
 QUIET_WAIT_S = 2.0  # the longest a snapshot waits for its rank's host to idle before it is persisted anyway
 # once its rank idles, the share of the rank's usual idle span a snapshot waits for the host's other ranks to
-# idle too (checkpoint.hostboard); what is left of the span is the saver's
+# idle too (trainguard.checkpoint.hostboard); what is left of the span is the saver's
 HOST_WAIT_SHARE = 0.5
 
 # the bit patterns of an infinity or a NaN: every exponent bit set
@@ -438,7 +438,7 @@ class Saver:
         self._stop_s3(r)
         s3_url = r.static.get("s3_url") or ""
         if s3_url:
-            from checkpoint.s3 import open_tier
+            from trainguard.checkpoint.s3 import open_tier
 
             r.s3 = open_tier(s3_url, endpoint_url=r.static.get("s3_endpoint_url") or "",
                              timeout_s=float(r.static.get("s3_timeout_s") or 5.0))
@@ -641,7 +641,7 @@ class Saver:
             r.s3_wake.notify_all()
 
     def _s3_loop(self, r: _Rank) -> None:
-        from checkpoint.errors import S3TierError
+        from trainguard.checkpoint.errors import S3TierError
 
         uploaded: list[int] = []
         while True:
@@ -719,7 +719,7 @@ def connect(root: Path, *, host: str, idle_s: float, nice: int, timeout_s: float
     env = {k: v for k, v in os.environ.items() if k not in ("TG_JOB_TOKEN", "TG_FAULT_FILE")}
     log = open(root / "saver.log", "ab")  # noqa: SIM115 - handed to the child
     try:
-        subprocess.Popen([sys.executable, "-m", "checkpoint.saver", "--root", str(root), "--host", host,
+        subprocess.Popen([sys.executable, "-m", "trainguard.checkpoint.saver", "--root", str(root), "--host", host,
                           "--idle-s", str(idle_s), "--nice", str(nice)],
                          stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
                          close_fds=True,

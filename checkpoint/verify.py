@@ -19,7 +19,7 @@ object in S3); retention never deletes the newest marked step.
 
 Every problem names machine, rank, step, tier and path (:class:`Problem`).
 Nothing here raises on bad data; an unreachable S3 endpoint is a problem too.
-Command line: ``python -m checkpoint.verify --root DIR [--step N]
+Command line: ``python -m trainguard.checkpoint.verify --root DIR [--step N]
 [--s3 URL] [--endpoint-url E]`` prints one JSON document; exit 0 when every
 copy passed, 1 when something did not, 2 on bad usage.
 """
@@ -38,9 +38,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoint import layout
-from checkpoint import manifest as mf
-from checkpoint.errors import S3TierError
+from trainguard.checkpoint import layout
+from trainguard.checkpoint import manifest as mf
+from trainguard.checkpoint.errors import S3TierError
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def _check_tensors(data: bytes, expected: Mapping[str, Mapping[str, Any]]) -> It
     except Exception as exc:  # safetensors raises its own error types for malformed files
         yield f"not a readable safetensors file ({type(exc).__name__}: {str(exc)[:120]})"
         return
-    from checkpoint.shards import dtype_code
+    from trainguard.checkpoint.shards import dtype_code
 
     if set(tensors) != set(expected):
         missing = sorted(set(expected) - set(tensors))[:3]
@@ -264,7 +264,7 @@ def verify_s3(url: str, *, endpoint_url: str = "", steps: Iterable[int] | None =
               keep_files: bool = False) -> Report:
     """Verify every copy (or those of ``steps`` / ``ranks``) under an S3 prefix. An unreachable endpoint
     is reported as a problem of tier ``s3``."""
-    from checkpoint.s3 import open_tier
+    from trainguard.checkpoint.s3 import open_tier
 
     tier = open_tier(url, endpoint_url=endpoint_url, timeout_s=timeout_s)
     report = Report()
@@ -284,7 +284,7 @@ def verify_s3(url: str, *, endpoint_url: str = "", steps: Iterable[int] | None =
 
 
 def check_s3_copy(tier: Any, step: int, rank: int, *, deep: bool = True, keep_files: bool = False) -> CopyCheck:
-    """Download and check one S3 copy (``tier`` is a :class:`checkpoint.s3.S3Tier`)."""
+    """Download and check one S3 copy (``tier`` is a :class:`trainguard.checkpoint.s3.S3Tier`)."""
     where = tier.copy_url(step, rank)
     try:
         manifest_bytes = tier.get(step, rank, mf.MANIFEST)
@@ -419,7 +419,7 @@ def _identity(copy: Path | str) -> tuple[int, int] | None:
 def _reread_replaced(report: Report, before: Mapping[str, tuple[int, int] | None], *, machine: str,
                      attempts: int = 3) -> None:
     """A job restored from an older step writes the newer steps again, replacing their copies (atomically:
-    :func:`checkpoint.layout.write_copy`); a verification reading one meanwhile sees files vanish or change.
+    :func:`trainguard.checkpoint.layout.write_copy`); a verification reading one meanwhile sees files vanish or change.
     A copy that failed and was replaced while it was read is the job's newer write, not damage: read it
     again (``attempts`` times at most), so only a copy that fails as it stands is reported."""
     for _ in range(attempts):
@@ -450,7 +450,7 @@ def _verify_step(root: Path, step: int, *, s3_url: str, endpoint_url: str, machi
         doc = {"step": step, "verified_ts": time.time(), "checks": ["sha256", "tensors", "finite"]}
         for c in report.copies:
             if c.tier == "s3":
-                from checkpoint.s3 import open_tier
+                from trainguard.checkpoint.s3 import open_tier
 
                 try:
                     open_tier(s3_url, endpoint_url=endpoint_url, timeout_s=s3_timeout_s).put(
@@ -475,7 +475,7 @@ def newest_verified(root: Path, tier: str, rank: int) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m checkpoint.verify", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m trainguard.checkpoint.verify", description=__doc__.splitlines()[0])
     p.add_argument("--root", type=Path, required=True, help="a machine's checkpoint root")
     p.add_argument("--step", type=int, help="verify (and mark) this step; default: every copy, no marking")
     p.add_argument("--s3", default="", help="s3://bucket/prefix of the S3 tier")

@@ -22,8 +22,8 @@ from datetime import datetime
 
 from airflow.sdk import Asset, AssetWatcher, Param, dag, task
 
-from operators.triggers.alerts import CheckpointNoticeTrigger
-from operators.utils.schedules import asset_or_cron
+from trainguard.operators.triggers.alerts import CheckpointNoticeTrigger
+from trainguard.operators.utils.schedules import asset_or_cron
 
 checkpoint_committed = Asset("trainguard-checkpoint-committed", watchers=[
     AssetWatcher(name="checkpoint_notices", trigger=CheckpointNoticeTrigger())])
@@ -42,31 +42,31 @@ checkpoint_committed = Asset("trainguard-checkpoint-committed", watchers=[
 def tg_checkpoint_verify():
     @task
     def pick(params: dict | None = None, triggering_asset_events=None) -> list:
-        from operators.tasks import checkpoint_verify
+        from trainguard.operators.tasks import checkpoint_verify
 
         return checkpoint_verify.ckpt_targets(params["job"], params["step"], triggering_asset_events)
 
     @task(pool="tg_ssh", map_index_template="{{ target }}")
     def verify(target: dict) -> dict:
-        from operators.tasks import checkpoint_verify
+        from trainguard.operators.tasks import checkpoint_verify
 
         return checkpoint_verify.ckpt_verify(target)
 
     @task(map_index_template="{{ target }}")
     def promote(verdict: dict) -> dict:
-        from operators.tasks import checkpoint_verify
+        from trainguard.operators.tasks import checkpoint_verify
 
         return checkpoint_verify.ckpt_promote(verdict)
 
     @task(trigger_rule="all_done")
     def conclude(verdicts: list | None = None, promotions: list | None = None) -> dict:
-        from operators.tasks import checkpoint_verify
+        from trainguard.operators.tasks import checkpoint_verify
 
         return checkpoint_verify.ckpt_conclude(verdicts, promotions)
 
     @task
     def outcome(concluded: dict) -> dict:
-        from operators.tasks import checkpoint_verify
+        from trainguard.operators.tasks import checkpoint_verify
 
         return checkpoint_verify.ckpt_outcome(concluded)
 

@@ -17,7 +17,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.utils.schedules import schedule_from_env
+from trainguard.operators.utils.schedules import schedule_from_env
 
 NAME = r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62})?$"
 
@@ -35,7 +35,7 @@ NAME = r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62})?$"
 def tg_code_update():
     @task
     def update(params: dict | None = None) -> dict:
-        from operators.tasks import code_update
+        from trainguard.operators.tasks import code_update
 
         return code_update.code_update(params["job"], params["revision"], params["urgency"], params["reason"])
 
@@ -43,20 +43,20 @@ def tg_code_update():
     def training_resumed(result: dict):
         from airflow.sdk import PokeReturnValue
 
-        from operators.tasks import code_update
+        from trainguard.operators.tasks import code_update
 
         info = code_update.code_resumed(result)
         return PokeReturnValue(is_done=info is not None, xcom_value=info)
 
     @task(trigger_rule="all_done")
     def rearm(result: dict | None = None) -> dict:
-        from operators.tasks import code_update
+        from trainguard.operators.tasks import code_update
 
         return code_update.code_rearm(result or {})
 
     @task
     def conclude(result: dict, resumed: dict | None = None) -> dict:
-        from operators.tasks import code_update
+        from trainguard.operators.tasks import code_update
 
         return code_update.code_conclude(result, resumed)
 

@@ -11,7 +11,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.utils.forms import NAME, job_param
+from trainguard.operators.utils.forms import NAME, job_param
 
 
 @dag(dag_id="tg_diagnose", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
@@ -25,25 +25,25 @@ from operators.utils.forms import NAME, job_param
 def tg_diagnose():
     @task
     def targets(params: dict | None = None) -> list:
-        from operators.tasks import diagnose
+        from trainguard.operators.tasks import diagnose
 
         return diagnose.diagnose_targets(params["job"], list(params["machines"]), int(params["level"]))
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
     def check_machine(target: dict) -> list:
-        from operators.tasks import diagnose
+        from trainguard.operators.tasks import diagnose
 
         return diagnose.diagnose_machine(target)
 
     @task(pool="tg_ssh")
     def neighbours(results: list, params: dict | None = None) -> dict:
-        from operators.tasks import diagnose
+        from trainguard.operators.tasks import diagnose
 
         return diagnose.diagnose_neighbours(params["job"], list(results), int(params["level"]))
 
     @task
     def conclude(results: list, l3: dict, params: dict | None = None) -> dict:
-        from operators.tasks import diagnose
+        from trainguard.operators.tasks import diagnose
 
         return diagnose.diagnose_conclude(params["job"], list(results), l3, bool(params["evict"]))
 

@@ -19,7 +19,7 @@ from airflow.sdk import Param, dag, task
 def tg_ettr():
     @task
     def report(params: dict | None = None) -> dict:
-        from operators.tasks import ettr
+        from trainguard.operators.tasks import ettr
 
         return ettr.ettr_reports(params["job"], float(params["window_s"]))
 

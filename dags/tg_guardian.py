@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOperator
 from airflow.sdk import dag
 
-from operators.sensors.alerts import IncidentSensor
+from trainguard.operators.sensors.alerts import IncidentSensor
 
 
 @dag(dag_id="tg_guardian", schedule="@continuous", max_active_runs=1, start_date=datetime(2026, 1, 1),

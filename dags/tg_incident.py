@@ -14,11 +14,11 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import Param, dag, task
 
-from operators.policy.rungs import NO_RECOVERY, RUNGS
-from operators.sensors.close import CloseIncidentOperator
-from operators.sensors.replay import SilentCorruptionOperator
-from operators.sensors.resume import ResumeSensor
-from operators.sensors.vote import SlowVoteOperator
+from trainguard.operators.policy.rungs import NO_RECOVERY, RUNGS
+from trainguard.operators.sensors.close import CloseIncidentOperator
+from trainguard.operators.sensors.replay import SilentCorruptionOperator
+from trainguard.operators.sensors.resume import ResumeSensor
+from trainguard.operators.sensors.vote import SlowVoteOperator
 
 # A deferred task whose trigger fires before the executor reported the deferral's own end is failed by the
 # scheduler (apache/airflow#66374, #71580); each of these is safe to try again (a wait defers again; the close
@@ -26,7 +26,7 @@ from operators.sensors.vote import SlowVoteOperator
 RETRY_DEFERRED = {"retries": 2, "retry_delay": timedelta(seconds=2)}
 
 
-# the rungs whose waits run in the triggerer (operators.policy.rungs marks them deferred)
+# the rungs whose waits run in the triggerer (trainguard.operators.policy.rungs marks them deferred)
 DEFERRED_RUNGS = {"slow_vote": SlowVoteOperator, "silent_corruption": SilentCorruptionOperator}
 
 
@@ -42,7 +42,7 @@ def tg_incident():
         """The decision (XCom ``decision``), and the rung that handles it (the branch to follow)."""
         from airflow.sdk import get_current_context
 
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         decision = incident.triage(params["incident_id"])
         get_current_context()["ti"].xcom_push(key="decision", value=decision)
@@ -56,7 +56,7 @@ def tg_incident():
 
         @task(task_id=rung.task_id, doc_md=rung.does)
         def act(decision: dict) -> dict:
-            from operators.tasks import incident
+            from trainguard.operators.tasks import incident
 
             return incident.handle(rung.task_id, decision)
 
@@ -66,14 +66,14 @@ def tg_incident():
     def stop_job(results: list, params: dict | None = None) -> dict:
         """Stop the job on every machine, reading the steps finished and the checkpoint copies held (unless
         the rung leaves it running or stopped it already)."""
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         return incident.stop_job(params["incident_id"], list(results))
 
     @task(trigger_rule="none_failed_min_one_success")  # (the rungs not taken are skipped)
     def swap_machines(results: list, stop: dict, params: dict | None = None) -> dict:
         """Put standbys in the places of the machines the rung evicts (and of explicit faults that joined)."""
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         return incident.swap_machines(params["incident_id"], list(results), stop)
 
@@ -81,26 +81,26 @@ def tg_incident():
     def restart_job(results: list, stop: dict, swap: dict, params: dict | None = None) -> dict:
         """Start the job again on its machine list, from what the stop found (or leave it alone when the
         rung says so); cleared after it ran, it restarts the job again."""
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         return incident.restart_job(params["incident_id"], list(results), stop, swap,
                                     resume_timeout_s=params.get("resume_timeout_s"))
 
     @task(trigger_rule="all_done")
     def rearm_job(params: dict | None = None) -> dict:
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         return incident.rearm(params["incident_id"])
 
     @task(trigger_rule="all_done")
     def outcome(params: dict | None = None) -> dict:
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         return incident.outcome(params["incident_id"])
 
     @task(task_id=NO_RECOVERY)
     def no_recovery(decision: dict) -> dict:
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         return incident.no_recovery(decision)
 

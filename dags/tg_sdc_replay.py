@@ -11,8 +11,8 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.sensors.replay import ReplayPhaseOperator
-from operators.utils.forms import job_param
+from trainguard.operators.sensors.replay import ReplayPhaseOperator
+from trainguard.operators.utils.forms import job_param
 
 
 @dag(dag_id="tg_sdc_replay", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
@@ -24,14 +24,14 @@ from operators.utils.forms import job_param
 def tg_sdc_replay():
     @task
     def prepare(params: dict | None = None) -> dict:
-        from operators.tasks import sdc_replay
+        from trainguard.operators.tasks import sdc_replay
 
         return sdc_replay.replay_prepare(params["job"], int(params["k"]))
 
 
     @task(trigger_rule="all_done")
     def conclude(plan: dict, h: dict | None = None, v: dict | None = None, params: dict | None = None) -> dict:
-        from operators.tasks import sdc_replay
+        from trainguard.operators.tasks import sdc_replay
 
         return sdc_replay.replay_conclude(plan, h, v, bool(params["evict"]))
 

@@ -12,7 +12,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from operators.utils.schedules import schedule_from_env
+from trainguard.operators.utils.schedules import schedule_from_env
 
 
 @dag(dag_id="tg_standby_pool", schedule=schedule_from_env("TG_POOL_SCHEDULE", "*/10 * * * *"),
@@ -24,7 +24,7 @@ from operators.utils.schedules import schedule_from_env
 def tg_standby_pool():
     @task
     def plan(params: dict | None = None) -> dict:
-        from operators.tasks import standby_pool
+        from trainguard.operators.tasks import standby_pool
 
         return standby_pool.pool_plan(int(params["target"]))
 
@@ -34,13 +34,13 @@ def tg_standby_pool():
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
     def self_check(target: list) -> list:
-        from operators.tasks import standby_pool
+        from trainguard.operators.tasks import standby_pool
 
         return standby_pool.pool_check(target)
 
     @task(trigger_rule="none_failed")
     def conclude(planned: dict, results: list | None = None) -> dict:
-        from operators.tasks import standby_pool
+        from trainguard.operators.tasks import standby_pool
 
         return standby_pool.pool_conclude(planned, results)
 

@@ -11,10 +11,11 @@ RUN apt-get update \
 USER airflow
 
 WORKDIR /opt/trainguard
-COPY --chown=airflow:root requirements.txt constraints.txt pyproject.toml README.md ./
+COPY --chown=airflow:root requirements.txt constraints.txt pyproject.toml setup.py README.md ./
 # the control plane runs no training: the CPU build of torch is enough for its imports
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
  && pip install --no-cache-dir "apache-airflow==3.3.2" -r requirements.txt -c constraints.txt
+COPY --chown=airflow:root trainguard ./trainguard
 COPY --chown=airflow:root node_tools ./node_tools
 COPY --chown=airflow:root checkpoint ./checkpoint
 COPY --chown=airflow:root operators ./operators

@@ -15,10 +15,11 @@ RUN apt-get update \
  && mkdir -p /run/sshd /etc/trainguard /var/lib/trainguard
 
 WORKDIR /opt/trainguard
-COPY requirements.txt constraints.txt pyproject.toml README.md ./
+COPY requirements.txt constraints.txt pyproject.toml setup.py README.md ./
 # torch from its own index (the CPU or a CUDA build), then the pinned rest
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==2.13.0" \
  && pip install --no-cache-dir -r requirements.txt -c constraints.txt
+COPY trainguard ./trainguard
 COPY node_tools ./node_tools
 COPY checkpoint ./checkpoint
 COPY operators ./operators

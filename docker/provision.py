@@ -43,7 +43,7 @@ def parse_nodes(spec: str) -> list[tuple[str, str]]:
 
 
 def inventory_doc(nodes: list[tuple[str, str]], host_keys: dict[str, str], *, bus_url: str) -> dict:
-    """The inventory (node_tools.inventory's format) of the compose file's machines."""
+    """The inventory (trainguard.node_tools.inventory's format) of the compose file's machines."""
     return {
         "schema": 1, "cluster": "compose", "transport": "ssh", "tg_node": "/usr/local/bin/tg-node", "bus_url": bus_url,
         "ssh": {"user": "root", "identity_file": "keys/id_ed25519", "known_hosts": "known_hosts",
@@ -69,8 +69,8 @@ def wait_host_keys(names: list[str], timeout_s: float, folder: Path = HOST_KEYS)
 
 
 def main() -> int:
-    from node_tools.inventory import Inventory
-    from node_tools.transport import known_hosts_lines
+    from trainguard.node_tools.inventory import Inventory
+    from trainguard.node_tools.transport import known_hosts_lines
 
     subprocess.run(["airflow", "db", "migrate"], check=True)
     _fleet_database(os.environ["TG_FLEET_URL"])
@@ -93,7 +93,7 @@ def main() -> int:
     if os.environ.get("TG_NOTES_PASSWORD") and os.environ.get("AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"):
         passwords_file(Path(os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE"]),
                        {"tg_notes": os.environ["TG_NOTES_PASSWORD"]})
-    from operators.hooks.fleet import provision
+    from trainguard.operators.hooks.fleet import provision
 
     added = provision()["machines_added"]
     print(f"provision: {len(nodes)} machines in {inv.path} ({len(added)} new in the fleet database); "
@@ -112,7 +112,7 @@ def passwords_file(path: Path, wanted: dict[str, str]) -> None:
         have = {}
     doc = {**wanted, **have}
     if doc != have:
-        from checkpoint.files import write_atomic
+        from trainguard.checkpoint.files import write_atomic
 
         write_atomic(path, json.dumps(doc) + "\n", mode=0o600)
 

@@ -24,14 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from node_tools.cliutil import OneLineParser, key_values
-from node_tools.errors import EXIT_OK, TrainguardError
-from operators.cli import print_result as _print
+from trainguard.node_tools.cliutil import OneLineParser, key_values
+from trainguard.node_tools.errors import EXIT_OK, TrainguardError
+from trainguard.operators.cli import print_result as _print
 
 
 def register(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Add the emulation's commands to ``trainguard``'s subparsers; returns each command's handler."""
-    from node_tools.cluster import ClusterSpec
+    from trainguard.node_tools.cluster import ClusterSpec
 
     d = ClusterSpec()
     cp = sub.add_parser("cluster", help="the emulated cluster of machines")
@@ -116,14 +116,14 @@ def _machines(inv: Any, names: str, default_role: str = "active") -> list[Any]:
 
 
 def _inventory(args: argparse.Namespace) -> Any:
-    from node_tools.cluster import default_state_dir
-    from node_tools.inventory import Inventory
+    from trainguard.node_tools.cluster import default_state_dir
+    from trainguard.node_tools.inventory import Inventory
 
     return Inventory.load(Path(args.state_dir or default_state_dir()) / "inventory.json")
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from node_tools import cluster
+    from trainguard.node_tools import cluster
 
     if args.action == "up":
         spec = cluster.ClusterSpec(
@@ -136,7 +136,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         lines += [f"  {m.name:4} {m.role:8} {m.address}" for m in inv.machines]
         _print(args, inv.to_dict(), "\n".join(lines))
     elif args.action == "down":
-        from emulation.standalone import Standalone
+        from trainguard.emulation.standalone import Standalone
 
         state = Path(args.state_dir or cluster.default_state_dir())
         airflow = Standalone.stop_kept(state.parent / "control" / "airflow")  # a demo's, kept with --keep
@@ -160,7 +160,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    from node_tools import faults, inject
+    from trainguard.node_tools import faults, inject
 
     if args.list:
         kinds = [{"kind": f.name, "target": f.target, "summary": f.summary, "params": dict(f.params)}
@@ -186,8 +186,8 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    from node_tools import launcher
-    from node_tools.topology import Topology
+    from trainguard.node_tools import launcher
+    from trainguard.node_tools.topology import Topology
 
     inv = _inventory(args)
     if args.action == "launch":
@@ -220,7 +220,7 @@ def cmd_job(args: argparse.Namespace) -> int:
 
 
 def cmd_controlplane(args: argparse.Namespace) -> int:
-    from emulation import controlplane
+    from trainguard.emulation import controlplane
 
     state = Path(args.state_dir or _default_state()).resolve()
     if args.action == "up":
@@ -244,12 +244,12 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
 
 
 def _default_state() -> Path:
-    from node_tools.cluster import default_state_dir
+    from trainguard.node_tools.cluster import default_state_dir
 
     return default_state_dir()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from emulation.demo import run_demo
+    from trainguard.emulation.demo import run_demo
 
     return run_demo(args)

@@ -4,7 +4,7 @@ Two profiles:
 
 - ``embedded`` (the default, what the demo runs): ``airflow standalone`` (SQLite, LocalExecutor) and a SQLite
   fleet database, the bus a spool folder;
-- ``scaleout`` (:mod:`emulation.scaleout`): PostgreSQL, the CeleryExecutor with Redis, Celery workers each in
+- ``scaleout`` (:mod:`trainguard.emulation.scaleout`): PostgreSQL, the CeleryExecutor with Redis, Celery workers each in
   a network namespace of its own, two schedulers, a separate api-server, dag-processor and triggerer, the bus
   on S3 (``moto_server``).
 
@@ -25,10 +25,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from emulation import scaleout
-from emulation.standalone import Standalone
-from node_tools import cluster
-from node_tools.errors import TrainguardError
+from trainguard.emulation import scaleout
+from trainguard.emulation.standalone import Standalone
+from trainguard.node_tools import cluster
+from trainguard.node_tools.errors import TrainguardError
 
 PROFILE_FILE = "profile.json"
 
@@ -99,7 +99,7 @@ def up(args: argparse.Namespace, state: Path, *, log: Callable[[str], None]) -> 
     log(f"bringing the cluster {spec.name} up ({spec.machines} machines)")
     inv = cluster.up(spec, state, log=log)
     os.environ.update(env)  # this process provisions the fleet database as the plane's components reach it
-    from operators.control import ControlConfig, Controller
+    from trainguard.operators.control import ControlConfig, Controller
 
     Controller(ControlConfig.from_env(env)).sync_inventory()
     log(f"starting the {args.profile} control plane")

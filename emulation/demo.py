@@ -26,9 +26,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from emulation.guarded import DEVICE_TRAIN_ARGS, FAULTS, NO_SCHEDULES, TOPOLOGY, Fault, GuardedJob, action_swaps
-from node_tools import cluster
-from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
+from trainguard.emulation.guarded import (
+    DEVICE_TRAIN_ARGS,
+    FAULTS,
+    NO_SCHEDULES,
+    TOPOLOGY,
+    Fault,
+    GuardedJob,
+    action_swaps,
+)
+from trainguard.node_tools import cluster
+from trainguard.node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
 
 JOB = "demo"
 DEFAULT_FAULTS = ("gpu_lost", "hang", "nan", "user_error", "slow")
@@ -168,7 +176,7 @@ def run_demo(args: argparse.Namespace) -> int:
     report_dir = Path(args.report_dir) if args.report_dir else state_dir.parent / "report"
     clock = Clock()
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    from emulation.standalone import Standalone
+    from trainguard.emulation.standalone import Standalone
 
     if Standalone.stop_kept(home / "airflow"):
         clock.say("stopped the Airflow a kept demo left running")
@@ -317,7 +325,7 @@ def timeline_html(records: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[s
     """A self-contained HTML page: the job's steps over time (each incarnation its own colour, work that
     was lost and recomputed in grey), each incident's detection / diagnosis / recovery as bands, and
     each fault as a marked line."""
-    from operators.policy import ettr as ettr_policy
+    from trainguard.operators.policy import ettr as ettr_policy
 
     execs = ettr_policy.executions(records)
     if not execs:

@@ -21,15 +21,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from emulation.standalone import Standalone, poll
-from node_tools import inject
-from node_tools.bus import BusReader, open_bus
-from node_tools.inventory import Inventory
-from node_tools.topology import Topology
-from node_tools.transport import transport_for
-from operators.control import ControlConfig, Controller
-from operators.fleet import states
-from operators.policy import rungs
+from trainguard.emulation.standalone import Standalone, poll
+from trainguard.node_tools import inject
+from trainguard.node_tools.bus import BusReader, open_bus
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import transport_for
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.fleet import states
+from trainguard.operators.policy import rungs
 
 TOPOLOGY = Topology(tp=2, pp=2, dp=2)
 TRAIN_ARGS = ("--checkpoint", "--step-delay-s", "0.2")
@@ -45,7 +45,7 @@ HANDLERS = frozenset(rungs.TASK_IDS)
 
 @dataclass(frozen=True)
 class Fault:
-    """How a scripted fault is injected (with :func:`node_tools.inject.inject`)."""
+    """How a scripted fault is injected (with :func:`trainguard.node_tools.inject.inject`)."""
 
     kind: str  # the injector's fault kind
     node: int  # the node rank (index in the job's machine list) of the machine it hits
@@ -112,7 +112,7 @@ class GuardedJob:
         self.ctl.sync_inventory()
         (home / "airflow").mkdir(parents=True, exist_ok=True)
         # the control plane: ``airflow standalone`` (the embedded default), or the caller's (the scale-out
-        # profile, :class:`emulation.scaleout.ScaleOut`, whose settings ``settings`` must be)
+        # profile, :class:`trainguard.emulation.scaleout.ScaleOut`, whose settings ``settings`` must be)
         self.airflow = airflow or Standalone(home / "airflow", env, port=port)
         self._arming: threading.Thread | None = None  # the job's machines being armed again (see start)
 
@@ -200,7 +200,7 @@ class GuardedJob:
         self.ctl.fleet.mark_known_good(self.job, job.revision)
         revision = f"{job.revision}-next"
         if lazy:
-            from operators import code_updates
+            from trainguard.operators import code_updates
 
             self.ctl.fleet.record_revision(self.job, revision, reason="a revision with a bug")
             code_updates.request(self.ctl, self.job, revision, "lazy", reason="a revision with a bug")

@@ -17,8 +17,8 @@ What ``docker/compose.yaml`` deploys on machines of their own, here on one host:
 
 Secrets never reach a command line or the environment: each host's ``airflow.cfg`` (mode 0600) holds the
 Fernet key, the JWT and API secrets and the broker's URL; a libpq password file (``PGPASSFILE``) the
-database logins. :class:`ScaleOut` is a :class:`~emulation.standalone.Standalone` to the harness (the same
-REST API calls), so the demo's :class:`~emulation.guarded.GuardedJob` and the end-to-end tests run on either.
+database logins. :class:`ScaleOut` is a :class:`~trainguard.emulation.standalone.Standalone` to the harness (the same
+REST API calls), so the demo's :class:`~trainguard.emulation.guarded.GuardedJob` and the end-to-end tests run on either.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from emulation import servers
-from emulation.standalone import Standalone, free_port
-from node_tools.cluster import ClusterSpec, _netns_list, _network_up, _run, namespace_on_bridge
-from node_tools.errors import ClusterError
+from trainguard.emulation import servers
+from trainguard.emulation.standalone import Standalone, free_port
+from trainguard.node_tools.cluster import ClusterSpec, _netns_list, _network_up, _run, namespace_on_bridge
+from trainguard.node_tools.errors import ClusterError
 
 BUS_BUCKET = "trainguard-bus"
 PG_PORT = 5432
@@ -253,7 +253,7 @@ class ScaleOut(Standalone):
                "AWS_SHARED_CREDENTIALS_FILE": str(home / "airflow" / "aws_credentials"),
                "TG_INVENTORY": str(home / "deploy" / "inventory.json"),
                "TG_HOST_ADDRESS": worker_address(spec, i),
-               "AIRFLOW__CORE__HOSTNAME_CALLABLE": "emulation.servers.host_address"}
+               "AIRFLOW__CORE__HOSTNAME_CALLABLE": "trainguard.emulation.servers.host_address"}
         self._record(namespaces=[ns])
         self._start(f"worker-{i}", ["celery", "worker", "-H", f"w{i}@{worker_address(spec, i)}",
                                     "-c", str(self.shape.concurrency)], env, home, netns=ns)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from node_tools.errors import ClusterError
+from trainguard.node_tools.errors import ClusterError
 
 
 def _ensure(package: str, found: str | None) -> None:
@@ -31,7 +31,7 @@ def _ensure(package: str, found: str | None) -> None:
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise ClusterError(f"{package} is not installed and cannot be installed here: apt-get install {package}")
-    from node_tools.cluster import apt_install
+    from trainguard.node_tools.cluster import apt_install
 
     apt_install(package)
 
@@ -67,7 +67,7 @@ def secret_file(path: Path, text: str) -> Path:
 
 def stop_pid(pid: int, *, grace_s: float = 10.0) -> bool:
     """End the process group ``pid`` leads (SIGTERM, SIGKILL after ``grace_s``); True when it ran."""
-    from emulation.standalone import stop_group
+    from trainguard.emulation.standalone import stop_group
 
     return stop_group(pid, grace_s=grace_s, sig=signal.SIGTERM)
 

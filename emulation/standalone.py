@@ -1,5 +1,5 @@
 """A real ``airflow standalone`` with trainguard's DAGs: its own AIRFLOW_HOME, port and process group, and
-what the harness asks of its REST API v2 (through :class:`operators.hooks.airflow_api.AirflowApi`, as the
+what the harness asks of its REST API v2 (through :class:`trainguard.operators.hooks.airflow_api.AirflowApi`, as the
 admin). The end-to-end tests, the demo and the benchmarks run the control plane in it; an operator would
 run the same processes (scheduler, triggerer, dag processor, api-server) as services."""
 
@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from operators.hooks.airflow_api import RETRY_S, AirflowApi, ApiError
+from trainguard.operators.hooks.airflow_api import RETRY_S, AirflowApi, ApiError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ SQLITE_BUSY_S = 30
 SQLITE_CONNECT_ARGS = {"timeout": SQLITE_BUSY_S}
 
 SSH_POOL = "tg_ssh"
-API_CONN = "tg_airflow_api"  # what the DAGs' tasks set their run's note through (operators.utils.notes)
+API_CONN = "tg_airflow_api"  # what the DAGs' tasks set their run's note through (trainguard.operators.utils.notes)
 # the login of that connection: the simple auth manager's ``user`` role (may edit DAG runs, e.g. their
 # notes; no connections, variables, pools or configuration), never the admin's
 NOTES_USER = "tg_notes"

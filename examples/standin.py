@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node_tools.monitor import JobMonitor
+from trainguard.node_tools.monitor import JobMonitor
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """``tg-node agent``: the daemon on every machine that turns check findings into alerts.
 
-Each check runs on its own interval (``node_tools.checks``). A finding whose
+Each check runs on its own interval (``trainguard.node_tools.checks``). A finding whose
 condition was not active before becomes one alert on the bus; the agent says
 nothing more about it until the condition clears and returns. Network findings
 follow the rule "a fault only when repeated": the first occurrence is published
@@ -9,12 +9,12 @@ fault. A check that raises is recorded in the status file and retried at its
 next interval; it never stops the agent. Alerts that cannot be published (bus
 unreachable) wait in a bounded outbox and are retried. Alerts made together (the
 ranks of this machine timing out at once, an outbox flushed after an outage) are
-published as one batch document (:meth:`node_tools.bus.AlertBus.publish_batch`), so
+published as one batch document (:meth:`trainguard.node_tools.bus.AlertBus.publish_batch`), so
 an NCCL hang across a fleet puts one object per machine on the bus, not one per
 rank; a lone alert is published as a single-alert document, as before.
 
 Every ``heartbeat_every_s`` (2 s) the agent rewrites its machine's heartbeat on the
-bus (:meth:`node_tools.bus.AlertBus.beat`: a sequence number, its pid, when it
+bus (:meth:`trainguard.node_tools.bus.AlertBus.beat`: a sequence number, its pid, when it
 started). The control plane watches those documents *change* on its own clock: an
 agent that stops, hangs or loses the bus goes silent, and a silent agent on a
 machine of a running job is an incident of its own (``agent_silent``).
@@ -41,12 +41,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_tools import __version__, monitor
-from node_tools.alerts import MAX_BATCH_ALERTS, NOTICE_KINDS, Alert
-from node_tools.bus import NOTICES, AlertBus, BusError, open_bus
-from node_tools.checks import Check, CheckpointCheck, DiskCheck, Finding, GpuCheck, KernelLogCheck, NicCheck, RankCheck
-from node_tools.config import NodeConfig
-from node_tools.nvml import NvmlUnavailable, backend_for
+from trainguard.node_tools import __version__, monitor
+from trainguard.node_tools.alerts import MAX_BATCH_ALERTS, NOTICE_KINDS, Alert
+from trainguard.node_tools.bus import NOTICES, AlertBus, BusError, open_bus
+from trainguard.node_tools.checks import (
+    Check,
+    CheckpointCheck,
+    DiskCheck,
+    Finding,
+    GpuCheck,
+    KernelLogCheck,
+    NicCheck,
+    RankCheck,
+)
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.nvml import NvmlUnavailable, backend_for
 
 NETWORK_KINDS = ("nic_down", "nic_errors", "kernel_link")
 METRICS_FILE = "metrics.prom"  # beside the status file
@@ -300,7 +309,7 @@ def status_path(cfg: NodeConfig) -> Path:
 
 def build(cfg: NodeConfig) -> Agent:
     if not cfg.bus_url:
-        from node_tools.errors import TrainguardError
+        from trainguard.node_tools.errors import TrainguardError
 
         raise TrainguardError(f"machine {cfg.machine}: no alert bus configured (bus_url in its node config)")
     checks, notes = default_checks(cfg)
@@ -339,7 +348,7 @@ def supervise(cfg: NodeConfig, *, max_backoff_s: float = 30.0) -> int:
     log = _supervisor_file(cfg)
     while not stopping.is_set():
         started = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "node_tools.cli", "agent"])
+        proc = subprocess.Popen([sys.executable, "-m", "trainguard.node_tools.cli", "agent"])
         child[:] = [proc]
         with contextlib.suppress(OSError):
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -357,7 +366,7 @@ def supervise(cfg: NodeConfig, *, max_backoff_s: float = 30.0) -> int:
 def _process(pid: Any, marker: str) -> dict[str, Any]:
     """``{"pid", "state"}`` of a process of ours: running, stopped (SIGSTOP, traced), or gone (also when the
     pid now belongs to something that is not the agent)."""
-    from node_tools import procs
+    from trainguard.node_tools import procs
 
     if not isinstance(pid, int) or pid <= 0:
         return {"pid": None, "state": "gone"}
@@ -401,7 +410,7 @@ def restart(cfg: NodeConfig, *, wait_s: float = 10.0) -> dict[str, Any]:
             os.kill(agent["pid"], signal.SIGKILL)
     started = None
     if sup["state"] == "gone":
-        started = subprocess.Popen([sys.executable, "-m", "node_tools.cli", "agent", "--supervise"],
+        started = subprocess.Popen([sys.executable, "-m", "trainguard.node_tools.cli", "agent", "--supervise"],
                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    start_new_session=True).pid
     deadline = time.monotonic() + wait_s
@@ -418,7 +427,7 @@ def restart(cfg: NodeConfig, *, wait_s: float = 10.0) -> dict[str, Any]:
 
 def check_once(cfg: NodeConfig, group: str = "all") -> tuple[int, dict[str, Any]]:
     """Run the checks of ``group`` once: (exit code, report). 0 healthy, 1 a fault found."""
-    from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY
+    from trainguard.node_tools.errors import EXIT_OK, EXIT_UNHEALTHY
 
     checks, notes = default_checks(cfg, kernel_from_start=True)
     if group != "all":
@@ -443,7 +452,7 @@ def read_status(cfg: NodeConfig) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
-        from node_tools.errors import TrainguardError
+        from trainguard.node_tools.errors import TrainguardError
 
         raise TrainguardError(f"machine {cfg.machine}: the agent has written no status yet ({path})") from None
     except (OSError, ValueError):

@@ -12,14 +12,14 @@ Two backends behind one interface:
 
 Object names are ``<ns since epoch by the writer's clock, 20 digits>-<machine>-<id>.json``;
 they sort roughly by time, but nothing relies on the writer's clock. An object holds
-one alert, or a batch of one machine's alerts (:func:`node_tools.alerts.batch_document`:
+one alert, or a batch of one machine's alerts (:func:`trainguard.node_tools.alerts.batch_document`:
 an agent whose ranks time out together publishes one object, :meth:`AlertBus.publish_batch`).
 The bus is an untrusted input: a machine whose clock is an hour off, or a single forged
 file, must not blind the reader. A :class:`BusReader` therefore reads *every* name present
 in the folder (whatever its timestamp) that it has not read before; its cursor is
 the set of names it has read, each with the time it first read it by its own
 clock, and names leave the cursor when they leave the folder. Before a document is read
-its size is checked: one over :data:`node_tools.alerts.MAX_ALERT_BYTES` is quarantined
+its size is checked: one over :data:`trainguard.node_tools.alerts.MAX_ALERT_BYTES` is quarantined
 unread. A document that is not a valid alert (or a batch holding one) is moved to
 ``quarantine/`` with the reason beside it and never read again; the reader does not
 crash. An alert whose ``ts`` is far from the reader's clock is kept and marked
@@ -81,9 +81,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from checkpoint.files import write_atomic, write_json_atomic
-from node_tools.alerts import MAX_ALERT_BYTES, Alert, AlertError, batch_document, parse_document
-from node_tools.errors import TrainguardError
+from trainguard.checkpoint.files import write_atomic, write_json_atomic
+from trainguard.node_tools.alerts import MAX_ALERT_BYTES, Alert, AlertError, batch_document, parse_document
+from trainguard.node_tools.errors import TrainguardError
 
 #: The folders of a bus: ``alerts`` (read by the control plane's guardian) and ``notices`` (events that
 #: start scheduled work, such as a committed checkpoint; read by their own watcher, never by the guardian).
@@ -205,7 +205,7 @@ class AlertBus(ABC):
 
     def publish_batch(self, alerts: Sequence[Alert]) -> tuple[str, int]:
         """Validate and write the first alerts of ``alerts`` as one document, as many as fit its limits (one
-        machine's, see :func:`node_tools.alerts.batch_document`); returns its name and how many it holds. A
+        machine's, see :func:`trainguard.node_tools.alerts.batch_document`); returns its name and how many it holds. A
         lone alert is written as :meth:`publish` writes it."""
         count, text = batch_document(alerts)
         first = alerts[0]

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_tools import monitor, procs
-from node_tools.nvml import GpuBackend
+from trainguard.node_tools import monitor, procs
+from trainguard.node_tools.nvml import GpuBackend
 
 
 @dataclass
@@ -299,8 +299,8 @@ class CheckpointCheck(Check):
         self.workdir = Path(workdir)
 
     def run(self, now: float) -> list[Finding]:
-        from node_tools.ckpt import checkpoint_root, newest_candidate
-        from node_tools.config import NodeConfig
+        from trainguard.node_tools.ckpt import checkpoint_root, newest_candidate
+        from trainguard.node_tools.config import NodeConfig
 
         found: list[Finding] = []
         try:

@@ -7,7 +7,7 @@ Commands (each prints one JSON document)::
     tg-node ckpt upload --job J --step N --s3 s3://bucket/prefix [--endpoint-url E]
     tg-node ckpt rescue --job J --step N --to URL [--endpoint-url E]
 
-``verify`` runs :func:`checkpoint.verify.verify_step` on every copy of the step held
+``verify`` runs :func:`trainguard.checkpoint.verify.verify_step` on every copy of the step held
 here (the ranks' own copies and the replicas kept for others); it writes
 ``verified.json`` markers only with ``--mark`` (the control plane marks a step only
 after every machine passed and the step records around it passed its
@@ -36,13 +36,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from node_tools.config import NodeConfig
-from node_tools.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY, TrainguardError
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY, TrainguardError
 
 
 def checkpoint_root(cfg: NodeConfig, job: str, record: dict[str, Any] | None = None) -> Path:
     """Where job ``job`` keeps its checkpoint copies on this machine."""
-    from node_tools.job import read_record, run_dir
+    from trainguard.node_tools.job import read_record, run_dir
 
     record = record if record is not None else (read_record(cfg, job) or {})
     location = str((record.get("spec") or {}).get("checkpoint") or "")
@@ -52,7 +52,7 @@ def checkpoint_root(cfg: NodeConfig, job: str, record: dict[str, Any] | None = N
 
 
 def _root(cfg: NodeConfig, job: str) -> Path:
-    from node_tools.job import check_job_name
+    from trainguard.node_tools.job import check_job_name
 
     root = checkpoint_root(cfg, check_job_name(job))
     if not root.is_dir():
@@ -63,7 +63,7 @@ def _root(cfg: NodeConfig, job: str) -> Path:
 
 def newest_candidate(root: Path, rank: int = 0) -> int | None:
     """The newest step of ``rank``'s own copies that is committed and marked as a verification candidate."""
-    from checkpoint import layout
+    from trainguard.checkpoint import layout
 
     for step, _rank, path in layout.list_copies(root, "local", rank=rank):
         doc = layout.read_json(path / layout.COMMITTED)
@@ -73,7 +73,7 @@ def newest_candidate(root: Path, rank: int = 0) -> int | None:
 
 
 def listing(cfg: NodeConfig, job: str) -> dict[str, Any]:
-    from checkpoint import layout
+    from trainguard.checkpoint import layout
 
     root = _root(cfg, job)
     copies = []
@@ -97,7 +97,7 @@ def _size(report: Any) -> int:
 def verify(cfg: NodeConfig, job: str, step: int, *, mark: bool) -> tuple[int, dict[str, Any]]:
     """Verify this machine's copies of ``step`` (and mark them with ``mark``); the training metrics are the
     control plane's to check, over the step records it gathers."""
-    from checkpoint.verify import verify_step
+    from trainguard.checkpoint.verify import verify_step
 
     root = _root(cfg, job)
     t0 = time.monotonic()
@@ -108,9 +108,9 @@ def verify(cfg: NodeConfig, job: str, step: int, *, mark: bool) -> tuple[int, di
 
 
 def upload(cfg: NodeConfig, job: str, step: int, *, s3_url: str, endpoint_url: str = "") -> tuple[int, dict[str, Any]]:
-    from checkpoint import layout
-    from checkpoint.errors import S3TierError
-    from checkpoint.s3 import open_tier
+    from trainguard.checkpoint import layout
+    from trainguard.checkpoint.errors import S3TierError
+    from trainguard.checkpoint.s3 import open_tier
 
     root = _root(cfg, job)
     try:
@@ -140,9 +140,9 @@ def upload(cfg: NodeConfig, job: str, step: int, *, s3_url: str, endpoint_url: s
 def _put_checked(cfg: NodeConfig, tier: Any, step: int, rank: int, path: Path) -> tuple[dict[str, Any] | None, str]:
     """One copy into a remote tier once it matches its manifest (its bytes as they are now): what was
     put (``{"rank", "url", "bytes", "manifest_sha256"}``, ""), or (None, why it was refused)."""
-    from checkpoint import manifest as mf
-    from checkpoint.errors import S3TierError
-    from checkpoint.verify import verify_copy
+    from trainguard.checkpoint import manifest as mf
+    from trainguard.checkpoint.errors import S3TierError
+    from trainguard.checkpoint.verify import verify_copy
 
     check = verify_copy(path, machine=cfg.machine, deep=False, keep_files=True)
     if not check.ok:
@@ -157,10 +157,10 @@ def _put_checked(cfg: NodeConfig, tier: Any, step: int, rank: int, path: Path) -
 
 def rescue(cfg: NodeConfig, job: str, step: int, *, to_url: str, endpoint_url: str = "") -> tuple[int, dict[str, Any]]:
     """Every copy of ``step`` held here (own and replicas), checked against its manifest, into the remote tier."""
-    from checkpoint import layout
-    from checkpoint import manifest as mf
-    from checkpoint.errors import S3TierError
-    from checkpoint.s3 import open_tier
+    from trainguard.checkpoint import layout
+    from trainguard.checkpoint import manifest as mf
+    from trainguard.checkpoint.errors import S3TierError
+    from trainguard.checkpoint.s3 import open_tier
 
     root = _root(cfg, job)
     try:

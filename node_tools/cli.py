@@ -41,9 +41,9 @@ import json
 import sys
 from typing import Any
 
-from node_tools import __version__
-from node_tools.cliutil import OneLineParser, key_values
-from node_tools.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TrainguardError
+from trainguard.node_tools import __version__
+from trainguard.node_tools.cliutil import OneLineParser, key_values
+from trainguard.node_tools.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TrainguardError
 
 
 def _job_start_args(js: argparse.ArgumentParser) -> None:
@@ -62,7 +62,7 @@ def _job_start_args(js: argparse.ArgumentParser) -> None:
 
 
 def _job_spec(ns: argparse.Namespace, *, warm: bool) -> Any:
-    from node_tools import job
+    from trainguard.node_tools import job
 
     args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
     return job.JobSpec(
@@ -195,7 +195,7 @@ def _up(ns: argparse.Namespace) -> dict[str, Any]:
     import os
     from pathlib import Path
 
-    from node_tools import cluster
+    from trainguard.node_tools import cluster
 
     if not ns.config and not os.environ.get("TG_NODE_CONFIG"):
         raise TrainguardError("tg-node up needs --config PATH or TG_NODE_CONFIG")
@@ -214,7 +214,7 @@ def _up(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(argv: list[str]) -> tuple[int, Any]:
-    from node_tools.config import NodeConfig
+    from trainguard.node_tools.config import NodeConfig
 
     ns = build_parser().parse_args(argv)
     if ns.command == "version":
@@ -225,14 +225,14 @@ def run(argv: list[str]) -> tuple[int, Any]:
     if ns.command == "info":
         return EXIT_OK, cfg.to_dict()
     if ns.command == "gpu":
-        from node_tools.nvml import NvmlUnavailable, backend_for
+        from trainguard.node_tools.nvml import NvmlUnavailable, backend_for
 
         backend = backend_for(cfg)
         if backend is None:
             raise NvmlUnavailable(f"machine {cfg.machine} has no GPU backend (nvml_backend={cfg.nvml_backend})")
         return EXIT_OK, backend.snapshot()
     if ns.command == "agent":
-        from node_tools import agent
+        from trainguard.node_tools import agent
 
         if ns.supervise:
             return agent.supervise(cfg), {"machine": cfg.machine, "agent": "stopped"}
@@ -248,15 +248,15 @@ def run(argv: list[str]) -> tuple[int, Any]:
             return EXIT_OK, {"machine": cfg.machine, "alerts": [x.to_dict() for x in alerts], **a.status()}
         return agent.run(cfg), {"machine": cfg.machine, "agent": "stopped"}
     if ns.command == "status":
-        from node_tools import agent
+        from trainguard.node_tools import agent
 
         return EXIT_OK, agent.read_status(cfg)
     if ns.command == "check":
-        from node_tools import agent
+        from trainguard.node_tools import agent
 
         return agent.check_once(cfg, ns.group)
     if ns.command == "diag":
-        from node_tools import diag
+        from trainguard.node_tools import diag
 
         l3 = None
         group = ("rank", "world_size", "master_addr", "master_port")
@@ -272,19 +272,19 @@ def run(argv: list[str]) -> tuple[int, Any]:
                                   "--master-addr --master-port, or use 'tg-node align'")
         return diag.diag(cfg, ns.level, timeout_s=ns.timeout_s, l3=l3, align_steps=1 if ns.align else 0)
     if ns.command == "align":
-        from node_tools import diag
+        from trainguard.node_tools import diag
 
         return diag.align(cfg, seed=ns.seed, steps=ns.steps)
     if ns.command == "stacks":
-        from node_tools import job, stacks
+        from trainguard.node_tools import job, stacks
 
         return stacks.stacks(cfg, job.check_job_name(ns.job), native=ns.native, timeout_s=ns.timeout_s)
     if ns.command == "logs":
-        from node_tools import job, logs
+        from trainguard.node_tools import job, logs
 
         return logs.logs(cfg, job.check_job_name(ns.job), since=ns.since, tail=ns.tail)
     if ns.command == "job":
-        from node_tools import job
+        from trainguard.node_tools import job
 
         if ns.action == "start":
             return EXIT_OK, job.start(cfg, _job_spec(ns, warm=False))
@@ -295,14 +295,14 @@ def run(argv: list[str]) -> tuple[int, Any]:
             if ns.status:
                 out["status"] = job.status(cfg, ns.job)
             if ns.copies:
-                from node_tools import ckpt
+                from trainguard.node_tools import ckpt
 
                 try:
                     out["copies"] = ckpt.listing(cfg, ns.job)["copies"]
                 except TrainguardError:  # no checkpoint root here: no copies
                     out["copies"] = []
             if ns.logs_since is not None:
-                from node_tools import logs
+                from trainguard.node_tools import logs
 
                 try:
                     out["logs"] = logs.logs(cfg, ns.job, since=ns.logs_since)[1]
@@ -314,7 +314,7 @@ def run(argv: list[str]) -> tuple[int, Any]:
                                       since_ts=ns.since_ts)
         return EXIT_OK, job.status(cfg, job.check_job_name(ns.job))
     if ns.command == "standby":
-        from node_tools import job, standby
+        from trainguard.node_tools import job, standby
 
         if ns.action == "park":
             return EXIT_OK, standby.park(cfg, nproc=ns.nproc, timeout_s=ns.timeout_s)
@@ -324,7 +324,7 @@ def run(argv: list[str]) -> tuple[int, Any]:
             return EXIT_OK, standby.unpark(cfg)
         return EXIT_OK, standby.status(cfg)
     if ns.command == "ckpt":
-        from node_tools import ckpt
+        from trainguard.node_tools import ckpt
 
         if ns.action == "list":
             return EXIT_OK, ckpt.listing(cfg, ns.job)
@@ -334,7 +334,7 @@ def run(argv: list[str]) -> tuple[int, Any]:
             return ckpt.rescue(cfg, ns.job, ns.step, to_url=ns.to, endpoint_url=ns.endpoint_url)
         return ckpt.upload(cfg, ns.job, ns.step, s3_url=ns.s3, endpoint_url=ns.endpoint_url)
     if ns.command == "fault":
-        from node_tools import inject
+        from trainguard.node_tools import inject
 
         if ns.action == "inject":
             return EXIT_OK, inject.inject_on_node(

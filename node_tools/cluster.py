@@ -40,13 +40,13 @@ from typing import Any
 
 import psutil
 
-from checkpoint.files import write_atomic
-from node_tools import procs
-from node_tools.config import NodeConfig
-from node_tools.errors import ClusterError
-from node_tools.inventory import Inventory, InventoryError, Machine
-from node_tools.nvml import EmulatedNvml
-from node_tools.transport import known_hosts_lines, transport_for
+from trainguard.checkpoint.files import write_atomic
+from trainguard.node_tools import procs
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import ClusterError
+from trainguard.node_tools.inventory import Inventory, InventoryError, Machine
+from trainguard.node_tools.nvml import EmulatedNvml
+from trainguard.node_tools.transport import known_hosts_lines, transport_for
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/bin/sshd")
 _CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
@@ -696,7 +696,7 @@ def status(state_dir: Path | None = None) -> dict[str, Any]:
     """Each machine's role, address, sshd, reachability and agent: its supervisor's and its process's state
     as the kernel has them (running, stopped, gone) and its status file's age, so a stopped (SIGSTOP) or
     hung agent shows as such, not as a pid that exists."""
-    from node_tools import agent
+    from trainguard.node_tools import agent
 
     state_dir = Path(state_dir or default_state_dir()).resolve()
     inv = Inventory.load(state_dir / "inventory.json")

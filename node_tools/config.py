@@ -14,8 +14,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from checkpoint.files import write_json_atomic
-from node_tools.errors import TrainguardError
+from trainguard.checkpoint.files import write_json_atomic
+from trainguard.node_tools.errors import TrainguardError
 
 NVML_BACKENDS = ("auto", "real", "emulated", "none")
 

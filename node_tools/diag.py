@@ -1,6 +1,6 @@
 """Stop-time diagnostics of a machine: levels 1-3, and the bit-wise alignment test.
 
-The real-time checks (``node_tools.checks``) watch a machine while a job runs and
+The real-time checks (``trainguard.node_tools.checks``) watch a machine while a job runs and
 put no load on it. When a job has stopped, the control plane can afford to load a
 suspect machine and ask whether it is fit to go back into service::
 
@@ -29,7 +29,7 @@ a reason), 2 could not run (for level 3: the peers never came). The report is on
 JSON-able document ``{"machine", "level", "healthy", "tests": [{"name", "ok",
 "status", "duration_s", "details", "reason"}], "reasons", "duration_s", ...}``.
 
-The tests run in worker processes (``python -m node_tools.diag --worker ARGS``),
+The tests run in worker processes (``python -m trainguard.node_tools.diag --worker ARGS``),
 each in a session of its own; the quick tests, the compute, memory and disk tests
 share one worker (torch is imported once), and so does the local collective of a
 machine without GPUs (its ranks are threads); each NCCL or level-3 rank has its own. This
@@ -43,7 +43,7 @@ found and ended when the run finishes. ``timeout_s`` bounds each test (default:
 30 s at level 1, 60 s at levels 2 and 3); a level's worst case is its test count
 times that.
 
-On the emulated cluster the ``sdc`` fault (``node_tools.faults``) makes the machine
+On the emulated cluster the ``sdc`` fault (``trainguard.node_tools.faults``) makes the machine
 compute wrong: the compute burn flips bit ``bit`` of one element of every matmul
 result right after computing it, and ``align`` flips it in one gradient element
 before the update, as ``InJobFaults.corrupt_grads`` does in a training rank.
@@ -72,9 +72,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from node_tools.config import NodeConfig
-from node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, TrainguardError
-from node_tools.faults import flip_bit
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, TrainguardError
+from trainguard.node_tools.faults import flip_bit
 
 LEVELS = {1: "quick", 2: "medium", 3: "neighbours"}
 DEFAULT_TIMEOUT_S = {1: 30.0, 2: 60.0, 3: 60.0}
@@ -305,7 +305,8 @@ def _result(name: str, status: str, duration_s: float, details: dict[str, Any] |
 # Parent side: worker processes with deadlines
 # =======================================================================================
 class _Worker:
-    """One ``python -m node_tools.diag --worker ARGS`` running one or more tests in order, in a session of its own."""
+    """One ``python -m trainguard.node_tools.diag --worker ARGS`` running one or more tests in order, in a session
+    of its own."""
 
     def __init__(self, tmp: Path, label: str, tests: list[tuple[str, dict[str, Any]]], common: dict[str, Any], *,
                  deadline: float, env: dict[str, str] | None = None) -> None:
@@ -319,13 +320,15 @@ class _Worker:
                     deadline_unix=time.time() + (deadline - time.monotonic()))
         argfile.write_text(json.dumps(args), encoding="utf-8")
         child_env = dict(os.environ)
-        package_root = str(Path(__file__).resolve().parent.parent)
+        import trainguard
+
+        package_root = str(Path(trainguard.__file__).resolve().parent.parent)  # where trainguard is importable
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, child_env.get("PYTHONPATH")) if p)
         child_env.update(env or {})
         self.started = time.monotonic()
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "node_tools.diag", "--worker", str(argfile)],
+                [sys.executable, "-m", "trainguard.node_tools.diag", "--worker", str(argfile)],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=child_env, cwd=tmp,
                 start_new_session=True,
             )
@@ -416,7 +419,7 @@ class _Runner:
 
     def sweep(self) -> list[int]:
         """End whatever a worker left behind (children outside its session); returns their pids."""
-        from node_tools import procs
+        from trainguard.node_tools import procs
 
         return procs.terminate(procs.pids_with_env(MARKER_ENV, self.marker), grace_s=1.0)
 
@@ -436,7 +439,7 @@ class _Runner:
             return _result(name, status, worker.duration_s, out.get("details"), str(out.get("reason") or ""))
         details = {"stderr_tail": worker.stderr_tail()}
         if worker.unkillable:
-            from node_tools.procs import proc_state
+            from trainguard.node_tools.procs import proc_state
 
             return _result(name, FAILED, worker.duration_s, dict(details, pid=worker.proc.pid),
                            f"did not finish within {self.timeout_s:g} s and could not be killed (pid "
@@ -698,7 +701,7 @@ def _load_cfg(args: dict[str, Any]) -> NodeConfig:
 
 
 def _faults(cfg: NodeConfig) -> Any:
-    from node_tools.faults import InJobFaults
+    from trainguard.node_tools.faults import InJobFaults
 
     return InJobFaults(cfg.fault_file, rank=-1)
 
@@ -717,7 +720,7 @@ def _os_error(exc: OSError, what: str) -> str:
 
 # ---- level 1 --------------------------------------------------------------------------
 def _w_checks(args: dict[str, Any]) -> dict[str, Any]:
-    from node_tools.agent import check_once
+    from trainguard.node_tools.agent import check_once
 
     cfg = _load_cfg(args)
     _, report = check_once(cfg, "all")
@@ -733,7 +736,7 @@ def _w_checks(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _w_gpu(args: dict[str, Any]) -> dict[str, Any]:
-    from node_tools.nvml import NvmlUnavailable, backend_for
+    from trainguard.node_tools.nvml import NvmlUnavailable, backend_for
 
     cfg = _load_cfg(args)
     expected = cfg.gpus
@@ -1300,9 +1303,9 @@ _WORKERS = {
 
 
 def _worker_main(argv: list[str]) -> int:
-    """``python -m node_tools.diag --worker ARGS.json``: run the tests listed in ARGS, in order."""
+    """``python -m trainguard.node_tools.diag --worker ARGS.json``: run the tests listed in ARGS, in order."""
     if len(argv) != 2 or argv[0] != "--worker":
-        print("usage: python -m node_tools.diag --worker ARGS.json", file=sys.stderr)
+        print("usage: python -m trainguard.node_tools.diag --worker ARGS.json", file=sys.stderr)
         return EXIT_USAGE
     args = json.loads(Path(argv[1]).read_text(encoding="utf-8"))
     # our own end, should the parent die before it can kill us: SIGALRM's default action ends the process

@@ -6,7 +6,7 @@ limited disk is filled. Faults that only a training process can produce (a NaN i
 the loss, a flipped bit in a gradient, an exception in user code, a rank that
 blocks before a collective, a slow rank) are requested through a control file
 that the in-job hook (:class:`InJobFaults`) polls at each step and collective.
-GPU faults go to the emulated NVML backend (``node_tools.nvml``).
+GPU faults go to the emulated NVML backend (``trainguard.node_tools.nvml``).
 
 The control file is ``$TG_FAULT_FILE`` (set by ``tg-node job start`` from the
 machine's configuration). Without it every fault point is inert, so the hook
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpoint.files import write_json_atomic
-from node_tools.errors import FaultError
+from trainguard.checkpoint.files import write_json_atomic
+from trainguard.node_tools.errors import FaultError
 
 
 @dataclass(frozen=True)

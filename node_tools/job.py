@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node_tools import monitor, procs
-from node_tools.config import NodeConfig
-from node_tools.errors import TrainguardError
+from trainguard.node_tools import monitor, procs
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import TrainguardError
 
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -127,7 +127,7 @@ def job_pids(record: dict[str, Any] | None) -> list[int]:
         return []
     pids = set(procs.pids_with_env("TG_JOB_TOKEN", record["token"]))
     if record.get("standby_dir"):
-        from node_tools.standby import claimed_pids
+        from trainguard.node_tools.standby import claimed_pids
 
         pids.update(claimed_pids(Path(record["standby_dir"]), record["token"]))
     return sorted(pids)
@@ -192,7 +192,7 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         env[procs.NICE_ENV] = str(cfg.job_nice)
     standby = None
     if spec.warm or spec.warm_if_parked:
-        from node_tools import standby as sb
+        from trainguard.node_tools import standby as sb
 
         free = len(sb.free_slots(cfg.workdir))
         warm = free >= spec.nproc_per_node + 1
@@ -210,7 +210,7 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         torchrun = [*client, "--module", "torch.distributed.run", "--", *torchrun[3:at],
                     sb.client_entry(), "client", "--dir", str(standby), str(entry), "--", *torchrun[at + 1:]]
         env["TG_STANDBY_TOKEN"] = (sb.read_state(cfg.workdir) or {}).get("token", "")
-    supervisor = [sys.executable, "-m", "node_tools.job", str(rd), "--", *torchrun]
+    supervisor = [sys.executable, "-m", "trainguard.node_tools.job", str(rd), "--", *torchrun]
     with open(rd / "supervisor.log", "ab") as log:
         proc = subprocess.Popen(
             supervisor, cwd=str(cfg.install_dir), env=env, stdin=subprocess.DEVNULL,
@@ -358,10 +358,10 @@ def rank_logs(cfg: NodeConfig, job: str) -> dict[int, dict[str, Path]]:
 
 
 # ---------------------------------------------------------------------------------------
-# The supervisor: ``python -m node_tools.job RUN_DIR -- COMMAND...``
+# The supervisor: ``python -m trainguard.node_tools.job RUN_DIR -- COMMAND...``
 # ---------------------------------------------------------------------------------------
 def _supervise(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="node_tools.job")
+    parser = argparse.ArgumentParser(prog="trainguard.node_tools.job")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)

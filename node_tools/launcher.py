@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from node_tools.errors import ClusterError
-from node_tools.inventory import Inventory, Machine
-from node_tools.job import check_job_name
-from node_tools.topology import Topology
-from node_tools.transport import RunResult, Transport, transport_for
+from trainguard.node_tools.errors import ClusterError
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.job import check_job_name
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import RunResult, Transport, transport_for
 
 DEFAULT_ENTRY = "examples/gpt3d/train.py"
 
@@ -51,7 +51,8 @@ class JobPlan:
     checkpoint: str = ""
     warm: set[str] = field(default_factory=set)
     warm_if_parked: bool = False
-    launcher: str = "torchrun"  # or "direct" (one process a machine, no torchrun: see node_tools.job.JobSpec)
+    # or "direct" (one process a machine, no torchrun: see trainguard.node_tools.job.JobSpec)
+    launcher: str = "torchrun"
 
     def validate(self) -> None:
         """Refuse a plan whose machines do not fit its topology or name a machine twice (linear in the

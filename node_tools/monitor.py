@@ -2,7 +2,7 @@
 
 A training script adds three lines::
 
-    from node_tools.monitor import JobMonitor
+    from trainguard.node_tools.monitor import JobMonitor
     monitor = JobMonitor.from_env()          # reads RANK, LOCAL_RANK, TG_RUN_DIR ...
     ...
     with monitor.collective("dp", "all_reduce"):   # around each collective
@@ -28,7 +28,7 @@ and the hook keeps two files per rank under ``<run_dir>/ranks/``:
 
 The hook never blocks training on I/O beyond an append of one line per step, and
 never raises into the training loop because of its own files. It imports no
-torch. The fault points of the emulated cluster (``node_tools.faults``) hang off
+torch. The fault points of the emulated cluster (``trainguard.node_tools.faults``) hang off
 it, inert unless ``TG_FAULT_FILE`` is set.
 """
 
@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from checkpoint.files import write_json_atomic as _write_json_atomic
-from node_tools import procs
-from node_tools.faults import InJobFaults
+from trainguard.checkpoint.files import write_json_atomic as _write_json_atomic
+from trainguard.node_tools import procs
+from trainguard.node_tools.faults import InJobFaults
 
 SCHEMA_VERSION = 1
 
@@ -63,7 +63,7 @@ def steps_path(run_dir: Path, rank: int) -> Path:
 
 def write_json_atomic(path: Path, document: Any) -> None:
     """Write ``document`` as compact JSON to ``path`` (its folder exists) atomically
-    (:func:`checkpoint.files.write_json_atomic`)."""
+    (:func:`trainguard.checkpoint.files.write_json_atomic`)."""
     _write_json_atomic(path, document, compact=True, make_parent=False)
 
 

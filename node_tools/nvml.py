@@ -22,9 +22,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from checkpoint.files import write_json_atomic
-from node_tools.config import NodeConfig
-from node_tools.errors import FaultError, TrainguardError
+from trainguard.checkpoint.files import write_json_atomic
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import FaultError, TrainguardError
 
 THERMAL_REASONS = ["hw_thermal_slowdown", "sw_thermal_slowdown"]
 

@@ -154,7 +154,7 @@ def serve(slot_dir: Path, slots: list[int], preload: list[str]) -> int:
     The copies are forked after the imports (which start no thread: fork-safe), so a machine pays one
     ``import torch`` for all its interpreters instead of one each; each copy leads a session of its own,
     as a separately started interpreter would, so ending one's process group spares the others."""
-    from node_tools import procs
+    from trainguard.node_tools import procs
 
     procs.nice_from_env()  # warming up is the job's work: it yields as the job does
     started = time.monotonic()
@@ -200,7 +200,7 @@ def _run_work(work: dict[str, Any]) -> int:
     import runpy
     import traceback
 
-    from node_tools import procs
+    from trainguard.node_tools import procs
 
     os.environ.clear()
     os.environ.update(work["env"])
@@ -305,14 +305,14 @@ def read_state(workdir: Path) -> dict[str, Any] | None:
 
 
 def _write_state(workdir: Path, state: dict[str, Any]) -> None:
-    from node_tools.monitor import write_json_atomic
+    from trainguard.node_tools.monitor import write_json_atomic
 
     write_json_atomic(standby_dir(workdir) / STATE_FILE, state)
 
 
 def claimed_pids(slot_dir: Path, job_token: str) -> list[int]:
     """Warm interpreters serving the job with ``job_token`` (its torchrun agent and ranks), alive."""
-    from node_tools import procs
+    from trainguard.node_tools import procs
 
     return sorted(int(doc["pid"]) for _path, doc in _claims(Path(slot_dir))
                   if doc.get("job_token") == job_token and procs.alive(int(doc.get("pid", 0))))
@@ -331,7 +331,7 @@ def _claims(slot_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
 
 def free_slots(workdir: Path) -> list[dict[str, Any]]:
     """Warm interpreters that are alive and unclaimed."""
-    from node_tools import procs
+    from trainguard.node_tools import procs
 
     out = []
     for ready in sorted(standby_dir(workdir).glob("slot*.ready")):
@@ -346,8 +346,8 @@ def free_slots(workdir: Path) -> list[dict[str, Any]]:
 
 def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: float = 180.0) -> dict[str, Any]:
     """Start warm interpreters until ``nproc + 1`` are free (ranks + the torchrun agent). Idempotent."""
-    from node_tools import procs
-    from node_tools.errors import TrainguardError
+    from trainguard.node_tools import procs
+    from trainguard.node_tools.errors import TrainguardError
 
     if nproc < 1:
         raise TrainguardError(f"standby park: --nproc {nproc} must be >= 1")
@@ -364,7 +364,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
             for suffix in (".sock", ".ready", ".claim"):
                 claim.with_suffix(suffix).unlink(missing_ok=True)
     next_slot = 1 + max([int(p.stem[4:]) for p in d.glob("slot*.*") if p.stem[4:].isdigit()] or [-1])
-    modules = list(preload if preload is not None else ["examples.gpt3d.train", "node_tools.monitor"])
+    modules = list(preload if preload is not None else ["examples.gpt3d.train", "trainguard.node_tools.monitor"])
     env = dict(os.environ, TG_STANDBY_TOKEN=token, PYTHONPATH=os.pathsep.join(
         filter(None, [str(cfg.install_dir), os.environ.get("PYTHONPATH", "")])), OMP_NUM_THREADS="1")
     if cfg.job_nice:
@@ -373,7 +373,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
     if new_slots:  # one interpreter imports, then forks one copy per slot
         with open(d / f"slot{new_slots[0]}.log", "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "node_tools.standby", "serve", "--dir", str(d),
+                [sys.executable, "-m", "trainguard.node_tools.standby", "serve", "--dir", str(d),
                  "--slot", ",".join(map(str, new_slots)), "--preload", ",".join(modules)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 cwd=str(cfg.install_dir), env=env,
@@ -401,7 +401,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
 def unpark(cfg: Any) -> dict[str, Any]:
     """End the free warm interpreters of this machine (a no-op when none is parked). Interpreters that
     serve a job (claimed: its torchrun agent and ranks) are the job's; they end with it."""
-    from node_tools import procs
+    from trainguard.node_tools import procs
 
     state = read_state(cfg.workdir) or {}
     free = free_slots(cfg.workdir)
@@ -424,7 +424,7 @@ def status(cfg: Any) -> dict[str, Any]:
     state = read_state(cfg.workdir) or {}
     free = free_slots(cfg.workdir)
     nproc = state.get("nproc")
-    from node_tools import procs
+    from trainguard.node_tools import procs
 
     busy = [doc for _path, doc in _claims(standby_dir(cfg.workdir)) if procs.alive(int(doc.get("pid", 0)))]
     if nproc and len(free) >= nproc + 1:
@@ -443,7 +443,7 @@ def client_entry() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="node_tools.standby")
+    ap = argparse.ArgumentParser(prog="trainguard.node_tools.standby")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sv = sub.add_parser("serve")
     sv.add_argument("--dir", type=Path, required=True)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.inventory import Inventory, Machine
 
 SSH_UNREACHABLE = 255
 

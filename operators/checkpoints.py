@@ -27,9 +27,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.control import Controller
-from operators.policy import checkpoints as policy
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.control import Controller
+from trainguard.operators.policy import checkpoints as policy
 
 
 @dataclass
@@ -140,10 +140,10 @@ def _phase(ctl: Controller, target: Mapping[str, Any], *, mark: bool, timeout: f
 def metric_problems(ctl: Controller, target: Mapping[str, Any], machines: Mapping[str, Any], *,
                     timeout: float = 60.0) -> list[str]:
     """The training metrics around the step, checked here in the control plane (great-expectations, see
-    :func:`checkpoint.verify.check_metrics`) over the step records it reads from each machine for the ranks
+    :func:`trainguard.checkpoint.verify.check_metrics`) over the step records it reads from each machine for the ranks
     whose own copies it holds (``machines``: :func:`_phase`'s per-machine verdicts), in rounds of one rank
     per machine. Returns the problems' lines."""
-    from checkpoint.verify import MetricLimits, check_metrics
+    from trainguard.checkpoint.verify import MetricLimits, check_metrics
 
     job, step = target["job"], int(target["step"])
     limits = MetricLimits()
@@ -198,10 +198,10 @@ def promote(ctl: Controller, verdict: Mapping[str, Any], settings: S3Settings, *
     """Upload a verified step's own copies from every machine, check every remote object's checksum,
     mark the remote copies verified and apply retention. ``client``: a boto3 S3 client (the control
     plane's); ``credentials``: the AWS_* variables the machines upload with."""
-    from checkpoint import layout
-    from checkpoint import manifest as mf
-    from checkpoint.errors import S3TierError
-    from checkpoint.s3 import S3Tier
+    from trainguard.checkpoint import layout
+    from trainguard.checkpoint import manifest as mf
+    from trainguard.checkpoint.errors import S3TierError
+    from trainguard.checkpoint.s3 import S3Tier
 
     job, step = verdict["job"], int(verdict["step"])
     if not verdict.get("ok"):

@@ -11,7 +11,7 @@ Commands::
                          --sensitivity --chart PNG]   projected ETTR of one job at scale (operators/sim)
 
 and the commands other packages register through the ``trainguard.commands`` entry point (the emulation's:
-``cluster``, ``inject``, ``job``, ``demo``; see :mod:`emulation.cli`).
+``cluster``, ``inject``, ``job``, ``demo``; see :mod:`trainguard.emulation.cli`).
 
 Exit codes: 0 success, 1 the job or check failed, 2 bad input or missing
 prerequisite (a one-line message says what to do), 3 refused, 130 interrupted.
@@ -28,8 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from node_tools.cliutil import OneLineParser
-from node_tools.errors import EXIT_INTERRUPTED, EXIT_OK, TrainguardError
+from trainguard.node_tools.cliutil import OneLineParser
+from trainguard.node_tools.errors import EXIT_INTERRUPTED, EXIT_OK, TrainguardError
 
 Handler = Callable[[argparse.Namespace], int]
 COMMANDS_GROUP = "trainguard.commands"
@@ -102,8 +102,8 @@ def print_result(args: argparse.Namespace, document: Any, text: str | None = Non
 
 
 def cmd_ettr(args: argparse.Namespace) -> int:
-    from operators.control import ControlConfig, Controller
-    from operators.hooks.fleet import fleet_store
+    from trainguard.operators.control import ControlConfig, Controller
+    from trainguard.operators.hooks.fleet import fleet_store
 
     if args.window_s <= 0:
         raise TrainguardError(f"--window-s {args.window_s} must be above 0", exit_code=2)
@@ -120,7 +120,7 @@ def cmd_ettr(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from operators.sim import model, profiles, report
+    from trainguard.operators.sim import model, profiles, report
 
     if args.profile not in profiles.PROFILES:
         raise TrainguardError(f"unknown profile {args.profile!r}; use --profile {' or '.join(profiles.PROFILES)}",
@@ -145,11 +145,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import os
 
-    from node_tools.cluster import default_state_dir
-    from operators import status
-    from operators.control import ControlConfig
-    from operators.fleet import FleetStore
-    from operators.sensors.alerts import silent_from_env
+    from trainguard.node_tools.cluster import default_state_dir
+    from trainguard.operators import status
+    from trainguard.operators.control import ControlConfig
+    from trainguard.operators.fleet import FleetStore
+    from trainguard.operators.sensors.alerts import silent_from_env
 
     fleet = FleetStore(ControlConfig.from_env().fleet_url)
     url = args.airflow_url or os.environ.get("TG_AIRFLOW_URL", "") or status.kept_airflow_url(
@@ -166,9 +166,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_metrics(args: argparse.Namespace) -> int:
     import time
 
-    from operators import metrics
-    from operators.control import ControlConfig
-    from operators.fleet import FleetStore
+    from trainguard.operators import metrics
+    from trainguard.operators.control import ControlConfig
+    from trainguard.operators.fleet import FleetStore
 
     fleet = FleetStore(ControlConfig.from_env().fleet_url)
     if not args.port:
@@ -192,8 +192,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 def cmd_revision(args: argparse.Namespace) -> int:
     import re
 
-    from operators.control import ControlConfig
-    from operators.fleet import FleetStore
+    from trainguard.operators.control import ControlConfig
+    from trainguard.operators.fleet import FleetStore
 
     fleet = FleetStore(ControlConfig.from_env().fleet_url)
     job = fleet.job(args.job)  # an unknown job: a one-line error naming the jobs there are
@@ -216,7 +216,7 @@ def cmd_revision(args: argparse.Namespace) -> int:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from operators.hooks.fleet import provision
+    from trainguard.operators.hooks.fleet import provision
 
     doc = provision()
     print_result(args, doc, f"fleet database {doc['fleet_url']}: "

@@ -1,7 +1,7 @@
 """Code updates as plain Python for ``tg_code_update`` (no Airflow import): a request by hand (hot now,
 lazy at the next restart, or a rollback), and the sweep that forces lazy updates waiting past their
 window and marks revisions known-good after enough healthy steps. The decisions are
-:mod:`operators.policy.code`'s; every change goes through the fleet database and is recorded as an
+:mod:`trainguard.operators.policy.code`'s; every change goes through the fleet database and is recorded as an
 action with its evidence, so the UI's run and the fleet's audit trail say the same.
 """
 
@@ -11,9 +11,9 @@ import math
 import time
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.control import Controller
-from operators.policy import code
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.control import Controller
+from trainguard.operators.policy import code
 
 
 def _request_key(job: str, revision: str) -> str:
@@ -23,7 +23,7 @@ def _request_key(job: str, revision: str) -> str:
 def request(ctl: Controller, job: str, revision: str, urgency: str, reason: str = "") -> dict[str, Any]:
     """Apply one request. Urgent (and rollback): a hot update now, in place (the caller waits for
     training to resume); lazy: the revision waits for the job's next restart. Bad requests raise
-    :class:`operators.policy.code.UpdateError` or FleetError with a one-line reason, before any change."""
+    :class:`trainguard.operators.policy.code.UpdateError` or FleetError with a one-line reason, before any change."""
     j = ctl.fleet.job(job)
     if not j.machine_list:
         raise code.UpdateError(f"job {job} has no machines; launch it before updating its code")

@@ -1,10 +1,10 @@
-"""What the Airflow UI's Fleet page shows (:mod:`operators.plugins.fleet` renders it): every job with the
+"""What the Airflow UI's Fleet page shows (:mod:`trainguard.operators.plugins.fleet` renders it): every job with the
 state the fleet database records *and* the state its machines report now (read over SSH with a short
 timeout: a job stopped behind the control plane's back shows as not training, whatever the database
 says), its revision and newest step, its machines and their states, its open incidents with the rung
 handling them, the standby pool against its target, and the newest ETTR report.
 
-Plain Python over a :class:`~operators.control.Controller`: unit-tested on the scripted fleet.
+Plain Python over a :class:`~trainguard.operators.control.Controller`: unit-tested on the scripted fleet.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.fleet import states
-from operators.fleet.store import OPEN_INCIDENT_STATES
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.fleet import states
+from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
 
 
 def observed_state(progress: dict[str, Any]) -> str:
@@ -39,8 +39,8 @@ def _rung(incident: Any) -> str:
 
 def collect(c: Any, *, now: float | None = None) -> dict[str, Any]:
     """The Fleet page's document."""
-    from operators import standby_pool
-    from operators.metrics import newest_ettr_reports
+    from trainguard.operators import standby_pool
+    from trainguard.operators.metrics import newest_ettr_reports
 
     now = time.time() if now is None else now
     ettr = newest_ettr_reports(c.fleet.actions())

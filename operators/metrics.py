@@ -31,7 +31,7 @@ Metrics (``job``, ``category``, ``outcome``, ``phase``, ``state`` labels):
 * ``trainguard_alerts_quarantined``: bus documents never acted on (unknown machine or job, oversized,
   not an alert).
 
-Agents write metrics of their own on every machine (:mod:`node_tools.agent`: a node_exporter textfile).
+Agents write metrics of their own on every machine (:mod:`trainguard.node_tools.agent`: a node_exporter textfile).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from operators import standby_pool
-from operators.fleet import FleetStore, states
-from operators.fleet.states import IncidentState
+from trainguard.operators import standby_pool
+from trainguard.operators.fleet import FleetStore, states
+from trainguard.operators.fleet.states import IncidentState
 
 PHASES = ("detection", "diagnosis", "recovery")
 

@@ -13,7 +13,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from operators.policy.ladder import Action, Category
+from trainguard.operators.policy.ladder import Action, Category
 
 
 class _Payload(BaseModel):

@@ -6,7 +6,7 @@ place. :class:`Settings` reads them from the environment with pydantic-settings 
 name in capitals: ``resume_timeout_s`` is ``TG_RESUME_TIMEOUT_S``; an empty variable is unset).
 A value of the wrong type or out of bounds is a one-line error naming the variable and what to do
 (:class:`SettingsError`, exit code 2), never a traceback. The README's settings table is this module's
-output: ``python -m operators.settings``.
+output: ``python -m trainguard.operators.settings``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from node_tools.errors import EXIT_USAGE, TrainguardError
-from operators.policy.liveness import DEFAULT_SILENT_S
+from trainguard.node_tools.errors import EXIT_USAGE, TrainguardError
+from trainguard.operators.policy.liveness import DEFAULT_SILENT_S
 
 DEFAULT_SETTLE_S = 1.0  # the guardian's batch window, seconds
 

@@ -1,6 +1,6 @@
 """The warm standby pool's operations, as plain Python for ``tg_standby_pool`` (no Airflow import).
 
-One pool run: :func:`plan` sizes the pool from the fleet's history (:mod:`operators.policy.pool`) and
+One pool run: :func:`plan` sizes the pool from the fleet's history (:mod:`trainguard.operators.policy.pool`) and
 picks the machines to provision, re-check and retire; :func:`claim` applies the retirements and moves
 the picked machines to ``self_check`` (so no activation takes one mid-check); :func:`check` runs one
 machine's self-check (``tg-node diag`` L1 + L2) and parks the healthy ones warm (``tg-node standby
@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from operators.control import Controller
-from operators.fleet import FleetStore, states
-from operators.policy import pool
+from trainguard.operators.control import Controller
+from trainguard.operators.fleet import FleetStore, states
+from trainguard.operators.policy import pool
 
 PARK_TIMEOUT_S = 240.0
 

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from operators.fleet import FleetStore
-from operators.fleet.states import IncidentState
-from operators.fleet.store import OPEN_INCIDENT_STATES
+from trainguard.operators.fleet import FleetStore
+from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
 
 STALE_S = 30.0
 
@@ -39,7 +39,7 @@ def kept_airflow_url(home: Path) -> str:
 
 def airflow_health(url: str, *, timeout: float = 5.0) -> dict[str, Any]:
     """The api-server's health document, or ``{"error": ...}`` when it does not answer."""
-    from operators.hooks.airflow_api import AirflowApi
+    from trainguard.operators.hooks.airflow_api import AirflowApi
 
     try:
         with AirflowApi(url, timeout_s=timeout, retry_s=0) as api:

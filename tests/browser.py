@@ -65,7 +65,7 @@ def chrome(width: int = 1400, height: int = 1000) -> Any:
 
 
 def login(d: Any, airflow: Any, timeout: float = 120) -> None:
-    """Log ``d`` into the Airflow UI of ``airflow`` (a :class:`emulation.standalone.Standalone`) as
+    """Log ``d`` into the Airflow UI of ``airflow`` (a :class:`trainguard.emulation.standalone.Standalone`) as
     its generated admin user."""
     import json
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from emulation.standalone import free_port, poll
-from node_tools import cluster
-from node_tools.inventory import Inventory
+from trainguard.emulation.standalone import free_port, poll
+from trainguard.node_tools import cluster
+from trainguard.node_tools.inventory import Inventory
 
 # A cluster of its own for the tests, so a demo cluster ("tg") on the same host is left alone.
 TEST_CLUSTER = cluster.ClusterSpec(name="tgt", machines=6, standbys=2, subnet="10.213.9.0/24", disk_mb=64, gpus=8)
@@ -36,7 +36,7 @@ def _no_saver_left_running(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     left = []
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info.get("cmdline") or []
-        if "checkpoint.saver" not in cmd:
+        if "trainguard.checkpoint.saver" not in cmd:
             continue
         with contextlib.suppress(psutil.Error):
             root = cmd[cmd.index("--root") + 1] if "--root" in cmd[:-1] else ""

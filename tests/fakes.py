@@ -1,6 +1,7 @@
 """A scripted fleet for the control plane's policy tests: machines that answer ``tg-node`` commands from
 state a test sets (no processes, no ssh), so every rung of the ladder runs through the real
-:class:`operators.control.Controller` and the task bodies of :mod:`operators.tasks` in milliseconds.
+:class:`trainguard.operators.control.Controller` and the task bodies of :mod:`trainguard.operators.tasks` in
+milliseconds.
 
 :class:`FakeFleet` keeps one job. While every machine of the job runs its part, each read of the job's
 status or steps is one more training step. A test breaks what it needs: a machine unreachable, a standby
@@ -15,10 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from node_tools.inventory import Inventory, Machine
-from node_tools.topology import Topology
-from node_tools.transport import RunResult, Transport
-from operators.control import ControlConfig, Controller
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import RunResult, Transport
+from trainguard.operators.control import ControlConfig, Controller
 
 
 class FakeFleet(Transport):
@@ -157,7 +158,7 @@ class FakeFleet(Transport):
                 {"tier": t, "step": s, "rank": r, "committed": True, "candidate": False, "verified": False}
                 for t, s, r in self.copies.get(name, [])]})
         if cmd == ["ckpt", "rescue"]:
-            from checkpoint.s3 import open_tier
+            from trainguard.checkpoint.s3 import open_tier
 
             if self.rescue_fails:
                 return self._ok(name, argv, {"error": f"machine {name}: the remote tier refused the write"}, 2)
@@ -264,7 +265,7 @@ def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topo
 
 def use_controller(monkeypatch: Any, c: Controller) -> None:
     """Every task body (and the triggers' shared controller) works with ``c`` for the rest of the test."""
-    from operators.tasks import common
+    from trainguard.operators.tasks import common
 
     monkeypatch.setattr(common, "controller", lambda: c)
     monkeypatch.setattr(common, "shared_controller", lambda: c)
@@ -277,7 +278,7 @@ def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: A
     "incident"}`` (``result``: the rung's, with the ``stop``, ``swap`` and ``recovery`` that followed it).
     ``joined``: alerts the guardian records right after the triage (they join the open incident);
     ``joined_late``: alerts it records after the restart, before the resume check."""
-    from operators.tasks import incident as steps
+    from trainguard.operators.tasks import incident as steps
 
     use_controller(monkeypatch, c)
     [item] = c.ingest(alerts)
@@ -310,7 +311,7 @@ def recover(incident: int, result: dict[str, Any] | None, **kwargs: Any
             ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The tasks after a rung (its ``result``; None: the rung was skipped): stop_job, swap_machines,
     restart_job; returns their results ``(restart, stop, swap)``. ``kwargs``: restart_job's."""
-    from operators.tasks import incident as steps
+    from trainguard.operators.tasks import incident as steps
 
     results = [result]
     stop = steps.stop_job(incident, results)
@@ -321,7 +322,7 @@ def recover(incident: int, result: dict[str, Any] | None, **kwargs: Any
 def alert(kind: str, machine: str, *, rank: int | None = None, job: str = "j", ts: float | None = None,
           **evidence: Any) -> dict[str, Any]:
     """An alert document as the guardian records it."""
-    from node_tools.alerts import Alert
+    from trainguard.node_tools.alerts import Alert
 
     a = Alert(kind, machine, job=job if rank is not None or kind not in ("gpu_lost", "kernel_xid", "disk_full")
               else "", rank=rank, ts=ts or time.time(), evidence=evidence,

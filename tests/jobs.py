@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from node_tools import launcher, monitor
-from node_tools.inventory import Inventory, Machine
-from node_tools.topology import Topology
 from tests.conftest import free_port, wait_until
+from trainguard.node_tools import launcher, monitor
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.topology import Topology
 
 
 def run_dir(machine: Machine, job: str) -> Path:
@@ -69,7 +69,7 @@ class AlertWatch:
 
     def __init__(self, inv: Inventory) -> None:
 
-        from node_tools.bus import BusReader, open_bus
+        from trainguard.node_tools.bus import BusReader, open_bus
 
         self.reader = BusReader.from_now(open_bus(inv.bus_url))
         self.seen: list[Any] = []

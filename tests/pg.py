@@ -1,5 +1,5 @@
-"""A private PostgreSQL server for tests (:func:`emulation.servers.private_postgres`): Debian's ``postgresql``
-binaries (installed on first use when missing), a cluster of its own in a temporary folder, reached only
+"""A private PostgreSQL server for tests (:func:`trainguard.emulation.servers.private_postgres`): Debian's
+``postgresql`` binaries (installed on first use when missing), a cluster of its own in a temporary folder, reached only
 through a Unix socket in that folder (no TCP port), stopped and removed at the end."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from emulation.servers import ensure_pg_binaries, pg_binaries, private_postgres
+from trainguard.emulation.servers import ensure_pg_binaries, pg_binaries, private_postgres
 
 __all__ = ["ensure_pg_binaries", "pg_binaries", "private_server"]
 

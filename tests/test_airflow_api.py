@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import pytest
 
-from operators.hooks.airflow_api import AirflowApi, ApiError
+from trainguard.operators.hooks.airflow_api import AirflowApi, ApiError
 
 
 class _Busy(BaseHTTPRequestHandler):

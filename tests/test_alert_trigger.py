@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from node_tools.alerts import Alert
-from node_tools.bus import open_bus
-from operators.fleet import FleetStore, states
-from operators.policy.liveness import AgentWatch
-from operators.triggers.alerts import AlertTrigger
+from trainguard.node_tools.alerts import Alert
+from trainguard.node_tools.bus import open_bus
+from trainguard.operators.fleet import FleetStore, states
+from trainguard.operators.policy.liveness import AgentWatch
+from trainguard.operators.triggers.alerts import AlertTrigger
 
 
 def first_event(trigger: AlertTrigger, timeout: float = 20.0) -> dict:
@@ -92,7 +92,7 @@ def test_an_alert_an_hour_ahead_neither_blinds_the_guardian_nor_hides_the_next_o
 def test_the_trigger_serialises_to_its_arguments(tmp_path: Path):
     trigger = AlertTrigger("spool:///x", str(tmp_path / "f.db"), settle_s=3.0, kinds=["gpu_lost"], silent_s=15.0)
     path, kwargs = trigger.serialize()
-    assert path == "operators.triggers.alerts.AlertTrigger"
+    assert path == "trainguard.operators.triggers.alerts.AlertTrigger"
     again = AlertTrigger(**kwargs)
     assert again.serialize() == (path, kwargs)
 
@@ -122,8 +122,8 @@ def test_an_explicit_machine_fault_fires_without_waiting_out_the_settle_window(t
 
 
 def test_the_settle_window_and_the_silence_threshold_come_from_the_environment_and_bad_values_are_named():
-    from operators.sensors.alerts import settle_from_env, silent_from_env
-    from operators.settings import DEFAULT_SETTLE_S
+    from trainguard.operators.sensors.alerts import settle_from_env, silent_from_env
+    from trainguard.operators.settings import DEFAULT_SETTLE_S
 
     assert settle_from_env({}) == DEFAULT_SETTLE_S
     assert settle_from_env({"TG_ALERT_SETTLE_S": "1"}) == 1.0
@@ -206,7 +206,7 @@ def test_a_document_quarantined_on_its_own_fires_the_trigger_and_is_recorded_wit
     quarantine was never recorded."""
     import json
 
-    from operators.sensors.alerts import AlertSensor
+    from trainguard.operators.sensors.alerts import AlertSensor
 
     url = f"spool://{tmp_path / 'bus'}"
     (tmp_path / "bus" / "alerts").mkdir(parents=True)
@@ -274,8 +274,8 @@ def dag_runs():
 def _recording(tmp_path, monkeypatch, api_url: str | None):
     """A recording trigger over the scripted fleet's controller (its bus a real spool), its REST API the
     loopback server (None: no connection to it)."""
-    from operators.hooks.airflow_api import AirflowApi
     from tests.fakes import fleet_controller, use_controller
+    from trainguard.operators.hooks.airflow_api import AirflowApi
 
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
@@ -293,7 +293,7 @@ def _recording(tmp_path, monkeypatch, api_url: str | None):
 def test_the_guardians_trigger_records_the_batch_and_starts_the_incidents_run_itself(tmp_path, monkeypatch, dag_runs):
     """No task between an alert and its incident's run: the trigger records the batch (incident, cursor) and
     starts the run; the sensor then only hands on what was started, and the start_incident task finds it."""
-    from operators.sensors.alerts import IncidentSensor
+    from trainguard.operators.sensors.alerts import IncidentSensor
 
     c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
     assert trigger.serialize()[1]["record"] is True
@@ -310,7 +310,7 @@ def test_the_guardians_trigger_records_the_batch_and_starts_the_incidents_run_it
 
 
 def test_without_the_rest_api_the_start_incident_task_starts_the_run(tmp_path, monkeypatch):
-    from operators.sensors.alerts import IncidentSensor
+    from trainguard.operators.sensors.alerts import IncidentSensor
 
     c, trigger = _recording(tmp_path, monkeypatch, None)
     open_bus(c.inventory.bus_url).publish(Alert("gpu_lost", "m1"))
@@ -323,8 +323,8 @@ def test_without_the_rest_api_the_start_incident_task_starts_the_run(tmp_path, m
 
 
 def test_a_batch_the_trigger_cannot_record_is_recorded_by_the_sensor(tmp_path, monkeypatch, dag_runs):
-    from operators.sensors.alerts import IncidentSensor
-    from operators.tasks import guardian
+    from trainguard.operators.sensors.alerts import IncidentSensor
+    from trainguard.operators.tasks import guardian
 
     c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
     real = guardian.group_alerts
@@ -347,8 +347,8 @@ def test_a_batch_the_trigger_cannot_record_is_recorded_by_the_sensor(tmp_path, m
 def test_an_open_incident_whose_run_was_never_started_is_started_by_the_sweep_once(tmp_path, monkeypatch, dag_runs):
     """The starter died between recording the incident and starting its run: the trigger's sweep starts it;
     incidents whose runs exist, incidents opened by hand and young ones are left alone."""
-    from operators.tasks import guardian
     from tests.fakes import alert
+    from trainguard.operators.tasks import guardian
 
     c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
     [item] = c.ingest([alert("gpu_lost", "m1")])

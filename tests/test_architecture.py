@@ -7,12 +7,21 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("checkpoint", "node_tools", "operators", "emulation")
+PACKAGES = ("checkpoint", "node_tools", "operators", "emulation")  # each installed as trainguard.<name>
 
 
 def _module(path: Path) -> str:
+    """The import name of a file of the source tree: ``checkpoint/engine.py`` is ``trainguard.checkpoint.engine``."""
     parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[0] != "trainguard":
+        parts = ["trainguard", *parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package(module: str) -> str:
+    """``trainguard.checkpoint.engine`` -> ``checkpoint``; ``trainguard.torch`` -> ``trainguard``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else parts[0]
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
@@ -27,12 +36,12 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
                      for a in node.names]
-        every.update(n for n in names if n.split(".")[0] in PACKAGES)
+        every.update(n for n in names if n.split(".")[0] == "trainguard")
     return every
 
 
 def _graph() -> dict[str, set[str]]:
-    files = {_module(p): p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")}
+    files = {_module(p): p for pkg in (*PACKAGES, "trainguard") for p in (REPO / pkg).rglob("*.py")}
     return {mod: {n for n in _imports(path, set(files)) if n in files and n != mod} for mod, path in files.items()}
 
 
@@ -57,8 +66,8 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_no_module_imports_itself_back_through_others():
     graph = _graph()
-    assert len(graph) > 50 and graph["operators.control"]  # the graph is read, not empty
-    assert "emulation.standalone" in graph["emulation.guarded"]
+    assert len(graph) > 50 and graph["trainguard.operators.control"]  # the graph is read, not empty
+    assert "trainguard.emulation.standalone" in graph["trainguard.emulation.guarded"]
     assert _cycles(graph) == []
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]  # and a cycle is seen
 
@@ -66,14 +75,14 @@ def test_no_module_imports_itself_back_through_others():
 def test_the_packages_depend_one_way_and_checkpoint_takes_from_node_tools_only_topology_and_errors():
     graph = _graph()
     for mod, deps in graph.items():
-        pkg = mod.split(".")[0]
-        if pkg in ("checkpoint", "node_tools"):  # the machines' side never reaches into the control plane
-            assert not [d for d in deps if d.startswith("operators")], (mod, deps)
+        pkg = _package(mod)
+        if pkg in ("checkpoint", "node_tools", "trainguard"):  # the machines' side never reaches the control plane
+            assert not [d for d in deps if _package(d) == "operators"], (mod, deps)
         if pkg != "emulation":  # the harness (Airflow standalone, the guarded job, the demo) is not the product's
-            assert not [d for d in deps if d.startswith("emulation")], (mod, deps)
+            assert not [d for d in deps if _package(d) == "emulation"], (mod, deps)
         if pkg == "checkpoint":
-            assert {d for d in deps if d.startswith("node_tools")} <= {"node_tools.topology", "node_tools.errors"}, \
-                (mod, deps)
+            assert {d for d in deps if _package(d) == "node_tools"} <= {"trainguard.node_tools.topology",
+                                                                        "trainguard.node_tools.errors"}, (mod, deps)
 
 
 def test_the_dags_import_only_the_control_planes_airflow_facing_modules():
@@ -83,5 +92,6 @@ def test_the_dags_import_only_the_control_planes_airflow_facing_modules():
         body = ast.parse(path.read_text(encoding="utf-8")).body
         top = [n for n in body if isinstance(n, (ast.Import, ast.ImportFrom))]
         names = {a.name if isinstance(n, ast.Import) else n.module for n in top for a in n.names}
-        assert not {m for m in names if m and m.startswith(("operators.tasks", "operators.control", "emulation"))}, \
+        banned = ("trainguard.operators.tasks", "trainguard.operators.control", "trainguard.emulation")
+        assert not {m for m in names if m and m.startswith(banned)}, \
             (path.name, names)

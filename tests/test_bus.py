@@ -8,9 +8,9 @@ import uuid
 
 import pytest
 
-from node_tools.alerts import Alert, AlertError, validate
-from node_tools.bus import BusError, BusReader, S3Bus, SpoolBus, object_name, open_bus
 from tests.conftest import free_port
+from trainguard.node_tools.alerts import Alert, AlertError, validate
+from trainguard.node_tools.bus import BusError, BusReader, S3Bus, SpoolBus, object_name, open_bus
 
 
 def alert(**over) -> Alert:
@@ -131,7 +131,7 @@ class CountingSpool(SpoolBus):
 
 
 def test_an_oversized_alert_is_quarantined_unread_and_large_evidence_is_cut_and_marked(tmp_path):
-    from node_tools.alerts import MAX_ALERT_BYTES, MAX_EVIDENCE_BYTES
+    from trainguard.node_tools.alerts import MAX_ALERT_BYTES, MAX_EVIDENCE_BYTES
 
     bus = CountingSpool(tmp_path / "bus")
     (tmp_path / "bus" / "alerts").mkdir(parents=True)

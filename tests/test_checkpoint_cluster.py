@@ -20,11 +20,11 @@ from typing import Any
 
 import pytest
 
-from node_tools import inject, launcher
-from node_tools.inventory import Inventory, Machine
-from node_tools.topology import Topology
 from tests import jobs
 from tests.conftest import wait_until
+from trainguard.node_tools import inject, launcher
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.topology import Topology
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.full]
 

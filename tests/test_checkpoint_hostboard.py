@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint import hostboard
-from checkpoint.hostboard import BUSY, IDLE, HostBoard
+from trainguard.checkpoint import hostboard
+from trainguard.checkpoint.hostboard import BUSY, IDLE, HostBoard
 
 
 @pytest.fixture

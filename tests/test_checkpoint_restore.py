@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 
-from checkpoint import layout, saver
-from checkpoint.shards import MODEL_FILE, OPTIM_FILE
-from checkpoint.verify import verify_step
-from node_tools.monitor import read_heartbeat, read_steps
-from node_tools.topology import Topology
 from tests.conftest import free_port, wait_until
 from tests.test_checkpoint_unit import flip_byte, lie_about_size, truncate
+from trainguard.checkpoint import layout, saver
+from trainguard.checkpoint.shards import MODEL_FILE, OPTIM_FILE
+from trainguard.checkpoint.verify import verify_step
+from trainguard.node_tools.monitor import read_heartbeat, read_steps
+from trainguard.node_tools.topology import Topology
 
 pytestmark = pytest.mark.slow
 

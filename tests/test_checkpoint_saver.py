@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import hostboard, layout, saver
-from checkpoint.saver import LineReader, SaverLink, non_finite, send_doc
 from tests.test_checkpoint_unit import checkpointer, digest, make_model, run_steps, train_step
+from trainguard.checkpoint import hostboard, layout, saver
+from trainguard.checkpoint.saver import LineReader, SaverLink, non_finite, send_doc
 
 REPO = Path(__file__).resolve().parents[1]
 

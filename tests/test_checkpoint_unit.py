@@ -19,19 +19,19 @@ from typing import Any
 import pytest
 import torch
 
-from checkpoint import engine as engine_module
-from checkpoint import layout, saver
-from checkpoint import manifest as mf
-from checkpoint.config import CheckpointConfig, expand_root
-from checkpoint.engine import Checkpointer
-from checkpoint.errors import CheckpointError, RestoreError
-from checkpoint.plan import Holding, explain, plan_restore
-from checkpoint.s3 import S3Tier
-from checkpoint.shards import MODEL_FILE, OPTIM_FILE, ShardLayout
-from checkpoint.verify import check_metrics, verify_copy, verify_root, verify_s3, verify_step
-from node_tools.monitor import JobMonitor
-from node_tools.topology import Topology
 from tests.conftest import free_port, wait_until
+from trainguard.checkpoint import engine as engine_module
+from trainguard.checkpoint import layout, saver
+from trainguard.checkpoint import manifest as mf
+from trainguard.checkpoint.config import CheckpointConfig, expand_root
+from trainguard.checkpoint.engine import Checkpointer
+from trainguard.checkpoint.errors import CheckpointError, RestoreError
+from trainguard.checkpoint.plan import Holding, explain, plan_restore
+from trainguard.checkpoint.s3 import S3Tier
+from trainguard.checkpoint.shards import MODEL_FILE, OPTIM_FILE, ShardLayout
+from trainguard.checkpoint.verify import check_metrics, verify_copy, verify_root, verify_s3, verify_step
+from trainguard.node_tools.monitor import JobMonitor
+from trainguard.node_tools.topology import Topology
 
 REPO = Path(__file__).resolve().parents[1]
 ONE = Topology(1, 1, 1)
@@ -484,7 +484,7 @@ def test_a_non_finite_state_the_loop_called_healthy_is_never_written_nor_committ
 
 def test_non_finite_values_fail_verification_even_with_good_checksums(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch):
-    from checkpoint.engine import _Slot
+    from trainguard.checkpoint.engine import _Slot
 
     monkeypatch.setattr(_Slot, "non_finite", lambda self: "")  # a copy from before the writer checked
     model, opt = make_model()
@@ -600,7 +600,7 @@ def test_s3_tier_upload_verify_damage_and_restore(tmp_path: Path, s3_endpoint: s
 
 def test_a_directory_tier_on_shared_storage_uploads_verifies_and_restores_like_s3(tmp_path: Path):
     """The embedded default's remote tier: a directory every machine mounts (file://)."""
-    from checkpoint.s3 import DirTier, open_tier
+    from trainguard.checkpoint.s3 import DirTier, open_tier
 
     url = f"file://{tmp_path / 'shared'}"
     digests = saved_run(tmp_path / "disk", steps=4, s3_url=url, s3_every_steps=2)
@@ -681,7 +681,7 @@ def test_s3_endpoint_down_is_reported_and_never_blocks(tmp_path: Path):
 # ---- metrics around a step (great-expectations, in the control plane) ----------------------------------
 def _records(run_dir: Path, losses: list[Any], steps: list[int] | None = None) -> list[dict[str, Any]]:
     """A rank's step records as its monitor writes them (and the control plane reads them back)."""
-    from node_tools.monitor import read_steps
+    from trainguard.node_tools.monitor import read_steps
 
     mon = JobMonitor(run_dir=run_dir, rank=0)
     for step, loss in zip(steps or range(len(losses)), losses, strict=True):
@@ -727,8 +727,8 @@ def test_verify_command_line(tmp_path: Path):
     saved_run(tmp_path, steps=2)
     truncate(layout.copy_dir(tmp_path, "local", 1, 0) / MODEL_FILE)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    res = subprocess.run([sys.executable, "-m", "checkpoint.verify", "--root", str(tmp_path)], capture_output=True,
-                         text=True, env=env, cwd=REPO, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "trainguard.checkpoint.verify", "--root", str(tmp_path)],
+                         capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert res.returncode == 1, res.stderr
     doc = json.loads(res.stdout)
     assert [(p["rank"], p["step"], p["tier"]) for p in doc["problems"]] == [(0, 1, "local")]
@@ -749,7 +749,7 @@ def _train(run_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_path: Path):
-    from node_tools.monitor import read_steps
+    from trainguard.node_tools.monitor import read_steps
 
     run = tmp_path / "run"
     res = _train(run, "--steps", "4", "--checkpoint-every", "2")
@@ -772,7 +772,7 @@ def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_p
     assert "rank 0 step 1 tier local: optim.safetensors has" in res.stderr
     assert "Traceback" not in res.stderr
     # the node's log classifier names this end by its kind, which the control plane acts on (a rescue)
-    from node_tools import logs
+    from trainguard.node_tools import logs
 
     verdict = logs.classify(res.stderr.splitlines(), [str(REPO / "examples")], exitcode=res.returncode)
     assert (verdict["class"], verdict["kind"]) == ("unknown", logs.UNRESTORABLE_KIND)
@@ -786,10 +786,10 @@ def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_p
 
 def test_a_rescue_puts_every_copy_of_a_step_held_here_into_the_remote_tier_once(tmp_path: Path):
     """What the control plane runs on a machine it is about to evict when that machine holds the last copy."""
-    from checkpoint.s3 import open_tier
-    from node_tools import ckpt
-    from node_tools.config import NodeConfig
-    from node_tools.errors import TrainguardError
+    from trainguard.checkpoint.s3 import open_tier
+    from trainguard.node_tools import ckpt
+    from trainguard.node_tools.config import NodeConfig
+    from trainguard.node_tools.errors import TrainguardError
 
     cfg = NodeConfig(machine="m7", workdir=tmp_path / "w", install_dir=tmp_path)
     root = tmp_path / "w" / "jobs" / "j" / "checkpoints"

@@ -12,18 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from checkpoint import layout
-from checkpoint.s3 import S3Tier
-from checkpoint.shards import MODEL_FILE
-from node_tools import ckpt
-from node_tools.agent import Agent
-from node_tools.bus import NOTICES, BusReader, SpoolBus, open_bus
-from node_tools.checks import CheckpointCheck
-from node_tools.config import NodeConfig
-from node_tools.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY
-from operators import checkpoints
-from operators.policy import checkpoints as policy
 from tests.test_checkpoint_unit import flip_byte, saved_run
+from trainguard.checkpoint import layout
+from trainguard.checkpoint.s3 import S3Tier
+from trainguard.checkpoint.shards import MODEL_FILE
+from trainguard.node_tools import ckpt
+from trainguard.node_tools.agent import Agent
+from trainguard.node_tools.bus import NOTICES, BusReader, SpoolBus, open_bus
+from trainguard.node_tools.checks import CheckpointCheck
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY
+from trainguard.operators import checkpoints
+from trainguard.operators.policy import checkpoints as policy
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "vjob"
@@ -137,7 +137,7 @@ def test_verify_marks_nothing_unless_asked_and_names_a_corrupt_copy(tmp_path: Pa
 def _rewrite(copy: Path) -> None:
     """The job writing the same step again after a restore from an older one (a new directory renamed into
     place)."""
-    from checkpoint import manifest as mf
+    from trainguard.checkpoint import manifest as mf
 
     manifest = (copy / mf.MANIFEST).read_bytes()
     files = [(name, [(copy / name).read_bytes()]) for name in mf.file_names(manifest)]
@@ -150,7 +150,7 @@ def test_a_copy_the_job_writes_again_while_it_is_read_is_read_again_not_failed(t
     """After a restore from an older step, the job writes the newer steps again; a verification reading a
     copy as it is replaced sees its model vanish. That is no damage: the new write is read again and judged
     as it stands (and a new write that is itself corrupt is still named)."""
-    from checkpoint import verify
+    from trainguard.checkpoint import verify
 
     cfg, root = _node(tmp_path)
     copy = layout.copy_dir(root, "local", 5, 0)
@@ -177,7 +177,7 @@ def test_a_copy_the_job_writes_again_while_it_is_read_is_read_again_not_failed(t
 
 
 def test_a_copy_that_vanishes_without_a_new_write_is_still_a_problem(tmp_path: Path, monkeypatch):
-    from checkpoint import verify
+    from trainguard.checkpoint import verify
 
     cfg, _root = _node(tmp_path)
     real_read = verify._read
@@ -202,7 +202,7 @@ def test_upload_refuses_an_unverified_copy_and_the_remote_checksums_are_checked(
     ckpt.verify(cfg, JOB, 5, mark=True)
     code, doc = ckpt.upload(cfg, JOB, 5, s3_url=url, endpoint_url=s3_endpoint)
     assert code == EXIT_OK and [u["rank"] for u in doc["uploaded"]] == [0]
-    from checkpoint import manifest as mf
+    from trainguard.checkpoint import manifest as mf
 
     sha = doc["uploaded"][0]["manifest_sha256"]
     assert checkpoints._remote_mismatch(tier, 5, 0, sha, mf) == ""
@@ -214,9 +214,9 @@ def test_upload_refuses_an_unverified_copy_and_the_remote_checksums_are_checked(
 
 # ---- the watcher ------------------------------------------------------------------------------------
 def test_the_notice_trigger_fires_once_per_batch_and_keeps_its_cursor(tmp_path: Path):
-    from node_tools.alerts import Alert
-    from operators.fleet import FleetStore
-    from operators.triggers.alerts import NOTICES_READER, CheckpointNoticeTrigger
+    from trainguard.node_tools.alerts import Alert
+    from trainguard.operators.fleet import FleetStore
+    from trainguard.operators.triggers.alerts import NOTICES_READER, CheckpointNoticeTrigger
 
     bus = open_bus(str(tmp_path / "bus"), folder=NOTICES)
     fleet = FleetStore(tmp_path / "fleet.db", migrate=True)
@@ -287,9 +287,9 @@ def test_the_note_says_what_was_verified_and_what_is_corrupt():
 
 
 def test_a_bad_verification_request_is_refused_before_anything_is_recorded(tmp_path: Path):
-    from node_tools.inventory import Inventory, Machine
-    from operators.control import ControlConfig, Controller
-    from operators.fleet.store import FleetError
+    from trainguard.node_tools.inventory import Inventory, Machine
+    from trainguard.operators.control import ControlConfig, Controller
+    from trainguard.operators.fleet.store import FleetError
 
     inv = Inventory(cluster="t", transport="local", machines=[Machine(name="m0", address="127.0.0.1")])
     inv.save(tmp_path / "inventory.json")
@@ -311,8 +311,8 @@ def test_a_bad_verification_request_is_refused_before_anything_is_recorded(tmp_p
 def test_the_control_plane_checks_the_metrics_around_a_step_over_the_records_it_gathers(tmp_path: Path):
     """great-expectations runs in the control plane's task, over the step records of the ranks whose own
     copies each machine holds, read with ``tg-node job steps``: not on the training machines."""
-    from operators.checkpoints import metric_problems
     from tests.fakes import fleet_controller
+    from trainguard.operators.checkpoints import metric_problems
 
     c, fleet = fleet_controller(tmp_path)
     fleet.records = [{"step": s, "incarnation": 0, "loss": 2.0, "grad_norm": 1.0, "step_time_s": 0.5}

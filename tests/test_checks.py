@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from node_tools import monitor, procs
-from node_tools.agent import Agent, AgentSettings
-from node_tools.alerts import Alert
-from node_tools.bus import BusError, BusReader, SpoolBus
-from node_tools.checks import (
+from tests.conftest import wait_until
+from trainguard.node_tools import monitor, procs
+from trainguard.node_tools.agent import Agent, AgentSettings
+from trainguard.node_tools.alerts import Alert
+from trainguard.node_tools.bus import BusError, BusReader, SpoolBus
+from trainguard.node_tools.checks import (
     Check,
     DiskCheck,
     Finding,
@@ -26,9 +27,8 @@ from node_tools.checks import (
     RankCheck,
     RankTimeouts,
 )
-from node_tools.config import NodeConfig
-from node_tools.nvml import EmulatedNvml
-from tests.conftest import wait_until
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.nvml import EmulatedNvml
 
 
 # ---- kernel log ---------------------------------------------------------------------------
@@ -329,7 +329,7 @@ def test_a_rank_holding_still_after_a_nan_is_not_a_hang_until_its_hold_runs_out(
     """A rank that found a non-finite loss skips the update and holds still for the control plane: its
     progress stops on purpose. The agent reports the NaN, not a hang (a hang would evict machines), for as
     long as the rank said it would hold (on the agent's clock, at most MAX_HOLD_S), and a hang after it."""
-    from node_tools.checks import MAX_HOLD_S
+    from trainguard.node_tools.checks import MAX_HOLD_S
 
     clock = Clock()
     check = RankCheck(tmp_path, clock=clock, timeouts=RankTimeouts(floor_s=3.0, factor=5.0))

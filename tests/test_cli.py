@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from node_tools import faults
-from operators.cli import main
+from trainguard.node_tools import faults
+from trainguard.operators.cli import main
 
 
 def test_inject_list_names_every_fault_kind_its_help_points_to(capsys):
@@ -28,7 +28,7 @@ def test_inject_without_a_machine_is_one_line_and_exit_2(capsys, tmp_path):
 def test_fleet_migrate_provisions_the_database_once_and_readers_never_migrate(capsys, tmp_path, monkeypatch):
     """Only ``trainguard fleet migrate`` creates or migrates the fleet database; a command that reads it
     before says what to run, in one line, and creates nothing."""
-    from node_tools.inventory import Inventory, Machine
+    from trainguard.node_tools.inventory import Inventory, Machine
 
     inv = Inventory(cluster="t", transport="local", bus_url=f"spool://{tmp_path / 'bus'}",
                     machines=[Machine(name=f"m{i}", address=f"10.0.0.{i + 1}", role="active") for i in range(2)])
@@ -49,8 +49,8 @@ def test_fleet_migrate_provisions_the_database_once_and_readers_never_migrate(ca
 
 
 def test_the_emulation_commands_come_from_their_entry_point():
-    from operators.cli import build_parser
+    from trainguard.operators.cli import build_parser
 
     _parser, handlers = build_parser()
     assert {"cluster", "inject", "job", "demo"} <= set(handlers)
-    assert all(h.__module__ == "emulation.cli" for h in handlers.values())
+    assert all(h.__module__ == "trainguard.emulation.cli" for h in handlers.values())

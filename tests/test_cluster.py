@@ -11,11 +11,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from node_tools import cluster, procs
-from node_tools.errors import ClusterError
-from node_tools.inventory import Inventory
-from node_tools.transport import LocalTransport, SshTransport, control_dir, transport_for
 from tests.conftest import TEST_CLUSTER, can_namespace, wait_until
+from trainguard.node_tools import cluster, procs
+from trainguard.node_tools.errors import ClusterError
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.transport import LocalTransport, SshTransport, control_dir, transport_for
 
 pytestmark = pytest.mark.cluster
 
@@ -167,7 +167,7 @@ def test_local_transport_fallback(cluster_dir: Path):
         res = transport_for(inv).run(inv.machine("m1"), [inv.tg_node, "info"], timeout=20)
         assert res.ok and res.json()["machine"] == "m1"
         with pytest.raises(Exception, match="no network namespace"):
-            from node_tools import inject
+            from trainguard.node_tools import inject
 
             inject.inject(inv, "m0", "nic_down")
     finally:
@@ -188,7 +188,7 @@ def test_local_transport_fallback(cluster_dir: Path):
 )
 def test_cli_bad_input_is_one_line_and_exit_2(argv, match, tmp_path: Path):
     proc = subprocess.run(
-        [sys.executable, "-m", "operators.cli", "--state-dir", str(tmp_path / "none"), *argv],
+        [sys.executable, "-m", "trainguard.operators.cli", "--state-dir", str(tmp_path / "none"), *argv],
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert proc.returncode == 2
@@ -198,7 +198,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(argv, match, tmp_path: Path):
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "operators.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trainguard.operators.cli", *argv], capture_output=True, text=True,
                           timeout=120, check=False)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from operators.policy.code import LAZY_FORCE_S, UpdateError, becomes_known_good, lazy_due, plan_update
+from trainguard.operators.policy.code import LAZY_FORCE_S, UpdateError, becomes_known_good, lazy_due, plan_update
 
 BASE = {"job": "llm", "current": "r1", "pending": None, "recorded": ["r0", "r1", "r2"], "known_good": ["r0", "r1"]}
 

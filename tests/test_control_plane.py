@@ -30,16 +30,16 @@ from typing import Any
 
 import pytest
 
-from emulation.standalone import Standalone
-from node_tools import cluster, inject, launcher
-from node_tools.inventory import Inventory
-from node_tools.topology import Topology
-from node_tools.transport import transport_for
-from operators.control import ControlConfig, Controller
-from operators.fleet import states
-from operators.policy.rungs import BRANCHES
 from tests.conftest import own_cluster, wait_until
 from tests.jobs import AlertWatch
+from trainguard.emulation.standalone import Standalone
+from trainguard.node_tools import cluster, inject, launcher
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import transport_for
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.fleet import states
+from trainguard.operators.policy.rungs import BRANCHES
 
 # a scenario waits out the last run's end, its fault's incident and its own run's end: each may take minutes
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(1500)]
@@ -400,7 +400,8 @@ def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_clu
     closed = [i for i in ctl.fleet.incidents(JOB) if i.state in ("resolved", "failed")]
     trained = ctl.progress(JOB)["step"]
     env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory}
-    cli = subprocess.run([sys.executable, "-m", "operators.cli", "--json", "ettr", "--job", JOB, "--window-s", "600"],
+    cli = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "--json", "ettr", "--job", JOB,
+                          "--window-s", "600"],
                          capture_output=True, text=True, env=env, timeout=120, check=False)
     assert cli.returncode == 0, cli.stderr
     report = json.loads(cli.stdout)
@@ -413,7 +414,7 @@ def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_clu
     assert total["lost_steps"] >= sum(i.lost_steps or 0 for i in closed)
     recovered = [x for x in report["incidents"] if x["recovery_s"] > 0]
     assert len(recovered) == len([i for i in closed if i.resumed_ts]), report["incidents"]
-    bad = subprocess.run([sys.executable, "-m", "operators.cli", "ettr", "--job", "nosuchjob"],
+    bad = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "ettr", "--job", "nosuchjob"],
                          capture_output=True, text=True, env=env, timeout=120, check=False)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "nosuchjob" in bad.stderr, bad.stderr
 
@@ -645,8 +646,8 @@ def _agent_pid(inv: Inventory, name: str) -> int:
     """The pid of machine ``name``'s agent process (not its supervisor), as the kernel knows it."""
     import json
 
-    from node_tools import agent
-    from node_tools.config import NodeConfig
+    from trainguard.node_tools import agent
+    from trainguard.node_tools.config import NodeConfig
 
     cfg = NodeConfig.load(Path(inv.machine(name).extra["node_config"]))
     doc = agent.processes(cfg)
@@ -688,8 +689,8 @@ def test_forged_and_oversized_alerts_and_a_clock_an_hour_ahead_neither_blind_the
         control, cp_cluster):
     """One alert stamped an hour ahead blinded the guardian for an hour; an alert naming a machine outside the
     inventory stopped and restarted the whole job; a 10 MB evidence field blinded it for 40 s."""
-    from node_tools.alerts import Alert
-    from node_tools.bus import open_bus
+    from trainguard.node_tools.alerts import Alert
+    from trainguard.node_tools.bus import open_bus
 
     ctl, airflow = control
     _repair_evicted(ctl, cp_cluster)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from node_tools.inventory import Inventory
-from node_tools.transport import RunResult, Transport
-from operators.control import Controller
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.transport import RunResult, Transport
+from trainguard.operators.control import Controller
 
 
 def _alert(kind: str, machine: str, rank: int, ts: float) -> dict:
@@ -74,7 +74,7 @@ def test_a_nan_during_a_slow_vote_takes_the_incident_over_once(ctl: Controller):
 
 
 def test_a_claimed_vote_verdict_cannot_be_taken_over_and_a_taken_over_vote_claims_nothing(ctl: Controller):
-    from operators.policy import ladder
+    from trainguard.operators.policy import ladder
 
     [slow] = ctl.ingest([_alert("rank_slow", "m1", 1, 100.0)])
     ctl.triage(slow["incident"])
@@ -110,7 +110,7 @@ def _status(state: str, rc: int | None, inc: int, ranks: dict[int, tuple[int, st
 
 
 def test_a_replay_group_result_is_its_ranks_digests_once_every_part_ended():
-    from operators.control.replay import _replay_result
+    from trainguard.operators.control.replay import _replay_result
 
     done = {"m0": _status("exited", 0, 2, {0: (1, "aa"), 1: (1, "bb")}),
             "m1": _status("exited", 0, 2, {2: (1, "cc"), 3: (1, "dd")})}
@@ -138,7 +138,7 @@ def test_the_replay_verdict_places_the_culprit_with_the_reference_or_says_it_can
 
 
 def test_l3_pairs_neighbours_and_an_odd_one_out_joins_the_last_pair():
-    from operators.control import neighbour_groups
+    from trainguard.operators.control import neighbour_groups
 
     # three machines left after one failed L1 (a full disk): one group of three, not a crash
     assert neighbour_groups(["m0", "m1", "m3"]) == [["m0", "m1", "m3"]]
@@ -147,8 +147,8 @@ def test_l3_pairs_neighbours_and_an_odd_one_out_joins_the_last_pair():
 
 
 def test_an_incident_run_ends_failed_when_its_incident_failed_or_waits_for_a_human(tmp_path: Path, monkeypatch):
-    from node_tools.errors import TrainguardError
-    from operators.tasks import incident as steps
+    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.operators.tasks import incident as steps
 
     c = _controller(tmp_path)
     monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
@@ -165,7 +165,7 @@ def test_an_incident_run_ends_failed_when_its_incident_failed_or_waits_for_a_hum
 
 
 def test_an_incident_runs_note_says_in_one_line_what_happened(tmp_path: Path, monkeypatch):
-    from operators.tasks import incident as steps
+    from trainguard.operators.tasks import incident as steps
 
     c = _controller(tmp_path)
     [lost] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
@@ -188,7 +188,7 @@ def test_an_incident_runs_note_says_in_one_line_what_happened(tmp_path: Path, mo
 def _diag_run(machine: str, *, l2_ok: bool = True, l3_ok: bool = True, digest: str = "d0", level: int = 2):
     import json
 
-    from node_tools.transport import RunResult
+    from trainguard.node_tools.transport import RunResult
 
     tests = [{"name": "compute", "ok": l2_ok, "reason": "" if l2_ok else "3 wrong results"}] if level == 2 else []
     tests.append({"name": "collective_neighbours", "ok": l3_ok, "reason": "" if l3_ok else "peer never came"})

@@ -50,8 +50,8 @@ def test_guardian_is_continuous_with_one_run_and_a_deferrable_sensor(dagbag):
 
 
 def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits_and_closes(dagbag):
-    from operators.policy.rungs import BRANCHES, RUNGS
-    from operators.tasks.rungs import RUNG_ACTIONS
+    from trainguard.operators.policy.rungs import BRANCHES, RUNGS
+    from trainguard.operators.tasks.rungs import RUNG_ACTIONS
 
     dag = dagbag.get_dag("tg_incident")
     triage = dag.get_task("triage")  # triage is the branch (one task hop less before every rung)
@@ -175,7 +175,7 @@ def test_checkpoint_verification_runs_on_commit_events_and_a_schedule_and_always
 def test_the_verification_schedule_follows_the_environment():
     from airflow.sdk import Asset
 
-    from operators.utils.schedules import asset_or_cron
+    from trainguard.operators.utils.schedules import asset_or_cron
 
     asset = Asset("a")
     env = {"TG_X_SCHEDULE": "", "TG_X_ON": "1"}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from node_tools import procs
 from tests.conftest import can_namespace
+from trainguard.node_tools import procs
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.full]
 
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest
 def test_the_demo_recovers_its_scripted_faults_reports_and_leaves_nothing_behind(cluster_dir: Path):
     state, report = cluster_dir, cluster_dir.parent / "demo-report"
     proc = subprocess.run(
-        [sys.executable, "-m", "operators.cli", "--state-dir", str(state), "demo", "--port", "0",
+        [sys.executable, "-m", "trainguard.operators.cli", "--state-dir", str(state), "demo", "--port", "0",
          "--name", "tgd", "--subnet", "10.213.12.0/24", "--report-dir", str(report), "--every", "45",
          "--first", "15", "--faults", "gpu_lost,nan"],
         capture_output=True, text=True, timeout=1400, check=False,

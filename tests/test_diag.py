@@ -1,4 +1,4 @@
-"""Stop-time diagnostics (node_tools.diag) on one machine: levels 1-3 and the alignment test.
+"""Stop-time diagnostics (trainguard.node_tools.diag) on one machine: levels 1-3 and the alignment test.
 
 Every diagnostic runs its tests in worker processes; these tests check the verdicts,
 the reasons and that nothing outlives a timeout. No cluster is needed: level 3 runs
@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from node_tools import diag as d
-from node_tools.config import NodeConfig
-from node_tools.errors import TrainguardError
-from node_tools.faults import write_control
-from node_tools.nvml import EmulatedNvml
 from tests.conftest import free_port
+from trainguard.node_tools import diag as d
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.node_tools.faults import write_control
+from trainguard.node_tools.nvml import EmulatedNvml
 
 
 @pytest.fixture

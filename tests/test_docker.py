@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import yaml
 
-from node_tools import cluster, procs
-from node_tools.inventory import Inventory
-from node_tools.transport import known_hosts_lines, transport_for
 from tests.conftest import can_namespace, wait_until
+from trainguard.node_tools import cluster, procs
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.transport import known_hosts_lines, transport_for
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKER = REPO / "docker"
@@ -94,9 +94,9 @@ def test_the_compose_file_has_airflows_official_services_on_the_trainguard_image
 
 
 def test_ports_connections_and_settings_match_what_the_code_reads():
-    from emulation import standalone
-    from operators.checkpoints import S3Settings
-    from operators.control import ControlConfig
+    from trainguard.emulation import standalone
+    from trainguard.operators.checkpoints import S3Settings
+    from trainguard.operators.control import ControlConfig
 
     c = _compose()
     services = c["services"]
@@ -158,7 +158,7 @@ def test_the_nodes_match_the_inventory_airflow_init_writes():
 
 
 def test_the_node_entrypoint_is_tg_node_up_in_the_foreground():
-    from node_tools.cli import build_parser
+    from trainguard.node_tools.cli import build_parser
 
     entry = _entrypoint(DOCKER / "node.Dockerfile")
     assert entry[:2] == ["tg-node", "up"]

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from emulation import controlplane, scaleout, servers
-from node_tools import job
-from node_tools.config import NodeConfig
-from node_tools.errors import TrainguardError
-from node_tools.inventory import Inventory, Machine
-from node_tools.launcher import JobPlan
-from node_tools.topology import Topology
-from node_tools.transport import FANOUT, RunResult, Transport, transport_for
-from operators.cli import main as run_cli
-from operators.settings import ControlSettings, SettingsError
+from trainguard.emulation import controlplane, scaleout, servers
+from trainguard.node_tools import job
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.launcher import JobPlan
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import FANOUT, RunResult, Transport, transport_for
+from trainguard.operators.cli import main as run_cli
+from trainguard.operators.settings import ControlSettings, SettingsError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -65,7 +65,7 @@ def test_a_round_opens_a_session_to_every_machine_at_once_up_to_the_fanout():
 
 
 def test_the_fanout_is_a_setting_the_controllers_transport_takes(tmp_path, monkeypatch):
-    from operators.control.base import ControllerBase
+    from trainguard.operators.control.base import ControllerBase
 
     inv = _inventory(3)
     inv.save(tmp_path / "inventory.json")
@@ -150,7 +150,7 @@ def test_password_file_lines_escape_what_libpq_would_split_on():
 
 
 def test_a_stop_gives_every_machine_the_limit_it_is_handed_to_be_marked(tmp_path):
-    from node_tools import launcher
+    from trainguard.node_tools import launcher
 
     seen: dict[str, float] = {}
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from node_tools import inject, launcher, procs
-from node_tools.errors import FaultError
-from node_tools.inventory import Inventory
-from node_tools.topology import Topology
-from node_tools.transport import transport_for
 from tests import jobs
 from tests.conftest import wait_until
+from trainguard.node_tools import inject, launcher, procs
+from trainguard.node_tools.errors import FaultError
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import transport_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

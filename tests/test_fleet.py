@@ -11,9 +11,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.operations import Operations
 from alembic.runtime.migration import MigrationContext
 
-from operators.fleet import FleetError, FleetStore, states
-from operators.fleet.migrations import LATEST, MIGRATIONS, VERSION_TABLE, SchemaError, migrate
-from operators.fleet.models import Base
+from trainguard.operators.fleet import FleetError, FleetStore, states
+from trainguard.operators.fleet.migrations import LATEST, MIGRATIONS, VERSION_TABLE, SchemaError, migrate
+from trainguard.operators.fleet.models import Base
 
 
 @pytest.fixture
@@ -83,7 +83,7 @@ def test_opening_the_fleet_database_imports_no_migration_machinery(tmp_path: Pat
     import sys
 
     FleetStore(tmp_path / "fleet.db", migrate=True).close()
-    code = ("import sys; from operators.fleet import FleetStore; FleetStore(sys.argv[1]).jobs(); "
+    code = ("import sys; from trainguard.operators.fleet import FleetStore; FleetStore(sys.argv[1]).jobs(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('alembic', 'mako')))")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "fleet.db")], capture_output=True,
                          text=True, check=True)
@@ -276,7 +276,7 @@ def test_a_standby_is_marked_checked_by_its_check_not_by_the_words_of_its_reason
 
 def _database_before(tmp_path: Path, version: int) -> sa.Engine:
     """A database as the release before migration ``version`` left it: the migrations before it applied."""
-    from operators.fleet import migrations
+    from trainguard.operators.fleet import migrations
 
     engine = sa.create_engine(f"sqlite:///{tmp_path / 'old.db'}")
     with engine.begin() as conn:

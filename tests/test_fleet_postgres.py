@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from operators.fleet import states
-from operators.fleet.migrations import LATEST, MIGRATIONS
-from operators.fleet.store import FleetStore
 from tests import pg
+from trainguard.operators.fleet import states
+from trainguard.operators.fleet.migrations import LATEST, MIGRATIONS
+from trainguard.operators.fleet.store import FleetStore
 
 JOB = "j"
 MACHINES = [f"m{i}" for i in range(8)]

@@ -1,11 +1,11 @@
-"""The Fleet page of the Airflow UI (operators.fleet_view, operators.plugins.fleet) on the scripted fleet: the
-state a job's machines report wins over what the fleet database records."""
+"""The Fleet page of the Airflow UI (trainguard.operators.fleet_view, trainguard.operators.plugins.fleet) on the
+scripted fleet: the state a job's machines report wins over what the fleet database records."""
 
 from __future__ import annotations
 
-from operators import fleet_view
-from operators.plugins import fleet as ui
 from tests.fakes import alert, fleet_controller
+from trainguard.operators import fleet_view
+from trainguard.operators.plugins import fleet as ui
 
 
 def test_a_running_job_shows_running_with_its_machines_revision_step_and_the_pool(tmp_path):
@@ -71,16 +71,17 @@ def test_loading_the_plugin_preloads_what_a_task_process_imports():
     import subprocess
     import sys
 
-    wanted = ["airflow.sdk.execution_time.task_runner", "operators.fleet.models", "operators.hooks.fleet",
-              "operators.hooks.node", "operators.tasks.incident", "operators.tasks.rungs", "paramiko"]
-    code = ("import sys; import operators.plugins.fleet; "
+    wanted = ["airflow.sdk.execution_time.task_runner", "trainguard.operators.fleet.models",
+              "trainguard.operators.hooks.fleet", "trainguard.operators.hooks.node",
+              "trainguard.operators.tasks.incident", "trainguard.operators.tasks.rungs", "paramiko"]
+    code = ("import sys; import trainguard.operators.plugins.fleet; "
             f"print(' '.join(m for m in {wanted!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines()[-1].split() == wanted
 
 
 def test_the_job_forms_offer_the_fleets_jobs_and_prefill_the_first_without_creating_anything(tmp_path, monkeypatch):
-    from operators.utils.forms import fleet_jobs, job_param
+    from trainguard.operators.utils.forms import fleet_jobs, job_param
 
     missing = tmp_path / "nothing-here.db"
     monkeypatch.setenv("TG_FLEET_URL", str(missing))

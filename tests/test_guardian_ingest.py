@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from node_tools.alerts import Alert
-from node_tools.bus import BusReader, open_bus
-from node_tools.inventory import Inventory, Machine
-from node_tools.transport import RunResult, Transport
-from operators.control import ControlConfig, Controller
 from tests.fakes import use_controller
+from trainguard.node_tools.alerts import Alert
+from trainguard.node_tools.bus import BusReader, open_bus
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.transport import RunResult, Transport
+from trainguard.operators.control import ControlConfig, Controller
 
 
 def _controller(tmp_path: Path) -> Controller:
@@ -87,7 +87,7 @@ def test_an_alert_whose_writer_is_an_hour_off_is_handled_by_its_arrival(ctl):
 
 def test_the_cursor_commits_with_the_incidents_or_not_at_all(ctl, monkeypatch):
     event = _read(ctl, Alert("gpu_lost", "m1", job="j"), Alert("kernel_xid", "m1", evidence={"xid": 79}))
-    from operators.fleet import FleetStore
+    from trainguard.operators.fleet import FleetStore
 
     real = FleetStore._attach
 
@@ -118,7 +118,7 @@ class _Quiet(Transport):
 def test_an_eviction_of_machines_outside_the_job_neither_stops_nor_restarts_it(ctl, monkeypatch):
     """Defence in depth: when the explicit fault names a machine that has left the job by the time the rung
     runs (replaced by hand meanwhile), evict_now touches nothing."""
-    from operators.tasks import incident as steps
+    from trainguard.operators.tasks import incident as steps
 
     ctl.transport = _Quiet(ctl.inventory)
     [item] = ctl.ingest([Alert("gpu_lost", "m1", job="j").record()])

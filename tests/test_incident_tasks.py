@@ -11,13 +11,13 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from operators.models import IncidentDecision, Restart, Resume, RungResult
-from operators.policy import ladder, rungs
 from tests.fakes import alert, fleet_controller, recover, replicated_copies, run_incident, use_controller
+from trainguard.operators.models import IncidentDecision, Restart, Resume, RungResult
+from trainguard.operators.policy import ladder, rungs
 
 
 def test_a_closed_incident_whose_restart_job_runs_again_restarts_the_job_and_closes_once_more(tmp_path, monkeypatch):
-    from operators.tasks import incident as steps
+    from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
@@ -44,8 +44,8 @@ def test_a_closed_incident_whose_restart_job_runs_again_restarts_the_job_and_clo
 
 def test_a_restart_job_run_again_while_another_incident_of_the_job_is_open_refuses_and_changes_nothing(
         tmp_path, monkeypatch):
-    from node_tools.errors import TrainguardError
-    from operators.tasks import incident as steps
+    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     first = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
@@ -60,8 +60,8 @@ def test_stop_swap_and_restart_are_tasks_of_their_own_each_from_the_xcom_of_the_
     """The rung decides (no stop, no eviction of its own); stop_job stops the job and hands on what it found
     (machines, steps, checkpoint copies); swap_machines evicts from that with no round of reads; restart_job
     starts the job from it with no round of reads either."""
-    from operators.models import Stop, Swap
-    from operators.tasks import incident as steps
+    from trainguard.operators.models import Stop, Swap
+    from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
@@ -93,8 +93,8 @@ def test_stop_swap_and_restart_are_tasks_of_their_own_each_from_the_xcom_of_the_
 
 def test_stop_job_leaves_a_job_alone_that_the_rung_leaves_alone_unless_an_explicit_fault_joined(tmp_path,
                                                                                                 monkeypatch):
-    from operators.models import Stop
-    from operators.tasks import incident as steps
+    from trainguard.operators.models import Stop
+    from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
@@ -143,8 +143,8 @@ def test_every_rung_of_the_registry_has_a_branch_and_anything_else_goes_to_no_re
 def test_the_resume_sensor_defers_at_once_and_holds_no_worker_while_it_waits():
     from airflow.sdk.exceptions import TaskDeferred
 
-    from operators.sensors.resume import ResumeSensor
-    from operators.triggers.resume import ResumeTrigger
+    from trainguard.operators.sensors.resume import ResumeSensor
+    from trainguard.operators.triggers.resume import ResumeTrigger
 
     sensor = ResumeSensor(task_id="wait_for_resume", incident_id="7",
                           recovery={"restarted": True, "job": "j", "restart_ts": 100.0, "steps_before": 5})
@@ -153,7 +153,7 @@ def test_the_resume_sensor_defers_at_once_and_holds_no_worker_while_it_waits():
     trigger = deferred.value.trigger
     assert isinstance(trigger, ResumeTrigger) and deferred.value.method_name == "execute_complete"
     path, kwargs = trigger.serialize()
-    assert path == "operators.triggers.resume.ResumeTrigger" and kwargs["incident_id"] == 7
+    assert path == "trainguard.operators.triggers.resume.ResumeTrigger" and kwargs["incident_id"] == 7
     assert ResumeTrigger(**kwargs).recovery["restart_ts"] == 100.0  # the triggerer rebuilds it from JSON
     # nothing restarted: nothing to wait for
     assert ResumeSensor(task_id="w", incident_id=7, recovery={"restarted": False}).execute({}) == {"skipped": True}
@@ -162,8 +162,8 @@ def test_the_resume_sensor_defers_at_once_and_holds_no_worker_while_it_waits():
 
 
 def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_fires_once(tmp_path, monkeypatch):
-    from operators.tasks import incident as steps
-    from operators.triggers.resume import ResumeTrigger
+    from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.triggers.resume import ResumeTrigger
 
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
@@ -188,7 +188,7 @@ def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_
 
 
 def test_a_restart_job_run_again_while_its_incident_waits_for_a_human_restarts_and_reopens_it(tmp_path, monkeypatch):
-    from operators.tasks import incident as steps
+    from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
@@ -206,7 +206,7 @@ def test_a_runs_own_resume_limit_overrides_the_setting_and_is_checked(tmp_path, 
     long to load) travels in restart_job's XCom to the resume check; without it the setting holds."""
     import time
 
-    from operators.tasks import incident as steps
+    from trainguard.operators.tasks import incident as steps
 
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
@@ -232,9 +232,9 @@ def test_the_slow_vote_defers_its_rounds_to_the_triggerer_then_decides_from_them
     resumes with them and decides as the rung does."""
     from airflow.sdk.exceptions import TaskDeferred
 
-    from operators.sensors.vote import SlowVoteOperator
-    from operators.tasks import incident as steps
-    from operators.triggers.vote import SlowVoteTrigger
+    from trainguard.operators.sensors.vote import SlowVoteOperator
+    from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.triggers.vote import SlowVoteTrigger
 
     c, fleet = fleet_controller(tmp_path, slow_rounds=3, slow_interval_s=0.01)
     use_controller(monkeypatch, c)
@@ -250,7 +250,7 @@ def test_the_slow_vote_defers_its_rounds_to_the_triggerer_then_decides_from_them
         op.execute({})
     trigger = deferred.value.trigger
     path, kwargs = trigger.serialize()
-    assert path == "operators.triggers.vote.SlowVoteTrigger"
+    assert path == "trainguard.operators.triggers.vote.SlowVoteTrigger"
     assert {k: kwargs[k] for k in ("incident_id", "rounds", "interval_s")} == {
         "incident_id": item["incident"], "rounds": 3, "interval_s": 0.01}
     assert len(kwargs["taken"]) == 1 and kwargs["taken"][0]["1"] == pytest.approx(0.9)  # one round in the worker
@@ -282,8 +282,8 @@ def test_the_slow_vote_defers_its_rounds_to_the_triggerer_then_decides_from_them
 
 
 def test_an_explicit_fault_that_joined_before_the_vote_decides_without_deferring(tmp_path, monkeypatch):
-    from operators.sensors.vote import SlowVoteOperator
-    from operators.tasks import incident as steps
+    from trainguard.operators.sensors.vote import SlowVoteOperator
+    from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
@@ -299,9 +299,9 @@ def test_close_incident_escalates_a_restart_that_did_not_hold_and_waits_for_its_
     again) and the new restart's resume is awaited in the triggerer: close_incident defers, then closes."""
     from airflow.sdk.exceptions import TaskDeferred
 
-    from operators.sensors.close import CloseIncidentOperator
-    from operators.tasks import incident as steps
-    from operators.triggers.resume import ResumeTrigger
+    from trainguard.operators.sensors.close import CloseIncidentOperator
+    from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.triggers.resume import ResumeTrigger
 
     url = f"file://{tmp_path / 'remote'}"
     c, fleet = fleet_controller(tmp_path, train_args=["--checkpoint", "--checkpoint-remote", url])
@@ -344,9 +344,9 @@ def test_silent_corruption_watches_both_replay_phases_in_the_triggerer_then_evic
     the machine in a failing horizontal and a failing vertical group is evicted."""
     from airflow.sdk.exceptions import TaskDeferred
 
-    from operators.sensors.replay import SilentCorruptionOperator
-    from operators.tasks import incident as steps
-    from operators.triggers.replay import ReplayTrigger
+    from trainguard.operators.sensors.replay import SilentCorruptionOperator
+    from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.triggers.replay import ReplayTrigger
 
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
@@ -382,7 +382,7 @@ def test_silent_corruption_watches_both_replay_phases_in_the_triggerer_then_evic
     assert fleet.sent("align") or fleet.sent("diag")  # the alignment test ran, in the worker
     assert sorted(launched_groups[0]) == ["h0", "h1", "ref"] and not stopped  # computing: nothing stopped yet
     path, kwargs = h.value.trigger.serialize()
-    assert path == "operators.triggers.replay.ReplayTrigger"
+    assert path == "trainguard.operators.triggers.replay.ReplayTrigger"
     event = asyncio.run(fire(ReplayTrigger(**{**kwargs, "poll_s": 0.01})))
     assert stopped == [["h0", "h1", "ref"]] and len(polls) == 2  # watched until done, then its groups ended
     with pytest.raises(TaskDeferred) as v:
@@ -397,7 +397,7 @@ def test_silent_corruption_watches_both_replay_phases_in_the_triggerer_then_evic
 
 
 def test_a_replay_group_without_a_result_in_time_counts_as_failed_and_every_group_is_ended(tmp_path, monkeypatch):
-    from operators.triggers.replay import ReplayTrigger
+    from trainguard.operators.triggers.replay import ReplayTrigger
 
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)

@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from node_tools import faults
-from node_tools.errors import FaultError
-from node_tools.monitor import JobMonitor, read_heartbeat, read_steps
-from node_tools.nvml import EmulatedNvml
+from trainguard.node_tools import faults
+from trainguard.node_tools.errors import FaultError
+from trainguard.node_tools.monitor import JobMonitor, read_heartbeat, read_steps
+from trainguard.node_tools.nvml import EmulatedNvml
 
 
 def test_every_fault_from_the_foundation_issue_is_in_the_catalogue():

@@ -8,9 +8,9 @@ import shlex
 
 import pytest
 
-from node_tools.errors import InventoryError
-from node_tools.inventory import Inventory
-from node_tools.transport import SshTransport, known_hosts_lines
+from trainguard.node_tools.errors import InventoryError
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.transport import SshTransport, known_hosts_lines
 
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHc2m0VvCq6S7yJ7w0QpR0Zt3xGk0b8h8m3c8c8c8c8c"
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from node_tools.topology import Topology
-from operators.utils import mapping
 from tests.fakes import FakeFleet, fleet_controller, use_controller
+from trainguard.node_tools.topology import Topology
+from trainguard.operators.utils import mapping
 
 
 @pytest.mark.parametrize(("n", "cap", "tasks", "largest"), [
@@ -35,7 +35,7 @@ def test_a_batch_is_named_after_its_machines():
 
 
 def test_a_diagnosis_past_one_expansions_limit_maps_in_batches_and_reports_each_machine_once(tmp_path, monkeypatch):
-    from operators.tasks import common, diagnose
+    from trainguard.operators.tasks import common, diagnose
 
     c, fleet = fleet_controller(tmp_path, machines=1100, active=1100, topology=Topology(tp=1, pp=2, dp=550))
     use_controller(monkeypatch, c)
@@ -59,8 +59,8 @@ def test_a_diagnosis_past_one_expansions_limit_maps_in_batches_and_reports_each_
 
 
 def test_a_named_machine_the_inventory_lacks_is_refused_before_any_task(tmp_path, monkeypatch):
-    from node_tools.errors import TrainguardError
-    from operators.tasks import diagnose
+    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.operators.tasks import diagnose
 
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
@@ -69,10 +69,10 @@ def test_a_named_machine_the_inventory_lacks_is_refused_before_any_task(tmp_path
 
 
 def test_the_pool_self_checks_more_machines_than_one_expansion_holds(tmp_path, monkeypatch):
-    from node_tools.inventory import Inventory, Machine
-    from operators.control import ControlConfig, Controller
-    from operators.fleet import states
-    from operators.tasks import common, standby_pool
+    from trainguard.node_tools.inventory import Inventory, Machine
+    from trainguard.operators.control import ControlConfig, Controller
+    from trainguard.operators.fleet import states
+    from trainguard.operators.tasks import common, standby_pool
 
     roles = ["active"] * 4 + ["free"] * 7
     inv = Inventory(cluster="t", transport="local", bus_url=f"spool://{tmp_path / 'bus'}",

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from emulation.standalone import free_port
-from operators import metrics
-from operators.control import Controller
 from tests.conftest import wait_until
+from trainguard.emulation.standalone import free_port
+from trainguard.operators import metrics
+from trainguard.operators.control import Controller
 
 
 def _fleet(tmp_path: Path) -> Controller:
@@ -84,11 +84,11 @@ def test_a_scrape_says_how_old_the_newest_verified_checkpoint_is_and_the_newest_
 def test_the_command_serves_a_scrape_over_http_and_refuses_a_bad_port(tmp_path: Path):
     c = _fleet(tmp_path)
     env = {"TG_FLEET_URL": c.cfg.fleet_url, "PATH": str(Path(sys.executable).parent)}
-    bad = subprocess.run([sys.executable, "-m", "operators.cli", "metrics", "--port", "70000"], env=env,
+    bad = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "metrics", "--port", "70000"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == "trainguard: --port 70000 must be 1..65535"
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "operators.cli", "metrics", "--port", str(port)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard.operators.cli", "metrics", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         def scrape() -> str | None:
@@ -107,7 +107,7 @@ def test_the_command_serves_a_scrape_over_http_and_refuses_a_bad_port(tmp_path: 
 
 def test_status_and_metrics_say_when_the_guardian_is_silent_an_agent_is_silent_or_a_human_is_needed(
         tmp_path: Path, monkeypatch):
-    from operators import status
+    from trainguard.operators import status
 
     c = _fleet(tmp_path)
     now = time.time()
@@ -142,7 +142,7 @@ def test_status_and_metrics_say_when_the_guardian_is_silent_an_agent_is_silent_o
 def test_the_status_command_exits_1_when_something_needs_a_human(tmp_path: Path, monkeypatch, capsys):
     import json
 
-    from operators.cli import main
+    from trainguard.operators.cli import main
 
     c = _fleet(tmp_path)
     monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
@@ -161,7 +161,7 @@ def test_status_finds_the_airflow_a_demo_kept_running_and_nothing_where_none_run
     not import the harness): its process group's pid and its URL."""
     import os
 
-    from operators.status import kept_airflow_url
+    from trainguard.operators.status import kept_airflow_url
 
     home = tmp_path / "control" / "airflow"
     assert kept_airflow_url(home) == ""  # nothing there

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from node_tools import inject, launcher
-from node_tools.inventory import Inventory
-from node_tools.topology import Topology
-from node_tools.transport import transport_for
 from tests import jobs
 from tests.conftest import free_port
+from trainguard.node_tools import inject, launcher
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import transport_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -132,8 +132,8 @@ def test_a_killed_agent_is_restarted_by_its_supervisor(ns_cluster: Inventory):
     import signal
     from pathlib import Path
 
-    from node_tools import procs
     from tests.conftest import wait_until
+    from trainguard.node_tools import procs
 
     status = Path(ns_cluster.machine("m5").extra["machine_dir"]) / "agent" / "status.json"
 

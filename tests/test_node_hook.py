@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from node_tools import inject
-from node_tools.inventory import Inventory
-from operators.hooks.node import NodeHook
+from trainguard.node_tools import inject
+from trainguard.node_tools.inventory import Inventory
+from trainguard.operators.hooks.node import NodeHook
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from node_tools.topology import Topology
-from operators.policy import ettr, ladder, runtime, sdc
+from trainguard.node_tools.topology import Topology
+from trainguard.operators.policy import ettr, ladder, runtime, sdc
 
 JOB = ["m0", "m1", "m2", "m3"]
 TOPO = Topology(tp=2, pp=2, dp=2)  # m0 = dp0 pp0, m1 = dp0 pp1, m2 = dp1 pp0, m3 = dp1 pp1

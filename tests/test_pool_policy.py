@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from operators.policy.pool import (
+from trainguard.operators.policy.pool import (
     DAY_S,
     PRIOR_RATE,
     Event,
@@ -90,8 +90,8 @@ def test_bad_input_says_what_is_wrong(call, message: str):
 
 # ---- the pool job's plan and claim against a fleet database (self-checks need machines: the e2e test) ----
 def _fleet(tmp_path, free: int = 3):
-    from node_tools.inventory import Inventory, Machine
-    from operators.control import ControlConfig, Controller
+    from trainguard.node_tools.inventory import Inventory, Machine
+    from trainguard.operators.control import ControlConfig, Controller
 
     roles = ["active"] * 4 + ["standby"] + ["free"] * free
     inv = Inventory(cluster="t", transport="local",
@@ -104,8 +104,8 @@ def _fleet(tmp_path, free: int = 3):
 
 
 def test_the_pool_job_claims_free_machines_for_a_target_and_refuses_one_it_cannot_fill(tmp_path):
-    from operators import standby_pool
-    from operators.fleet import states
+    from trainguard.operators import standby_pool
+    from trainguard.operators.fleet import states
 
     c = _fleet(tmp_path)
     plan = standby_pool.plan(c)

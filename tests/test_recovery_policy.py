@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from node_tools.topology import Topology
 from tests.fakes import alert, fleet_controller, run_incident, use_controller
+from trainguard.node_tools.topology import Topology
 
 
 def test_a_stopped_rank_the_stacks_see_running_is_not_evicted_on_the_alerts_word(tmp_path, monkeypatch):
@@ -50,7 +50,7 @@ def test_a_hung_pipeline_larger_than_the_pool_swaps_its_stopped_ranks_machine_an
     assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m4"]  # m3 out, m2 kept in its place
     [ev] = [a for a in c.fleet.actions(out["incident"]) if a.kind == "evict"]
     assert ev.outcome == "done" and ev.evidence["deferred"] == ["m2"] and json.loads(ev.detail) == {"m3": "m4"}
-    from operators.tasks.incident import incident_note
+    from trainguard.operators.tasks.incident import incident_note
 
     assert "evicted m3 -> standby m4; kept m2 of the group (too few standbys)" in incident_note(c, out["incident"])
     # asked again (the task cleared and run again), it does nothing more
@@ -149,8 +149,8 @@ DEMO = Topology(tp=2, pp=2, dp=2)  # m0..m3 hold ranks 0,1 | 2,3 | 4,5 | 6,7; m0
 
 
 def _two_fail_l2(tmp_path, *, remote: bool = True, older_in_remote: int | None = None):
-    from checkpoint.s3 import open_tier
     from tests.fakes import replicated_copies
+    from trainguard.checkpoint.s3 import open_tier
 
     url = f"file://{tmp_path / 'remote'}"
     c, fleet = fleet_controller(tmp_path, topology=DEMO,
@@ -166,7 +166,7 @@ def _two_fail_l2(tmp_path, *, remote: bool = True, older_in_remote: int | None =
 def test_an_eviction_that_would_take_every_copy_of_a_rank_rescues_them_to_the_remote_tier_first(tmp_path, monkeypatch):
     """Two machines that held each other's replicas failed L2 and were both evicted: the restart found no
     copy of ranks 0, 1, 6, 7 and the job died with all its progress, while the copies sat on their disks."""
-    from checkpoint.s3 import open_tier
+    from trainguard.checkpoint.s3 import open_tier
 
     c, fleet, url = _two_fail_l2(tmp_path)
     out = run_incident(c, [alert("rank_exit", "m1", rank=2)], monkeypatch)
@@ -237,7 +237,7 @@ def test_a_tie_with_no_reference_evicts_nobody(tmp_path, monkeypatch):
 
 
 def test_the_alignment_verdict_trusts_a_strict_majority_or_a_matching_reference():
-    from operators.policy.sdc import align_outliers
+    from trainguard.operators.policy.sdc import align_outliers
 
     assert align_outliers({"a": "x", "b": "x", "c": "y"})[:2] == ("x", ["c"])
     assert align_outliers({"a": "x", "b": "y"})[:2] == (None, [])
@@ -303,7 +303,7 @@ def test_a_restart_that_finds_no_step_to_restore_rescues_the_copies_and_restarts
 
 
 def test_a_recovery_that_keeps_failing_waits_for_a_human_and_says_so(tmp_path, monkeypatch):
-    from operators.tasks import incident as steps
+    from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path, restart_attempts=2)
     fleet.restore_fails = True  # and there is nothing to rescue: no remote tier, no copies
@@ -387,7 +387,7 @@ def test_diagnosis_runs_at_most_diag_concurrency_machines_at_once(tmp_path, monk
 
 
 def test_the_peer_judgement_forgives_shared_slowness_only():
-    from operators.policy.diagnosis import forgiven_by_peers
+    from trainguard.operators.policy.diagnosis import forgiven_by_peers
 
     def doc(gbps: float, *, wrong: bool = False) -> dict:
         return {"tests": [{"name": "compute", "ok": not wrong, "reason": "2 results wrong" if wrong else ""},
@@ -420,14 +420,14 @@ def test_an_update_that_skipped_its_rearm_for_an_open_incident_is_rearmed_when_t
     """A hot update consumed the job's warm interpreters while a slowdown's incident was open: the update's
     run left the re-arm to the incident's run, which re-armed only after a restart of its own. The
     incident closed without one, and the job's next restart would have started cold."""
-    from operators.tasks import incident as steps
+    from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     c.fleet.set_job_state("j", "running")
     [opened] = c.ingest([alert("rank_slow", "m1", rank=1)])
     fleet.parked -= {"m0", "m1", "m2", "m3"}  # the update restarted the job on them
-    from operators.tasks import code_update
+    from trainguard.operators.tasks import code_update
 
     skipped = code_update.code_rearm({"restarts": [{"job": "j"}]})["j"]
     assert skipped == {"skipped": f"incident {opened['incident']} of job j is open; its run re-arms when it ends"}

@@ -22,9 +22,9 @@ import torch
 from examples.gpt3d.data import MarkovData
 from examples.gpt3d.train import main as train_main
 from examples.gpt3d.train import shuffle_window
-from node_tools.monitor import read_heartbeat, read_steps
-from node_tools.topology import Topology
 from tests.conftest import free_port
+from trainguard.node_tools.monitor import read_heartbeat, read_steps
+from trainguard.node_tools.topology import Topology
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = "examples/gpt3d/train.py"
@@ -173,7 +173,7 @@ def test_a_nan_step_is_never_trained_on_nor_snapshotted(tmp_path: Path):
     goes on with the next batch from finite parameters; no copy of the NaN step is ever written."""
     import json
 
-    from checkpoint import layout
+    from trainguard.checkpoint import layout
 
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     control = tmp_path / "faults.json"

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from node_tools import monitor
-from operators.control import jobs as jobs_mod
 from tests.fakes import fleet_controller
+from trainguard.node_tools import monitor
+from trainguard.operators.control import jobs as jobs_mod
 
 
 def _write(rd: Path, records: list[dict], *, torn: str = "") -> Path:
@@ -94,8 +94,8 @@ def test_questions_about_a_storms_incident_load_only_the_alerts_they_ask_about(t
     of them loads the storm."""
     import sqlalchemy as sa
 
-    from operators.fleet.models import Alert
     from tests.fakes import alert
+    from trainguard.operators.fleet.models import Alert
 
     c, _fake = fleet_controller(tmp_path)
     t0 = 1_000_000.0

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from node_tools.alerts import (
+from tests.test_alert_trigger import first_event
+from trainguard.node_tools.alerts import (
     ALERT_JSON_SCHEMA,
     MAX_ALERT_BYTES,
     MAX_BATCH_ALERTS,
@@ -21,11 +22,10 @@ from node_tools.alerts import (
     parse_document,
     validate,
 )
-from node_tools.bus import BusReader, S3Bus, SpoolBus, open_bus
-from operators.fleet import FleetStore, states
-from operators.triggers import alerts as trigger_module
-from operators.triggers.alerts import AlertTrigger, _Watch
-from tests.test_alert_trigger import first_event
+from trainguard.node_tools.bus import BusReader, S3Bus, SpoolBus, open_bus
+from trainguard.operators.fleet import FleetStore, states
+from trainguard.operators.triggers import alerts as trigger_module
+from trainguard.operators.triggers.alerts import AlertTrigger, _Watch
 
 
 def hang(machine: str, rank: int, **over) -> Alert:
@@ -121,9 +121,9 @@ def test_a_batch_holds_one_machines_alerts_within_the_document_limits():
 
 
 def test_the_agent_publishes_the_alerts_of_one_round_as_one_object(tmp_path):
-    from node_tools.agent import Agent, AgentSettings
-    from node_tools.checks import Check, Finding
-    from node_tools.config import NodeConfig
+    from trainguard.node_tools.agent import Agent, AgentSettings
+    from trainguard.node_tools.checks import Check, Finding
+    from trainguard.node_tools.config import NodeConfig
 
     class Ranks(Check):
         name, interval_s = "ranks", 1.0

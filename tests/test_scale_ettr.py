@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from node_tools.inventory import Inventory, Machine
-from operators.control import ControlConfig
-from operators.control.ettr import EttrLedger
-from operators.fleet import FleetStore
-from operators.fleet.states import IncidentState
-from operators.fleet.store import OPEN_INCIDENT_STATES
-from operators.policy import ettr
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.operators.control import ControlConfig
+from trainguard.operators.control.ettr import EttrLedger
+from trainguard.operators.fleet import FleetStore
+from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
+from trainguard.operators.policy import ettr
 
 
 # ---- the reference: the definition, record by record -------------------------------------------------------
@@ -282,9 +282,9 @@ def test_the_report_reads_each_step_record_the_same_number_of_times_whatever_the
 def test_a_report_says_which_machines_did_not_answer_for_their_step_records(tmp_path: Path, monkeypatch):
     """A machine that cannot be asked may hold part of the history: the report is marked partial, naming it,
     instead of passing a part of the history for the whole."""
-    from operators.tasks import common
-    from operators.tasks import ettr as ettr_task
     from tests.fakes import fleet_controller, use_controller
+    from trainguard.operators.tasks import common
+    from trainguard.operators.tasks import ettr as ettr_task
 
     c, fake = fleet_controller(tmp_path)
     fake.records = [{"step": s, "incarnation": 0, "ts": 1000.0 + s, "step_time_s": 1.0} for s in range(1, 30)]

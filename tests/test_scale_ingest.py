@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from node_tools.alerts import Alert
-from node_tools.inventory import Inventory, Machine
-from operators.control import ControlConfig, Controller
-from operators.control.incidents import LISTED_MACHINES
-from operators.fleet import FleetStore
-from operators.fleet.store import CHUNK
-from operators.tasks.guardian import group_alerts
+from trainguard.node_tools.alerts import Alert
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.control.incidents import LISTED_MACHINES
+from trainguard.operators.fleet import FleetStore
+from trainguard.operators.fleet.store import CHUNK
+from trainguard.operators.tasks.guardian import group_alerts
 
 RANKS_PER_MACHINE = 8
 BIG = 250  # machines of the large job: 2,000 ranks, two chunks of alerts
@@ -34,7 +34,7 @@ def _postgres_missing() -> str:
         from tests import pg
     except ImportError as exc:
         return f"no PostgreSQL driver or test server helper ({exc})"
-    from node_tools.errors import ClusterError
+    from trainguard.node_tools.errors import ClusterError
 
     try:
         pg.ensure_pg_binaries()

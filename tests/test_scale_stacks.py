@@ -10,9 +10,9 @@ from typing import ClassVar
 
 import pytest
 
-from node_tools.stacks import stack_signature
-from node_tools.topology import Topology
-from operators.policy import runtime
+from trainguard.node_tools.stacks import stack_signature
+from trainguard.node_tools.topology import Topology
+from trainguard.operators.policy import runtime
 
 FRAMES = [f"f{i} (m{i % 3}.py)" for i in range(9)]
 

@@ -11,10 +11,10 @@ import random
 
 import pytest
 
-from node_tools.errors import ClusterError, InventoryError, TopologyError
-from node_tools.inventory import Inventory, Machine
-from node_tools.launcher import JobPlan
-from node_tools.topology import GROUP_KINDS, MAX_BACKUP_CANDIDATES, Topology, clear_layout_caches
+from trainguard.node_tools.errors import ClusterError, InventoryError, TopologyError
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.launcher import JobPlan
+from trainguard.node_tools.topology import GROUP_KINDS, MAX_BACKUP_CANDIDATES, Topology, clear_layout_caches
 
 # ---- the reference: the placement, groups and machines as first written (quadratic in the ranks) ----------
 

@@ -2,7 +2,7 @@
 Airflow's metadata database and the fleet database, the CeleryExecutor with Redis, two Celery workers each in a
 network namespace of its own (its own Airflow home, its own copy of the deployment's files), two schedulers, a
 separate api-server, dag-processor and triggerer, and the alert bus on S3 (``moto_server``), over a namespace
-cluster whose agents publish to that bus (:mod:`emulation.scaleout`).
+cluster whose agents publish to that bus (:mod:`trainguard.emulation.scaleout`).
 
 Three of the shared tier's scenarios run under it. A GPU falls off the bus on one of the guarded job's machines:
 the machine is evicted and a warm standby takes its place, while one of the two schedulers is killed (SIGKILL,
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 
-from emulation import scaleout
-from emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob
-from node_tools import cluster
-from operators.fleet import states
 from tests.conftest import can_namespace
+from trainguard.emulation import scaleout
+from trainguard.emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob
+from trainguard.node_tools import cluster
+from trainguard.operators.fleet import states
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.scaleout,
               pytest.mark.timeout(1200)]

@@ -21,14 +21,14 @@ from typing import Any
 
 import pytest
 
-from emulation.standalone import Standalone
-from node_tools import cluster, inject, launcher
-from node_tools.inventory import Inventory
-from node_tools.topology import Topology
-from node_tools.transport import transport_for
-from operators.control import ControlConfig, Controller
-from operators.fleet import states
 from tests.conftest import moto_server, own_cluster, wait_until
+from trainguard.emulation.standalone import Standalone
+from trainguard.node_tools import cluster, inject, launcher
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import transport_for
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.fleet import states
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.full]
 
@@ -122,7 +122,7 @@ def _copies(inv: Inventory, step: int) -> list[Path]:
 
 
 def _s3_steps(endpoint: str) -> dict[int, dict[int, bool]]:
-    from checkpoint.s3 import S3Tier
+    from trainguard.checkpoint.s3 import S3Tier
 
     return S3Tier(f"{S3_URL}/{JOB}", endpoint_url=endpoint).steps()
 

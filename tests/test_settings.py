@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from operators.settings import ControlSettings, SettingsError, markdown_table
+from trainguard.operators.settings import ControlSettings, SettingsError, markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from operators.policy import ladder
-from operators.sim import engine, model, profiles
-from operators.sim.model import DAY_S, FailureKind, Profile
+from trainguard.operators.policy import ladder
+from trainguard.operators.sim import engine, model, profiles
+from trainguard.operators.sim.model import DAY_S, FailureKind, Profile
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -68,8 +68,8 @@ CASES = [("gpu_lost", "machine_fault"), ("nic_down", "network"), ("rank_exit", "
 @pytest.mark.parametrize(("alert_kind", "sim_kind"), CASES)
 def test_the_simulator_decides_what_the_control_planes_triage_task_decides(tmp_path: Path, monkeypatch,
                                                                           alert_kind: str, sim_kind: str):
-    from operators.tasks import incident as incident_tasks
     from tests.fakes import fleet_controller, use_controller
+    from trainguard.operators.tasks import incident as incident_tasks
 
     c, _ = fleet_controller(tmp_path, train_args=())
     use_controller(monkeypatch, c)
@@ -116,7 +116,7 @@ def test_the_simulator_and_the_control_plane_share_one_ladder_and_one_escalation
     (["--model", "{kind}"], "kinds.hang has unknown key 'rat'"),
 ])
 def test_bad_input_is_refused_in_one_line_with_exit_code_2(tmp_path: Path, capsys, argv: list[str], message: str):
-    from operators import cli
+    from trainguard.operators import cli
 
     files = {"{bad}": ("bad.yaml", "rate_per_machine_day: -0.1\n"), "{key}": ("key.json", '{"rate": 1}'),
              "{kind}": ("kind.yaml", "kinds:\n  hang: {rat: 2}\n")}

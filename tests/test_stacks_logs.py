@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from node_tools import faults, job, monitor, procs
-from node_tools.config import NodeConfig
-from node_tools.errors import TrainguardError
-from node_tools.logs import classify, logs, parse_torchrun_report, strip_prefix
-from node_tools.stacks import dump_process, find_py_spy, stack_signature, stacks
 from tests.conftest import free_port, wait_until
+from trainguard.node_tools import faults, job, monitor, procs
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.node_tools.logs import classify, logs, parse_torchrun_report, strip_prefix
+from trainguard.node_tools.stacks import dump_process, find_py_spy, stack_signature, stacks
 
 REPO = Path(__file__).parents[1]
 TRAIN_PY = REPO / "examples" / "gpt3d" / "train.py"

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from node_tools import job, monitor, procs, standby
-from node_tools.config import NodeConfig
-from node_tools.errors import TrainguardError
 from tests.conftest import free_port, wait_until
+from trainguard.node_tools import job, monitor, procs, standby
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.errors import TrainguardError
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from node_tools import cli
-from node_tools.config import NodeConfig
+from trainguard.node_tools import cli
+from trainguard.node_tools.config import NodeConfig
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_clearing_a_gpu_fault_empties_the_emulated_kernel_log(tmp_path, monkeypa
 
 
 def test_os_errors_are_one_line_json(node, capsys, monkeypatch):
-    from node_tools import job
+    from trainguard.node_tools import job
 
     def full(*_a, **_k):
         raise OSError(28, "No space left on device", "/disk/jobs/x/job.json")
@@ -126,7 +126,7 @@ def test_os_errors_are_one_line_json(node, capsys, monkeypatch):
 
 def test_ctrl_c_is_exit_130_with_a_one_line_error(node, capsys, monkeypatch):
     """The README documents 130 for an interrupted command, everywhere; tg-node answered 2."""
-    from node_tools import job
+    from trainguard.node_tools import job
 
     def interrupted(*_a, **_k):
         raise KeyboardInterrupt

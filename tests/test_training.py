@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from node_tools import launcher
-from node_tools.inventory import Inventory
-from node_tools.topology import Topology
 from tests import jobs
 from tests.conftest import wait_until
+from trainguard.node_tools import launcher
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.topology import Topology
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.full]
 

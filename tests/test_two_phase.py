@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from node_tools import cli
-from node_tools.config import NodeConfig
-from node_tools.inventory import SCHEMA_VERSION, Inventory
-from node_tools.transport import LocalTransport, SshTransport
+from trainguard.node_tools import cli
+from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.inventory import SCHEMA_VERSION, Inventory
+from trainguard.node_tools.transport import LocalTransport, SshTransport
 
 TG_NODE = str(Path(sys.executable).with_name("tg-node"))
 # phase 1: leave a mark (after DELAY s: the slow machine); phase 2: say which marks exist
@@ -78,7 +78,7 @@ def test_wait_go_prints_the_mark_then_stops_once_stdin_ends(tmp_path: Path, monk
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_two_phases_over_openssh_and_paramiko(ns_cluster: Inventory, tmp_path: Path, monkeypatch):
-    from operators.hooks.node import NodeHook
+    from trainguard.operators.hooks.node import NodeHook
 
     monkeypatch.delenv("AIRFLOW_CONN_TG_SSH", raising=False)
     names = ["m0", "m1", "m2", "m3"]
@@ -94,10 +94,10 @@ def test_two_phases_over_openssh_and_paramiko(ns_cluster: Inventory, tmp_path: P
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_a_stop_in_one_round_marks_everywhere_first_raises_no_alert_and_reads_the_logs(ns_cluster: Inventory):
-    from node_tools import launcher
-    from node_tools.topology import Topology
     from tests import jobs
     from tests.conftest import wait_until
+    from trainguard.node_tools import launcher
+    from trainguard.node_tools.topology import Topology
 
     active = ns_cluster.by_role("active")
     plan = jobs.start(ns_cluster, "stop2p", Topology(tp=2, pp=2, dp=2), active)
@@ -130,7 +130,7 @@ def test_a_stop_in_one_round_marks_everywhere_first_raises_no_alert_and_reads_th
 
 @pytest.mark.parametrize("max_two_phase", [256, 1])
 def test_a_stop_of_more_machines_than_sessions_held_at_once_takes_a_round_per_phase(tmp_path: Path, max_two_phase):
-    from node_tools import launcher
+    from trainguard.node_tools import launcher
 
     configs = {}
     for name in ("a", "b"):

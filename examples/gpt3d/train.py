@@ -9,24 +9,26 @@ or as ``python -m examples.gpt3d.train`` (a single process without torchrun runs
 with world size 1, e.g. ``--tp 1 --pp 1 --dp 1``). The backend is gloo on CPU and
 nccl (one GPU per local rank) when CUDA is available.
 
-Ranks are laid out by :class:`node_tools.topology.Topology`
+Ranks are laid out by :class:`trainguard.node_tools.topology.Topology`
 (``rank = (dp * PP + pp) * TP + tp``). A step runs a GPipe schedule (every
 micro-batch forward, then every micro-batch backward, activations and their
 gradients sent point to point between consecutive stages), averages gradients
 over the DP group, computes the global gradient norm, clips and applies AdamW.
 
-Each step every rank records (``monitor.step_end``) the same ``loss``: the last
+Each step every rank records (``guard.step``) the same ``loss``: the last
 stage's mean micro-batch loss, broadcast over the PP group (an all-reduce where
 the other stages contribute zero) and averaged over the DP replicas. The extra
 field ``replica_loss`` keeps the loss of the rank's own replica (before the DP
 mean), ``param_digest`` a CRC32 of the rank's parameters, equal on DP peers, and
 ``dp_digests`` / ``dp_digests_match``: every DP peer's digest, gathered each step,
 so a replica whose parameters drifted (silent data corruption) shows at once.
-Every collective and point-to-point transfer goes through the trainguard
-monitor hook (:class:`node_tools.monitor.JobMonitor`), which keeps each rank's
-heartbeat and per-step records and applies the emulated cluster's in-job faults.
+The job meets trainguard through its public face only, :class:`trainguard.torch.Guard`:
+every collective and point-to-point transfer is counted by ``guard.collective``, each
+step runs in ``guard.step`` (heartbeat, step record, snapshot), ``s.ok`` decides
+whether the update is applied (a non-finite loss or gradient norm skips it and the
+rank holds still for the control plane), and ``guard.restore`` says where to resume.
 
-Checkpoints (:mod:`checkpoint`): with ``--checkpoint`` (off by default), every
+Checkpoints (:mod:`trainguard.checkpoint`): with ``--checkpoint`` (off by default), every
 ``--checkpoint-every`` steps each rank snapshots its parameters, optimizer
 state, RNG and data position (the step) into a CPU buffer; the background
 writes it to the machine's disk (``--checkpoint-dir``, default ``TG_CHECKPOINT``
@@ -53,7 +55,6 @@ if __package__ in (None, ""):  # run by file path (torchrun examples/gpt3d/train
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import argparse
-import math
 import os
 import time
 import zlib
@@ -66,9 +67,19 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from examples.gpt3d.data import MarkovData
 from examples.gpt3d.model import GPTConfig, Stage, TPComm, full_parameter_count
-from node_tools.errors import TopologyError, TrainguardError
-from node_tools.monitor import JobMonitor
-from node_tools.topology import GROUP_KINDS, RankCoords, Topology
+from trainguard.torch import (
+    GROUP_KINDS,
+    Guard,
+    JobMonitor,
+    RankCoords,
+    ReferenceCopy,
+    RestoreError,
+    Topology,
+    TopologyError,
+    TrainguardError,
+    checkpoint_config_from_env,
+    heartbeat,
+)
 
 PROG = "gpt3d"
 
@@ -187,30 +198,21 @@ def check_layout(args: argparse.Namespace, world_size: int, ranks_per_machine: i
     return topo
 
 
-def make_checkpointer(args: argparse.Namespace, topo: Topology, rank: int, local_rank: int,
-                      model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
-    """The rank's :class:`checkpoint.engine.Checkpointer` (it creates the checkpoint's own process groups)."""
-    from checkpoint.config import CheckpointConfig, default_s3_url, expand_root, root_template
-    from checkpoint.engine import Checkpointer
-
-    rpm = args.checkpoint_ranks_per_machine or topo.ranks_per_machine
-    machine = rank // rpm
-    cfg = CheckpointConfig(
-        root=expand_root(root_template(args.checkpoint_dir), machine=machine, rank=rank, local_rank=local_rank),
+def checkpoint_config(args: argparse.Namespace) -> Any:
+    """The rank's checkpoint configuration from the command line, or False."""
+    if not args.checkpoint:
+        return False
+    return checkpoint_config_from_env(
+        root=args.checkpoint_dir, s3_url=args.checkpoint_s3, ranks_per_machine=args.checkpoint_ranks_per_machine,
         every_steps=args.checkpoint_every, keep=args.checkpoint_keep,
-        s3_url=args.checkpoint_s3 if args.checkpoint_s3 is not None else default_s3_url(),
         s3_every_steps=args.checkpoint_s3_every, verify_every_steps=args.checkpoint_verify_every,
-        s3_endpoint_url=os.environ.get("TG_S3_ENDPOINT_URL", ""),
         restore=args.restore, restore_max_step=args.restore_max_step,
-        ranks_per_machine=args.checkpoint_ranks_per_machine,
         control_timeout_s=args.collective_timeout_s, measure_memcpy=args.checkpoint_measure_memcpy,
         background_nice=args.checkpoint_nice, saver=args.checkpoint_saver,
         # an emulated accelerator: the state is copied while the host waits for it, as a side stream does; only
         # with the saver process, which persists a snapshot handed over even as the rank fails
         copy_at_idle=args.emulate_device_s > 0 and args.checkpoint_saver == "process",
         saver_idle_s=args.checkpoint_saver_idle_s, backpressure_wait_s=args.checkpoint_wait_s)
-    return Checkpointer(cfg, topology=topo, rank=rank, model=model, optimizer=optimizer,
-                        job=os.environ.get("TG_JOB", "job"), incarnation=int(os.environ.get("TG_INCARNATION", "0")))
 
 
 def shuffle_window(tokens: torch.Tensor, window: int) -> torch.Tensor:
@@ -232,14 +234,12 @@ def shuffle_window(tokens: torch.Tensor, window: int) -> torch.Tensor:
 class Trainer:
     """One rank of the job: its stage of the model, its groups, and the step loop."""
 
-    def __init__(self, args: argparse.Namespace, topo: Topology, rank: int, monitor: JobMonitor,
-                 device: torch.device, local_rank: int = 0) -> None:
+    def __init__(self, args: argparse.Namespace, topo: Topology, rank: int, device: torch.device,
+                 local_rank: int = 0, monitor: JobMonitor | None = None) -> None:
         self.args = args
         self.topo = topo
         self.rank = rank
         self.coords: RankCoords = topo.coords(rank)
-        self.monitor = monitor
-        self.faults = monitor.faults
         self.device = device
 
         # Every rank creates every group, in the same order.
@@ -260,7 +260,7 @@ class Trainer:
 
         self.cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, d_model=args.d_model,
                              heads=args.heads, layers=args.layers)
-        comm = TPComm(self.groups["tp"], topo.tp, c.tp, wrap=monitor.collective)
+        comm = TPComm(self.groups["tp"], topo.tp, c.tp, wrap=self._collective)
         self.model = Stage(self.cfg, stage=c.pp, stages=topo.pp, comm=comm, seed=args.seed, device=device)
         self.params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -269,13 +269,14 @@ class Trainer:
         self.act_shape = (args.micro_batch_size, args.seq_len, args.d_model)
         self.global_tokens = self.data.tokens_per_batch * topo.dp
         self.reporter = c.tp == 0 and self.is_last and c.dp == 0
-        self.ckpt = make_checkpointer(args, topo, rank, local_rank, self.model, self.optimizer) \
-            if args.checkpoint else None
-        self.restored: Any = None  # the RestoreResult this run started from, reported with its first step
+        # the loss and the norm are the same on every rank already (reported_loss, grad_norm): no extra sync
+        self.guard = Guard(self.model, self.optimizer, topology=topo,
+                           checkpoint=checkpoint_config(args),
+                           nonfinite_hold_s=args.nonfinite_hold_s, sync=False,
+                           collective_timeout_s=args.collective_timeout_s, monitor=monitor, log=self._log)
+        self.faults = self.guard.faults
         self.reference = None
         if args.measure_memcpy:
-            from checkpoint.engine import ReferenceCopy
-
             self.reference = ReferenceCopy(self.model, self.optimizer)
         self.dcp = None
         self.dcp_restored: tuple[int, float] | None = None
@@ -284,20 +285,28 @@ class Trainer:
 
             self.dcp = DcpCheckpointer(Path(args.dcp_dir), rank=rank, model=self.model, optimizer=self.optimizer)
 
+    def _log(self, line: str) -> None:
+        if self.reporter:
+            print(f"{PROG}: {line}", flush=True)
+
     # ---- communication ----------------------------------------------------------------
+    def _collective(self, group: str, op: str) -> Any:
+        # the guard is built after the model: TPComm asks for the wrapper only when it communicates
+        return self.guard.collective(group, op)
+
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
-        with self.monitor.collective("pp", "send"):
+        with self._collective("pp", "send"):
             dist.isend(tensor.contiguous(), dst=dst, group=self.groups["pp"]).wait()
 
     def _recv(self, src: int) -> torch.Tensor:
         buf = torch.empty(self.act_shape, dtype=torch.float32, device=self.device)
-        with self.monitor.collective("pp", "recv"):
+        with self._collective("pp", "recv"):
             dist.irecv(buf, src=src, group=self.groups["pp"]).wait()
         return buf
 
     def _all_reduce(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         if len(self.members[kind]) > 1:
-            with self.monitor.collective(kind, "all_reduce"):
+            with self._collective(kind, "all_reduce"):
                 dist.all_reduce(tensor, group=self.groups[kind])
         return tensor
 
@@ -385,95 +394,57 @@ class Trainer:
             return True, [digest]
         mine = torch.tensor([int(digest, 16)], dtype=torch.int64, device=self.device)
         gathered = [torch.zeros_like(mine) for _ in range(self.topo.dp)]
-        with self.monitor.collective("dp", "all_gather"):
+        with self._collective("dp", "all_gather"):
             dist.all_gather(gathered, mine, group=self.groups["dp"])
         values = [f"{int(t.item()):08x}" for t in gathered]
         return len(set(values)) == 1, values
 
     def step(self, step: int) -> None:
-        t0 = time.perf_counter()  # before step_begin: a "slow" fault's delay counts as this rank's step time
-        self.monitor.step_begin(step)
-        inputs, targets = self.data.batch(step, self.coords.dp)
-        if self.faults.active("user_error") is not None:
-            inputs = shuffle_window(inputs, window=8)
-        self.optimizer.zero_grad(set_to_none=True)
-        losses = self.forward_backward(inputs, targets)
-        if self.ckpt is not None:  # the host waits for the device from here: the saver's moment
-            self.ckpt.host_idle()
-        if self.args.emulate_device_s > 0:  # an accelerator's kernels: the host thread waits, its CPU idles
-            time.sleep(self.args.emulate_device_s)
-        if self.ckpt is not None:  # the device's result is in: the host works again
-            self.ckpt.host_busy()
-        self.all_reduce_grads()
-        self.faults.corrupt_grads(self.params)
-        norm = self.grad_norm()
-        if self.args.grad_clip > 0:
-            scale = min(1.0, self.args.grad_clip / (norm + 1e-6))
-            if scale < 1.0:
-                for p in self.params:
-                    p.grad.mul_(scale)
-        # the loss (a mean over the job) and the global norm are the same on every rank: all skip together
-        loss, replica_loss = self.reported_loss(losses)
-        finite = math.isfinite(norm) and math.isfinite(loss)
-        ckpt_wait = self.ckpt.before_update() if self.ckpt else 0.0  # the last snapshot's copy must be done
-        if finite:
-            self.optimizer.step()
-        # else: never trained on; the parameters stay those of the last finite step
-        digest = self.param_digest()
-        match, peers = self.dp_digests(digest)
-        # a state not worth keeping is not snapshotted, so it cannot displace the last good one: a step
-        # whose update was skipped, or parameters that differ from the data-parallel peers' (silent corruption)
-        why = "" if finite else f"loss {loss}, gradient norm {norm}: update skipped"
-        why = why or ("" if match else "parameters differ from the data-parallel peers'")
-        snap = self.ckpt.after_step(step, healthy=not why, why=why) if self.ckpt else None
-        extra: dict[str, Any] = {}
-        if self.dcp is not None and not why:
-            extra["dcp_blocking_s"] = round(self.dcp.save(step), 6)
-        if self.reference is not None:
-            extra["memcpy_s"] = round(self.reference.measure(), 6)
-        step_time = time.perf_counter() - t0
-        tokens_per_s = self.global_tokens / step_time
-        if snap is not None:
-            extra |= {"ckpt_blocking_s": round(ckpt_wait + snap.blocking_s, 6), "ckpt_saved": snap.taken,
-                     "ckpt_skipped": snap.skipped, "ckpt_refused": snap.refused,
-                     "ckpt_waited_s": round(snap.waited_s, 6),
-                     "ckpt_committed": self.ckpt.newest_committed,
-                     "ckpt_bg_cpu_s": round(self.ckpt.background_cpu_s(), 6)}
-            if snap.memcpy_s is not None:
-                extra["ckpt_memcpy_s"] = round(snap.memcpy_s, 6)
-        extra["cpu_s"] = round(time.thread_time(), 6)  # the training thread's CPU time so far
-        extra["proc_cpu_s"] = round(time.process_time(), 6)  # and the whole process's (its other threads too)
-        if self.dcp_restored is not None:
-            extra.update(dcp_restored_step=self.dcp_restored[0], dcp_restore_s=round(self.dcp_restored[1], 4))
-            self.dcp_restored = None
-        if self.restored is not None:
-            extra.update(ckpt_restored_step=self.restored.step, ckpt_restore_s=round(self.restored.seconds, 4),
-                         ckpt_restore_source=self.restored.tier)
-            self.restored = None
-        self.monitor.step_end(step, loss=loss, grad_norm=norm, step_time_s=step_time,
-                              tokens_per_s=tokens_per_s, param_digest=digest, replica_loss=replica_loss,
-                              dp_digests_match=match, dp_digests=peers, **extra)
-        if self.reporter:
-            print(f"step {step} loss {loss:.4f} grad_norm {norm:.3g} step_time {step_time:.3f}s "
-                  f"tokens/s {tokens_per_s:.0f}", flush=True)
-        if not finite:
-            self.hold_still(step, why)
-
-    def hold_still(self, step: int, why: str) -> None:
-        """After a non-finite step: tell the agent (the step record above carries the NaN; the heartbeat
-        says the rank holds still on purpose) and wait for the control plane to stop the job and restore
-        the last finite step. If nobody comes within ``--nonfinite-hold-s``, go on with the next batch:
-        the parameters are still those of the last finite step."""
-        hold = max(0.0, self.args.nonfinite_hold_s)
-        if self.reporter:
-            print(f"{PROG}: step {step}: {why}; holding up to {hold:.0f}s for the control plane", flush=True)
-        if hold <= 0:
-            return
-        self.monitor.hold(f"step {step}: {why}", seconds=hold)
-        time.sleep(hold)  # the control plane's stop ends the process
-        self.monitor.release()
-        if self.reporter:
-            print(f"{PROG}: step {step}: nobody came in {hold:.0f}s; going on with the next batch", flush=True)
+        t0 = time.perf_counter()
+        # the step's time starts before the guard's step_begin: a "slow" fault's delay counts as this rank's
+        with self.guard.step(step, tokens=self.global_tokens) as s:
+            inputs, targets = self.data.batch(step, self.coords.dp)
+            if self.faults.active("user_error") is not None:
+                inputs = shuffle_window(inputs, window=8)
+            self.optimizer.zero_grad(set_to_none=True)
+            losses = self.forward_backward(inputs, targets)
+            self.guard.host_idle()  # the host waits for the device from here: the saver's moment
+            if self.args.emulate_device_s > 0:  # an accelerator's kernels: the host thread waits, its CPU idles
+                time.sleep(self.args.emulate_device_s)
+            self.guard.host_busy()  # the device's result is in: the host works again
+            self.all_reduce_grads()
+            self.faults.corrupt_grads(self.params)
+            norm = self.grad_norm()
+            if self.args.grad_clip > 0:
+                scale = min(1.0, self.args.grad_clip / (norm + 1e-6))
+                if scale < 1.0:
+                    for p in self.params:
+                        p.grad.mul_(scale)
+            # the loss (a mean over the job) and the global norm are the same on every rank: all skip together
+            loss, replica_loss = self.reported_loss(losses)
+            if s.ok(loss, grad_norm=norm, sync=False):
+                self.optimizer.step()
+            # else: never trained on; the parameters stay those of the last finite step
+            digest = self.param_digest()
+            match, peers = self.dp_digests(digest)
+            if not match:  # silent corruption: not snapshotted, so it cannot displace the last good state
+                s.refuse("parameters differ from the data-parallel peers'")
+            extra: dict[str, Any] = {}
+            if self.dcp is not None and not s.refused:
+                extra["dcp_blocking_s"] = round(self.dcp.save(step), 6)
+            if self.reference is not None:
+                extra["memcpy_s"] = round(self.reference.measure(), 6)
+            extra["cpu_s"] = round(time.thread_time(), 6)  # the training thread's CPU time so far
+            extra["proc_cpu_s"] = round(time.process_time(), 6)  # and the whole process's (its other threads too)
+            if self.dcp_restored is not None:
+                extra.update(dcp_restored_step=self.dcp_restored[0], dcp_restore_s=round(self.dcp_restored[1], 4))
+                self.dcp_restored = None
+            s.report(loss=loss, grad_norm=norm, param_digest=digest, replica_loss=replica_loss,
+                     dp_digests_match=match, dp_digests=peers, **extra)
+            if self.reporter:
+                step_time = time.perf_counter() - t0
+                print(f"step {step} loss {loss:.4f} grad_norm {norm:.3g} step_time {step_time:.3f}s "
+                      f"tokens/s {self.global_tokens / step_time:.0f}", flush=True)
 
     def run(self) -> None:
         if self.reporter:
@@ -486,8 +457,7 @@ class Trainer:
             step += 1
             if self.args.step_delay_s > 0:
                 time.sleep(self.args.step_delay_s)
-        if self.ckpt is not None:  # write, replicate and commit the last snapshots before the groups go
-            self.ckpt.close(flush=True)
+        self.guard.close("finished")  # write, replicate and commit the last snapshots before the groups go
         if self.dcp is not None:
             self.dcp.close()
 
@@ -496,18 +466,7 @@ class Trainer:
         if self.dcp is not None and self.args.dcp_restore:
             self.dcp_restored = self.dcp.restore()
             return 0 if self.dcp_restored is None else self.dcp_restored[0] + 1
-        if self.ckpt is None:
-            return 0
-        result = self.ckpt.restore()
-        self.ckpt.start()
-        if result is None:
-            return 0
-        self.restored = result
-        if self.rank == 0:
-            sources = ", ".join(f"{tier} {n}" for tier, n in sorted(result.counts.items()))
-            print(f"{PROG}: restored step {result.step} ({sources}) in {result.seconds:.2f}s; resuming at step "
-                  f"{result.data_position.get('next_step', result.step + 1)}", flush=True)
-        return int(result.data_position.get("next_step", result.step + 1))
+        return self.guard.restore()
 
 
 @record  # torchrun then names the rank that failed first, with its traceback, in its report
@@ -534,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         backend, device = "gloo", torch.device("cpu")
 
     c = topo.coords(rank)
-    monitor = JobMonitor.from_env(coords={"tp": c.tp, "pp": c.pp, "dp": c.dp})
+    # the heartbeat starts before the rendezvous (which waits for every machine): the agent sees the rank at once
+    monitor = heartbeat(coords={"tp": c.tp, "pp": c.pp, "dp": c.dp})
     timeout = timedelta(seconds=args.collective_timeout_s)
     trainer: Trainer | None = None
     try:
@@ -542,24 +502,16 @@ def main(argv: list[str] | None = None) -> int:
             dist.init_process_group(backend, timeout=timeout)
         else:  # a single process outside torchrun
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        trainer = Trainer(args, topo, rank, monitor, device, local_rank)
+        trainer = Trainer(args, topo, rank, device, local_rank, monitor)
         trainer.run()
     except TrainguardError as exc:  # e.g. no checkpoint can be restored: one line, no traceback
-        if trainer is not None and trainer.ckpt is not None:
-            trainer.ckpt.close(flush=False)
-        monitor.close("failed")
-        from checkpoint.errors import RestoreError
-
+        (trainer.guard.close if trainer is not None else monitor.close)("failed")
         if local_rank == 0 or not isinstance(exc, RestoreError):  # every rank raises the same RestoreError
             print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except BaseException:
-        if trainer is not None and trainer.ckpt is not None:
-            trainer.ckpt.close(flush=False)
-        monitor.close("failed")
+        (trainer.guard.close if trainer is not None else monitor.close)("failed")
         raise
-    else:
-        monitor.close("finished")
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,34 +1,34 @@
 """The recovery workflow as plain Python, with no Airflow import: what the tasks of the DAGs do, by
-responsibility (the DAGs call these methods through :mod:`operators.tasks` and pass their results on).
+responsibility (the DAGs call these methods through :mod:`trainguard.operators.tasks` and pass their results on).
 
 A :class:`Controller` holds the fleet database, the inventory and a transport (the
-:class:`~operators.hooks.node.NodeHook`'s SSH sessions in Airflow; the inventory's own transport
+:class:`~trainguard.operators.hooks.node.NodeHook`'s SSH sessions in Airflow; the inventory's own transport
 elsewhere). Its parts, one module each:
 
-- :mod:`~operators.control.jobs`: a job's launch, stop, restart, progress and resume;
-- :mod:`~operators.control.incidents`: alerts into incidents, triage, close and timeline;
-- :mod:`~operators.control.evictions`: standbys swapped in through the breaker, checkpoints protected,
+- :mod:`~trainguard.operators.control.jobs`: a job's launch, stop, restart, progress and resume;
+- :mod:`~trainguard.operators.control.incidents`: alerts into incidents, triage, close and timeline;
+- :mod:`~trainguard.operators.control.evictions`: standbys swapped in through the breaker, checkpoints protected,
   rollback, what to change before a retry;
-- :mod:`~operators.control.diagnosis`: stop-time diagnosis (L1-L3, alignment) and the probe;
-- :mod:`~operators.control.analysis`: stacks of a hang and the fail-slow vote;
-- :mod:`~operators.control.replay`: dual-phase replay;
-- :mod:`~operators.control.ettr`: the ETTR ledger.
+- :mod:`~trainguard.operators.control.diagnosis`: stop-time diagnosis (L1-L3, alignment) and the probe;
+- :mod:`~trainguard.operators.control.analysis`: stacks of a hang and the fail-slow vote;
+- :mod:`~trainguard.operators.control.replay`: dual-phase replay;
+- :mod:`~trainguard.operators.control.ettr`: the ETTR ledger.
 
-Every method that changes fleet state goes through :class:`operators.fleet.store.FleetStore` (one
+Every method that changes fleet state goes through :class:`trainguard.operators.fleet.store.FleetStore` (one
 transaction, idempotent), records an action with its evidence, and in dry-run mode records the decision
 without acting.
 """
 
 from __future__ import annotations
 
-from operators.control.analysis import RuntimeAnalysis
-from operators.control.base import ControlConfig, asdict_action
-from operators.control.diagnosis import Diagnosis, neighbour_groups
-from operators.control.ettr import EttrLedger
-from operators.control.evictions import Evictions
-from operators.control.incidents import Incidents
-from operators.control.jobs import JobLifecycle
-from operators.control.replay import Replay
+from trainguard.operators.control.analysis import RuntimeAnalysis
+from trainguard.operators.control.base import ControlConfig, asdict_action
+from trainguard.operators.control.diagnosis import Diagnosis, neighbour_groups
+from trainguard.operators.control.ettr import EttrLedger
+from trainguard.operators.control.evictions import Evictions
+from trainguard.operators.control.incidents import Incidents
+from trainguard.operators.control.jobs import JobLifecycle
+from trainguard.operators.control.replay import Replay
 
 __all__ = ["ControlConfig", "Controller", "asdict_action", "neighbour_groups"]
 

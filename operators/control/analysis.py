@@ -7,9 +7,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from node_tools import launcher
-from operators.control.base import ControllerBase
-from operators.policy import ladder, runtime
+from trainguard.node_tools import launcher
+from trainguard.operators.control.base import ControllerBase
+from trainguard.operators.policy import ladder, runtime
 
 
 class RuntimeAnalysis(ControllerBase):
@@ -76,8 +76,8 @@ class RuntimeAnalysis(ControllerBase):
 
     def vote_verdict(self, incident_id: int, rounds: Sequence[Mapping[str, float]], *,
                      superseded: bool = False) -> dict[str, Any]:
-        """The vote's verdict over its rounds (:class:`operators.policy.runtime.SlowVoter`: the smallest group
-        holding the ranks flagged in most rounds), claimed on the incident before anything is acted on, so
+        """The vote's verdict over its rounds (:class:`trainguard.operators.policy.runtime.SlowVoter`: the smallest
+        group holding the ranks flagged in most rounds), claimed on the incident before anything is acted on, so
         that stronger alerts arriving from here on (the job being stopped, say) cannot start a second
         handler; ``superseded`` when they came first. Returns the rounds (the ranks flagged in each), the
         verdict's kind and machines."""

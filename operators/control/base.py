@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from node_tools.inventory import Inventory, Machine
-from node_tools.topology import Topology
-from node_tools.transport import RunResult, Transport, transport_for
-from operators.fleet import FleetStore, states
-from operators.settings import ControlSettings
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import RunResult, Transport, transport_for
+from trainguard.operators.fleet import FleetStore, states
+from trainguard.operators.settings import ControlSettings
 
 ROLE_STATE = {"active": states.STANDBY, "standby": states.STANDBY, "free": states.PROVISIONING,
               "evicted": states.REPAIR}
@@ -20,7 +20,7 @@ PORT_BASE = 29400  # a job's rendezvous port: PORT_BASE + its launches modulo PO
 PORT_SPAN = 400
 REPLAY_PORT_BASE = 29900  # a replay's groups rendezvous on 29900.. (the job uses 29400..29799)
 
-# the control plane's settings (one typed, bounded object read from TG_* variables): see operators.settings
+# the control plane's settings (one typed, bounded object read from TG_* variables): see trainguard.operators.settings
 ControlConfig = ControlSettings
 
 
@@ -45,7 +45,7 @@ class ControllerBase:
 
     def __init__(self, config: ControlConfig, *, transport: Transport | None = None,
                  inventory: Inventory | None = None, fleet: FleetStore | None = None) -> None:
-        """``fleet``: the fleet database as the caller holds it (the tasks': :class:`~operators.hooks.fleet.
+        """``fleet``: the fleet database as the caller holds it (the tasks': :class:`~trainguard.operators.hooks.fleet.
         FleetHook`'s, one engine per process); without it, the controller opens it and provisions its schema
         (a controller made outside Airflow: the provisioner, the harness, a script)."""
         self.cfg = config

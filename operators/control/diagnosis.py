@@ -7,11 +7,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from node_tools.inventory import Machine
-from node_tools.transport import RunResult
-from operators.control.base import ControllerBase
-from operators.fleet import states
-from operators.policy import sdc
+from trainguard.node_tools.inventory import Machine
+from trainguard.node_tools.transport import RunResult
+from trainguard.operators.control.base import ControllerBase
+from trainguard.operators.fleet import states
+from trainguard.operators.policy import sdc
 
 
 def _digest(r: RunResult) -> str | None:
@@ -43,7 +43,7 @@ class Diagnosis(ControllerBase):
         one test process per machine (:meth:`_l2_l3`). NaN adds the alignment test, run in L3's test process
         after its collective (alone when L3 does not run): a machine whose digest differs from a strict
         majority fails (a tie is broken by self-checked standbys). Robust to load
-        (:mod:`operators.policy.diagnosis`): at most ``diag_concurrency`` machines at once, measurements
+        (:mod:`trainguard.operators.policy.diagnosis`): at most ``diag_concurrency`` machines at once, measurements
         judged against the peers of the same round, and a failed L1 or L2 repeated alone before it counts."""
         names = list(machine_names or self.fleet.job(job).machine_list)
         failed: dict[str, str] = {}
@@ -103,7 +103,7 @@ class Diagnosis(ControllerBase):
                                                                                          dict[str, str]]:
         """The L1/L2 failures of one round (machine -> reasons, the collective left out) after the peers'
         judgement, and the machines it forgave (machine -> why)."""
-        from operators.policy.diagnosis import forgiven_by_peers
+        from trainguard.operators.policy.diagnosis import forgiven_by_peers
 
         bad: dict[str, list[str]] = {}
         for n, doc in docs.items():

@@ -7,11 +7,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.control.base import ControllerBase
-from operators.fleet.states import IncidentState
-from operators.fleet.store import OPEN_INCIDENT_STATES
-from operators.policy import ettr
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.control.base import ControllerBase
+from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
+from trainguard.operators.policy import ettr
 
 
 class EttrLedger(ControllerBase):
@@ -46,7 +46,7 @@ class EttrLedger(ControllerBase):
         :meth:`step_history` when the caller has it already (one round of sessions less), read at
         ``as_of`` (default: now).
 
-        The step records are read once into a :class:`~operators.policy.ettr.StepHistory` (kept and lost
+        The step records are read once into a :class:`~trainguard.operators.policy.ettr.StepHistory` (kept and lost
         marked once for the whole history); each incident's lost work comes from its own window of it (after
         the previous incident's resumption, by its opening), so the report is linear in the steps."""
         now = time.time() if as_of is None else as_of

@@ -10,10 +10,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from node_tools.logs import UNRESTORABLE_KIND
-from operators.control.base import ControllerBase, held_copies
-from operators.fleet import states
-from operators.policy import ladder
+from trainguard.node_tools.logs import UNRESTORABLE_KIND
+from trainguard.operators.control.base import ControllerBase, held_copies
+from trainguard.operators.fleet import states
+from trainguard.operators.policy import ladder
 
 
 class Evictions(ControllerBase):
@@ -148,8 +148,8 @@ class Evictions(ControllerBase):
 
     def remote_copies(self, url: str) -> tuple[set[tuple[int, int]], str]:
         """The ``(step, rank)`` copies in a remote tier, and why not ("" when it answered)."""
-        from checkpoint.errors import S3TierError
-        from checkpoint.s3 import open_tier
+        from trainguard.checkpoint.errors import S3TierError
+        from trainguard.checkpoint.s3 import open_tier
 
         try:
             tier = open_tier(url, endpoint_url=os.environ.get("TG_S3_ENDPOINT_URL", ""), timeout_s=5.0)
@@ -183,7 +183,7 @@ class Evictions(ControllerBase):
         (reachable ones) into the remote tier first; failing that the restart falls back to the newest step
         that stays complete; failing that the eviction is ``refused`` (it would destroy the job's progress).
         Returns what was found and done, for the eviction's evidence."""
-        from operators.policy.checkpoints import eviction_safety
+        from trainguard.operators.policy.checkpoints import eviction_safety
 
         j = self.fleet.job(job)
         if "--checkpoint" not in j.train_args:

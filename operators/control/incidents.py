@@ -7,11 +7,11 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.control.base import ControllerBase, asdict_action
-from operators.fleet import states
-from operators.fleet.states import IncidentState
-from operators.policy import ladder
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.control.base import ControllerBase, asdict_action
+from trainguard.operators.fleet import states
+from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.policy import ladder
 
 #: a machine named by an alert of a job it does not serve: the job's machines the reason lists, at most
 LISTED_MACHINES = 16
@@ -78,7 +78,7 @@ class Incidents(ControllerBase):
                quarantined: Sequence[Mapping[str, Any]] = (),
                liveness: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Group a batch by job and attach it to the job's open incident (or open one), in one transaction
-        with the bus cursor (``read``, ``gone``: see :meth:`operators.fleet.store.FleetStore.ingest`), the
+        with the bus cursor (``read``, ``gone``: see :meth:`trainguard.operators.fleet.store.FleetStore.ingest`), the
         documents the reader ``quarantined`` and the agents' ``liveness``. An alert naming a machine or a job
         the inventory and the fleet do not know (or a machine that does not serve the job it names) is
         quarantined with the reason and never acted on; one whose writer's clock is off (``clock_skew_s``)
@@ -140,7 +140,7 @@ class Incidents(ControllerBase):
     def _quarantine_on_bus(self, rejected: Sequence[Mapping[str, Any]]) -> None:
         """Move rejected alerts out of the bus's alerts folder, the reason beside them (best effort: they are
         recorded as quarantined already, and the cursor keeps them from being read again)."""
-        from node_tools.bus import BusError, open_bus
+        from trainguard.node_tools.bus import BusError, open_bus
 
         try:
             bus = open_bus(self.inventory.bus_url)

@@ -7,11 +7,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from node_tools import launcher
-from node_tools.errors import TrainguardError
-from node_tools.topology import Topology
-from node_tools.transport import RunResult
-from operators.control.base import PORT_BASE, PORT_SPAN, ControllerBase, described, held_copies
+from trainguard.node_tools import launcher
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.node_tools.topology import Topology
+from trainguard.node_tools.transport import RunResult
+from trainguard.operators.control.base import PORT_BASE, PORT_SPAN, ControllerBase, described, held_copies
 
 SECONDARY_KINDS = ("peer_connection", "collective_timeout", "network")
 #: seconds between two rounds over every machine asking whether a restarted job ended without a step
@@ -173,7 +173,7 @@ class JobLifecycle(ControllerBase):
     def stop_found(self, job: str) -> dict[str, Any] | None:
         """What this controller's last stop of ``job`` found, when it ended the job on every machine: its
         machines, the lowest step every rank finished and the checkpoint copies each held (handed on to the
-        tasks after the stop through XCom: :class:`~operators.models.StopFound`)."""
+        tasks after the stop through XCom: :class:`~trainguard.operators.models.StopFound`)."""
         found = self._stopped.get(job)
         return dict(found) if found else None
 

@@ -8,12 +8,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from node_tools import launcher
-from node_tools.errors import TrainguardError
-from node_tools.topology import Topology
-from operators.control.base import REPLAY_PORT_BASE, ControllerBase
-from operators.fleet import states
-from operators.policy import sdc
+from trainguard.node_tools import launcher
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.node_tools.topology import Topology
+from trainguard.operators.control.base import REPLAY_PORT_BASE, ControllerBase
+from trainguard.operators.fleet import states
+from trainguard.operators.policy import sdc
 
 
 def _replay_result(statuses: Mapping[str, Any], steps: int, world_size: int) -> str | None:
@@ -42,7 +42,7 @@ class Replay(ControllerBase):
     """Replaying training steps on groups of machines."""
 
     def replay_plan(self, job: str, *, k: int = 1) -> dict[str, Any]:
-        """The replay groups of the job (:func:`operators.policy.sdc.plan_replay`), and a reference
+        """The replay groups of the job (:func:`trainguard.operators.policy.sdc.plan_replay`), and a reference
         group of self-checked standbys (``k * PP`` of them, or none when too few are free)."""
         j = self.fleet.job(job)
         topo = self.topology(job)
@@ -101,7 +101,8 @@ class Replay(ControllerBase):
                timeout_s: float = 300.0) -> dict[str, str]:
         """:meth:`replay_launch`, then :meth:`replay_poll` every second until every group has a result (or
         ``timeout_s`` passed: ``failed: no result ...``), then :meth:`replay_stop`. Returns each group's
-        result. (In Airflow the polling runs in the triggerer: :class:`operators.triggers.replay.ReplayTrigger`.)"""
+        result. (In Airflow the polling runs in the triggerer:
+        :class:`trainguard.operators.triggers.replay.ReplayTrigger`.)"""
         launched = self.replay_launch(job, groups, k=k, steps=steps)
         if self.cfg.dry_run:
             return {tag: "dry run" for tag in launched["groups"]}
@@ -121,7 +122,7 @@ class Replay(ControllerBase):
     def dual_phase_replay(self, job: str, *, k: int = 1) -> dict[str, Any]:
         """Replay a fixed step on the horizontal groups (with the standbys' reference group beside them),
         then on the vertical groups; the culprits are the machines in both a failing horizontal and a
-        failing vertical group (:func:`operators.policy.sdc.culprits`). With two groups and no reference,
+        failing vertical group (:func:`trainguard.operators.policy.sdc.culprits`). With two groups and no reference,
         a difference cannot be placed: ``inconclusive``."""
         plan = self.replay_plan(job, k=k)
         t0 = time.time()

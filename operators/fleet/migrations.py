@@ -1,7 +1,7 @@
 """Schema migrations of the fleet database, applied in order with Alembic's operations API.
 
 Each migration is a function of an :class:`alembic.operations.Operations` and is frozen once released:
-a schema change is a new migration (and the same change in :mod:`operators.fleet.models`). The applied
+a schema change is a new migration (and the same change in :mod:`trainguard.operators.fleet.models`). The applied
 version lives in the table ``tg_schema``; :func:`migrate` applies what is missing, each migration in
 its own transaction, and refuses a database newer than this code.
 """
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from node_tools.errors import TrainguardError
+from trainguard.node_tools.errors import TrainguardError
 
 if TYPE_CHECKING:  # Alembic (and Mako, Pygments under it) is imported only to migrate: a task opening the
     # fleet database never pays for it

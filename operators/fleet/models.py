@@ -1,6 +1,6 @@
 """The fleet database's tables (SQLAlchemy 2 ORM): the current schema.
 
-The schema a database actually has is built by :mod:`operators.fleet.migrations`; a test checks that
+The schema a database actually has is built by :mod:`trainguard.operators.fleet.migrations`; a test checks that
 migrating an empty database yields exactly these tables, so the two never drift apart.
 
 Times are UNIX seconds (floats, UTC). JSON columns hold plain documents (never pickles).
@@ -19,7 +19,7 @@ class Base(DeclarativeBase):
 
 
 class Machine(Base):
-    """A machine and where it is in its life: see :data:`operators.fleet.states.TRANSITIONS`."""
+    """A machine and where it is in its life: see :data:`trainguard.operators.fleet.states.TRANSITIONS`."""
 
     __tablename__ = "machines"
 

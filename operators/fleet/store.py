@@ -20,11 +20,11 @@ import sqlalchemy as sa
 from sqlalchemy import and_, event, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from node_tools.errors import EXIT_REFUSED, TrainguardError
-from operators.fleet import states
-from operators.fleet.migrations import LATEST, current_version
-from operators.fleet.migrations import migrate as apply_migrations
-from operators.fleet.models import (
+from trainguard.node_tools.errors import EXIT_REFUSED, TrainguardError
+from trainguard.operators.fleet import states
+from trainguard.operators.fleet.migrations import LATEST, current_version
+from trainguard.operators.fleet.migrations import migrate as apply_migrations
+from trainguard.operators.fleet.models import (
     Action,
     AgentLiveness,
     Alert,
@@ -39,7 +39,7 @@ from operators.fleet.models import (
     QuarantinedAlert,
     Revision,
 )
-from operators.policy import ladder
+from trainguard.operators.policy import ladder
 
 OPEN_INCIDENT_STATES = states.OPEN_INCIDENT_STATES
 INCIDENT_STATES = states.INCIDENT_STATES

@@ -1,6 +1,6 @@
 """A client of an Airflow api-server's public REST API (``/api/v2``), over httpx, with tenacity's retries.
 
-trainguard's clients of the REST API are the tasks' run notes (:mod:`operators.utils.notes`, through the
+trainguard's clients of the REST API are the tasks' run notes (:mod:`trainguard.operators.utils.notes`, through the
 Airflow connection ``tg_airflow_api``: :class:`AirflowApiHook`), ``trainguard status`` (the api-server's
 health) and the emulation harness that drives Airflow in the tests, the demo and the benchmarks.
 

@@ -8,11 +8,11 @@ It owns, for whoever holds it:
   opening it costs one query, and an out-of-date schema is a one-line error saying what to run;
 - the **bus cursors**: each reader's position on the alert bus, a table of the fleet database, committed by
   the task that records what was read (:meth:`cursor`);
-- the **machines over SSH**: a :class:`~operators.hooks.node.NodeHook` holding one connection per machine
+- the **machines over SSH**: a :class:`~trainguard.operators.hooks.node.NodeHook` holding one connection per machine
   for the hook's life (:meth:`close` ends them);
-- the :class:`~operators.control.Controller` over all three (:meth:`get_controller`).
+- the :class:`~trainguard.operators.control.Controller` over all three (:meth:`get_controller`).
 
-Settings come from :class:`operators.settings.ControlSettings` (``TG_*`` variables), SSH credentials from
+Settings come from :class:`trainguard.operators.settings.ControlSettings` (``TG_*`` variables), SSH credentials from
 the Airflow connection ``ssh_conn_id`` (default ``tg_ssh``), else the inventory's.
 """
 
@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseHook
 
-from operators.fleet.store import FleetStore, url_for
-from operators.settings import ControlSettings
+from trainguard.operators.fleet.store import FleetStore, url_for
+from trainguard.operators.settings import ControlSettings
 
 if TYPE_CHECKING:
-    from node_tools.inventory import Inventory
-    from operators.control import Controller
-    from operators.hooks.node import NodeHook
+    from trainguard.node_tools.inventory import Inventory
+    from trainguard.operators.control import Controller
+    from trainguard.operators.hooks.node import NodeHook
 
 _STORES: dict[str, FleetStore] = {}
 _LOCK = threading.Lock()
@@ -52,7 +52,7 @@ def provision(settings: ControlSettings | None = None) -> dict[str, Any]:
     """Provision the fleet database: create or migrate its schema and register the inventory's machines it
     does not know yet. Run once per release, before the DAGs (``trainguard fleet migrate``, the compose
     file's provisioner); repeating it changes nothing. Returns the versions applied and the machines added."""
-    from operators.control import Controller
+    from trainguard.operators.control import Controller
 
     settings = settings or ControlSettings.from_env()
     store = FleetStore(settings.fleet_url, migrate=True)
@@ -94,7 +94,7 @@ class FleetHook(BaseHook):
     @cached_property
     def node(self) -> NodeHook:
         """The machines over SSH, one held connection each."""
-        from operators.hooks.node import NodeHook
+        from trainguard.operators.hooks.node import NodeHook
 
         return NodeHook(self.settings.inventory, ssh_conn_id=self.ssh_conn_id, max_parallel=self.settings.ssh_fanout)
 
@@ -108,7 +108,7 @@ class FleetHook(BaseHook):
 
     def get_controller(self) -> Controller:
         """A controller over this hook's fleet database, inventory and SSH connections."""
-        from operators.control import Controller
+        from trainguard.operators.control import Controller
 
         return Controller(self.settings, transport=self.node.transport(), inventory=self.inventory,
                           fleet=self.store)

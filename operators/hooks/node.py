@@ -36,8 +36,8 @@ import paramiko
 from airflow.providers.ssh.hooks.ssh import SSHHook
 from airflow.sdk import BaseHook
 
-from node_tools.inventory import Inventory, Machine
-from node_tools.transport import FANOUT, RunResult, Transport
+from trainguard.node_tools.inventory import Inventory, Machine
+from trainguard.node_tools.transport import FANOUT, RunResult, Transport
 
 DEFAULT_CONN_ID = "tg_ssh"
 
@@ -229,8 +229,8 @@ class NodeHook(BaseHook):
         return result(code, out.decode("utf-8", "replace"), err.decode("utf-8", "replace")[-8000:])
 
     def transport(self) -> Transport:
-        """This hook as a :class:`node_tools.transport.Transport`, for :mod:`node_tools.launcher` and the
-        other host-side helpers."""
+        """This hook as a :class:`trainguard.node_tools.transport.Transport`, for
+        :mod:`trainguard.node_tools.launcher` and the other host-side helpers."""
         return HookTransport(self)
 
     def run(self, machine: Machine | str, argv: Sequence[str], *, timeout_s: float = 60.0) -> NodeResult:
@@ -253,7 +253,7 @@ class NodeHook(BaseHook):
 
 
 class HookTransport(Transport):
-    """A :class:`node_tools.transport.Transport` whose sessions are the NodeHook's (paramiko, pinned keys,
+    """A :class:`trainguard.node_tools.transport.Transport` whose sessions are the NodeHook's (paramiko, pinned keys,
     one held connection per machine)."""
 
     def __init__(self, hook: NodeHook) -> None:

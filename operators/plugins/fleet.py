@@ -3,7 +3,7 @@
 navigation (an external view, shown inside the UI). Only a logged-in user of the UI sees it (the UI's
 session cookie, or a bearer token, through Airflow's own ``requires_authenticated``).
 
-The page is :func:`operators.fleet_view.collect`: each job's state as its machines report it now next to
+The page is :func:`trainguard.operators.fleet_view.collect`: each job's state as its machines report it now next to
 what the fleet database records, its revision and step, its machines and their states, its open incidents
 and the rung handling them, the standby pool against its target, and the newest ETTR. Registered through
 the ``airflow.plugins`` entry point of the trainguard package.
@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse
 
 # Airflow's components load their plugins when they start: the scheduler does before its LocalExecutor forks
 # the workers that fork every task process, so the control plane's task imports are done once, here
-import operators.tasks.preload  # noqa: F401
+import trainguard.operators.tasks.preload  # noqa: F401
 
 PREFIX = "/trainguard"
 REFRESH_S = 10
@@ -37,8 +37,8 @@ app = FastAPI(title="trainguard fleet", description="The trainguard fleet's jobs
 
 
 def _doc() -> dict[str, Any]:
-    from operators import fleet_view
-    from operators.tasks import common
+    from trainguard.operators import fleet_view
+    from trainguard.operators.tasks import common
 
     return fleet_view.collect(common.shared_controller())  # one controller (and engine) per api-server
 

@@ -1,6 +1,6 @@
 """Liveness of trainguard's own parts, as plain functions: is a machine's agent still talking?
 
-An agent rewrites its heartbeat on the bus every few seconds (:meth:`node_tools.bus.AlertBus.beat`). The
+An agent rewrites its heartbeat on the bus every few seconds (:meth:`trainguard.node_tools.bus.AlertBus.beat`). The
 guardian lists the heartbeats and keeps, per machine, the change token it last saw and *when it saw it
 change* by its own clock: neither the agent's clock nor the storage's is trusted. An agent whose heartbeat
 did not change for ``silent_s`` on a machine that serves a running job is silent (stopped, hung, its
@@ -59,7 +59,7 @@ class AgentWatch:
 
     def silent_alert(self, found: Mapping[str, Any], now: float) -> dict[str, Any]:
         """The guardian's own ``agent_silent`` alert for one machine :meth:`observe` found silent."""
-        from node_tools.alerts import Alert
+        from trainguard.node_tools.alerts import Alert
 
         a = Alert("agent_silent", found["machine"], severity="fault", job=found["job"], ts=now,
                   evidence={"silent_s": found["silent_s"], "last_change_ts": found["last_change_ts"],

@@ -1,13 +1,13 @@
 """The ladder's rungs as the branches of ``tg_incident``: one registry, from which the DAG generates its
 branch tasks, the triage chooses the branch, and whoever reads a run (the tests, the benchmarks, the demo)
 finds the rung that ran. Adding a rung is one line here and its function in
-:data:`operators.tasks.rungs.RUNG_ACTIONS` (a test checks both agree)."""
+:data:`trainguard.operators.tasks.rungs.RUNG_ACTIONS` (a test checks both agree)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from operators.policy.ladder import Action
+from trainguard.operators.policy.ladder import Action
 
 
 @dataclass(frozen=True)

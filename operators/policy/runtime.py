@@ -2,7 +2,7 @@
 
 Input: ``tg-node stacks`` documents of every machine of the job (each rank's main-thread frames, and
 its collective counters from the heartbeat). Each rank's stack becomes a normalised signature
-(:func:`node_tools.stacks.stack_signature`: function and file names, no lines or addresses); the
+(:func:`trainguard.node_tools.stacks.stack_signature`: function and file names, no lines or addresses); the
 signatures are grouped by their sets of frames (stacks through the same functions in another order or
 depth merge, a function only some ranks are in stands apart: what DBSCAN over the frame sets with Jaccard
 distance ``eps`` 0 computes, found with dicts in time linear in the ranks). The largest group is
@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from node_tools.stacks import stack_signature
-from node_tools.topology import Topology
+from trainguard.node_tools.stacks import stack_signature
+from trainguard.node_tools.topology import Topology
 
 STACK_DEPTH = 12
 GROUP_ORDER = ("tp", "pp", "dp")

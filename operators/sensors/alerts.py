@@ -1,5 +1,5 @@
 """Waiting for alerts without holding a worker: the deferrable ``AlertSensor`` (its trigger,
-:class:`operators.triggers.alerts.AlertTrigger`, runs in the triggerer) and ``IncidentSensor``, which records
+:class:`trainguard.operators.triggers.alerts.AlertTrigger`, runs in the triggerer) and ``IncidentSensor``, which records
 the batch as it resumes and returns the incidents to start."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any
 
 from airflow.sdk import BaseSensorOperator
 
-from operators.settings import ControlSettings
-from operators.triggers.alerts import DEFAULT_POLL_S, AlertTrigger
+from trainguard.operators.settings import ControlSettings
+from trainguard.operators.triggers.alerts import DEFAULT_POLL_S, AlertTrigger
 
 
 def settle_from_env(env: Any = None) -> float:
@@ -27,7 +27,7 @@ def silent_from_env(env: Any = None) -> float:
 
 class AlertSensor(BaseSensorOperator):
     """Waits (deferred, no worker slot held) until alerts arrive on the bus; returns the batch. Without
-    ``bus_url``/``fleet_url``, the control plane's (see :func:`operators.tasks.guardian.alert_source`)."""
+    ``bus_url``/``fleet_url``, the control plane's (see :func:`trainguard.operators.tasks.guardian.alert_source`)."""
 
     template_fields = ("bus_url", "fleet_url")
     record = False  # the trigger records the batch and starts the incidents' runs (IncidentSensor)
@@ -46,7 +46,7 @@ class AlertSensor(BaseSensorOperator):
     def execute(self, context: Any) -> Any:
         bus_url, fleet_url = self.bus_url, self.fleet_url
         if not bus_url or not fleet_url:  # the control plane's: the inventory's bus, the fleet database
-            from operators.tasks.guardian import alert_source
+            from trainguard.operators.tasks.guardian import alert_source
 
             default_bus, default_fleet = alert_source()
             bus_url, fleet_url = bus_url or default_bus, fleet_url or default_fleet
@@ -77,7 +77,7 @@ class IncidentSensor(AlertSensor):
     record = True
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-        from operators.tasks import guardian
+        from trainguard.operators.tasks import guardian
 
         if event and event.get("recorded"):
             self.log.info("%d alerts recorded in the triggerer (%s); runs: %s", event.get("alerts", 0),

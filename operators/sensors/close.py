@@ -1,7 +1,7 @@
 """``close_incident`` of ``tg_incident`` as a deferrable operator: it closes the incident
-(:func:`operators.tasks.incident.close_step`); when the recovery did not hold, it climbs (the escalation
+(:func:`trainguard.operators.tasks.incident.close_step`); when the recovery did not hold, it climbs (the escalation
 restarts the job after removing what stood in the way) and waits for the new restart's resume deferred,
-in the triggerer (:class:`operators.triggers.resume.ResumeTrigger`), then climbs again or closes: up to
+in the triggerer (:class:`trainguard.operators.triggers.resume.ResumeTrigger`), then climbs again or closes: up to
 ``restart_attempts`` restarts, none of their waits holding a worker slot."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators.sensors.resume import MAX_WAIT
+from trainguard.operators.sensors.resume import MAX_WAIT
 
 
 class CloseIncidentOperator(BaseOperator):
@@ -18,8 +18,8 @@ class CloseIncidentOperator(BaseOperator):
 
     :param incident_id: the incident (templated: ``{{ params.incident_id }}``)
     :param decision: what ``no_recovery`` returned (None when a rung handled the incident)
-    :param recovery: ``restart_job``'s :class:`~operators.models.Restart`
-    :param resume: ``wait_for_resume``'s :class:`~operators.models.Resume`
+    :param recovery: ``restart_job``'s :class:`~trainguard.operators.models.Restart`
+    :param resume: ``wait_for_resume``'s :class:`~trainguard.operators.models.Resume`
     """
 
     template_fields = ("incident_id", "decision", "recovery", "resume")
@@ -33,12 +33,12 @@ class CloseIncidentOperator(BaseOperator):
         self.resume = resume
 
     def execute(self, context: Any) -> dict[str, Any] | None:
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         return self._next(incident.close_step(int(self.incident_id), self.decision, self.recovery, self.resume))
 
     def _next(self, step: dict[str, Any]) -> dict[str, Any] | None:
-        from operators.triggers.resume import ResumeTrigger
+        from trainguard.operators.triggers.resume import ResumeTrigger
 
         if "done" in step:
             return step["done"]
@@ -51,7 +51,7 @@ class CloseIncidentOperator(BaseOperator):
 
     def resumed(self, context: Any, event: dict[str, Any] | None = None, watch: dict[str, Any] | None = None
                 ) -> dict[str, Any] | None:
-        from operators.tasks import common, incident
+        from trainguard.operators.tasks import common, incident
 
         info = {k: v for k, v in dict(event or {}).items() if k != "checks"}
         return self._next(incident.escalation_after(common.controller(), int(self.incident_id), dict(watch or {}),

@@ -1,4 +1,4 @@
-"""Dual-phase replay with its waits in the triggerer (:class:`operators.triggers.replay.ReplayTrigger`):
+"""Dual-phase replay with its waits in the triggerer (:class:`trainguard.operators.triggers.replay.ReplayTrigger`):
 
 - ``SilentCorruptionOperator``: ``silent_corruption`` of ``tg_incident``: the rung up to its replay in the
   worker (stop, alignment test, the horizontal phase launched), the phase watched deferred, the vertical
@@ -15,23 +15,23 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators.sensors.rung import RungOperator
-from operators.triggers.replay import DEFAULT_TIMEOUT_S
+from trainguard.operators.sensors.rung import RungOperator
+from trainguard.operators.triggers.replay import DEFAULT_TIMEOUT_S
 
 # a guard against a trigger that never fires: it gives up on a group after DEFAULT_TIMEOUT_S itself
 MAX_WAIT = timedelta(seconds=DEFAULT_TIMEOUT_S + 600)
 
 
 class SilentCorruptionOperator(RungOperator):
-    """The silent-corruption rung; returns its :class:`~operators.models.RungResult`."""
+    """The silent-corruption rung; returns its :class:`~trainguard.operators.models.RungResult`."""
 
     def execute(self, context: Any) -> dict[str, Any] | None:
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         return self._next(incident.sdc_begin(self.decision), "horizontal")
 
     def _next(self, step: dict[str, Any], phase: str) -> dict[str, Any] | None:
-        from operators.triggers.replay import ReplayTrigger
+        from trainguard.operators.triggers.replay import ReplayTrigger
 
         if "result" in step:
             return step["result"]
@@ -44,7 +44,7 @@ class SilentCorruptionOperator(RungOperator):
 
     def phase_done(self, context: Any, event: dict[str, Any] | None = None, replay: dict[str, Any] | None = None,
                    phase: str = "horizontal") -> dict[str, Any] | None:
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         results = dict((event or {}).get("results") or {})
         self.log.info("replay, %s phase: %s", phase, results)
@@ -68,8 +68,8 @@ class ReplayPhaseOperator(BaseOperator):
         self.phase = phase
 
     def execute(self, context: Any) -> None:
-        from operators.tasks import sdc_replay
-        from operators.triggers.replay import ReplayTrigger
+        from trainguard.operators.tasks import sdc_replay
+        from trainguard.operators.triggers.replay import ReplayTrigger
 
         launched = sdc_replay.phase_launch(self.plan, self.phase)
         self.defer(trigger=ReplayTrigger(launched), method_name="execute_complete", timeout=MAX_WAIT)

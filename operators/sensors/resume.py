@@ -1,6 +1,6 @@
 """The deferrable ``ResumeSensor``: ``wait_for_resume`` of ``tg_incident``. Its ``execute`` only reads its
-input (``restart_job``'s :class:`~operators.models.Restart`) and defers to
-:class:`operators.triggers.resume.ResumeTrigger`; while an incident waits for its job to train again, no
+input (``restart_job``'s :class:`~trainguard.operators.models.Restart`) and defers to
+:class:`trainguard.operators.triggers.resume.ResumeTrigger`; while an incident waits for its job to train again, no
 worker slot is held, so a fleet with many incidents at once keeps its slots for the rungs.
 """
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from operators.triggers.resume import DEFAULT_POLL_S, ResumeTrigger
+from trainguard.operators.triggers.resume import DEFAULT_POLL_S, ResumeTrigger
 
 # a guard against a trigger that never answers: the resume check itself answers "failed" after the
 # control plane's resume_timeout_s
@@ -20,7 +20,7 @@ MAX_WAIT = timedelta(hours=1)
 
 class ResumeSensor(BaseOperator):
     """Waits, deferred, until the restarted job trains past its restored step (or the restart failed);
-    returns the :class:`~operators.models.Resume`. Nothing restarted: answers ``skipped`` at once.
+    returns the :class:`~trainguard.operators.models.Resume`. Nothing restarted: answers ``skipped`` at once.
 
     :param incident_id: the incident (templated: ``{{ params.incident_id }}``)
     :param recovery: ``restart_job``'s result (an XCom reference)
@@ -36,7 +36,7 @@ class ResumeSensor(BaseOperator):
         self.poll_s = poll_s
 
     def execute(self, context: Any) -> dict[str, Any]:
-        from operators.models import Restart, Resume
+        from trainguard.operators.models import Restart, Resume
 
         rec = Restart.read(self.recovery)
         if not rec.restarted:
@@ -45,7 +45,7 @@ class ResumeSensor(BaseOperator):
                    method_name="execute_complete", timeout=MAX_WAIT)
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
-        from operators.models import Resume
+        from trainguard.operators.models import Resume
 
         event = dict(event or {})
         checks = event.pop("checks", None)

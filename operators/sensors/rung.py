@@ -1,6 +1,6 @@
-"""The base of ``tg_incident``'s deferrable rungs (:mod:`operators.sensors.vote`,
-:mod:`operators.sensors.replay`): a rung as an operator of its own, taking the triage's decision and
-returning its :class:`~operators.models.RungResult`, its waits deferred to the triggerer."""
+"""The base of ``tg_incident``'s deferrable rungs (:mod:`trainguard.operators.sensors.vote`,
+:mod:`trainguard.operators.sensors.replay`): a rung as an operator of its own, taking the triage's decision and
+returning its :class:`~trainguard.operators.models.RungResult`, its waits deferred to the triggerer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from airflow.sdk import BaseOperator
 class RungOperator(BaseOperator):
     """A rung of the ladder whose waits run in the triggerer.
 
-    :param decision: the triage's :class:`~operators.models.IncidentDecision` (an XCom reference)
+    :param decision: the triage's :class:`~trainguard.operators.models.IncidentDecision` (an XCom reference)
     """
 
     template_fields = ("decision",)

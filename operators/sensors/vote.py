@@ -1,7 +1,7 @@
 """``slow_vote`` of ``tg_incident`` as a deferrable operator: it takes the first round and defers to
-:class:`operators.triggers.vote.SlowVoteTrigger`, which takes the other rounds in the triggerer on the
+:class:`trainguard.operators.triggers.vote.SlowVoteTrigger`, which takes the other rounds in the triggerer on the
 first round's clock (the triggerer's pickup hides inside the first interval), and
-resumes with them to decide (:func:`operators.tasks.incident.vote_end`: the verdict claimed on the
+resumes with them to decide (:func:`trainguard.operators.tasks.incident.vote_end`: the verdict claimed on the
 incident, the slow group to evict or nothing). An explicit machine fault that joined the incident before
 the vote began decides it instead (evict that machine), with no rounds."""
 
@@ -10,18 +10,18 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from operators.sensors.rung import RungOperator
+from trainguard.operators.sensors.rung import RungOperator
 
 
 class SlowVoteOperator(RungOperator):
     """The slow vote: rounds of compute times in the triggerer, then the verdict; returns the rung's
-    :class:`~operators.models.RungResult`."""
+    :class:`~trainguard.operators.models.RungResult`."""
 
     def execute(self, context: Any) -> dict[str, Any] | None:
-        from operators.models import IncidentDecision
-        from operators.settings import ControlSettings
-        from operators.tasks import incident
-        from operators.triggers.vote import SlowVoteTrigger
+        from trainguard.operators.models import IncidentDecision
+        from trainguard.operators.settings import ControlSettings
+        from trainguard.operators.tasks import incident
+        from trainguard.operators.triggers.vote import SlowVoteTrigger
 
         begun = incident.vote_begin(self.decision)
         if "result" in begun:
@@ -36,7 +36,7 @@ class SlowVoteOperator(RungOperator):
         return None
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
-        from operators.tasks import incident
+        from trainguard.operators.tasks import incident
 
         event = dict(event or {})
         self.log.info("vote: %d rounds in the triggerer%s", len(event.get("rounds") or []),

@@ -6,21 +6,22 @@ and faults left in place that show again), never by ticking. Failures strike whi
 stopped job's machines fail too, but a failure found at the next start is one more of the same incidents).
 Each incident goes through what ``tg_incident`` runs, with the simulator standing in for the machines:
 
-* the alerts the node agent would raise -> :func:`operators.policy.ladder.assess` (the same triage and first
-  decision the triage task records; the escalation level from :func:`~operators.policy.ladder.
+* the alerts the node agent would raise -> :func:`trainguard.operators.policy.ladder.assess` (the same triage and first
+  decision the triage task records; the escalation level from :func:`~trainguard.operators.policy.ladder.
   escalation_level`, the clock the simulated one);
-* a stop-time diagnosis's verdict -> :func:`~operators.policy.ladder.decide` again, as the rung does;
-* a hang -> :func:`operators.policy.runtime.analyze` over every rank's (synthetic) stack, which chooses the
-  parallel group to over-evict; a throughput decline -> :class:`~operators.policy.runtime.SlowVoter`;
-  silent corruption -> :func:`operators.policy.sdc.plan_replay` and :func:`~operators.policy.sdc.culprits`;
-* every eviction through :func:`~operators.policy.ladder.breaker`; standbys from a pool sized by
-  :func:`operators.policy.pool.pool_target` on :func:`~operators.policy.pool.failure_rate` of the simulated
-  history and refilled by :func:`~operators.policy.pool.plan_pool` on the pool job's 10-minute schedule
-  (which retires repeat offenders);
-* manual code changes through :func:`operators.policy.code.plan_update` (urgent: now; lazy: at the next
-  restart, or when :func:`~operators.policy.code.lazy_due`).
+* a stop-time diagnosis's verdict -> :func:`~trainguard.operators.policy.ladder.decide` again, as the rung does;
+* a hang -> :func:`trainguard.operators.policy.runtime.analyze` over every rank's (synthetic) stack, which chooses the
+  parallel group to over-evict; a throughput decline -> :class:`~trainguard.operators.policy.runtime.SlowVoter`;
+  silent corruption -> :func:`trainguard.operators.policy.sdc.plan_replay` and
+  :func:`~trainguard.operators.policy.sdc.culprits`;
+* every eviction through :func:`~trainguard.operators.policy.ladder.breaker`; standbys from a pool sized by
+  :func:`trainguard.operators.policy.pool.pool_target` on :func:`~trainguard.operators.policy.pool.failure_rate` of
+  the simulated history and refilled by :func:`~trainguard.operators.policy.pool.plan_pool` on the pool job's
+  10-minute schedule (which retires repeat offenders);
+* manual code changes through :func:`trainguard.operators.policy.code.plan_update` (urgent: now; lazy: at the next
+  restart, or when :func:`~trainguard.operators.policy.code.lazy_due`).
 
-How long each phase takes comes from a :class:`~operators.sim.model.Profile`. The ledger follows Meta's
+How long each phase takes comes from a :class:`~trainguard.operators.sim.model.Profile`. The ledger follows Meta's
 ETTR: productive time is training time less the work lost to a restore and less checkpoint writes.
 """
 
@@ -33,10 +34,10 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from node_tools.topology import Topology
-from operators.policy import code, ladder, pool, runtime, sdc
-from operators.settings import ControlSettings
-from operators.sim.model import DAY_S, FailureKind, FailureModel, Profile, SimError
+from trainguard.node_tools.topology import Topology
+from trainguard.operators.policy import code, ladder, pool, runtime, sdc
+from trainguard.operators.settings import ControlSettings
+from trainguard.operators.sim.model import DAY_S, FailureKind, FailureModel, Profile, SimError
 
 JOB = "sim"
 WEEK_S = 7 * DAY_S
@@ -320,8 +321,8 @@ class Simulation:
     def decide(self, kind: FailureKind, slot: int, ts: float, level: int, rollback_to: str | None = "known-good"
                ) -> tuple[ladder.Triage, ladder.Decision]:
         """The triage and first decision for a failure of ``kind`` on ``slot`` at ``ts``: the control plane's
-        own :func:`~operators.policy.ladder.assess` on the alerts the agent raises. The simulated job always has
-        a known-good revision to roll back to (``rollback_to``)."""
+        own :func:`~trainguard.operators.policy.ladder.assess` on the alerts the agent raises. The simulated job
+        always has a known-good revision to roll back to (``rollback_to``)."""
         return ladder.assess(JOB, self._alerts(kind, slot, ts), level=level, rollback_to=rollback_to,
                              network_history=list(self.net_history), now=ts)
 

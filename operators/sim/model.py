@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from node_tools.errors import TrainguardError
+from trainguard.node_tools.errors import TrainguardError
 
 DEFAULT_MODEL = Path(__file__).with_name("failure_model.yaml")
 DAY_S = 86400.0
@@ -195,7 +195,7 @@ class Profile:
     code change applied in place; ``human_s``: an incident that waits for a human; ``step_s``: the training
     step (checkpoint interval: every step); ``checkpoint_overhead``: step time with checkpoints over without,
     minus 1; ``provision_s``: a new standby's self-check before it parks; ``sources``: where each came from.
-    A profile is built for one job size (:mod:`operators.sim.profiles`): restarts grow with the machines."""
+    A profile is built for one job size (:mod:`trainguard.operators.sim.profiles`): restarts grow with the machines."""
 
     name: str
     detect_s: Mapping[str, float]

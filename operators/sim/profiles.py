@@ -32,7 +32,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from operators.sim.model import Profile, SimError
+from trainguard.operators.sim.model import Profile, SimError
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
 PROFILES = ("byterobust", "measured")

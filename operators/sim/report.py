@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from operators.sim.engine import Knobs, Result, simulate
-from operators.sim.model import FailureModel, Profile
+from trainguard.operators.sim.engine import Knobs, Result, simulate
+from trainguard.operators.sim.model import FailureModel, Profile
 
 # (row name, what varies, values, how a value becomes knobs)
 SENSITIVITY: tuple[tuple[str, str, tuple[Any, ...]], ...] = (

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.tasks import common
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.tasks import common
 
 
 def _announced(asset_events: Any) -> list[dict[str, Any]]:
@@ -23,7 +23,7 @@ def _announced(asset_events: Any) -> list[dict[str, Any]]:
 
 def ckpt_targets(job: str, step: int | None, asset_events: Any = None) -> list[dict[str, Any]]:
     """The (job, step) pairs this run verifies: the form's, the notices', or the schedule's sweep."""
-    from operators import checkpoints
+    from trainguard.operators import checkpoints
 
     return checkpoints.targets(common.controller(), job=(job or "").strip(), step=step,
                                announced=_announced(asset_events))
@@ -32,7 +32,7 @@ def ckpt_targets(job: str, step: int | None, asset_events: Any = None) -> list[d
 def ckpt_verify(target: dict[str, Any]) -> dict[str, Any]:
     from airflow.sdk import get_current_context
 
-    from operators import checkpoints
+    from trainguard.operators import checkpoints
 
     get_current_context()["target"] = f"{target['job']} step {target['step']}"
     return checkpoints.verify(common.controller(), target)
@@ -45,7 +45,7 @@ def _s3() -> tuple[Any, Any, dict[str, str]]:
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
     from botocore.config import Config
 
-    from operators import checkpoints
+    from trainguard.operators import checkpoints
 
     hook = S3Hook(aws_conn_id=os.environ.get("TG_S3_CONN_ID", "tg_s3"),
                   config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"}))
@@ -58,7 +58,7 @@ def _s3() -> tuple[Any, Any, dict[str, str]]:
 def ckpt_promote(verdict: dict[str, Any]) -> dict[str, Any]:
     from airflow.sdk import get_current_context
 
-    from operators import checkpoints
+    from trainguard.operators import checkpoints
 
     get_current_context()["target"] = f"{verdict['job']} step {verdict['step']}"
     settings, client, env = checkpoints.S3Settings.from_env(), None, {}
@@ -70,7 +70,7 @@ def ckpt_promote(verdict: dict[str, Any]) -> dict[str, Any]:
 def ckpt_conclude(verdicts: list[dict[str, Any]] | None, promotions: list[dict[str, Any]] | None) -> dict[str, Any]:
     """The run's one-line note; the run fails (its ``outcome`` task) when a step was not verified or not
     promoted."""
-    from operators import checkpoints
+    from trainguard.operators import checkpoints
 
     verdicts, promotions = list(verdicts or []), [p for p in (promotions or []) if p]
     done = {(p["job"], p["step"]) for p in promotions}

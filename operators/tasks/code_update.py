@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.tasks import common
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.tasks import common
 
 
 def code_update(job: str, revision: str, urgency: str, reason: str) -> dict[str, Any]:
     """A request from the form (job given): urgent/rollback -> hot update now, lazy -> pending. Without a
     job (the schedule): the sweep, forcing overdue lazy updates and marking known-good revisions."""
-    from operators import code_updates
+    from trainguard.operators import code_updates
 
     c = common.controller()
     if not job:

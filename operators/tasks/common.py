@@ -1,5 +1,5 @@
-"""What every task body shares: its controller (over the process's :class:`~operators.hooks.fleet.FleetHook`),
-the run's note, the job's open incidents, work done by hand.
+"""What every task body shares: its controller (over the process's
+:class:`~trainguard.operators.hooks.fleet.FleetHook`), the run's note, the job's open incidents, work done by hand.
 """
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ import threading
 import time
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.control import ControlConfig, Controller
-from operators.fleet.states import IncidentState
-from operators.fleet.store import OPEN_INCIDENT_STATES
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
 
 
 def controller() -> Controller:
     """A controller for this task: the process's fleet database (no migration, one engine), the inventory,
-    and SSH connections held for the task's life (:class:`~operators.hooks.fleet.FleetHook`)."""
-    from operators.hooks.fleet import FleetHook
+    and SSH connections held for the task's life (:class:`~trainguard.operators.hooks.fleet.FleetHook`)."""
+    from trainguard.operators.hooks.fleet import FleetHook
 
     return FleetHook().get_controller()
 
@@ -40,8 +40,8 @@ def shared_controller() -> Controller:
 
 
 def note(text: str) -> None:
-    """The run's one-line note, in the UI (see :mod:`operators.utils.notes`)."""
-    from operators.utils.notes import set_run_note
+    """The run's one-line note, in the UI (see :mod:`trainguard.operators.utils.notes`)."""
+    from trainguard.operators.utils.notes import set_run_note
 
     set_run_note(text)
 
@@ -65,7 +65,7 @@ def arm_unless_busy(c: Controller, job: str, *, own_incident: int | None = None)
 
 def name_mapped_task(machine: str) -> None:
     """Names the running mapped task after its machine (or its batch: see
-    :func:`operators.utils.mapping.label`) in the UI (its ``map_index_template``)."""
+    :func:`trainguard.operators.utils.mapping.label`) in the UI (its ``map_index_template``)."""
     from airflow.sdk import get_current_context
 
     get_current_context()["machine"] = machine
@@ -75,7 +75,7 @@ def max_mapped_tasks() -> int:
     """The most mapped task instances one expansion may have here (``[core] max_map_length``)."""
     from airflow.configuration import conf
 
-    from operators.utils.mapping import DEFAULT_MAX_MAP_LENGTH
+    from trainguard.operators.utils.mapping import DEFAULT_MAX_MAP_LENGTH
 
     return conf.getint("core", "max_map_length", fallback=DEFAULT_MAX_MAP_LENGTH)
 

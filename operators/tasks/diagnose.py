@@ -1,13 +1,13 @@
 """The bodies of ``tg_diagnose``'s tasks: the stop-time diagnosis by hand, one mapped task per machine (per
-batch of machines past Airflow's ``max_map_length``: :mod:`operators.utils.mapping`).
+batch of machines past Airflow's ``max_map_length``: :mod:`trainguard.operators.utils.mapping`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from operators.tasks import common
-from operators.utils import mapping
+from trainguard.operators.tasks import common
+from trainguard.operators.utils import mapping
 
 
 def diagnose_targets(job: str, machines: list[str], level: int, *, max_tasks: int | None = None

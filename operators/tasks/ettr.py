@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.tasks import common
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.tasks import common
 
 
 def ettr_reports(job: str, window_s: float) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 ``tg_incident`` run started per incident opened (or taken over by stronger alerts during a slow vote).
 
 The recording and the runs' start happen where the batch is read, in the triggerer
-(:class:`operators.triggers.alerts.AlertTrigger` with ``record``), so that an alert's incident run starts
+(:class:`trainguard.operators.triggers.alerts.AlertTrigger` with ``record``), so that an alert's incident run starts
 about a second after the alert: no task has to be scheduled in between. The guardian's tasks repeat both
 when the triggerer could not (the fleet database, or the REST API, did not answer there): recording a
 batch twice is a no-op (alerts are keyed by id), and a run's id names its incident (``incident__7``), so a
@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from operators.control import ControlConfig, Controller
-from operators.fleet.states import IncidentState
-from operators.tasks import common
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.tasks import common
 
 INCIDENT_DAG = "tg_incident"
 # an open incident without a run this old is an orphan (its run's start was lost); younger: being started
@@ -27,7 +27,7 @@ ORPHAN_AFTER_S = 20.0
 
 def alert_source() -> tuple[str, str]:
     """The bus to watch (the inventory's) and the fleet database that keeps the readers' cursors."""
-    from node_tools.inventory import Inventory
+    from trainguard.node_tools.inventory import Inventory
 
     cfg = ControlConfig.from_env()
     inv = Inventory.load(Path(cfg.inventory))
@@ -60,9 +60,9 @@ def group_alerts(event: dict[str, Any], c: Controller | None = None) -> list[dic
 
 def start_runs(starts: list[dict[str, Any]], api: Any) -> dict[str, str]:
     """Start the tg_incident runs ``starts`` names through the REST API (``api``: an
-    :class:`~operators.hooks.airflow_api.AirflowApi`): each run id -> ``started``, ``exists`` (started
+    :class:`~trainguard.operators.hooks.airflow_api.AirflowApi`): each run id -> ``started``, ``exists`` (started
     before: nothing to do) or why it could not be started."""
-    from operators.hooks.airflow_api import ApiError
+    from trainguard.operators.hooks.airflow_api import ApiError
 
     out: dict[str, str] = {}
     for s in starts:

@@ -1,6 +1,6 @@
 """The bodies of ``tg_incident``'s tasks: the triage and its branch, the rung's run, the restart, the resume
 check, the close (or the escalation of a restart that did not hold), the re-arm and the run's outcome. Each
-takes and returns JSON documents (typed: :mod:`operators.models`), so the DAG file stays wiring and every
+takes and returns JSON documents (typed: :mod:`trainguard.operators.models`), so the DAG file stays wiring and every
 task is safe to clear.
 """
 
@@ -10,30 +10,30 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.control import Controller
-from operators.fleet.states import IncidentState
-from operators.models import IncidentDecision, Restart, Resume, RungResult, Stop, StopFound, Swap
-from operators.policy import rungs
-from operators.policy.rungs import NO_RECOVERY
-from operators.tasks import common
-from operators.tasks.rungs import RUNG_ACTIONS, sdc_before_replay, sdc_decide, slow_vote_decide
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.control import Controller
+from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.models import IncidentDecision, Restart, Resume, RungResult, Stop, StopFound, Swap
+from trainguard.operators.policy import rungs
+from trainguard.operators.policy.rungs import NO_RECOVERY
+from trainguard.operators.tasks import common
+from trainguard.operators.tasks.rungs import RUNG_ACTIONS, sdc_before_replay, sdc_decide, slow_vote_decide
 
 
 def triage(incident_id: int) -> dict[str, Any]:
-    """The incident's :class:`~operators.models.IncidentDecision` (an XCom document)."""
+    """The incident's :class:`~trainguard.operators.models.IncidentDecision` (an XCom document)."""
     return IncidentDecision.read(common.controller().triage(int(incident_id))).dump()
 
 
 def choose(decision: dict[str, Any]) -> str:
-    """The task that handles the decision (:data:`operators.policy.rungs.RUNGS`); anything without a
+    """The task that handles the decision (:data:`trainguard.operators.policy.rungs.RUNGS`); anything without a
     recovery goes to ``no_recovery``."""
     return rungs.branch(IncidentDecision.read(decision).action)
 
 
 def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
-    """The rung ``name`` (a task id of :data:`operators.policy.rungs.RUNGS`): its evidence and its decision
-    (what to evict, roll back, or restart as it is). Returns a :class:`~operators.models.RungResult`: whether
+    """The rung ``name`` (a task id of :data:`trainguard.operators.policy.rungs.RUNGS`): its evidence and its decision
+    (what to evict, roll back, or restart as it is). Returns a :class:`~trainguard.operators.models.RungResult`: whether
     the job is to restart, what to evict, and what the rung's own stop found when it stopped the job for its
     evidence. A rung that fails returns its error (the incident's close escalates from there)."""
     c = common.controller()
@@ -57,7 +57,7 @@ def _redirected(c: Controller, name: str, decision: dict[str, Any]) -> tuple[str
 
 
 def _result(c: Controller, name: str, decision: dict[str, Any], act: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """The rung's result as a :class:`~operators.models.RungResult` (its error, when it failed)."""
+    """The rung's result as a :class:`~trainguard.operators.models.RungResult` (its error, when it failed)."""
     try:
         result = act()
     except TrainguardError as exc:
@@ -87,7 +87,7 @@ def vote_begin(decision: dict[str, Any]) -> dict[str, Any]:
 
 def vote_end(decision: dict[str, Any], rounds: list[dict[str, float]], *, superseded: bool = False) -> dict[str, Any]:
     """The slow vote's rung after its rounds (each rank's compute times, per round): the verdict, claimed on
-    the incident, and what it asks (:func:`operators.tasks.rungs.slow_vote_decide`)."""
+    the incident, and what it asks (:func:`trainguard.operators.tasks.rungs.slow_vote_decide`)."""
     return _vote_end(common.controller(), IncidentDecision.read(decision).dump(), rounds, superseded=superseded)
 
 
@@ -172,7 +172,7 @@ def stop_job(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str
     finished and the checkpoint copies each machine holds), when the rung restarts it or an explicit
     machine fault joined the incident meanwhile; the rung's own stop stands when it stopped the job for
     its evidence. Cleared and run again, it stops the job again (the tasks after it start it again).
-    Returns a :class:`~operators.models.Stop`."""
+    Returns a :class:`~trainguard.operators.models.Stop`."""
     rung = _rung(results)
     c = common.controller()
     job = c.fleet.incident(int(incident_id)).job
@@ -197,7 +197,7 @@ def swap_machines(incident_id: int, results: list[dict[str, Any] | None], stop: 
     breaker, never taking the last copy of a checkpoint: the copies ``stop_job`` found), then any explicit
     machine fault that joined the incident meanwhile (a second GPU lost 0.2 s after the first, a lost GPU
     during a hang's analysis), in the same restart. Each eviction is an action of the incident, done once:
-    cleared and run again, it answers what was done. Returns a :class:`~operators.models.Swap`."""
+    cleared and run again, it answers what was done. Returns a :class:`~trainguard.operators.models.Swap`."""
     rung = _rung(results)
     if rung.waiting_human or rung.dry_run:
         return Swap(skipped=True, waiting_human=rung.waiting_human, dry_run=rung.dry_run).dump()
@@ -231,7 +231,7 @@ def restart_job(incident_id: int, results: list[dict[str, Any] | None], stop: di
     its newest committed checkpoint (or the step the rung names), unless the rung leaves it alone or the
     swap waits for a human. Its inputs are XCom only, so the task is safe to clear: run again (cleared in
     the UI, or retried) after the job was restarted once, it restarts the job again from what runs now
-    (:func:`restart_again`). Returns a :class:`~operators.models.Restart` (with the rung's result when
+    (:func:`restart_again`). Returns a :class:`~trainguard.operators.models.Restart` (with the rung's result when
     nothing was restarted). ``resume_timeout_s``: the run's own limit on the resume wait (None: the
     setting's)."""
     rung = _rung(results)
@@ -276,7 +276,7 @@ def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:
 
 
 def resumed(incident_id: int, recovery: dict[str, Any], c: Controller | None = None) -> dict[str, Any] | None:
-    """For the resume trigger: a :class:`~operators.models.Resume` once training passed the restored step;
+    """For the resume trigger: a :class:`~trainguard.operators.models.Resume` once training passed the restored step;
     ``failed`` once the restart ended without a step or did not get there within ``resume_timeout_s``;
     ``pending`` when explicit machine faults joined the incident meanwhile; else None (ask again). ``c``: a
     controller to reuse between calls (the trigger keeps one)."""

@@ -1,6 +1,6 @@
 """What every control-plane task process imports, loaded once ahead of the tasks.
 
-Imported by the trainguard plugin (:mod:`operators.plugins.fleet`), which every Airflow component loads
+Imported by the trainguard plugin (:mod:`trainguard.operators.plugins.fleet`), which every Airflow component loads
 when it starts. The scheduler loads it before its LocalExecutor forks the workers that fork each task
 process, so a task starts with the task runner, the fleet database's models, paramiko and the SSH hooks
 already in memory instead of importing them: 0.1-0.2 s of CPU per task on an idle machine, several times
@@ -13,6 +13,6 @@ from __future__ import annotations
 import airflow.sdk.execution_time.supervisor
 import airflow.sdk.execution_time.task_runner  # noqa: F401
 
-import operators.hooks.fleet
-import operators.hooks.node  # noqa: F401
-from operators.tasks import common, incident, rungs  # noqa: F401
+import trainguard.operators.hooks.fleet
+import trainguard.operators.hooks.node  # noqa: F401
+from trainguard.operators.tasks import common, incident, rungs  # noqa: F401

@@ -1,6 +1,6 @@
 """The ladder's rungs, one function each (the branch tasks of ``tg_incident``, listed in
-:data:`operators.policy.rungs.RUNGS`): each takes the triage's decision, gathers its evidence and decides;
-it returns what it found and decided (:class:`~operators.models.RungResult`): the machines to evict
+:data:`trainguard.operators.policy.rungs.RUNGS`): each takes the triage's decision, gathers its evidence and decides;
+it returns what it found and decided (:class:`~trainguard.operators.models.RungResult`): the machines to evict
 (``evict``, with the reason and the newest step the restart may restore), whether the job is to restart,
 or why it is left alone. A rung stops the job itself only when its evidence needs a stopped job (the logs
 read as it stops, the diagnosis of its machines); otherwise ``stop_job`` stops it, ``swap_machines``
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.control import Controller
-from operators.policy import ladder
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.control import Controller
+from trainguard.operators.policy import ladder
 
 
 def evict_now(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
@@ -84,7 +84,7 @@ def runtime_analysis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
 def slow_vote(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Throughput decline: vote over rounds on each rank's compute time while the job trains; evict the
     group flagged in most rounds (then recover), or nothing when the slowdown was shared or passed. In
-    Airflow the rounds are taken in the triggerer (:class:`operators.sensors.vote.SlowVoteOperator`), then
+    Airflow the rounds are taken in the triggerer (:class:`trainguard.operators.sensors.vote.SlowVoteOperator`), then
     :func:`slow_vote_decide` decides as here."""
     return slow_vote_decide(c, decision, c.vote_slow(decision["incident"]))
 
@@ -108,7 +108,8 @@ def silent_corruption(c: Controller, decision: dict[str, Any]) -> dict[str, Any]
     """Parameters differ between data-parallel peers (or a failure recurred past a rollback): stop, run
     the alignment test on every machine; when every machine agrees, replay real training steps in groups
     (dual-phase replay); evict the machines either finds (a repeat offender at once). In Airflow the
-    replay's groups are watched in the triggerer (:class:`operators.sensors.replay.SilentCorruptionOperator`),
+    replay's groups are watched in the triggerer
+    (:class:`trainguard.operators.sensors.replay.SilentCorruptionOperator`),
     the same evidence decided by :func:`sdc_decide`."""
     early, evidence = sdc_before_replay(c, decision)
     if early is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from node_tools.errors import TrainguardError
-from operators.tasks import common
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.tasks import common
 
 
 def replay_prepare(job: str, k: int) -> dict[str, Any]:
@@ -25,8 +25,8 @@ def replay_phase(plan: dict[str, Any], phase: str) -> dict[str, str]:
 
 
 def phase_launch(plan: dict[str, Any], phase: str) -> dict[str, Any]:
-    """Start one phase's groups (:meth:`operators.control.Controller.replay_launch`); the triggerer watches
-    them (:class:`operators.triggers.replay.ReplayTrigger`)."""
+    """Start one phase's groups (:meth:`trainguard.operators.control.Controller.replay_launch`); the triggerer watches
+    them (:class:`trainguard.operators.triggers.replay.ReplayTrigger`)."""
     c = common.controller()
     return c.replay_launch(plan["job"], c.phase_groups(plan, phase), k=int(plan["k"]))
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from operators.tasks import common
-from operators.utils import mapping
+from trainguard.operators.tasks import common
+from trainguard.operators.utils import mapping
 
 
 def pool_plan(target: int, *, max_tasks: int | None = None) -> dict[str, Any]:
     """Size the pool (``target`` < 0: from the fleet's failure history), retire repeat offenders and claim
     the machines to self-check; returns the plan and the mapped tasks' targets: a list of machines each, one
     machine per task while they fit in ``max_tasks`` (default: Airflow's ``max_map_length``), else batches."""
-    from operators import standby_pool
+    from trainguard.operators import standby_pool
 
     c = common.controller()
     the_plan = standby_pool.plan(c, target=None if int(target) < 0 else int(target))
@@ -24,7 +24,7 @@ def pool_plan(target: int, *, max_tasks: int | None = None) -> dict[str, Any]:
 def pool_check(target: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The self-check (L1 + L2) of a batch of machines, one after another; healthy ones are parked warm as
     standbys, the rest repaired."""
-    from operators import standby_pool
+    from trainguard.operators import standby_pool
 
     batch = target if isinstance(target, list) else [target]
     common.name_mapped_task(mapping.label([t["machine"] for t in batch]))
@@ -33,7 +33,7 @@ def pool_check(target: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, 
 
 
 def pool_conclude(planned: dict[str, Any], results: list[Any] | None) -> dict[str, Any]:
-    from operators import standby_pool
+    from trainguard.operators import standby_pool
 
     out = standby_pool.summary(planned["plan"], mapping.flatten(results or []))
     common.note(out["note"])

@@ -1,14 +1,14 @@
 """Waiting for alerts without holding a worker: ``AlertTrigger`` (runs in the triggerer) and the
-deferrable ``AlertSensor`` (:mod:`operators.sensors.alerts`).
+deferrable ``AlertSensor`` (:mod:`trainguard.operators.sensors.alerts`).
 
-The trigger polls the alert bus (:class:`node_tools.bus.BusReader`) every ``poll_s``, from the reader's cursor
-in the fleet database (every name it has read and recorded, whatever the writers' clocks say). On the first
+The trigger polls the alert bus (:class:`trainguard.node_tools.bus.BusReader`) every ``poll_s``, from the reader's
+cursor in the fleet database (every name it has read and recorded, whatever the writers' clocks say). On the first
 alert it keeps reading for ``settle_s`` more (default 1 s), so a burst from a thousand ranks timing out
 together becomes one batch, then fires (at once instead when the batch holds an alert the ladder acts on by
 itself, an explicit machine fault or a silent agent: waiting would only delay the eviction; or when the batch
 is full: what comes later joins the open incident) with every alert of the batch as JSON documents, the names
 it read, the documents it quarantined, and what it saw of the agents' heartbeats. With ``record`` (the
-guardian's), the trigger records the batch itself as it fires (:func:`operators.tasks.guardian.group_alerts`:
+guardian's), the trigger records the batch itself as it fires (:func:`trainguard.operators.tasks.guardian.group_alerts`:
 alerts into incidents, the bus cursor committed in the same transaction) and starts each new incident's
 tg_incident run through the REST API: an incident's run starts about a second after its alert, with no task to
 schedule in between; the event then carries what was started. When it cannot (the fleet database or the
@@ -27,14 +27,14 @@ left unrecorded, and the next run reads it again. Without ``record``, each run f
 next run reads the next.
 
 While it waits the trigger also watches trainguard itself: every second it lists the agents' heartbeats
-(:class:`operators.policy.liveness.AgentWatch`) and reports an agent silent past ``silent_s`` on a machine
+(:class:`trainguard.operators.policy.liveness.AgentWatch`) and reports an agent silent past ``silent_s`` on a machine
 of a running job as an ``agent_silent`` alert of its own; every few seconds it records its own poll in the
 fleet database (component ``guardian``: ``trainguard status`` and the metrics say how old it is); every
 :data:`RETIRE_EVERY_S` it removes from the bus the names recorded longer than ``retain_s`` ago by its own
-clock (:meth:`node_tools.bus.AlertBus.retire`, in bulk; the fleet database keeps every alert's document), so
+clock (:meth:`trainguard.node_tools.bus.AlertBus.retire`, in bulk; the fleet database keeps every alert's document), so
 the folder it lists holds only what is unread or recent; recording, it drops them from the committed cursor
 at once, otherwise its event reports them ``gone``. And, recording, every ``ORPHAN_SWEEP_S`` it starts the run
-of any open incident whose start was lost (:func:`operators.tasks.guardian.orphans`: starting one that exists
+of any open incident whose start was lost (:func:`trainguard.operators.tasks.guardian.orphans`: starting one that exists
 changes nothing).
 """
 
@@ -49,8 +49,8 @@ from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
 
-from operators.policy import ladder
-from operators.settings import DEFAULT_SETTLE_S
+from trainguard.operators.policy import ladder
+from trainguard.operators.settings import DEFAULT_SETTLE_S
 
 DEFAULT_POLL_S = 0.25
 #: a name recorded this long ago (by the reader's clock) leaves the bus's folder; other readers of the folder
@@ -81,14 +81,14 @@ _API_LOCK = threading.Lock()
 
 def _fleet(fleet_url: str) -> Any:
     """The process's fleet database (one engine for every trigger of the triggerer), or None without one."""
-    from operators.hooks.fleet import fleet_store
+    from trainguard.operators.hooks.fleet import fleet_store
 
     return fleet_store(fleet_url) if fleet_url else None
 
 
 def watched_machines(fleet: Any) -> dict[str, str]:
     """Machines whose agent must be alive: active ones serving a running job (machine -> job)."""
-    from operators.fleet import states
+    from trainguard.operators.fleet import states
 
     running = {j.name for j in fleet.jobs() if j.state == "running"}
     return {m.name: m.job for m in fleet.machines(state=states.ACTIVE) if m.job in running}
@@ -100,8 +100,8 @@ class _Watch:
 
     def __init__(self, bus_url: str, fleet_url: str, reader: str, *, folder: str, silent_s: float, skew_s: float,
                  retain_s: float, commits: bool = False) -> None:
-        from node_tools.bus import BusReader, open_bus
-        from operators.policy.liveness import AgentWatch
+        from trainguard.node_tools.bus import BusReader, open_bus
+        from trainguard.operators.policy.liveness import AgentWatch
 
         self.bus = open_bus(bus_url, folder=folder)
         self.fleet = _fleet(fleet_url)
@@ -226,7 +226,7 @@ class AlertTrigger(BaseTrigger):
         return [a for a in alerts if not self.kinds or a["kind"] in self.kinds]
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from node_tools.bus import ALERTS
+        from trainguard.node_tools.bus import ALERTS
 
         watch = await asyncio.to_thread(_Watch, self.bus_url, self.fleet_url, self.reader, folder=ALERTS,
                                         silent_s=self.silent_s, skew_s=self.skew_s, retain_s=self.retain_s,
@@ -282,7 +282,7 @@ class AlertTrigger(BaseTrigger):
 
     def _api(self) -> Any:
         """The REST API's client, one per triggerer process (its token kept): built on first use."""
-        from operators.hooks.airflow_api import AirflowApiHook
+        from trainguard.operators.hooks.airflow_api import AirflowApiHook
 
         conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
         with _API_LOCK:
@@ -291,7 +291,7 @@ class AlertTrigger(BaseTrigger):
             return _APIS[conn_id]
 
     def _warm(self) -> None:
-        from operators.tasks import common
+        from trainguard.operators.tasks import common
 
         t0 = time.monotonic()
         try:
@@ -304,7 +304,7 @@ class AlertTrigger(BaseTrigger):
     def _record(self, event: dict[str, Any]) -> dict[str, Any]:
         """Record the batch and start its incidents' runs; the event says what was done. Whatever fails here
         is left to the guardian's tasks (the event then carries the batch itself)."""
-        from operators.tasks import common, guardian
+        from trainguard.operators.tasks import common, guardian
 
         began = time.monotonic()
         try:
@@ -326,7 +326,7 @@ class AlertTrigger(BaseTrigger):
 
     def _sweep(self) -> None:
         """Start the run of any open incident whose start was lost (a no-op for those that run)."""
-        from operators.tasks import common, guardian
+        from trainguard.operators.tasks import common, guardian
 
         try:
             starts = guardian.orphans(common.shared_controller())
@@ -380,11 +380,11 @@ class CheckpointNoticeTrigger(BaseEventTrigger):
                 {"bus_url": self.bus_url, "fleet_url": self.fleet_url, "poll_s": self.poll_s})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from node_tools.bus import NOTICES
+        from trainguard.node_tools.bus import NOTICES
 
         bus_url, fleet_url = self.bus_url, self.fleet_url
         if not bus_url or not fleet_url:
-            from operators.tasks.guardian import alert_source
+            from trainguard.operators.tasks.guardian import alert_source
 
             default_bus, default_fleet = await asyncio.to_thread(alert_source)
             bus_url, fleet_url = bus_url or default_bus, fleet_url or default_fleet

@@ -1,9 +1,9 @@
 """A dual-phase replay's groups, watched in the triggerer: ``ReplayTrigger`` asks every ``poll_s`` each
-launched group's result (:meth:`operators.control.Controller.replay_poll`: its ranks' parameter digests
+launched group's result (:meth:`trainguard.operators.control.Controller.replay_poll`: its ranks' parameter digests
 once every part ended, or why it failed), with the triggerer's one controller (one held SSH connection
 per machine for every trigger, its blocking reads in a thread); once every group has one (or ``timeout_s``
 passed) it ends the groups' sub-jobs and fires with the results. Its operators are in
-:mod:`operators.sensors.replay`: while the replicas compute, no worker slot is held.
+:mod:`trainguard.operators.sensors.replay`: while the replicas compute, no worker slot is held.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ DEFAULT_TIMEOUT_S = 300.0
 class ReplayTrigger(BaseTrigger):
     """Fires with each replay group's result once all have one.
 
-    :param launched: what :meth:`operators.control.Controller.replay_launch` started (JSON)
+    :param launched: what :meth:`trainguard.operators.control.Controller.replay_launch` started (JSON)
     :param timeout_s: seconds after which a group without a result counts as failed
     :param poll_s: seconds between two rounds of status reads
     """
@@ -37,7 +37,7 @@ class ReplayTrigger(BaseTrigger):
                 {"launched": self.launched, "timeout_s": self.timeout_s, "poll_s": self.poll_s})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from operators.tasks import common
+        from trainguard.operators.tasks import common
 
         c = await asyncio.to_thread(common.shared_controller)
         groups = list(self.launched["groups"])

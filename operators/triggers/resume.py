@@ -1,10 +1,10 @@
 """Waiting for a restarted job to train again without holding a worker: ``ResumeTrigger`` runs in the
 triggerer and asks every ``poll_s`` whether every rank finished a step after the restart
-(:func:`operators.tasks.incident.resumed`, with the triggerer's one controller, and so one fleet database
+(:func:`trainguard.operators.tasks.incident.resumed`, with the triggerer's one controller, and so one fleet database
 engine and one held SSH connection per machine, for every trigger:
-:func:`operators.tasks.common.shared_controller`; its blocking reads in a thread so the triggerer's loop
+:func:`trainguard.operators.tasks.common.shared_controller`; its blocking reads in a thread so the triggerer's loop
 goes on), and fires with the answer: resumed, failed (the job ended, or ``resume_timeout_s`` passed), or
-explicit faults pending. Its sensor is :class:`operators.sensors.resume.ResumeSensor`.
+explicit faults pending. Its sensor is :class:`trainguard.operators.sensors.resume.ResumeSensor`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class ResumeTrigger(BaseTrigger):
                 {"incident_id": self.incident_id, "recovery": self.recovery, "poll_s": self.poll_s})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from operators.tasks import common, incident
+        from trainguard.operators.tasks import common, incident
 
         t0 = time.monotonic()
         c = await asyncio.to_thread(common.shared_controller)

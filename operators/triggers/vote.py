@@ -1,9 +1,9 @@
 """The fail-slow vote's rounds, taken in the triggerer: ``SlowVoteTrigger`` asks every ``interval_s`` each
-rank's recent compute time (:meth:`operators.control.Controller.vote_round`, with the triggerer's one
+rank's recent compute time (:meth:`trainguard.operators.control.Controller.vote_round`, with the triggerer's one
 controller: one fleet database engine and one held SSH connection per machine for every trigger, its
 blocking reads in a thread), ``rounds`` times, and fires with them; at once, with the rounds so far and
 ``superseded``, when stronger alerts took the incident over meanwhile. Its operator is
-:class:`operators.sensors.vote.SlowVoteOperator`: while the vote samples a slow job (a minute by default),
+:class:`trainguard.operators.sensors.vote.SlowVoteOperator`: while the vote samples a slow job (a minute by default),
 no worker slot is held.
 """
 
@@ -43,7 +43,7 @@ class SlowVoteTrigger(BaseTrigger):
                  "taken": self.taken, "started": self.started})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
-        from operators.tasks import common
+        from trainguard.operators.tasks import common
 
         c = await asyncio.to_thread(common.shared_controller)
         taken: list[dict[str, float]] = list(self.taken)

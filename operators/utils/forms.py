@@ -10,9 +10,9 @@ NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 def fleet_jobs() -> list[str]:
     """The jobs in the fleet database (``TG_FLEET_URL``); empty when it is not there yet or unreadable."""
-    from node_tools.errors import TrainguardError
-    from operators.fleet.store import FleetStore
-    from operators.settings import ControlSettings
+    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.operators.fleet.store import FleetStore
+    from trainguard.operators.settings import ControlSettings
 
     try:
         return FleetStore.job_names(ControlSettings.from_env().fleet_url)

@@ -25,7 +25,7 @@ def set_run_note(note: str) -> bool:
     """Set the running task's DAG run note to ``note`` (one line, at most 1000 characters). True when set."""
     from airflow.sdk import get_current_context
 
-    from operators.hooks.airflow_api import AirflowApiHook
+    from trainguard.operators.hooks.airflow_api import AirflowApiHook
 
     line = " ".join(note.split())[:MAX_NOTE]
     try:

@@ -1,0 +1,433 @@
+"""The face a training loop meets: one object, :class:`Guard`, at the natural points of a step.
+
+Plain PyTorch (DDP or a single process) needs a few added lines::
+
+    from trainguard.torch import Guard
+
+    guard = Guard(model, optimizer, state={"scheduler": scheduler})
+    step = guard.restore()                     # the step to run next: 0, or the one after the restored step
+    while step < steps:
+        with guard.step(step, tokens=batch_tokens) as s:
+            loss = model(batch(step)).mean()
+            loss.backward()
+            if s.ok(loss):                     # finite loss and gradients on every rank?
+                optimizer.step()
+            scheduler.step()
+        step += 1
+    guard.close()
+
+What the guard does for the loop:
+
+* **Heartbeat and step records** for the machine's agent (:class:`trainguard.node_tools.monitor.JobMonitor`):
+  each rank's heartbeat, one record a step (loss, gradient norm, step time, throughput), collectives counted
+  when the loop wraps them in :meth:`Guard.collective`.
+* **Per-step checkpoints** (:class:`trainguard.checkpoint.engine.Checkpointer`): the model, the optimizer, the
+  random number generators and every object in ``state`` (anything with ``state_dict``/``load_state_dict``
+  whose state is JSON: a learning-rate scheduler, a sampler's position) are snapshotted into a CPU buffer at
+  the end of each step and persisted, replicated to another machine and uploaded in the background.
+  :meth:`Guard.restore` loads the newest step every rank holds and returns the step to run next.
+* **Non-finite steps**: :meth:`GuardedStep.ok` says whether the step's loss and gradients are finite on every
+  rank (one tiny all-reduce, so every rank takes the same decision). A non-finite step is not applied, not
+  snapshotted, and recorded; the rank then holds still (its heartbeat says why) for the control plane to stop
+  the job and restore the last finite step, or goes on after ``nonfinite_hold_s``.
+* **Host busy and idle**: the checkpoint's background work runs while the host waits for the device
+  (:meth:`Guard.host_idle` / :meth:`Guard.host_busy`, and the moment :meth:`GuardedStep.ok` is called).
+
+Outside a trainguard launch (no ``TG_RUN_DIR``), the guard still works: it writes its records under
+``./tg-run`` and takes checkpoints only when asked (``checkpoint=True`` or a :class:`CheckpointConfig`).
+Inside one, ``tg-node job start`` says where checkpoints go (``TG_CHECKPOINT``) and the guard takes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from trainguard.checkpoint.config import CheckpointConfig, default_s3_url, expand_root, root_template
+from trainguard.checkpoint.engine import ReferenceCopy, RestoreResult, SnapshotInfo
+from trainguard.checkpoint.errors import RestoreError
+from trainguard.node_tools.errors import TopologyError, TrainguardError
+from trainguard.node_tools.monitor import JobMonitor
+from trainguard.node_tools.topology import GROUP_KINDS, RankCoords, Topology
+
+__all__ = ["GROUP_KINDS", "CheckpointConfig", "Guard", "GuardError", "GuardedStep", "JobMonitor", "RankCoords",
+           "ReferenceCopy", "RestoreError", "RestoreResult", "Stateful", "Topology", "TopologyError",
+           "TrainguardError", "checkpoint_config_from_env", "gradient_norm", "heartbeat"]
+
+STATE_KEY = "state"  # where the ``state`` objects' states live in a checkpoint's data position
+
+
+class GuardError(TrainguardError):
+    """A guard used wrongly (a state that is not JSON, a step out of order); the message says what to change."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any], /) -> Any: ...
+
+
+def _env_int(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        raise GuardError(f"{name}={os.environ.get(name)!r} is not an integer; fix the job's environment") from None
+
+
+def checkpoint_config_from_env(*, root: str = "", s3_url: str | None = None, ranks_per_machine: int = 0,
+                               **fields: Any) -> CheckpointConfig:
+    """The checkpoint configuration of this rank of a launched job.
+
+    ``root``: the machine's checkpoint root; may hold ``{machine}``, ``{rank}``, ``{local_rank}`` ("" =
+    ``TG_CHECKPOINT``, set by ``tg-node job start``, else ``<TG_RUN_DIR>/checkpoints``). ``s3_url``: the remote
+    tier (None = ``TG_CHECKPOINT`` when it is an ``s3://`` URL; "" = none), its endpoint from
+    ``TG_S3_ENDPOINT_URL``. ``ranks_per_machine``: for replica placement (0 = ``LOCAL_WORLD_SIZE``). ``fields``
+    set any other field of :class:`CheckpointConfig`."""
+    rank = _env_int("RANK", 0)
+    rpm = ranks_per_machine or _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))
+    base: dict[str, Any] = {
+        "root": expand_root(root_template(root), machine=rank // max(1, rpm), rank=rank,
+                            local_rank=_env_int("LOCAL_RANK", 0)),
+        "s3_url": default_s3_url() if s3_url is None else s3_url, "ranks_per_machine": ranks_per_machine,
+        "s3_endpoint_url": os.environ.get("TG_S3_ENDPOINT_URL", "")}
+    return CheckpointConfig(**(base | fields))
+
+
+def heartbeat(*, coords: dict[str, int] | None = None) -> JobMonitor:
+    """Start this rank's heartbeat now, before a long rendezvous (``init_process_group`` waits for every
+    machine): the agent sees the rank from its start. Hand it to :class:`Guard` (``monitor=``)."""
+    return JobMonitor.from_env(coords=coords)
+
+
+def _json_state(name: str, obj: Stateful) -> Any:
+    """``obj.state_dict()`` as plain JSON (a deep copy: the snapshot must not change with the object)."""
+    try:
+        return json.loads(json.dumps(obj.state_dict(), allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise GuardError(f"state {name!r} ({type(obj).__name__}): its state_dict() is not JSON ({exc}); pass "
+                         f"objects whose state is numbers, strings, lists and dicts, or keep tensors in the "
+                         f"model or the optimizer") from None
+
+
+def _all_finite(values: list[float | torch.Tensor]) -> bool:
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            if not bool(torch.isfinite(v.detach()).all()):
+                return False
+        elif not math.isfinite(float(v)):
+            return False
+    return True
+
+
+def gradient_norm(parameters: Iterator[torch.nn.Parameter] | list[torch.nn.Parameter]) -> float:
+    """The 2-norm of this rank's gradients (``inf``/``nan`` when one is not finite). Under DDP every rank's
+    gradients are the reduced ones; under sharding each rank measures its shard."""
+    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    if not grads:
+        return 0.0
+    norms = [torch.linalg.vector_norm(g.float()) for g in grads]
+    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
+
+
+@dataclass
+class GuardedStep:
+    """One step under guard, from :meth:`Guard.step`. Call :meth:`ok` before the optimizer's step; the step is
+    recorded (and snapshotted) when its ``with`` block ends."""
+
+    guard: Guard
+    step: int
+    tokens: float = 0.0
+    began: float = field(default_factory=time.perf_counter)
+    loss: float = float("nan")
+    grad_norm: float = float("nan")
+    finite: bool | None = None  # what ok() decided; None until it is called
+    refused: str = ""  # why the step's state must not be kept (a non-finite step, replicas that differ)
+    extra: dict[str, Any] = field(default_factory=dict)
+    update_wait_s: float = 0.0
+
+    def ok(self, loss: float | torch.Tensor | None = None, *, grad_norm: float | None = None,
+           sync: bool | None = None) -> bool:
+        """Whether the optimizer may apply this step: the loss and the gradients are finite on every rank.
+
+        ``loss``: the step's loss (a tensor or a number; NaN injected by the emulated cluster's ``nan`` fault
+        shows here). ``grad_norm``: the gradient norm if the loop computed it already (after clipping's
+        measurement, for instance); otherwise the guard measures the model's gradients. ``sync``: take the
+        decision on every rank together (one all-reduce of a flag on the default group, so a NaN on one rank
+        skips the step everywhere); the guard's default. A loop whose loss and norm are already the same on
+        every rank may pass ``sync=False``.
+
+        Also waits for the last snapshot's copy before the parameters change. A non-finite step is not
+        snapshotted, and the rank holds still after it (see :class:`Guard`)."""
+        g = self.guard
+        if loss is not None:
+            loss = g.monitor.faults.corrupt_loss(loss) if g.monitor.faults is not None else loss
+            self.loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
+        if grad_norm is None:
+            grad_norm = gradient_norm(g.model.parameters()) if g.model is not None else 0.0
+        self.grad_norm = float(grad_norm)
+        finite = _all_finite([self.loss if loss is not None else 0.0, self.grad_norm])
+        if g.sync if sync is None else sync:
+            finite = g.all_ranks(finite)
+        self.finite = finite
+        if not finite:
+            self.refuse(f"loss {self.loss}, gradient norm {self.grad_norm}: update skipped")
+        self.update_wait_s = g.before_update()
+        return finite
+
+    def refuse(self, why: str) -> None:
+        """Keep no snapshot of this step (``why`` goes into the rank's log and the checkpoint's counters): its
+        parameters are not worth restoring. Every rank must refuse the same steps."""
+        self.refused = self.refused or why
+
+    def report(self, *, loss: float | torch.Tensor | None = None, grad_norm: float | None = None,
+               tokens: float | None = None, **extra: Any) -> None:
+        """Fields for the step's record: the loss and gradient norm to record (instead of what :meth:`ok`
+        saw), the tokens the step trained on (for throughput), and any extra JSON fields."""
+        if loss is not None:
+            self.loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
+        if grad_norm is not None:
+            self.grad_norm = float(grad_norm)
+        if tokens is not None:
+            self.tokens = float(tokens)
+        self.extra.update(extra)
+
+
+class Guard:
+    """One rank's guard: the monitor hook, the checkpointer and the non-finite policy behind one object.
+
+    Build it on every rank after ``torch.distributed.init_process_group`` (it creates the checkpoint's own
+    process groups, in the same order on every rank), with the objects whose state makes the training:
+
+    Args:
+        model: the model (plain, DDP-wrapped or a pipeline stage): its ``state_dict`` is snapshotted.
+        optimizer: its optimizer (state and parameter groups are snapshotted), or None.
+        state: other objects to restore with the step (``state_dict``/``load_state_dict``, JSON states): a
+            learning-rate scheduler, a sampler, a data loader's position.
+        checkpoint: a :class:`CheckpointConfig`; True for the launch's default (:func:`checkpoint_config_from_env`);
+            False for none; None (the default) takes checkpoints when the job was launched with a checkpoint
+            location (``TG_CHECKPOINT``) and none otherwise.
+        topology: the job's tensor x pipeline x data parallel layout (checkpoint replicas are placed on other
+            machines by it); None = data parallel only, ``LOCAL_WORLD_SIZE`` ranks a machine.
+        coords: the rank's coordinates to report (default: from ``topology``).
+        nonfinite_hold_s: after a non-finite step, hold still this long for the control plane (which stops the
+            job and restores the last finite step), then go on with the next batch; 0 = go on at once. Seconds.
+        sync: :meth:`GuardedStep.ok` decides on every rank together (default True).
+        collective_timeout_s: timeout of the checkpoint's own collectives. Seconds.
+        monitor: a :class:`JobMonitor` built already (default: one from the environment).
+        log: where the guard's lines go (default: standard error, from local rank 0 only).
+    """
+
+    def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None, *,
+                 state: Mapping[str, Stateful] | None = None, checkpoint: CheckpointConfig | bool | None = None,
+                 topology: Topology | None = None, coords: dict[str, int] | None = None,
+                 nonfinite_hold_s: float = 300.0, sync: bool = True, collective_timeout_s: float = 1800.0,
+                 monitor: JobMonitor | None = None, log: Callable[[str], None] | None = None) -> None:
+        if not nonfinite_hold_s >= 0:
+            raise GuardError(f"nonfinite_hold_s={nonfinite_hold_s} must be >= 0 (seconds)")
+        self.model = model
+        self.optimizer = optimizer
+        self.state: dict[str, Stateful] = dict(state or {})
+        for name, obj in self.state.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise GuardError(f"state {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict(); "
+                                 f"pass objects that have both")
+            _json_state(name, obj)  # refused now, in one line, rather than at the first step
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world_size = dist.get_world_size() if self.distributed else _env_int("WORLD_SIZE", 1)
+        self.rank = dist.get_rank() if self.distributed else _env_int("RANK", 0)
+        self.local_rank = _env_int("LOCAL_RANK", 0)
+        rpm = _env_int("LOCAL_WORLD_SIZE", self.world_size)
+        if topology is None:
+            topology = Topology(1, 1, self.world_size, ranks_per_machine=rpm if self.world_size % rpm == 0 else 1)
+        if topology.world_size != self.world_size:
+            raise GuardError(f"topology {topology} has {topology.world_size} ranks but the job has "
+                             f"{self.world_size}; pass the layout the job runs")
+        self.topology = topology
+        self.nonfinite_hold_s = float(nonfinite_hold_s)
+        self.sync = sync
+        self._log_fn = log
+        if coords is None:
+            c = topology.coords(self.rank)
+            coords = {"tp": c.tp, "pp": c.pp, "dp": c.dp}
+        self.monitor = monitor if monitor is not None else JobMonitor.from_env(coords=coords)
+        self.faults = self.monitor.faults
+        self.restored: RestoreResult | None = None
+        self._report_restore = False
+        self._closed = False
+        self._current: GuardedStep | None = None
+        self.last_snapshot: SnapshotInfo | None = None
+        self._flag = None  # the finite flag's buffer (on the model's device)
+        if checkpoint is None:
+            checkpoint = bool(os.environ.get("TG_CHECKPOINT"))
+        if checkpoint is True:
+            checkpoint = checkpoint_config_from_env(control_timeout_s=collective_timeout_s)
+        self.checkpointer = None
+        if checkpoint:
+            if model is None:
+                raise GuardError("checkpoints need the model: pass Guard(model, optimizer, ...)")
+            from trainguard.checkpoint.engine import Checkpointer
+
+            self.checkpointer = Checkpointer(checkpoint, topology=topology, rank=self.rank, model=model,
+                                             optimizer=optimizer, job=os.environ.get("TG_JOB", "job"),
+                                             incarnation=_env_int("TG_INCARNATION", 0))
+
+    # ---- start ----------------------------------------------------------------------
+    def restore(self) -> int:
+        """Restore the newest step every rank can get (all ranks together, before the first step) and start the
+        checkpoint's background work. Returns the step to run next: 0 when there is nothing to restore.
+
+        Raises :class:`trainguard.checkpoint.errors.RestoreError` when checkpoints exist but none can be
+        restored on every rank (the job should stop: ``close("failed")``)."""
+        ck = self.checkpointer
+        if ck is None:
+            return 0
+        result = ck.restore()
+        ck.start()
+        if result is None:
+            return 0
+        saved = result.data_position.get(STATE_KEY) or {}
+        missing = sorted(set(self.state) - set(saved))
+        if missing:
+            self._log(f"restored step {result.step} holds no state for {', '.join(missing)}: kept as built")
+        for name, obj in self.state.items():
+            if name in saved:
+                obj.load_state_dict(saved[name])
+        self.restored = result
+        self._report_restore = True
+        sources = ", ".join(f"{tier} {n}" for tier, n in sorted(result.counts.items()))
+        nxt = int(result.data_position.get("next_step", result.step + 1))
+        self._log(f"restored step {result.step} ({sources}) in {result.seconds:.2f}s; resuming at step {nxt}")
+        return nxt
+
+    # ---- a step -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int, *, tokens: float = 0.0) -> Iterator[GuardedStep]:
+        """One training step: ``with guard.step(n, tokens=...) as s:`` around the step's work. ``tokens``: what
+        the step trains on, job-wide (tokens or samples), for the throughput the agent watches.
+
+        At the end of the block the step is recorded and snapshotted; after a non-finite step the rank holds
+        still (see :class:`Guard`). An exception inside the block is raised as it is, nothing recorded."""
+        if self._current is not None:
+            raise GuardError(f"step {step} began inside step {self._current.step}; end one step before the next")
+        s = GuardedStep(self, step, tokens=tokens)
+        self._current = s
+        self.monitor.step_begin(step)
+        try:
+            yield s
+        finally:
+            self._current = None
+        self.end_step(s)
+
+    def end_step(self, s: GuardedStep) -> None:
+        """Snapshot and record a step (what the end of :meth:`step`'s block does; adapters whose trainer owns
+        the loop call it from their step-end hook)."""
+        if s.finite is None:  # ok() was not called: the update's copy must still be done before anything changes
+            s.update_wait_s = self.before_update()
+        data_position: dict[str, Any] = {"next_step": s.step + 1}
+        if self.state and not s.refused:
+            data_position[STATE_KEY] = {name: _json_state(name, obj) for name, obj in self.state.items()}
+        extra: dict[str, Any] = {}
+        ck = self.checkpointer
+        if ck is not None:
+            snap = ck.after_step(s.step, data_position, healthy=not s.refused, why=s.refused)
+            self.last_snapshot = snap
+            extra |= {"ckpt_blocking_s": round(s.update_wait_s + snap.blocking_s, 6), "ckpt_saved": snap.taken,
+                      "ckpt_skipped": snap.skipped, "ckpt_refused": snap.refused,
+                      "ckpt_waited_s": round(snap.waited_s, 6), "ckpt_committed": ck.newest_committed,
+                      "ckpt_bg_cpu_s": round(ck.background_cpu_s(), 6)}
+            if snap.memcpy_s is not None:
+                extra["ckpt_memcpy_s"] = round(snap.memcpy_s, 6)
+            if self._report_restore and self.restored is not None:
+                r = self.restored
+                extra |= {"ckpt_restored_step": r.step, "ckpt_restore_s": round(r.seconds, 4),
+                          "ckpt_restore_source": r.tier}
+                self._report_restore = False
+        step_time = time.perf_counter() - s.began
+        self.monitor.step_end(s.step, loss=s.loss, grad_norm=s.grad_norm, step_time_s=step_time,
+                              tokens_per_s=s.tokens / step_time if step_time > 0 else 0.0,
+                              **extra, **s.extra)
+        if s.finite is False:
+            self.hold_still(s.step, s.refused)
+
+    def hold_still(self, step: int, why: str) -> None:
+        """After a non-finite step: the heartbeat says the rank holds still on purpose; wait for the control
+        plane to stop the job and restore the last finite step. If nobody comes within ``nonfinite_hold_s``, go
+        on with the next batch (the parameters are still those of the last finite step)."""
+        hold = self.nonfinite_hold_s
+        self._log(f"step {step}: {why}; holding up to {hold:.0f}s for the control plane")
+        if hold <= 0:
+            return
+        self.monitor.hold(f"step {step}: {why}", seconds=hold)
+        time.sleep(hold)  # the control plane's stop ends the process
+        self.monitor.release()
+        self._log(f"step {step}: nobody came in {hold:.0f}s; going on with the next batch")
+
+    # ---- inside a step ---------------------------------------------------------------
+    def collective(self, group: str, op: str) -> contextlib.AbstractContextManager[None]:
+        """``with guard.collective("dp", "all_reduce"):`` around a collective the loop issues itself: counted in
+        the heartbeat, so a hang names the group and the operation."""
+        return self.monitor.collective(group, op)
+
+    def host_idle(self) -> None:
+        """The host thread starts waiting for the device (the checkpoint's background work may run now)."""
+        if self.checkpointer is not None:
+            self.checkpointer.host_idle()
+
+    def host_busy(self) -> None:
+        """The host thread works again."""
+        if self.checkpointer is not None:
+            self.checkpointer.host_busy()
+
+    def before_update(self) -> float:
+        """Wait until the last snapshot's copy is done (the parameters are about to change); seconds waited."""
+        return self.checkpointer.before_update() if self.checkpointer is not None else 0.0
+
+    def all_ranks(self, flag: bool) -> bool:
+        """True when ``flag`` is true on every rank (one all-reduce on the default group; the flag itself
+        outside a distributed job)."""
+        if not self.distributed or self.world_size == 1:
+            return flag
+        device = torch.device("cpu")
+        if dist.get_backend() == "nccl":
+            device = torch.device("cuda", torch.cuda.current_device())
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        with self.monitor.collective("world", "all_reduce"):
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    # ---- end ------------------------------------------------------------------------
+    def close(self, status: str = "finished", *, flush: bool | None = None) -> None:
+        """End the guard: write, replicate and commit the last snapshots (``flush``, default: when the job
+        finished) and leave a last heartbeat saying how the rank ended ("finished" or "failed"). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.checkpointer is not None:
+            self.checkpointer.close(flush=status == "finished" if flush is None else flush)
+        self.monitor.close(status)
+
+    def __enter__(self) -> Guard:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close("finished" if exc_type is None else "failed")
+
+    def status(self) -> dict[str, Any]:
+        """The checkpoint's counters (snapshots taken, skipped, refused, waits), for a loop's own report."""
+        return self.checkpointer.status() if self.checkpointer is not None else {}
+
+    def _log(self, line: str) -> None:
+        if self._log_fn is not None:
+            self._log_fn(line)
+        elif self.local_rank == 0:
+            print(f"trainguard: rank {self.rank}: {line}", file=sys.stderr, flush=True)
