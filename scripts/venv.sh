@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Create or refresh ./.venv with trainguard's pinned dependencies and trainguard itself
-# (editable), bytecode compiled. Idempotent: a stamp of requirements.txt, constraints.txt,
+# (editable), bytecode compiled. Idempotent: a stamp of requirements.txt, constraints.txt, setup.py,
 # pyproject.toml and this script skips the install when nothing changed. Uses uv when it is on PATH or
 # can be installed into the venv (seconds), pip otherwise (minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.trainguard-stamp
-want=$(cat requirements.txt constraints.txt pyproject.toml scripts/venv.sh | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt constraints.txt pyproject.toml setup.py scripts/venv.sh | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
