@@ -33,6 +33,7 @@ from trainguard.node_tools.alerts import Alert
 from trainguard.node_tools.bus import BusReader, open_bus
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.topology import Topology
+from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 SPEC = cluster.ClusterSpec(name="tgd", machines=6, standbys=2, subnet="10.213.13.0/24", disk_mb=64, gpus=8)
 TARGETS = {"crash": 1.0, "hang": 10.0, "hang_collective": 10.0, "gpu_lost": 5.0, "xid": 5.0, "nic_down": 10.0,
@@ -90,7 +91,7 @@ class Bench:
     def job(self, name: str, topo: Topology, machines: list[str]) -> launcher.JobPlan:
         self.port += 1
         plan = launcher.JobPlan(job=name, topology=topo, machines=[self.inv.machine(m) for m in machines],
-                                master_port=self.port)
+                                master_port=self.port, entry=REFERENCE_ENTRY, pass_layout=True)
         launcher.stop(self.inv, name, plan.machines, grace_s=2)
         launcher.launch(self.inv, plan)
         wait_steps(plan, 12)  # calibration and baselines need some history

@@ -28,6 +28,7 @@ from bench.common import summarize, write_result
 from trainguard.node_tools import cluster, launcher, monitor
 from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
+from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 SPEC = cluster.ClusterSpec(name="tgb", machines=6, standbys=2, subnet="10.213.11.0/24", disk_mb=64, gpus=8)
 
@@ -47,7 +48,8 @@ def trial(state_dir: Path, steps: int, port: int) -> dict:
 
     topo = Topology(tp=2, pp=2, dp=2)
     plan = launcher.JobPlan(job="bench", topology=topo, machines=inv.by_role("active"),
-                            train_args=["--steps", str(steps)], master_port=port)
+                            train_args=["--steps", str(steps)], master_port=port, entry=REFERENCE_ENTRY,
+                            pass_layout=True)
     t = time.monotonic()
     launcher.launch(inv, plan)
     launch_s = time.monotonic() - t

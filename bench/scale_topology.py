@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.launcher import JobPlan
 from trainguard.node_tools.topology import GROUP_KINDS, Topology, clear_layout_caches
+from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 RANKS_PER_MACHINE = 8
 
@@ -62,7 +63,8 @@ def prepare_restart_plan(machines: int) -> Callable[[], Any]:
     def plan() -> int:
         inventory = Inventory(cluster="bench", transport="ssh", machines=list(fleet))  # nothing indexed yet
         job_machines = [inventory.machine(name) for name in machine_list]
-        job = JobPlan(job="bench", topology=topology, machines=job_machines, checkpoint="/ckpt")
+        job = JobPlan(job="bench", topology=topology, machines=job_machines, checkpoint="/ckpt", entry=REFERENCE_ENTRY,
+                      pass_layout=True)
         job.validate()
         return sum(len(job.start_argv(inventory, m)) for m in job_machines)
 

@@ -8,9 +8,9 @@ so the product's command line never imports the harness)::
     trainguard inject --machine m2 --fault hang [--rank R] [--job J] [--param k=v ...]
     trainguard inject --machine m2 --clear [--fault K]
     trainguard inject --list
-    trainguard job launch --job J [--topology tp=2,pp=2,dp=2] [--steps N] [--machines m0,m1,..] [-- ARGS]
-    trainguard job stop --job J
-    trainguard job status --job J
+    trainguard cluster job launch --job J [--topology tp=2,pp=2,dp=2] [--steps N] [--machines m0,m1,..] [-- ARGS]
+    trainguard cluster job stop --job J
+    trainguard cluster job status --job J
     trainguard demo [--faults gpu_lost,hang,nan,user_error,slow --every 90 --machines 6 --port 8080 --keep]
     trainguard controlplane up [--profile embedded|scaleout --workers 2 --schedulers 2 --machines 6 --port 8080]
     trainguard controlplane down | status
@@ -27,6 +27,7 @@ from typing import Any
 from trainguard.node_tools.cliutil import OneLineParser, key_values
 from trainguard.node_tools.errors import EXIT_OK, TrainguardError
 from trainguard.operators.cli import print_result as _print
+from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 
 def register(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
@@ -59,8 +60,10 @@ def register(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     ip.add_argument("--param", action="append", default=[], help="key=value (repeatable)")
     ip.add_argument("--clear", action="store_true", help="undo the machine's faults (of --fault only, if given)")
 
-    jp = sub.add_parser("job", help="the training job on the cluster")
-    jsub = jp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
+    # the reference job started on the cluster's machines directly, without the control plane (a job under
+    # guard is submitted with 'trainguard job submit')
+    jp = csub.add_parser("job", help="the reference job on the cluster's machines, without the control plane")
+    jsub = jp.add_subparsers(dest="job_action", required=True, parser_class=OneLineParser)
     jl = jsub.add_parser("launch")
     jl.add_argument("--job", default="demo")
     jl.add_argument("--topology", default="tp=2,pp=2,dp=2")
@@ -105,7 +108,7 @@ def register(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     pu.add_argument("--port", type=int, default=8080, help="the api-server's port (default 8080; 0: any free one)")
     psub.add_parser("down", help="stop the control plane and its servers, then bring the cluster down")
     psub.add_parser("status", help="the control plane's processes and where its UI is")
-    return {"cluster": cmd_cluster, "inject": cmd_inject, "job": cmd_job, "demo": cmd_demo,
+    return {"cluster": cmd_cluster, "inject": cmd_inject, "demo": cmd_demo,
             "controlplane": cmd_controlplane}
 
 
@@ -125,6 +128,8 @@ def _inventory(args: argparse.Namespace) -> Any:
 def cmd_cluster(args: argparse.Namespace) -> int:
     from trainguard.node_tools import cluster
 
+    if args.action == "job":
+        return cmd_job(args)
     if args.action == "up":
         spec = cluster.ClusterSpec(
             name=args.name, machines=args.machines, standbys=args.standbys, subnet=args.subnet,
@@ -190,7 +195,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     from trainguard.node_tools.topology import Topology
 
     inv = _inventory(args)
-    if args.action == "launch":
+    if args.job_action == "launch":
         machines = _machines(inv, args.machines)
         rpm = args.ranks_per_machine
         topo = Topology.parse(args.topology, ranks_per_machine=rpm)
@@ -198,12 +203,13 @@ def cmd_job(args: argparse.Namespace) -> int:
         if args.steps:
             extra = ["--steps", str(args.steps), *extra]
         plan = launcher.JobPlan(job=args.job, topology=topo, machines=machines[: topo.machines] if not args.machines
-                                else machines, train_args=extra, master_port=args.master_port)
+                                else machines, train_args=extra, master_port=args.master_port,
+                                entry=REFERENCE_ENTRY, pass_layout=True)
         docs = launcher.launch(inv, plan)
         _print(args, docs, f"job {args.job} started on {', '.join(docs)} ({topo})")
         return EXIT_OK
     machines = _machines(inv, args.machines) if args.machines else inv.machines
-    if args.action == "stop":
+    if args.job_action == "stop":
         docs = launcher.stop(inv, args.job, machines)
         _print(args, docs, f"job {args.job} stopped")
         return EXIT_OK

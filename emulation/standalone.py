@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -15,7 +14,6 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -213,20 +211,19 @@ class Standalone:
     def trigger(self, dag_id: str, conf: dict[str, Any]) -> str:
         """Start a run of ``dag_id`` with ``conf`` (as the UI's trigger form does); its run id. The run id is
         chosen here, so a try that the server failed to answer is repeated safely: a 409 says it landed."""
-        run_id = f"manual__{datetime.now(UTC).isoformat()}_{secrets.token_hex(3)}"
         try:
-            self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns",
-                         {"dag_run_id": run_id, "logical_date": None, "conf": conf}, retry=True)
+            return self.api.trigger_run(dag_id, conf)
         except ApiError as exc:
-            if exc.status != 409:
-                raise
-        return run_id
+            if (exc.status or 0) >= 500:
+                raise ApiError(f"{exc}; the api-server's last error: {self.last_error() or 'none logged'}",
+                               exc.status, exc.body) from None
+            raise
 
     def runs(self, dag_id: str) -> list[dict[str, Any]]:
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns?limit=100&order_by=-start_date")["dag_runs"]
 
     def run_state(self, dag_id: str, run_id: str) -> str:
-        return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id)}")["state"]
+        return self.api.run_state(dag_id, run_id)
 
     def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
         doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{urllib.parse.quote(run_id)}/taskInstances")

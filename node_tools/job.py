@@ -71,6 +71,10 @@ class JobSpec:
             1) started without torchrun, with torchrun's variables set (``RANK`` = the node rank,
             ``WORLD_SIZE`` = the machines): a job of plain processes, such as the fan-out benchmark's
             stand-in (``examples/standin.py``), which needs no torch.
+        module: ``entry`` names a module, run as ``python -m`` (torchrun's ``--module``), not a script.
+        workdir: the directory the job runs in, where a relative ``entry`` is found ("" = the install
+            directory).
+        env: environment variables for every rank (a launch's own variables win over them).
     """
 
     job: str
@@ -86,9 +90,16 @@ class JobSpec:
     warm: bool = False
     warm_if_parked: bool = False
     launcher: str = "torchrun"
+    module: bool = False
+    workdir: str = ""
+    env: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:
         check_job_name(self.job)
+        for key in self.env:
+            check_env_name(key)
+        if self.module and not re.fullmatch(r"[A-Za-z_][\w.]*", self.entry):
+            raise TrainguardError(f"job {self.job}: --module {self.entry!r} is not a module name (pkg.train)")
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise TrainguardError(f"job {self.job}: nnodes and nproc-per-node must be >= 1")
         if self.launcher not in LAUNCHERS:
@@ -103,6 +114,28 @@ class JobSpec:
 
 
 LAUNCHERS = ("torchrun", "direct")
+#: what a launch sets itself: a job's own environment may not set these
+RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "PYTHONPATH")
+
+
+def check_env_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+        raise TrainguardError(f"environment variable name {name!r} must be letters, digits and _", exit_code=2)
+    if name.startswith("TG_") or name in RESERVED_ENV:
+        raise TrainguardError(f"environment variable {name} is set by the launch itself; leave it out", exit_code=2)
+    return name
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    """``["A=1", "B=x=y"]`` -> ``{"A": "1", "B": "x=y"}``; a malformed item is a one-line error."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise TrainguardError(f"--env {item!r} must be NAME=VALUE", exit_code=2)
+        out[check_env_name(name)] = value
+    return out
 
 
 def run_dir(cfg: NodeConfig, job: str) -> Path:
@@ -139,11 +172,19 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
     record = _read_json(rd / "job.json")
     if record and job_pids(record):
         return status(cfg, spec.job) | {"already_running": True}
-    entry = Path(spec.entry)
-    if not entry.is_absolute():
-        entry = cfg.install_dir / entry
-    if not entry.is_file():
-        raise TrainguardError(f"machine {cfg.machine}: training script {entry} does not exist")
+    workdir = Path(spec.workdir) if spec.workdir else cfg.install_dir
+    if not workdir.is_dir():
+        raise TrainguardError(f"machine {cfg.machine}: job {spec.job}'s working directory {workdir} does not exist")
+    if spec.module:
+        entry: Path | str = spec.entry
+        target = ["--module", spec.entry]  # torchrun's and the warm client's way of saying python -m
+    else:
+        entry = Path(spec.entry)
+        if not entry.is_absolute():
+            entry = workdir / entry
+        if not entry.is_file():
+            raise TrainguardError(f"machine {cfg.machine}: training script {entry} does not exist")
+        target = [str(entry)]
     (rd / "ranks").mkdir(parents=True, exist_ok=True)
     for stale in (rd / "ranks").glob("rank*.json"):
         stale.unlink()
@@ -162,11 +203,12 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         "--monitor-interval", "0.5",
         "--log-dir", str(log_dir),
         "--redirects", "3",
-        str(entry), *spec.args,
+        *target, *spec.args,
     ]
     if spec.launcher == "direct":
-        torchrun = [sys.executable, str(entry), *spec.args]
+        torchrun = [sys.executable, *(["-m", spec.entry] if spec.module else [str(entry)]), *spec.args]
     env = dict(os.environ)
+    env.update(spec.env)  # the job's own variables; the launch's below win over them
     if spec.launcher == "direct":  # what torchrun would have set for this machine's one rank
         env.update({"RANK": str(spec.node_rank), "GROUP_RANK": str(spec.node_rank), "LOCAL_RANK": "0",
                     "WORLD_SIZE": str(spec.nnodes), "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": spec.master_addr,
@@ -181,7 +223,7 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         "TG_CHECKPOINT": spec.checkpoint,
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(cfg.install_dir), env.get("PYTHONPATH", "")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(cfg.install_dir), os.environ.get("PYTHONPATH", "")])),
     })
     if cfg.iface:
         env.setdefault("GLOO_SOCKET_IFNAME", cfg.iface)
@@ -206,14 +248,14 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
     if standby is not None:
         client = [sys.executable, sb.client_entry(), "client", "--dir", str(standby)]
         # torchrun itself runs in a warm interpreter, and its workers are thin clients of the others
-        at = torchrun.index(str(entry))
+        at = torchrun.index(target[0])
         torchrun = [*client, "--module", "torch.distributed.run", "--", *torchrun[3:at],
-                    sb.client_entry(), "client", "--dir", str(standby), str(entry), "--", *torchrun[at + 1:]]
+                    sb.client_entry(), "client", "--dir", str(standby), *target, "--", *torchrun[at + len(target):]]
         env["TG_STANDBY_TOKEN"] = (sb.read_state(cfg.workdir) or {}).get("token", "")
     supervisor = [sys.executable, "-m", "trainguard.node_tools.job", str(rd), "--", *torchrun]
     with open(rd / "supervisor.log", "ab") as log:
         proc = subprocess.Popen(
-            supervisor, cwd=str(cfg.install_dir), env=env, stdin=subprocess.DEVNULL,
+            supervisor, cwd=str(workdir), env=env, stdin=subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
     record = {

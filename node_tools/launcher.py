@@ -19,8 +19,6 @@ from trainguard.node_tools.job import check_job_name
 from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import RunResult, Transport, transport_for
 
-DEFAULT_ENTRY = "examples/gpt3d/train.py"
-
 
 @dataclass
 class JobPlan:
@@ -32,13 +30,20 @@ class JobPlan:
         machines: the machines, in node-rank order.
         train_args: extra arguments for the training script (besides --tp/--pp/--dp).
         master_port: rendezvous port on the first machine.
-        entry: the training script, relative to the install directory.
+        entry: the training script (relative to ``workdir``), or the module when ``module``; required.
         revision: code revision to record.
         checkpoint: checkpoint location handed to every machine's part of the job.
         warm: names of machines that start their part on parked warm interpreters
             (``tg-node standby activate``) instead of cold.
         warm_if_parked: the others start on their warm interpreters when they have them parked,
             else cold (``tg-node job start --warm-if-parked``; each answer's ``warm`` says which).
+        launcher: "torchrun", or "direct" (one process a machine, no torchrun: see
+            :class:`trainguard.node_tools.job.JobSpec`).
+        module: ``entry`` is a module (``python -m``).
+        workdir: the directory the job runs in on every machine ("" = the install directory).
+        env: environment variables for every rank.
+        pass_layout: append ``--tp/--pp/--dp`` to the arguments (for scripts that read them, as the reference
+            job does).
     """
 
     job: str
@@ -46,18 +51,23 @@ class JobPlan:
     machines: list[Machine]
     train_args: list[str] = field(default_factory=list)
     master_port: int = 29500
-    entry: str = DEFAULT_ENTRY
+    entry: str = ""
     revision: str = ""
     checkpoint: str = ""
     warm: set[str] = field(default_factory=set)
     warm_if_parked: bool = False
-    # or "direct" (one process a machine, no torchrun: see trainguard.node_tools.job.JobSpec)
     launcher: str = "torchrun"
+    module: bool = False
+    workdir: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    pass_layout: bool = False
 
     def validate(self) -> None:
         """Refuse a plan whose machines do not fit its topology or name a machine twice (linear in the
         machines)."""
         check_job_name(self.job)
+        if not self.entry:
+            raise ClusterError(f"job {self.job}: no training script (entry) to launch; the job's spec names one")
         if len(self.machines) != self.topology.machines:
             raise ClusterError(
                 f"topology {self.topology} with {self.topology.ranks_per_machine} ranks per machine needs "
@@ -109,8 +119,11 @@ class JobPlan:
             "--revision", self.revision,
             "--checkpoint", self.checkpoint,
             *(["--launcher", self.launcher] if self.launcher != "torchrun" else []),
+            *(["--module"] if self.module else []),
+            *(["--workdir", self.workdir] if self.workdir else []),
+            *[f"--env={k}={v}" for k, v in sorted(self.env.items())],
             "--",
-            "--tp", str(t.tp), "--pp", str(t.pp), "--dp", str(t.dp),
+            *(["--tp", str(t.tp), "--pp", str(t.pp), "--dp", str(t.dp)] if self.pass_layout else []),
             *self.train_args,
         ]
 

@@ -3,6 +3,8 @@
 Commands::
 
     trainguard fleet migrate                    provision the fleet database (schema, the inventory's machines)
+    trainguard job submit SPEC [--wait S]       put a job under guard: a tg_job_launch run with the spec
+    trainguard job stop J | status J | list     stop a job (its machines back to the pool); where jobs stand
     trainguard revision add --job J --revision R [--reason TEXT] | list --job J
     trainguard metrics [--port 9464 --addr 127.0.0.1]   (Prometheus; without --port: print one scrape)
     trainguard ettr --job J [--window-s 3600]   (the control plane's fleet database: $TG_FLEET_URL, $TG_INVENTORY)
@@ -11,7 +13,7 @@ Commands::
                          --sensitivity --chart PNG]   projected ETTR of one job at scale (operators/sim)
 
 and the commands other packages register through the ``trainguard.commands`` entry point (the emulation's:
-``cluster``, ``inject``, ``job``, ``demo``; see :mod:`trainguard.emulation.cli`).
+``cluster``, ``inject``, ``demo``, ``controlplane``; see :mod:`trainguard.emulation.cli`).
 
 Exit codes: 0 success, 1 the job or check failed, 2 bad input or missing
 prerequisite (a one-line message says what to do), 3 refused, 130 interrupted.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     fp = sub.add_parser("fleet", help="the fleet database: provision it (once per release, before the DAGs run)")
     fsub = fp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     fsub.add_parser("migrate", help="create or migrate the schema; register the inventory's new machines")
+
+    jp = sub.add_parser("job", help="jobs under guard: submit a spec (a tg_job_launch run), stop, status, list")
+    jsub = jp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
+    js = jsub.add_parser("submit", help="validate a job spec (YAML or JSON) and start a tg_job_launch run with it")
+    js.add_argument("spec", type=Path, help="the job spec file")
+    js.add_argument("--wait", type=float, default=0.0, metavar="S",
+                    help="wait up to S seconds for the launch run to end (exit 1 if it failed); 0: do not wait")
+    js.add_argument("--airflow-url", default="", help="the api-server (default $TG_AIRFLOW_URL, else the demo's "
+                                                      "kept Airflow); login from $TG_AIRFLOW_USER/$TG_AIRFLOW_PASSWORD")
+    for action, text in (("stop", "stop the job and return its machines to the pool"),
+                         ("status", "the job's state, machines, command and progress")):
+        jsub.add_parser(action, help=text).add_argument("job")
+    jsub.add_parser("list", help="every job of the fleet database")
 
     rp = sub.add_parser("revision", help="a job's code revisions: record one (before tg_code_update may use it), list")
     rsub = rp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
@@ -164,7 +180,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    import time
 
     from trainguard.operators import metrics
     from trainguard.operators.control import ControlConfig
@@ -215,6 +230,83 @@ def cmd_revision(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _airflow(args: argparse.Namespace) -> Any:
+    """The api-server to start runs on, with the operator's login: ``--airflow-url`` or ``$TG_AIRFLOW_URL`` and
+    ``$TG_AIRFLOW_USER``/``$TG_AIRFLOW_PASSWORD``; else the demo's kept Airflow with its admin login."""
+    import os
+
+    from trainguard.node_tools.cluster import default_state_dir
+    from trainguard.operators import status
+    from trainguard.operators.hooks.airflow_api import AirflowApi
+
+    url = args.airflow_url or os.environ.get("TG_AIRFLOW_URL", "")
+    user, password = os.environ.get("TG_AIRFLOW_USER", ""), os.environ.get("TG_AIRFLOW_PASSWORD", "")
+    if not url:
+        home = Path(args.state_dir or default_state_dir()).parent / "control" / "airflow"
+        url = status.kept_airflow_url(home)
+        if url and not user:
+            try:
+                user, password = "admin", json.loads(
+                    (home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+            except (OSError, ValueError, KeyError):
+                pass
+    if not url:
+        raise TrainguardError("no Airflow api-server to submit to: pass --airflow-url or set TG_AIRFLOW_URL (and "
+                              "TG_AIRFLOW_USER, TG_AIRFLOW_PASSWORD)", exit_code=2)
+    return AirflowApi(url, username=user, password=password, timeout_s=30.0)
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    from trainguard.operators.control import ControlConfig, Controller
+
+    if args.action == "submit":
+        from trainguard.operators.hooks.airflow_api import ApiError
+        from trainguard.operators.jobspec import load_spec
+
+        spec = load_spec(args.spec)
+        try:
+            with _airflow(args) as api:
+                run_id = api.trigger_run("tg_job_launch", {"spec": spec.document()})
+                link = f"{api.base_url}/dags/tg_job_launch/runs/{run_id}"
+                state = "queued"
+                deadline = time.monotonic() + args.wait
+                while args.wait > 0 and state not in ("success", "failed") and time.monotonic() < deadline:
+                    time.sleep(2.0)
+                    state = api.run_state("tg_job_launch", run_id)
+        except ApiError as exc:
+            raise TrainguardError(f"the api-server refused the launch run: {exc}", exit_code=2) from None
+        except OSError as exc:
+            raise TrainguardError(f"no api-server answered ({exc}); check --airflow-url / TG_AIRFLOW_URL",
+                                  exit_code=2) from None
+        doc = {"job": spec.name, "dag_id": "tg_job_launch", "run_id": run_id, "url": link, "state": state}
+        print_result(args, doc, f"job {spec.name} submitted: tg_job_launch run {run_id} ({state}); {link}")
+        return 1 if state == "failed" else EXIT_OK
+    c = Controller(ControlConfig.from_env())
+    if args.action == "list":
+        jobs = c.fleet.jobs()
+        doc = [{"job": j.name, "state": j.state, "machines": j.machine_list, "revision": j.revision,
+                "command": (j.spec or {}).get("command", [])} for j in jobs]
+        print_result(args, doc, "\n".join(f"{d['job']:24} {d['state']:10} {len(d['machines']):4} machines  "
+                                          f"{' '.join(d['command'])}" for d in doc) or "no job")
+        return EXIT_OK
+    j = c.fleet.job(args.job)  # an unknown job: a one-line error
+    if args.action == "stop":
+        out = c.release(args.job)
+        print_result(args, out, f"job {args.job} stopped; machines {', '.join(out['released']) or 'none'} back "
+                                f"in the pool")
+        return EXIT_OK
+    progress = c.progress(args.job) if j.state in ("launching", "running") else {}
+    doc = {"job": j.name, "state": j.state, "machines": j.machine_list, "revision": j.revision, "spec": j.spec,
+           "progress": progress}
+    print_result(args, doc, "\n".join([
+        f"job {j.name}: {j.state}, revision {j.revision}, {len(j.machine_list)} machines",
+        f"  command: {' '.join((j.spec or {}).get('command', []))}",
+        f"  machines: {', '.join(j.machine_list)}",
+        *([f"  step {progress['step']} on every rank; machines: "
+           + ", ".join(f"{n} {s}" for n, s in progress["states"].items())] if progress else [])]))
+    return EXIT_OK
+
+
 def cmd_fleet(args: argparse.Namespace) -> int:
     from trainguard.operators.hooks.fleet import provision
 
@@ -235,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
             return handlers[args.command](args)
         if args.command == "fleet":
             return cmd_fleet(args)
+        if args.command == "job":
+            return cmd_job(args)
         if args.command == "ettr":
             return cmd_ettr(args)
         if args.command == "revision":

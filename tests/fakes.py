@@ -242,9 +242,10 @@ def replicated_copies(topo: Topology, machines: Sequence[str], steps: Sequence[i
 
 def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topology: Topology | None = None,
                      train_args: Sequence[str] = ("--checkpoint",), revision: str = "",
-                     **settings: Any) -> tuple[Controller, FakeFleet]:
+                     spec: dict[str, Any] | None = None, **settings: Any) -> tuple[Controller, FakeFleet]:
     """A controller over ``machines`` scripted machines (the first ``active`` run job ``j``, the rest are
-    parked standbys), with its fleet database in ``tmp_path``."""
+    parked standbys), with its fleet database in ``tmp_path``. ``spec``: the job's spec (default: the
+    reference job with ``train_args``)."""
     topo = topology or Topology(tp=1, pp=2, dp=2)
     inv = Inventory(cluster="t", transport="local", bus_url=f"spool://{tmp_path / 'bus'}", machines=[
         Machine(name=f"m{i}", address=f"10.0.0.{i + 10}", role="active" if i < active else "standby")
@@ -257,7 +258,7 @@ def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topo
     c.sync_inventory()
     names = [f"m{i}" for i in range(active)]
     c.fleet.upsert_job("j", tp=topo.tp, pp=topo.pp, dp=topo.dp, ranks_per_machine=topo.ranks_per_machine,
-                       machines=names, train_args=list(train_args), revision=revision)
+                       machines=names, train_args=list(train_args), revision=revision, spec=spec)
     fleet.launch(names)
     fleet.parked = {f"m{i}" for i in range(machines)}
     return c, fleet

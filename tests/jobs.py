@@ -10,6 +10,7 @@ from tests.conftest import free_port, wait_until
 from trainguard.node_tools import launcher, monitor
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.topology import Topology
+from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 
 def run_dir(machine: Machine, job: str) -> Path:
@@ -18,7 +19,7 @@ def run_dir(machine: Machine, job: str) -> Path:
 
 def start(inv: Inventory, job: str, topology: Topology, machines: list[Machine], *train_args: str) -> launcher.JobPlan:
     plan = launcher.JobPlan(job=job, topology=topology, machines=machines, train_args=list(train_args),
-                            master_port=free_port())
+                            master_port=free_port(), entry=REFERENCE_ENTRY, pass_layout=True)
     launcher.launch(inv, plan)
     return plan
 

@@ -52,5 +52,5 @@ def test_the_emulation_commands_come_from_their_entry_point():
     from trainguard.operators.cli import build_parser
 
     _parser, handlers = build_parser()
-    assert {"cluster", "inject", "job", "demo"} <= set(handlers)
+    assert {"cluster", "inject", "demo", "controlplane"} <= set(handlers) and "job" not in handlers  # the product's
     assert all(h.__module__ == "trainguard.emulation.cli" for h in handlers.values())

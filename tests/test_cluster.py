@@ -220,7 +220,7 @@ def test_cli_refuses_a_malformed_inventory(tmp_path: Path):
     ],
 )
 def test_cli_refuses_a_topology_that_does_not_fit(ns_cluster: Inventory, state_dir: Path, topology, match):
-    proc = _cli("--state-dir", str(state_dir), "job", "launch", "--job", "bad", "--topology", topology)
+    proc = _cli("--state-dir", str(state_dir), "cluster", "job", "launch", "--job", "bad", "--topology", topology)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and match in proc.stderr
     # nothing was started anywhere

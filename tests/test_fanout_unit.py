@@ -93,7 +93,8 @@ def test_the_direct_launcher_is_one_cold_process_a_machine():
                    launcher="direct", entry="examples/standin.py")
     argv = plan.start_argv(inv, inv.machines[2])
     assert argv[argv.index("--launcher") + 1] == "direct" and argv[argv.index("--node-rank") + 1] == "2"
-    assert "--launcher" not in JobPlan(job="j", topology=plan.topology, machines=inv.machines).start_argv(
+    assert "--launcher" not in JobPlan(job="j", topology=plan.topology, machines=inv.machines,
+                                       entry="examples/standin.py").start_argv(
         inv, inv.machines[0])  # torchrun stays the default and unnamed
 
 

@@ -301,7 +301,7 @@ def test_migration_3_gives_events_recorded_before_it_their_job(tmp_path: Path):
             conn.execute(sa.text("INSERT INTO machine_events (id, machine, from_state, to_state, ts, reason) "
                                  "VALUES (:i, :m, 'active', 'evicted', 0, :r)"),
                          {"i": i + 1, "m": machine, "r": reason})
-    assert migrate(engine) == [3, 4]
+    assert migrate(engine) == [3, 4, 5]
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT id, job FROM machine_events ORDER BY id")).all()
     assert [tuple(r) for r in rows] == [(1, "a_b"), (2, "a_b"), (3, "a"), (4, None)]
@@ -339,6 +339,20 @@ def test_migration_4_leaves_incidents_recorded_before_it_naming_no_machine(tmp_p
         conn.execute(sa.text("INSERT INTO jobs VALUES ('a', 1, 1, 2, 1, '[]', 'running', 'r0', NULL, '[]', 0, 0)"))
         conn.execute(sa.text("INSERT INTO incidents (id, job, state, category, level, opened_ts, first_alert_ts, "
                              "summary) VALUES (1, 'a', 'resolved', 'crash', 0, 0, 0, '')"))
-    assert migrate(engine) == [4]
+    assert migrate(engine) == [4, 5]
     store = FleetStore(f"sqlite:///{tmp_path / 'old.db'}")
     assert store.incident(1).machines == [] and store.incident(1).category == "crash"
+
+
+def test_migration_5_gives_jobs_recorded_before_it_the_reference_jobs_spec_they_ran(tmp_path: Path):
+    from trainguard.operators.jobspec import REFERENCE_ENTRY, stored_spec
+
+    engine = _database_before(tmp_path, 5)
+    with engine.begin() as conn:  # a 3D job on 4 machines, one of them swapped out for now (3 listed)
+        conn.execute(sa.text("INSERT INTO jobs VALUES ('a', 2, 2, 2, 2, '[\"m0\", \"m1\", \"m2\"]', 'running', "
+                             "'r7', NULL, '[\"--checkpoint\", \"--steps\", \"9\"]', 0, 0)"))
+    assert migrate(engine) == [5]
+    spec = stored_spec(FleetStore(f"sqlite:///{tmp_path / 'old.db'}").job("a"))
+    assert spec.command == [REFERENCE_ENTRY, "--checkpoint", "--steps", "9"] and spec.pass_layout
+    assert (spec.machines, spec.processes_per_machine, spec.revision) == (4, 2, "r7")
+    assert spec.topology().world_size == 8 and spec.is_reference

@@ -10,6 +10,7 @@ from trainguard.node_tools import inject, launcher
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
+from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -106,7 +107,8 @@ def test_a_parked_standby_joins_a_3d_job_warm(ns_cluster: Inventory):
     warm = {s["pid"] for s in parked.json()["slots"]}
     machines = [ns_cluster.machine(n) for n in ("m0", "m1", "m2")] + [m4]  # m4 stands in for m3
     plan = launcher.JobPlan(job="warm3d", topology=Topology(tp=2, pp=2, dp=2), machines=machines,
-                            train_args=["--steps", "6"], master_port=free_port(), warm={"m4"})
+                            train_args=["--steps", "6"], master_port=free_port(), warm={"m4"}, entry=REFERENCE_ENTRY,
+                            pass_layout=True)
     try:
         launcher.launch(ns_cluster, plan)
         from tests.conftest import wait_until

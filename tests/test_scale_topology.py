@@ -15,6 +15,7 @@ from trainguard.node_tools.errors import ClusterError, InventoryError, TopologyE
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.launcher import JobPlan
 from trainguard.node_tools.topology import GROUP_KINDS, MAX_BACKUP_CANDIDATES, Topology, clear_layout_caches
+from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 # ---- the reference: the placement, groups and machines as first written (quadratic in the ranks) ----------
 
@@ -247,7 +248,8 @@ def _node_rank(argv: list[str]) -> str:
 
 def test_start_argv_gives_each_machine_its_node_rank():
     inv = _inventory(8)
-    plan = JobPlan(job="j", topology=Topology(tp=2, pp=2, dp=4), machines=list(reversed(inv.machines)))
+    plan = JobPlan(job="j", topology=Topology(tp=2, pp=2, dp=4), machines=list(reversed(inv.machines)),
+                   entry=REFERENCE_ENTRY, pass_layout=True)
     plan.validate()
     for expected, machine in enumerate(plan.machines):
         argv = plan.start_argv(inv, machine)
@@ -265,7 +267,8 @@ def test_start_argv_gives_each_machine_its_node_rank():
 def test_validate_names_the_repeated_machine_only():
     inv = _inventory(40)
     machines = [*inv.machines[:31], inv.machines[1], inv.machines[7]]  # 33 machines: TP=3, PP=11
-    plan = JobPlan(job="j", topology=Topology(tp=3, pp=11, dp=1, ranks_per_machine=1), machines=machines)
+    plan = JobPlan(job="j", topology=Topology(tp=3, pp=11, dp=1, ranks_per_machine=1), machines=machines,
+                   entry=REFERENCE_ENTRY)
     with pytest.raises(ClusterError, match=r"^a machine appears twice in the job's machine list: m1, m7; list each "
                                            r"machine once$"):
         plan.validate()

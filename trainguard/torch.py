@@ -35,7 +35,8 @@ What the guard does for the loop:
 
 Outside a trainguard launch (no ``TG_RUN_DIR``), the guard still works: it writes its records under
 ``./tg-run`` and takes checkpoints only when asked (``checkpoint=True`` or a :class:`CheckpointConfig`).
-Inside one, ``tg-node job start`` says where checkpoints go (``TG_CHECKPOINT``) and the guard takes them.
+Inside one it takes them by default, where the job's spec says (``TG_CHECKPOINT``) or in the job's run
+directory on each machine.
 """
 
 from __future__ import annotations
@@ -214,8 +215,9 @@ class Guard:
         state: other objects to restore with the step (``state_dict``/``load_state_dict``, JSON states): a
             learning-rate scheduler, a sampler, a data loader's position.
         checkpoint: a :class:`CheckpointConfig`; True for the launch's default (:func:`checkpoint_config_from_env`);
-            False for none; None (the default) takes checkpoints when the job was launched with a checkpoint
-            location (``TG_CHECKPOINT``) and none otherwise.
+            False for none; None (the default) takes checkpoints when trainguard launched the job (``TG_RUN_DIR``
+            or ``TG_CHECKPOINT`` is set: under ``TG_CHECKPOINT``, else ``<TG_RUN_DIR>/checkpoints``) and none
+            otherwise.
         topology: the job's tensor x pipeline x data parallel layout (checkpoint replicas are placed on other
             machines by it); None = data parallel only, ``LOCAL_WORLD_SIZE`` ranks a machine.
         coords: the rank's coordinates to report (default: from ``topology``).
@@ -268,7 +270,7 @@ class Guard:
         self.last_snapshot: SnapshotInfo | None = None
         self._flag = None  # the finite flag's buffer (on the model's device)
         if checkpoint is None:
-            checkpoint = bool(os.environ.get("TG_CHECKPOINT"))
+            checkpoint = bool(os.environ.get("TG_CHECKPOINT") or os.environ.get("TG_RUN_DIR"))
         if checkpoint is True:
             checkpoint = checkpoint_config_from_env(control_timeout_s=collective_timeout_s)
         self.checkpointer = None

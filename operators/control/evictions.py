@@ -136,15 +136,12 @@ class Evictions(ControllerBase):
         return {"swaps": swaps, "reason": reason, "checkpoint": kept, **({"deferred": deferred} if deferred else {})}
 
     def remote_url(self, job: str) -> str:
-        """The job's remote checkpoint tier (its ``--checkpoint-remote`` / ``--checkpoint-s3``), or ""."""
-        args = list(self.fleet.job(job).train_args)
-        for i, a in enumerate(args):
-            for flag in ("--checkpoint-remote", "--checkpoint-s3"):
-                if a == flag and i + 1 < len(args):
-                    return args[i + 1]
-                if a.startswith(flag + "="):
-                    return a.split("=", 1)[1]
-        return ""
+        """The job's remote checkpoint tier (its spec's, or the reference job's ``--checkpoint-remote`` /
+        ``--checkpoint-s3``), or ""."""
+        from trainguard.operators.jobspec import stored_spec
+
+        j = self.fleet.job(job)
+        return stored_spec(j).remote_url(list(j.train_args))
 
     def remote_copies(self, url: str) -> tuple[set[tuple[int, int]], str]:
         """The ``(step, rank)`` copies in a remote tier, and why not ("" when it answered)."""
@@ -183,10 +180,11 @@ class Evictions(ControllerBase):
         (reachable ones) into the remote tier first; failing that the restart falls back to the newest step
         that stays complete; failing that the eviction is ``refused`` (it would destroy the job's progress).
         Returns what was found and done, for the eviction's evidence."""
+        from trainguard.operators.jobspec import stored_spec
         from trainguard.operators.policy.checkpoints import eviction_safety
 
         j = self.fleet.job(job)
-        if "--checkpoint" not in j.train_args:
+        if not stored_spec(j).keeps_checkpoints(list(j.train_args)):
             return {"checked": False, "reason": "the job keeps no checkpoints"}
         world = j.tp * j.pp * j.dp
         if fresh:

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.node_tools import launcher
 from trainguard.node_tools.errors import TrainguardError
 from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import RunResult
 from trainguard.operators.control.base import PORT_BASE, PORT_SPAN, ControllerBase, described, held_copies
+
+if TYPE_CHECKING:
+    from trainguard.operators.jobspec import JobSpec
 
 SECONDARY_KINDS = ("peer_connection", "collective_timeout", "network")
 #: seconds between two rounds over every machine asking whether a restarted job ended without a step
@@ -39,18 +42,78 @@ class JobLifecycle(ControllerBase):
 
     def launch_job(self, job: str, topology: Topology, machine_names: Sequence[str], *,
                    train_args: Sequence[str] = (), revision: str = "r0", arm: bool = True,
-                   warm: Sequence[str] = ()) -> dict[str, Any]:
+                   warm: Sequence[str] = (), spec: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Record a job in the fleet database and start it on ``machine_names`` (node-rank order); the
         machines in ``warm`` (parked beforehand, as standbys are) start on their warm interpreters. With
-        ``arm``, then park warm interpreters beside it on every machine (:meth:`arm`)."""
+        ``arm``, then park warm interpreters beside it on every machine (:meth:`arm`). ``spec``: what the job
+        runs (:class:`trainguard.operators.jobspec.JobSpec` as JSON; None: the reference job with
+        ``train_args``)."""
         self.sync_inventory()
         self.fleet.upsert_job(job, tp=topology.tp, pp=topology.pp, dp=topology.dp,
                               ranks_per_machine=topology.ranks_per_machine, machines=machine_names,
-                              revision=revision, train_args=train_args)
+                              revision=revision, train_args=train_args, spec=spec)
         out = self._start(job, warm=set(warm) & set(machine_names))
         if arm and out.get("launched"):
             out["armed"] = self.arm(job)
         return out
+
+    # ---- a submitted job (trainguard job submit, tg_job_launch) -----------------------------------------
+    def submit(self, spec: JobSpec) -> dict[str, Any]:
+        """Reserve the spec's machines (named, or a count of free checked standbys) and record the job
+        (``launching``) with its spec, in one transaction. Submitting the same spec again is a no-op."""
+        self.sync_inventory()
+        existing = next((j for j in self.fleet.jobs() if j.name == spec.name), None)
+        if existing is not None and existing.state in ("launching", "running"):
+            if existing.spec != spec.document():
+                raise TrainguardError(f"job {spec.name} is {existing.state} with another spec; stop it first "
+                                      f"('trainguard job stop {spec.name}') or submit under another name",
+                                      exit_code=3)
+            return {"job": spec.name, "machines": list(existing.machine_list), "submitted": False}
+        if isinstance(spec.machines, int):
+            free = self.fleet.free_machines()
+            if len(free) < spec.machines:
+                raise TrainguardError(f"job {spec.name} needs {spec.machines} machines, {len(free)} are free "
+                                      f"({', '.join(free) or 'none'}); free more (tg_standby_pool) or ask for fewer",
+                                      exit_code=3)
+            names = free[: spec.machines]
+        else:
+            names = list(spec.machines)
+            for name in names:
+                self.inventory.machine(name)  # a one-line error naming the machines there are
+        topo = spec.topology(len(names))
+        created = self.fleet.submit_job(spec.name, spec=spec.document(), machines=names, tp=topo.tp, pp=topo.pp,
+                                        dp=topo.dp, ranks_per_machine=topo.ranks_per_machine,
+                                        train_args=spec.args, revision=spec.revision)
+        return {"job": spec.name, "machines": list(self.fleet.job(spec.name).machine_list), "submitted": created}
+
+    def launch_submitted(self, job: str) -> dict[str, Any]:
+        """Start a submitted job on its reserved machines (each start recorded; repeating it is a no-op)."""
+        return self._start(job, warm_if_parked=True, tag="submitted")
+
+    def first_step(self, job: str, *, timeout_s: float, poll_s: float = 1.0) -> dict[str, Any]:
+        """Wait until every rank of the job finished a step: ``{"step": N, "seconds": S}``; raises when a machine's
+        part ended first (with the logs' verdict) or ``timeout_s`` passed."""
+        t0 = time.monotonic()
+        while True:
+            now = self.progress(job)
+            if now["step"] >= 0:
+                self.fleet.set_job_state(job, "running")
+                return {"step": now["step"], "seconds": round(time.monotonic() - t0, 3), "states": now["states"]}
+            ended = sorted(n for n, s in now["states"].items() if s == "exited")
+            if ended:
+                raise TrainguardError(f"job {job} ended on {', '.join(ended)} before its first step "
+                                      f"({', '.join(str(now['states'][n]) for n in ended[:3])}); read its logs "
+                                      f"with 'tg-node logs --job {job}' on that machine")
+            if time.monotonic() - t0 > timeout_s:
+                raise TrainguardError(f"job {job} finished no step within {timeout_s:.0f} s of its start")
+            time.sleep(poll_s)
+
+    def release(self, job: str, *, state: str = "stopped", reason: str = "") -> dict[str, Any]:
+        """Stop the job on its machines and return them to the pool (``trainguard job stop``); repeating it is a
+        no-op."""
+        stopped = self.stop(job) if self.fleet.job(job).state not in ("stopped", "failed") else {}
+        released = self.fleet.release_job(job, state=state, reason=reason)
+        return {"job": job, "state": state, "stopped": stopped, "released": released}
 
     def arm(self, job: str) -> dict[str, Any]:
         """Park warm interpreters (one per rank and one for torchrun) on every machine of the job that has
@@ -69,11 +132,15 @@ class JobLifecycle(ControllerBase):
 
     def _plan(self, job: str, warm: set[str], extra_args: Sequence[str] = (), *, warm_if_parked: bool = False
               ) -> launcher.JobPlan:
+        from trainguard.operators.jobspec import stored_spec
+
         j = self.fleet.job(job)
         launches = sum(1 for a in self.fleet.actions() if a.kind == "launch" and a.key.startswith(f"launch:{job}:"))
-        return launcher.JobPlan(job=job, topology=self.topology(job), machines=self.machines(j.machine_list),
-                                train_args=[*j.train_args, *extra_args], master_port=PORT_BASE + launches % PORT_SPAN,
-                                revision=j.revision, warm=warm, warm_if_parked=warm_if_parked)
+        # the job's own command, working directory, environment and launcher, from its stored spec
+        return stored_spec(j).plan(job=job, topology=self.topology(job), machines=self.machines(j.machine_list),
+                                   train_args=[*j.train_args, *extra_args], revision=j.revision,
+                                   master_port=PORT_BASE + launches % PORT_SPAN, warm=warm,
+                                   warm_if_parked=warm_if_parked)
 
     def _start(self, job: str, *, warm: set[str] | None = None, warm_if_parked: bool = False,
                incident_id: int | None = None, restore_max_step: int | None = None, tag: str = "") -> dict[str, Any]:

@@ -13,6 +13,7 @@ from trainguard.node_tools.errors import TrainguardError
 from trainguard.node_tools.topology import Topology
 from trainguard.operators.control.base import REPLAY_PORT_BASE, ControllerBase
 from trainguard.operators.fleet import states
+from trainguard.operators.jobspec import stored_spec
 from trainguard.operators.policy import sdc
 
 
@@ -65,8 +66,8 @@ class Replay(ControllerBase):
         launched: dict[str, Any] = {"job": job, "k": k, "steps": steps, "world_size": topo.world_size,
                                     "groups": {}}
         for i, (tag, names) in enumerate(groups.items()):
-            plan = launcher.JobPlan(job=f"{job}-replay-{tag}", topology=topo, machines=self.machines(names),
-                                    train_args=args, master_port=REPLAY_PORT_BASE + i, revision=j.revision)
+            plan = stored_spec(j).plan(job=f"{job}-replay-{tag}", topology=topo, machines=self.machines(names),
+                                       train_args=args, master_port=REPLAY_PORT_BASE + i, revision=j.revision)
             group: dict[str, Any] = {"job": plan.job, "machines": list(names), "failed": None}
             if self.cfg.dry_run:
                 group["failed"] = "dry run"

@@ -147,11 +147,31 @@ def _v4(op: Operations) -> None:
     op.add_column("incidents", sa.Column("machines", sa.JSON, nullable=False, server_default="[]"))
 
 
+def _v5(op: Operations) -> None:
+    """Each job stores its spec (what to run: command, working directory, environment, launcher, layout), which
+    every launch and restart runs. A job recorded before ran the reference job with the layout on its command
+    line: its spec says so."""
+    op.add_column("jobs", sa.Column("spec", sa.JSON, nullable=False, server_default="{}"))
+    conn = op.get_bind()
+    jobs = sa.table("jobs", *(sa.column(n, sa.Integer) for n in ("tp", "pp", "dp", "ranks_per_machine")),
+                    sa.column("name", sa.String(128)), sa.column("machine_list", sa.JSON),
+                    sa.column("train_args", sa.JSON), sa.column("revision", sa.String(128)),
+                    sa.column("spec", sa.JSON))
+    for row in conn.execute(sa.select(jobs)).all():
+        spec = {"name": row.name, "command": ["examples/gpt3d/train.py", *(row.train_args or [])],
+                "machines": max(1, row.tp * row.pp * row.dp // max(1, row.ranks_per_machine)),
+                "processes_per_machine": row.ranks_per_machine,
+                "layout": {"tp": row.tp, "pp": row.pp, "dp": row.dp}, "pass_layout": True,
+                "revision": row.revision or "r0"}
+        conn.execute(jobs.update().where(jobs.c.name == row.name).values(spec=spec))
+
+
 MIGRATIONS: list[tuple[int, str, Callable[[Operations], None]]] = [
     (1, "initial schema", _v1),
     (2, "bus cursor, quarantined alerts, agent liveness, components", _v2),
     (3, "machine events name their job", _v3),
     (4, "incidents name the machines their triage implicated", _v4),
+    (5, "jobs store their spec", _v5),
 ]
 LATEST = MIGRATIONS[-1][0]
 

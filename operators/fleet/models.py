@@ -63,6 +63,8 @@ class Job(Base):
     revision: Mapped[str] = mapped_column(String(128), default="")
     pending_revision: Mapped[str | None] = mapped_column(String(128), nullable=True)  # lazy update
     train_args: Mapped[list[str]] = mapped_column(JSON, default=list)
+    # the job's spec as submitted (trainguard.operators.jobspec.JobSpec): what every launch and restart runs
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_ts: Mapped[float] = mapped_column(Float)
     updated_ts: Mapped[float] = mapped_column(Float)
 

@@ -11,7 +11,7 @@ double eviction.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -85,6 +85,10 @@ def _sqlite_immediate(engine: sa.Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+#: machines a submitted job may take: checked standbys serving no job, by name
+_FREE = select(Machine.name).where(Machine.state == states.STANDBY, Machine.job.is_(None)).order_by(Machine.name)
+
+
 class FleetStore:
     """The fleet database of one control plane."""
 
@@ -131,13 +135,23 @@ class FleetStore:
     def job_names(url: str | Path) -> list[str]:
         """The jobs of the fleet database at ``url``, read only (no migration, nothing created): what the
         DAGs' forms offer. Empty when there is no such database yet."""
+        return FleetStore._read_names(url, sa.select(Job.name).order_by(Job.name))
+
+    @staticmethod
+    def free_machine_names(url: str | Path) -> list[str]:
+        """The machines a submitted job may take (checked standbys serving no job), read only: what the launch
+        form offers. Empty when there is no such database yet."""
+        return FleetStore._read_names(url, _FREE)
+
+    @staticmethod
+    def _read_names(url: str | Path, query: Any) -> list[str]:
         url = url_for(url)
         if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
             return []
         engine = sa.create_engine(url)
         try:
             with engine.connect() as conn:
-                return [r[0] for r in conn.execute(sa.select(Job.name).order_by(Job.name))]
+                return [r[0] for r in conn.execute(query)]
         except sa.exc.SQLAlchemyError:
             return []
         finally:
@@ -276,16 +290,25 @@ class FleetStore:
 
     # ---- jobs --------------------------------------------------------------------------------
     def upsert_job(self, name: str, *, tp: int, pp: int, dp: int, ranks_per_machine: int,
-                   machines: Sequence[str], revision: str = "", train_args: Sequence[str] = ()) -> bool:
+                   machines: Sequence[str], revision: str = "", train_args: Sequence[str] = (),
+                   spec: Mapping[str, Any] | None = None) -> bool:
         """Record a job running on ``machines`` (node-rank order); they become active for it. A job
-        already recorded keeps its state (returns False)."""
+        already recorded keeps its state (returns False). ``spec``: the job's spec
+        (:class:`trainguard.operators.jobspec.JobSpec` as JSON), which every launch runs; None records the
+        reference job with these arguments."""
         with self.tx() as s:
             if s.get(Job, name) is not None:
                 return False
+            if spec is None:
+                from trainguard.node_tools.topology import Topology
+                from trainguard.operators.jobspec import reference_spec
+
+                spec = reference_spec(name, Topology(tp, pp, dp, ranks_per_machine=ranks_per_machine),
+                                      train_args=list(train_args), revision=revision).document()
             now = self.clock()
             s.add(Job(name=name, tp=tp, pp=pp, dp=dp, ranks_per_machine=ranks_per_machine,
                       machine_list=list(machines), state="running", revision=revision,
-                      train_args=list(train_args), created_ts=now, updated_ts=now))
+                      train_args=list(train_args), spec=dict(spec), created_ts=now, updated_ts=now))
             s.flush()
             for mname in machines:
                 m = s.get(Machine, mname, with_for_update=True)
@@ -299,6 +322,69 @@ class FleetStore:
                 s.add(Revision(job=name, revision=revision, recorded_ts=now, known_good=False,
                                reason="the job's revision at start"))
             return True
+
+    def submit_job(self, name: str, *, spec: Mapping[str, Any], machines: Sequence[str], tp: int, pp: int, dp: int,
+                   ranks_per_machine: int, train_args: Sequence[str], revision: str) -> bool:
+        """Record a submitted job (state ``launching``) on ``machines`` (node-rank order), which become active for
+        it, in one transaction. The same spec submitted again while it launches or runs is a no-op (False); a job
+        of that name that was stopped or failed is replaced; one that runs another spec is refused."""
+        with self.tx() as s:
+            j = s.get(Job, name, with_for_update=True)
+            if j is not None and j.state in ("launching", "running"):
+                if j.spec == dict(spec):
+                    return False
+                raise FleetError(f"job {name} is {j.state} with another spec; stop it first "
+                                 f"('trainguard job stop {name}') or submit under another name")
+            now = self.clock()
+            fields = {"tp": tp, "pp": pp, "dp": dp, "ranks_per_machine": ranks_per_machine,
+                      "machine_list": list(machines), "state": "launching", "revision": revision,
+                      "pending_revision": None, "train_args": list(train_args), "spec": dict(spec), "updated_ts": now}
+            if j is None:
+                s.add(Job(name=name, created_ts=now, **fields))
+            else:  # a stopped or failed job of that name: the new spec replaces it (its history stays)
+                for key, value in fields.items():
+                    setattr(j, key, value)
+            s.flush()
+            for mname in machines:
+                m = s.get(Machine, mname, with_for_update=True)
+                if m is None:
+                    raise FleetError(f"job {name}: machine {mname} is not in the fleet database; add it to the "
+                                     f"inventory and run 'trainguard fleet migrate'", exit_code=2)
+                if m.job not in (None, name):
+                    raise FleetError(f"job {name}: machine {mname} already serves job {m.job}; name another")
+                if m.state not in (states.STANDBY, states.SELF_CHECK, states.ACTIVE):
+                    raise FleetError(f"job {name}: machine {mname} is {m.state}; name a checked machine "
+                                     f"(a standby)")
+                self._move(s, m, states.ACTIVE, f"serves job {name}", None, job=name)
+                m.job = name
+            if not s.scalars(select(Revision).where(Revision.job == name, Revision.revision == revision)).first():
+                s.add(Revision(job=name, revision=revision, recorded_ts=now, known_good=False,
+                               reason="the job's revision at submission"))
+            return True
+
+    def free_machines(self) -> list[str]:
+        """Machines a job may take: checked standbys that serve no job, by name."""
+        with self.tx() as s:
+            return list(s.scalars(_FREE))
+
+    def release_job(self, name: str, *, state: str = "stopped", reason: str = "") -> list[str]:
+        """End a job in the fleet database: its state becomes ``state`` ("stopped" or "failed") and its machines
+        return to the pool (standby; one under suspicion is evicted), in one transaction. Returns the machines
+        released; a job already released releases nothing."""
+        released: list[str] = []
+        with self.tx() as s:
+            j = self._required(s, Job, name, lock=True)
+            for mname in j.machine_list:
+                m = s.get(Machine, mname, with_for_update=True)
+                if m is None or m.job != name:
+                    continue
+                why = f"released by job {name}" + (f": {reason}" if reason else "")
+                self._move(s, m, states.EVICTED if m.state == states.SUSPECT else states.STANDBY, why, None, job=name)
+                m.job = None
+                released.append(mname)
+            if j.state != state:
+                j.state, j.updated_ts = state, self.clock()
+        return released
 
     def jobs(self) -> list[Job]:
         with self.tx() as s:

@@ -29,3 +29,16 @@ def job_param(description: str) -> Any:
     if not jobs:
         return Param(type="string", pattern=NAME, description=f"{description} (no job in the fleet database yet)")
     return Param(jobs[0], type="string", pattern=NAME, examples=jobs, description=description)
+
+
+def free_machines() -> list[str]:
+    """The machines a submitted job may take (checked standbys serving no job); empty when the fleet database is
+    not there yet or unreadable."""
+    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.operators.fleet.store import FleetStore
+    from trainguard.operators.settings import ControlSettings
+
+    try:
+        return FleetStore.free_machine_names(ControlSettings.from_env().fleet_url)
+    except (TrainguardError, ValueError, OSError):
+        return []

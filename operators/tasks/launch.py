@@ -1,0 +1,93 @@
+"""The bodies of ``tg_job_launch``'s tasks: a submitted job validated, its machines reserved and checked (L1),
+started and watched until its first step. A step that fails releases what the run reserved, so a failed launch
+leaves no machine held; every step repeated is a no-op."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.tasks import common
+
+#: the form's fields that make a spec (the rest of the form, ``spec``, may hold a whole spec instead)
+SPEC_FIELDS = ("name", "command", "workdir", "launcher", "machines", "processes_per_machine", "layout", "pass_layout",
+               "standbys", "checkpoint", "env", "revision")
+
+
+def spec_from_conf(conf: dict[str, Any]) -> dict[str, Any]:
+    """The spec a run was given: ``conf["spec"]`` when it holds one (``trainguard job submit``), else the form's
+    fields (``machines`` from the form's list, or its ``count`` when no machine is named)."""
+    if conf.get("spec"):
+        return dict(conf["spec"])
+    doc = {k: conf[k] for k in SPEC_FIELDS if conf.get(k) not in (None, "", [], {})}
+    if not doc.get("machines") and conf.get("count"):
+        doc["machines"] = int(conf["count"])
+    return doc
+
+
+def validate(conf: dict[str, Any]) -> dict[str, Any]:
+    """The checked spec (JSON), or the run fails with the one-line reason."""
+    from trainguard.operators.jobspec import parse_spec
+
+    spec = parse_spec(spec_from_conf(conf), source="tg_job_launch")
+    common.note(f"job {spec.name}: {' '.join(spec.command)} on {spec.machines} machines")
+    return spec.document()
+
+
+def reserve(spec_doc: dict[str, Any]) -> dict[str, Any]:
+    """Reserve the machines and record the job (``launching``) with its spec."""
+    from trainguard.operators.jobspec import parse_spec
+
+    c = common.controller()
+    out = c.submit(parse_spec(spec_doc))
+    common.note(f"job {out['job']}: machines {', '.join(out['machines'])} reserved")
+    return out
+
+
+def _released_on_failure(c: Any, job: str, what: str, exc: BaseException) -> None:
+    released = c.release(job, state="failed", reason=f"{what}: {exc}")
+    common.note(f"job {job}: {what} failed ({exc}); machines {', '.join(released['released']) or 'none'} released")
+
+
+def check(reserved: dict[str, Any]) -> dict[str, Any]:
+    """L1 (quick health) on every reserved machine; a machine that fails ends the launch and releases them all."""
+    c = common.controller()
+    job, machines = reserved["job"], list(reserved["machines"])
+    d = c.diagnose(job, machines, levels=(1,))
+    if d["failed"]:
+        err = TrainguardError("machines failed L1: " + "; ".join(f"{n}: {why}" for n, why in d["failed"].items()))
+        _released_on_failure(c, job, "the machine check", err)
+        raise err
+    return {"job": job, "machines": machines, "checked": "L1", "seconds": d["seconds"]}
+
+
+def start(checked: dict[str, Any]) -> dict[str, Any]:
+    """Start the job on its machines (warm where interpreters are parked)."""
+    c = common.controller()
+    job = checked["job"]
+    try:
+        out = c.launch_submitted(job)
+    except TrainguardError as exc:
+        _released_on_failure(c, job, "the start", exc)
+        raise
+    common.note(f"job {job}: started on {', '.join(out.get('machines', []))}")
+    return {"job": job, **{k: out[k] for k in ("launched", "machines", "warm") if k in out}}
+
+
+def first_step(started: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Wait for every rank's first step; the job is ``running`` from then on. A job that ends before it (or does
+    not get there within ``timeout_s``) is stopped and its machines released."""
+    c = common.controller()
+    job = started["job"]
+    try:
+        out = c.first_step(job, timeout_s=timeout_s)
+    except TrainguardError as exc:
+        _released_on_failure(c, job, "the first step", exc)
+        raise
+    common.note(f"job {job}: trains (step {out['step']} after {out['seconds']:.0f} s)")
+    return {"job": job, "step": out["step"], "seconds": out["seconds"]}
+
+
+def arm(trains: dict[str, Any]) -> dict[str, Any]:
+    """Warm interpreters parked beside the running job, so its first restart starts warm."""
+    return common.arm_unless_busy(common.controller(), trains["job"])

@@ -1,0 +1,123 @@
+"""Submitting a job (trainguard job submit -> tg_job_launch's task bodies) on the scripted fleet: machines are
+reserved from the free pool in one transaction, checked, started and watched to their first step; a failed step
+releases them; the same submission twice is one job; stopping returns the machines to the pool."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import fleet_controller, use_controller
+from trainguard.operators.cli import main
+from trainguard.operators.fleet import states
+from trainguard.operators.fleet.store import FleetError
+from trainguard.operators.jobspec import parse_spec
+from trainguard.operators.tasks import launch
+
+SPEC = {"name": "team", "command": ["train.py", "--epochs", "3"], "workdir": "/srv/team", "machines": 2}
+
+
+def _launch(spec: dict) -> dict:
+    checked = launch.check(launch.reserve(launch.validate({"spec": spec})))
+    return launch.first_step(launch.start(checked), timeout_s=30)
+
+
+def test_a_submitted_job_takes_free_machines_starts_there_and_is_running_after_its_first_step(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path)  # m0..m3 run job j; m4, m5 are free standbys
+    use_controller(monkeypatch, c)
+    assert c.fleet.free_machines() == ["m4", "m5"]
+    out = _launch(SPEC)
+    assert out["job"] == "team" and out["step"] >= 0
+    job = c.fleet.job("team")
+    assert job.state == "running" and job.machine_list == ["m4", "m5"] and job.spec == parse_spec(SPEC).document()
+    assert {c.fleet.machine(n).state for n in ("m4", "m5")} == {states.ACTIVE} and c.fleet.free_machines() == []
+    starts = [(m, argv) for m, argv in fleet.commands if argv[:2] == ["job", "start"] and "team" in argv]
+    assert sorted(m for m, _ in starts) == ["m4", "m5"]
+    argv = starts[0][1]
+    assert argv[argv.index("--entry") + 1] == "train.py" and argv[argv.index("--workdir") + 1] == "/srv/team"
+    assert argv[argv.index("--") + 1:] == ["--epochs", "3"]
+    # the same submission again is the same job: nothing reserved or started twice
+    again = launch.reserve(launch.validate({"spec": SPEC}))
+    assert again == {"job": "team", "machines": ["m4", "m5"], "submitted": False}
+
+
+def test_a_machine_that_fails_its_check_ends_the_launch_and_releases_every_reserved_machine(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    fleet.l1 = {"m5": "GPU 3 lost"}
+    reserved = launch.reserve(launch.validate({"spec": SPEC}))
+    with pytest.raises(Exception, match=r"machines failed L1: m5: .*GPU 3 lost"):
+        launch.check(reserved)
+    assert c.fleet.job("team").state == "failed"
+    assert c.fleet.machine("m4").state == states.STANDBY and c.fleet.machine("m4").job is None
+    assert not fleet.sent("job", "start") or "m4" not in fleet.sent("job", "start")
+    # the machines are free again, and a corrected submission gets them
+    fleet.l1 = {}
+    assert _launch(SPEC)["job"] == "team" and c.fleet.job("team").state == "running"
+
+
+def test_too_few_free_machines_or_a_busy_one_is_refused_before_anything_is_reserved(tmp_path, monkeypatch):
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    with pytest.raises(Exception, match=r"job team needs 3 machines, 2 are free \(m4, m5\); free more"):
+        launch.reserve(launch.validate({"spec": SPEC | {"machines": 3}}))
+    with pytest.raises(FleetError, match="machine m1 already serves job j; name another"):
+        launch.reserve(launch.validate({"spec": SPEC | {"machines": ["m4", "m1"]}}))
+    assert c.fleet.free_machines() == ["m4", "m5"]  # the failed transaction reserved nothing
+    assert c.fleet.machine("m4").job is None
+
+
+def test_a_running_job_is_not_replaced_by_another_spec_and_a_stopped_one_is(tmp_path, monkeypatch):
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    _launch(SPEC)
+    with pytest.raises(Exception, match="job team is running with another spec; stop it first"):
+        launch.reserve(launch.validate({"spec": SPEC | {"command": ["other.py"]}}))
+    out = c.release("team")
+    assert out["released"] == ["m4", "m5"] and c.fleet.job("team").state == "stopped"
+    assert c.release("team")["released"] == []  # stopping again is a no-op
+    assert launch.reserve(launch.validate({"spec": SPEC | {"command": ["other.py"]}}))["submitted"]
+
+
+def test_the_form_fields_make_a_spec_when_no_whole_spec_is_given():
+    doc = launch.spec_from_conf({"name": "f", "command": "train.py --lr 1", "machines": [], "count": 2,
+                                 "processes_per_machine": 1, "workdir": "", "checkpoint": "", "env": {},
+                                 "revision": "r0", "spec": {}})
+    assert parse_spec(doc).machines == 2 and parse_spec(doc).args == ["--lr", "1"]
+
+
+def test_the_job_commands_of_the_command_line(tmp_path, monkeypatch, capsys):
+    c, _fleet = fleet_controller(tmp_path)
+    monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
+    monkeypatch.setenv("TG_INVENTORY", c.cfg.inventory)
+    monkeypatch.delenv("TG_AIRFLOW_URL", raising=False)
+    spec = tmp_path / "team.yaml"
+    spec.write_text("name: team\ncommand: [train.py]\nmachines: 2\n")
+    assert main(["--state-dir", str(tmp_path / "none"), "job", "submit", str(spec)]) == 2
+    assert capsys.readouterr().err.strip() == ("trainguard: no Airflow api-server to submit to: pass --airflow-url "
+                                               "or set TG_AIRFLOW_URL (and TG_AIRFLOW_USER, TG_AIRFLOW_PASSWORD)")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: team\ncommand: [train.py]\n")
+    assert main(["job", "submit", str(bad)]) == 2
+    assert capsys.readouterr().err.strip() == f"trainguard: job spec {bad}: machines is missing; add it"
+    assert main(["--json", "job", "list"]) == 0
+    assert [d["job"] for d in json.loads(capsys.readouterr().out)] == ["j"]
+    assert main(["job", "status", "nosuch"]) == 2 and "job nosuch is not in the fleet database" in \
+        capsys.readouterr().err
+
+
+def test_a_job_stopped_from_the_command_line_gives_its_machines_back(tmp_path, monkeypatch, capsys):
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    _launch(SPEC)
+    monkeypatch.setattr("trainguard.operators.control.Controller", lambda _cfg: c)
+    assert main(["job", "stop", "team"]) == 0
+    assert capsys.readouterr().out.strip() == "job team stopped; machines m4, m5 back in the pool"
+    assert c.fleet.free_machines() == ["m4", "m5"]
+
+
+def test_a_spec_path_that_is_not_there(tmp_path: Path, capsys):
+    assert main(["job", "submit", str(tmp_path / "x.yaml")]) == 2
+    assert "cannot be read (No such file or directory)" in capsys.readouterr().err
