@@ -53,12 +53,14 @@ def _job_start_args(js: argparse.ArgumentParser) -> None:
     js.add_argument("--nproc-per-node", type=int, required=True)
     js.add_argument("--master-addr", required=True)
     js.add_argument("--master-port", type=int, required=True)
-    js.add_argument("--entry", default="examples/gpt3d/train.py",
+    js.add_argument("--entry", required=True,
                     help="the training script (relative to --workdir), or with --module the module to run")
     js.add_argument("--module", action="store_true", help="--entry names a module (python -m), not a script")
     js.add_argument("--workdir", default="", help="where the job runs (default: the install directory)")
     js.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                     help="an environment variable for every rank (repeat it)")
+    js.add_argument("--restore-max-step", type=int, default=None, metavar="N",
+                    help="the job restores no checkpoint step newer than N (TG_RESTORE_MAX_STEP)")
     js.add_argument("--revision", default="")
     js.add_argument("--checkpoint", default="", help="checkpoint location for the job (TG_CHECKPOINT)")
     js.add_argument("--launcher", default="torchrun", help="torchrun, or direct: one process, no torchrun "
@@ -75,7 +77,7 @@ def _job_spec(ns: argparse.Namespace, *, warm: bool) -> Any:
         master_addr=ns.master_addr, master_port=ns.master_port, entry=ns.entry, args=args,
         revision=ns.revision, checkpoint=ns.checkpoint, warm=warm,
         warm_if_parked=bool(getattr(ns, "warm_if_parked", False)), launcher=ns.launcher,
-        module=ns.module, workdir=ns.workdir, env=job.parse_env(ns.env),
+        module=ns.module, workdir=ns.workdir, env=job.parse_env(ns.env), restore_max_step=ns.restore_max_step,
     )
 
 

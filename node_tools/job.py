@@ -75,6 +75,7 @@ class JobSpec:
         workdir: the directory the job runs in, where a relative ``entry`` is found ("" = the install
             directory).
         env: environment variables for every rank (a launch's own variables win over them).
+        restore_max_step: restore no checkpoint step newer than this (``TG_RESTORE_MAX_STEP``; None: the newest).
     """
 
     job: str
@@ -83,7 +84,7 @@ class JobSpec:
     nproc_per_node: int
     master_addr: str
     master_port: int
-    entry: str = "examples/gpt3d/train.py"
+    entry: str = ""
     args: list[str] = field(default_factory=list)
     revision: str = ""
     checkpoint: str = ""
@@ -93,11 +94,16 @@ class JobSpec:
     module: bool = False
     workdir: str = ""
     env: dict[str, str] = field(default_factory=dict)
+    restore_max_step: int | None = None
 
     def validate(self) -> None:
         check_job_name(self.job)
+        if not self.entry:
+            raise TrainguardError(f"job {self.job}: no training script (--entry) to start")
         for key in self.env:
             check_env_name(key)
+        if self.restore_max_step is not None and self.restore_max_step < 0:
+            raise TrainguardError(f"job {self.job}: --restore-max-step {self.restore_max_step} must be >= 0")
         if self.module and not re.fullmatch(r"[A-Za-z_][\w.]*", self.entry):
             raise TrainguardError(f"job {self.job}: --module {self.entry!r} is not a module name (pkg.train)")
         if self.nnodes < 1 or self.nproc_per_node < 1:
@@ -221,6 +227,7 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         "TG_MACHINE": cfg.machine,
         "TG_REVISION": spec.revision,
         "TG_CHECKPOINT": spec.checkpoint,
+        "TG_RESTORE_MAX_STEP": "" if spec.restore_max_step is None else str(spec.restore_max_step),
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(cfg.install_dir), os.environ.get("PYTHONPATH", "")])),

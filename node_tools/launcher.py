@@ -44,6 +44,8 @@ class JobPlan:
         env: environment variables for every rank.
         pass_layout: append ``--tp/--pp/--dp`` to the arguments (for scripts that read them, as the reference
             job does).
+        restore_max_step: restore no checkpoint step newer than this (``TG_RESTORE_MAX_STEP`` for the job's
+            guard; None: the newest).
     """
 
     job: str
@@ -61,6 +63,7 @@ class JobPlan:
     workdir: str = ""
     env: dict[str, str] = field(default_factory=dict)
     pass_layout: bool = False
+    restore_max_step: int | None = None
 
     def validate(self) -> None:
         """Refuse a plan whose machines do not fit its topology or name a machine twice (linear in the
@@ -122,6 +125,7 @@ class JobPlan:
             *(["--module"] if self.module else []),
             *(["--workdir", self.workdir] if self.workdir else []),
             *[f"--env={k}={v}" for k, v in sorted(self.env.items())],
+            *(["--restore-max-step", str(self.restore_max_step)] if self.restore_max_step is not None else []),
             "--",
             *(["--tp", str(t.tp), "--pp", str(t.pp), "--dp", str(t.dp)] if self.pass_layout else []),
             *self.train_args,

@@ -366,10 +366,13 @@ def _mtime(path: Path | None) -> float | None:
 
 
 def job_roots_of(cfg: NodeConfig, record: dict[str, Any]) -> list[str]:
-    """The job's own code: the directory of its training script (as given and resolved)."""
-    entry = Path((record.get("spec") or {}).get("entry") or "examples/gpt3d/train.py")
+    """The job's own code: the directory of its training script (as given and resolved), or the working directory
+    a module was run from."""
+    spec = record.get("spec") or {}
+    base = Path(spec.get("workdir") or cfg.install_dir)
+    entry = base / "__main__.py" if spec.get("module") else Path(spec.get("entry") or "")
     if not entry.is_absolute():
-        entry = cfg.install_dir / entry
+        entry = base / entry
     roots = [str(entry.parent)]
     with contextlib.suppress(OSError):
         resolved = str(entry.resolve().parent)

@@ -81,7 +81,8 @@ def test_the_fanout_is_a_setting_the_controllers_transport_takes(tmp_path, monke
 
 
 def test_the_direct_launcher_is_one_cold_process_a_machine():
-    base = dict(job="j", nnodes=4, node_rank=1, nproc_per_node=1, master_addr="10.0.0.1", master_port=29500)
+    base = dict(job="j", nnodes=4, node_rank=1, nproc_per_node=1, master_addr="10.0.0.1", master_port=29500,
+                entry="examples/standin.py")
     job.JobSpec(**base, launcher="direct").validate()
     for bad in ({"nproc_per_node": 2}, {"warm": True}, {"warm_if_parked": True}):
         with pytest.raises(TrainguardError, match="direct launcher"):

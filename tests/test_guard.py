@@ -59,6 +59,18 @@ def test_a_plain_script_stopped_and_started_again_resumes_after_its_last_step_bi
     assert read_heartbeat(run_dir, 0)["status"] == "finished"
 
 
+def test_a_launch_that_caps_the_restored_step_gets_no_newer_one(run_dir, tmp_path, monkeypatch):
+    """After a non-finite loss or silent corruption the control plane restarts the job with TG_RESTORE_MAX_STEP:
+    the guard restores that step, not the newest."""
+    ckpt = str(tmp_path / "c")
+    assert plain.main(["--steps", "7", "--checkpoint-dir", ckpt]) == 0
+    monkeypatch.setenv("TG_INCARNATION", "1")
+    monkeypatch.setenv("TG_RESTORE_MAX_STEP", "5")
+    assert plain.main(["--steps", "8", "--checkpoint-dir", ckpt]) == 0
+    second = [r for r in read_steps(run_dir, 0) if r["incarnation"] == 1]
+    assert second[0]["step"] == 6 and second[0]["ckpt_restored_step"] == 5
+
+
 def test_the_scheduler_and_other_states_are_restored_not_rebuilt(run_dir, tmp_path):
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)

@@ -25,6 +25,7 @@ from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.errors import TrainguardError
 from trainguard.node_tools.logs import classify, logs, parse_torchrun_report, strip_prefix
 from trainguard.node_tools.stacks import dump_process, find_py_spy, stack_signature, stacks
+from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 REPO = Path(__file__).parents[1]
 TRAIN_PY = REPO / "examples" / "gpt3d" / "train.py"
@@ -387,7 +388,8 @@ def node(tmp_path):
 
 def start_job(cfg: NodeConfig, name: str) -> Path:
     job.start(cfg, job.JobSpec(job=name, nnodes=1, node_rank=0, nproc_per_node=2, master_addr="127.0.0.1",
-                               master_port=free_port(), args=["--tp", "2", "--pp", "1", "--dp", "1"]))
+                               master_port=free_port(), entry=REFERENCE_ENTRY,
+                               args=["--tp", "2", "--pp", "1", "--dp", "1"]))
     return job.run_dir(cfg, name)
 
 

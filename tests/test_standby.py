@@ -14,6 +14,7 @@ from tests.conftest import free_port, wait_until
 from trainguard.node_tools import job, monitor, procs, standby
 from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +35,8 @@ def node(tmp_path):
 
 def spec(name: str, *, steps: int = 0) -> job.JobSpec:
     return job.JobSpec(job=name, nnodes=1, node_rank=0, nproc_per_node=2, master_addr="127.0.0.1",
-                       master_port=free_port(), args=["--tp", "2", "--pp", "1", "--dp", "1", "--steps", str(steps)],
+                       master_port=free_port(), entry=REFERENCE_ENTRY,
+                       args=["--tp", "2", "--pp", "1", "--dp", "1", "--steps", str(steps)],
                        warm=True)
 
 

@@ -93,9 +93,13 @@ def checkpoint_config_from_env(*, root: str = "", s3_url: str | None = None, ran
     ``TG_CHECKPOINT``, set by ``tg-node job start``, else ``<TG_RUN_DIR>/checkpoints``). ``s3_url``: the remote
     tier (None = ``TG_CHECKPOINT`` when it is an ``s3://`` URL; "" = none), its endpoint from
     ``TG_S3_ENDPOINT_URL``. ``ranks_per_machine``: for replica placement (0 = ``LOCAL_WORLD_SIZE``). ``fields``
-    set any other field of :class:`CheckpointConfig`."""
+    set any other field of :class:`CheckpointConfig`; ``restore_max_step`` comes from ``TG_RESTORE_MAX_STEP``
+    when the launch sets it (a restart after silent corruption or a non-finite loss)."""
     rank = _env_int("RANK", 0)
     rpm = ranks_per_machine or _env_int("LOCAL_WORLD_SIZE", _env_int("WORLD_SIZE", 1))
+    cap = os.environ.get("TG_RESTORE_MAX_STEP", "")
+    if cap and "restore_max_step" not in fields:  # the control plane's: no step after a silent corruption
+        fields["restore_max_step"] = _env_int("TG_RESTORE_MAX_STEP", 0)
     base: dict[str, Any] = {
         "root": expand_root(root_template(root), machine=rank // max(1, rpm), rank=rank,
                             local_rank=_env_int("LOCAL_RANK", 0)),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -31,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-time-s", type=float, default=0.0,
+                   help="sleep this long in each step, as a real model's compute would take (paces a demo)")
     p.add_argument("--checkpoint-dir", default="",
                    help="checkpoint root when run outside a trainguard launch (a launch sets TG_CHECKPOINT)")
     return p.parse_args(argv)
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
                 optimizer.zero_grad(set_to_none=True)
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
+                if args.step_time_s > 0:
+                    time.sleep(args.step_time_s)
                 if s.ok(loss):  # trainguard: finite on every rank?
                     optimizer.step()
                 scheduler.step()

@@ -88,7 +88,8 @@ class JobLifecycle(ControllerBase):
 
     def launch_submitted(self, job: str) -> dict[str, Any]:
         """Start a submitted job on its reserved machines (each start recorded; repeating it is a no-op)."""
-        return self._start(job, warm_if_parked=True, tag="submitted")
+        # one launch per submission: a job submitted again after a stop starts again
+        return self._start(job, warm_if_parked=True, tag=f"submitted-{int(self.fleet.job(job).created_ts * 1000)}")
 
     def first_step(self, job: str, *, timeout_s: float, poll_s: float = 1.0) -> dict[str, Any]:
         """Wait until every rank of the job finished a step: ``{"step": N, "seconds": S}``; raises when a machine's
@@ -130,17 +131,23 @@ class JobLifecycle(ControllerBase):
         return {"parked": sorted(ready | {n for n, r in results.items() if r.ok}),
                 "failed": {n: r.describe() for n, r in results.items() if not r.ok}}
 
-    def _plan(self, job: str, warm: set[str], extra_args: Sequence[str] = (), *, warm_if_parked: bool = False
-              ) -> launcher.JobPlan:
+    def _plan(self, job: str, warm: set[str], *, warm_if_parked: bool = False,
+              restore_max_step: int | None = None) -> launcher.JobPlan:
+        """The launch of the job's stored spec on its machine list. ``restore_max_step`` (this launch only):
+        the reference job takes it as a flag, a job on the public face as ``TG_RESTORE_MAX_STEP``."""
         from trainguard.operators.jobspec import stored_spec
 
         j = self.fleet.job(job)
+        spec = stored_spec(j)
+        extra_args: list[str] = []
+        if restore_max_step is not None and spec.is_reference:
+            extra_args, restore_max_step = ["--restore-max-step", str(restore_max_step)], None
         launches = sum(1 for a in self.fleet.actions() if a.kind == "launch" and a.key.startswith(f"launch:{job}:"))
         # the job's own command, working directory, environment and launcher, from its stored spec
-        return stored_spec(j).plan(job=job, topology=self.topology(job), machines=self.machines(j.machine_list),
-                                   train_args=[*j.train_args, *extra_args], revision=j.revision,
-                                   master_port=PORT_BASE + launches % PORT_SPAN, warm=warm,
-                                   warm_if_parked=warm_if_parked)
+        return spec.plan(job=job, topology=self.topology(job), machines=self.machines(j.machine_list),
+                         train_args=[*j.train_args, *extra_args], revision=j.revision,
+                         master_port=PORT_BASE + launches % PORT_SPAN, warm=warm, warm_if_parked=warm_if_parked,
+                         restore_max_step=restore_max_step)
 
     def _start(self, job: str, *, warm: set[str] | None = None, warm_if_parked: bool = False,
                incident_id: int | None = None, restore_max_step: int | None = None, tag: str = "") -> dict[str, Any]:
@@ -153,8 +160,7 @@ class JobLifecycle(ControllerBase):
         if j.pending_revision:  # a lazy code update waits for the next restart: this one
             self.fleet.set_revision(job, j.pending_revision)
         # this launch only: later restarts restore the newest step again
-        extra = ["--restore-max-step", str(restore_max_step)] if restore_max_step is not None else []
-        plan = self._plan(job, warm, extra, warm_if_parked=warm_if_parked)
+        plan = self._plan(job, warm, warm_if_parked=warm_if_parked, restore_max_step=restore_max_step)
         tag = tag or (str(incident_id) if incident_id is not None else "initial")
         key = f"launch:{job}:{tag}:{','.join(j.machine_list)}"
         action, created = self.fleet.record_action(key, kind="launch", incident_id=incident_id,

@@ -342,7 +342,7 @@ class FleetStore:
             if j is None:
                 s.add(Job(name=name, created_ts=now, **fields))
             else:  # a stopped or failed job of that name: the new spec replaces it (its history stays)
-                for key, value in fields.items():
+                for key, value in {**fields, "created_ts": now}.items():
                     setattr(j, key, value)
             s.flush()
             for mname in machines:

@@ -1,0 +1,239 @@
+"""A team's own training script under guard, end to end: submitted with ``trainguard job submit`` (a real
+tg_job_launch run in a real ``airflow standalone``), launched on a namespace cluster by torchrun, and recovered
+from real faults by tg_incident, with every restart running the team's own command from its own folder (which
+holds a ``checkpoint.py`` and an ``operators.py`` of its own).
+
+The script is ``examples/plain/train.py`` (plain PyTorch DDP, two machines, gloo), copied into the team's
+folder. Each recovery must lose at most one step, and every step's loss, before and after each restore, must
+equal bit for bit the loss of an uninterrupted run of the same script on this host.
+
+CI (``make test``) runs the submission, a crash and a lost GPU; ``make test-all`` adds a hang and a NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import own_cluster, wait_until
+from trainguard.emulation.standalone import Standalone
+from trainguard.node_tools import cluster, inject
+from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.monitor import read_steps
+from trainguard.node_tools.transport import transport_for
+from trainguard.operators.control import ControlConfig, Controller
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
+
+REPO = Path(__file__).resolve().parent.parent
+SPEC = cluster.ClusterSpec(name="tgu", machines=4, standbys=2, subnet="10.213.21.0/24", disk_mb=128, gpus=2)
+JOB = "team"
+STEP_S = "0.25"  # the script's stand-in for a model's compute: faults land between steps, not after the run
+REFERENCE_STEPS = 400
+
+
+@pytest.fixture(scope="module")
+def user_cluster() -> Iterator[Inventory]:
+    with own_cluster(SPEC, "tg-test-user-") as inv:
+        yield inv
+
+
+@pytest.fixture(scope="module")
+def team_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The team's folder: its training script and modules of its own named like trainguard's packages."""
+    d = tmp_path_factory.mktemp("team")
+    shutil.copy(REPO / "examples" / "plain" / "train.py", d / "train.py")
+    (d / "checkpoint.py").write_text("raise ImportError('the team never imports this module from trainguard')\n")
+    (d / "operators.py").write_text("raise ImportError('nor this one')\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(team_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    """step -> loss of an uninterrupted run of the script (two ranks under torchrun on this host)."""
+    run = tmp_path_factory.mktemp("reference")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TG_") or k == "TG_TEST_SESSION"}
+    env |= {"TG_RUN_DIR": str(run), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "train.py", "--steps", str(REFERENCE_STEPS)], cwd=team_dir, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = {r["step"]: r["loss"] for r in read_steps(run, 0)}
+    assert sorted(losses) == list(range(REFERENCE_STEPS))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def plane(user_cluster: Inventory) -> Iterator[tuple[Controller, Standalone, Path]]:
+    assert user_cluster.path is not None
+    home = user_cluster.path.parent.parent / "control"
+    home.mkdir()
+    cfg = ControlConfig(fleet_url=str(home / "fleet.db"), inventory=str(user_cluster.path))
+    ctl = Controller(cfg)
+    ctl.sync_inventory()
+    airflow = Standalone(home / "airflow", {"TG_FLEET_URL": cfg.fleet_url, "TG_INVENTORY": cfg.inventory,
+                                            "TG_CONTROL_HOME": str(home), "TG_ESCALATION_WINDOW_S": "5",
+                                            "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
+                                            "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0",
+                                            "TG_AGENT_SILENT_S": "8",
+                                            # a two-machine job loses a machine per scenario here: the breaker
+                                            # (at most half the job's machines an hour) would stop the second
+                                            "TG_BREAKER_SHARE": "1.0", "TG_BREAKER_WINDOW_S": "20"})
+    (home / "airflow").mkdir()
+    try:
+        airflow.launch()
+        parked = transport_for(user_cluster).run_many(user_cluster.by_role("standby"), lambda m: [
+            user_cluster.tg_node, "standby", "park", "--nproc", "1"], timeout=240)
+        assert all(r.ok for r in parked.values()), {n: r.describe() for n, r in parked.items()}
+        airflow.ready()
+        yield ctl, airflow, home
+    finally:
+        airflow.stop()
+        with contextlib.suppress(Exception):
+            ctl.stop(JOB)
+
+
+def _rank0_records(inv: Inventory) -> list[dict[str, Any]]:
+    """Rank 0's step records on m0 (rank 0 stays there: the faults hit m1)."""
+    return read_steps(Path(inv.machine("m0").workdir) / "jobs" / JOB, 0)
+
+
+def _incident_after(ctl: Controller, last: int, timeout: float = 300) -> Any:
+    return wait_until(lambda: next((i for i in ctl.fleet.incidents(JOB) if i.id > last and i.state in (
+        "resolved", "failed", "waiting_human")), None), timeout=timeout, interval=1.0,
+        what=f"an incident of job {JOB} to close")
+
+
+def _last(ctl: Controller) -> int:
+    return max((i.id for i in ctl.fleet.incidents(JOB)), default=0)
+
+
+def _fault(ctl: Controller, inv: Inventory, machine: str, fault: str, rank: int | None = None) -> tuple[Any, int]:
+    """Inject ``fault`` once the job trains; the incident it caused (closed) and the step rank 0 had reached."""
+    step = ctl.progress(JOB)["step"]
+    wait_until(lambda: ctl.progress(JOB)["step"] >= step + 3, timeout=120, what="the job to train")
+    last = _last(ctl)
+    before = max(r["step"] for r in _rank0_records(inv))
+    inject.inject(inv, machine, fault, rank=rank)
+    inc = _incident_after(ctl, last)
+    return inc, before
+
+
+def _check_resumed(ctl: Controller, inv: Inventory, reference: dict[int, Any], before: int) -> dict[str, Any]:
+    """After a recovery: the job trains past the fault; the step it restored is at most one behind the last step
+    the job had finished before it was stopped; every loss ever recorded equals the uninterrupted run's."""
+    wait_until(lambda: max(r["step"] for r in _rank0_records(inv)) >= before + 3, timeout=180,
+               what="the job to train past the fault")
+    records = _rank0_records(inv)
+    incarnation = max(r["incarnation"] for r in records)
+    first = next(r for r in records if r["incarnation"] == incarnation)
+    done = max((r["step"] for r in records if r["incarnation"] < incarnation), default=-1)
+    if incarnation > 0:
+        restored = first["ckpt_restored_step"]
+        assert restored >= done - 1, f"restored step {restored}, but step {done} was finished before the fault"
+        assert first["step"] == restored + 1
+    differ = {r["step"]: (r["loss"], reference[r["step"]]) for r in records if r["loss"] != reference[r["step"]]}
+    assert not differ, f"losses that differ from the uninterrupted run (step: (guarded, reference)): {differ}"
+    return first
+
+
+def test_a_job_submitted_from_the_command_line_is_launched_by_a_dag_run_and_trains(plane, user_cluster, team_dir,
+                                                                                     reference, tmp_path):
+    ctl, airflow, _home = plane
+    spec = tmp_path / "team.yaml"
+    spec.write_text(f"name: {JOB}\n"
+                    f"command: [train.py, --steps, '0', --step-time-s, '{STEP_S}']\n"
+                    f"workdir: {team_dir}\n"
+                    "machines: [m0, m1]\n"
+                    "env: {TEAM_SETTING: kept}\n")
+    password = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory,
+           "TG_AIRFLOW_USER": "admin", "TG_AIRFLOW_PASSWORD": password}
+    out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "submit", str(spec), "--wait", "420",
+                          "--airflow-url", airflow.url], env=env, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith(f"job {JOB} submitted: tg_job_launch run ") and "(success)" in out.stdout
+    run_id = out.stdout.split("tg_job_launch run ", 1)[1].split(" ", 1)[0]
+    assert airflow.task_states("tg_job_launch", run_id) == {t: "success" for t in (
+        "validate", "reserve", "check_machines", "start_job", "first_step", "arm_job")}
+    job = ctl.fleet.job(JOB)
+    assert job.state == "running" and job.machine_list == ["m0", "m1"] and job.spec["workdir"] == str(team_dir)
+    record = json.loads((Path(user_cluster.machine("m0").workdir) / "jobs" / JOB / "job.json").read_text())
+    assert record["spec"]["entry"] == "train.py" and record["spec"]["env"] == {"TEAM_SETTING": "kept"}
+    # the same submission again is the same job: the run succeeds and nothing starts twice
+    again = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "submit", str(spec), "--wait",
+                            "300", "--airflow-url", airflow.url], env=env, capture_output=True, text=True, timeout=360)
+    assert again.returncode == 0, again.stdout + again.stderr
+    record2 = json.loads((Path(user_cluster.machine("m0").workdir) / "jobs" / JOB / "job.json").read_text())
+    assert record2["incarnation"] == record["incarnation"]
+    wait_until(lambda: ctl.progress(JOB)["step"] >= 3, timeout=120, what="the job to train")
+    _check_resumed(ctl, user_cluster, reference, -1)
+
+
+def test_a_crashed_rank_of_the_teams_job_is_restarted_with_its_own_command_and_loses_at_most_one_step(
+        plane, user_cluster, reference, team_dir):
+    ctl, _airflow, _home = plane
+    inc, before = _fault(ctl, user_cluster, "m1", "crash", rank=1)
+    assert inc.state == "resolved", inc.summary
+    first = _check_resumed(ctl, user_cluster, reference, before)
+    assert first["incarnation"] >= 1
+    record = json.loads((Path(user_cluster.machine("m1").workdir) / "jobs" / JOB / "job.json").read_text())
+    assert record["spec"]["workdir"] == str(team_dir) and record["spec"]["args"][:1] == ["--steps"]
+    assert record["incarnation"] >= 1 and "--tp" not in record["command"]
+
+
+def test_a_lost_gpu_swaps_the_machine_for_a_standby_and_the_team_job_resumes_bit_for_bit(plane, user_cluster,
+                                                                                         reference):
+    ctl, _airflow, _home = plane
+    inc, before = _fault(ctl, user_cluster, "m1", "gpu_lost")
+    assert inc.state == "resolved", inc.summary
+    machines = ctl.fleet.job(JOB).machine_list
+    assert machines[0] == "m0" and machines[1] in ("m2", "m3"), machines
+    _check_resumed(ctl, user_cluster, reference, before)
+
+
+@pytest.mark.full
+def test_a_hung_rank_of_the_teams_job_is_found_and_the_job_resumes(plane, user_cluster, reference):
+    ctl, _airflow, _home = plane
+    machine = ctl.fleet.job(JOB).machine_list[1]
+    inc, before = _fault(ctl, user_cluster, machine, "hang", rank=1)
+    assert inc.state == "resolved", inc.summary
+    _check_resumed(ctl, user_cluster, reference, before)
+
+
+@pytest.mark.full
+def test_a_nan_in_the_teams_job_is_never_trained_on_and_the_job_resumes_from_the_last_finite_step(
+        plane, user_cluster, reference):
+    ctl, _airflow, _home = plane
+    inc, _before = _fault(ctl, user_cluster, "m0", "nan", rank=0)
+    assert inc.state == "resolved", inc.summary
+    records = _rank0_records(user_cluster)
+    nan_steps = [r["step"] for r in records if r["loss"] == "nan"]
+    assert nan_steps, "the NaN step was recorded"
+    # the NaN step is recorded as such; every finite loss still equals the uninterrupted run's
+    finite = [r for r in records if r["loss"] != "nan"]
+    assert all(r["loss"] == reference[r["step"]] for r in finite)
+    wait_until(lambda: max(r["step"] for r in _rank0_records(user_cluster)) >= max(nan_steps) + 3, timeout=180,
+               what="the job to train past the NaN")
+
+
+def test_stopping_the_teams_job_returns_its_machines_to_the_pool(plane, user_cluster):
+    ctl, _airflow, _home = plane
+    machines = list(ctl.fleet.job(JOB).machine_list)
+    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory}
+    out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "stop", JOB], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert ctl.fleet.job(JOB).state == "stopped"
+    assert set(machines) <= set(ctl.fleet.free_machines())
+    states = ctl.progress(JOB)["states"]
+    assert states and all(s in ("exited", "absent") for s in states.values()), states
