@@ -58,6 +58,32 @@ def test_a_machine_that_fails_its_check_ends_the_launch_and_releases_every_reser
     assert _launch(SPEC)["job"] == "team" and c.fleet.job("team").state == "running"
 
 
+def test_the_same_spec_submitted_again_never_touches_the_running_job_even_when_a_check_would_fail(
+        tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    _launch(SPEC)
+    starts = len(fleet.sent("job", "start"))
+    fleet.l1 = {"m5": "GPU 3 lost"}  # were it checked again, the launch would release the machines
+    out = _launch(SPEC)
+    assert out["skipped"] == "job team was launched by an earlier submission"
+    assert c.fleet.job("team").state == "running" and c.fleet.job("team").machine_list == ["m4", "m5"]
+    assert len(fleet.sent("job", "start")) == starts and not fleet.sent("job", "stop")
+
+
+def test_a_released_job_is_never_restarted_by_a_recovery_that_was_under_way(tmp_path, monkeypatch):
+    """A launch that failed (or a stop) released the machines while an incident of the job was open: its
+    restart must not start the job on machines that may serve another job by now."""
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    _launch(SPEC)
+    c.release("team", state="failed", reason="test")
+    starts = len(fleet.sent("job", "start"))
+    with pytest.raises(Exception, match=r"job team was stopped .* and its machines released; submit it again"):
+        c.launch_submitted("team")
+    assert len(fleet.sent("job", "start")) == starts
+
+
 def test_too_few_free_machines_or_a_busy_one_is_refused_before_anything_is_reserved(tmp_path, monkeypatch):
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -237,3 +238,58 @@ def test_stopping_the_teams_job_returns_its_machines_to_the_pool(plane, user_clu
     assert set(machines) <= set(ctl.fleet.free_machines())
     states = ctl.progress(JOB)["states"]
     assert states and all(s in ("exited", "absent") for s in states.values()), states
+
+
+@pytest.mark.full
+@pytest.mark.timeout(1200)  # a first run installs chromium
+def test_a_job_submitted_from_the_launch_form_in_a_browser_trains_on_the_fleet_page(plane, user_cluster, team_dir):
+    """Headless Chromium: log in, open tg_job_launch, fill its form (name, command, folder, two free machines by
+    count), trigger; the run succeeds, and the Fleet page lists the job running."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from tests.browser import artifacts_dir, chrome, login
+
+    ctl, airflow, _home = plane
+    name = "from-form"
+    assert len(ctl.fleet.free_machines()) >= 2  # the team's job above gave its machines back
+    before = {r["dag_run_id"] for r in airflow.runs("tg_job_launch")}
+    d = chrome()
+    shots = artifacts_dir()
+    try:
+        wait = WebDriverWait(d, 120)
+        login(d, airflow)
+        d.get(f"{airflow.url}/dags/tg_job_launch")
+        wait.until(ec.element_to_be_clickable((By.CSS_SELECTOR, "button[aria-label='Trigger Dag']"))).click()
+        form = wait.until(ec.presence_of_element_located(
+            (By.XPATH, "//*[@role='dialog'][.//*[@name='element_command']]")))
+        for field, value in (("name", name), ("command", f"train.py --steps 0 --step-time-s {STEP_S}"),
+                             ("workdir", str(team_dir))):
+            box = form.find_element(By.NAME, f"element_{field}")
+            box.clear()
+            box.send_keys(value)
+        count = form.find_element(By.NAME, "element_count")
+        count.send_keys("\b2")
+        d.save_screenshot(str(shots / "airflow-ui-tg_job_launch-form.png"))
+        trigger = next(b for b in form.find_elements(By.TAG_NAME, "button")
+                       if b.get_attribute("textContent").strip() == "Trigger")
+        d.execute_script("arguments[0].scrollIntoView(true);", trigger)
+        trigger.click()
+        wait.until(lambda drv: "/dags/tg_job_launch/runs/" in drv.current_url)
+        run_id = urllib.parse.unquote(d.current_url.split("/runs/", 1)[1].split("?")[0])
+        assert run_id not in before
+        assert airflow.finished("tg_job_launch", run_id, timeout=420) == "success"
+        assert ctl.fleet.job(name).state == "running" and len(ctl.fleet.job(name).machine_list) == 2
+        d.get(f"{airflow.url}/plugin/trainguard-fleet")
+        frame = WebDriverWait(d, 60).until(ec.presence_of_element_located((By.TAG_NAME, "iframe")))
+        d.switch_to.frame(frame)
+        cell = WebDriverWait(d, 60).until(ec.presence_of_element_located(
+            (By.CSS_SELECTOR, f"tr[data-job='{name}'] td.state")))
+        assert cell.text == "running", d.find_element(By.TAG_NAME, "body").text
+        d.switch_to.default_content()
+        d.save_screenshot(str(shots / "airflow-ui-fleet-submitted-job.png"))
+    finally:
+        d.quit()
+        with contextlib.suppress(Exception):
+            ctl.release(name)

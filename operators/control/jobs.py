@@ -154,6 +154,9 @@ class JobLifecycle(ControllerBase):
         """Launch the job on its machine list: those in ``warm`` on their parked interpreters; with
         ``warm_if_parked``, every other one on its parked interpreters if it has them, else cold."""
         warm = set(warm or ())
+        if self.fleet.job(job).state in ("stopped", "failed"):  # released: its machines may serve another job now
+            raise TrainguardError(f"job {job} was stopped (or its launch failed) and its machines released; submit "
+                                  f"it again ('trainguard job submit')", exit_code=3)
         self._stopped.pop(job, None)  # what a stop found no longer holds once the job runs again
         self._copies.pop(job, None)
         j = self.fleet.job(job)

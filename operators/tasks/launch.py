@@ -49,8 +49,20 @@ def _released_on_failure(c: Any, job: str, what: str, exc: BaseException) -> Non
     common.note(f"job {job}: {what} failed ({exc}); machines {', '.join(released['released']) or 'none'} released")
 
 
+def _earlier(step: dict[str, Any], what: str) -> dict[str, Any] | None:
+    """What a step does for a submission that an earlier one launched already (the same spec again): nothing,
+    and above all no release of the running job when something fails."""
+    if step.get("submitted", True):
+        return None
+    common.note(f"job {step['job']}: submitted before with the same spec; {what} left to that launch")
+    return {**step, "skipped": f"job {step['job']} was launched by an earlier submission"}
+
+
 def check(reserved: dict[str, Any]) -> dict[str, Any]:
     """L1 (quick health) on every reserved machine; a machine that fails ends the launch and releases them all."""
+    skipped = _earlier(reserved, "the check")
+    if skipped is not None:
+        return skipped
     c = common.controller()
     job, machines = reserved["job"], list(reserved["machines"])
     d = c.diagnose(job, machines, levels=(1,))
@@ -58,11 +70,14 @@ def check(reserved: dict[str, Any]) -> dict[str, Any]:
         err = TrainguardError("machines failed L1: " + "; ".join(f"{n}: {why}" for n, why in d["failed"].items()))
         _released_on_failure(c, job, "the machine check", err)
         raise err
-    return {"job": job, "machines": machines, "checked": "L1", "seconds": d["seconds"]}
+    return {"job": job, "machines": machines, "checked": "L1", "seconds": d["seconds"], "submitted": True}
 
 
 def start(checked: dict[str, Any]) -> dict[str, Any]:
     """Start the job on its machines (warm where interpreters are parked)."""
+    skipped = _earlier(checked, "the start")
+    if skipped is not None:
+        return skipped
     c = common.controller()
     job = checked["job"]
     try:
@@ -71,12 +86,15 @@ def start(checked: dict[str, Any]) -> dict[str, Any]:
         _released_on_failure(c, job, "the start", exc)
         raise
     common.note(f"job {job}: started on {', '.join(out.get('machines', []))}")
-    return {"job": job, **{k: out[k] for k in ("launched", "machines", "warm") if k in out}}
+    return {"job": job, "submitted": True, **{k: out[k] for k in ("launched", "machines", "warm") if k in out}}
 
 
 def first_step(started: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Wait for every rank's first step; the job is ``running`` from then on. A job that ends before it (or does
     not get there within ``timeout_s``) is stopped and its machines released."""
+    skipped = _earlier(started, "the first step")
+    if skipped is not None:
+        return skipped
     c = common.controller()
     job = started["job"]
     try:
