@@ -20,17 +20,20 @@ FIRST_STEP_TIMEOUT_S = 900.0
          "name": Param("", type="string", pattern=f"({NAME})|^$", description="the job's name"),
          "command": Param("", type="string",
                           description="the training script and its arguments (or -m package.module ...)"),
-         "machines": Param([], type="array", items={"type": "string", "pattern": NAME},
+         # a field the form may leave empty is typed with "null" (Airflow's form requires the others)
+         "machines": Param(None, type=["null", "array"], items={"type": "string", "pattern": NAME},
                            examples=free_machines(), description="machines in node-rank order (free ones listed); "
                                                                  "empty: take 'count' free machines"),
          "count": Param(0, type="integer", minimum=0, description="free machines to take when none is named"),
          "processes_per_machine": Param(1, type="integer", minimum=1, description="ranks per machine"),
-         "workdir": Param("", type="string", description="where the command runs on every machine"),
-         "checkpoint": Param("", type="string", description="checkpoint root or s3:// URL (TG_CHECKPOINT)"),
-         "env": Param({}, type="object", description="environment variables for every rank"),
+         "workdir": Param(None, type=["null", "string"], description="where the command runs on every machine"),
+         "checkpoint": Param(None, type=["null", "string"],
+                             description="checkpoint root or s3:// URL (TG_CHECKPOINT)"),
+         "env": Param(None, type=["null", "object"], description="environment variables for every rank"),
          "revision": Param("r0", type="string", description="the code revision"),
-         "spec": Param({}, type="object", description="a whole job spec (what 'trainguard job submit' sends); "
-                                                       "the fields above are ignored when it is given"),
+         "spec": Param(None, type=["null", "object"],
+                       description="a whole job spec (what 'trainguard job submit' sends); the fields above are "
+                                   "ignored when it is given"),
      })
 def tg_job_launch():
     @task
