@@ -253,19 +253,23 @@ def _airflow(args: argparse.Namespace) -> Any:
     if not url:
         raise TrainguardError("no Airflow api-server to submit to: pass --airflow-url or set TG_AIRFLOW_URL (and "
                               "TG_AIRFLOW_USER, TG_AIRFLOW_PASSWORD)", exit_code=2)
-    return AirflowApi(url, username=user, password=password, timeout_s=30.0)
+    # a wrong address answers nothing: say so after a few tries, not after the tasks' minute of retries
+    return AirflowApi(url, username=user, password=password, timeout_s=30.0, retry_s=5.0)
 
 
 def cmd_job(args: argparse.Namespace) -> int:
     from trainguard.operators.control import ControlConfig, Controller
 
     if args.action == "submit":
+        import httpx
+
         from trainguard.operators.hooks.airflow_api import ApiError
         from trainguard.operators.jobspec import load_spec
 
         spec = load_spec(args.spec)
+        api = _airflow(args)
         try:
-            with _airflow(args) as api:
+            with api:
                 run_id = api.trigger_run("tg_job_launch", {"spec": spec.document()})
                 link = f"{api.base_url}/dags/tg_job_launch/runs/{run_id}"
                 state = "queued"
@@ -275,9 +279,9 @@ def cmd_job(args: argparse.Namespace) -> int:
                     state = api.run_state("tg_job_launch", run_id)
         except ApiError as exc:
             raise TrainguardError(f"the api-server refused the launch run: {exc}", exit_code=2) from None
-        except OSError as exc:
-            raise TrainguardError(f"no api-server answered ({exc}); check --airflow-url / TG_AIRFLOW_URL",
-                                  exit_code=2) from None
+        except (OSError, httpx.HTTPError) as exc:
+            raise TrainguardError(f"no api-server answered at {api.base_url} ({exc}); check --airflow-url or "
+                                  f"TG_AIRFLOW_URL", exit_code=2) from None
         doc = {"job": spec.name, "dag_id": "tg_job_launch", "run_id": run_id, "url": link, "state": state}
         print_result(args, doc, f"job {spec.name} submitted: tg_job_launch run {run_id} ({state}); {link}")
         return 1 if state == "failed" else EXIT_OK

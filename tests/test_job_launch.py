@@ -124,6 +124,14 @@ def test_the_job_commands_of_the_command_line(tmp_path, monkeypatch, capsys):
     assert main(["--state-dir", str(tmp_path / "none"), "job", "submit", str(spec)]) == 2
     assert capsys.readouterr().err.strip() == ("trainguard: no Airflow api-server to submit to: pass --airflow-url "
                                                "or set TG_AIRFLOW_URL (and TG_AIRFLOW_USER, TG_AIRFLOW_PASSWORD)")
+    from tests.conftest import free_port
+
+    monkeypatch.setenv("TG_AIRFLOW_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    assert main(["job", "submit", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trainguard: no api-server answered at http://127.0.0.1:") and err.count("\n") == 1, err
+    assert "check --airflow-url or TG_AIRFLOW_URL" in err
+    monkeypatch.delenv("TG_AIRFLOW_URL")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: team\ncommand: [train.py]\n")
     assert main(["job", "submit", str(bad)]) == 2
