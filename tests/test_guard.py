@@ -183,3 +183,39 @@ def test_a_script_with_its_own_checkpoint_and_operators_modules_trains_and_resto
     assert again.returncode == 0, again.stderr[-2000:]
     assert "restored step 3" in again.stderr and "resuming at step 4" in again.stderr
     assert [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")] == ["4", "5"]
+
+
+class _NanFault:
+    """The emulated cluster's ``nan`` fault, active on this rank at every step."""
+
+    def corrupt_loss(self, loss):
+        return loss * float("nan")
+
+    def before_step(self, step):
+        pass
+
+    def before_collective(self, group, op):
+        pass
+
+    def clock_offset(self):
+        return 0.0
+
+
+def test_a_loop_that_decides_alone_is_never_made_to_disagree_by_a_fault_on_one_rank(run_dir):
+    """With sync=False the loop promises a loss that is the same on every rank already (the reference job's is a
+    job-wide mean): a NaN fault applied to one rank's copy in ok() would make that rank alone skip and hold while
+    the others went on into their next collective (a deadlock seen in the fault-injection tier). The fault then
+    belongs in the loop's own loss; with the guard's all-reduce (sync=True, the default) it shows in ok()."""
+    from trainguard.node_tools.monitor import JobMonitor
+
+    model = torch.nn.Linear(2, 1)
+    monitor = JobMonitor(run_dir=run_dir, rank=0, faults=_NanFault())
+    monitor.start()
+    with Guard(model, None, checkpoint=False, monitor=monitor, nonfinite_hold_s=0, log=lambda _: None) as g:
+        with g.step(0) as s:
+            model(torch.ones(1, 2)).sum().backward()
+            assert s.ok(torch.tensor(1.0), sync=False) and s.loss == 1.0
+        with g.step(1) as s:
+            model(torch.ones(1, 2)).sum().backward()
+            assert not s.ok(torch.tensor(1.0))
+    assert [r["loss"] for r in read_steps(run_dir, 0)] == [1.0, "nan"]

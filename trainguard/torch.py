@@ -174,14 +174,18 @@ class GuardedStep:
         Also waits for the last snapshot's copy before the parameters change. A non-finite step is not
         snapshotted, and the rank holds still after it (see :class:`Guard`)."""
         g = self.guard
+        together = g.sync if sync is None else sync
         if loss is not None:
-            loss = g.monitor.faults.corrupt_loss(loss) if g.monitor.faults is not None else loss
+            # the emulated cluster's "nan" fault on this rank; only when the decision is taken together: a loop that
+            # passes sync=False promises a loss already the same on every rank, and applies faults in its own loss
+            if together and g.faults is not None:
+                loss = g.faults.corrupt_loss(loss)
             self.loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
         if grad_norm is None:
             grad_norm = gradient_norm(g.model.parameters()) if g.model is not None else 0.0
         self.grad_norm = float(grad_norm)
         finite = _all_finite([self.loss if loss is not None else 0.0, self.grad_norm])
-        if g.sync if sync is None else sync:
+        if together:
             finite = g.all_ranks(finite)
         self.finite = finite
         if not finite:
