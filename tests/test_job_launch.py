@@ -84,6 +84,16 @@ def test_a_released_job_is_never_restarted_by_a_recovery_that_was_under_way(tmp_
     assert len(fleet.sent("job", "start")) == starts
 
 
+def test_a_start_that_fails_on_one_machine_releases_every_reserved_machine(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    fleet.start_fails = {"m5": "training script /srv/team/train.py does not exist"}
+    checked = launch.check(launch.reserve(launch.validate({"spec": SPEC})))
+    with pytest.raises(Exception, match="does not exist"):
+        launch.start(checked)
+    assert c.fleet.job("team").state == "failed" and c.fleet.free_machines() == ["m4", "m5"]
+
+
 def test_too_few_free_machines_or_a_busy_one_is_refused_before_anything_is_reserved(tmp_path, monkeypatch):
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)

@@ -73,18 +73,26 @@ def check(reserved: dict[str, Any]) -> dict[str, Any]:
     return {"job": job, "machines": machines, "checked": "L1", "seconds": d["seconds"], "submitted": True}
 
 
+def _release_on_failure(step: dict[str, Any], what: str, act: Any) -> tuple[Any, dict[str, Any] | None]:
+    """``act(controller, job)`` for a step of the launch: ``(its answer, None)``; ``(None, skipped)`` for a submission
+    an earlier one launched. When it fails, the job's machines are released (state ``failed``) and it raises."""
+    skipped = _earlier(step, what)
+    if skipped is not None:
+        return None, skipped
+    c = common.controller()
+    try:
+        return act(c, step["job"]), None
+    except TrainguardError as exc:
+        _released_on_failure(c, step["job"], what, exc)
+        raise
+
+
 def start(checked: dict[str, Any]) -> dict[str, Any]:
     """Start the job on its machines (warm where interpreters are parked)."""
-    skipped = _earlier(checked, "the start")
+    out, skipped = _release_on_failure(checked, "the start", lambda c, job: c.launch_submitted(job))
     if skipped is not None:
         return skipped
-    c = common.controller()
     job = checked["job"]
-    try:
-        out = c.launch_submitted(job)
-    except TrainguardError as exc:
-        _released_on_failure(c, job, "the start", exc)
-        raise
     common.note(f"job {job}: started on {', '.join(out.get('machines', []))}")
     return {"job": job, "submitted": True, **{k: out[k] for k in ("launched", "machines", "warm") if k in out}}
 
@@ -92,16 +100,11 @@ def start(checked: dict[str, Any]) -> dict[str, Any]:
 def first_step(started: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Wait for every rank's first step; the job is ``running`` from then on. A job that ends before it (or does
     not get there within ``timeout_s``) is stopped and its machines released."""
-    skipped = _earlier(started, "the first step")
+    out, skipped = _release_on_failure(started, "the first step",
+                                       lambda c, job: c.first_step(job, timeout_s=timeout_s))
     if skipped is not None:
         return skipped
-    c = common.controller()
     job = started["job"]
-    try:
-        out = c.first_step(job, timeout_s=timeout_s)
-    except TrainguardError as exc:
-        _released_on_failure(c, job, "the first step", exc)
-        raise
     common.note(f"job {job}: trains (step {out['step']} after {out['seconds']:.0f} s)")
     return {"job": job, "step": out["step"], "seconds": out["seconds"]}
 
