@@ -120,13 +120,14 @@ class JobSpec:
 
 
 LAUNCHERS = ("torchrun", "direct")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: what a launch sets itself: a job's own environment may not set these
 RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                 "PYTHONPATH")
 
 
 def check_env_name(name: str) -> str:
-    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+    if not ENV_NAME_RE.match(name):
         raise TrainguardError(f"environment variable name {name!r} must be letters, digits and _", exit_code=2)
     if name.startswith("TG_") or name in RESERVED_ENV:
         raise TrainguardError(f"environment variable {name} is set by the launch itself; leave it out", exit_code=2)

@@ -161,7 +161,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import os
 
-    from trainguard.node_tools.cluster import default_state_dir
     from trainguard.operators import status
     from trainguard.operators.control import ControlConfig
     from trainguard.operators.fleet import FleetStore
@@ -169,7 +168,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     fleet = FleetStore(ControlConfig.from_env().fleet_url)
     url = args.airflow_url or os.environ.get("TG_AIRFLOW_URL", "") or status.kept_airflow_url(
-        Path(args.state_dir or default_state_dir()).parent / "control" / "airflow")
+        _kept_airflow_home(args))
     try:
         silent = silent_from_env()
     except ValueError as exc:
@@ -205,15 +204,14 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_revision(args: argparse.Namespace) -> int:
-    import re
-
     from trainguard.operators.control import ControlConfig
     from trainguard.operators.fleet import FleetStore
+    from trainguard.operators.jobspec import REVISION_RE
 
     fleet = FleetStore(ControlConfig.from_env().fleet_url)
     job = fleet.job(args.job)  # an unknown job: a one-line error naming the jobs there are
     if args.action == "add":
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}", args.revision):
+        if not REVISION_RE.match(args.revision):
             raise TrainguardError(f"--revision {args.revision!r} must be 1-128 letters, digits or ._+- (a tag or "
                                   f"commit id)", exit_code=2)
         added = fleet.record_revision(args.job, args.revision, reason=args.reason)
@@ -230,19 +228,25 @@ def cmd_revision(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _kept_airflow_home(args: argparse.Namespace) -> Path:
+    """Where a demo kept with ``--keep`` left its ``airflow standalone``."""
+    from trainguard.node_tools.cluster import default_state_dir
+
+    return Path(args.state_dir or default_state_dir()).parent / "control" / "airflow"
+
+
 def _airflow(args: argparse.Namespace) -> Any:
     """The api-server to start runs on, with the operator's login: ``--airflow-url`` or ``$TG_AIRFLOW_URL`` and
     ``$TG_AIRFLOW_USER``/``$TG_AIRFLOW_PASSWORD``; else the demo's kept Airflow with its admin login."""
     import os
 
-    from trainguard.node_tools.cluster import default_state_dir
     from trainguard.operators import status
     from trainguard.operators.hooks.airflow_api import AirflowApi
 
     url = args.airflow_url or os.environ.get("TG_AIRFLOW_URL", "")
     user, password = os.environ.get("TG_AIRFLOW_USER", ""), os.environ.get("TG_AIRFLOW_PASSWORD", "")
     if not url:
-        home = Path(args.state_dir or default_state_dir()).parent / "control" / "airflow"
+        home = _kept_airflow_home(args)
         url = status.kept_airflow_url(home)
         if url and not user:
             try:

@@ -32,13 +32,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainguard.node_tools.errors import TrainguardError
-from trainguard.node_tools.job import JOB_NAME_RE
+from trainguard.node_tools.job import ENV_NAME_RE, JOB_NAME_RE, RESERVED_ENV
 from trainguard.node_tools.topology import Topology
 
-ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-#: variables the launch sets itself: a spec may not override them
-RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
-                "PYTHONPATH")
 REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}\Z")
 MAX_SPEC_BYTES = 64 * 1024
 

@@ -134,6 +134,11 @@ def _all_finite(values: list[float | torch.Tensor]) -> bool:
     return True
 
 
+def _scalar(value: float | torch.Tensor) -> float:
+    """A loss as a number (a tensor's mean)."""
+    return float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+
+
 def gradient_norm(parameters: Iterator[torch.nn.Parameter] | list[torch.nn.Parameter]) -> float:
     """The 2-norm of this rank's gradients (``inf``/``nan`` when one is not finite). Under DDP every rank's
     gradients are the reduced ones; under sharding each rank measures its shard."""
@@ -180,7 +185,7 @@ class GuardedStep:
             # passes sync=False promises a loss already the same on every rank, and applies faults in its own loss
             if together and g.faults is not None:
                 loss = g.faults.corrupt_loss(loss)
-            self.loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
+            self.loss = _scalar(loss)
         if grad_norm is None:
             grad_norm = gradient_norm(g.model.parameters()) if g.model is not None else 0.0
         self.grad_norm = float(grad_norm)
@@ -203,7 +208,7 @@ class GuardedStep:
         """Fields for the step's record: the loss and gradient norm to record (instead of what :meth:`ok`
         saw), the tokens the step trained on (for throughput), and any extra JSON fields."""
         if loss is not None:
-            self.loss = float(loss.detach().float().mean()) if isinstance(loss, torch.Tensor) else float(loss)
+            self.loss = _scalar(loss)
         if grad_norm is not None:
             self.grad_norm = float(grad_norm)
         if tokens is not None:

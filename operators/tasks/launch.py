@@ -44,7 +44,7 @@ def reserve(spec_doc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _released_on_failure(c: Any, job: str, what: str, exc: BaseException) -> None:
+def _release(c: Any, job: str, what: str, exc: BaseException) -> None:
     released = c.release(job, state="failed", reason=f"{what}: {exc}")
     common.note(f"job {job}: {what} failed ({exc}); machines {', '.join(released['released']) or 'none'} released")
 
@@ -68,12 +68,12 @@ def check(reserved: dict[str, Any]) -> dict[str, Any]:
     d = c.diagnose(job, machines, levels=(1,))
     if d["failed"]:
         err = TrainguardError("machines failed L1: " + "; ".join(f"{n}: {why}" for n, why in d["failed"].items()))
-        _released_on_failure(c, job, "the machine check", err)
+        _release(c, job, "the machine check", err)
         raise err
     return {"job": job, "machines": machines, "checked": "L1", "seconds": d["seconds"], "submitted": True}
 
 
-def _release_on_failure(step: dict[str, Any], what: str, act: Any) -> tuple[Any, dict[str, Any] | None]:
+def _run_releasing(step: dict[str, Any], what: str, act: Any) -> tuple[Any, dict[str, Any] | None]:
     """``act(controller, job)`` for a step of the launch: ``(its answer, None)``; ``(None, skipped)`` for a submission
     an earlier one launched. When it fails, the job's machines are released (state ``failed``) and it raises."""
     skipped = _earlier(step, what)
@@ -83,13 +83,13 @@ def _release_on_failure(step: dict[str, Any], what: str, act: Any) -> tuple[Any,
     try:
         return act(c, step["job"]), None
     except TrainguardError as exc:
-        _released_on_failure(c, step["job"], what, exc)
+        _release(c, step["job"], what, exc)
         raise
 
 
 def start(checked: dict[str, Any]) -> dict[str, Any]:
     """Start the job on its machines (warm where interpreters are parked)."""
-    out, skipped = _release_on_failure(checked, "the start", lambda c, job: c.launch_submitted(job))
+    out, skipped = _run_releasing(checked, "the start", lambda c, job: c.launch_submitted(job))
     if skipped is not None:
         return skipped
     job = checked["job"]
@@ -100,7 +100,7 @@ def start(checked: dict[str, Any]) -> dict[str, Any]:
 def first_step(started: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Wait for every rank's first step; the job is ``running`` from then on. A job that ends before it (or does
     not get there within ``timeout_s``) is stopped and its machines released."""
-    out, skipped = _release_on_failure(started, "the first step",
+    out, skipped = _run_releasing(started, "the first step",
                                        lambda c, job: c.first_step(job, timeout_s=timeout_s))
     if skipped is not None:
         return skipped
