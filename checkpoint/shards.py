@@ -3,7 +3,8 @@
 A rank's state is two files:
 
 ``model.safetensors``
-    the model's ``state_dict()`` (this rank's TP/PP shard).
+    the model's ``state_dict()`` (this rank's TP/PP shard; of a model sharded with FSDP2's ``fully_shard``,
+    this rank's local shard of each DTensor).
 ``optim.safetensors``
     the optimizer's tensor state (``state.<param index>.<key>``) and the random
     number generators (``rng.torch``, ``rng.cuda.<device>``, ``rng.numpy``).
@@ -111,6 +112,21 @@ class ShardLayout:
 # ---------------------------------------------------------------------------------------
 # What a rank's state is, and how it goes back
 # ---------------------------------------------------------------------------------------
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: a DTensor's local shard (the same storage, so later in-place updates show),
+    any other tensor as it is, detached."""
+    if is_dtensor(t):
+        with torch.no_grad():
+            return t.to_local().detach()
+    return t.detach() if t.requires_grad else t
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (FSDP2's parameters and optimizer state)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 def _json_value(value: Any) -> Any:
     if isinstance(value, tuple | list):
         return [_json_value(v) for v in value]
@@ -158,7 +174,7 @@ class StateReader:
             if self.optimizer is not None else {}
 
     def _rebuild(self) -> None:
-        self._model_refs = self.model.state_dict(keep_vars=True)
+        self._model_refs = {name: local_part(t) for name, t in self.model.state_dict(keep_vars=True).items()}
         self._optim_refs = {}
         self._scalar_refs = []
         self._index = {}
@@ -171,7 +187,7 @@ class StateReader:
                 for key, value in values.items():
                     name = f"{self._index[id(param)]}.{key}"
                     if isinstance(value, torch.Tensor):
-                        self._optim_refs[f"state.{name}"] = value
+                        self._optim_refs[f"state.{name}"] = local_part(value)
                     else:
                         self._scalar_refs.append((name, param, key))
 
@@ -231,10 +247,41 @@ def _groups_from_json(groups: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def _like(param: Any, value: Any) -> Any:
+    """A saved local shard as a DTensor laid out like ``param`` (a scalar such as Adam's step stays as it is)."""
+    if not isinstance(value, torch.Tensor) or value.shape != param.to_local().shape or value.dim() == 0:
+        return value
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def _load_model(model: torch.nn.Module, saved: Mapping[str, torch.Tensor]) -> None:
+    """``model.load_state_dict(saved, strict=True)``; for a model with DTensor (FSDP2) entries, each saved local
+    shard is copied into the live one."""
+    live = model.state_dict(keep_vars=True)
+    if not any(is_dtensor(t) for t in live.values()):
+        model.load_state_dict(dict(saved), strict=True)
+        return
+    missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+    if missing or unexpected:
+        raise RuntimeError(f"the saved model state does not fit the model: missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, t in live.items():
+            local = local_part(t)
+            if tuple(local.shape) != tuple(saved[name].shape):
+                raise RuntimeError(f"{name}: the saved shard has shape {tuple(saved[name].shape)}, this rank's "
+                                   f"{tuple(local.shape)} (restore onto the layout and world size it was saved with)")
+            local.copy_(saved[name])
+
+
 def apply_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                 tensors: Mapping[str, Mapping[str, torch.Tensor]], meta: Mapping[str, Any]) -> None:
-    """Put a saved state back: parameters, optimizer state, every RNG. Bit for bit."""
-    model.load_state_dict(dict(tensors[MODEL_FILE]), strict=True)
+    """Put a saved state back: parameters, optimizer state, every RNG. Bit for bit. A sharded (DTensor) state
+    goes back into this rank's local shards, which must have the saved shapes (the same world size)."""
+    _load_model(model, tensors[MODEL_FILE])
     optim = tensors[OPTIM_FILE]
     if optimizer is not None and meta.get("optimizer") is not None:
         state: dict[int, dict[str, Any]] = {}
@@ -246,6 +293,13 @@ def apply_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
             index, key = name.split(".", 1)
             state.setdefault(int(index), {})[key] = value
         groups = _groups_from_json(meta["optimizer"]["param_groups"])
+        # torch maps the saved groups' parameter indices onto the live parameters in order; a DTensor parameter's
+        # state goes back as a DTensor on the parameter's mesh and placements
+        live = [p for group in optimizer.param_groups for p in group["params"]]
+        saved = [i for group in groups for i in group["params"]]
+        for index, param in zip(saved, live, strict=False):
+            if is_dtensor(param) and index in state:
+                state[index] = {k: _like(param, v) for k, v in state[index].items()}
         optimizer.load_state_dict({"state": state, "param_groups": groups})
     torch.set_rng_state(optim["rng.torch"].clone())
     cuda = sorted((int(n.rsplit(".", 1)[1]), t) for n, t in optim.items() if n.startswith("rng.cuda."))

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from trainguard.checkpoint.config import CheckpointConfig, default_s3_url, expand_root, root_template
 from trainguard.checkpoint.engine import ReferenceCopy, RestoreResult, SnapshotInfo
 from trainguard.checkpoint.errors import RestoreError
+from trainguard.checkpoint.shards import local_part
 from trainguard.node_tools.errors import TopologyError, TrainguardError
 from trainguard.node_tools.monitor import JobMonitor
 from trainguard.node_tools.topology import GROUP_KINDS, RankCoords, Topology
@@ -142,7 +143,7 @@ def _scalar(value: float | torch.Tensor) -> float:
 def gradient_norm(parameters: Iterator[torch.nn.Parameter] | list[torch.nn.Parameter]) -> float:
     """The 2-norm of this rank's gradients (``inf``/``nan`` when one is not finite). Under DDP every rank's
     gradients are the reduced ones; under sharding each rank measures its shard."""
-    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    grads = [local_part(p.grad) for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
     norms = [torch.linalg.vector_norm(g.float()) for g in grads]
@@ -164,6 +165,7 @@ class GuardedStep:
     refused: str = ""  # why the step's state must not be kept (a non-finite step, replicas that differ)
     extra: dict[str, Any] = field(default_factory=dict)
     update_wait_s: float = 0.0
+    unsaved: str = ""  # why the step is not snapshotted though its state is sound (see skip_snapshot)
 
     def ok(self, loss: float | torch.Tensor | None = None, *, grad_norm: float | None = None,
            sync: bool | None = None) -> bool:
@@ -202,6 +204,11 @@ class GuardedStep:
         """Keep no snapshot of this step (``why`` goes into the rank's log and the checkpoint's counters): its
         parameters are not worth restoring. Every rank must refuse the same steps."""
         self.refused = self.refused or why
+
+    def skip_snapshot(self, why: str) -> None:
+        """Take no snapshot of this (sound) step: a restore then goes back to the step before, and this one runs
+        again (for a step whose state the trainer cannot resume from exactly). Every rank must skip the same."""
+        self.unsaved = self.unsaved or why
 
     def report(self, *, loss: float | torch.Tensor | None = None, grad_norm: float | None = None,
                tokens: float | None = None, **extra: Any) -> None:
@@ -332,20 +339,26 @@ class Guard:
 
         At the end of the block the step is recorded and snapshotted; after a non-finite step the rank holds
         still (see :class:`Guard`). An exception inside the block is raised as it is, nothing recorded."""
-        if self._current is not None:
-            raise GuardError(f"step {step} began inside step {self._current.step}; end one step before the next")
-        s = GuardedStep(self, step, tokens=tokens)
-        self._current = s
-        self.monitor.step_begin(step)
+        s = self.begin(step, tokens=tokens)
         try:
             yield s
         finally:
             self._current = None
         self.end_step(s)
 
+    def begin(self, step: int, *, tokens: float = 0.0) -> GuardedStep:
+        """Begin a step without a ``with`` block (for adapters whose trainer owns the loop: call
+        :meth:`end_step` from the trainer's step-end hook)."""
+        if self._current is not None:
+            raise GuardError(f"step {step} began inside step {self._current.step}; end one step before the next")
+        s = GuardedStep(self, step, tokens=tokens)
+        self._current = s
+        self.monitor.step_begin(step)
+        return s
+
     def end_step(self, s: GuardedStep) -> None:
-        """Snapshot and record a step (what the end of :meth:`step`'s block does; adapters whose trainer owns
-        the loop call it from their step-end hook)."""
+        """Snapshot and record a step begun with :meth:`begin` (what the end of :meth:`step`'s block does)."""
+        self._current = None
         if s.finite is None:  # ok() was not called: the update's copy must still be done before anything changes
             s.update_wait_s = self.before_update()
         data_position: dict[str, Any] = {"next_step": s.step + 1}
@@ -353,7 +366,9 @@ class Guard:
             data_position[STATE_KEY] = {name: _json_state(name, obj) for name, obj in self.state.items()}
         extra: dict[str, Any] = {}
         ck = self.checkpointer
-        if ck is not None:
+        if ck is not None and s.unsaved and not s.refused:
+            extra["ckpt_unsaved"] = s.unsaved
+        elif ck is not None:
             snap = ck.after_step(s.step, data_position, healthy=not s.refused, why=s.refused)
             self.last_snapshot = snap
             extra |= {"ckpt_blocking_s": round(s.update_wait_s + snap.blocking_s, 6), "ckpt_saved": snap.taken,
