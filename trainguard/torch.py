@@ -377,11 +377,11 @@ class Guard:
                       "ckpt_bg_cpu_s": round(ck.background_cpu_s(), 6)}
             if snap.memcpy_s is not None:
                 extra["ckpt_memcpy_s"] = round(snap.memcpy_s, 6)
-            if self._report_restore and self.restored is not None:
-                r = self.restored
-                extra |= {"ckpt_restored_step": r.step, "ckpt_restore_s": round(r.seconds, 4),
-                          "ckpt_restore_source": r.tier}
-                self._report_restore = False
+        if ck is not None and self._report_restore and self.restored is not None:
+            r = self.restored
+            extra |= {"ckpt_restored_step": r.step, "ckpt_restore_s": round(r.seconds, 4),
+                      "ckpt_restore_source": r.tier}
+            self._report_restore = False
         step_time = time.perf_counter() - s.began
         self.monitor.step_end(s.step, loss=s.loss, grad_norm=s.grad_norm, step_time_s=step_time,
                               tokens_per_s=s.tokens / step_time if step_time > 0 else 0.0,
