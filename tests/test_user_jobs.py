@@ -3,11 +3,23 @@ tg_job_launch run in a real ``airflow standalone``), launched on a namespace clu
 from real faults by tg_incident, with every restart running the team's own command from its own folder (which
 holds a ``checkpoint.py`` and an ``operators.py`` of its own).
 
-The script is ``examples/plain/train.py`` (plain PyTorch DDP, two machines, gloo), copied into the team's
-folder. Each recovery must lose at most one step, and every step's loss, before and after each restore, must
-equal bit for bit the loss of an uninterrupted run of the same script on this host.
+Four programs, each in a folder of its own copied from ``examples/``, on two machines with gloo:
 
-CI (``make test``) runs the submission, a crash and a lost GPU; ``make test-all`` adds a hang and a NaN.
+* ``plain``: a plain PyTorch DDP script (job "team", its folder also holds a ``checkpoint.py`` and an
+  ``operators.py`` of its own that raise if anything imports them);
+* ``fsdp2``: a plain FSDP2 (``fully_shard``) script with its own ``checkpoint.py`` module, which it imports;
+* ``lightning``: a Lightning ``Trainer`` with DDP on Lightning's own demo transformer
+  (``trainguard.lightning.TrainguardCallback``);
+* ``hf``: the Hugging Face ``Trainer`` on GPT-2 built from a configuration
+  (``trainguard.transformers.TrainguardCallback``).
+
+Each recovery must lose at most one step, and every step's loss, before and after each restore, must equal bit
+for bit the loss of an uninterrupted run of the same program on this host.
+
+CI (``make test``): the FSDP2 script through a crash and a lost GPU, the Lightning fit through a NaN and a
+crash, the HF Trainer through a lost GPU and a NaN, each submitted and stopped with the command line.
+``make test-all`` adds the plain script's submission, four faults and stop, the launch form in a browser, and
+each other program's remaining two faults.
 """
 
 from __future__ import annotations
@@ -36,7 +48,8 @@ from trainguard.operators.control import ControlConfig, Controller
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parent.parent
-SPEC = cluster.ClusterSpec(name="tgu", machines=4, standbys=2, subnet="10.213.21.0/24", disk_mb=128, gpus=2)
+# four standbys: each lost GPU takes one (two in CI, four in make test-all)
+SPEC = cluster.ClusterSpec(name="tgu", machines=8, standbys=4, subnet="10.213.21.0/24", disk_mb=128, gpus=2)
 JOB = "team"
 STEP_S = "0.25"  # the script's stand-in for a model's compute: faults land between steps, not after the run
 REFERENCE_STEPS = 400
@@ -92,7 +105,7 @@ def plane(user_cluster: Inventory) -> Iterator[tuple[Controller, Standalone, Pat
     (home / "airflow").mkdir()
     try:
         airflow.launch()
-        parked = transport_for(user_cluster).run_many(user_cluster.by_role("standby"), lambda m: [
+        parked = transport_for(user_cluster).run_many(user_cluster.by_role("standby"), lambda _m: [
             user_cluster.tg_node, "standby", "park", "--nproc", "1"], timeout=240)
         assert all(r.ok for r in parked.values()), {n: r.describe() for n, r in parked.items()}
         airflow.ready()
@@ -103,38 +116,42 @@ def plane(user_cluster: Inventory) -> Iterator[tuple[Controller, Standalone, Pat
         airflow.stop(grace_s=5)  # nothing of it is kept: no need to wait for a clean shutdown
 
 
-def _rank0_records(inv: Inventory) -> list[dict[str, Any]]:
-    """Rank 0's step records on m0 (rank 0 stays there: the faults hit m1)."""
-    return read_steps(Path(inv.machine("m0").workdir) / "jobs" / JOB, 0)
+def _rank0_records(inv: Inventory, job: str = JOB, machine: str = "m0") -> list[dict[str, Any]]:
+    """Rank 0's step records on its machine (rank 0 stays there: the faults hit the job's second machine, or
+    rank 0 itself for a NaN)."""
+    return read_steps(Path(inv.machine(machine).workdir) / "jobs" / job, 0)
 
 
-def _incident_after(ctl: Controller, last: int, timeout: float = 300) -> Any:
-    return wait_until(lambda: next((i for i in ctl.fleet.incidents(JOB) if i.id > last and i.state in (
+def _incident_after(ctl: Controller, last: int, job: str = JOB, timeout: float = 300) -> Any:
+    return wait_until(lambda: next((i for i in ctl.fleet.incidents(job) if i.id > last and i.state in (
         "resolved", "failed", "waiting_human")), None), timeout=timeout, interval=1.0,
-        what=f"an incident of job {JOB} to close")
+        what=f"an incident of job {job} to close")
 
 
-def _last(ctl: Controller) -> int:
-    return max((i.id for i in ctl.fleet.incidents(JOB)), default=0)
+def _last(ctl: Controller, job: str = JOB) -> int:
+    return max((i.id for i in ctl.fleet.incidents(job)), default=0)
 
 
-def _fault(ctl: Controller, inv: Inventory, machine: str, fault: str, rank: int | None = None) -> tuple[Any, int]:
+def _fault(ctl: Controller, inv: Inventory, machine: str, fault: str, rank: int | None = None, *, job: str = JOB,
+           first: str = "m0") -> tuple[Any, int]:
     """Inject ``fault`` once the job trains; the incident it caused (closed) and the step rank 0 had reached."""
-    step = ctl.progress(JOB)["step"]
-    wait_until(lambda: ctl.progress(JOB)["step"] >= step + 3, timeout=120, what="the job to train")
-    last = _last(ctl)
-    before = max(r["step"] for r in _rank0_records(inv))
+    step = ctl.progress(job)["step"]
+    wait_until(lambda: ctl.progress(job)["step"] >= step + 3, timeout=120, what="the job to train")
+    last = _last(ctl, job)
+    before = max(r["step"] for r in _rank0_records(inv, job, first))
     inject.inject(inv, machine, fault, rank=rank)
-    inc = _incident_after(ctl, last)
+    inc = _incident_after(ctl, last, job)
     return inc, before
 
 
-def _check_resumed(ctl: Controller, inv: Inventory, reference: dict[int, Any], before: int) -> dict[str, Any]:
+def _check_resumed(ctl: Controller, inv: Inventory, reference: dict[int, Any], before: int, *, job: str = JOB,
+                   first: str = "m0") -> dict[str, Any]:
     """After a recovery: the job trains past the fault; the step it restored is at most one behind the last step
     the job had finished before it was stopped; every loss ever recorded equals the uninterrupted run's."""
-    wait_until(lambda: max(r["step"] for r in _rank0_records(inv)) >= before + 3, timeout=180,
+    wait_until(lambda: max(r["step"] for r in _rank0_records(inv, job, first)) >= before + 3, timeout=180,
                what="the job to train past the fault")
-    records = _rank0_records(inv)
+    records = _rank0_records(inv, job, first)
+    assert max(r["step"] for r in records) < len(reference), "the reference run is too short for this test"
     incarnation = max(r["incarnation"] for r in records)
     first = next(r for r in records if r["incarnation"] == incarnation)
     done = max((r["step"] for r in records if r["incarnation"] < incarnation), default=-1)
@@ -147,6 +164,7 @@ def _check_resumed(ctl: Controller, inv: Inventory, reference: dict[int, Any], b
     return first
 
 
+@pytest.mark.full
 def test_a_job_submitted_from_the_command_line_is_launched_by_a_dag_run_and_trains(plane, user_cluster, team_dir,
                                                                                      reference, tmp_path):
     ctl, airflow, _home = plane
@@ -175,6 +193,7 @@ def test_a_job_submitted_from_the_command_line_is_launched_by_a_dag_run_and_trai
     _check_resumed(ctl, user_cluster, reference, -1)
 
 
+@pytest.mark.full
 def test_a_crashed_rank_of_the_teams_job_is_restarted_with_its_own_command_and_loses_at_most_one_step(
         plane, user_cluster, reference, team_dir):
     ctl, _airflow, _home = plane
@@ -187,6 +206,7 @@ def test_a_crashed_rank_of_the_teams_job_is_restarted_with_its_own_command_and_l
     assert record["incarnation"] >= 1 and "--tp" not in record["command"]
 
 
+@pytest.mark.full
 def test_a_lost_gpu_swaps_the_machine_for_a_standby_and_the_team_job_resumes_bit_for_bit(plane, user_cluster,
                                                                                          reference):
     ctl, _airflow, _home = plane
@@ -222,6 +242,7 @@ def test_a_nan_in_the_teams_job_is_never_trained_on_and_the_job_resumes_from_the
                what="the job to train past the NaN")
 
 
+@pytest.mark.full
 def test_stopping_the_teams_job_returns_its_machines_to_the_pool(plane, user_cluster):
     ctl, _airflow, _home = plane
     machines = list(ctl.fleet.job(JOB).machine_list)
@@ -288,3 +309,158 @@ def test_a_job_submitted_from_the_launch_form_in_a_browser_trains_on_the_fleet_p
         d.quit()
         with contextlib.suppress(Exception):
             ctl.release(name)
+
+
+# ---- the third-party programs: each a campaign of its own (submitted, faulted, stopped) ----------------------
+CAMPAIGN_STEPS = 500  # the reference run's length; a campaign stays well below it (checked)
+PROGRAMS: dict[str, dict[str, Any]] = {
+    # example folder, files copied, arguments beyond --steps/--step-time-s
+    "fsdp2": {"files": ("train.py", "checkpoint.py"), "args": ()},
+    "lightning": {"files": ("train.py",), "args": ()},
+    "hf": {"files": ("train.py",), "args": ()},
+}
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[int, Any]]]:
+    """Each program's folder (its files copied from examples/, and an ``operators.py`` of the team's own that
+    raises if imported) and, computed when first asked, its uninterrupted run's losses."""
+    out: dict[str, tuple[Path, dict[int, Any]]] = {}
+    for name, p in PROGRAMS.items():
+        d = tmp_path_factory.mktemp(name)
+        for f in p["files"]:
+            shutil.copy(REPO / "examples" / name / f, d / f)
+        (d / "operators.py").write_text("raise ImportError('the team never imports this module from trainguard')\n")
+        out[name] = (d, {})
+    return out
+
+
+def _reference_of(programs: dict[str, tuple[Path, dict[int, Any]]], name: str, tmp: Path) -> dict[int, Any]:
+    folder, losses = programs[name]
+    if not losses:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TG_") or k == "TG_TEST_SESSION"}
+        env |= {"TG_RUN_DIR": str(tmp), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               "2", "train.py", "--steps", str(CAMPAIGN_STEPS), *PROGRAMS[name]["args"]],
+                              cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        losses.update({r["step"]: r["loss"] for r in read_steps(tmp, 0)})
+        assert sorted(losses) == list(range(CAMPAIGN_STEPS))
+    return losses
+
+
+def _campaign(ctl: Controller, airflow: Standalone, inv: Inventory, programs: dict[str, tuple[Path, dict[int, Any]]],
+              name: str, faults: tuple[str, ...], tmp: Path) -> None:
+    """Submit ``name`` on two free machines with ``trainguard job submit``; inject each fault in turn (a crash,
+    a hang and a lost GPU on the second machine's rank, a NaN on rank 0) and check each recovery; check that the
+    restarts ran the team's own command and environment; stop the job, which frees its machines."""
+    folder, _ = programs[name]
+    reference = _reference_of(programs, name, tmp / "reference")
+    job = f"{name}-{'-'.join(faults)}"
+    spec = tmp / f"{job}.yaml"
+    args = ", ".join(f"'{a}'" for a in PROGRAMS[name]["args"])
+    spec.write_text(f"name: {job}\n"
+                    f"command: [train.py, --steps, '0', --step-time-s, '{STEP_S}'{', ' + args if args else ''}]\n"
+                    f"workdir: {folder}\n"
+                    "machines: 2\n"
+                    "env: {TEAM_SETTING: kept, HF_HUB_OFFLINE: '1'}\n")
+    password = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory,
+           "TG_AIRFLOW_USER": "admin", "TG_AIRFLOW_PASSWORD": password}
+    out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "submit", str(spec), "--wait",
+                          "420", "--airflow-url", airflow.url], env=env, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith(f"job {job} submitted: tg_job_launch run ") and "(success)" in out.stdout
+    run_id = out.stdout.split("tg_job_launch run ", 1)[1].split(" ", 1)[0]
+    assert airflow.task_states("tg_job_launch", run_id) == {t: "success" for t in (
+        "validate", "reserve", "check_machines", "start_job", "first_step", "arm_job")}
+    try:
+        first, second = ctl.fleet.job(job).machine_list
+        wait_until(lambda: ctl.progress(job)["step"] >= 3, timeout=180, what=f"{job} to train")
+        for fault in faults:
+            target = first if fault == "nan" else ctl.fleet.job(job).machine_list[1]
+            rank = {"nan": 0, "gpu_lost": None}.get(fault, 1)  # a lost GPU acts on the whole machine
+            inc, before = _fault(ctl, inv, target, fault, rank=rank, job=job, first=first)
+            if inc.state != "resolved":
+                pytest.fail(f"{fault}: incident {inc.state}: {inc.summary}\n"
+                            f"{_job_logs(inv, job, ctl.fleet.job(job).machine_list)}", pytrace=False)
+            assert ctl.fleet.job(job).machine_list[0] == first  # rank 0 stayed: its records are the job's
+            if fault == "gpu_lost":
+                assert second not in ctl.fleet.job(job).machine_list
+            _check_campaign(ctl, inv, reference, before, job, first)
+        record = json.loads((Path(inv.machine(first).workdir) / "jobs" / job / "job.json").read_text())
+        assert record["incarnation"] >= len(faults)  # one restart a fault, each with the command above
+        assert record["spec"]["entry"] == "train.py" and record["spec"]["workdir"] == str(folder)
+        assert record["spec"]["args"][:2] == ["--steps", "0"] and record["spec"]["env"]["TEAM_SETTING"] == "kept"
+        machines = list(ctl.fleet.job(job).machine_list)
+        out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "stop", job], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert ctl.fleet.job(job).state == "stopped" and set(machines) <= set(ctl.fleet.free_machines())
+    finally:
+        if ctl.fleet.job(job).state != "stopped":
+            ctl.release(job)
+
+
+def _job_logs(inv: Inventory, job: str, machines: list[str]) -> str:
+    """The ends of the job's logs on its machines (torchrun's and each rank's), for a failure's message."""
+    out = []
+    for m in machines:
+        folder = Path(inv.machine(m).workdir) / "jobs" / job
+        for path in [folder / "supervisor.log", *sorted(folder.glob("**/attempt_*/*/std*.log"))]:
+            if path.is_file():
+                out.append(f"--- {m}: {path.relative_to(folder)}\n{path.read_text(errors='replace')[-1500:]}")
+    return "\n".join(out)
+
+
+def _check_campaign(ctl: Controller, inv: Inventory, reference: dict[int, Any], before: int, job: str,
+                    first: str) -> None:
+    """As :func:`_check_resumed`, where a step the NaN fault touched is recorded as "nan" (the guard saw the
+    corrupted loss, skipped the update and held): every other loss equals the uninterrupted run's, and the step
+    after a NaN was restored from the last finite one."""
+    wait_until(lambda: max(r["step"] for r in _rank0_records(inv, job, first)) >= before + 3, timeout=180,
+               what=f"{job} to train past the fault")
+    records = _rank0_records(inv, job, first)
+    assert max(r["step"] for r in records) < len(reference), "the reference run is too short for this test"
+    incarnation = max(r["incarnation"] for r in records)
+    head = next(r for r in records if r["incarnation"] == incarnation)
+    done = max((r["step"] for r in records if r["incarnation"] < incarnation and r["loss"] != "nan"), default=-1)
+    assert head["ckpt_restored_step"] >= done - 1, (head, done)
+    assert head["step"] == head["ckpt_restored_step"] + 1
+    differ = {r["step"]: (r["loss"], reference[r["step"]]) for r in records
+              if r["loss"] != "nan" and r["loss"] != reference[r["step"]]}
+    assert not differ, f"losses that differ from the uninterrupted run (step: (guarded, reference)): {differ}"
+
+
+def test_an_fsdp2_script_with_its_own_checkpoint_module_recovers_from_a_crash_and_a_lost_gpu(
+        plane, user_cluster, programs, tmp_path):
+    ctl, airflow, _home = plane
+    _campaign(ctl, airflow, user_cluster, programs, "fsdp2", ("crash", "gpu_lost"), tmp_path)
+
+
+def test_a_lightning_fit_recovers_from_a_nan_and_a_crash(plane, user_cluster, programs, tmp_path):
+    ctl, airflow, _home = plane
+    _campaign(ctl, airflow, user_cluster, programs, "lightning", ("nan", "crash"), tmp_path)
+
+
+def test_an_hf_trainer_recovers_from_a_lost_gpu_and_a_nan(plane, user_cluster, programs, tmp_path):
+    ctl, airflow, _home = plane
+    _campaign(ctl, airflow, user_cluster, programs, "hf", ("gpu_lost", "nan"), tmp_path)
+
+
+@pytest.mark.full
+def test_an_fsdp2_script_recovers_from_a_hang_and_a_nan(plane, user_cluster, programs, tmp_path):
+    ctl, airflow, _home = plane
+    _campaign(ctl, airflow, user_cluster, programs, "fsdp2", ("hang", "nan"), tmp_path)
+
+
+@pytest.mark.full
+def test_a_lightning_fit_recovers_from_a_lost_gpu_and_a_hang(plane, user_cluster, programs, tmp_path):
+    ctl, airflow, _home = plane
+    _campaign(ctl, airflow, user_cluster, programs, "lightning", ("gpu_lost", "hang"), tmp_path)
+
+
+@pytest.mark.full
+def test_an_hf_trainer_recovers_from_a_crash_and_a_hang(plane, user_cluster, programs, tmp_path):
+    ctl, airflow, _home = plane
+    _campaign(ctl, airflow, user_cluster, programs, "hf", ("crash", "hang"), tmp_path)

@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_model
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from trainguard.torch import CheckpointConfig, Guard, GuardedStep, GuardError, Stateful, Topology
@@ -131,8 +132,8 @@ class TrainguardCallback(TrainerCallback):
         return str(self._write_resume_folder(trainer, saved))
 
     def _write_resume_folder(self, trainer: Trainer, saved: dict[str, Any]) -> Path:
-        """The Trainer's checkpoint folder for the restored step: written by each machine's first rank (the
-        weights, the state), each rank its random generators; every rank waits until its machine's folder is
+        """The Trainer's checkpoint folder for the restored step, on every machine: written by the machine's first
+        rank (the weights, the state), each rank its random generators; every rank waits until the folders are
         complete."""
         base = Path(self._resume_dir or os.path.join(os.environ.get("TG_RUN_DIR") or trainer.args.output_dir,
                                                          RESUME_DIR))
@@ -141,7 +142,8 @@ class TrainguardCallback(TrainerCallback):
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             shutil.rmtree(base, ignore_errors=True)
             folder.mkdir(parents=True)
-            trainer.model.save_pretrained(folder, safe_serialization=True)
+            # not save_pretrained: it writes on the job's rank 0 only, and every machine needs its own folder
+            save_model(trainer.model, str(folder / "model.safetensors"), metadata={"format": "pt"})
             (folder / "trainer_state.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

@@ -93,9 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                                  if "WORLD_SIZE" in os.environ else None)
     checkpoint = checkpoint_config_from_env(root=args.checkpoint_dir) if args.checkpoint_dir else None  # trainguard
     guard = TrainguardCallback(checkpoint=checkpoint)  # trainguard
-    trainer = Trainer(model=model, args=training, train_dataset=BigramTokens(args.samples, args.seq, args.vocab,
-                                                                             args.seed),
-                      callbacks=[guard, Report(args.step_time_s)])  # trainguard: the callback
+    data = BigramTokens(args.samples, args.seq, args.vocab, args.seed)
+    trainer = Trainer(model=model, args=training, train_dataset=data, callbacks=[guard, Report(args.step_time_s)])
     try:
         trainer.train(resume_from_checkpoint=guard.restore(trainer))  # trainguard: restore first
     except TrainguardError as exc:  # e.g. checkpoints exist but none can be restored: one line

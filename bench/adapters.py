@@ -1,0 +1,150 @@
+"""The trainers' adapters' cost: the same Lightning fit and the same HF Trainer run, with and without trainguard.
+
+    python bench/adapters.py [--trials 5] [--steps 60] [--out bench/results/adapters.json]
+
+Each trial runs the examples' programs (``examples/lightning``: Lightning's demo transformer; ``examples/hf``:
+GPT-2 with 2 layers from a configuration) in this process, one rank, on synthetic data, four ways side by side
+in alternating order: without the guard and with it (``TrainguardCallback``, a per-step snapshot persisted to a
+local folder by the saver process, as in a launch), each in two settings:
+
+* **host**: the step is all host compute (CPU training): the snapshot's copy and the background persist compete
+  with the training for the same two cores;
+* **device**: each step also waits ``--device-ms`` with the host idle after the update, as a GPU step's compute
+  would keep it (the guard's background work runs in that wait, as it does on a GPU machine).
+
+A step's time is the time from one batch's start to the next's; a run's figure is the median over the steps after
+``--warmup``; the overhead of a trial is guarded / plain - 1 of the same setting, and the result is its median over
+the trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import summarize, write_result  # noqa: E402
+
+
+def _lightning(steps: int, device_s: float, guarded: bool, root: Path) -> list[float]:
+    import lightning as L
+    import torch
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from examples.lightning.train import BigramTokens, Demo, Pace
+    from trainguard.lightning import TrainguardCallback
+    from trainguard.torch import checkpoint_config_from_env
+
+    starts: list[float] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_start(self, *_args: Any) -> None:
+            starts.append(time.perf_counter())
+
+    L.seed_everything(0, verbose=False)
+    model = Demo(vocab_size=128)
+    data = BigramTokens(4096, 32, 128, 0)
+    loader = StatefulDataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
+    callbacks: list[L.Callback] = [Clock()]
+    if guarded:
+        callbacks.append(TrainguardCallback(checkpoint=checkpoint_config_from_env(root=str(root))))
+    if device_s > 0:
+        callbacks.append(Pace(device_s))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, loader)
+    return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+
+def _hf(steps: int, device_s: float, guarded: bool, root: Path) -> list[float]:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from examples.hf.train import BigramTokens, Report
+    from trainguard.torch import checkpoint_config_from_env
+    from trainguard.transformers import TrainguardCallback
+
+    starts: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *_args: Any, **_kwargs: Any) -> None:
+            starts.append(time.perf_counter())
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4))
+    args = TrainingArguments(output_dir=str(root / "out"), max_steps=steps, per_device_train_batch_size=8,
+                             learning_rate=1e-3, logging_steps=10**6, save_strategy="no", report_to=[], seed=0,
+                             use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    guard = TrainguardCallback(checkpoint=checkpoint_config_from_env(root=str(root))) if guarded else None
+    callbacks: list[TrainerCallback] = [Clock(), *([guard] if guard else []), Report(device_s)]
+    trainer = Trainer(model=model, args=args, train_dataset=BigramTokens(4096, 32, 256, 0), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=guard.restore(trainer) if guard else None)
+    return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
+    ap.add_argument("--warmup", type=int, default=10, help="steps not counted at the start of a run")
+    ap.add_argument("--device-ms", type=float, default=50.0, help="the device setting's idle wait per step")
+    ap.add_argument("--quick", action="store_true", help="one trial of 25 steps")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    trials, steps = (1, 25) if args.quick else (args.trials, args.steps)
+    warmup = min(args.warmup, steps // 3)
+    os.environ.pop("TG_RUN_DIR", None)
+    os.environ.pop("TG_CHECKPOINT", None)
+    import torch
+
+    torch.set_num_threads(1)
+    runners = {"lightning": _lightning, "hf": _hf}
+    settings = {"host": 0.0, "device": args.device_ms / 1000}
+    step_s: dict[str, list[float]] = {}
+    overhead: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="tg-bench-adapters-") as tmp:
+        for trial in range(trials):
+            for trainer, run in runners.items():
+                for setting, device_s in settings.items():
+                    figures = {}
+                    order = (False, True) if trial % 2 == 0 else (True, False)  # neither always goes first
+                    for guarded in order:
+                        root = Path(tmp) / f"{trainer}-{setting}-{trial}-{int(guarded)}"
+                        times = run(steps, device_s, guarded, root)[warmup:]
+                        figures[guarded] = statistics.median(times)
+                        key = f"{trainer}.{setting}.{'guarded' if guarded else 'plain'}_step_s"
+                        step_s.setdefault(key, []).append(figures[guarded])
+                    ratio = figures[True] / figures[False] - 1
+                    overhead.setdefault(f"{trainer}.{setting}.overhead_pct", []).append(100 * ratio)
+                    print(f"trial {trial} {trainer} {setting}: plain {figures[False] * 1e3:.1f} ms, guarded "
+                          f"{figures[True] * 1e3:.1f} ms, overhead {100 * ratio:+.2f}%", flush=True)
+    metrics: dict[str, Any] = {}
+    for key, values in overhead.items():
+        metrics[key] = summarize(values, "%", 1.0 if ".device." in key else None)
+    for key, values in step_s.items():
+        metrics[key] = summarize(values, "s")
+    import lightning
+    import transformers
+
+    text = write_result("adapters", quick=bool(args.quick), out=args.out, metrics=metrics, setup={
+        "trials": trials, "steps": steps, "warmup_steps": warmup, "device_wait_s": args.device_ms / 1000,
+        "ranks": 1, "checkpoint": "every step, saver process, local folder (tmp), no replica (one rank), no S3",
+        "lightning": lightning.__version__, "transformers": transformers.__version__,
+        "torch": torch.__version__, "models": {"lightning": "lightning.pytorch.demos LightningTransformer, "
+                                               "vocab 128, batch 8 x 32 tokens",
+                                               "hf": "GPT-2, 2 layers, 64 wide, vocab 256, batch 8 x 32 tokens"}})
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
