@@ -20,6 +20,7 @@ the trials.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -62,7 +63,7 @@ def _lightning(steps: int, device_s: float, guarded: bool, root: Path) -> list[f
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader)
-    return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(starts)]
 
 
 def _hf(steps: int, device_s: float, guarded: bool, root: Path) -> list[float]:
@@ -88,7 +89,7 @@ def _hf(steps: int, device_s: float, guarded: bool, root: Path) -> list[float]:
     callbacks: list[TrainerCallback] = [Clock(), *([guard] if guard else []), Report(device_s)]
     trainer = Trainer(model=model, args=args, train_dataset=BigramTokens(4096, 32, 256, 0), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=guard.restore(trainer) if guard else None)
-    return [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    return [b - a for a, b in itertools.pairwise(starts)]
 
 
 def main() -> int:

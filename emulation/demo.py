@@ -189,7 +189,7 @@ def run_demo(args: argparse.Namespace) -> int:
     keep = False
     try:
         g = GuardedJob(inv, home, job=JOB, settings=SETTINGS, port=args.port or None, train_args=DEVICE_TRAIN_ARGS)
-        g.start(log=clock.say)
+        g.start(log=clock.say, submit=True)  # as a user submits a job: a tg_job_launch run
         clock.say(f"Airflow UI {g.airflow.url}  (user admin, password in "
                   f"{g.airflow.home / 'simple_auth_manager_passwords.json.generated'})")
         narrator = Narrator(g, clock)

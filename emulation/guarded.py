@@ -29,6 +29,7 @@ from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
 from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.fleet import states
+from trainguard.operators.jobspec import JobSpec, reference_spec
 from trainguard.operators.policy import rungs
 
 TOPOLOGY = Topology(tp=2, pp=2, dp=2)
@@ -117,10 +118,13 @@ class GuardedJob:
         self._arming: threading.Thread | None = None  # the job's machines being armed again (see start)
 
     # ---- bring-up and teardown --------------------------------------------------------------------
-    def start(self, *, log: Callable[[str], None] = lambda _m: None) -> None:
+    def start(self, *, log: Callable[[str], None] = lambda _m: None, submit: bool = False) -> None:
         """Park every machine warm (the standbys, and the job's own machines) while Airflow starts, then
         launch the job on its warm interpreters and wait for it to train. The job's machines are armed
-        again (warm interpreters for the first restart) while it trains: :meth:`armed` waits for that."""
+        again (warm interpreters for the first restart) while it trains: :meth:`armed` waits for that.
+
+        ``submit``: launch it as a user would, through a ``tg_job_launch`` run (the reference job's spec on the
+        job's machines: validate, reserve, check, start, first step, arm), visible in the UI."""
         standbys = [m.name for m in self.inv.by_role("standby")]
         active = [m.name for m in self.inv.by_role("active")][: self.topology.machines]
         log(f"parking warm standbys {', '.join(standbys)} and the job's machines; starting airflow standalone "
@@ -129,6 +133,17 @@ class GuardedJob:
         self.park(standbys + active)
         self.airflow.ready()
         log(f"airflow up: DAGs {', '.join(sorted(self.airflow.dag_ids()))}")
+        if submit:
+            ref = reference_spec(self.job, self.topology, train_args=self.train_args)
+            spec = JobSpec.model_validate({**ref.document(), "machines": active})
+            run_id = self.airflow.trigger("tg_job_launch", {"spec": spec.document()})
+            log(f"submitted job {self.job} ({self.topology}) on {', '.join(active)}: tg_job_launch run {run_id}")
+            state = self.airflow.finished("tg_job_launch", run_id, timeout=600)
+            if state != "success":
+                raise RuntimeError(f"tg_job_launch run {run_id} ended {state}; its tasks' logs are in the UI")
+            log(f"job {self.job} launched and armed by tg_job_launch run {run_id}")
+            self.training(2, timeout=300)
+            return
         self.ctl.launch_job(self.job, self.topology, active, train_args=self.train_args, arm=False, warm=active)
         log(f"launched job {self.job} ({self.topology}) on {', '.join(active)} (warm)")
         self.training(2, timeout=300)

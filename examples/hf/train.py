@@ -67,11 +67,11 @@ class Report(TrainerCallback):
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
 
-    def on_step_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201 - the Trainer's signature
+    def on_step_end(self, args, state, control, **kwargs):  # the Trainer's signature
         if self.seconds > 0:
             time.sleep(self.seconds)
 
-    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001, ANN201
+    def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs and "loss" in logs:
             print(f"step {state.global_step - 1} loss {logs['loss']:.6f}", flush=True)
 
@@ -88,9 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                                  per_device_train_batch_size=args.batch, learning_rate=1e-3, warmup_steps=10,
                                  lr_scheduler_type="constant_with_warmup",
                                  logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
-                                 use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, ddp_find_unused_parameters=False,
-                                 ddp_backend="gloo"
-                                 if "WORLD_SIZE" in os.environ else None)
+                                 use_cpu=True, dataloader_num_workers=0, disable_tqdm=True,
+                                 ddp_find_unused_parameters=False,
+                                 ddp_backend="gloo" if "WORLD_SIZE" in os.environ else None)
     checkpoint = checkpoint_config_from_env(root=args.checkpoint_dir) if args.checkpoint_dir else None  # trainguard
     guard = TrainguardCallback(checkpoint=checkpoint)  # trainguard
     data = BigramTokens(args.samples, args.seq, args.vocab, args.seed)
