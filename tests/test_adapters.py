@@ -63,6 +63,7 @@ def _check(whole: dict[int, Any], records: list[dict[str, Any]], restored: list[
     assert not differ, f"losses that differ from the uninterrupted run (step: (restored run, uninterrupted)): {differ}"
 
 
+@pytest.mark.full  # CI: the Lightning fit's recoveries on the cluster (tests/test_user_jobs.py)
 def test_a_lightning_fit_resumes_bit_for_bit_mid_epoch_and_across_epochs(tmp_path):
     """Stops after step 3 (an epoch's last step: not snapshotted, so step 2 is restored, mid-epoch, and step 3 runs
     again) and after step 6 (mid-epoch of the next epoch); the last start runs on across the next epoch's start."""
@@ -73,6 +74,7 @@ def test_a_lightning_fit_resumes_bit_for_bit_mid_epoch_and_across_epochs(tmp_pat
     assert "resuming at step 3" in logs[1] and "resuming at step 7" in logs[2]
 
 
+@pytest.mark.full  # CI: the HF Trainer's recoveries on the cluster (tests/test_user_jobs.py)
 def test_an_hf_trainer_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary(tmp_path):
     """Stops after step 3 (an epoch's end: the Trainer starts the next epoch and reloads the generators itself)
     and step 5 (mid-epoch: the Trainer skips the batches already trained on); the learning rate's warm-up spans
@@ -85,6 +87,7 @@ def test_an_hf_trainer_resumes_bit_for_bit_mid_epoch_and_at_an_epoch_boundary(tm
     assert not (folder / "optimizer.pt").exists()  # the optimizer came back through the guard, not the file
 
 
+@pytest.mark.full  # CI: the FSDP2 script's recoveries on the cluster (tests/test_user_jobs.py)
 def test_an_fsdp2_script_resumes_its_sharded_state_bit_for_bit_beside_its_own_checkpoint_module(tmp_path):
     """FSDP2 shards the parameters and the optimizer state (DTensors): each rank snapshots and restores its
     local shards. The script imports its own module named ``checkpoint`` (its export, which runs at the end)."""

@@ -46,6 +46,7 @@ from trainguard.torch import CheckpointConfig, Guard, GuardedStep, GuardError, S
 
 __all__ = ["TrainguardCallback"]
 
+LOG_KEPT = 16  # log entries of the Trainer's state kept in each step's snapshot
 RESUME_DIR = "hf-resume"  # under the job's run directory: the folder handed to train(resume_from_checkpoint=...)
 
 
@@ -60,7 +61,11 @@ class _TrainerSide:
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
         scheduler = t.lr_scheduler.state_dict() if t.lr_scheduler is not None else None
-        return {"trainer_state": dataclasses.asdict(t.state), "scheduler": scheduler}
+        state = dataclasses.asdict(t.state)
+        # the log grows by an entry a logging step: a snapshot every step keeps its end only, so its cost stays
+        # the same over a long run (the Trainer reads the log back for its reports, not to train)
+        state["log_history"] = state.get("log_history", [])[-LOG_KEPT:]
+        return {"trainer_state": state, "scheduler": scheduler}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.restored = dict(state)  # the scheduler does not exist yet: it comes back when training begins
