@@ -239,3 +239,24 @@ def test_the_readmes_guard_your_own_job_snippets_are_lines_of_the_tested_example
                 continue
             assert line.strip() in source[at:], f"{head}: {line.strip()!r} is not a line of the example (in order)"
             at = source.index(line.strip(), at) + 1
+
+
+def test_small_tensors_in_a_json_state_go_back_bit_for_bit_and_big_ones_are_refused():
+    """A data loader's state may hold its generator's state (a byte tensor): the Lightning adapter writes it as
+    JSON and reads it back exactly; a tensor too big for a JSON state is a one-line error."""
+    from trainguard.torch import json_tensors, tensors_from_json
+
+    g = torch.Generator().manual_seed(3)
+    state = {"generator": g.get_state(), "pos": [1, 2], "w": torch.tensor([[1.5, -0.0], [float("inf"), 2]]),
+             "empty": torch.zeros(0, 4, dtype=torch.int64), "bf": torch.tensor([1.25], dtype=torch.bfloat16)}
+    back = tensors_from_json(json.loads(json.dumps(json_tensors(state))))
+    assert back["pos"] == [1, 2]
+    for key in ("generator", "w", "empty", "bf"):
+        assert back[key].dtype == state[key].dtype and back[key].shape == state[key].shape
+        assert torch.equal(back[key].view(torch.uint8) if back[key].numel() else back[key],
+                           state[key].view(torch.uint8) if state[key].numel() else state[key])
+    g2 = torch.Generator()
+    g2.set_state(back["generator"])
+    assert torch.equal(torch.rand(4, generator=g2), torch.rand(4, generator=g))
+    with pytest.raises(GuardError, match="in the model or the optimizer"):
+        json_tensors({"big": torch.zeros(300_000)})

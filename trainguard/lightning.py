@@ -35,7 +35,16 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from trainguard.torch import CheckpointConfig, Guard, GuardedStep, GuardError, Stateful, Topology
+from trainguard.torch import (
+    CheckpointConfig,
+    Guard,
+    GuardedStep,
+    GuardError,
+    Stateful,
+    Topology,
+    json_tensors,
+    tensors_from_json,
+)
 
 __all__ = ["TrainguardCallback"]
 
@@ -49,11 +58,13 @@ class _FitState:
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
-        return {"fit_loop": t.fit_loop.state_dict(),
-                "schedulers": [c.scheduler.state_dict() for c in t.lr_scheduler_configs]}
+        # a loader's state may hold a generator's state (a small tensor): written as JSON, read back as a tensor
+        return json_tensors({"fit_loop": t.fit_loop.state_dict(),
+                             "schedulers": [c.scheduler.state_dict() for c in t.lr_scheduler_configs]})
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         t = self.trainer
+        state = tensors_from_json(state)
         t.fit_loop.load_state_dict(dict(state["fit_loop"]))  # marks the loops as restarting, as a resume does
         schedulers = list(state.get("schedulers", []))
         if len(schedulers) != len(t.lr_scheduler_configs):

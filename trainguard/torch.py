@@ -41,6 +41,7 @@ directory on each machine.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import math
@@ -64,7 +65,8 @@ from trainguard.node_tools.topology import GROUP_KINDS, RankCoords, Topology
 
 __all__ = ["GROUP_KINDS", "CheckpointConfig", "Guard", "GuardError", "GuardedStep", "JobMonitor", "RankCoords",
            "ReferenceCopy", "RestoreError", "RestoreResult", "Stateful", "Topology", "TopologyError",
-           "TrainguardError", "checkpoint_config_from_env", "gradient_norm", "heartbeat"]
+           "TrainguardError", "checkpoint_config_from_env", "gradient_norm", "heartbeat", "json_tensors",
+           "tensors_from_json"]
 
 STATE_KEY = "state"  # where the ``state`` objects' states live in a checkpoint's data position
 
@@ -123,6 +125,45 @@ def _json_state(name: str, obj: Stateful) -> Any:
         raise GuardError(f"state {name!r} ({type(obj).__name__}): its state_dict() is not JSON ({exc}); pass "
                          f"objects whose state is numbers, strings, lists and dicts, or keep tensors in the "
                          f"model or the optimizer") from None
+
+
+TENSOR_TAG = "__tensor__"  # a small tensor inside a JSON state (see json_tensors)
+JSON_TENSOR_MAX_BYTES = 1 << 20
+
+
+def json_tensors(value: Any) -> Any:
+    """``value`` with each tensor in it (in dicts, lists, tuples) written as JSON: its dtype, shape and bytes in
+    base64, as ``{"__tensor__": {...}}``; for small tensors inside a state that is otherwise JSON (a sampler's or
+    a data loader's generator state). A tensor over 1 MiB is refused: keep it in the model or the optimizer."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        size = t.numel() * t.element_size()
+        if size > JSON_TENSOR_MAX_BYTES:
+            raise GuardError(f"a tensor of {size} bytes ({tuple(t.shape)}, {t.dtype}) in a JSON state; keep tensors "
+                             f"over {JSON_TENSOR_MAX_BYTES} bytes in the model or the optimizer")
+        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return {TENSOR_TAG: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                             "data": base64.b64encode(raw).decode("ascii")}}
+    if isinstance(value, Mapping):
+        return {k: json_tensors(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_tensors(v) for v in value]
+    return value
+
+
+def tensors_from_json(value: Any) -> Any:
+    """The inverse of :func:`json_tensors` (lists stay lists)."""
+    if isinstance(value, Mapping):
+        if set(value) == {TENSOR_TAG}:
+            d = value[TENSOR_TAG]
+            dtype = getattr(torch, d["dtype"])
+            raw = bytearray(base64.b64decode(d["data"]))
+            flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            return flat.view(dtype).reshape(d["shape"]).clone()
+        return {k: tensors_from_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [tensors_from_json(v) for v in value]
+    return value
 
 
 def _all_finite(values: list[float | torch.Tensor]) -> bool:
