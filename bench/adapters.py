@@ -103,7 +103,6 @@ def main() -> int:
     args = ap.parse_args()
     trials, steps = (1, 25) if args.quick else (args.trials, args.steps)
     warmup = min(args.warmup, steps // 3)
-    os.environ.pop("TG_RUN_DIR", None)
     os.environ.pop("TG_CHECKPOINT", None)
     import torch
 
@@ -113,6 +112,7 @@ def main() -> int:
     step_s: dict[str, list[float]] = {}
     overhead: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="tg-bench-adapters-") as tmp:
+        os.environ["TG_RUN_DIR"] = str(Path(tmp) / "run")  # the guard's records: not ./tg-run of the checkout
         for trial in range(trials):
             for trainer, run in runners.items():
                 for setting, device_s in settings.items():

@@ -27,8 +27,6 @@ optimizer per module is supported (``configure_optimizers`` returning several is
 
 from __future__ import annotations
 
-import random
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +41,8 @@ from trainguard.torch import (
     Stateful,
     Topology,
     json_tensors,
+    rng_states,
+    set_rng_states,
     tensors_from_json,
 )
 
@@ -88,22 +88,6 @@ def _batch_elements(batch: Any) -> int:
     return 0
 
 
-def _rng_states() -> tuple[Any, ...]:
-    numpy = sys.modules.get("numpy")
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return (torch.get_rng_state(), cuda, random.getstate(), numpy.random.get_state() if numpy is not None else None)
-
-
-def _set_rng_states(states: tuple[Any, ...]) -> None:
-    cpu, cuda, python, np_state = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)
-    random.setstate(python)
-    if np_state is not None:
-        sys.modules["numpy"].random.set_state(np_state)
-
-
 class TrainguardCallback(Callback):
     """The guard as a Lightning callback (see the module's documentation).
 
@@ -132,7 +116,7 @@ class TrainguardCallback(Callback):
         self._step: GuardedStep | None = None
         self._loss: torch.Tensor | None = None
         self._stepped = False
-        self._rng: tuple[Any, ...] | None = None
+        self._rng: dict[str, Any] | None = None
 
     # ---- fit start: the guard, and the restore --------------------------------------------------------
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -150,11 +134,11 @@ class TrainguardCallback(Callback):
         # the fit creates its data loader's iterator after this hook, and that draws a seed from the global random
         # generator unless the loader has a generator of its own: the restored generators are put back once more
         # when training starts, so the first batch sees the state the uninterrupted run saw
-        self._rng = _rng_states() if nxt else None
+        self._rng = rng_states() if nxt else None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self._rng is not None:
-            _set_rng_states(self._rng)
+            set_rng_states(self._rng)
             self._rng = None
 
     # ---- a step ------------------------------------------------------------------------------------

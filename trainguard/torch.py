@@ -46,6 +46,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -66,7 +67,7 @@ from trainguard.node_tools.topology import GROUP_KINDS, RankCoords, Topology
 __all__ = ["GROUP_KINDS", "CheckpointConfig", "Guard", "GuardError", "GuardedStep", "JobMonitor", "RankCoords",
            "ReferenceCopy", "RestoreError", "RestoreResult", "Stateful", "Topology", "TopologyError",
            "TrainguardError", "checkpoint_config_from_env", "gradient_norm", "heartbeat", "json_tensors",
-           "tensors_from_json"]
+           "rng_states", "set_rng_states", "tensors_from_json"]
 
 STATE_KEY = "state"  # where the ``state`` objects' states live in a checkpoint's data position
 
@@ -164,6 +165,28 @@ def tensors_from_json(value: Any) -> Any:
     if isinstance(value, list):
         return [tensors_from_json(v) for v in value]
     return value
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's random generators, in the Hugging Face Trainer's ``rng_state.pth`` layout: ``python``,
+    ``cpu``, and ``numpy`` and ``cuda`` where they are in use."""
+    states: dict[str, Any] = {"python": random.getstate(), "cpu": torch.get_rng_state()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: Mapping[str, Any]) -> None:
+    """Put back what :func:`rng_states` returned."""
+    random.setstate(states["python"])
+    torch.set_rng_state(states["cpu"])
+    if "numpy" in states:
+        sys.modules["numpy"].random.set_state(states["numpy"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
 
 
 def _all_finite(values: list[float | torch.Tensor]) -> bool:
@@ -402,14 +425,14 @@ class Guard:
         self._current = None
         if s.finite is None:  # ok() was not called: the update's copy must still be done before anything changes
             s.update_wait_s = self.before_update()
-        data_position: dict[str, Any] = {"next_step": s.step + 1}
-        if self.state and not s.refused:
-            data_position[STATE_KEY] = {name: _json_state(name, obj) for name, obj in self.state.items()}
         extra: dict[str, Any] = {}
         ck = self.checkpointer
         if ck is not None and s.unsaved and not s.refused:
             extra["ckpt_unsaved"] = s.unsaved
         elif ck is not None:
+            data_position: dict[str, Any] = {"next_step": s.step + 1}
+            if self.state and not s.refused:  # read only for a snapshot
+                data_position[STATE_KEY] = {name: _json_state(name, obj) for name, obj in self.state.items()}
             snap = ck.after_step(s.step, data_position, healthy=not s.refused, why=s.refused)
             self.last_snapshot = snap
             extra |= {"ckpt_blocking_s": round(s.update_wait_s + snap.blocking_s, 6), "ckpt_saved": snap.taken,

@@ -30,9 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 import shutil
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -42,7 +40,7 @@ import torch.distributed as dist
 from safetensors.torch import save_model
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from trainguard.torch import CheckpointConfig, Guard, GuardedStep, GuardError, Stateful, Topology
+from trainguard.torch import CheckpointConfig, Guard, GuardedStep, GuardError, Stateful, Topology, rng_states
 
 __all__ = ["TrainguardCallback"]
 
@@ -152,14 +150,8 @@ class TrainguardCallback(TrainerCallback):
             (folder / "trainer_state.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
-        numpy = sys.modules.get("numpy")
-        rng: dict[str, Any] = {"python": random.getstate(), "cpu": torch.random.get_rng_state()}
-        if numpy is not None:
-            rng["numpy"] = numpy.random.get_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.random.get_rng_state_all()
         name = f"rng_state_{args.process_index}.pth" if args.world_size > 1 else "rng_state.pth"
-        torch.save(rng, folder / name)  # the Trainer's own format; it never leaves this machine
+        torch.save(rng_states(), folder / name)  # the Trainer's own format; it never leaves this machine
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
         return folder
@@ -181,15 +173,15 @@ class TrainguardCallback(TrainerCallback):
         if self.guard is None:
             raise GuardError("the guard was not restored: call trainer.train(resume_from_checkpoint="
                              "guard.restore(trainer))")
-        restored = self._side.restored if self._side is not None else None
+        assert self._side is not None  # built with the guard
+        restored = self._side.restored
         scheduler = kwargs.get("lr_scheduler")
         if restored and restored.get("scheduler") is not None and scheduler is not None:
             scheduler.load_state_dict(restored["scheduler"])
             # a new scheduler set the optimizer's rates to its first step's; the restored step's rates go back
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr
-        if self._side is not None:
-            self._side.restored = None
+        self._side.restored = None
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
