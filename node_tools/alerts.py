@@ -96,6 +96,10 @@ ALERT_KINDS: dict[str, str] = {
     "throughput_decline": "a job's tokens/s stayed well below its own trailing median for several steps",
     # the control plane's own findings about trainguard's parts
     "agent_silent": "a machine's agent published no heartbeat for longer than its threshold (stopped, hung or gone)",
+    "job_down": "the reconciler found the job's process not running on a machine while the fleet database says the "
+                "job runs and no incident handles it",
+    "job_stalled": "the reconciler found every machine running the job but its lowest step unchanged for longer than "
+                   "TG_RECONCILE_STALL_S, no rank holding still, and no incident handling it",
 }
 
 #: Kinds published to the bus's notices folder instead of its alerts.

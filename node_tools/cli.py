@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="after the stop, add the job's checkpoint copies here (what 'tg-node ckpt list' says)")
     jq = jsub.add_parser("status")
     jq.add_argument("--job", required=True)
+    jq.add_argument("--brief", action="store_true",
+                    help="each rank's process, step and status from its heartbeat only (no step history read): "
+                         "the reconciler's look every few seconds")
     jr = jsub.add_parser("steps", help="a rank's step records")
     jr.add_argument("--job", required=True)
     jr.add_argument("--rank", type=int, required=True)
@@ -320,7 +323,7 @@ def run(argv: list[str]) -> tuple[int, Any]:
         if ns.action == "steps":
             return EXIT_OK, job.steps(cfg, ns.job, ns.rank, since=ns.since, incarnation=ns.incarnation,
                                       since_ts=ns.since_ts)
-        return EXIT_OK, job.status(cfg, job.check_job_name(ns.job))
+        return EXIT_OK, job.status(cfg, job.check_job_name(ns.job), brief=ns.brief)
     if ns.command == "standby":
         from trainguard.node_tools import job, standby
 

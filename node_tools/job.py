@@ -343,12 +343,13 @@ def _recent_compute(steps: list[dict[str, Any]], incarnation: Any, n: int = 5) -
     return round(statistics.median(values), 6) if values else None
 
 
-def rank_status(rd: Path, rank: int, now: float) -> dict[str, Any]:
+def rank_status(rd: Path, rank: int, now: float, *, brief: bool = False) -> dict[str, Any]:
+    """A rank as its heartbeat and the process table say; with its step history's last record and recent
+    compute time unless ``brief`` (the history is not read)."""
     hb = monitor.read_heartbeat(rd, rank) or {}
-    steps = monitor.read_steps(rd, rank)
     pid = hb.get("pid")
     state = procs.proc_state(pid, hb.get("pid_start")) if pid else None
-    return {
+    out = {
         "rank": rank,
         "pid": pid,
         "process_state": state or "gone",
@@ -356,13 +357,18 @@ def rank_status(rd: Path, rank: int, now: float) -> dict[str, Any]:
         "step": hb.get("step"),
         "alive_age_s": round(now - hb["alive_ts"], 3) if "alive_ts" in hb else None,
         "progress_age_s": round(now - hb["progress_ts"], 3) if "progress_ts" in hb else None,
-        "collectives": hb.get("collectives", {}),
-        "last_step": steps[-1] if steps else None,
-        "recent_compute_s": _recent_compute(steps, steps[-1].get("incarnation")) if steps else None,
     }
+    if brief:
+        return out
+    steps = monitor.read_steps(rd, rank)
+    return {**out, "collectives": hb.get("collectives", {}),
+            "last_step": steps[-1] if steps else None,
+            "recent_compute_s": _recent_compute(steps, steps[-1].get("incarnation")) if steps else None}
 
 
-def status(cfg: NodeConfig, job: str) -> dict[str, Any]:
+def status(cfg: NodeConfig, job: str, *, brief: bool = False) -> dict[str, Any]:
+    """The job's part on this machine: its state (running, exited, absent), incarnation, revision, exit code and
+    every rank's status (:func:`rank_status`; ``brief``: from the heartbeats only)."""
     rd = run_dir(cfg, job)
     record = _read_json(rd / "job.json")
     now = time.time()
@@ -376,7 +382,7 @@ def status(cfg: NodeConfig, job: str) -> dict[str, Any]:
         "revision": (record.get("spec") or {}).get("revision") if record else None,
         "returncode": exit_doc.get("returncode") if exit_doc else None,
         "run_dir": str(rd),
-        "ranks": [rank_status(rd, r, now) for r in ranks],
+        "ranks": [rank_status(rd, r, now, brief=brief) for r in ranks],
     }
 
 

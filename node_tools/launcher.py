@@ -208,11 +208,14 @@ def stop_sessions(inv: Inventory, job: str, machines: Sequence[Machine], *, grac
 
 
 def status(inv: Inventory, job: str, machines: Sequence[Machine], *, timeout: float = 20.0,
-           transport: Transport | None = None) -> dict[str, Any]:
-    """Each machine's ``tg-node job status``; unreachable machines appear with an "error"."""
+           transport: Transport | None = None, brief: bool = False) -> dict[str, Any]:
+    """Each machine's ``tg-node job status`` (``--brief`` with ``brief``); unreachable machines appear with an
+    "error"."""
     check_job_name(job)
     transport = transport or transport_for(inv)
-    results = transport.run_many(machines, lambda m: [inv.tg_node, "job", "status", "--job", job], timeout=timeout)
+    extra = ["--brief"] if brief else []
+    results = transport.run_many(machines, lambda m: [inv.tg_node, "job", "status", "--job", job, *extra],
+                                 timeout=timeout)
     out: dict[str, Any] = {}
     for name, res in results.items():
         doc = res.json()

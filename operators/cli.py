@@ -119,12 +119,12 @@ def print_result(args: argparse.Namespace, document: Any, text: str | None = Non
 
 def cmd_ettr(args: argparse.Namespace) -> int:
     from trainguard.operators.control import ControlConfig, Controller
-    from trainguard.operators.hooks.fleet import fleet_store
+    from trainguard.operators.fleet import FleetStore
 
     if args.window_s <= 0:
         raise TrainguardError(f"--window-s {args.window_s} must be above 0", exit_code=2)
     cfg = ControlConfig.from_env()
-    report = Controller(cfg, fleet=fleet_store(cfg.fleet_url)).ettr_report(args.job, window_s=args.window_s)
+    report = Controller(cfg, fleet=FleetStore(cfg.fleet_url)).ettr_report(args.job, window_s=args.window_s)
     c, w = report["cumulative"], report["sliding"]
     lines = [f"job {args.job}: ETTR {c['ettr']:.2%} since its first step ({c['kept_steps']} steps kept, "
              f"{c['lost_steps']} recomputed, {c['lost_work_s']:.1f}s of lost work); "
@@ -173,7 +173,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         silent = silent_from_env()
     except ValueError as exc:
         raise TrainguardError(str(exc), exit_code=2) from None
-    doc = status.collect(fleet, silent_s=silent or 15.0, airflow_url=url)
+    doc = status.collect(fleet, silent_s=silent or 15.0, airflow_url=url,
+                         reconcile_period_s=ControlConfig.from_env().reconcile_period_s)
     print_result(args, doc, status.render(doc))
     return EXIT_OK if doc["healthy"] else 1
 

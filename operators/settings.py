@@ -39,6 +39,10 @@ class ControlSettings(BaseModel):
     model_config = {"frozen": True}
 
     fleet_url: str = Field(".tg/fleet.db", description="the fleet database: a SQLite path or a SQLAlchemy URL")
+    fleet_retry_s: float = Field(180.0, ge=0.0, le=3600.0,
+                                 description="how long the control plane's tasks and triggers wait out a fleet "
+                                             "database that does not answer (a restart, a network blip) before "
+                                             "they fail, seconds (0: fail at once)")
     inventory: str = Field(".tg/cluster/inventory.json", description="the inventory file")
     dry_run: bool = Field(False, description="record every decision, act on nothing")
     breaker_share: float = Field(0.5, ge=0.0, le=1.0, description="at most this share of a job's machines is "
@@ -72,6 +76,18 @@ class ControlSettings(BaseModel):
     agent_silent_s: float = Field(DEFAULT_SILENT_S, description="an agent of a running job silent this long is an "
                                                                 "incident, seconds (0: off; at least 5, agents beat "
                                                                 "every 2 s)")
+    reconcile_period_s: float = Field(10.0, ge=0.0, le=300.0,
+                                      description="how often the reconciler looks at every running job behind the "
+                                                  "incidents (processes, progress, unhandled faults, incidents "
+                                                  "without a live run), seconds (0: off)")
+    reconcile_confirm_s: float = Field(15.0, ge=0.0, description="a job process found not running is an incident "
+                                                                 "once a second look this much later finds the "
+                                                                 "same, seconds")
+    reconcile_stall_s: float = Field(300.0, ge=10.0, description="a job whose lowest step has not moved for this long "
+                                                                 "(no rank holding still, no incident) is an "
+                                                                 "incident, seconds")
+    reconcile_grace_s: float = Field(60.0, ge=0.0, description="an open incident without a live run for this long "
+                                                               "gets a new run, seconds")
     lazy_force_s: float = Field(86400.0, ge=0.0, description="a lazy code update still pending after this long is "
                                                              "applied by a hot update, seconds")
     known_good_steps: int = Field(200, ge=1, description="healthy steps after which the code-update sweep marks "

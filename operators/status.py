@@ -4,6 +4,8 @@ What it reads, and what it calls unhealthy (exit 1; 0 when all is well, 2 when i
 
 * **guardian**: when it last polled the bus (its trigger records that every few seconds in the fleet
   database): older than ``STALE_S`` means nothing is watching the alerts;
+* **reconciler**: when it last took its look at the running jobs (``tg_reconcile``'s trigger records every pass):
+  older than three periods (at least ``STALE_S``) means nothing looks behind the incidents;
 * **airflow**: the api-server's ``/api/v2/monitor/health`` (metadatabase, scheduler, triggerer, dag
   processor), when an Airflow URL is known;
 * **agents**: for every machine serving a running job, how long ago the guardian saw its heartbeat change
@@ -49,18 +51,29 @@ def airflow_health(url: str, *, timeout: float = 5.0) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {"error": f"{url}: not a health document"}
 
 
-def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: float | None = None
-            ) -> dict[str, Any]:
-    """The status document; ``problems`` lists every line that needs a human's attention."""
+def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: float | None = None,
+            reconcile_period_s: float = 10.0) -> dict[str, Any]:
+    """The status document; ``problems`` lists every line that needs a human's attention.
+    ``reconcile_period_s``: the reconciler's period (0: it is off and not checked)."""
     now = time.time() if now is None else now
     problems: list[str] = []
-    guardian = fleet.components().get("guardian")
+    components = fleet.components()
+    guardian = components.get("guardian")
     g_age = None if guardian is None else round(now - guardian.seen_ts, 1)
     if g_age is None:
         problems.append("the guardian has never polled the bus: is tg_guardian unpaused and the triggerer up?")
     elif g_age > STALE_S:
         problems.append(f"the guardian last polled the bus {g_age:.0f}s ago: nothing watches the alerts; check "
                         f"the triggerer and tg_guardian's run")
+    reconciler = components.get("reconciler")
+    r_age = None if reconciler is None else round(now - reconciler.seen_ts, 1)
+    if reconcile_period_s > 0:
+        if r_age is None:
+            problems.append("the reconciler has never looked at the jobs: is tg_reconcile unpaused and the "
+                            "triggerer up?")
+        elif r_age > max(STALE_S, 3 * reconcile_period_s):
+            problems.append(f"the reconciler last looked at the jobs {r_age:.0f}s ago: nothing looks behind the "
+                            f"incidents; check the triggerer and tg_reconcile's run")
     airflow: dict[str, Any] = {}
     if airflow_url:
         airflow = airflow_health(airflow_url)
@@ -100,6 +113,7 @@ def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: f
     return {
         "ts": now,
         "guardian": {"last_poll_age_s": g_age, **(guardian.detail if guardian else {})},
+        "reconciler": {"last_pass_age_s": r_age, **(reconciler.detail if reconciler else {})},
         "airflow": airflow,
         "agents": agents,
         "jobs": [{"job": j.name, "state": j.state, "machines": j.machine_list, "revision": j.revision}
@@ -119,6 +133,10 @@ def render(doc: dict[str, Any]) -> str:
     polled = "never polled" if age is None else f"polled {age:.1f}s ago"
     watching = f", watching {g['watched']} machines" if "watched" in g else ""
     lines = [f"guardian   {polled}{watching}"]
+    r = doc.get("reconciler") or {}
+    if r.get("last_pass_age_s") is not None:
+        lines.append(f"reconciler looked {r['last_pass_age_s']:.1f}s ago (pass {r.get('passes', '?')}, "
+                     f"every {r.get('period_s', '?')}s)")
     a = doc["airflow"]
     if a:
         parts = ("metadatabase", "scheduler", "triggerer", "dag_processor")

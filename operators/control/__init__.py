@@ -12,7 +12,9 @@ elsewhere). Its parts, one module each:
 - :mod:`~trainguard.operators.control.diagnosis`: stop-time diagnosis (L1-L3, alignment) and the probe;
 - :mod:`~trainguard.operators.control.analysis`: stacks of a hang and the fail-slow vote;
 - :mod:`~trainguard.operators.control.replay`: dual-phase replay;
-- :mod:`~trainguard.operators.control.ettr`: the ETTR ledger.
+- :mod:`~trainguard.operators.control.ettr`: the ETTR ledger;
+- :mod:`~trainguard.operators.control.reconcile`: the reconciler's looks behind the incidents, and what it does
+  about what it finds.
 
 Every method that changes fleet state goes through :class:`trainguard.operators.fleet.store.FleetStore` (one
 transaction, idempotent), records an action with its evidence, and in dry-run mode records the decision
@@ -28,11 +30,12 @@ from trainguard.operators.control.ettr import EttrLedger
 from trainguard.operators.control.evictions import Evictions
 from trainguard.operators.control.incidents import Incidents
 from trainguard.operators.control.jobs import JobLifecycle
+from trainguard.operators.control.reconcile import Reconciliation
 from trainguard.operators.control.replay import Replay
 
 __all__ = ["ControlConfig", "Controller", "asdict_action", "neighbour_groups"]
 
 
-class Controller(Incidents, JobLifecycle, Evictions, Diagnosis, RuntimeAnalysis, Replay, EttrLedger):
+class Controller(Incidents, JobLifecycle, Evictions, Diagnosis, RuntimeAnalysis, Replay, EttrLedger, Reconciliation):
     """The control plane's actions on one fleet: every part above over one fleet database, inventory and
     transport."""

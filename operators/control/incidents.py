@@ -164,6 +164,23 @@ class Incidents(ControllerBase):
         return self.fleet.take_over(incident_id, watched=ladder.WATCHED, category=t.category,
                                     summary=f"{inc.category} vote taken over: {t.reason}")
 
+    def triage_again(self, incident_id: int) -> ladder.Triage:
+        """Every alert of the incident triaged again, those that joined after its decision included."""
+        return self._triage(self.fleet.incident(incident_id).job, incident_id)
+
+    def not_training(self, job: str) -> str:
+        """"" when every rank of the job finishes a step now (:meth:`trains`), else what its machines say."""
+        if self.trains(job):
+            return ""
+        try:
+            seen = self.progress(job)
+        except TrainguardError as exc:
+            return f"its machines cannot be read ({exc})"[:300]
+        down = {m: st for m, st in seen["states"].items() if st != "running"}
+        if down:
+            return "not running on " + ", ".join(f"{m} ({st})" for m, st in sorted(down.items()))[:300]
+        return f"no step past {seen['step']} within 15s"
+
     def _triage(self, job_name: str, incident_id: int) -> ladder.Triage:
         job = self.fleet.job(job_name)
         alerts = [a.document for a in self.fleet.alerts_of(incident_id)]

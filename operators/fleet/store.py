@@ -10,6 +10,9 @@ double eviction.
 
 from __future__ import annotations
 
+import functools
+import logging
+import threading
 import time
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -54,6 +57,48 @@ class FleetError(TrainguardError):
     exit_code = EXIT_REFUSED
 
 
+class FleetUnavailable(FleetError):
+    """The fleet database did not answer (a restart, its file moved away, a dropped connection) for longer than
+    the store waits (``retry_s``)."""
+
+    exit_code = 2
+
+
+log = logging.getLogger(__name__)
+#: the first wait between two tries of a call the database did not answer, and the longest one, seconds
+RETRY_FIRST_S, RETRY_MAX_S = 0.25, 4.0
+_CALLING = threading.local()  # a retrying call in progress on this thread: the calls it makes do not retry again
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database is unavailable now (not that the call is wrong): a connection refused
+    or dropped, a server restarting, a file that cannot be opened, a lock held too long. Retrying the whole
+    call is safe: each is one transaction, rolled back when it failed."""
+    if isinstance(exc, FleetUnavailable):
+        return True
+    if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError))
+
+
+def _retrying(fn: Any) -> Any:
+    """``fn`` (a public method of :class:`FleetStore`) tried again, with a growing wait, while the database is
+    unavailable (:func:`transient`), for at most the store's ``retry_s``; then a one-line
+    :class:`FleetUnavailable`. Calls made from within a retrying call are not retried on their own."""
+
+    @functools.wraps(fn)
+    def call(self: FleetStore, *args: Any, **kwargs: Any) -> Any:
+        if self.retry_s <= 0 or getattr(_CALLING, "active", False):
+            return fn(self, *args, **kwargs)
+        _CALLING.active = True
+        try:
+            return self._patiently(fn.__name__, lambda: fn(self, *args, **kwargs))
+        finally:
+            _CALLING.active = False
+
+    return call
+
+
 def _chunks(items: Sequence[Any], size: int = CHUNK) -> Iterator[list[Any]]:
     """``items`` in consecutive lists of at most ``size``."""
     for start in range(0, len(items), size):
@@ -92,28 +137,71 @@ _FREE = select(Machine.name).where(Machine.state == states.STANDBY, Machine.job.
 class FleetStore:
     """The fleet database of one control plane."""
 
-    def __init__(self, url: str | Path, *, clock: Any = time.time, migrate: bool = False) -> None:
+    def __init__(self, url: str | Path, *, clock: Any = time.time, migrate: bool = False,
+                 retry_s: float = 0.0) -> None:
+        """``retry_s``: how long a call waits out an unavailable database (:func:`transient`) before it fails
+        (0: at once; the control plane's tasks and triggers wait ``TG_FLEET_RETRY_S``). Opened without
+        ``migrate``, a SQLite file is never created: one that is missing is an error (or, with ``retry_s``,
+        waited for: a file moved away and back)."""
         self.url = url_for(url)
-        if self.url.startswith("sqlite:///") and migrate:
-            Path(self.url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+        self.retry_s = float(retry_s)
+        sqlite_path = self.url.removeprefix("sqlite:///") if self.url.startswith("sqlite:///") else ""
+        if sqlite_path and migrate:
+            Path(sqlite_path).parent.mkdir(parents=True, exist_ok=True)
         try:
-            self.engine = sa.create_engine(self.url)
+            # read-write, never create: a connection made while the file is away fails instead of leaving an
+            # empty database in its place
+            engine_url = f"sqlite:///file:{sqlite_path}?mode=rw&uri=true" if sqlite_path and not migrate else self.url
+            self.engine = sa.create_engine(engine_url, pool_pre_ping=not sqlite_path)
         except (sa.exc.ArgumentError, ImportError) as exc:
             raise FleetError(f"fleet database URL {url!s} is not usable ({exc}); give a SQLite path or a "
                              f"postgresql:// URL", exit_code=2) from None
         if self.engine.dialect.name == "sqlite":
             _sqlite_immediate(self.engine)
-        try:
-            self.migrations_applied: list[int] = []
-            if migrate:
+        self.migrations_applied: list[int] = []
+        if migrate:
+            try:
                 self.migrations_applied = apply_migrations(self.engine)
-            else:
-                self._check_schema(url)
-        except sa.exc.OperationalError as exc:
-            raise FleetError(f"fleet database {self.url} cannot be opened ({exc.orig!s}); check the path "
-                             f"or URL and its permissions", exit_code=2) from None
+            except sa.exc.OperationalError as exc:
+                raise FleetError(f"fleet database {self.url} cannot be opened ({exc.orig!s}); check the path "
+                                 f"or URL and its permissions", exit_code=2) from None
+        else:
+            self._patiently("open", lambda: self._check_schema(url), missing_is_transient=True)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self.clock = clock
+
+    def _patiently(self, what: str, call: Any, *, missing_is_transient: bool = False) -> Any:
+        """``call()``, tried again while the database is unavailable, for at most ``retry_s`` (0: once)."""
+        import tenacity
+
+        def again(exc: BaseException) -> bool:
+            return transient(exc) or (missing_is_transient and isinstance(exc, FleetError)
+                                      and "does not exist" in str(exc))
+
+        def waited(state: tenacity.RetryCallState) -> None:
+            log.warning("fleet database %s unavailable for %s (try %d): %s", self._safe_url(), what,
+                        state.attempt_number, state.outcome.exception() if state.outcome else "")
+
+        try:
+            for attempt in tenacity.Retrying(
+                    retry=tenacity.retry_if_exception(again), reraise=True, before_sleep=waited,
+                    wait=tenacity.wait_exponential(multiplier=RETRY_FIRST_S, max=RETRY_MAX_S),
+                    stop=tenacity.stop_after_delay(max(0.0, self.retry_s))):
+                with attempt:
+                    return call()
+        except FleetError:
+            raise
+        except sa.exc.SQLAlchemyError as exc:
+            if not transient(exc):
+                raise
+            orig = getattr(exc, "orig", None) or exc
+            waited_s = f" for {self.retry_s:.0f}s" if self.retry_s > 0 else ""
+            raise FleetUnavailable(f"fleet database {self._safe_url()} did not answer{waited_s} ({str(orig)[:200]}); "
+                                   f"check that it runs and TG_FLEET_URL names it") from None
+        return None  # not reached: the last try returns or raises
+
+    def _safe_url(self) -> str:
+        return self.engine.url.render_as_string(hide_password=True) if hasattr(self, "engine") else self.url
 
     def _check_schema(self, url: str | Path) -> None:
         """Refuse a database whose schema is not this code's (none yet, older, or newer), in one line."""
@@ -287,6 +375,18 @@ class FleetStore:
                            .group_by(MachineEvent.machine))
             before = list(s.scalars(select(MachineEvent).where(MachineEvent.id.in_(last_before))))
             return sorted(before + later, key=lambda e: e.id)
+
+    def joined_ts(self, names: Collection[str]) -> dict[str, float]:
+        """When each of ``names`` last became active (joined the job it serves), from its audit trail; machines
+        never active are left out."""
+        out: dict[str, float] = {}
+        with self.tx() as s:
+            for chunk in _chunks(sorted(set(names))):
+                rows = s.execute(select(MachineEvent.machine, sa.func.max(MachineEvent.ts))
+                                 .where(MachineEvent.machine.in_(chunk), MachineEvent.to_state == states.ACTIVE)
+                                 .group_by(MachineEvent.machine))
+                out.update({str(m): float(ts) for m, ts in rows})
+        return {m: float(ts) for m, ts in out.items()}
 
     # ---- jobs --------------------------------------------------------------------------------
     def upsert_job(self, name: str, *, tp: int, pp: int, dp: int, ranks_per_machine: int,
@@ -611,6 +711,11 @@ class FleetStore:
                 self._record_liveness(s, liveness)
             return out
 
+    def record_liveness(self, liveness: Mapping[str, Mapping[str, Any]]) -> None:
+        """The agents' ``liveness`` as a reader sees it now (the machines whose record changed are written)."""
+        with self.tx() as s:
+            self._record_liveness(s, {m: dict(v) for m, v in liveness.items()})
+
     def _record_liveness(self, s: Session, liveness: dict[str, dict[str, Any]]) -> None:
         """The agents' ``liveness`` as the reader last saw it, within ``s``: only the machines whose record
         changed are written (the reader sends every watched machine's each time; most have not changed)."""
@@ -705,6 +810,21 @@ class FleetStore:
             return set()
         with self.tx() as s:
             return self._recorded_alerts(s, ids)
+
+    def alerts_on(self, machines: Collection[str], *, kinds: Collection[str], since: float = 0.0) -> list[Alert]:
+        """The alerts of ``kinds`` about ``machines`` recorded at ``since`` or later, oldest first."""
+        out: list[Alert] = []
+        with self.tx() as s:
+            for chunk in _chunks(sorted(set(machines))):
+                out += s.scalars(select(Alert).where(Alert.machine.in_(chunk), Alert.kind.in_(sorted(kinds)),
+                                                     Alert.ts >= since))
+        return sorted(out, key=lambda a: a.ts)
+
+    def in_flight(self, key_prefix: str) -> list[Action]:
+        """Actions whose key starts with ``key_prefix`` that started and have not finished (a launch under way)."""
+        with self.tx() as s:
+            return list(s.scalars(select(Action).where(Action.key.startswith(key_prefix, autoescape=True),
+                                                       Action.finished_ts.is_(None))))
 
     def incident(self, incident_id: int) -> Incident:
         with self.tx() as s:
@@ -854,3 +974,10 @@ class FleetStore:
     def ettr_events(self, job: str) -> list[EttrEvent]:
         with self.tx() as s:
             return list(s.scalars(select(EttrEvent).where(EttrEvent.job == job).order_by(EttrEvent.start_ts)))
+
+
+# every public call of the store is one transaction: tried again while the database is unavailable
+for _name, _fn in list(vars(FleetStore).items()):
+    if not _name.startswith("_") and callable(_fn) and not isinstance(_fn, (staticmethod, classmethod)) \
+            and _name not in ("close", "tx"):
+        setattr(FleetStore, _name, _retrying(_fn))

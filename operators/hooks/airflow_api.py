@@ -108,6 +108,17 @@ class AirflowApi:
         """``/api/v2/monitor/health``: the metadatabase's, scheduler's, triggerer's, dag processor's."""
         return self.request("GET", "/api/v2/monitor/health", auth=False, repeatable=False)
 
+    def live_runs(self, dag_id: str, *, page: int = 100) -> list[str]:
+        """The ids of ``dag_id``'s runs that are queued or running (a deferred task's run is running)."""
+        out: list[str] = []
+        while True:
+            doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns?state=queued&state=running&limit={page}"
+                                      f"&offset={len(out)}") or {}
+            runs = [str(r["dag_run_id"]) for r in doc.get("dag_runs") or ()]
+            out += runs
+            if len(runs) < page:
+                return out
+
     def trigger_run(self, dag_id: str, conf: dict[str, Any], *, run_id: str = "") -> str:
         """Start a run of ``dag_id`` with ``conf`` (as the UI's trigger form does); its run id. The run id is
         chosen here, so a try whose answer was lost is repeated safely: a 409 says it landed."""

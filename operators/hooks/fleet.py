@@ -39,12 +39,12 @@ _LOCK = threading.Lock()
 
 def fleet_store(url: str | Path) -> FleetStore:
     """The process's one :class:`FleetStore` (and engine) for ``url``: its schema checked the first time,
-    never migrated."""
+    never migrated; a database that does not answer is waited for up to ``TG_FLEET_RETRY_S`` on every call."""
     key = url_for(url)
     with _LOCK:
         store = _STORES.get(key)
         if store is None:
-            store = _STORES[key] = FleetStore(key)
+            store = _STORES[key] = FleetStore(key, retry_s=ControlSettings.from_env().fleet_retry_s)
         return store
 
 

@@ -42,11 +42,11 @@ FATAL_XIDS = frozenset({48, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
 EXPLICIT = frozenset({"gpu_lost", "gpu_ecc", "disk_full", "disk_readonly", "kernel_mce", "kernel_fs"})
 XID = frozenset({"gpu_xid", "kernel_xid"})
 NETWORK = frozenset({"nic_down", "nic_errors", "kernel_link"})
-HANG = frozenset({"rank_hang", "rank_stopped"})
+HANG = frozenset({"rank_hang", "rank_stopped", "job_stalled"})
 SLOW = frozenset({"rank_slow", "throughput_decline"})
 NUMERIC = frozenset({"nan_loss"})
 SDC = frozenset({"sdc_suspect"})
-CRASH = frozenset({"rank_exit", "kernel_oom"})
+CRASH = frozenset({"rank_exit", "kernel_oom", "job_down"})
 AGENT = frozenset({"agent_silent"})
 OBSERVE = frozenset({"loss_spike", "grad_spike", "gpu_thermal", "gpu_pcie"})
 
@@ -340,6 +340,18 @@ def supersedes(current: str, t: Triage) -> bool:
     ``current`` that is still being watched (no action taken yet): a stronger category that calls for
     more than tolerating or observing."""
     if current not in WATCHED or t.category == current or t.category not in CATEGORIES:
+        return False
+    if CATEGORIES.index(t.category) > CATEGORIES.index(current):
+        return False
+    return decide(t).action not in ("tolerate", "observe")
+
+
+def outranks(current: str, t: Triage) -> bool:
+    """Whether the incident's alerts, triaged again as ``t`` before it closes, say something its decision (made
+    for ``current``) does not explain: a stronger category that calls for more than tolerating or observing
+    (a crash or a hang that joined a fail-slow vote, a network incident that was tolerated ...). The incident
+    is then triaged again instead of closing."""
+    if t.category == current or t.category not in CATEGORIES or current not in CATEGORIES:
         return False
     if CATEGORIES.index(t.category) > CATEGORIES.index(current):
         return False

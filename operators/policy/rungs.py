@@ -48,3 +48,10 @@ TASK_IDS: tuple[str, ...] = tuple(r.task_id for r in RUNGS)
 def branch(action: str) -> str:
     """The task that handles the ladder's ``action``."""
     return BRANCHES.get(str(action), NO_RECOVERY)
+
+
+def run_id(incident_id: int, taken_over: str = "") -> str:
+    """The id of the tg_incident run of an incident: one per incident (``incident__7``), and one more each
+    time it is handed to a new run (``taken_over``: stronger alerts took a slow vote over, alerts that joined
+    re-triaged it, the reconciler drove it again after its run failed)."""
+    return f"incident__{int(incident_id)}" + (f"__{taken_over}" if taken_over else "")

@@ -18,9 +18,11 @@ from typing import Any
 
 from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.policy.rungs import run_id
 from trainguard.operators.tasks import common
 
 INCIDENT_DAG = "tg_incident"
+__all__ = ["INCIDENT_DAG", "alert_source", "group_alerts", "orphans", "run_id", "start_runs", "start_soon"]
 # an open incident without a run this old is an orphan (its run's start was lost); younger: being started
 ORPHAN_AFTER_S = 20.0
 
@@ -32,12 +34,6 @@ def alert_source() -> tuple[str, str]:
     cfg = ControlConfig.from_env()
     inv = Inventory.load(Path(cfg.inventory))
     return inv.bus_url, cfg.fleet_url
-
-
-def run_id(incident_id: int, taken_over: str = "") -> str:
-    """The id of the tg_incident run of an incident: one per incident, and one more when stronger alerts
-    took a slow vote's incident over (``taken_over``: its new category)."""
-    return f"incident__{int(incident_id)}" + (f"__{taken_over}" if taken_over else "")
 
 
 def group_alerts(event: dict[str, Any], c: Controller | None = None) -> list[dict[str, Any]]:
@@ -73,6 +69,27 @@ def start_runs(starts: list[dict[str, Any]], api: Any) -> dict[str, str]:
         except ApiError as exc:
             out[s["trigger_run_id"]] = "exists" if exc.status == 409 else f"not started: {exc}"[:300]
     return out
+
+
+def start_soon(starts: list[dict[str, Any]]) -> dict[str, str]:
+    """Start the tg_incident runs ``starts`` names from inside a task or a trigger, through the Airflow connection
+    ``TG_AIRFLOW_API_CONN_ID`` (default ``tg_airflow_api``); each run id -> what happened. Never raises: a run
+    that could not be started is started by the reconciler's next pass (an open incident without a live run)."""
+    import logging
+    import os
+
+    from trainguard.operators.hooks.airflow_api import AirflowApiHook
+
+    if not starts:
+        return {}
+    conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
+    try:
+        with AirflowApiHook(conn_id, retry_s=10.0).get_client() as api:
+            return start_runs(starts, api)
+    except Exception as exc:  # no connection, the api-server down: the reconciler starts it
+        logging.getLogger(__name__).warning("could not start %s now (%s); the reconciler will",
+                                            [s["trigger_run_id"] for s in starts], exc)
+        return {s["trigger_run_id"]: f"not started: {exc}"[:300] for s in starts}
 
 
 def orphans(c: Controller, *, older_than_s: float = ORPHAN_AFTER_S, now: float | None = None) -> list[dict[str, Any]]:

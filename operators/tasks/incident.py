@@ -425,17 +425,60 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
     if (recovery or {}).get("not_evicted") and c.trains(inc.job):  # closed (failed), so that later alerts
         # open incidents of their own instead of joining one that waits while the job trains
         return closed(FAILED, recovery["not_evicted"])
-    if vote and not vote.get("machines"):
-        return closed(RESOLVED, f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing "
-                                  f"slowdown, nothing evicted")
-    if decision and decision.get("action") in ("tolerate", "observe"):
-        return closed(RESOLVED, f"no recovery needed ({decision['action']})")
-    if recovery and recovery.get("resolved"):  # a rung that needed no restart (an agent restarted ...)
-        return closed(RESOLVED, str(recovery["resolved"]))
+    spared = _spared(decision, recovery)
+    if spared:  # nothing was restarted: whether the job trains is observed, never assumed
+        again = _triage_again(c, incident_id)
+        if again is not None:
+            return again
+        why = c.not_training(inc.job)
+        if why:
+            return escalation_step(c, incident_id, f"{spared}; but the job does not train: {why}")
+        return closed(RESOLVED, spared)
     if c.trains(inc.job):
         return closed(FAILED, "the incident's run ended without a recovery while the job trains on; next: look at "
                                 "its tasks' logs")
     return escalation_step(c, incident_id, "the incident's run ended without a recovery and the job does not train")
+
+
+def _spared(decision: dict[str, Any] | None, recovery: dict[str, Any] | None) -> str:
+    """Why the incident's decision needed no restart ("" when it needed one): a slow vote that evicted nothing,
+    a decision to tolerate or observe, a rung that fixed what it found in place (an agent restarted ...)."""
+    vote = (recovery or {}).get("vote") or {}
+    if vote and not vote.get("machines"):
+        return (f"no rank stood out in most of {len(vote['rounds'])} rounds: a shared or passing slowdown, nothing "
+                f"evicted")
+    if decision and decision.get("action") in ("tolerate", "observe"):
+        return f"no recovery needed ({decision['action']})"
+    if recovery and recovery.get("resolved"):
+        return str(recovery["resolved"])
+    return ""
+
+
+def _triage_again(c: Controller, incident_id: int) -> dict[str, Any] | None:
+    """Before an incident closes without a restart: alerts that joined after its decision and say something
+    stronger (a crash during a slow vote, a hang while a network flap was tolerated) re-triage it. The incident
+    takes their category and a new tg_incident run handles it through the ladder (started now when the REST
+    API answers, else by the reconciler's next pass); this run ends without closing it. None when nothing
+    joined that its decision does not explain."""
+    from trainguard.operators.policy import ladder
+    from trainguard.operators.tasks import guardian
+
+    inc = c.fleet.incident(incident_id)
+    t = c.triage_again(incident_id)
+    if not ladder.outranks(inc.category, t):
+        return None
+    run = guardian.run_id(incident_id, f"{t.category}_{len(c.fleet.actions(incident_id))}")
+    c.fleet.update_incident(incident_id, category=t.category,
+                            summary=f"{inc.summary}; alerts that joined after its decision: {t.reason}; "
+                                    f"next: triaged again (run {run})"[-2000:])
+    action, _ = c.fleet.record_action(f"retriage:{incident_id}:{t.category}", kind="retriage",
+                                      incident_id=incident_id, machines=list(t.machines),
+                                      evidence={"from": inc.category, "to": t.category, "reason": t.reason[:500],
+                                                "run": run})
+    c.fleet.finish_action(action.id, "done")
+    started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": inc.job, "first_seen_ts": None},
+                                    "trigger_run_id": run}])
+    return {"done": {**c.timeline(incident_id), "triaged_again": {"run": run, "started": started.get(run)}}}
 
 
 def _escalated_before(c: Controller, incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None:

@@ -86,6 +86,18 @@ def _fleet(fleet_url: str) -> Any:
     return fleet_store(fleet_url) if fleet_url else None
 
 
+def triggerer_api() -> Any:
+    """The REST API's client of the triggerer's triggers, one per process and connection (its token kept): built on
+    first use, from the connection ``TG_AIRFLOW_API_CONN_ID`` (default ``tg_airflow_api``)."""
+    from trainguard.operators.hooks.airflow_api import AirflowApiHook
+
+    conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
+    with _API_LOCK:
+        if conn_id not in _APIS:
+            _APIS[conn_id] = AirflowApiHook(conn_id, retry_s=10.0).get_client()
+        return _APIS[conn_id]
+
+
 def watched_machines(fleet: Any) -> dict[str, str]:
     """Machines whose agent must be alive: active ones serving a running job (machine -> job)."""
     from trainguard.operators.fleet import states
@@ -170,6 +182,8 @@ class _Watch:
                 self.next["beat"] = mono + BEAT_EVERY_S
                 self.fleet.beat(self.reader_name, {"polls": self.polls, "watched": len(self.watched),
                                                    "pid": os.getpid()})
+                if self.watch is not None and self.commits:  # what it saw of the agents, kept as fresh as its beat
+                    self.fleet.record_liveness(self.watch.state)
         return out
 
     def event(self, batch: list[dict[str, Any]], first_seen: float) -> dict[str, Any]:
@@ -281,14 +295,7 @@ class AlertTrigger(BaseTrigger):
         return out
 
     def _api(self) -> Any:
-        """The REST API's client, one per triggerer process (its token kept): built on first use."""
-        from trainguard.operators.hooks.airflow_api import AirflowApiHook
-
-        conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
-        with _API_LOCK:
-            if conn_id not in _APIS:
-                _APIS[conn_id] = AirflowApiHook(conn_id, retry_s=10.0).get_client()
-            return _APIS[conn_id]
+        return triggerer_api()
 
     def _warm(self) -> None:
         from trainguard.operators.tasks import common

@@ -1,0 +1,189 @@
+"""The reconciler's judgement, as plain functions: what should be against what is, level-triggered.
+
+Alerts open incidents on edges: a rank exits, a GPU falls off the bus, an agent goes quiet. An edge can be
+lost: an alert absorbed by an incident about something else that closed, a run that failed while the fleet
+database restarted, an alert that never left a machine. The reconciler looks again on its own period (in the
+spirit of a Kubernetes controller's resync), from observation, and finds each difference that no incident
+handles:
+
+* ``job_down``: a job the fleet database calls running whose job process does not run on some of its
+  machines, seen so on two looks at least ``confirm_s`` apart with nothing started in between (a restart,
+  a code update or a launch in flight is not a job down);
+* ``job_stalled``: every machine runs the job, but its lowest finished step has not moved for ``stall_s``
+  (by the reconciler's clock) while no rank holds still on purpose (a rank that found a NaN holds);
+* ``unhandled_fault``: a machine still serving the job with an explicit machine fault (a lost GPU, a fatal
+  Xid ...) recorded after it joined the job, in an incident that closed without evicting it;
+* ``agent_silent``: an agent the guardian finds silent on a machine of the job;
+* ``stuck_incident``: an incident ``open`` with no live tg_incident run (its run failed, or was never
+  started) for longer than ``grace_s``.
+
+A job with an incident being handled (open with a live run, or waiting for a human) is left to it. Each
+finding becomes an incident through the same ladder (an alert of the kind above, ``source: reconciler``), or
+for a stuck incident a new run of it; after :data:`MAX_REDRIVES` runs that failed, it waits for a human.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: the kinds of finding, and the alert kind each opens its incident with
+FINDING_KINDS = ("job_down", "job_stalled", "unhandled_fault", "agent_silent", "stuck_incident")
+#: runs started again for one stuck incident before it waits for a human
+MAX_REDRIVES = 3
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look at one job's machines (``tg-node job status --brief`` on each).
+
+    Attributes:
+        ts: when it was taken, by the reconciler's clock.
+        states: machine -> ``running``, ``exited``, ``absent``, or why it could not be read.
+        incarnations: machine -> the incarnation of its part (changes with every start).
+        step: the lowest step every rank finished (-1: some rank has none yet).
+        held: ranks holding still on purpose (the NaN guard waiting for the control plane).
+    """
+
+    ts: float
+    states: Mapping[str, str]
+    incarnations: Mapping[str, Any] = field(default_factory=dict)
+    step: int = -1
+    held: tuple[int, ...] = ()
+
+    @staticmethod
+    def of(statuses: Mapping[str, Mapping[str, Any]], ts: float) -> Look:
+        """A look from each machine's status document (an ``error`` for a machine that did not answer)."""
+        states, incarnations, steps, held = {}, {}, [], []
+        for name, doc in statuses.items():
+            states[name] = str(doc.get("state") or f"unreadable: {str(doc.get('error', ''))[:120]}")
+            incarnations[name] = doc.get("incarnation")
+            for r in doc.get("ranks") or ():
+                steps.append(r.get("step"))
+                if r.get("status") == "held":
+                    held.append(int(r.get("rank", -1)))
+        step = -1 if not steps or any(not isinstance(s, int) for s in steps) else min(steps)
+        return Look(ts=ts, states=states, incarnations=incarnations, step=step, held=tuple(sorted(held)))
+
+    def down(self) -> list[str]:
+        """Machines whose part of the job does not run (exited or absent; unreadable ones are not counted:
+        a machine that cannot be reached is the agent watch's and the probe's to judge)."""
+        return sorted(m for m, st in self.states.items() if st in ("exited", "absent"))
+
+
+@dataclass
+class JobMemory:
+    """What the reconciler remembers of a job between its looks: the last look, when the lowest step last
+    moved, and a difference seen once and waiting for its confirmation."""
+
+    last: Look | None = None
+    step_moved_ts: float | None = None
+    down_since: Look | None = None
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A difference between what should be and what is that no incident handles."""
+
+    job: str
+    kind: str
+    machines: tuple[str, ...] = ()
+    reason: str = ""
+    incident: int | None = None
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def dump(self) -> dict[str, Any]:
+        return {"job": self.job, "kind": self.kind, "machines": list(self.machines), "reason": self.reason,
+                "incident": self.incident, "evidence": dict(self.evidence)}
+
+    @staticmethod
+    def read(doc: Mapping[str, Any]) -> Finding:
+        return Finding(job=str(doc["job"]), kind=str(doc["kind"]), machines=tuple(doc.get("machines") or ()),
+                       reason=str(doc.get("reason") or ""), incident=doc.get("incident"),
+                       evidence=dict(doc.get("evidence") or {}))
+
+
+def judge_look(job: str, look: Look, memory: JobMemory, *, confirm_s: float, stall_s: float) -> list[Finding]:
+    """Whether one look at a job the fleet database calls running (and no incident handles) shows it down
+    or stalled; updates ``memory``. A machine down is reported on the second look that finds the same machines
+    down with the same incarnations at least ``confirm_s`` after the first; a stall once the lowest step has
+    not moved for ``stall_s`` and no rank holds still."""
+    out: list[Finding] = []
+    last, memory.last = memory.last, look
+    if last is None or look.step != last.step or memory.step_moved_ts is None:
+        memory.step_moved_ts = look.ts
+    down = look.down()
+    if not down:
+        memory.down_since = None
+    else:
+        first = memory.down_since
+        same = first is not None and first.down() == down and all(
+            first.incarnations.get(m) == look.incarnations.get(m) for m in look.states)
+        if not same:
+            memory.down_since = look
+        elif look.ts - first.ts >= confirm_s:
+            seen = ", ".join(f"{m} ({look.states[m]})" for m in down)
+            out.append(Finding(job, "job_down", tuple(down),
+                               reason=f"job {job} is running in the fleet database but its process does not run "
+                                      f"on {seen} (seen {look.ts - first.ts:.0f}s apart) and no incident handles it",
+                               evidence={"states": dict(look.states), "step": look.step}))
+            memory.down_since = None  # reported: the next one needs two looks again
+        return out
+    quiet = look.ts - memory.step_moved_ts
+    if quiet >= stall_s and not look.held and look.step >= 0:
+        out.append(Finding(job, "job_stalled", tuple(sorted(look.states)),
+                           reason=f"job {job} runs on every machine but finished no step past {look.step} for "
+                                  f"{quiet:.0f}s (no rank holds still) and no incident handles it",
+                           evidence={"step": look.step, "quiet_s": round(quiet, 1)}))
+        memory.step_moved_ts = look.ts
+    return out
+
+
+def stuck_incidents(incidents: Sequence[Mapping[str, Any]], live_runs: Collection[str], now: float, *,
+                    grace_s: float) -> list[Finding]:
+    """Open incidents (``{"id", "job", "opened_ts", "redrives"}``) without a live tg_incident run for longer
+    than ``grace_s``. ``live_runs``: the run ids of the runs queued or running (an incident's runs are named
+    ``incident__<id>`` and ``incident__<id>__<more>``)."""
+    live = {r.split("__")[1] for r in live_runs if r.startswith("incident__") and len(r.split("__")) >= 2}
+    out = []
+    for inc in incidents:
+        if str(inc["id"]) in live or now - float(inc["opened_ts"]) < grace_s:
+            continue
+        out.append(Finding(str(inc["job"]), "stuck_incident", incident=int(inc["id"]),
+                           reason=f"incident {inc['id']} of job {inc['job']} is open and no run of it is live "
+                                  f"(its run failed or never started)",
+                           evidence={"redrives": int(inc.get("redrives", 0))}))
+    return out
+
+
+def unhandled_faults(job: str, faults: Sequence[Mapping[str, Any]], joined: Mapping[str, float]) -> list[Finding]:
+    """Explicit machine faults (``{"id", "machine", "kind", "ts", "incident"}``, each of an incident that is
+    closed) on machines still serving ``job``, recorded after the machine joined it (``joined``: machine -> when
+    it last became active for the job): one finding per machine."""
+    by_machine: dict[str, list[Mapping[str, Any]]] = {}
+    for f in faults:
+        since = joined.get(str(f["machine"]))
+        if since is not None and float(f["ts"]) >= since:
+            by_machine.setdefault(str(f["machine"]), []).append(f)
+    out = []
+    for machine, found in sorted(by_machine.items()):
+        kinds = sorted({str(f["kind"]) for f in found})
+        incidents = sorted({int(f["incident"]) for f in found if f.get("incident") is not None})
+        out.append(Finding(job, "unhandled_fault", (machine,),
+                           reason=f"machine {machine} serves job {job} with {', '.join(kinds)} unhandled (recorded "
+                                  f"in incident {', '.join(map(str, incidents)) or '-'}, which closed without "
+                                  f"evicting it)",
+                           evidence={"alerts": [str(f["id"]) for f in found][:20], "kinds": kinds,
+                                     "incidents": incidents}))
+    return out
+
+
+def silent_agents(job: str, serving: Collection[str], silent: Mapping[str, float], now: float) -> list[Finding]:
+    """Machines serving ``job`` whose agent the guardian finds silent (``silent``: machine -> since when)."""
+    quiet = sorted(m for m in serving if m in silent)
+    if not quiet:
+        return []
+    return [Finding(job, "agent_silent", tuple(quiet),
+                    reason=f"the agent of {', '.join(quiet)} (job {job}) is silent and no incident handles it",
+                    evidence={"silent_s": {m: round(now - float(silent[m]), 1) for m in quiet}})]

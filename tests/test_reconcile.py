@@ -1,0 +1,342 @@
+"""A job is never left dead or on a broken machine: the reconciler behind the incidents, the close that observes
+the job before it closes, and the fleet database's outages waited out (all on the scripted fleet: the real
+controller and task bodies, no processes)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fakes import alert, fleet_controller, recover, use_controller
+from trainguard.operators.control import Controller
+from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.fleet.store import FleetError, FleetStore, FleetUnavailable
+from trainguard.operators.policy import reconcile as policy
+from trainguard.operators.policy.reconcile import Finding, JobMemory, Look
+
+
+@pytest.fixture()
+def started(monkeypatch) -> list[dict]:
+    """The tg_incident runs the tasks asked to start (instead of a REST API)."""
+    from trainguard.operators.tasks import guardian
+
+    asked: list[dict] = []
+
+    def start_soon(starts):
+        asked.extend(starts)
+        return {s["trigger_run_id"]: "started" for s in starts}
+
+    monkeypatch.setattr(guardian, "start_soon", start_soon)
+    return asked
+
+
+# ---- the close observes the job ------------------------------------------------------------------------------
+def test_a_crash_that_joins_a_slow_vote_after_its_verdict_is_triaged_again_instead_of_closing(
+        tmp_path, monkeypatch, started):
+    """A false fail-slow incident's vote found nothing; meanwhile a rank was killed and every machine's part of
+    the job ended, its rank_exit alerts joining the slow incident. The close does not call the incident
+    resolved: the crash re-triages it, a new run of it restarts the job, and only then does it close."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path, slow_rounds=1)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
+    inc = item["incident"]
+    decision = steps.triage(inc)
+    assert steps.choose(decision) == "slow_vote"
+    result = steps.handle("slow_vote", decision)  # every rank computes alike: nothing stands out
+    assert result["vote"]["machines"] == [] and not result["restart"]
+    fleet.running.clear()  # SIGKILL: every machine's part ends
+    joined = c.ingest([alert("rank_exit", f"m{r}", rank=r) for r in range(4)])
+    assert [i["incident"] for i in joined] == [inc] and not joined[0]["taken_over"]  # too late to take over
+    recovery, _stop, _swap = recover(inc, result)
+    assert not recovery["restarted"]
+    resumed = steps.resumed(inc, recovery)
+    assert resumed["skipped"]
+    closed = steps.close(inc, None, recovery, resumed)
+    assert c.fleet.incident(inc).state == IncidentState.OPEN, closed["summary"]
+    assert c.fleet.incident(inc).category == "crash"
+    assert [s["trigger_run_id"] for s in started] == [closed["triaged_again"]["run"]]
+    assert closed["triaged_again"]["run"].startswith(f"incident__{inc}__crash")
+    # the new run: the ladder decides for the crash, the job is restarted and trains again
+    again = steps.triage(inc)
+    assert again["category"] == "crash"
+    branch = steps.choose(again)
+    result = steps.handle(branch, again)
+    recovery, _stop, _swap = recover(inc, result)
+    assert recovery["restarted"]
+    resumed = None
+    for _ in range(20):
+        resumed = steps.resumed(inc, recovery)
+        if resumed is not None:
+            break
+    steps.close(inc, None, recovery, resumed)
+    assert c.fleet.incident(inc).state == IncidentState.RESOLVED
+    assert c.trains("j")
+
+
+def test_no_incident_closes_resolved_on_a_job_that_does_not_train(tmp_path, monkeypatch, started):
+    """A decision that needed no restart (a network flap tolerated) closes resolved only once the job is seen
+    training; a job found down instead climbs (a restart), and the close waits for its resume."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("nic_errors", "m1")])
+    inc = item["incident"]
+    decision = steps.triage(inc)
+    assert decision["action"] == "tolerate"
+    idle = steps.no_recovery(decision)
+    recovery = steps.restart_job(inc, [])
+    resumed = steps.resumed(inc, recovery)
+    fleet.running.pop("m3")  # the job ended on m3 behind the incident's back, with no alert of it
+    step = steps.close_step(inc, idle, recovery, resumed, c)
+    assert "watch" in step, step  # not closed: restarted, its resume to be awaited
+    assert c.fleet.incident(inc).state == IncidentState.OPEN
+    assert "does not train" in step["watch"]["why"] and "m3" in step["watch"]["why"]
+    assert len(fleet.running) == 4  # started again on every machine
+    assert started == []  # no other category to re-triage to: the climb restarted it
+
+
+# ---- transient control-plane faults ------------------------------------------------------------------------
+def _task_controller(c: Controller, *, retry_s: float) -> Controller:
+    """A controller as a task process makes it: the fleet database opened afresh (no migration), with the
+    scripted machines."""
+    return Controller(c.cfg, fleet=FleetStore(c.cfg.fleet_url, retry_s=retry_s), transport=c.transport,
+                      inventory=c.inventory)
+
+
+def _away(db: Path, *, for_s: float) -> threading.Thread:
+    """The fleet database's file moved away now and back after ``for_s`` seconds (an outage of the database)."""
+    aside = db.with_name("fleet.db.away")
+    shutil.move(db, aside)
+    back = threading.Timer(for_s, lambda: shutil.move(aside, db))
+    back.start()
+    return back
+
+
+def test_a_fleet_database_away_for_seconds_is_waited_out_by_the_triage_and_the_close(tmp_path, monkeypatch):
+    """The database goes away as a GPU fault's incident begins: its triage (a fresh task process opening the
+    database) waits until it is back instead of failing the run, then evicts the machine; with no wait allowed
+    the same triage fails with a one-line error naming the database."""
+    from trainguard.operators.tasks import common
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path)
+    [item] = c.ingest([alert("gpu_lost", "m2")])
+    inc = item["incident"]
+    db = Path(c.cfg.fleet_url)
+    # fail fast without retries: what the run saw before
+    shutil.move(db, db.with_name("fleet.db.away"))
+    try:
+        with pytest.raises(FleetError, match="does not exist"):
+            _task_controller(c, retry_s=0)
+    finally:
+        shutil.move(db.with_name("fleet.db.away"), db)
+    monkeypatch.setattr(common, "controller", lambda: _task_controller(c, retry_s=60))
+    back = _away(db, for_s=2.0)
+    began = time.monotonic()
+    decision = steps.triage(inc)
+    waited = time.monotonic() - began
+    back.join()
+    assert waited >= 1.5, waited
+    assert decision["action"] == "evict" and decision["machines"] == ["m2"]
+    # mid-task: a store already open meets the outage on its next call, and waits it out too
+    store = FleetStore(c.cfg.fleet_url, retry_s=60)
+    store.engine.dispose()  # the next call opens a new connection (as after a restart)
+    back = _away(db, for_s=1.0)
+    assert store.incident(inc).state == IncidentState.OPEN
+    back.join()
+    # bounded: a database that stays away fails with one line naming it
+    quick = FleetStore(c.cfg.fleet_url, retry_s=0.5)
+    quick.engine.dispose()
+    shutil.move(db, db.with_name("fleet.db.away"))
+    try:
+        with pytest.raises(FleetUnavailable, match=r"did not answer for 0s.*TG_FLEET_URL"):
+            quick.incident(inc)
+    finally:
+        shutil.move(db.with_name("fleet.db.away"), db)
+    assert not db.with_name("fleet.db.away").exists() and fleet.running
+
+
+def test_an_open_incident_whose_run_failed_is_driven_again_then_waits_for_a_human(tmp_path, monkeypatch):
+    """A GPU fault's incident whose run failed (its triage met a database outage, no retry) stays open with no
+    live run: the reconciler's pass finds it, starts a new run of it (which evicts the machine and closes it);
+    an incident whose runs keep failing gets three new runs, then waits for a human, never left open."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, _fleet = fleet_controller(tmp_path, reconcile_grace_s=0.0)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("gpu_lost", "m2")])
+    inc = item["incident"]
+    memory: dict = {}
+    # its run is live: nothing to do
+    assert c.reconcile_pass(memory, live_runs=[f"incident__{inc}"]) == []
+    # its run failed: the incident is open and no run of it is live
+    [found] = c.reconcile_pass(memory, live_runs=["incident__999"])
+    assert found.kind == "stuck_incident" and found.incident == inc
+    out = c.reconcile_act([found])
+    assert [s["trigger_run_id"] for s in out["starts"]] == [f"incident__{inc}__redrive1"]
+    assert c.reconcile_act([found])["starts"] == []  # acting on the same finding again starts nothing more
+    # the new run handles it: m2 is evicted, the job restarted on a standby, the incident resolved
+    decision = steps.triage(inc)
+    result = steps.handle(steps.choose(decision), decision)
+    recovery, _stop, swap = recover(inc, result)
+    assert "m2" in swap["swaps"]
+    resumed = next(r for r in (steps.resumed(inc, recovery) for _ in range(20)) if r is not None)
+    steps.close(inc, None, recovery, resumed)
+    assert c.fleet.incident(inc).state == IncidentState.RESOLVED
+    assert c.reconcile_pass(memory, live_runs=[]) == []
+
+    # an incident whose every run fails: three more runs, then a human
+    [item] = c.ingest([alert("gpu_lost", "m1")])
+    other = item["incident"]
+    starts = []
+    for _ in range(4):
+        found = [f for f in c.reconcile_pass({}, live_runs=[]) if f.kind == "stuck_incident"]
+        assert [f.incident for f in found] == [other]
+        starts += c.reconcile_act(found)["starts"]
+    assert [s["trigger_run_id"] for s in starts] == [f"incident__{other}__redrive{k}" for k in (1, 2, 3)]
+    assert c.fleet.incident(other).state == IncidentState.WAITING_HUMAN
+    assert "3 runs of it were started again" in c.fleet.incident(other).summary
+    assert [f for f in c.reconcile_pass({}, live_runs=[]) if f.kind == "stuck_incident"] == []
+
+
+def test_acting_twice_on_one_stuck_incident_starts_one_run(tmp_path):
+    c, _fleet = fleet_controller(tmp_path, reconcile_grace_s=0.0)
+    [item] = c.ingest([alert("gpu_lost", "m2")])
+    [found] = c.reconcile_pass({}, live_runs=[])
+    first = c.reconcile_act([found])
+    again = c.reconcile_act([found])  # the act task retried with the same finding
+    assert len(first["starts"]) == 1 and again["starts"] == []
+    assert [a.kind for a in c.fleet.actions(item["incident"])].count("redrive") == 1
+
+
+# ---- the reconciler's looks ----------------------------------------------------------------------------------
+def test_a_job_down_behind_the_incidents_backs_is_an_incident_on_the_second_look(tmp_path, monkeypatch, started):
+    """m3's part of the job ended and no alert said so: the first look remembers it, a second look
+    ``confirm_s`` later with the same incarnations raises it (a crash incident through the ladder), and the same
+    observation is never raised twice."""
+    from trainguard.operators.tasks import reconcile as task
+
+    c, fleet = fleet_controller(tmp_path, reconcile_confirm_s=0.0)
+    use_controller(monkeypatch, c)
+    memory: dict = {}
+    assert c.reconcile_pass(memory, live_runs=[]) == []  # healthy
+    fleet.running.pop("m3")
+    assert c.reconcile_pass(memory, live_runs=[]) == []  # seen once: not yet
+    [found] = c.reconcile_pass(memory, live_runs=[])
+    assert found.kind == "job_down" and found.machines == ("m3",) and "m3 (exited)" in found.reason
+    out = task.act([found.dump()])
+    [start] = started
+    inc = start["conf"]["incident_id"]
+    assert c.fleet.incident(inc).state == IncidentState.OPEN
+    assert [a.kind for a in c.fleet.alerts_of(inc)] == ["job_down"]
+    assert out["started"] == {start["trigger_run_id"]: "started"}
+    assert c.triage(inc)["category"] == "crash"
+    # while the incident is open the job is its: nothing found; acting on the same finding again adds nothing
+    assert c.reconcile_pass(memory, live_runs=[start["trigger_run_id"]]) == []
+    assert task.act([found.dump()])["started"] == {}
+    assert len(c.fleet.incidents("j")) == 1
+
+
+def test_a_restart_between_two_looks_is_not_a_job_down(tmp_path):
+    """A machine found down, then down again with another incarnation (it was started meanwhile, a code update
+    in flight): the first look does not confirm the second."""
+    memory = JobMemory()
+    a = Look(ts=0.0, states={"m0": "running", "m1": "exited"}, incarnations={"m0": 1, "m1": 1}, step=10)
+    b = Look(ts=30.0, states={"m0": "running", "m1": "exited"}, incarnations={"m0": 2, "m1": 2}, step=10)
+    c = Look(ts=60.0, states={"m0": "running", "m1": "exited"}, incarnations={"m0": 2, "m1": 2}, step=10)
+    assert policy.judge_look("j", a, memory, confirm_s=15, stall_s=300) == []
+    assert policy.judge_look("j", b, memory, confirm_s=15, stall_s=300) == []
+    [found] = policy.judge_look("j", c, memory, confirm_s=15, stall_s=300)
+    assert found.kind == "job_down" and found.machines == ("m1",)
+    # too soon after the first look: not confirmed
+    memory = JobMemory()
+    assert policy.judge_look("j", a, memory, confirm_s=15, stall_s=300) == []
+    assert policy.judge_look("j", Look(ts=5.0, states=a.states, incarnations=a.incarnations, step=10), memory,
+                             confirm_s=15, stall_s=300) == []
+
+
+def test_a_stall_is_found_after_stall_s_unless_a_rank_holds_still(tmp_path):
+    memory = JobMemory()
+    run = {"m0": "running", "m1": "running"}
+    for ts in (0.0, 100.0, 200.0):
+        assert policy.judge_look("j", Look(ts=ts, states=run, step=50), memory, confirm_s=15, stall_s=300) == []
+    # a rank holds still on purpose (the NaN guard waits for the control plane): not a stall
+    held = Look(ts=400.0, states=run, step=50, held=(1,))
+    assert policy.judge_look("j", held, memory, confirm_s=15, stall_s=300) == []
+    [found] = policy.judge_look("j", Look(ts=401.0, states=run, step=50), memory, confirm_s=15, stall_s=300)
+    assert found.kind == "job_stalled" and "no step past 50 for 401s" in found.reason
+    # the step moves: the clock starts again
+    assert policy.judge_look("j", Look(ts=500.0, states=run, step=51), memory, confirm_s=15, stall_s=300) == []
+    assert policy.judge_look("j", Look(ts=700.0, states=run, step=51), memory, confirm_s=15, stall_s=300) == []
+    # a look from status documents: the lowest step, the ranks held
+    look = Look.of({"m0": {"state": "running", "incarnation": 3, "ranks": [{"rank": 0, "step": 7}]},
+                    "m1": {"state": "running", "incarnation": 3, "ranks": [{"rank": 1, "step": 6, "status": "held"}]},
+                    "m2": {"error": "ssh: No route to host"}}, 5.0)
+    assert look.step == 6 and look.held == (1,) and look.down() == [] and look.states["m2"].startswith("unreadable")
+
+
+def test_an_explicit_fault_left_on_a_machine_of_the_job_is_raised_again_once(tmp_path, monkeypatch, started):
+    """A lost GPU on m2 recorded in an incident that closed without evicting it (absorbed): the reconciler raises
+    it again as an incident of its own, once, and the ladder evicts m2. The same fault on a machine that was
+    evicted and came back later to the job is not raised."""
+    from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import reconcile as task
+
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("nic_errors", "m1")])
+    c.ingest([alert("gpu_lost", "m2")])  # joins the network incident
+    c.close(item["incident"], outcome=IncidentState.RESOLVED, note="closed by hand without acting")
+    [found] = c.reconcile_pass({}, live_runs=[])
+    assert found.kind == "unhandled_fault" and found.machines == ("m2",) and "gpu_lost" in found.reason
+    task.act([found.dump()])
+    [start] = started
+    inc = start["conf"]["incident_id"]
+    decision = steps.triage(inc)
+    assert decision["category"] == "machine_fault" and decision["machines"] == ["m2"]
+    result = steps.handle(steps.choose(decision), decision)
+    _recovery, _stop, swap = recover(inc, result)
+    assert "m2" in swap["swaps"]
+    assert "m2" not in c.fleet.job("j").machine_list
+    assert [f for f in c.reconcile_pass({}, live_runs=[start["trigger_run_id"]]) if f.kind == "unhandled_fault"] == []
+
+
+def test_a_silent_agent_no_incident_handles_is_raised(tmp_path):
+    c, _fleet = fleet_controller(tmp_path)
+    now = time.time()
+    [found] = c.reconcile_pass({}, live_runs=[], silent={"m1": now - 40, "m9": now - 40}, now=now)
+    assert found.kind == "agent_silent" and found.machines == ("m1",)
+    out = c.reconcile_act([found])
+    [start] = out["starts"]
+    assert c.triage(start["conf"]["incident_id"])["category"] == "agent"
+    # raised once: the same silence is not raised again
+    assert c.reconcile_pass({}, live_runs=[start["trigger_run_id"]], silent={"m1": now - 40}, now=now) == []
+
+
+def test_findings_travel_as_json():
+    f = Finding("j", "job_down", ("m1",), "why", None, {"states": {"m1": "exited"}})
+    assert Finding.read(f.dump()) == f
+
+
+def test_status_says_when_the_reconciler_has_not_looked(tmp_path):
+    from trainguard.operators import status
+
+    c, _fleet = fleet_controller(tmp_path)
+    now = time.time()
+    doc = status.collect(c.fleet, silent_s=15.0, now=now)
+    assert any("the reconciler has never looked" in p for p in doc["problems"])
+    c.fleet.beat("reconciler", {"passes": 3, "period_s": 10.0})
+    doc = status.collect(c.fleet, silent_s=15.0, now=time.time() + 1)
+    assert not any("reconciler" in p for p in doc["problems"])
+    assert "reconciler looked" in status.render(doc)
+    doc = status.collect(c.fleet, silent_s=15.0, now=time.time() + 45)
+    assert any("the reconciler last looked at the jobs 4" in p for p in doc["problems"])
+    assert not any("reconciler" in p for p in status.collect(c.fleet, silent_s=15.0, now=time.time() + 45,
+                                                              reconcile_period_s=0)["problems"])
