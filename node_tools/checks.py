@@ -413,6 +413,8 @@ class _RankState:
     tput: deque = field(default_factory=lambda: deque(maxlen=30))
     decline_run: int = 0
     declined: bool = False
+    compute_recent: deque = field(default_factory=lambda: deque(maxlen=5))  # every step's compute time
+    compute_base: deque = field(default_factory=lambda: deque(maxlen=30))  # normal steps' compute time
 
 
 class RankCheck(Check):
@@ -581,8 +583,13 @@ class RankCheck(Check):
         found = []
         loss, grad = _num(rec.get("loss")), _num(rec.get("grad_norm"))
         step = rec.get("step")
+        compute = _num(rec.get("step_time_s")) - _num(rec.get("comm_s"))  # the step less its wait on the others
+        if math.isfinite(compute):
+            st.compute_recent.append(max(0.0, compute))
         found += self._slow(job, rank, rec, st)
         found += self._decline(job, rank, rec, st)
+        if math.isfinite(compute) and not st.slow_run and not st.decline_run:
+            st.compute_base.append(max(0.0, compute))
         if rec.get("dp_digests_match") is False and not st.sdc:
             found.append(Finding("sdc_suspect", f"sdc:{job}:{rank}",
                                  f"rank {rank} of job {job}: parameters differ from its DP peers at step {step}",
@@ -637,7 +644,8 @@ class RankCheck(Check):
                         f"{step_time / baseline:.1f}x the median {baseline:.3f}s", severity="warning",
                         job=job, rank=rank,
                         evidence={"step": rec.get("step"), "step_time_s": step_time, "baseline_s": baseline,
-                                  "comm_s": comm, "compute_s": step_time - comm if math.isfinite(comm) else None})]
+                                  "comm_s": comm, "compute_s": step_time - comm if math.isfinite(comm) else None,
+                                  **_compute_growth(st)})]
 
 
     def _decline(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
@@ -668,7 +676,22 @@ class RankCheck(Check):
                         job=job, rank=rank,
                         evidence={"step": rec.get("step"), "tokens_per_s": round(tput, 1),
                                   "baseline_tokens_per_s": round(baseline, 1),
-                                  "decline": round(1 - tput / baseline, 3), "steps": st.decline_run})]
+                                  "decline": round(1 - tput / baseline, 3), "steps": st.decline_run,
+                                  **_compute_growth(st)})]
+
+
+def _compute_growth(st: _RankState) -> dict[str, float]:
+    """The rank's recent compute time (the median of its last steps, less their wait in collectives) against its
+    own normal one: a straggler's grew, its peers' did not (they wait for it), and a load every rank shares grew
+    all alike. The control plane compares the ranks' ratios (:func:`trainguard.operators.policy.ladder.
+    shared_slowdown`); {} until both are known."""
+    if len(st.compute_recent) < 3 or len(st.compute_base) < 5:
+        return {}
+    recent, base = statistics.median(st.compute_recent), statistics.median(st.compute_base)
+    if base <= 0:
+        return {}
+    return {"recent_compute_s": round(recent, 6), "baseline_compute_s": round(base, 6),
+            "compute_ratio": round(recent / base, 4)}
 
 
 def _num(value: Any) -> float:

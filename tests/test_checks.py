@@ -539,3 +539,23 @@ def test_alerts_wait_in_the_outbox_while_the_bus_is_down(tmp_path):
     assert agent.status()["outbox"] == 0
     (alert,) = BusReader(bus).read()
     assert isinstance(alert, Alert) and alert.kind == "disk_full" and alert.ts == 0
+
+
+def test_a_decline_says_how_much_the_ranks_own_compute_grew_a_straggler_from_its_waiting_peers(tmp_path, fake_job):
+    """Every rank of a synchronous job declines together; what tells the straggler from its peers is whose own
+    compute (the step less its wait in collectives) grew: the straggler's (1.3x), not its peers' (they wait)."""
+    fake_job.rank(0)
+    fake_job.rank(1)
+    check = RankCheck(tmp_path)
+    for s in range(30):
+        fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.2, tokens_per_s=1000.0)
+        fake_job.step(1, s, 2.0, step_time_s=0.6, comm_s=0.2, tokens_per_s=1000.0)
+    assert check.run(time.time()) == []
+    for s in range(30, 38):  # rank 0 computes 0.12 s longer; rank 1 waits that long for it
+        fake_job.step(0, s, 2.0, step_time_s=0.72, comm_s=0.2, tokens_per_s=830.0)
+        fake_job.step(1, s, 2.0, step_time_s=0.72, comm_s=0.32, tokens_per_s=830.0)
+    found = {f.rank: f for f in check.run(time.time())}
+    assert {f.kind for f in found.values()} == {"throughput_decline"}
+    assert found[0].evidence["compute_ratio"] == pytest.approx(1.3, abs=0.01)
+    assert found[1].evidence["compute_ratio"] == pytest.approx(1.0, abs=0.01)
+    assert found[0].evidence["baseline_compute_s"] == pytest.approx(0.4)

@@ -85,3 +85,38 @@ def test_one_connection_per_machine_is_held_and_opened_again_once_it_broke(ns_cl
     finally:
         hook.close()
     assert not held.is_active()
+
+
+def test_a_machine_whose_network_dies_mid_command_is_given_up_in_seconds(ns_cluster: Inventory, tmp_path: Path):
+    """A command runs on the held connection when the machine's link goes down (a standby's NIC dying as it is
+    swapped in): the hook answers "unreachable" within seconds of the link's loss (keepalives, the kernel's limit
+    on unacknowledged data), not after the command's own timeout."""
+    import threading
+    import time
+
+    from tests.conftest import wait_until
+    from trainguard.operators.hooks.node import DEAD_PEER_S
+
+    hook = NodeHook(ns_cluster, ssh_conn_id=None, connect_timeout_s=2, connect_attempts=1)
+    m5 = ns_cluster.machine("m5")
+    marker = tmp_path / "running"
+    out: dict = {}
+    try:
+        assert hook.run(m5, ["info"]).status == "ok"  # the connection is held
+        worker = threading.Thread(target=lambda: out.update(r=hook.exec(m5, ["sh", "-c", f"touch {marker}; sleep 50"],
+                                                                        timeout_s=60)))
+        worker.start()
+        wait_until(marker.exists, timeout=30, what="the command to run on m5")
+        lost = time.monotonic()
+        inject.inject(ns_cluster, "m5", "nic_down")
+        try:
+            worker.join(timeout=40)
+            given_up = time.monotonic() - lost
+        finally:
+            inject.clear(ns_cluster, "m5", "nic_down")
+        assert not worker.is_alive(), "the command was still waited for 40 s after the link went down"
+        assert not out["r"].reachable and not out["r"].timed_out, out["r"]
+        assert given_up < DEAD_PEER_S + 6, given_up
+        assert hook.run(m5, ["info"]).status == "ok"  # a new connection once the link is back
+    finally:
+        hook.close()

@@ -340,3 +340,65 @@ def test_status_says_when_the_reconciler_has_not_looked(tmp_path):
     assert any("the reconciler last looked at the jobs 4" in p for p in doc["problems"])
     assert not any("reconciler" in p for p in status.collect(c.fleet, silent_s=15.0, now=time.time() + 45,
                                                               reconcile_period_s=0)["problems"])
+
+
+# ---- fall-through at the speed of a probe ---------------------------------------------------------------------
+def test_a_gpu_fault_that_joins_after_the_swap_of_an_evict_now_incident_is_evicted_in_the_same_restart(
+        tmp_path, monkeypatch):
+    """The first rung is already evict_now (a full disk on m1); a GPU lost on m2 joins after swap_machines ran
+    and before the restart: m2 is evicted too before the launch, so the job is started once, on two standbys,
+    and the resume check finds nothing pending (no second restart)."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, _fleet = fleet_controller(tmp_path, machines=7, breaker_share=0.75)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("disk_full", "m1")])
+    inc = item["incident"]
+    decision = steps.triage(inc)
+    assert steps.choose(decision) == "evict_now"
+    result = steps.handle("evict_now", decision)
+    stop = steps.stop_job(inc, [result])
+    swap = steps.swap_machines(inc, [result], stop)
+    assert set(swap["swaps"]) == {"m1"}
+    c.ingest([alert("gpu_lost", "m2")])  # joins now, before restart_job
+    recovery = steps.restart_job(inc, [result], stop, swap)
+    assert recovery["restarted"] and set(recovery["swap"]["swaps"]) == {"m1", "m2"}, recovery
+    assert not {"m1", "m2"} & set(c.fleet.job("j").machine_list)
+    resumed = next(r for r in (steps.resumed(inc, recovery) for _ in range(20)) if r is not None)
+    assert not resumed.get("pending") and not resumed.get("failed"), resumed
+    steps.close(inc, None, recovery, resumed)
+    assert c.fleet.incident(inc).state == IncidentState.RESOLVED
+    assert len([a for a in c.fleet.actions(inc) if a.kind == "launch"]) == 1  # one restart
+
+
+# ---- fail-slow precision ------------------------------------------------------------------------------------
+def _decline(rank: int, ratio: float | None) -> dict:
+    extra = {} if ratio is None else {"compute_ratio": ratio}
+    return alert("throughput_decline", f"m{rank // 2}", rank=rank, decline=0.2, **extra)
+
+
+def test_a_slowdown_every_rank_shares_is_no_straggler_and_opens_no_incident(tmp_path):
+    """A busy host slows every rank's compute alike: the batch of declines is recorded with why, and no incident
+    (no vote) opens. One rank whose compute grew 1.3x while its peers' did not still opens the fail-slow
+    incident; so does a batch from too few ranks, or one without the compute evidence (the vote decides)."""
+    from trainguard.operators.policy import ladder
+
+    load = [_decline(r, x) for r, x in enumerate((1.42, 1.55, 1.38, 1.61))]
+    assert "load or data, not a straggler" in ladder.shared_slowdown(load, ranks=4, factor=1.25)
+    straggler = [_decline(r, x) for r, x in enumerate((1.31, 1.02, 0.99, 1.01))]
+    assert ladder.shared_slowdown(straggler, ranks=4, factor=1.25) == ""
+    assert ladder.shared_slowdown(load[:1], ranks=4, factor=1.25) == ""  # one rank of four: not enough to judge
+    assert ladder.shared_slowdown([_decline(r, None) for r in range(4)], ranks=4, factor=1.25) == ""
+    assert ladder.shared_slowdown([*load, alert("rank_exit", "m0", rank=0)], ranks=4, factor=1.25) == ""
+
+    c, _fleet = fleet_controller(tmp_path)  # 4 ranks (TP=1 PP=2 DP=2), slow factor 1.25
+    assert c.ingest(load) == []
+    recorded = c.fleet.alerts_on(["m0", "m1"], kinds={"throughput_decline"})
+    assert len(recorded) == 4 and all(a.incident_id is None for a in recorded)
+    assert "not a straggler" in recorded[0].document["shared_slowdown"]
+    assert c.fleet.incidents("j") == []
+    [item] = c.ingest(straggler)
+    assert item["opened"] and c.triage(item["incident"])["action"] == "vote"
+    # with an incident open, a shared slowdown's alerts join it as before
+    again = [_decline(r, x) for r, x in enumerate((1.5, 1.5, 1.5, 1.5))]
+    assert [i["incident"] for i in c.ingest(again)] == [item["incident"]]

@@ -10,7 +10,7 @@ from typing import Any
 from trainguard.node_tools.errors import TrainguardError
 from trainguard.operators.control.base import ControllerBase, asdict_action
 from trainguard.operators.fleet import states
-from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.fleet.states import OPEN_INCIDENT_STATES, IncidentState
 from trainguard.operators.policy import ladder
 
 #: a machine named by an alert of a job it does not serve: the job's machines the reason lists, at most
@@ -121,10 +121,15 @@ class Incidents(ControllerBase):
                 by_job.setdefault(job, []).append(doc)
             elif ladder.triage("", [doc]).category == "machine_fault":
                 self._standby_fault(doc)
+        shared = self._shared_slowdowns(by_job, roster)
+        for job in shared:
+            by_job.pop(job)
         results = self.fleet.ingest(by_job, escalation_window_s=self.cfg.escalation_window_s, reader=reader,
                                     read=dict(read or {}), gone=list(gone),
                                     quarantined=[*quarantined, *rejected],
-                                    liveness={m: dict(v) for m, v in liveness.items()} if liveness else None)
+                                    liveness={m: dict(v) for m, v in liveness.items()} if liveness else None,
+                                    unattached=[{**a, "shared_slowdown": why} for why, batch in shared.values()
+                                                for a in batch])
         if rejected:
             # a bus object may hold a batch of one machine's alerts: it leaves the folder only when none of them
             # was trusted (the trusted ones are recorded; the untrusted ones are recorded as quarantined)
@@ -135,6 +140,21 @@ class Incidents(ControllerBase):
             taken_over = not opened and self._take_over(incident.id)
             out.append({"incident": incident.id, "job": job, "opened": opened, "taken_over": taken_over,
                         "alerts": len(batch)})
+        return out
+
+    def _shared_slowdowns(self, by_job: Mapping[str, list[dict[str, Any]]], roster: Roster
+                          ) -> dict[str, tuple[str, list[dict[str, Any]]]]:
+        """The jobs whose batch is a slowdown every rank shares (:func:`ladder.shared_slowdown`) and that no incident
+        handles: job -> (why, its alerts). Those alerts are recorded without an incident: a busy host or a slower
+        input is not a straggler, and a fail-slow vote on it is an incident that could absorb a real fault."""
+        out: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+        for job, batch in by_job.items():
+            j = roster.jobs.get(job)
+            if j is None or any(a.get("kind") not in ladder.SLOW for a in batch):
+                continue
+            why = ladder.shared_slowdown(batch, ranks=j.tp * j.pp * j.dp, factor=self.cfg.slow_factor)
+            if why and not any(i.state in OPEN_INCIDENT_STATES for i in self.fleet.incidents(job)):
+                out[job] = (why, batch)
         return out
 
     def _quarantine_on_bus(self, rejected: Sequence[Mapping[str, Any]]) -> None:

@@ -687,16 +687,22 @@ class FleetStore:
     def ingest(self, by_job: dict[str, list[dict[str, Any]]], *, escalation_window_s: float, reader: str = "",
                read: dict[str, float] | None = None, gone: Sequence[str] = (),
                quarantined: Sequence[dict[str, Any]] = (), liveness: dict[str, dict[str, Any]] | None = None,
-               ) -> list[tuple[Incident, bool]]:
+               unattached: Sequence[dict[str, Any]] = ()) -> list[tuple[Incident, bool]]:
         """One batch of the bus in one transaction: each job's alerts attached to its open incident (or one
-        opened), the ``reader``'s cursor advanced (the names ``read`` with the reader's time; ``gone``: names
-        that left the bus), ``quarantined`` documents recorded, the agents' ``liveness`` as the reader last saw
+        opened; ``unattached``: alerts recorded without an incident), the ``reader``'s cursor advanced (the
+        names ``read`` with the reader's time; ``gone``: names that left the bus), ``quarantined`` documents
+        recorded, the agents' ``liveness`` as the reader last saw
         it. Returns (incident, opened) per job, in job order. Either all of it is recorded or none. Recording
         the same batch again changes nothing. Every part is written in bulk (a statement per :data:`CHUNK`
         rows), so a burst of 100,000 alerts and names costs about a hundred statements per part."""
         with self.tx() as s:
             out = [self._attach(s, job, list(alerts), escalation_window_s=escalation_window_s)
                    for job, alerts in sorted(by_job.items())]
+            # alerts recorded for the record only (a slowdown the whole job shares): no incident
+            self._insert_new(s, Alert, [{"id": str(a["id"]), "ts": float(a.get("ts", 0.0)), "job": a.get("job") or "",
+                                         "machine": a.get("machine") or "", "rank": a.get("rank"), "kind": a["kind"],
+                                         "severity": a.get("severity") or "", "incident_id": None, "document": a}
+                                        for a in {str(a["id"]): a for a in unattached}.values()], keys=("id",))
             self._upsert(s, BusCursor, [{"reader": reader, "name": name, "seen_ts": float(ts)}
                                         for name, ts in (read or {}).items()], keys=("reader", "name"))
             for chunk in _chunks(sorted(set(gone))):

@@ -24,6 +24,7 @@ import io
 import json
 import selectors
 import shlex
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +65,25 @@ class NodeResult:
 def _host_key(machine: Machine) -> paramiko.PKey:
     kind, data = machine.host_key.split()[:2]
     return paramiko.PKey.from_type_string(kind, base64.b64decode(data))
+
+
+#: a held connection whose machine stopped answering (its network gone, the machine down) is given up after this
+#: long: SSH keepalives every KEEPALIVE_S, and the kernel ends a connection whose data goes unacknowledged this
+#: long (TCP_USER_TIMEOUT), so a command on it fails in seconds instead of waiting out its own timeout
+DEAD_PEER_S = 6.0
+KEEPALIVE_S = 2
+
+
+def _detect_dead_peer(client: paramiko.SSHClient) -> paramiko.SSHClient:
+    """``client`` with keepalives and the kernel's limit on unacknowledged data set on its connection (once)."""
+    transport = client.get_transport()
+    if transport is not None and not getattr(transport, "_tg_dead_peer", False):
+        transport.set_keepalive(KEEPALIVE_S)
+        sock = transport.sock
+        if hasattr(socket, "TCP_USER_TIMEOUT") and isinstance(sock, socket.socket):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(DEAD_PEER_S * 1000))
+        transport._tg_dead_peer = True  # type: ignore[attr-defined]
+    return client
 
 
 class _Unreachable(Exception):
@@ -150,7 +170,7 @@ class NodeHook(BaseHook):
                     hook.client.close()
                 hook = self._held[key] = self._ssh_hook(machine)
             try:
-                return hook.get_conn()  # the held client while its transport is active
+                return _detect_dead_peer(hook.get_conn())  # the held client while its transport is active
             except paramiko.BadHostKeyException:
                 self._held.pop(key, None)
                 raise _Unreachable(f"machine {machine.name} ({machine.address}) presented another host key than "
@@ -220,6 +240,11 @@ class NodeHook(BaseHook):
                                       f"out after {timeout_s:.0f}s", timed_out=True, extra={"status": "timeout"})
                     selector.select(min(left, 1.0))
             code = channel.recv_exit_status()
+            transport = channel.get_transport()
+            if code == -1 and (transport is None or not transport.is_active()):  # the connection died under it
+                return result(None, out.decode("utf-8", "replace"), f"{machine.name}: the connection was lost while "
+                              f"the command ran (no answer for {DEAD_PEER_S:.0f}s)", reachable=False,
+                              extra={"status": "unreachable"})
         except (OSError, paramiko.SSHException, EOFError) as exc:
             return result(None, err=f"{machine.name}: {type(exc).__name__}: {str(exc)[:300]}", reachable=False,
                           extra={"status": "unreachable"})

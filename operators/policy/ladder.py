@@ -346,6 +346,38 @@ def supersedes(current: str, t: Triage) -> bool:
     return decide(t).action not in ("tolerate", "observe")
 
 
+#: a shared slowdown is judged only when at least this share of the job's ranks reported theirs
+SHARED_QUORUM = 0.5
+
+
+def shared_slowdown(alerts: Sequence[Mapping[str, Any]], *, ranks: int, factor: float) -> str:
+    """Why a batch of fail-slow alerts (``rank_slow``, ``throughput_decline``) is a slowdown the whole job shares
+    (host load, the data, a slower input pipeline), not a straggler; "" when it may be one. Each alert carries
+    its rank's compute growth (``compute_ratio``: its recent compute time, less the wait in collectives, over its
+    own normal one): a straggler's grew and its peers' did not (they wait for it), while a load on every machine
+    grows them all alike. Shared: at least :data:`SHARED_QUORUM` of the job's ``ranks`` reported, and no rank's
+    growth is above ``factor`` times the median growth of the ranks that reported. Anything else (another kind
+    in the batch, too few ranks, no growth reported) is left to the vote."""
+    if not alerts or any(a.get("kind") not in SLOW for a in alerts):
+        return ""
+    growth: dict[int, float] = {}
+    for a in alerts:
+        ratio, rank = (a.get("evidence") or {}).get("compute_ratio"), a.get("rank")
+        if isinstance(rank, int) and isinstance(ratio, (int, float)) and ratio > 0:
+            growth[rank] = max(growth.get(rank, 0.0), float(ratio))
+    if ranks <= 0 or len(growth) < max(2, SHARED_QUORUM * ranks):
+        return ""
+    ordered = sorted(growth.values())
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
+                                                                  + ordered[len(ordered) // 2]) / 2
+    top_rank, top = max(growth.items(), key=lambda kv: kv[1])
+    if top > factor * median:
+        return ""
+    return (f"a slowdown {len(growth)} of {ranks} ranks share: their compute grew {ordered[0]:.2f}x-{top:.2f}x "
+            f"(median {median:.2f}x), none above {factor:g}x the median (rank {top_rank} highest): load or data, "
+            f"not a straggler")
+
+
 def outranks(current: str, t: Triage) -> bool:
     """Whether the incident's alerts, triaged again as ``t`` before it closes, say something its decision (made
     for ``current``) does not explain: a stronger category that calls for more than tolerating or observing

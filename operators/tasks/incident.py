@@ -212,16 +212,24 @@ def swap_machines(incident_id: int, results: list[dict[str, Any] | None], stop: 
         out = {**ev, "swaps": dict(ev.get("swaps") or {})}
         if ev.get("waiting_human") or ev.get("dry_run"):
             return Swap.read(out).dump()
-    extra = c.unhandled_faults(incident_id)
-    if extra:
-        ev = c.evict(incident_id, sorted(extra), copies=copies,
-                     reason="explicit machine fault that joined the incident: "
-                            + "; ".join(f"{m}: {k}" for m, k in extra.items()))
-        out = {**out, "joined": extra, "joined_eviction": {k: v for k, v in ev.items() if k != "swaps"},
-               "swaps": {**out.get("swaps", {}), **(ev.get("swaps") or {})}}
-        if ev.get("waiting_human"):
-            out.update(waiting_human=True, reason=ev["reason"])
+    out = {**out, **_evict_joined(c, incident_id, copies, out.get("swaps") or {})}
     return Swap.read(out or {"skipped": rung.evict is None}).dump()
+
+
+def _evict_joined(c: Controller, incident_id: int, copies: Any, swaps: dict[str, str]) -> dict[str, Any]:
+    """Explicit machine faults that joined the incident and still serve its job, evicted (their standbys added to
+    ``swaps``); {} when there are none."""
+    extra = c.unhandled_faults(incident_id)
+    if not extra:
+        return {}
+    ev = c.evict(incident_id, sorted(extra), copies=copies,
+                 reason="explicit machine fault that joined the incident: "
+                        + "; ".join(f"{m}: {k}" for m, k in extra.items()))
+    out = {"joined": extra, "joined_eviction": {k: v for k, v in ev.items() if k != "swaps"},
+           "swaps": {**swaps, **(ev.get("swaps") or {})}}
+    if ev.get("waiting_human"):
+        out.update(waiting_human=True, reason=ev["reason"])
+    return out
 
 
 def restart_job(incident_id: int, results: list[dict[str, Any] | None], stop: dict[str, Any] | None = None,
@@ -249,12 +257,23 @@ def restart_job(incident_id: int, results: list[dict[str, Any] | None], stop: di
     if swapped.waiting_human or swapped.dry_run:
         result.update(restart=False, waiting_human=swapped.waiting_human, dry_run=swapped.dry_run,
                       reason=swapped.reason or result.get("reason"))
+    if result["restart"] and not (swapped.waiting_human or swapped.dry_run):
+        # a fault that joined after swap_machines ran (a GPU lost while the first rung evicted a full disk) is
+        # evicted before this launch, not found by the resume check after the job was restarted onto it
+        late = _evict_joined(c, incident_id, stopped.found.copies if stopped.found else None, {})
+        if late:
+            swapped = Swap.read({**swapped.dump(), "joined": {**(swapped.joined or {}), **late["joined"]},
+                                 "swaps": {**(swapped.swaps or {}), **late["swaps"]},
+                                 **({"waiting_human": True, "reason": late["reason"]}
+                                    if late.get("waiting_human") else {})})
+            if swapped.waiting_human:
+                result.update(restart=False, waiting_human=True, reason=swapped.reason)
     result["swap"] = swapped.dump()
     if not result["restart"]:
         return Restart.read({**result, "restarted": False}).dump()
     cap = rung.restore_max_step if rung.restore_max_step is not None else rung.evict.max_step if rung.evict else None
     out = c.recover(incident_id, restore_max_step=cap, found=stopped.found.dump() if stopped.found else None)
-    return Restart.read({**out, "restarted": True, **limit}).dump()
+    return Restart.read({**out, "restarted": True, "swap": result["swap"], **limit}).dump()
 
 
 def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:

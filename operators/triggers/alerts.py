@@ -74,6 +74,9 @@ LIVENESS_EVERY_S = 1.0
 BEAT_EVERY_S = 5.0
 WATCHED_EVERY_S = 5.0
 ORPHAN_SWEEP_S = 10.0
+#: a batch holding only fail-slow alerts keeps collecting this long (the job's ranks report a shared slowdown
+#: within a step or two of each other)
+SLOW_SETTLE_S = 5.0
 # the REST API's clients of the triggerer's recording triggers, one per connection id (their tokens kept)
 _APIS: dict[str, Any] = {}
 _API_LOCK = threading.Lock()
@@ -260,12 +263,19 @@ class AlertTrigger(BaseTrigger):
                 await asyncio.to_thread(self._sweep)
             await asyncio.sleep(self.poll_s)
         first_seen = time.time()
-        deadline = time.monotonic() + self.settle_s
-        while batch and time.monotonic() < deadline and not watch.reader.more and len(batch) < BATCH_ALERTS \
+        began = time.monotonic()
+
+        def deadline() -> float:
+            # a batch of fail-slow alerts only waits longer: the whole job's reports, judged together, tell a
+            # straggler from a slowdown every rank shares (nothing in it is urgent: a vote takes a minute)
+            slow_only = all(a.get("kind") in ladder.SLOW for a in batch)
+            return began + (max(self.settle_s, SLOW_SETTLE_S) if slow_only else self.settle_s)
+
+        while batch and time.monotonic() < deadline() and not watch.reader.more and len(batch) < BATCH_ALERTS \
                 and not any(ladder.decisive(a) for a in batch):
-            await asyncio.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+            await asyncio.sleep(min(self.poll_s, max(0.0, deadline() - time.monotonic())))
             batch += self._keep(await asyncio.to_thread(watch.poll, BATCH_ALERTS - len(batch), tidy=False,
-                                                        read_s=max(0.1, deadline - time.monotonic())))
+                                                        read_s=max(0.1, deadline() - time.monotonic())))
         batch.sort(key=lambda a: a["ts"])
         event = watch.event(batch, first_seen)
         if self.record:
