@@ -286,18 +286,24 @@ def compound(first: str, task: str, second: str) -> Callable[[Chaos, list[str]],
 
 # ---- outages: the fleet database or the bus unavailable mid-incident -------------------------------------------
 class _Away:
-    """A path moved aside now and back after ``seconds`` (or when undone, whichever comes first)."""
+    """A path moved aside now and back after ``seconds`` (or when undone, whichever comes first). With ``block``, a
+    plain file stands in its place meanwhile, so that nothing can create it again (a bus folder its writers
+    would otherwise make anew)."""
 
-    def __init__(self, path: Path, seconds: float) -> None:
+    def __init__(self, path: Path, seconds: float, *, block: bool = False) -> None:
         self.path, self.aside = path, path.with_name(path.name + ".away")
         self.lock = threading.Lock()
         shutil.move(str(self.path), str(self.aside))
+        if block:
+            self.path.write_text("unavailable\n")
         self.timer = threading.Timer(seconds, self.back)
         self.timer.start()
 
     def back(self) -> None:
         with self.lock:
             if self.aside.exists():
+                if self.path.is_file():
+                    self.path.unlink()
                 shutil.move(str(self.aside), str(self.path))
 
     def undo(self) -> None:
@@ -312,7 +318,7 @@ def outage(first: str, when: str, part: str, seconds: float) -> Callable[[Chaos,
     def run(c: Chaos, ms: list[str]) -> Callable[[], None]:
         last, t0 = c.last_incident(), time.time()
         if part == "bus":  # away first: the fault's alerts wait in the agents' outboxes
-            away = _Away(c.bus_dir(), seconds)
+            away = _Away(c.bus_dir(), seconds, block=True)
             return _both(FIRST[first](c, ms), away.undo)
         undo = FIRST[first](c, ms)
         try:
@@ -621,7 +627,7 @@ def metrics_of(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def healthy_under_load(c: Chaos, seconds: float) -> dict[str, Any]:
     """``seconds`` of healthy training with two CPU hogs beside the job (the busy host): the incidents that open
     (the fail-slow ones above all) and the slowdowns recorded as shared; then, under the same load, one rank
-    slowed by 30% of its compute time: its incident, and whether its machine was voted out."""
+    slowed by 30% of its step time: its incident, and whether its machine was voted out."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(2)]
     out: dict[str, Any] = {"seconds": seconds, "hogs": len(hogs)}
@@ -639,12 +645,13 @@ def healthy_under_load(c: Chaos, seconds: float) -> dict[str, Any]:
                    slow_alerts=len(shared),
                    slow_alerts_without_incident=sum(1 for a in shared if a.incident_id is None))
         c.settled(timeout=600)
-        # a rank slowed by 30% of its own compute time, under the same load
+        # a rank slowed by 30% of its step time, under the same load
         machines = list(c.ctl.fleet.job(JOB).machine_list)
         rank = _rank(c.topology, 1)
         records = [r for r in c.ctl.step_history(JOB, rank=rank)[-20:] if isinstance(r.get("step_time_s"), float)]
+        times = sorted(float(r["step_time_s"]) for r in records)
         compute = sorted(max(0.0, r["step_time_s"] - float(r.get("comm_s") or 0.0)) for r in records)
-        extra = round(0.3 * compute[len(compute) // 2], 3) if compute else 0.15
+        extra = round(0.3 * times[len(times) // 2], 3) if times else 0.2
         last, t1 = c.last_incident(), time.time()
         inject.inject(c.inv, machines[1], "slow", rank=rank, params={"seconds": str(extra)})
         try:
@@ -656,8 +663,10 @@ def healthy_under_load(c: Chaos, seconds: float) -> dict[str, Any]:
         finally:
             inject.clear(c.inv, machines[1], "slow")
         evicted = c.swaps(inc.id) if inc is not None else {}
-        out["slow_rank"] = {"rank": rank, "machine": machines[1], "compute_s": compute[len(compute) // 2]
-                            if compute else None, "added_s": extra, "incident": inc.id if inc else None,
+        out["slow_rank"] = {"rank": rank, "machine": machines[1],
+                            "step_s": times[len(times) // 2] if times else None,
+                            "compute_s": compute[len(compute) // 2] if compute else None, "added_s": extra,
+                            "incident": inc.id if inc else None,
                             "detected_s": round(inc.first_alert_ts - t1, 1) if inc else None,
                             "evicted": sorted(evicted), "voted_out": machines[1] in evicted}
     finally:

@@ -242,17 +242,18 @@ def replicated_copies(topo: Topology, machines: Sequence[str], steps: Sequence[i
 
 def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topology: Topology | None = None,
                      train_args: Sequence[str] = ("--checkpoint",), revision: str = "",
-                     spec: dict[str, Any] | None = None, **settings: Any) -> tuple[Controller, FakeFleet]:
+                     spec: dict[str, Any] | None = None, fleet_url: str = "",
+                     **settings: Any) -> tuple[Controller, FakeFleet]:
     """A controller over ``machines`` scripted machines (the first ``active`` run job ``j``, the rest are
-    parked standbys), with its fleet database in ``tmp_path``. ``spec``: the job's spec (default: the
-    reference job with ``train_args``)."""
+    parked standbys), with its fleet database in ``tmp_path`` (or at ``fleet_url``). ``spec``: the job's spec
+    (default: the reference job with ``train_args``)."""
     topo = topology or Topology(tp=1, pp=2, dp=2)
     inv = Inventory(cluster="t", transport="local", bus_url=f"spool://{tmp_path / 'bus'}", machines=[
         Machine(name=f"m{i}", address=f"10.0.0.{i + 10}", role="active" if i < active else "standby")
         for i in range(machines)])
     inv.save(tmp_path / "inventory.json")
-    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(inv.path), **settings),
-                   inventory=inv)
+    c = Controller(ControlConfig(fleet_url=fleet_url or str(tmp_path / "fleet.db"), inventory=str(inv.path),
+                                 **settings), inventory=inv)
     fleet = FakeFleet(inv, topo)
     c.transport = fleet
     c.sync_inventory()

@@ -170,3 +170,49 @@ def test_two_controllers_syncing_a_large_inventory_at_once_register_each_machine
     assert sorted(added[0] + added[1]) == sorted(names)  # each machine added by exactly one of them
     assert all(len(fleet.events(n)) == 1 for n in ("n0", "n1500", "n2999"))  # and registered once
     assert len([m for m in fleet.machines() if m.name.startswith("n")]) == 3000
+
+
+def test_a_restart_of_the_postgres_server_mid_incident_is_waited_out(tmp_path, monkeypatch):
+    """The scale-out profile's fleet database restarts while a GPU fault's incident is handled: the triage of a
+    task that opens the database during the restart waits until it is back, and a store whose connections the
+    restart broke answers its next call on new ones; with no wait allowed, the call fails in one line."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from tests.fakes import alert, fleet_controller
+    from trainguard.emulation.servers import Postgres
+    from trainguard.operators.control import Controller
+    from trainguard.operators.fleet.store import FleetUnavailable
+    from trainguard.operators.tasks import common
+    from trainguard.operators.tasks import incident as steps
+
+    folder = Path(tempfile.mkdtemp(prefix="tgpg-"))
+    server = Postgres(folder / "pg", port=5439)
+    try:
+        server.start()
+        server.create("tg", "tg_owner", "unused")
+        url = server.socket_url("tg")
+        FleetStore(url, migrate=True).close()
+        c, _fleet = fleet_controller(tmp_path, fleet_url=url)
+        [item] = c.ingest([alert("gpu_lost", "m2")])
+        held = FleetStore(url, retry_s=60)  # an engine whose pooled connection the restart breaks
+        assert held.incident(item["incident"]).state == "open"
+        impatient = FleetStore(url, retry_s=0)
+        assert impatient.incident(item["incident"]).state == "open"
+        server.stop()
+        with pytest.raises(FleetUnavailable, match="did not answer"):
+            impatient.incident(item["incident"])
+        back = threading.Timer(3.0, server.start)
+        back.start()
+        began = time.monotonic()
+        monkeypatch.setattr(common, "controller", lambda: Controller(
+            c.cfg, fleet=FleetStore(url, retry_s=60), transport=c.transport, inventory=c.inventory))
+        decision = steps.triage(item["incident"])
+        waited = time.monotonic() - began
+        back.join()
+        assert waited >= 2.5 and decision["action"] == "evict" and decision["machines"] == ["m2"], (waited, decision)
+        assert held.incident(item["incident"]).summary.endswith("next: evict")
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -83,12 +83,12 @@ def transient(exc: BaseException) -> bool:
 
 def _retrying(fn: Any) -> Any:
     """``fn`` (a public method of :class:`FleetStore`) tried again, with a growing wait, while the database is
-    unavailable (:func:`transient`), for at most the store's ``retry_s``; then a one-line
+    unavailable (:func:`transient`), for at most the store's ``retry_s`` (0: tried once); then a one-line
     :class:`FleetUnavailable`. Calls made from within a retrying call are not retried on their own."""
 
     @functools.wraps(fn)
     def call(self: FleetStore, *args: Any, **kwargs: Any) -> Any:
-        if self.retry_s <= 0 or getattr(_CALLING, "active", False):
+        if getattr(_CALLING, "active", False):
             return fn(self, *args, **kwargs)
         _CALLING.active = True
         try:
