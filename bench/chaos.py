@@ -26,7 +26,7 @@ Before the trials, ``--healthy-s`` seconds (1,800: 30 minutes) of healthy traini
 hogs beside the job on the 2 cores) count the fail-slow incidents opened (the target: none), and then a rank
 slowed by 30% of its compute, under the same load, must still be voted out.
 
-    python bench/chaos.py [--quick] [--trials 60] [--seed 11] [--scenarios a,b,...] [--healthy-s 1800]
+    python bench/chaos.py [--quick] [--trials 62] [--seed 11] [--scenarios a,b,...] [--healthy-s 1800]
                           [--out FILE]
 
 Targets (the reliability issues): 0 jobs left dead, 0 checkpoints lost, 0 left on a faulty machine, every
@@ -263,9 +263,17 @@ def _second_agent(c: Chaos, ms: list[str]) -> Callable[[], None]:
     return lambda: _cont(pid)
 
 
+def _second_standby_nic(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    """The standby that has just taken a place in the job loses its network (as it is launched)."""
+    joined = sorted(set(c.ctl.fleet.job(JOB).machine_list) - set(ms))
+    for m in joined:
+        inject.inject(c.inv, m, "nic_down")
+    return _both(*[lambda m=m: inject.clear(c.inv, m, "nic_down") for m in joined])
+
+
 FIRST = {"crash": _first_crash, "slow": _first_slow, "gpu_lost": _first_gpu}
 SECOND = {"crash": _second_crash, "hang": _second_hang, "gpu_lost": _second_gpu, "nan": _second_nan,
-          "agent_stopped": _second_agent}
+          "agent_stopped": _second_agent, "standby_nic_down": _second_standby_nic}
 
 
 def compound(first: str, task: str, second: str) -> Callable[[Chaos, list[str]], Callable[[], None]]:
@@ -381,12 +389,14 @@ def scenarios(topo: Topology) -> dict[str, Scenario]:
                                                                                            frozenset({2}))}
     then = {"crash": (frozenset(), frozenset()), "hang": (frozenset(), pipe[0]), "gpu_lost": (frozenset({0}),
                                                                                           frozenset({0})),
-            "nan": (frozenset(), frozenset()), "agent_stopped": (frozenset(), frozenset({0}))}
+            "nan": (frozenset(), frozenset()), "agent_stopped": (frozenset(), frozenset({0})),
+            "standby_nic_down": (frozenset(), frozenset())}
     for first, task, second in (("crash", "triage", "gpu_lost"), ("crash", "stop_time_diagnosis", "hang"),
                                 ("crash", "stop_job", "nan"), ("crash", "swap_machines", "agent_stopped"),
                                 ("crash", "restart_job", "crash"), ("crash", "wait_for_resume", "gpu_lost"),
                                 ("slow", "slow_vote", "crash"), ("slow", "slow_vote", "agent_stopped"),
                                 ("gpu_lost", "swap_machines", "gpu_lost"), ("gpu_lost", "restart_job", "hang"),
+                                ("gpu_lost", "restart_job", "standby_nic_down"),
                                 ("gpu_lost", "wait_for_resume", "agent_stopped")):
         must = both[first][0] | then[second][0]
         items.append(Scenario(f"{first}_then_{second}_during_{task}",
@@ -683,7 +693,7 @@ def healthy_under_load(c: Chaos, seconds: float) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 trials, short quiet periods")
-    ap.add_argument("--trials", type=int, default=60)
+    ap.add_argument("--trials", type=int, default=62)
     ap.add_argument("--seed", type=int, default=11)
     ap.add_argument("--scenarios", default="", help="scenarios to draw from (default: all)")
     ap.add_argument("--quiet-s", default="5,15", help="quiet period before each trial: MIN,MAX seconds")

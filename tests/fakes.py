@@ -71,6 +71,7 @@ class FakeFleet(Transport):
         self.process_state: dict[int, str] = {}
         self.frames: dict[int, list[str]] = {}
         self.compute: dict[int, float] = {}
+        self.progress_age: float | None = None  # seconds since each rank's last progress, as its heartbeat says
         self.agent_restarted: list[str] = []
         self.rescued: list[tuple[str, int, int]] = []
 
@@ -98,7 +99,8 @@ class FakeFleet(Transport):
                 "ranks": [{"rank": r, "step": self.step, "process_state": "S" if ranks else "gone",
                            "last_step": {"step": self.step, "step_time_s": 0.6, "comm_s": 0.2,
                                          "incarnation": self.incarnation.get(name)},
-                           "recent_compute_s": self.compute.get(r, 0.35)} for r in ranks]}
+                           "recent_compute_s": self.compute.get(r, 0.35), "progress_age_s": self.progress_age}
+                          for r in ranks]}
 
     # ---- the transport -----------------------------------------------------------------------------------
     def _ok(self, machine: str, argv: list[str], doc: Any, code: int = 0) -> RunResult:

@@ -88,7 +88,10 @@ def control(cp_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
                                             # the scenarios' own repairs keep the pool; no scheduled pool job
                                             "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
                                             "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0",
-                                            "TG_AGENT_SILENT_S": "8"})
+                                            "TG_AGENT_SILENT_S": "8",
+                                            # the reconciler looks every 30 s here (10 s by default): the tier
+                                            # shares 2 cores; the Fleet page's scenario waits for its look
+                                            "TG_RECONCILE_PERIOD_S": "30"})
     (home / "airflow").mkdir()
     try:
         parked = parking.run_many(standbys, lambda m: [cp_cluster.tg_node, "standby", "park", "--nproc", "2"],
@@ -429,6 +432,35 @@ def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(contr
     out = airflow.xcom("tg_diagnose", run_id, "conclude")
     assert out["failed"] == {} and sorted(out["machines"]) == sorted(machines)
     assert ctl.fleet.job(JOB).machine_list == machines  # nothing evicted without "evict"
+
+
+def test_the_reconciler_looks_at_the_job_from_the_triggerer_and_status_says_when(control, cp_cluster):
+    """tg_reconcile's sensor is deferred (its look runs in the triggerer, no worker held) and records each pass;
+    ``trainguard status`` says when it last looked and finds nothing wrong with it."""
+    import subprocess
+    import sys
+
+    ctl, airflow = control
+    run = wait_until(lambda: next((r for r in airflow.runs("tg_reconcile") if r["state"] == "running"), None),
+                     timeout=120, interval=1.0, what="tg_reconcile's run")
+    wait_until(lambda: airflow.task_states("tg_reconcile", run["dag_run_id"]).get("look") == "deferred",
+               timeout=120, interval=1.0, what="the reconciler's look to be deferred")
+    first = wait_until(lambda: ctl.fleet.components().get("reconciler"), timeout=120, interval=1.0,
+                       what="the reconciler's first pass")
+    def next_pass() -> Any:
+        now = ctl.fleet.components()["reconciler"]
+        return now if now.seen_ts > first.seen_ts else None
+
+    later = wait_until(next_pass, timeout=120, interval=1.0, what="the reconciler's next pass")
+    assert later.detail["passes"] > first.detail["passes"] or later.detail["pid"] != first.detail["pid"]
+    assert later.detail["runs_known"], later.detail  # it reads the live incident runs through the REST API
+    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory,
+           "TG_RECONCILE_PERIOD_S": "30"}
+    out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "--json", "status"], capture_output=True,
+                         text=True, env=env, timeout=120, check=False)
+    doc = json.loads(out.stdout)
+    assert doc["reconciler"]["last_pass_age_s"] < 90, doc["reconciler"]
+    assert not [p for p in doc["problems"] if "reconciler" in p], doc["problems"]
 
 
 def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_cluster):

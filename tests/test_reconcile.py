@@ -402,3 +402,18 @@ def test_a_slowdown_every_rank_shares_is_no_straggler_and_opens_no_incident(tmp_
     # with an incident open, a shared slowdown's alerts join it as before
     again = [_decline(r, x) for r, x in enumerate((1.5, 1.5, 1.5, 1.5))]
     assert [i["incident"] for i in c.ingest(again)] == [item["incident"]]
+
+
+def test_a_job_with_steps_longer_than_the_closes_wait_is_training_while_its_ranks_make_progress(tmp_path,
+                                                                                               monkeypatch):
+    """A real job's step may take minutes: no step within the close's 15 s wait is not a dead job while every
+    machine runs it and every rank's heartbeat shows progress (a collective completed); a rank without progress
+    for longer than TG_RECONCILE_STALL_S is."""
+    c, fleet = fleet_controller(tmp_path, reconcile_stall_s=300.0)
+    monkeypatch.setattr(c, "trains", lambda job, **kw: False)  # no step within the wait: steps are long
+    fleet.progress_age = 40.0
+    assert c.not_training("j") == ""
+    fleet.progress_age = 900.0
+    assert c.not_training("j") == "no step within 15s and no progress for 900s"
+    fleet.running.pop("m1")
+    assert c.not_training("j") == "not running on m1 (exited)"

@@ -48,8 +48,9 @@ def plane(monkeypatch_module: pytest.MonkeyPatch) -> Iterator[tuple[GuardedJob, 
     spec = replace(SPEC, bus_url=scaleout.bus_url(SPEC))
     # the demo's breaker: the hang's pipeline (2 machines) after the explicit fault's (1) is 3 of the job's 4
     # machines evicted, which the default (half the job an hour) leaves to a human
+    # the reconciler looks every 30 s here (10 s by default): this tier shares 2 cores with its own plane
     settings = {**NO_SCHEDULES, "TG_INVENTORY": str(state / "inventory.json"), "TG_BREAKER_SHARE": "0.75",
-                "TG_BREAKER_WINDOW_S": "60"}
+                "TG_BREAKER_WINDOW_S": "60", "TG_RECONCILE_PERIOD_S": "30"}
     so = scaleout.ScaleOut(root / "control", settings, spec)
     job: GuardedJob | None = None
     try:

@@ -99,6 +99,9 @@ def plane(user_cluster: Inventory) -> Iterator[tuple[Controller, Standalone, Pat
                                             "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
                                             "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0",
                                             "TG_AGENT_SILENT_S": "8",
+                                            # the reconciler looks every 30 s here (10 s by default): this tier
+                                            # shares 2 cores, and the guardian's alerts handle its faults
+                                            "TG_RECONCILE_PERIOD_S": "30",
                                             # a two-machine job loses a machine per scenario here: the breaker
                                             # (at most half the job's machines an hour) would stop the second
                                             "TG_BREAKER_SHARE": "1.0", "TG_BREAKER_WINDOW_S": "20"})

@@ -189,17 +189,27 @@ class Incidents(ControllerBase):
         return self._triage(self.fleet.incident(incident_id).job, incident_id)
 
     def not_training(self, job: str) -> str:
-        """"" when every rank of the job finishes a step now (:meth:`trains`), else what its machines say."""
+        """"" when the job trains: every rank finishes a step now (:meth:`trains`), or, for a job whose steps are
+        longer than that wait, every machine runs it and every rank made progress (a step or a collective)
+        within ``reconcile_stall_s``; else what its machines say."""
         if self.trains(job):
             return ""
+        from trainguard.node_tools import launcher
+
         try:
-            seen = self.progress(job)
+            st = launcher.status(self.inventory, job, self.machines(self.fleet.job(job).machine_list),
+                                 transport=self.transport, brief=True)
         except TrainguardError as exc:
             return f"its machines cannot be read ({exc})"[:300]
-        down = {m: st for m, st in seen["states"].items() if st != "running"}
+        down = {m: d.get("state", "unreadable") for m, d in st.items() if d.get("state") != "running"}
         if down:
-            return "not running on " + ", ".join(f"{m} ({st})" for m, st in sorted(down.items()))[:300]
-        return f"no step past {seen['step']} within 15s"
+            return "not running on " + ", ".join(f"{m} ({s})" for m, s in sorted(down.items()))[:300]
+        ages = [r.get("progress_age_s") for d in st.values() for r in d.get("ranks") or ()]
+        if ages and all(isinstance(a, (int, float)) and a <= self.cfg.reconcile_stall_s for a in ages):
+            return ""  # long steps: every rank still makes progress
+        stale = max((a for a in ages if isinstance(a, (int, float))), default=None)
+        return f"no step within 15s and no progress for {stale:.0f}s" if stale is not None else \
+            "no step within 15s and no rank reports progress"
 
     def _triage(self, job_name: str, incident_id: int) -> ladder.Triage:
         job = self.fleet.job(job_name)
