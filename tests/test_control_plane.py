@@ -7,12 +7,13 @@ machines were evicted, which standbys joined, from which step training resumed, 
 
 This module is the suite's shared end-to-end tier (one Airflow, one cluster, one job): ``make test`` (CI) runs
 the scenarios that prove the ladder's paths (explicit eviction onto a warm standby, passing over a dead one;
-the graph as what runs; stop-time diagnosis; a diagnosis by hand; the ETTR ledger; over-eviction without
-losing a checkpoint), ordered so that the scenarios that need no fresh failure run while the last recovery's
-escalation window passes; the scenarios marked ``full`` (the escalation, one per further fault kind, code
-rollback, forged and clock-skewed alerts, the browser tests) run with ``make test-all``. Every rung's decision
-is also proven without Airflow against fakes (tests/test_recovery_policy.py, tests/test_incident_tasks.py,
-tests/test_guardian_ingest.py, tests/test_code_policy.py).
+the graph as what runs; stop-time diagnosis, reached through a crash during a fail-slow vote; the reconciler's
+look; the ETTR ledger; over-eviction without losing a checkpoint), ordered so that the scenarios that need no
+fresh failure run while the last recovery's escalation window passes; the scenarios marked ``full`` (a
+diagnosis by hand, the escalation, one per further fault kind, code rollback, forged and clock-skewed alerts,
+the browser tests) run with ``make test-all``. Every rung's decision is also proven without Airflow against
+fakes (tests/test_recovery_policy.py, tests/test_incident_tasks.py, tests/test_guardian_ingest.py,
+tests/test_code_policy.py, tests/test_reconcile.py).
 """
 
 from __future__ import annotations
@@ -417,6 +418,7 @@ def test_a_crash_during_a_slow_vote_that_found_nothing_is_triaged_again_and_rest
           f"resumed {inc.resumed_ts - killed:.1f}s after the kill")
 
 
+@pytest.mark.full  # (the browser scenario triggers tg_diagnose too)
 def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(control, cp_cluster):
     ctl, airflow = control
     machines = list(ctl.fleet.job(JOB).machine_list)
@@ -445,15 +447,10 @@ def test_the_reconciler_looks_at_the_job_from_the_triggerer_and_status_says_when
                      timeout=120, interval=1.0, what="tg_reconcile's run")
     wait_until(lambda: airflow.task_states("tg_reconcile", run["dag_run_id"]).get("look") == "deferred",
                timeout=120, interval=1.0, what="the reconciler's look to be deferred")
-    first = wait_until(lambda: ctl.fleet.components().get("reconciler"), timeout=120, interval=1.0,
-                       what="the reconciler's first pass")
-    def next_pass() -> Any:
-        now = ctl.fleet.components()["reconciler"]
-        return now if now.seen_ts > first.seen_ts else None
-
-    later = wait_until(next_pass, timeout=120, interval=1.0, what="the reconciler's next pass")
-    assert later.detail["passes"] > first.detail["passes"] or later.detail["pid"] != first.detail["pid"]
-    assert later.detail["runs_known"], later.detail  # it reads the live incident runs through the REST API
+    last = wait_until(lambda: ctl.fleet.components().get("reconciler"), timeout=120, interval=1.0,
+                      what="the reconciler's first pass")
+    assert time.time() - last.seen_ts < 3 * 30 and last.detail["passes"] >= 1, last.detail
+    assert last.detail["runs_known"], last.detail  # it reads the live incident runs through the REST API
     env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory,
            "TG_RECONCILE_PERIOD_S": "30"}
     out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "--json", "status"], capture_output=True,
