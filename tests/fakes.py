@@ -95,7 +95,7 @@ class FakeFleet(Transport):
     def _status(self, name: str) -> dict[str, Any]:
         ranks = self.running.get(name, [])
         return {"job": self.job, "machine": name, "state": "running" if ranks else "exited",
-                "incarnation": self.incarnation.get(name), "returncode": None if ranks else 0,
+                "incarnation": self.incarnation.get(name), "returncode": None if ranks else -9,
                 "ranks": [{"rank": r, "step": self.step, "process_state": "S" if ranks else "gone",
                            "last_step": {"step": self.step, "step_time_s": 0.6, "comm_s": 0.2,
                                          "incarnation": self.incarnation.get(name)},

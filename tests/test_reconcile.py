@@ -417,3 +417,52 @@ def test_a_job_with_steps_longer_than_the_closes_wait_is_training_while_its_rank
     assert c.not_training("j") == "no step within 15s and no progress for 900s"
     fleet.running.pop("m1")
     assert c.not_training("j") == "not running on m1 (exited)"
+
+
+def test_what_the_reconciler_leaves_alone(tmp_path, monkeypatch):
+    """An incident opened by hand (a replay's, a diagnosis's: its own DAG watches it) is not driven again; a run
+    of an incident triggered by hand (its own run id, the incident in its conf) counts as live; a job whose part
+    ended with code 0 everywhere has finished, not died; a launch that died with its task years ago does not
+    hide the job; the reconciler's own copy of a fault is not raised again when its incident closes without
+    an eviction (dry run, a human's call)."""
+    from trainguard.operators.tasks import common
+
+    c, fleet = fleet_controller(tmp_path, reconcile_grace_s=0.0, reconcile_confirm_s=0.0)
+    manual = common.incident_by_hand(c, "j", "dual-phase replay by hand")
+    assert c.reconcile_pass({}, live_runs=[]) == []
+    c.close(manual, outcome=IncidentState.RESOLVED)
+    [item] = c.ingest([alert("gpu_lost", "m2")])
+    assert c.reconcile_pass({}, live_runs=["manual__2026-11-28T10:00:00", f"conf:{item['incident']}"]) == []
+    c.close(item["incident"], outcome=IncidentState.RESOLVED, note="a human kept m2")
+    # the fault left on m2 is raised once; its copy's incident closing without an eviction raises nothing more
+    [found] = [f for f in c.reconcile_pass({}, live_runs=[]) if f.kind == "unhandled_fault"]
+    [start] = c.reconcile_act([found])["starts"]
+    c.close(start["conf"]["incident_id"], outcome=IncidentState.FAILED, note="not evicted (dry run)")
+    assert [f for f in c.reconcile_pass({}, live_runs=[]) if f.kind == "unhandled_fault"] == []
+    # finished everywhere (code 0): nothing to bring back, and the close's check calls it not a failure either
+    fleet.running.clear()
+    monkeypatch.setattr(fleet, "_status", lambda name: {"job": "j", "machine": name, "state": "exited",
+                                                       "incarnation": 0, "returncode": 0, "ranks": []})
+    memory: dict = {}
+    assert c.reconcile_pass(memory, live_runs=[]) == [] and c.reconcile_pass(memory, live_runs=[]) == []
+    assert c.not_training("j") == ""
+    # a launch action left unfinished long ago (its task was killed) hides nothing
+    a, _ = c.fleet.record_action("launch:j:stale:m0", kind="launch", machines=["m0"])
+    monkeypatch.undo()
+    with c.fleet.tx() as s:
+        s.get(type(a), a.id).started_ts = time.time() - 7200
+    memory = {}
+    assert c.reconcile_pass(memory, live_runs=[]) == []
+    assert [f.kind for f in c.reconcile_pass(memory, live_runs=[])] == ["job_down"]
+
+
+def test_a_wrong_statement_is_not_an_outage():
+    """Only the database's unavailability is waited for: a statement the database refuses fails at once."""
+    import sqlalchemy as sa
+
+    from trainguard.operators.fleet.store import transient
+
+    locked = sa.exc.OperationalError("BEGIN", {}, __import__("sqlite3").OperationalError("database is locked"))
+    assert transient(locked)
+    assert not transient(sa.exc.OperationalError("SELECT", {}, __import__("sqlite3").OperationalError(
+        "no such column: nosuch")))

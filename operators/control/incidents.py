@@ -201,6 +201,8 @@ class Incidents(ControllerBase):
                                  transport=self.transport, brief=True)
         except TrainguardError as exc:
             return f"its machines cannot be read ({exc})"[:300]
+        if st and all(d.get("state") == "exited" and d.get("returncode") == 0 for d in st.values()):
+            return ""  # it finished on every machine, as a job does: nothing to bring back
         down = {m: d.get("state", "unreadable") for m, d in st.items() if d.get("state") != "running"}
         if down:
             return "not running on " + ", ".join(f"{m} ({s})" for m, s in sorted(down.items()))[:300]

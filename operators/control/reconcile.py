@@ -14,6 +14,7 @@ is raised once, never once per pass.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Collection, Mapping, MutableMapping
 from typing import Any
@@ -31,6 +32,9 @@ from trainguard.operators.policy.rungs import run_id
 ALERT_KIND = {"job_down": "job_down", "job_stalled": "job_stalled", "agent_silent": "agent_silent"}
 #: a look at a job's machines waits this long for each
 LOOK_TIMEOUT_S = 10.0
+#: a launch of the job started this recently and not finished is under way (an older one died with its task)
+LAUNCH_IN_FLIGHT_S = 600.0
+log = logging.getLogger(__name__)
 
 
 def finding_alert_id(f: Finding) -> str:
@@ -60,36 +64,49 @@ class Reconciliation(ControllerBase):
         (None: unknown, the stuck-incident check is skipped); ``silent``: machine -> since when the guardian
         finds its agent silent."""
         now = time.time() if now is None else now
-        cfg = self.cfg
         findings: list[Finding] = []
         running = [j for j in self.fleet.jobs() if j.state == "running"]
         for j in running:
-            incidents = self.fleet.incidents(j.name)
-            open_ = [i for i in incidents if i.state == IncidentState.OPEN]
-            if live_runs is not None and open_:
-                findings += policy.stuck_incidents(
-                    [{"id": i.id, "job": i.job, "opened_ts": i.opened_ts, "redrives": self._redrives(i.id)}
-                     for i in open_], live_runs, now, grace_s=cfg.reconcile_grace_s)
-            if any(i.state in (IncidentState.OPEN, IncidentState.WAITING_HUMAN) for i in incidents) \
-                    or self.fleet.in_flight(f"launch:{j.name}:"):
-                memory.pop(j.name, None)  # an incident (or a launch) handles the job: look afresh after it
-                continue
             try:
-                look = self.look(j.name)
-            except TrainguardError:
-                continue
-            found = policy.judge_look(j.name, look, memory.setdefault(j.name, JobMemory()),
-                                      confirm_s=cfg.reconcile_confirm_s, stall_s=cfg.reconcile_stall_s)
-            findings += [Finding(f.job, f.kind, f.machines, f.reason, f.incident,
-                                 {**f.evidence, "incarnations": dict(look.incarnations)}) for f in found]
-            findings += self._unhandled(j.name, list(j.machine_list), incidents)
-            if silent:
-                findings += [Finding(f.job, f.kind, f.machines, f.reason, f.incident,
-                                     {**f.evidence, "since": {m: silent[m] for m in f.machines}})
-                             for f in policy.silent_agents(j.name, j.machine_list, silent, now)]
+                findings += self._reconcile_job(j, memory, live_runs=live_runs, silent=silent, now=now)
+            except Exception as exc:  # one job's odd document must not blind the pass to the others
+                log.warning("reconciler: job %s not judged this pass: %s", j.name, exc)
         # the same observation raised before (its alert is recorded): not again
         raised = self.fleet.known_alerts([finding_alert_id(f) for f in findings if f.kind != "stuck_incident"])
         return [f for f in findings if f.kind == "stuck_incident" or finding_alert_id(f) not in raised]
+
+    def _reconcile_job(self, j: Any, memory: MutableMapping[str, JobMemory], *, live_runs: Collection[str] | None,
+                       silent: Mapping[str, float] | None, now: float) -> list[Finding]:
+        cfg = self.cfg
+        findings: list[Finding] = []
+        incidents = self.fleet.incidents(j.name)
+        # incidents of the guardian's (they hold alerts): one opened by hand has a DAG of its own watching it
+        open_ = [i for i in incidents if i.state == IncidentState.OPEN and self.fleet.alerts_of(i.id, limit=1)]
+        if live_runs is not None and open_:
+            findings += policy.stuck_incidents(
+                [{"id": i.id, "job": i.job, "opened_ts": i.opened_ts, "redrives": self._redrives(i.id)}
+                 for i in open_], live_runs, now, grace_s=cfg.reconcile_grace_s)
+        launching = [a for a in self.fleet.in_flight(f"launch:{j.name}:")
+                     if now - (a.started_ts or 0.0) < LAUNCH_IN_FLIGHT_S]
+        if any(i.state in (IncidentState.OPEN, IncidentState.WAITING_HUMAN) for i in incidents) or launching:
+            memory.pop(j.name, None)  # an incident (or a launch) handles the job: look afresh after it
+            return findings
+        try:
+            look = self.look(j.name)
+        except TrainguardError:
+            return findings
+        if look.states and all(s == "finished" for s in look.states.values()):
+            return findings  # the job ended as it should on every machine: nothing to bring back
+        found = policy.judge_look(j.name, look, memory.setdefault(j.name, JobMemory()),
+                                  confirm_s=cfg.reconcile_confirm_s, stall_s=cfg.reconcile_stall_s)
+        findings += [Finding(f.job, f.kind, f.machines, f.reason, f.incident,
+                             {**f.evidence, "incarnations": dict(look.incarnations)}) for f in found]
+        findings += self._unhandled(j.name, list(j.machine_list), incidents)
+        if silent:
+            findings += [Finding(f.job, f.kind, f.machines, f.reason, f.incident,
+                                 {**f.evidence, "since": {m: silent[m] for m in f.machines}})
+                         for f in policy.silent_agents(j.name, j.machine_list, silent, now)]
+        return findings
 
     def _redrives(self, incident_id: int) -> int:
         return sum(1 for a in self.fleet.actions(incident_id) if a.kind == "redrive")
@@ -101,7 +118,9 @@ class Reconciliation(ControllerBase):
         since = min(joined.values(), default=0.0)
         faults = [{"id": a.id, "machine": a.machine, "kind": a.kind, "ts": a.ts, "incident": a.incident_id}
                   for a in self.fleet.alerts_on(machines, kinds=ladder.EXPLICIT | ladder.XID, since=since)
-                  if a.incident_id in closed and ladder.triage("", [a.document]).category == "machine_fault"]
+                  if a.incident_id in closed and ladder.triage("", [a.document]).category == "machine_fault"
+                  # its own copy raised before is not a fault of its own: the original is raised once
+                  and (a.document.get("evidence") or {}).get("source") != "reconciler"]
         return policy.unhandled_faults(job, faults, joined)
 
     # ---- acting on what a pass found ----------------------------------------------------------------------
@@ -134,9 +153,11 @@ class Reconciliation(ControllerBase):
             done.append(f.reason)
         if alerts:
             for item in self.ingest(alerts, reader="reconciler"):
-                if item["opened"]:
+                if item["opened"] or item["taken_over"]:  # as the guardian starts them
+                    taken = self.fleet.incident(item["incident"]).category if item["taken_over"] else ""
                     starts.append({"conf": {"incident_id": item["incident"], "job": item["job"],
-                                            "first_seen_ts": None}, "trigger_run_id": run_id(item["incident"])})
+                                            "first_seen_ts": None},
+                                   "trigger_run_id": run_id(item["incident"], taken)})
         return {"starts": starts, "done": done}
 
     def _fault_kind(self, f: Finding, machine: str) -> str:

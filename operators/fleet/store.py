@@ -70,15 +70,30 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.25, 4.0
 _CALLING = threading.local()  # a retrying call in progress on this thread: the calls it makes do not retry again
 
 
+#: what SQLite says when its file cannot be reached now (moved away, its disk busy) or another writer holds it
+SQLITE_UNAVAILABLE = ("unable to open database file", "database is locked", "disk i/o error")
+#: PostgreSQL's SQLSTATE classes and codes of a server that cannot be reached or is going down, and of a
+#: transaction the server aborted to be tried again (serialization failure, deadlock)
+PG_UNAVAILABLE = ("08", "57P01", "57P02", "57P03", "40001", "40P01")
+
+
 def transient(exc: BaseException) -> bool:
     """Whether ``exc`` says the database is unavailable now (not that the call is wrong): a connection refused
     or dropped, a server restarting, a file that cannot be opened, a lock held too long. Retrying the whole
-    call is safe: each is one transaction, rolled back when it failed."""
+    call is safe: each is one transaction, rolled back when it failed. A wrong statement (no such column, a
+    syntax error, a value of a type the driver refuses) is not: it fails at once."""
     if isinstance(exc, FleetUnavailable):
         return True
     if isinstance(exc, sa.exc.DBAPIError) and exc.connection_invalidated:
         return True
-    return isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError))
+    if not isinstance(exc, (sa.exc.OperationalError, sa.exc.InterfaceError)):
+        return False
+    orig = getattr(exc, "orig", None)
+    if type(orig).__module__.startswith("sqlite3"):
+        return any(m in str(orig).lower() for m in SQLITE_UNAVAILABLE)
+    state = str(getattr(orig, "sqlstate", "") or "")
+    # a psycopg error without a SQLSTATE is the client's: no connection, a connection that broke
+    return not state or state.startswith(PG_UNAVAILABLE)
 
 
 def _retrying(fn: Any) -> Any:

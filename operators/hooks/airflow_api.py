@@ -109,13 +109,20 @@ class AirflowApi:
         return self.request("GET", "/api/v2/monitor/health", auth=False, repeatable=False)
 
     def live_runs(self, dag_id: str, *, page: int = 100) -> list[str]:
-        """The ids of ``dag_id``'s runs that are queued or running (a deferred task's run is running)."""
+        """The ids of ``dag_id``'s runs that are queued or running (a deferred task's run is running), and for a
+        run whose conf names an incident (``incident_id``: a run triggered by hand names its own) ``conf:<id>``."""
         out: list[str] = []
+        read = 0
         while True:
             doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns?state=queued&state=running&limit={page}"
-                                      f"&offset={len(out)}") or {}
-            runs = [str(r["dag_run_id"]) for r in doc.get("dag_runs") or ()]
-            out += runs
+                                      f"&offset={read}") or {}
+            runs = list(doc.get("dag_runs") or ())
+            read += len(runs)
+            for r in runs:
+                out.append(str(r["dag_run_id"]))
+                incident = (r.get("conf") or {}).get("incident_id")
+                if incident is not None:
+                    out.append(f"conf:{incident}")
             if len(runs) < page:
                 return out
 

@@ -70,7 +70,7 @@ def _host_key(machine: Machine) -> paramiko.PKey:
 #: a held connection whose machine stopped answering (its network gone, the machine down) is given up after this
 #: long: SSH keepalives every KEEPALIVE_S, and the kernel ends a connection whose data goes unacknowledged this
 #: long (TCP_USER_TIMEOUT), so a command on it fails in seconds instead of waiting out its own timeout
-DEAD_PEER_S = 6.0
+DEAD_PEER_S = 10.0
 KEEPALIVE_S = 2
 
 

@@ -51,20 +51,27 @@ class Look:
     incarnations: Mapping[str, Any] = field(default_factory=dict)
     step: int = -1
     held: tuple[int, ...] = ()
+    progress_age: float | None = None  # the longest time since a rank's last progress (a step or a collective)
 
     @staticmethod
     def of(statuses: Mapping[str, Mapping[str, Any]], ts: float) -> Look:
         """A look from each machine's status document (an ``error`` for a machine that did not answer)."""
-        states, incarnations, steps, held = {}, {}, [], []
+        states, incarnations, steps, held, ages = {}, {}, [], [], []
         for name, doc in statuses.items():
-            states[name] = str(doc.get("state") or f"unreadable: {str(doc.get('error', ''))[:120]}")
+            state = str(doc.get("state") or f"unreadable: {str(doc.get('error', ''))[:120]}")
+            if state == "exited" and doc.get("returncode") == 0:
+                state = "finished"  # the job's part ended as it should: not a failure
+            states[name] = state
             incarnations[name] = doc.get("incarnation")
             for r in doc.get("ranks") or ():
                 steps.append(r.get("step"))
                 if r.get("status") == "held":
-                    held.append(int(r.get("rank", -1)))
+                    held.append(r.get("rank") if isinstance(r.get("rank"), int) else -1)
+                if isinstance(r.get("progress_age_s"), (int, float)):
+                    ages.append(float(r["progress_age_s"]))
         step = -1 if not steps or any(not isinstance(s, int) for s in steps) else min(steps)
-        return Look(ts=ts, states=states, incarnations=incarnations, step=step, held=tuple(sorted(held)))
+        return Look(ts=ts, states=states, incarnations=incarnations, step=step, held=tuple(sorted(held)),
+                    progress_age=max(ages) if ages else None)
 
     def down(self) -> list[str]:
         """Machines whose part of the job does not run (exited or absent; unreadable ones are not counted:
@@ -131,7 +138,9 @@ def judge_look(job: str, look: Look, memory: JobMemory, *, confirm_s: float, sta
             memory.down_since = None  # reported: the next one needs two looks again
         return out
     quiet = look.ts - memory.step_moved_ts
-    if quiet >= stall_s and not look.held and look.step >= 0:
+    # a long step (an evaluation, a checkpoint) still shows progress in the ranks' heartbeats: not a stall
+    stuck = look.progress_age is None or look.progress_age >= stall_s
+    if quiet >= stall_s and stuck and not look.held and look.step >= 0:
         out.append(Finding(job, "job_stalled", tuple(sorted(look.states)),
                            reason=f"job {job} runs on every machine but finished no step past {look.step} for "
                                   f"{quiet:.0f}s (no rank holds still) and no incident handles it",
@@ -146,6 +155,7 @@ def stuck_incidents(incidents: Sequence[Mapping[str, Any]], live_runs: Collectio
     than ``grace_s``. ``live_runs``: the run ids of the runs queued or running (an incident's runs are named
     ``incident__<id>`` and ``incident__<id>__<more>``)."""
     live = {r.split("__")[1] for r in live_runs if r.startswith("incident__") and len(r.split("__")) >= 2}
+    live |= {r.removeprefix("conf:") for r in live_runs if r.startswith("conf:")}  # a run started by hand
     out = []
     for inc in incidents:
         if str(inc["id"]) in live or now - float(inc["opened_ts"]) < grace_s:
