@@ -144,18 +144,22 @@ def alert_an_hour_behind(c: Chaos, ms: list[str]) -> Callable[[], None]:
     return lambda: None
 
 
-def agent_stopped(c: Chaos, ms: list[str]) -> Callable[[], None]:
-    pid = c.agent_pid(ms[2])
+def _stop_agent(c: Chaos, machine: str) -> Callable[[], None]:
+    """The machine's agent stopped (SIGSTOP); returns what continues it."""
+    pid = c.agent_pid(machine)
     os.kill(pid, signal.SIGSTOP)
     return lambda: _cont(pid)
+
+
+def agent_stopped(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    return _stop_agent(c, ms[2])
 
 
 def agent_stopped_then_crash(c: Chaos, ms: list[str]) -> Callable[[], None]:
-    pid = c.agent_pid(ms[1])
-    os.kill(pid, signal.SIGSTOP)
+    undo = _stop_agent(c, ms[1])
     time.sleep(3.0)
     inject.inject(c.inv, ms[1], "crash", rank=_rank(c.topology, 1))
-    return lambda: _cont(pid)
+    return undo
 
 
 def _cont(pid: int) -> None:
@@ -258,9 +262,7 @@ def _second_nan(c: Chaos, ms: list[str]) -> Callable[[], None]:
 
 
 def _second_agent(c: Chaos, ms: list[str]) -> Callable[[], None]:
-    pid = c.agent_pid(ms[0])
-    os.kill(pid, signal.SIGSTOP)
-    return lambda: _cont(pid)
+    return _stop_agent(c, ms[0])
 
 
 def _second_standby_nic(c: Chaos, ms: list[str]) -> Callable[[], None]:

@@ -141,7 +141,8 @@ class Reconciliation(ControllerBase):
                 starts += step["starts"]
                 continue
             for machine in f.machines:
-                kind = ALERT_KIND.get(f.kind) or self._fault_kind(f, machine)
+                # an unhandled fault is raised again as the kind it was recorded as
+                kind = ALERT_KIND.get(f.kind) or next(iter(f.evidence.get("kinds") or ()), "gpu_lost")
                 a = Alert(kind, machine, severity="fault", job=f.job, ts=time.time(),
                           evidence={**{k: v for k, v in f.evidence.items() if k != "states"}, "source": "reconciler",
                                     "reason": f.reason[:500]})
@@ -159,10 +160,6 @@ class Reconciliation(ControllerBase):
                                             "first_seen_ts": None},
                                    "trigger_run_id": run_id(item["incident"], taken)})
         return {"starts": starts, "done": done}
-
-    def _fault_kind(self, f: Finding, machine: str) -> str:
-        kinds = list(f.evidence.get("kinds") or [])
-        return kinds[0] if kinds else "gpu_lost"
 
     def _redrive(self, incident_id: int, why: str, n: int) -> dict[str, Any]:
         """The next run of an open incident whose run ended without closing it (``n`` runs of it were started
