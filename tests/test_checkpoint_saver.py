@@ -3,6 +3,7 @@ snapshot kept in memory across a rank's death, replicas only for the job's own r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +42,21 @@ CHILD = textwrap.dedent("""
     time.sleep(600)
 """)
 
+
+def stop(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every one of its threads has stopped (kill() returns before they do:
+    a thread inside a system call stops only when it leaves it)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in "tT" for state in states):
+            return
+        time.sleep(0.005)  # polling the kernel's view; the stop itself is what is waited for
+    raise AssertionError(f"saver {pid} did not stop within {timeout_s:g}s")
 
 def test_a_rank_killed_mid_run_restores_from_the_savers_memory_without_its_disk(tmp_path: Path):
     """The rank's process dies (SIGKILL); its saver lives on with the newest snapshot in shared memory.
@@ -250,7 +266,7 @@ def test_a_paused_saver_makes_the_step_wait_and_the_snapshot_is_kept(tmp_path: P
     run_steps(ck, model, opt, range(1))  # step 0 persisted: its buffer is the saver's memory copy
     pid = ck.status()["saver_pid"]
     waiting = _when_waiting(monkeypatch, lambda: os.kill(pid, signal.SIGCONT))
-    os.kill(pid, signal.SIGSTOP)
+    stop(pid)
     try:
         infos = []
         for step in range(1, 4):  # 1 and 2 fill both buffers at the stopped saver; 3 waits for one
@@ -275,13 +291,13 @@ def test_a_stuck_saver_costs_one_bounded_wait_then_snapshots_skip_until_it_runs_
     ck.start()
     run_steps(ck, model, opt, range(1))
     pid = ck.status()["saver_pid"]
-    os.kill(pid, signal.SIGSTOP)
+    stop(pid)
     try:
         infos = []
         for step in range(1, 5):
             train_step(model, opt, step)
             infos.append(ck.after_step(step))
-        assert [i.taken for i in infos] == [True, True, False, False]
+        assert [i.taken for i in infos] == [True, True, False, False], (infos, lines)
         assert infos[2].skipped and infos[2].waited_s >= 0.5  # one wait, to its bound
         assert infos[3].skipped and infos[3].waited_s == 0  # then at once: the training never waits again
         assert ck.status()["stalled"]
