@@ -355,10 +355,14 @@ class RankTimeouts:
         slow_history: normal steps of an incarnation needed before step times are judged (a rank slow
             from its first steps is learned as normal: keep this short).
         ignore_longest: longest step intervals left out of the calibration (see above).
-        decline: a step whose tokens/s is below ``1 - decline`` of the trailing median counts as declined.
-        decline_steps: consecutive declined steps that make a ``throughput_decline`` finding.
-        decline_history: normal steps of an incarnation (at most; at least half of them needed) the
-            trailing median is taken over.
+        decline: the job's throughput has declined when its throughput over the last ``decline_steps``
+            steps (their tokens over their time: the harmonic mean of their tokens/s) is below ``1 - decline``
+            of its throughput over the ``decline_history`` steps before them. One step's tokens/s is noise:
+            on a busy host it swings by a quarter from step to step.
+        decline_steps: the steps of that window; a ``throughput_decline`` finding needs the window below
+            for half as many steps in a row (a sudden 23% decline is reported on its 17th step).
+        decline_history: the steps of the baseline (at least ``decline_steps`` of them needed); a step enters
+            it as it leaves the window, unless the window was below by then.
         decline_relearn: consecutive declined steps after which the lower throughput is the new normal.
     """
 
@@ -376,8 +380,8 @@ class RankTimeouts:
     ignore_longest: int = 2
     confirm_s: float = 1.0
     decline: float = 0.15
-    decline_steps: int = 8
-    decline_history: int = 30
+    decline_steps: int = 16
+    decline_history: int = 48
     decline_relearn: int = 60
 
 
@@ -410,7 +414,8 @@ class _RankState:
     frozen: tuple[int, float] | None = None  # (CPU ticks, since) while a stale heartbeat is being confirmed
     held_seen: float | None = None  # when the rank was first seen holding still on purpose (status "held")
     traced_seen: float | None = None  # when the rank was first seen in a tracing stop ("t") in a row
-    tput: deque = field(default_factory=lambda: deque(maxlen=30))
+    tput: deque = field(default_factory=deque)  # the baseline's steps' tokens/s
+    tput_recent: deque = field(default_factory=deque)  # the last ``decline_steps`` steps' tokens/s
     decline_run: int = 0
     declined: bool = False
     compute_recent: deque = field(default_factory=lambda: deque(maxlen=5))  # every step's compute time
@@ -649,17 +654,26 @@ class RankCheck(Check):
 
 
     def _decline(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
-        """A sustained decline of the job's throughput (tokens/s against its own trailing median): too small
-        for ``rank_slow``, large enough that at scale the whole job runs at a straggler's pace."""
+        """A sustained decline of the job's throughput (over its last steps, against the steps before them):
+        too small for ``rank_slow``, large enough that at scale the whole job runs at a straggler's pace.
+        A window's throughput is judged, not each step's: under load one step's swings by a quarter, and a rule
+        of consecutive low steps is reset by every lucky one (a 30% slow rank went unreported for 15 minutes)."""
         tput = _num(rec.get("tokens_per_s"))
         if not math.isfinite(tput) or tput <= 0:
             return []
-        hist = st.tput
-        need = max(5, self.t.decline_history // 2)
-        baseline = statistics.median(hist) if len(hist) >= need else None
-        below = baseline is not None and tput < (1.0 - self.t.decline) * baseline
-        if not below:
-            hist.append(tput)
+        hist, recent = st.tput, st.tput_recent
+        window = max(1, self.t.decline_steps)
+        recent.append(tput)
+        if len(recent) > window:
+            leaving = recent.popleft()
+            if not st.decline_run:  # the baseline learns from steps no decline was seen in
+                hist.append(leaving)
+                while len(hist) > max(window, self.t.decline_history):
+                    hist.popleft()
+        if len(hist) < window or len(recent) < window:
+            return []
+        baseline, now = _throughput(hist), _throughput(recent)
+        if now >= (1.0 - self.t.decline) * baseline:
             st.decline_run, st.declined = 0, False
             return []
         st.decline_run += 1
@@ -667,17 +681,22 @@ class RankCheck(Check):
             hist.clear()
             st.decline_run, st.declined = 0, False
             return []
-        if st.decline_run < self.t.decline_steps or st.declined:
+        if st.decline_run < max(1, window // 2) or st.declined:
             return []
         st.declined = True
         return [Finding("throughput_decline", f"decline:{job}:{rank}",
-                        f"rank {rank} of job {job}: {st.decline_run} steps at {tput:.0f} tokens/s, "
-                        f"{1 - tput / baseline:.0%} below the trailing median {baseline:.0f}", severity="warning",
+                        f"rank {rank} of job {job}: {now:.0f} tokens/s over its last {window} steps, "
+                        f"{1 - now / baseline:.0%} below the {baseline:.0f} of the steps before", severity="warning",
                         job=job, rank=rank,
-                        evidence={"step": rec.get("step"), "tokens_per_s": round(tput, 1),
+                        evidence={"step": rec.get("step"), "tokens_per_s": round(now, 1),
                                   "baseline_tokens_per_s": round(baseline, 1),
-                                  "decline": round(1 - tput / baseline, 3), "steps": st.decline_run,
-                                  **_compute_growth(st)})]
+                                  "decline": round(1 - now / baseline, 3), "window_steps": window,
+                                  "steps": st.decline_run, **_compute_growth(st)})]
+
+
+def _throughput(tokens_per_s: Any) -> float:
+    """Steps' throughput together: their tokens over their time (steps of equal tokens: the harmonic mean)."""
+    return statistics.harmonic_mean(tokens_per_s)
 
 
 def _compute_growth(st: _RankState) -> dict[str, float]:
