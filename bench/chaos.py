@@ -61,6 +61,7 @@ from trainguard.emulation.standalone import poll
 from trainguard.node_tools import cluster, inject, procs
 from trainguard.node_tools.alerts import Alert
 from trainguard.node_tools.bus import open_bus
+from trainguard.node_tools.errors import FaultError
 from trainguard.node_tools.topology import Topology
 from trainguard.operators.fleet import states
 
@@ -104,6 +105,11 @@ def _both(*undo: Callable[[], None]) -> Callable[[], None]:
             with contextlib.suppress(Exception):
                 u()
     return run
+
+
+def gpu_lost(c: Chaos, ms: list[str]) -> Callable[[], None]:
+    """One GPU lost, nothing else: the reference the compound trials' resume times are compared with."""
+    return _gpu(c, ms[1])
 
 
 def two_gpus_lost(c: Chaos, ms: list[str]) -> Callable[[], None]:
@@ -231,6 +237,9 @@ def _first_crash(c: Chaos, ms: list[str]) -> Callable[[], None]:
     return lambda: None
 
 
+RANK_WAIT_S = 60.0  # the longest a second rank fault waits for a rank of the job on its machine
+
+
 def _first_slow(c: Chaos, ms: list[str]) -> Callable[[], None]:
     inject.inject(c.inv, ms[1], "slow", rank=_rank(c.topology, 1), params={"seconds": "3.0"})
     return lambda: inject.clear(c.inv, ms[1], "slow")
@@ -240,13 +249,32 @@ def _first_gpu(c: Chaos, ms: list[str]) -> Callable[[], None]:
     return _gpu(c, ms[2])
 
 
+def _rank_fault(c: Chaos, machine: str, kind: str, rank: int) -> bool:
+    """A rank fault on ``machine`` as soon as a rank of the job runs there (during a stop or a restart, none
+    does for a while): at most RANK_WAIT_S later. False, and the trial says so, when none ran by then."""
+    deadline = time.monotonic() + RANK_WAIT_S
+    while True:
+        try:
+            inject.inject(c.inv, machine, kind, rank=rank)
+            return True
+        except FaultError as exc:
+            if "no job is running" not in str(exc):
+                raise
+            if time.monotonic() >= deadline:
+                c.compound["second_not_applied"] = f"{kind} on {machine}: no rank of the job ran there for " \
+                                                   f"{RANK_WAIT_S:.0f}s"
+                return False
+        time.sleep(0.25)  # the job's start on the machine is what is waited for
+
+
 def _second_crash(c: Chaos, ms: list[str]) -> Callable[[], None]:
-    inject.inject(c.inv, ms[0], "crash", rank=_rank(c.topology, 0))
+    _rank_fault(c, ms[0], "crash", _rank(c.topology, 0))
     return lambda: None
 
 
 def _second_hang(c: Chaos, ms: list[str]) -> Callable[[], None]:
-    inject.inject(c.inv, ms[0], "hang", rank=_rank(c.topology, 0))
+    if not _rank_fault(c, ms[0], "hang", _rank(c.topology, 0)):
+        return lambda: None
     return lambda: inject.clear(c.inv, ms[0], "hang")
 
 
@@ -257,7 +285,7 @@ def _second_gpu(c: Chaos, ms: list[str]) -> Callable[[], None]:
 def _second_nan(c: Chaos, ms: list[str]) -> Callable[[], None]:
     node = next(n for n in (0, 3) if any(c.topology.coords(r).pp == c.topology.pp - 1 for r in c.topology.ranks_on(n)))
     rank = next(r for r in c.topology.ranks_on(node) if c.topology.coords(r).pp == c.topology.pp - 1)
-    inject.inject(c.inv, ms[node], "nan", rank=rank)
+    _rank_fault(c, ms[node], "nan", rank)
     return lambda: None
 
 
@@ -286,8 +314,9 @@ def compound(first: str, task: str, second: str) -> Callable[[Chaos, list[str]],
         undo = FIRST[first](c, ms)
         try:
             c.compound = {"task": task, "seen": c.wait_task(last, t0, task), "second_s": None}
+            undo_second = SECOND[second](c, ms)
             c.compound["second_s"] = round(time.time() - t0, 2)
-            return _both(undo, SECOND[second](c, ms))
+            return _both(undo, undo_second)
         except Exception:
             undo()
             raise
@@ -353,6 +382,7 @@ def _dp(topo: Topology, node: int) -> frozenset[int]:
 def scenarios(topo: Topology) -> dict[str, Scenario]:
     pipe = {n: _pipeline(topo, n) for n in range(topo.machines)}
     items = [
+        Scenario("gpu_lost", "a GPU lost (the clean reference)", gpu_lost, frozenset({1}), frozenset({1})),
         Scenario("two_gpus_lost", "GPUs lost on two machines 0.2 s apart", two_gpus_lost,
                  frozenset({1, 2}), frozenset({1, 2})),
         # the lost GPU must go; the hung rank's pipeline may too (when the analysis acted before the GPU's alert

@@ -419,7 +419,8 @@ class _RankState:
     decline_run: int = 0
     declined: bool = False
     compute_recent: deque = field(default_factory=lambda: deque(maxlen=5))  # every step's compute time
-    compute_base: deque = field(default_factory=lambda: deque(maxlen=30))  # normal steps' compute time
+    compute_window: deque = field(default_factory=deque)  # the last ``decline_steps`` steps' compute time
+    compute_base: deque = field(default_factory=lambda: deque(maxlen=48))  # normal steps' compute time
 
 
 class RankCheck(Check):
@@ -591,10 +592,16 @@ class RankCheck(Check):
         compute = _num(rec.get("step_time_s")) - _num(rec.get("comm_s"))  # the step less its wait on the others
         if math.isfinite(compute):
             st.compute_recent.append(max(0.0, compute))
+            st.compute_window.append(max(0.0, compute))
         found += self._slow(job, rank, rec, st)
         found += self._decline(job, rank, rec, st)
-        if math.isfinite(compute) and not st.slow_run and not st.decline_run:
-            st.compute_base.append(max(0.0, compute))
+        # the normal compute time learns a step as it leaves the decline's window, and only while no slowdown is
+        # seen: a slowdown small enough to take the window a while to show must not become the rank's normal
+        # first (its compute growth would then read 1.0x, as a waiting peer's does)
+        while len(st.compute_window) > max(1, self.t.decline_steps):
+            leaving = st.compute_window.popleft()
+            if not st.slow_run and not st.decline_run:
+                st.compute_base.append(leaving)
         if rec.get("dp_digests_match") is False and not st.sdc:
             found.append(Finding("sdc_suspect", f"sdc:{job}:{rank}",
                                  f"rank {rank} of job {job}: parameters differ from its DP peers at step {step}",

@@ -433,6 +433,29 @@ def test_on_a_busy_host_a_noisy_throughput_is_no_decline_and_a_straggler_under_t
     assert f.evidence["decline"] == pytest.approx(0.23, abs=0.06)
 
 
+def test_a_slowdown_slow_to_show_in_the_throughput_is_not_learned_as_the_straggler_s_normal_compute(
+        tmp_path, fake_job):
+    """Measured: a rank slowed by 30% of its step under load took the throughput's window 16% below only after
+    a while; meanwhile its slowed compute (0.48 s against 0.26 s) had become its normal one, its decline said
+    compute 0.99x, and the control plane took the batch for a shared slowdown. The normal compute learns a step
+    only as it leaves the window, from a history longer than a slowdown's first steps."""
+    fake_job.rank(0)
+    check = RankCheck(tmp_path)
+    for s in range(60):
+        fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.34, tokens_per_s=1000.0)
+    for s in range(60, 90):  # slowed, but the job's throughput only 10% down: no decline yet
+        fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.12, tokens_per_s=900.0)
+    assert check.run(time.time()) == []
+    found = []
+    for s in range(90, 130):  # then 25% down
+        fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.12, tokens_per_s=750.0)
+        found += check.run(time.time())
+    (f,) = found
+    assert f.kind == "throughput_decline"
+    assert f.evidence["baseline_compute_s"] == pytest.approx(0.26)
+    assert f.evidence["compute_ratio"] == pytest.approx(0.48 / 0.26, abs=0.01)
+
+
 def test_a_rank_slowed_soon_after_a_restart_is_flagged_once(tmp_path, fake_job):
     fake_job.rank(0)
     check = RankCheck(tmp_path)

@@ -404,6 +404,27 @@ def test_a_slowdown_every_rank_shares_is_no_straggler_and_opens_no_incident(tmp_
     assert [i["incident"] for i in c.ingest(again)] == [item["incident"]]
 
 
+def test_a_straggler_whose_history_learned_its_slowdown_still_stands_out_against_its_stage_now():
+    """Measured on the busy 2-core host (2x2x2, the batch of 8 declines of the 30% slow rank): every rank's
+    compute growth read 0.92x-1.13x, because rank 2's slowed compute (0.477 s) had become its own normal, and
+    the batch was recorded as a shared slowdown; the slow rank was never voted out. Against its stage's ranks
+    now (about 0.26 s) it stands out, and the batch goes to the vote."""
+    from trainguard.node_tools.topology import Topology
+    from trainguard.operators.policy import ladder
+
+    measured = {0: (0.9712, 0.259978), 1: (1.0156, 0.276517), 2: (0.9853, 0.476602), 3: (1.1339, 0.309698),
+                4: (1.039, 0.273664), 5: (0.974, 0.260955), 6: (0.9249, 0.257208), 7: (0.955, 0.254151)}
+    batch = [alert("throughput_decline", f"m{r // 2}", rank=r, decline=0.16, compute_ratio=ratio,
+                   recent_compute_s=recent) for r, (ratio, recent) in measured.items()]
+    topo = Topology(tp=2, pp=2, dp=2)
+    assert ladder.shared_slowdown(batch, ranks=8, factor=1.25, stage_of=lambda r: topo.coords(r).pp) == ""
+    assert ladder.shared_slowdown(batch, ranks=8, factor=1.25) == ""  # against the whole batch, too
+    evened = [alert("throughput_decline", f"m{r // 2}", rank=r, decline=0.16, compute_ratio=ratio,
+                    recent_compute_s=0.27 if r == 2 else recent) for r, (ratio, recent) in measured.items()]
+    assert "not a straggler" in ladder.shared_slowdown(evened, ranks=8, factor=1.25,
+                                                        stage_of=lambda r: topo.coords(r).pp)
+
+
 def test_a_job_with_steps_longer_than_the_closes_wait_is_training_while_its_ranks_make_progress(tmp_path,
                                                                                                monkeypatch):
     """A real job's step may take minutes: no step within the close's 15 s wait is not a dead job while every

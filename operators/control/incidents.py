@@ -152,7 +152,9 @@ class Incidents(ControllerBase):
             j = roster.jobs.get(job)
             if j is None or any(a.get("kind") not in ladder.SLOW for a in batch):
                 continue
-            why = ladder.shared_slowdown(batch, ranks=j.tp * j.pp * j.dp, factor=self.cfg.slow_factor)
+            topo = self.topology(job)
+            why = ladder.shared_slowdown(batch, ranks=j.tp * j.pp * j.dp, factor=self.cfg.slow_factor,
+                                         stage_of=lambda r, topo=topo: topo.coords(r).pp)
             if why and not any(i.state in OPEN_INCIDENT_STATES for i in self.fleet.incidents(job)):
                 out[job] = (why, batch)
         return out

@@ -29,7 +29,8 @@ Nothing here imports Airflow; the DAGs call these functions and record what they
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -350,32 +351,47 @@ def supersedes(current: str, t: Triage) -> bool:
 SHARED_QUORUM = 0.5
 
 
-def shared_slowdown(alerts: Sequence[Mapping[str, Any]], *, ranks: int, factor: float) -> str:
+def shared_slowdown(alerts: Sequence[Mapping[str, Any]], *, ranks: int, factor: float,
+                    stage_of: Callable[[int], int] | None = None) -> str:
     """Why a batch of fail-slow alerts (``rank_slow``, ``throughput_decline``) is a slowdown the whole job shares
     (host load, the data, a slower input pipeline), not a straggler; "" when it may be one. Each alert carries
     its rank's compute growth (``compute_ratio``: its recent compute time, less the wait in collectives, over its
     own normal one): a straggler's grew and its peers' did not (they wait for it), while a load on every machine
-    grows them all alike. Shared: at least :data:`SHARED_QUORUM` of the job's ``ranks`` reported, and no rank's
-    growth is above ``factor`` times the median growth of the ranks that reported. Anything else (another kind
-    in the batch, too few ranks, no growth reported) is left to the vote."""
+    grows them all alike. Shared: at least :data:`SHARED_QUORUM` of the job's ``ranks`` reported, no rank's
+    growth is above ``factor`` times the median growth of the ranks that reported, and no rank's recent compute
+    time (``recent_compute_s``) is above ``factor`` times its pipeline stage's (``stage_of``: rank -> stage; the
+    whole batch's when a stage has fewer than three ranks reported, or without ``stage_of``), so that a
+    straggler whose slowdown its own history learned still stands out against its peers now. Anything else
+    (another kind in the batch, too few ranks, no growth reported) is left to the vote."""
     if not alerts or any(a.get("kind") not in SLOW for a in alerts):
         return ""
     growth: dict[int, float] = {}
+    now: dict[int, float] = {}
     for a in alerts:
-        ratio, rank = (a.get("evidence") or {}).get("compute_ratio"), a.get("rank")
+        evidence, rank = a.get("evidence") or {}, a.get("rank")
+        ratio, recent = evidence.get("compute_ratio"), evidence.get("recent_compute_s")
         if isinstance(rank, int) and isinstance(ratio, (int, float)) and ratio > 0:
             growth[rank] = max(growth.get(rank, 0.0), float(ratio))
+        if isinstance(rank, int) and isinstance(recent, (int, float)) and recent > 0:
+            now[rank] = max(now.get(rank, 0.0), float(recent))
     if ranks <= 0 or len(growth) < max(2, SHARED_QUORUM * ranks):
         return ""
-    ordered = sorted(growth.values())
-    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
-                                                                  + ordered[len(ordered) // 2]) / 2
+    median = statistics.median(growth.values())
     top_rank, top = max(growth.items(), key=lambda kv: kv[1])
     if top > factor * median:
         return ""
+    stages: dict[int, list[float]] = {}
+    for r, t in now.items():
+        stages.setdefault(stage_of(r) if stage_of else 0, []).append(t)
+    everyone = statistics.median(now.values()) if now else 0.0
+    for r, t in now.items():
+        peers = stages[stage_of(r) if stage_of else 0]
+        if t > factor * (statistics.median(peers) if len(peers) >= 3 else everyone):
+            return ""
+    ordered = sorted(growth.values())
     return (f"a slowdown {len(growth)} of {ranks} ranks share: their compute grew {ordered[0]:.2f}x-{top:.2f}x "
-            f"(median {median:.2f}x), none above {factor:g}x the median (rank {top_rank} highest): load or data, "
-            f"not a straggler")
+            f"(median {median:.2f}x), none above {factor:g}x the median (rank {top_rank} highest), and no rank "
+            f"computes {factor:g}x longer than its stage's: load or data, not a straggler")
 
 
 def outranks(current: str, t: Triage) -> bool:
