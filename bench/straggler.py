@@ -143,7 +143,6 @@ def judge(topo: Topology, flag: Flagger, rounds: Sequence[dict[int, float]]) -> 
 
 
 def run(seeds: int, layouts: Sequence[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    metrics: dict[str, Any] = {}
     table: dict[str, Any] = {}
     for layout in layouts:
         topo = LAYOUTS[layout]
@@ -174,17 +173,20 @@ def run(seeds: int, layouts: Sequence[str]) -> tuple[dict[str, Any], dict[str, A
                         row[key] = {"caught_rate": round(hit / seeds, 4),
                                     "wrong_machines_rate": round(wrong / seeds, 4)}
                     row[key]["vote_ms_median"] = round(1000 * float(np.median(spent)), 3)
+    return metrics_of(table, layouts, seeds), table
+
+
+def metrics_of(table: dict[str, Any], layouts: Sequence[str], seeds: int) -> dict[str, Any]:
+    """The README's rows: per judgement and layout, false evictions and 30% stragglers caught on the busy host,
+    15% stragglers caught on the quiet one (the whole grid stays in the setup's table)."""
+    metrics: dict[str, Any] = {}
     for name, row in table.items():
         for layout in layouts:
-            for noise_name in NOISE:
-                pre = f"{layout}.{noise_name}"
-                metrics[f"{name}.{pre}.false_eviction_rate"] = {
-                    "value": row[f"{pre}.0pct"]["false_eviction_rate"], "n": seeds, "unit": "ratio"}
-                metrics[f"{name}.{pre}.caught_30pct_rate"] = {
-                    "value": row[f"{pre}.30pct"]["caught_rate"], "n": seeds, "unit": "ratio"}
-                metrics[f"{name}.{pre}.caught_15pct_rate"] = {
-                    "value": row[f"{pre}.15pct"]["caught_rate"], "n": seeds, "unit": "ratio"}
-    return metrics, table
+            for key, cell, field in ((f"{layout}.busy.false_eviction_rate", "busy.0pct", "false_eviction_rate"),
+                                     (f"{layout}.busy.caught_30pct_rate", "busy.30pct", "caught_rate"),
+                                     (f"{layout}.quiet.caught_15pct_rate", "quiet.15pct", "caught_rate")):
+                metrics[f"{name}.{key}"] = {"value": row[f"{layout}.{cell}"][field], "n": seeds, "unit": "ratio"}
+    return metrics
 
 
 def main() -> int:
