@@ -314,6 +314,7 @@ def _restarted_incident(ctl: Controller, airflow: Standalone) -> Any:
     return None
 
 
+@pytest.mark.full  # (the CI tier's budget; its restart and deferred wait are what every recovery above runs)
 def test_clearing_restart_job_of_a_finished_incident_run_restarts_the_job_and_waits_for_it_deferred(
         control, cp_cluster):
     """The graph is what runs: clearing ``restart_job`` in the UI (here through the REST API, as the UI

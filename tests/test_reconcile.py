@@ -79,6 +79,37 @@ def test_a_crash_that_joins_a_slow_vote_after_its_verdict_is_triaged_again_inste
     assert c.trains("j")
 
 
+def test_a_crash_whose_alerts_arrive_while_the_close_looks_at_the_job_is_triaged_again_not_restarted_blind(
+        tmp_path, monkeypatch, started):
+    """Seen in CI: the vote found nothing, a rank was killed just before the close; the close's first look at
+    the incident's alerts found no crash yet, its look at the job found every part exited, and it escalated to a
+    plain restart, so the crash skipped its stop-time diagnosis. The alerts that came while it looked are
+    triaged again first."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path, slow_rounds=1)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
+    inc = item["incident"]
+    decision = steps.triage(inc)
+    result = steps.handle(steps.choose(decision), decision)
+    assert result["vote"]["machines"] == []
+    recovery, _stop, _swap = recover(inc, result)
+    resumed = steps.resumed(inc, recovery)
+    looked = c.not_training
+
+    def not_training(job: str) -> str:  # every part ends, and the crash's alerts come in, while it looks
+        fleet.running.clear()
+        c.ingest([alert("rank_exit", f"m{r}", rank=r) for r in range(4)])
+        return looked(job)
+
+    monkeypatch.setattr(c, "not_training", not_training)
+    closed = steps.close(inc, None, recovery, resumed)
+    assert c.fleet.incident(inc).state == IncidentState.OPEN and c.fleet.incident(inc).category == "crash"
+    assert [s["trigger_run_id"] for s in started] == [closed["triaged_again"]["run"]]
+    assert not [a for a in c.fleet.actions(inc) if a.kind == "launch"]  # no restart without the crash's ladder
+
+
 def test_no_incident_closes_resolved_on_a_job_that_does_not_train(tmp_path, monkeypatch, started):
     """A decision that needed no restart (a network flap tolerated) closes resolved only once the job is seen
     training; a job found down instead climbs (a restart), and the close waits for its resume."""

@@ -450,7 +450,10 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
         if again is not None:
             return again
         why = c.not_training(inc.job)
-        if why:
+        if why:  # the alerts of what stopped it (a crash's rank_exit) have arrived while the job was looked at
+            again = _triage_again(c, incident_id)
+            if again is not None:
+                return again
             return escalation_step(c, incident_id, f"{spared}; but the job does not train: {why}")
         return closed(RESOLVED, spared)
     if c.trains(inc.job):
