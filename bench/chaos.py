@@ -24,7 +24,8 @@ serving the job, an incident left open.
 
 Before the trials, ``--healthy-s`` seconds (1,800: 30 minutes) of healthy training on a busy host (two CPU
 hogs beside the job on the 2 cores) count the fail-slow incidents opened (the target: none), and then a rank
-slowed by 30% of its compute, under the same load, must still be voted out.
+slowed by 30% of its step time, under the same load, must still be voted out. A clean ``gpu_lost`` trial is
+the reference the compound ones' resume times are compared with, in the same run.
 
     python bench/chaos.py [--quick] [--trials 62] [--seed 11] [--scenarios a,b,...] [--healthy-s 1800]
                           [--out FILE]
