@@ -56,6 +56,7 @@ def stop(pid: int, timeout_s: float = 10.0) -> None:
         if states and all(state in "tT" for state in states):
             return
         time.sleep(0.005)  # polling the kernel's view; the stop itself is what is waited for
+    os.kill(pid, signal.SIGCONT)  # never left stopped for the tests after this one
     raise AssertionError(f"saver {pid} did not stop within {timeout_s:g}s")
 
 def test_a_rank_killed_mid_run_restores_from_the_savers_memory_without_its_disk(tmp_path: Path):

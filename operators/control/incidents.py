@@ -8,6 +8,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from trainguard.node_tools.errors import TrainguardError
+from trainguard.node_tools.topology import Topology
 from trainguard.operators.control.base import ControllerBase, asdict_action
 from trainguard.operators.fleet import states
 from trainguard.operators.fleet.states import OPEN_INCIDENT_STATES, IncidentState
@@ -152,9 +153,13 @@ class Incidents(ControllerBase):
             j = roster.jobs.get(job)
             if j is None or any(a.get("kind") not in ladder.SLOW for a in batch):
                 continue
-            topo = self.topology(job)
-            why = ladder.shared_slowdown(batch, ranks=j.tp * j.pp * j.dp, factor=self.cfg.slow_factor,
-                                         stage_of=lambda r, topo=topo: topo.coords(r).pp)
+            topo = Topology(tp=j.tp, pp=j.pp, dp=j.dp)
+            world = topo.world_size
+
+            def stage_of(r: int, topo: Topology = topo, world: int = world) -> int:
+                return topo.coords(r).pp if 0 <= r < world else -1  # a rank the job has not: no stage's peer
+
+            why = ladder.shared_slowdown(batch, ranks=world, factor=self.cfg.slow_factor, stage_of=stage_of)
             if why and not any(i.state in OPEN_INCIDENT_STATES for i in self.fleet.incidents(job)):
                 out[job] = (why, batch)
         return out

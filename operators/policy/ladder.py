@@ -380,14 +380,15 @@ def shared_slowdown(alerts: Sequence[Mapping[str, Any]], *, ranks: int, factor: 
     top_rank, top = max(growth.items(), key=lambda kv: kv[1])
     if top > factor * median:
         return ""
+    stage = {r: stage_of(r) if stage_of else 0 for r in now}  # each rank's stage once
     stages: dict[int, list[float]] = {}
     for r, t in now.items():
-        stages.setdefault(stage_of(r) if stage_of else 0, []).append(t)
+        stages.setdefault(stage[r], []).append(t)
     everyone = statistics.median(now.values()) if now else 0.0
-    for r, t in now.items():
-        peers = stages[stage_of(r) if stage_of else 0]
-        if t > factor * (statistics.median(peers) if len(peers) >= 3 else everyone):
-            return ""
+    # one median per stage (linear in the ranks, as the vote's round is)
+    limit = {pp: factor * (statistics.median(ts) if len(ts) >= 3 else everyone) for pp, ts in stages.items()}
+    if any(t > limit[stage[r]] for r, t in now.items()):
+        return ""
     ordered = sorted(growth.values())
     return (f"a slowdown {len(growth)} of {ranks} ranks share: their compute grew {ordered[0]:.2f}x-{top:.2f}x "
             f"(median {median:.2f}x), none above {factor:g}x the median (rank {top_rank} highest), and no rank "
