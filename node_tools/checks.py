@@ -590,18 +590,17 @@ class RankCheck(Check):
         loss, grad = _num(rec.get("loss")), _num(rec.get("grad_norm"))
         step = rec.get("step")
         compute = _num(rec.get("step_time_s")) - _num(rec.get("comm_s"))  # the step less its wait on the others
+        leaving = None
         if math.isfinite(compute):
             st.compute_recent.append(max(0.0, compute))
-            st.compute_window.append(max(0.0, compute))
+            leaving = _slide(st.compute_window, max(0.0, compute), self.t.decline_steps)
         found += self._slow(job, rank, rec, st)
         found += self._decline(job, rank, rec, st)
         # the normal compute time learns a step as it leaves the decline's window, and only while no slowdown is
         # seen: a slowdown small enough to take the window a while to show must not become the rank's normal
         # first (its compute growth would then read 1.0x, as a waiting peer's does)
-        while len(st.compute_window) > max(1, self.t.decline_steps):
-            leaving = st.compute_window.popleft()
-            if not st.slow_run and not st.decline_run:
-                st.compute_base.append(leaving)
+        if leaving is not None and not st.slow_run and not st.decline_run:
+            st.compute_base.append(leaving)
         if rec.get("dp_digests_match") is False and not st.sdc:
             found.append(Finding("sdc_suspect", f"sdc:{job}:{rank}",
                                  f"rank {rank} of job {job}: parameters differ from its DP peers at step {step}",
@@ -670,13 +669,9 @@ class RankCheck(Check):
             return []
         hist, recent = st.tput, st.tput_recent
         window = max(1, self.t.decline_steps)
-        recent.append(tput)
-        if len(recent) > window:
-            leaving = recent.popleft()
-            if not st.decline_run:  # the baseline learns from steps no decline was seen in
-                hist.append(leaving)
-                while len(hist) > max(window, self.t.decline_history):
-                    hist.popleft()
+        leaving = _slide(recent, tput, window)
+        if leaving is not None and not st.decline_run:  # the baseline learns from steps no decline was seen in
+            _slide(hist, leaving, max(window, self.t.decline_history))
         if len(hist) < window or len(recent) < window:
             return []
         baseline, now = _throughput(hist), _throughput(recent)
@@ -699,6 +694,12 @@ class RankCheck(Check):
                                   "baseline_tokens_per_s": round(baseline, 1),
                                   "decline": round(1 - now / baseline, 3), "window_steps": window,
                                   "steps": st.decline_run, **_compute_growth(st)})]
+
+
+def _slide(window: deque, value: float, size: int) -> float | None:
+    """Append ``value`` to a window of ``size`` (at least 1) values; the value that left it, if one did."""
+    window.append(value)
+    return window.popleft() if len(window) > max(1, size) else None
 
 
 def _throughput(tokens_per_s: Any) -> float:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -47,13 +48,14 @@ def stop(pid: int, timeout_s: float = 10.0) -> None:
     """SIGSTOP ``pid`` and return once every one of its threads has stopped (kill() returns before they do:
     a thread inside a system call stops only when it leaves it)."""
     os.kill(pid, signal.SIGSTOP)
+    stopped = {psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP}
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                states.append(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[0])
-        if states and all(state in "tT" for state in states):
+        states = set()
+        for thread in psutil.Process(pid).threads():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                states.add(psutil.Process(thread.id).status())
+        if states and states <= stopped:
             return
         time.sleep(0.005)  # polling the kernel's view; the stop itself is what is waited for
     os.kill(pid, signal.SIGCONT)  # never left stopped for the tests after this one

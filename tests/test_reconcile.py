@@ -448,12 +448,11 @@ def test_a_straggler_whose_history_learned_its_slowdown_still_stands_out_against
     batch = [alert("throughput_decline", f"m{r // 2}", rank=r, decline=0.16, compute_ratio=ratio,
                    recent_compute_s=recent) for r, (ratio, recent) in measured.items()]
     topo = Topology(tp=2, pp=2, dp=2)
-    assert ladder.shared_slowdown(batch, ranks=8, factor=1.25, stage_of=lambda r: topo.coords(r).pp) == ""
+    assert ladder.shared_slowdown(batch, ranks=8, factor=1.25, topology=topo) == ""
     assert ladder.shared_slowdown(batch, ranks=8, factor=1.25) == ""  # against the whole batch, too
     evened = [alert("throughput_decline", f"m{r // 2}", rank=r, decline=0.16, compute_ratio=ratio,
                     recent_compute_s=0.27 if r == 2 else recent) for r, (ratio, recent) in measured.items()]
-    assert "not a straggler" in ladder.shared_slowdown(evened, ranks=8, factor=1.25,
-                                                        stage_of=lambda r: topo.coords(r).pp)
+    assert "not a straggler" in ladder.shared_slowdown(evened, ranks=8, factor=1.25, topology=topo)
 
 
 def test_a_job_with_steps_longer_than_the_closes_wait_is_training_while_its_ranks_make_progress(tmp_path,

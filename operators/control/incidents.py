@@ -153,13 +153,8 @@ class Incidents(ControllerBase):
             j = roster.jobs.get(job)
             if j is None or any(a.get("kind") not in ladder.SLOW for a in batch):
                 continue
-            topo = Topology(tp=j.tp, pp=j.pp, dp=j.dp)
-            world = topo.world_size
-
-            def stage_of(r: int, topo: Topology = topo, world: int = world) -> int:
-                return topo.coords(r).pp if 0 <= r < world else -1  # a rank the job has not: no stage's peer
-
-            why = ladder.shared_slowdown(batch, ranks=world, factor=self.cfg.slow_factor, stage_of=stage_of)
+            why = ladder.shared_slowdown(batch, ranks=j.tp * j.pp * j.dp, factor=self.cfg.slow_factor,
+                                         topology=Topology(tp=j.tp, pp=j.pp, dp=j.dp))
             if why and not any(i.state in OPEN_INCIDENT_STATES for i in self.fleet.incidents(job)):
                 out[job] = (why, batch)
         return out

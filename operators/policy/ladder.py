@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from trainguard.node_tools.topology import Topology
 
 # Xid codes that mean the GPU or its memory is unusable until repaired (NVIDIA's Xid catalogue:
 # 48 DBE, 62/63/64 row remapping, 74 NVLink, 79 fell off the bus, 92 high single-bit ECC rate,
@@ -352,17 +354,18 @@ SHARED_QUORUM = 0.5
 
 
 def shared_slowdown(alerts: Sequence[Mapping[str, Any]], *, ranks: int, factor: float,
-                    stage_of: Callable[[int], int] | None = None) -> str:
+                    topology: Topology | None = None) -> str:
     """Why a batch of fail-slow alerts (``rank_slow``, ``throughput_decline``) is a slowdown the whole job shares
     (host load, the data, a slower input pipeline), not a straggler; "" when it may be one. Each alert carries
     its rank's compute growth (``compute_ratio``: its recent compute time, less the wait in collectives, over its
     own normal one): a straggler's grew and its peers' did not (they wait for it), while a load on every machine
     grows them all alike. Shared: at least :data:`SHARED_QUORUM` of the job's ``ranks`` reported, no rank's
     growth is above ``factor`` times the median growth of the ranks that reported, and no rank's recent compute
-    time (``recent_compute_s``) is above ``factor`` times its pipeline stage's (``stage_of``: rank -> stage; the
-    whole batch's when a stage has fewer than three ranks reported, or without ``stage_of``), so that a
-    straggler whose slowdown its own history learned still stands out against its peers now. Anything else
-    (another kind in the batch, too few ranks, no growth reported) is left to the vote."""
+    time (``recent_compute_s``) stands out against its pipeline stage's as one round of the fail-slow vote judges
+    it (:meth:`~trainguard.operators.policy.runtime.SlowVoter.add_round`, the whole batch as one stage without
+    the job's ``topology``), so that a straggler whose slowdown its own history learned still stands out against
+    its peers now. Anything else (another kind in the batch, too few ranks, no growth reported) is left to the
+    vote."""
     if not alerts or any(a.get("kind") not in SLOW for a in alerts):
         return ""
     growth: dict[int, float] = {}
@@ -380,14 +383,11 @@ def shared_slowdown(alerts: Sequence[Mapping[str, Any]], *, ranks: int, factor: 
     top_rank, top = max(growth.items(), key=lambda kv: kv[1])
     if top > factor * median:
         return ""
-    stage = {r: stage_of(r) if stage_of else 0 for r in now}  # each rank's stage once
-    stages: dict[int, list[float]] = {}
-    for r, t in now.items():
-        stages.setdefault(stage[r], []).append(t)
-    everyone = statistics.median(now.values()) if now else 0.0
-    # one median per stage (linear in the ranks, as the vote's round is)
-    limit = {pp: factor * (statistics.median(ts) if len(ts) >= 3 else everyone) for pp, ts in stages.items()}
-    if any(t > limit[stage[r]] for r, t in now.items()):
+    from trainguard.operators.policy.runtime import SlowVoter
+
+    topo = topology or Topology(tp=1, pp=1, dp=max(now, default=0) + 1)  # without it: one stage
+    if SlowVoter(topo, rounds=1).add_round({r: t for r, t in now.items() if 0 <= r < topo.world_size},
+                                           factor=factor):
         return ""
     ordered = sorted(growth.values())
     return (f"a slowdown {len(growth)} of {ranks} ranks share: their compute grew {ordered[0]:.2f}x-{top:.2f}x "
