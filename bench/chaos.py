@@ -24,11 +24,13 @@ serving the job, an incident left open.
 
 Before the trials, ``--healthy-s`` seconds (1,800: 30 minutes) of healthy training on a busy host (two CPU
 hogs beside the job on the 2 cores) count the fail-slow incidents opened (the target: none), and then a rank
-slowed by 30% of its step time, under the same load, must still be voted out. A clean ``gpu_lost`` trial is
+slowed so that the job's step is 30% longer, under the same load, must still be voted out (its sleep starts at
+30% of the step and is scaled up while a peer on another machine sees less: on the busy host a sleeping rank
+gives its CPU to the others). A clean ``gpu_lost`` trial is
 the reference the compound ones' resume times are compared with, in the same run.
 
     python bench/chaos.py [--quick] [--trials 62] [--seed 11] [--scenarios a,b,...] [--healthy-s 1800]
-                          [--out FILE]
+                          [--max-minutes M] [--out FILE]
 
 Targets (the reliability issues): 0 jobs left dead, 0 checkpoints lost, 0 left on a faulty machine, every
 trial resumed or waiting for a human with the reason recorded; 0 fail-slow incidents in 30 healthy minutes
@@ -44,6 +46,7 @@ import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -259,11 +262,14 @@ def _rank_fault(c: Chaos, machine: str, kind: str, rank: int) -> bool:
             inject.inject(c.inv, machine, kind, rank=rank)
             return True
         except FaultError as exc:
-            if "no job is running" not in str(exc):
+            # what a machine says while the job stops or starts there: no job, no rank heartbeat yet, a rank's
+            # process not (yet) running, the rank not (yet) placed on it
+            if not any(m in str(exc) for m in ("no job is running", "no rank heartbeat yet", "is not running",
+                                               "is not on machine")):
                 raise
             if time.monotonic() >= deadline:
                 c.compound["second_not_applied"] = f"{kind} on {machine}: no rank of the job ran there for " \
-                                                   f"{RANK_WAIT_S:.0f}s"
+                                                   f"{RANK_WAIT_S:.0f}s ({exc})"
                 return False
         time.sleep(0.25)  # the job's start on the machine is what is waited for
 
@@ -316,7 +322,8 @@ def compound(first: str, task: str, second: str) -> Callable[[Chaos, list[str]],
         try:
             c.compound = {"task": task, "seen": c.wait_task(last, t0, task), "second_s": None}
             undo_second = SECOND[second](c, ms)
-            c.compound["second_s"] = round(time.time() - t0, 2)
+            if "second_not_applied" not in c.compound:
+                c.compound["second_s"] = round(time.time() - t0, 2)
             return _both(undo, undo_second)
         except Exception:
             undo()
@@ -667,6 +674,14 @@ def metrics_of(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return metrics
 
 
+def _job_step(c: Chaos, rank: int, *, since: float, least: int = 10) -> float | None:
+    """The job's step time as ``rank`` saw it: the median of its last 20 steps recorded after ``since`` (None
+    while fewer than ``least`` of them)."""
+    recs = [float(r["step_time_s"]) for r in c.ctl.step_history(JOB, rank=rank)
+            if isinstance(r.get("step_time_s"), float) and float(r.get("ts") or 0.0) >= since][-20:]
+    return statistics.median(recs) if len(recs) >= least else None
+
+
 def healthy_under_load(c: Chaos, seconds: float) -> dict[str, Any]:
     """``seconds`` of healthy training with two CPU hogs beside the job (the busy host): the incidents that open
     (the fail-slow ones above all) and the slowdowns recorded as shared; then, under the same load, one rank
@@ -695,9 +710,27 @@ def healthy_under_load(c: Chaos, seconds: float) -> dict[str, Any]:
         times = sorted(float(r["step_time_s"]) for r in records)
         compute = sorted(max(0.0, r["step_time_s"] - float(r.get("comm_s") or 0.0)) for r in records)
         extra = round(0.3 * times[len(times) // 2], 3) if times else 0.2
+        peer = _rank(c.topology, 0)
+        before = _job_step(c, peer, since=0.0) or (times[len(times) // 2] if times else 0.0)
         last, t1 = c.last_incident(), time.time()
         inject.inject(c.inv, machines[1], "slow", rank=rank, params={"seconds": str(extra)})
+        # what the job loses is what a straggler costs: on 2 cores shared by 8 ranks and the hogs, a rank that
+        # sleeps gives its CPU to its peers, so a sleep of 30% of the step grows the job's step by less. The
+        # sleep is scaled until the job's step (as a peer on another machine sees it) is 30% longer.
+        tries: list[dict[str, float]] = []
         try:
+            with contextlib.suppress(TimeoutError):
+                for _ in range(3):
+                    since = time.time() + 2.0  # the steps under the sleep now set
+                    after = poll(lambda since=since: _job_step(c, peer, since=since, least=15), timeout=120,
+                                 interval=2.0, what="15 steps under the slow rank")
+                    growth = after / before - 1.0 if before else 0.0
+                    tries.append({"added_s": extra, "job_step_growth": round(growth, 3)})
+                    if growth >= 0.27 or c.last_incident() > last:  # 30% longer, or an incident opened already
+                        break
+                    extra = round(min(4 * before, extra * 0.3 / max(growth, 0.05)), 3)
+                    inject.clear(c.inv, machines[1], "slow")
+                    inject.inject(c.inv, machines[1], "slow", rank=rank, params={"seconds": str(extra)})
             inc = poll(lambda: next((i for i in c.ctl.fleet.incidents(JOB) if i.id > last and i.category == "slow"
                                      and i.state != "open"), None), timeout=900, interval=2.0,
                        what="the 30% slow rank's incident to close")
@@ -709,6 +742,7 @@ def healthy_under_load(c: Chaos, seconds: float) -> dict[str, Any]:
         out["slow_rank"] = {"rank": rank, "machine": machines[1],
                             "step_s": times[len(times) // 2] if times else None,
                             "compute_s": compute[len(compute) // 2] if compute else None, "added_s": extra,
+                            "job_step_s": before, "calibration": tries,
                             "incident": inc.id if inc else None,
                             "detected_s": round(inc.first_alert_ts - t1, 1) if inc else None,
                             "evicted": sorted(evicted), "voted_out": machines[1] in evicted}
@@ -732,6 +766,8 @@ def main() -> int:
     ap.add_argument("--quiet-s", default="5,15", help="quiet period before each trial: MIN,MAX seconds")
     ap.add_argument("--healthy-s", type=float, default=1800.0,
                     help="seconds of healthy training under load before the trials (0: none)")
+    ap.add_argument("--max-minutes", type=float, default=0.0,
+                    help="draw no new trial past this many minutes of wall time (0: no limit); what ran is written")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     stop_on_sigterm()
@@ -756,11 +792,16 @@ def main() -> int:
         c.ctl.fleet.retry_s = 180.0  # this process's reads ride out the outages the trials make, as the DAGs do
         draws = balanced_draws(c.rng, names, n)
         healthy: dict[str, Any] | None = None
+        stopped = ""
         try:
             c.start()
             if args.healthy_s > 0:
                 healthy = healthy_under_load(c, 120.0 if args.quick else args.healthy_s)
-            for name in draws:
+            for i, name in enumerate(draws):
+                if args.max_minutes and time.time() - t_start > 60.0 * args.max_minutes:
+                    stopped = f"wall-time limit of {args.max_minutes:g} min reached after {i} of {n} trials"
+                    print(stopped, flush=True)
+                    break
                 time.sleep(c.rng.uniform(lo, hi))
                 c.trial(catalogue[name])
             c.settled(timeout=600)
@@ -784,6 +825,7 @@ def main() -> int:
                          "windows 1 s; breaker share 0.75; agents silent after 10 s; resume timeout 120 s",
         "seed": args.seed, "scenarios": {s: catalogue[s].what for s in names}, "quiet_s": [lo, hi],
         "wall_s": round(time.time() - t_start, 1), "healthy_under_load": healthy, "trials": c.trials,
+        **({"stopped_early": stopped} if stopped else {}),
     })
     print(text)
     return 0

@@ -418,6 +418,8 @@ class _RankState:
     tput_recent: deque = field(default_factory=deque)  # the last ``decline_steps`` steps' tokens/s
     decline_run: int = 0
     declined: bool = False
+    grew_run: int = 0  # steps in a row the rank's own compute stayed grown (see RankCheck._grown)
+    grew: bool = False
     compute_recent: deque = field(default_factory=lambda: deque(maxlen=5))  # every step's compute time
     compute_window: deque = field(default_factory=deque)  # the last ``decline_steps`` steps' compute time
     compute_base: deque = field(default_factory=lambda: deque(maxlen=48))  # normal steps' compute time
@@ -596,10 +598,11 @@ class RankCheck(Check):
             leaving = _slide(st.compute_window, max(0.0, compute), self.t.decline_steps)
         found += self._slow(job, rank, rec, st)
         found += self._decline(job, rank, rec, st)
+        found += self._grown(job, rank, rec, st)
         # the normal compute time learns a step as it leaves the decline's window, and only while no slowdown is
         # seen: a slowdown small enough to take the window a while to show must not become the rank's normal
         # first (its compute growth would then read 1.0x, as a waiting peer's does)
-        if leaving is not None and not st.slow_run and not st.decline_run:
+        if leaving is not None and not st.slow_run and not st.decline_run and not st.grew_run:
             st.compute_base.append(leaving)
         if rec.get("dp_digests_match") is False and not st.sdc:
             found.append(Finding("sdc_suspect", f"sdc:{job}:{rank}",
@@ -694,6 +697,40 @@ class RankCheck(Check):
                                   "baseline_tokens_per_s": round(baseline, 1),
                                   "decline": round(1 - now / baseline, 3), "window_steps": window,
                                   "steps": st.decline_run, **_compute_growth(st)})]
+
+
+    def _grown(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
+        """The rank's own compute per step (the step less its wait in collectives) stayed ``1 + 2 * decline``
+        times its normal one for ``decline_steps // 2`` steps: a ``throughput_decline`` of its own, raised once.
+        The job's throughput says a straggler slows everyone, but not while a decline every rank shared (a busy
+        host) is still standing: a rank that starts to straggle then raises nothing new, and the relearn after
+        ``decline_relearn`` steps would take its pace for the job's normal. Its peers' compute does not grow
+        (they wait), so this is the straggler's own word; a growth every rank shares is judged shared by the
+        control plane. Its growth must also stand ``1 + decline`` times above the median growth of the job's
+        other ranks on this machine (a host's load grows them all; one slow device grows one rank). Lasting
+        ``decline_relearn`` steps, the grown compute is the rank's new normal."""
+        ratio = _compute_growth(st).get("compute_ratio")
+        key = next((k for k, v in self.state.items() if v is st), None)
+        peers = [g for k, v in self.state.items() if key is not None and v is not st and k[:2] == key[:2]
+                 for g in (_compute_growth(v).get("compute_ratio"),) if g is not None]
+        if ratio is None or ratio < 1.0 + 2 * self.t.decline or (
+                peers and ratio < (1.0 + self.t.decline) * statistics.median(peers)):
+            st.grew_run, st.grew = 0, False
+            return []
+        st.grew_run += 1
+        if st.grew_run >= self.t.decline_relearn:
+            st.compute_base.clear()
+            st.grew_run, st.grew = 0, False
+            return []
+        if st.grew_run < max(1, self.t.decline_steps // 2) or st.grew:
+            return []
+        st.grew = True
+        return [Finding("throughput_decline", f"grew:{job}:{rank}",
+                        f"rank {rank} of job {job}: its compute per step is {ratio:.2f}x its normal for "
+                        f"{st.grew_run} steps (its wait on the others left out)", severity="warning",
+                        job=job, rank=rank,
+                        evidence={"step": rec.get("step"), "steps": st.grew_run, "compute_grew": True,
+                                  "local_peer_ratios": [round(g, 3) for g in sorted(peers)], **_compute_growth(st)})]
 
 
 def _slide(window: deque, value: float, size: int) -> float | None:

@@ -445,7 +445,9 @@ def test_a_slowdown_slow_to_show_in_the_throughput_is_not_learned_as_the_straggl
         fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.34, tokens_per_s=1000.0)
     for s in range(60, 90):  # slowed, but the job's throughput only 10% down: no decline yet
         fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.12, tokens_per_s=900.0)
-    assert check.run(time.time()) == []
+    (grew,) = check.run(time.time())  # but its own compute grew 1.85x, which it reports on its 8th such step
+    assert grew.kind == "throughput_decline" and grew.evidence["compute_grew"] is True
+    assert grew.evidence["compute_ratio"] == pytest.approx(0.48 / 0.26, abs=0.01) and grew.evidence["steps"] == 8
     found = []
     for s in range(90, 130):  # then 25% down
         fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.12, tokens_per_s=750.0)
@@ -454,6 +456,51 @@ def test_a_slowdown_slow_to_show_in_the_throughput_is_not_learned_as_the_straggl
     assert f.kind == "throughput_decline"
     assert f.evidence["baseline_compute_s"] == pytest.approx(0.26)
     assert f.evidence["compute_ratio"] == pytest.approx(0.48 / 0.26, abs=0.01)
+
+
+def test_a_rank_that_straggles_while_a_shared_decline_stands_is_reported_by_its_own_compute_growth(
+        tmp_path, fake_job):
+    """Measured under load: a decline every rank shared (the busy host) was raised and judged shared; a rank slowed
+    minutes later raised nothing, since a raised decline stays quiet until its window recovers, and its relearn
+    would take the straggler's pace for the job's normal. The straggler's own compute growth is its word: it grew
+    against its normal and against its machine peer's, which waits for it."""
+    fake_job.rank(0)
+    fake_job.rank(1)
+    check = RankCheck(tmp_path)
+
+    def steps(first: int, n: int, compute: tuple[float, float], step_s: float, tput: float) -> list:
+        found = []
+        for s in range(first, first + n):
+            for r in (0, 1):
+                fake_job.step(r, s, 2.0, step_time_s=step_s, comm_s=step_s - compute[r], tokens_per_s=tput)
+            found += check.run(time.time())
+        return found
+
+    assert steps(0, 60, (0.4, 0.4), 0.6, 1000.0) == []
+    shared = steps(60, 40, (0.5, 0.5), 0.75, 800.0)  # a load on the host: both computed 25% longer
+    assert {(f.rank, f.kind) for f in shared} == {(0, "throughput_decline"), (1, "throughput_decline")}
+    assert not [f for f in shared if f.evidence.get("compute_grew")]  # alike on both: no one's own growth
+    straggle = steps(100, 20, (0.7, 0.5), 0.95, 630.0)  # then rank 0 computes 0.2 s more; rank 1 waits for it
+    (f,) = straggle
+    assert f.rank == 0 and f.evidence["compute_grew"] is True and f.evidence["steps"] == 8
+    assert f.evidence["compute_ratio"] == pytest.approx(0.7 / 0.4, abs=0.01)
+    assert f.evidence["local_peer_ratios"] == [pytest.approx(0.5 / 0.4, abs=0.01)]
+    assert steps(120, 20, (0.7, 0.5), 0.95, 630.0) == []  # reported once
+
+
+def test_a_load_that_grows_every_local_rank_alike_is_no_rank_s_own_growth(tmp_path, fake_job):
+    rng = np.random.default_rng(3)
+    fake_job.rank(0)
+    fake_job.rank(1)
+    check = RankCheck(tmp_path)
+    found = []
+    for s in range(300):
+        load = 1.5 if 100 <= s < 200 else 1.0  # 100 steps of a load that makes both compute 1.5x
+        for r in (0, 1):
+            compute = 0.4 * load * rng.uniform(0.85, 1.15)
+            fake_job.step(r, s, 2.0, step_time_s=0.2 + compute, comm_s=0.2, tokens_per_s=1000.0 / load)
+        found += check.run(time.time())
+    assert not [f for f in found if f.evidence.get("compute_grew")], found
 
 
 def test_a_rank_slowed_soon_after_a_restart_is_flagged_once(tmp_path, fake_job):

@@ -509,6 +509,7 @@ def _repair_evicted(ctl: Controller, inv: Inventory) -> None:
         _repair(ctl, inv, name)
 
 
+@pytest.mark.full  # (the CI tier's budget: the scale-out tier runs the same hang and checks the same)
 def test_a_hung_rank_over_evicts_its_pipeline_and_no_checkpoint_is_lost(control, cp_cluster):
     ctl, airflow = control
     _repair_evicted(ctl, cp_cluster)

@@ -110,6 +110,38 @@ def test_a_crash_whose_alerts_arrive_while_the_close_looks_at_the_job_is_triaged
     assert not [a for a in c.fleet.actions(inc) if a.kind == "launch"]  # no restart without the crash's ladder
 
 
+def test_a_close_tried_again_after_it_triaged_the_incident_again_hands_it_to_the_same_run_not_a_restart(
+        tmp_path, monkeypatch, started):
+    """The close of a slow vote triaged a crash that joined it again (the incident is a crash now, its new run
+    named) and then failed before its task ended; its retry finds nothing that outranks a crash any more, and a
+    job that does not train: it must not escalate to a blind restart beside the new run, but hand the incident
+    to that run again."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path, slow_rounds=1)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
+    inc = item["incident"]
+    decision = steps.triage(inc)
+    result = steps.handle(steps.choose(decision), decision)
+    recovery, _stop, _swap = recover(inc, result)
+    resumed = steps.resumed(inc, recovery)
+    fleet.running.clear()
+    c.ingest([alert("rank_exit", f"m{r}", rank=r) for r in range(4)])
+    first = steps.close(inc, None, recovery, resumed, run_id="incident__1")
+    run = first["triaged_again"]["run"]
+    assert c.fleet.incident(inc).category == "crash"
+    again = steps.close(inc, None, recovery, resumed, run_id="incident__1")  # the task's retry
+    assert again["triaged_again"] == {"run": run, "started": again["triaged_again"]["started"],
+                                      "by_an_earlier_try": True}
+    assert [s["trigger_run_id"] for s in started] == [run, run]  # the same run asked for (a 409 if it landed)
+    assert not [a for a in c.fleet.actions(inc) if a.kind == "launch"]
+    assert c.fleet.incident(inc).state == IncidentState.OPEN
+    # the run it handed the incident to is a run of its own: its close is not answered from the record
+    escalated = steps.close_step(inc, None, recovery, resumed, c, run_id=run)
+    assert "triaged_again" not in escalated.get("done", {})
+
+
 def test_no_incident_closes_resolved_on_a_job_that_does_not_train(tmp_path, monkeypatch, started):
     """A decision that needed no restart (a network flap tolerated) closes resolved only once the job is seen
     training; a job found down instead climbs (a restart), and the close waits for its resume."""

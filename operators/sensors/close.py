@@ -35,7 +35,8 @@ class CloseIncidentOperator(BaseOperator):
     def execute(self, context: Any) -> dict[str, Any] | None:
         from trainguard.operators.tasks import incident
 
-        return self._next(incident.close_step(int(self.incident_id), self.decision, self.recovery, self.resume))
+        return self._next(incident.close_step(int(self.incident_id), self.decision, self.recovery, self.resume,
+                                              run_id=(context or {}).get("run_id")))
 
     def _next(self, step: dict[str, Any]) -> dict[str, Any] | None:
         from trainguard.operators.triggers.resume import ResumeTrigger

@@ -386,11 +386,11 @@ def escalation_after(c: Controller, incident_id: int, watch: dict[str, Any], inf
 
 
 def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
-          resume: dict[str, Any] | None) -> dict[str, Any]:
+          resume: dict[str, Any] | None, *, run_id: str | None = None) -> dict[str, Any]:
     """Close the incident (:func:`close_step`), its escalation's resume waits polled here (outside Airflow;
     ``close_incident`` defers them to the triggerer). Returns the incident's timeline."""
     c = common.controller()
-    step = close_step(incident_id, decision, recovery, resume, c)
+    step = close_step(incident_id, decision, recovery, resume, c, run_id=run_id)
     while "watch" in step:
         step = escalation_after(c, int(incident_id), step["watch"],
                                 _wait_resumed(c, int(incident_id), step["watch"]["recovery"]))
@@ -398,12 +398,14 @@ def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str,
 
 
 def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
-               resume: dict[str, Any] | None, c: Controller | None = None) -> dict[str, Any]:
+               resume: dict[str, Any] | None, c: Controller | None = None, *, run_id: str | None = None
+               ) -> dict[str, Any]:
     """Close the incident: resolved when training resumed (or nothing needed recovering and the job trains);
     a restart that did not hold, a rung that failed or a job left down escalates (:func:`escalation_step`);
     an incident waiting for a human stays so. ``decision``: what ``no_recovery`` returned (its ``action``),
     None when a rung handled the incident. Returns ``{"done": timeline}``, or ``{"watch": ...}`` when the
-    escalation restarted the job and its resume is to be waited for."""
+    escalation restarted the job and its resume is to be waited for. ``run_id``: the run closing it (a try of
+    its close that comes again after it triaged the incident again hands the incident to that run once more)."""
     c = c or common.controller()
     incident_id = int(incident_id)
     inc = c.fleet.incident(incident_id)
@@ -446,12 +448,12 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
         return closed(FAILED, recovery["not_evicted"])
     spared = _spared(decision, recovery)
     if spared:  # nothing was restarted: whether the job trains is observed, never assumed
-        again = _triage_again(c, incident_id)
+        again = _triage_again(c, incident_id, run_id)
         if again is not None:
             return again
         why = c.not_training(inc.job)
         if why:  # the alerts of what stopped it (a crash's rank_exit) have arrived while the job was looked at
-            again = _triage_again(c, incident_id)
+            again = _triage_again(c, incident_id, run_id)
             if again is not None:
                 return again
             return escalation_step(c, incident_id, f"{spared}; but the job does not train: {why}")
@@ -476,16 +478,26 @@ def _spared(decision: dict[str, Any] | None, recovery: dict[str, Any] | None) ->
     return ""
 
 
-def _triage_again(c: Controller, incident_id: int) -> dict[str, Any] | None:
+def _triage_again(c: Controller, incident_id: int, by: str | None = None) -> dict[str, Any] | None:
     """Before an incident closes without a restart: alerts that joined after its decision and say something
     stronger (a crash during a slow vote, a hang while a network flap was tolerated) re-triage it. The incident
     takes their category and a new tg_incident run handles it through the ladder (started now when the REST
     API answers, else by the reconciler's next pass); this run ends without closing it. None when nothing
-    joined that its decision does not explain."""
+    joined that its decision does not explain. ``by``: the run closing it; when an earlier try of that close
+    triaged it again already (the incident has the new category now, so nothing outranks it any more), the
+    run it named handles it (started again: a start that landed is not repeated), not an escalation."""
     from trainguard.operators.policy import ladder
     from trainguard.operators.tasks import guardian
 
     inc = c.fleet.incident(incident_id)
+    earlier = next((a for a in c.fleet.actions(incident_id) if by and a.kind == "retriage"
+                    and (a.evidence or {}).get("by") == by), None)
+    if earlier is not None:
+        run = str(earlier.evidence["run"])
+        started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": inc.job, "first_seen_ts": None},
+                                        "trigger_run_id": run}])
+        return {"done": {**c.timeline(incident_id), "triaged_again": {"run": run, "started": started.get(run),
+                                                                      "by_an_earlier_try": True}}}
     t = c.triage_again(incident_id)
     if not ladder.outranks(inc.category, t):
         return None
@@ -496,7 +508,7 @@ def _triage_again(c: Controller, incident_id: int) -> dict[str, Any] | None:
     action, _ = c.fleet.record_action(f"retriage:{incident_id}:{t.category}", kind="retriage",
                                       incident_id=incident_id, machines=list(t.machines),
                                       evidence={"from": inc.category, "to": t.category, "reason": t.reason[:500],
-                                                "run": run})
+                                                "run": run, "by": by})
     c.fleet.finish_action(action.id, "done")
     started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": inc.job, "first_seen_ts": None},
                                     "trigger_run_id": run}])
