@@ -719,15 +719,16 @@ def healthy_under_load(c: Chaos, seconds: float) -> dict[str, Any]:
         # sleep is scaled until the job's step (as a peer on another machine sees it) is 30% longer.
         tries: list[dict[str, float]] = []
         try:
-            with contextlib.suppress(TimeoutError):
-                for _ in range(3):
+            # (a rank moved off its machine by the vote meanwhile refuses the next sleep: measured so far, kept)
+            with contextlib.suppress(TimeoutError, FaultError):
+                for attempt in range(3 if before > 0 else 0):
                     since = time.time() + 2.0  # the steps under the sleep now set
                     after = poll(lambda since=since: _job_step(c, peer, since=since, least=15), timeout=120,
                                  interval=2.0, what="15 steps under the slow rank")
-                    growth = after / before - 1.0 if before else 0.0
+                    growth = after / before - 1.0
                     tries.append({"added_s": extra, "job_step_growth": round(growth, 3)})
-                    if growth >= 0.27 or c.last_incident() > last:  # 30% longer, or an incident opened already
-                        break
+                    if growth >= 0.27 or c.last_incident() > last or attempt == 2:  # 30% longer, an incident
+                        break  # opened already, or the last try: the sleep that stays is the one measured
                     extra = round(min(4 * before, extra * 0.3 / max(growth, 0.05)), 3)
                     inject.clear(c.inv, machines[1], "slow")
                     inject.inject(c.inv, machines[1], "slow", rank=rank, params={"seconds": str(extra)})
@@ -737,7 +738,8 @@ def healthy_under_load(c: Chaos, seconds: float) -> dict[str, Any]:
         except TimeoutError:
             inc = None
         finally:
-            inject.clear(c.inv, machines[1], "slow")
+            with contextlib.suppress(FaultError):
+                inject.clear(c.inv, machines[1], "slow")
         evicted = c.swaps(inc.id) if inc is not None else {}
         out["slow_rank"] = {"rank": rank, "machine": machines[1],
                             "step_s": times[len(times) // 2] if times else None,

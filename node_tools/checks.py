@@ -394,6 +394,7 @@ MAX_HOLD_S = 900.0
 
 @dataclass
 class _RankState:
+    key: tuple[str, int, int] = ("", 0, 0)  # (job, incarnation, rank)
     offset: int = 0
     times: deque = field(default_factory=lambda: deque(maxlen=100))
     losses: deque = field(default_factory=lambda: deque(maxlen=20))
@@ -494,7 +495,9 @@ class RankCheck(Check):
                 key = (job, inc, rank)
                 st = self.state.get(key)
                 if st is None:
-                    st = self.state[key] = _RankState()
+                    for old in [k for k in self.state if k[0] == job and k[1] < inc]:  # an earlier incarnation's
+                        del self.state[old]
+                    st = self.state[key] = _RankState(key=key)
                     st.offset = _offset_of_incarnation(monitor.steps_path(run_dir, rank), inc)
                 found += self._rank(job, rank, hb, st, run_dir, record, exit_doc, now)
         return found
@@ -701,22 +704,24 @@ class RankCheck(Check):
 
     def _grown(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
         """The rank's own compute per step (the step less its wait in collectives) stayed ``1 + 2 * decline``
-        times its normal one for ``decline_steps // 2`` steps: a ``throughput_decline`` of its own, raised once.
-        The job's throughput says a straggler slows everyone, but not while a decline every rank shared (a busy
-        host) is still standing: a rank that starts to straggle then raises nothing new, and the relearn after
+        times its normal one, and ``1 + decline`` times the median growth of the job's other ranks on this
+        machine, for ``decline_steps // 2`` steps: a ``throughput_decline`` of its own, raised once. The job's
+        throughput says a straggler slows everyone, but not while a decline every rank shared (a busy host) is
+        still standing: a rank that starts to straggle then raises nothing new, and the relearn after
         ``decline_relearn`` steps would take its pace for the job's normal. Its peers' compute does not grow
-        (they wait), so this is the straggler's own word; a growth every rank shares is judged shared by the
-        control plane. Its growth must also stand ``1 + decline`` times above the median growth of the job's
-        other ranks on this machine (a host's load grows them all; one slow device grows one rank). Lasting
+        (they wait), a host's load grows every rank of the machine alike, and one slow device grows one rank:
+        so this is the straggler's own word, and a rank with no peer on its machine to stand out from (one
+        rank per machine) is left to the throughput decline. A step between ``1 + decline`` and the threshold
+        neither counts nor resets the run (one lucky step must not); below it, the run ends. Lasting
         ``decline_relearn`` steps, the grown compute is the rank's new normal."""
         ratio = _compute_growth(st).get("compute_ratio")
-        key = next((k for k, v in self.state.items() if v is st), None)
-        peers = [g for k, v in self.state.items() if key is not None and v is not st and k[:2] == key[:2]
+        peers = [g for k, v in self.state.items() if v is not st and k[:2] == st.key[:2]
                  for g in (_compute_growth(v).get("compute_ratio"),) if g is not None]
-        if ratio is None or ratio < 1.0 + 2 * self.t.decline or (
-                peers and ratio < (1.0 + self.t.decline) * statistics.median(peers)):
+        if ratio is None or not peers or ratio < 1.0 + self.t.decline:
             st.grew_run, st.grew = 0, False
             return []
+        if ratio < 1.0 + 2 * self.t.decline or ratio < (1.0 + self.t.decline) * statistics.median(peers):
+            return []  # grown, but not enough to count (or alike its peers): the run neither grows nor ends
         st.grew_run += 1
         if st.grew_run >= self.t.decline_relearn:
             st.compute_base.clear()

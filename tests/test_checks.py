@@ -445,9 +445,7 @@ def test_a_slowdown_slow_to_show_in_the_throughput_is_not_learned_as_the_straggl
         fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.34, tokens_per_s=1000.0)
     for s in range(60, 90):  # slowed, but the job's throughput only 10% down: no decline yet
         fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.12, tokens_per_s=900.0)
-    (grew,) = check.run(time.time())  # but its own compute grew 1.85x, which it reports on its 8th such step
-    assert grew.kind == "throughput_decline" and grew.evidence["compute_grew"] is True
-    assert grew.evidence["compute_ratio"] == pytest.approx(0.48 / 0.26, abs=0.01) and grew.evidence["steps"] == 8
+    assert check.run(time.time()) == []  # (alone on its machine: no peer for its own growth to stand out from)
     found = []
     for s in range(90, 130):  # then 25% down
         fake_job.step(0, s, 2.0, step_time_s=0.6, comm_s=0.12, tokens_per_s=750.0)
@@ -486,6 +484,26 @@ def test_a_rank_that_straggles_while_a_shared_decline_stands_is_reported_by_its_
     assert f.evidence["compute_ratio"] == pytest.approx(0.7 / 0.4, abs=0.01)
     assert f.evidence["local_peer_ratios"] == [pytest.approx(0.5 / 0.4, abs=0.01)]
     assert steps(120, 20, (0.7, 0.5), 0.95, 630.0) == []  # reported once
+
+
+def test_one_lucky_step_does_not_reset_a_straggler_s_own_growth(tmp_path, fake_job):
+    """Under load a straggler's compute swings too: a step now and then near its normal must not restart its
+    count of grown steps (as a count of low steps was reset by every lucky one), nor teach its normal."""
+    fake_job.rank(0)
+    fake_job.rank(1)
+    check = RankCheck(tmp_path)
+    for s in range(60):
+        for r in (0, 1):
+            fake_job.step(r, s, 2.0, step_time_s=0.6, comm_s=0.2, tokens_per_s=1000.0)
+    assert check.run(time.time()) == []
+    found = []
+    for s in range(60, 100):  # rank 0 computes 1.6x, but 3 steps in every 10 only 1.2x: 7 grown in a row at most
+        compute = 0.48 if s % 10 >= 7 else 0.64
+        fake_job.step(0, s, 2.0, step_time_s=0.84, comm_s=0.84 - compute, tokens_per_s=714.0)
+        fake_job.step(1, s, 2.0, step_time_s=0.84, comm_s=0.44, tokens_per_s=714.0)
+        found += [f for f in check.run(time.time()) if f.evidence.get("compute_grew")]
+    (f,) = found
+    assert f.rank == 0 and f.evidence["baseline_compute_s"] == pytest.approx(0.4)
 
 
 def test_a_load_that_grows_every_local_rank_alike_is_no_rank_s_own_growth(tmp_path, fake_job):

@@ -380,6 +380,8 @@ def _crash_restarted_in_place(ctl: Controller, airflow: Standalone, inv: Invento
     return first, machines
 
 
+@pytest.mark.full  # (the CI tier's budget: it took 45-210 s there; the scripted fleet's tests in test_reconcile.py
+# prove the re-triage, the close that looks at the job, and the retried close, each failing without it)
 def test_a_crash_during_a_slow_vote_that_found_nothing_is_triaged_again_and_restarted_in_place(control, cp_cluster):
     """A compound fault no single alert names: a slowdown opens a fail-slow incident and clears, so its vote
     finds nothing; after the vote's verdict a rank is killed, and its machines' rank_exit alerts join the slow
@@ -509,7 +511,7 @@ def _repair_evicted(ctl: Controller, inv: Inventory) -> None:
         _repair(ctl, inv, name)
 
 
-@pytest.mark.full  # (the CI tier's budget: the scale-out tier runs the same hang and checks the same)
+@pytest.mark.full  # (the CI tier's budget: the scale-out tier's hang, in the full tier too, checks the same)
 def test_a_hung_rank_over_evicts_its_pipeline_and_no_checkpoint_is_lost(control, cp_cluster):
     ctl, airflow = control
     _repair_evicted(ctl, cp_cluster)

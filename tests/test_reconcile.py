@@ -139,7 +139,28 @@ def test_a_close_tried_again_after_it_triaged_the_incident_again_hands_it_to_the
     assert c.fleet.incident(inc).state == IncidentState.OPEN
     # the run it handed the incident to is a run of its own: its close is not answered from the record
     escalated = steps.close_step(inc, None, recovery, resumed, c, run_id=run)
-    assert "triaged_again" not in escalated.get("done", {})
+    assert set(escalated) == {"watch"} and escalated["watch"]["attempt"] == 1, escalated  # (here: a job down)
+
+
+def test_a_resume_check_that_ended_without_an_answer_is_asked_again_by_the_close_not_escalated(
+        tmp_path, monkeypatch):
+    """wait_for_resume can end without an answer (a deferred task failed by the scheduler, apache/airflow#66374,
+    or its retries spent while a scheduler died): the close took that for a restart that did not hold and
+    restarted the job a second time, though it trained. The close looks at the job itself first: one launch,
+    resolved."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("gpu_lost", "m2")])
+    inc = item["incident"]
+    decision = steps.triage(inc)
+    result = steps.handle(steps.choose(decision), decision)
+    recovery, _stop, _swap = recover(inc, result)
+    assert recovery["restarted"]
+    closed = steps.close(inc, None, recovery, None)  # no answer from the resume check's task
+    assert closed["state"] == IncidentState.RESOLVED, closed
+    assert len([a for a in c.fleet.actions(inc) if a.kind == "launch" and a.outcome == "done"]) == 1
 
 
 def test_no_incident_closes_resolved_on_a_job_that_does_not_train(tmp_path, monkeypatch, started):

@@ -4,14 +4,14 @@ network namespace of its own (its own Airflow home, its own copy of the deployme
 separate api-server, dag-processor and triggerer, and the alert bus on S3 (``moto_server``), over a namespace
 cluster whose agents publish to that bus (:mod:`trainguard.emulation.scaleout`).
 
-Three of the shared tier's scenarios run under it (the crash in the full tier only). A GPU falls off the bus
-on one of the guarded job's machines:
-the machine is evicted and a warm standby takes its place, while one of the two schedulers is killed (SIGKILL,
-as a host that dies) as soon as the incident's run is under way: the other one carries the run to its end, and
-the fleet database holds each of the recovery's actions exactly once. Then a rank crashes: stop-time diagnosis
-runs on the workers (L1 to L3 over SSH from their namespaces), every machine passes, and the job restarts in
-place, on the one scheduler left. Last a rank hangs in a collective: the workers take every rank's stacks
-(py-spy over SSH), and the stuck rank's whole pipeline is evicted onto warm standbys.
+Three of the shared tier's scenarios run under it (the crash and the hang in the full tier only). A GPU falls off
+the bus on one of the guarded job's machines: the machine is evicted and a warm standby takes its place, while one
+of the two schedulers is killed (SIGKILL, as a host that dies) as soon as the incident's run is under way: the
+other one carries the run to its end, and the fleet database holds each of the recovery's actions exactly once.
+Then a rank crashes: stop-time diagnosis runs on the workers (L1 to L3 over SSH from their namespaces), every
+machine passes, and the job restarts in place, on the one scheduler left. Last a rank hangs in a collective: the
+workers take every rank's stacks (py-spy over SSH), and the stuck rank's whole pipeline is evicted onto warm
+standbys.
 """
 
 from __future__ import annotations
@@ -162,6 +162,7 @@ def test_a_crash_is_diagnosed_by_the_workers_and_restarted_in_place_on_the_survi
     assert hosts <= {scaleout.worker_address(so.spec, i) for i in range(2)}, hosts
 
 
+@pytest.mark.full  # (the CI tier's budget: the embedded tier's hang, also full, and the stacks' unit tests)
 def test_a_hang_over_evicts_the_stuck_ranks_pipeline_from_the_stacks_the_workers_took(plane):
     job, so = plane
     job.settled()

@@ -421,6 +421,10 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
     in_flight = _escalated_before(c, incident_id, recovery) if restarted else None
     if in_flight is not None:  # a try of this task before (it failed while deferred) restarted the job already
         return {"watch": in_flight}
+    if restarted and not (resume and any(k in resume for k in ("first_step", "failed", "pending", "skipped"))):
+        # the resume check's task ended without an answer (it failed while a scheduler or the database was away):
+        # whether the job resumed is looked at now, not assumed either way
+        resume = resumed(incident_id, recovery, c) or resume
     if restarted and resume and not resume.get("skipped") and not resume.get("failed") and not resume.get("pending"):
         if recovery.get("again"):  # its second restart: the job was down from the stop to the resume
             start = float(recovery["again_ts"])
@@ -492,7 +496,7 @@ def _triage_again(c: Controller, incident_id: int, by: str | None = None) -> dic
     inc = c.fleet.incident(incident_id)
     earlier = next((a for a in c.fleet.actions(incident_id) if by and a.kind == "retriage"
                     and (a.evidence or {}).get("by") == by), None)
-    if earlier is not None:
+    if earlier is not None and inc.state == IncidentState.OPEN:
         run = str(earlier.evidence["run"])
         started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": inc.job, "first_seen_ts": None},
                                         "trigger_run_id": run}])
@@ -502,13 +506,14 @@ def _triage_again(c: Controller, incident_id: int, by: str | None = None) -> dic
     if not ladder.outranks(inc.category, t):
         return None
     run = guardian.run_id(incident_id, f"{t.category}_{len(c.fleet.actions(incident_id))}")
-    c.fleet.update_incident(incident_id, category=t.category,
-                            summary=f"{inc.summary}; alerts that joined after its decision: {t.reason}; "
-                                    f"next: triaged again (run {run})"[-2000:])
+    # recorded before the incident takes the new category: a retry after either finds the record
     action, _ = c.fleet.record_action(f"retriage:{incident_id}:{t.category}", kind="retriage",
                                       incident_id=incident_id, machines=list(t.machines),
                                       evidence={"from": inc.category, "to": t.category, "reason": t.reason[:500],
                                                 "run": run, "by": by})
+    c.fleet.update_incident(incident_id, category=t.category,
+                            summary=f"{inc.summary}; alerts that joined after its decision: {t.reason}; "
+                                    f"next: triaged again (run {run})"[-2000:])
     c.fleet.finish_action(action.id, "done")
     started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": inc.job, "first_seen_ts": None},
                                     "trigger_run_id": run}])
