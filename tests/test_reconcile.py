@@ -8,6 +8,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -79,12 +80,9 @@ def test_a_crash_that_joins_a_slow_vote_after_its_verdict_is_triaged_again_inste
     assert c.trains("j")
 
 
-def test_a_crash_whose_alerts_arrive_while_the_close_looks_at_the_job_is_triaged_again_not_restarted_blind(
-        tmp_path, monkeypatch, started):
-    """Seen in CI: the vote found nothing, a rank was killed just before the close; the close's first look at
-    the incident's alerts found no crash yet, its look at the job found every part exited, and it escalated to a
-    plain restart, so the crash skipped its stop-time diagnosis. The alerts that came while it looked are
-    triaged again first."""
+def _a_slow_vote_that_found_nothing(tmp_path: Path, monkeypatch: Any) -> tuple[Any, Any, int, dict, dict | None]:
+    """A fail-slow incident on the scripted fleet whose vote evicted nothing, run up to its close:
+    ``(controller, fleet, incident, recovery, resume)``."""
     from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path, slow_rounds=1)
@@ -95,7 +93,18 @@ def test_a_crash_whose_alerts_arrive_while_the_close_looks_at_the_job_is_triaged
     result = steps.handle(steps.choose(decision), decision)
     assert result["vote"]["machines"] == []
     recovery, _stop, _swap = recover(inc, result)
-    resumed = steps.resumed(inc, recovery)
+    return c, fleet, inc, recovery, steps.resumed(inc, recovery)
+
+
+def test_a_crash_whose_alerts_arrive_while_the_close_looks_at_the_job_is_triaged_again_not_restarted_blind(
+        tmp_path, monkeypatch, started):
+    """Seen in CI: the vote found nothing, a rank was killed just before the close; the close's first look at
+    the incident's alerts found no crash yet, its look at the job found every part exited, and it escalated to a
+    plain restart, so the crash skipped its stop-time diagnosis. The alerts that came while it looked are
+    triaged again first."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet, inc, recovery, resumed = _a_slow_vote_that_found_nothing(tmp_path, monkeypatch)
     looked = c.not_training
 
     def not_training(job: str) -> str:  # every part ends, and the crash's alerts come in, while it looks
@@ -118,14 +127,7 @@ def test_a_close_tried_again_after_it_triaged_the_incident_again_hands_it_to_the
     to that run again."""
     from trainguard.operators.tasks import incident as steps
 
-    c, fleet = fleet_controller(tmp_path, slow_rounds=1)
-    use_controller(monkeypatch, c)
-    [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
-    inc = item["incident"]
-    decision = steps.triage(inc)
-    result = steps.handle(steps.choose(decision), decision)
-    recovery, _stop, _swap = recover(inc, result)
-    resumed = steps.resumed(inc, recovery)
+    c, fleet, inc, recovery, resumed = _a_slow_vote_that_found_nothing(tmp_path, monkeypatch)
     fleet.running.clear()
     c.ingest([alert("rank_exit", f"m{r}", rank=r) for r in range(4)])
     first = steps.close(inc, None, recovery, resumed, run_id="incident__1")
