@@ -421,6 +421,7 @@ class _RankState:
     declined: bool = False
     grew_run: int = 0  # steps in a row the rank's own compute stayed grown (see RankCheck._grown)
     grew: bool = False
+    relearning: bool = False  # the decline's baseline refills after a relearn: no decline can be judged yet
     compute_recent: deque = field(default_factory=lambda: deque(maxlen=5))  # every step's compute time
     compute_window: deque = field(default_factory=deque)  # the last ``decline_steps`` steps' compute time
     compute_base: deque = field(default_factory=lambda: deque(maxlen=48))  # normal steps' compute time
@@ -680,6 +681,7 @@ class RankCheck(Check):
             _slide(hist, leaving, max(window, self.t.decline_history))
         if len(hist) < window or len(recent) < window:
             return []
+        st.relearning = False
         baseline, now = _throughput(hist), _throughput(recent)
         if now >= (1.0 - self.t.decline) * baseline:
             st.decline_run, st.declined = 0, False
@@ -687,7 +689,7 @@ class RankCheck(Check):
         st.decline_run += 1
         if st.decline_run >= self.t.decline_relearn:  # lasting: the new normal (the vote had its chance)
             hist.clear()
-            st.decline_run, st.declined = 0, False
+            st.decline_run, st.declined, st.relearning = 0, False, True
             return []
         if st.decline_run < max(1, window // 2) or st.declined:
             return []
@@ -703,17 +705,22 @@ class RankCheck(Check):
 
 
     def _grown(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
-        """The rank's own compute per step (the step less its wait in collectives) stayed ``1 + 2 * decline``
-        times its normal one, and ``1 + decline`` times the median growth of the job's other ranks on this
-        machine, for ``decline_steps // 2`` steps: a ``throughput_decline`` of its own, raised once. The job's
-        throughput says a straggler slows everyone, but not while a decline every rank shared (a busy host) is
-        still standing: a rank that starts to straggle then raises nothing new, and the relearn after
-        ``decline_relearn`` steps would take its pace for the job's normal. Its peers' compute does not grow
-        (they wait), a host's load grows every rank of the machine alike, and one slow device grows one rank:
-        so this is the straggler's own word, and a rank with no peer on its machine to stand out from (one
-        rank per machine) is left to the throughput decline. A step between ``1 + decline`` and the threshold
-        neither counts nor resets the run (one lucky step must not); below it, the run ends. Lasting
-        ``decline_relearn`` steps, the grown compute is the rank's new normal."""
+        """While the throughput decline cannot speak for a straggler (a decline every rank shared, a busy host,
+        was raised and still stands, so a rank that starts to straggle raises nothing new; or its baseline
+        refills after a relearn, which would take a straggler's pace for the job's normal): the rank's own
+        compute per step (the step less its wait in collectives) stayed ``1 + 2 * decline`` times its normal
+        one, and ``1 + decline`` times the median growth of the job's other ranks on this machine, for
+        ``decline_steps`` steps: a ``throughput_decline`` of its own, raised once. Its peers' compute does not
+        grow (they wait), a host's load grows every rank of the machine alike, and one slow device grows one
+        rank: so this is the straggler's own word. It is not asked otherwise: on the busy 2-core host one rank's
+        compute alone read 1.34x for 8 steps in a healthy job (a false fail-slow vote), a noise the job's
+        throughput does not have. A rank with no peer on its machine (one rank per machine) is left to the
+        throughput. A step between ``1 + decline`` and the threshold neither counts nor ends the run (one lucky
+        step must not); below it, the run ends. Lasting ``decline_relearn`` steps, the grown compute is the
+        rank's new normal."""
+        if not (st.declined or st.relearning):
+            st.grew_run, st.grew = 0, False
+            return []
         ratio = _compute_growth(st).get("compute_ratio")
         peers = [g for k, v in self.state.items() if v is not st and k[:2] == st.key[:2]
                  for g in (_compute_growth(v).get("compute_ratio"),) if g is not None]
@@ -727,7 +734,7 @@ class RankCheck(Check):
             st.compute_base.clear()
             st.grew_run, st.grew = 0, False
             return []
-        if st.grew_run < max(1, self.t.decline_steps // 2) or st.grew:
+        if st.grew_run < max(1, self.t.decline_steps) or st.grew:
             return []
         st.grew = True
         return [Finding("throughput_decline", f"grew:{job}:{rank}",
