@@ -393,6 +393,29 @@ MAX_HOLD_S = 900.0
 
 
 @dataclass
+class _Run:
+    """A condition seen on consecutive steps, raised once per run: ``n`` steps so far, ``raised`` once reported."""
+
+    n: int = 0
+    raised: bool = False
+
+    def end(self) -> None:
+        self.n, self.raised = 0, False
+
+    def step(self, *, needed: int, relearn: int) -> str:
+        """One more step of the run: "relearn" once it lasted ``relearn`` steps (the run ends: its level is the
+        new normal), "raise" on its ``needed``-th step unless raised already, else ""."""
+        self.n += 1
+        if self.n >= relearn:
+            self.end()
+            return "relearn"
+        if self.n < max(1, needed) or self.raised:
+            return ""
+        self.raised = True
+        return "raise"
+
+
+@dataclass
 class _RankState:
     key: tuple[str, int, int] = ("", 0, 0)  # (job, incarnation, rank)
     offset: int = 0
@@ -417,10 +440,8 @@ class _RankState:
     traced_seen: float | None = None  # when the rank was first seen in a tracing stop ("t") in a row
     tput: deque = field(default_factory=deque)  # the baseline's steps' tokens/s
     tput_recent: deque = field(default_factory=deque)  # the last ``decline_steps`` steps' tokens/s
-    decline_run: int = 0
-    declined: bool = False
-    grew_run: int = 0  # steps in a row the rank's own compute stayed grown (see RankCheck._grown)
-    grew: bool = False
+    decline: _Run = field(default_factory=_Run)  # the window's throughput below its baseline
+    grew: _Run = field(default_factory=_Run)  # the rank's own compute grown (see RankCheck._grown)
     relearning: bool = False  # the decline's baseline refills after a relearn: no decline can be judged yet
     compute_recent: deque = field(default_factory=lambda: deque(maxlen=5))  # every step's compute time
     compute_window: deque = field(default_factory=deque)  # the last ``decline_steps`` steps' compute time
@@ -606,7 +627,7 @@ class RankCheck(Check):
         # the normal compute time learns a step as it leaves the decline's window, and only while no slowdown is
         # seen: a slowdown small enough to take the window a while to show must not become the rank's normal
         # first (its compute growth would then read 1.0x, as a waiting peer's does)
-        if leaving is not None and not st.slow_run and not st.decline_run and not st.grew_run:
+        if leaving is not None and not st.slow_run and not st.decline.n and not st.grew.n:
             st.compute_base.append(leaving)
         if rec.get("dp_digests_match") is False and not st.sdc:
             found.append(Finding("sdc_suspect", f"sdc:{job}:{rank}",
@@ -677,23 +698,21 @@ class RankCheck(Check):
         hist, recent = st.tput, st.tput_recent
         window = max(1, self.t.decline_steps)
         leaving = _slide(recent, tput, window)
-        if leaving is not None and not st.decline_run:  # the baseline learns from steps no decline was seen in
+        if leaving is not None and not st.decline.n:  # the baseline learns from steps no decline was seen in
             _slide(hist, leaving, max(window, self.t.decline_history))
         if len(hist) < window or len(recent) < window:
             return []
         st.relearning = False
         baseline, now = _throughput(hist), _throughput(recent)
         if now >= (1.0 - self.t.decline) * baseline:
-            st.decline_run, st.declined = 0, False
+            st.decline.end()
             return []
-        st.decline_run += 1
-        if st.decline_run >= self.t.decline_relearn:  # lasting: the new normal (the vote had its chance)
+        verdict = st.decline.step(needed=window // 2, relearn=self.t.decline_relearn)
+        if verdict == "relearn":  # lasting: the new normal (the vote had its chance)
             hist.clear()
-            st.decline_run, st.declined, st.relearning = 0, False, True
+            st.relearning = True
+        if verdict != "raise":
             return []
-        if st.decline_run < max(1, window // 2) or st.declined:
-            return []
-        st.declined = True
         return [Finding("throughput_decline", f"decline:{job}:{rank}",
                         f"rank {rank} of job {job}: {now:.0f} tokens/s over its last {window} steps, "
                         f"{1 - now / baseline:.0%} below the {baseline:.0f} of the steps before", severity="warning",
@@ -701,7 +720,7 @@ class RankCheck(Check):
                         evidence={"step": rec.get("step"), "tokens_per_s": round(now, 1),
                                   "baseline_tokens_per_s": round(baseline, 1),
                                   "decline": round(1 - now / baseline, 3), "window_steps": window,
-                                  "steps": st.decline_run, **_compute_growth(st)})]
+                                  "steps": st.decline.n, **_compute_growth(st)})]
 
 
     def _grown(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
@@ -718,31 +737,29 @@ class RankCheck(Check):
         throughput. A step between ``1 + decline`` and the threshold neither counts nor ends the run (one lucky
         step must not); below it, the run ends. Lasting ``decline_relearn`` steps, the grown compute is the
         rank's new normal."""
-        if not (st.declined or st.relearning):
-            st.grew_run, st.grew = 0, False
+        if not (st.decline.raised or st.relearning):
+            st.grew.end()
             return []
-        ratio = _compute_growth(st).get("compute_ratio")
+        growth = _compute_growth(st)
+        ratio = growth.get("compute_ratio")
         peers = [g for k, v in self.state.items() if v is not st and k[:2] == st.key[:2]
                  for g in (_compute_growth(v).get("compute_ratio"),) if g is not None]
         if ratio is None or not peers or ratio < 1.0 + self.t.decline:
-            st.grew_run, st.grew = 0, False
+            st.grew.end()
             return []
         if ratio < 1.0 + 2 * self.t.decline or ratio < (1.0 + self.t.decline) * statistics.median(peers):
             return []  # grown, but not enough to count (or alike its peers): the run neither grows nor ends
-        st.grew_run += 1
-        if st.grew_run >= self.t.decline_relearn:
+        verdict = st.grew.step(needed=self.t.decline_steps, relearn=self.t.decline_relearn)
+        if verdict == "relearn":
             st.compute_base.clear()
-            st.grew_run, st.grew = 0, False
+        if verdict != "raise":
             return []
-        if st.grew_run < max(1, self.t.decline_steps) or st.grew:
-            return []
-        st.grew = True
         return [Finding("throughput_decline", f"grew:{job}:{rank}",
                         f"rank {rank} of job {job}: its compute per step is {ratio:.2f}x its normal for "
-                        f"{st.grew_run} steps (its wait on the others left out)", severity="warning",
+                        f"{st.grew.n} steps (its wait on the others left out)", severity="warning",
                         job=job, rank=rank,
-                        evidence={"step": rec.get("step"), "steps": st.grew_run, "compute_grew": True,
-                                  "local_peer_ratios": [round(g, 3) for g in sorted(peers)], **_compute_growth(st)})]
+                        evidence={"step": rec.get("step"), "steps": st.grew.n, "compute_grew": True,
+                                  "local_peer_ratios": [round(g, 3) for g in sorted(peers)], **growth})]
 
 
 def _slide(window: deque, value: float, size: int) -> float | None:

@@ -497,11 +497,7 @@ def _triage_again(c: Controller, incident_id: int, by: str | None = None) -> dic
     earlier = next((a for a in c.fleet.actions(incident_id) if by and a.kind == "retriage"
                     and (a.evidence or {}).get("by") == by), None)
     if earlier is not None and inc.state == IncidentState.OPEN:
-        run = str(earlier.evidence["run"])
-        started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": inc.job, "first_seen_ts": None},
-                                        "trigger_run_id": run}])
-        return {"done": {**c.timeline(incident_id), "triaged_again": {"run": run, "started": started.get(run),
-                                                                      "by_an_earlier_try": True}}}
+        return _handed_to(c, incident_id, inc.job, str(earlier.evidence["run"]), by_an_earlier_try=True)
     t = c.triage_again(incident_id)
     if not ladder.outranks(inc.category, t):
         return None
@@ -515,9 +511,17 @@ def _triage_again(c: Controller, incident_id: int, by: str | None = None) -> dic
                             summary=f"{inc.summary}; alerts that joined after its decision: {t.reason}; "
                                     f"next: triaged again (run {run})"[-2000:])
     c.fleet.finish_action(action.id, "done")
-    started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": inc.job, "first_seen_ts": None},
+    return _handed_to(c, incident_id, inc.job, run)
+
+
+def _handed_to(c: Controller, incident_id: int, job: str, run: str, **note: Any) -> dict[str, Any]:
+    """The incident handed to its tg_incident run ``run`` (started now, or found started: a start that landed is
+    not repeated); this run ends without closing it."""
+    from trainguard.operators.tasks import guardian
+
+    started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": job, "first_seen_ts": None},
                                     "trigger_run_id": run}])
-    return {"done": {**c.timeline(incident_id), "triaged_again": {"run": run, "started": started.get(run)}}}
+    return {"done": {**c.timeline(incident_id), "triaged_again": {"run": run, "started": started.get(run), **note}}}
 
 
 def _escalated_before(c: Controller, incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None:
