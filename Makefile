@@ -30,7 +30,7 @@ test-fast: venv  # unit tests only: no cluster, no Airflow
 lint: venv
 	$(BIN)/ruff check .
 
-bench: venv  # hours on 2 cores (chaos.py alone ~33 min); writes bench/results/*.json and the README's table
+bench: venv  # hours on 2 cores (chaos.py alone ~33 min); writes bench/results/*.json and the benchmark tables (docs/benchmarks.md, the README's headline)
 	$(BIN)/python bench/foundation.py --out bench/results/foundation.json $(ARGS)
 	$(BIN)/python bench/detection.py --out bench/results/detection.json $(ARGS)
 	$(BIN)/python bench/node_commands.py --out bench/results/node_commands.json $(ARGS)

@@ -48,7 +48,7 @@ give the loss of an uninterrupted run at that step (``restore_exact``):
 
     python bench/checkpoint.py [--quick] [--trials N] [--steps N] [--out FILE]
 
-Writes one JSON document in the project's benchmark format (see README).
+Writes one JSON document in the project's benchmark format (docs/benchmarks.md).
 """
 
 from __future__ import annotations

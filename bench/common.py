@@ -35,7 +35,7 @@ def summarize(values: list[float], unit: str, target: float | None = None) -> di
 
 def write_result(name: str, *, quick: bool, setup: dict[str, Any], metrics: dict[str, Any],
                  out: Path | None) -> str:
-    """The benchmark's JSON document (the format of the README's table), written to ``out`` if given."""
+    """The benchmark's JSON document (the format bench/table.py reads), written to ``out`` if given."""
     doc = {"name": name, "when": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "quick": quick,
            "machine": machine_info(), "setup": setup, "metrics": metrics}
     text = json.dumps(doc, indent=2)

@@ -7,7 +7,7 @@ median step time, then stop it and bring the cluster down (timed too).
 
     python bench/foundation.py [--quick] [--trials N] [--steps N] [--out FILE]
 
-Writes one JSON document in the project's benchmark format (see README).
+Writes one JSON document in the project's benchmark format (docs/benchmarks.md).
 """
 
 from __future__ import annotations

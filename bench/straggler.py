@@ -177,7 +177,7 @@ def run(seeds: int, layouts: Sequence[str]) -> tuple[dict[str, Any], dict[str, A
 
 
 def metrics_of(table: dict[str, Any], layouts: Sequence[str], seeds: int) -> dict[str, Any]:
-    """The README's rows: per judgement and layout, false evictions and 30% stragglers caught on the busy host,
+    """The benchmark table's rows: per judgement and layout, false evictions and 30% stragglers caught on the busy host,
     15% stragglers caught on the quiet one (the whole grid stays in the setup's table)."""
     metrics: dict[str, Any] = {}
     for name, row in table.items():

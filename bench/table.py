@@ -1,7 +1,9 @@
-"""Make the README's benchmark table from the committed results in bench/results/.
+"""Make the benchmark tables from the committed results in bench/results/: the full table of the documentation's
+benchmarks page (every metric of every file) and the README's headline table (the few figures a newcomer asks
+for first, named in ``HEADLINE``).
 
-    python bench/table.py            print the table
-    python bench/table.py --update   rewrite the table between the markers in README.md
+    python bench/table.py            print the full table
+    python bench/table.py --update   rewrite both tables between their markers (docs/benchmarks.md, README.md)
 """
 
 from __future__ import annotations
@@ -10,43 +12,93 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"
+HEAD_BEGIN, HEAD_END = "<!-- bench-headline:begin -->", "<!-- bench-headline:end -->"
+PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+
+# (results file, metric, what it means to a reader): the README's headline rows, in this order
+HEADLINE: tuple[tuple[str, str, str], ...] = (
+    ("detection", "detect_s.crash", "a rank crashes: detected"),
+    ("detection", "detect_s.gpu_lost", "a GPU falls off the bus: detected"),
+    ("recovery", "resume_s.gpu_lost", "a GPU lost: fault to training again on a warm standby"),
+    ("recovery", "lost_steps.gpu_lost", "steps lost to that fault"),
+    ("checkpoint", "device.step_overhead_ratio", "a checkpoint every step: step time added (emulated device)"),
+    ("checkpoint", "dcp.device.step_overhead_ratio", "the same with DCP `async_save`, in the same run"),
+    ("chaos", "trials", "chaos campaign: trials (two faults at once, outages, forged input)"),
+    ("chaos", "jobs_dead", "chaos campaign: jobs left dead"),
+    ("campaign", "ettr", "random faults every few minutes: effective training time"),
+    ("simulate", "ettr.measured", "9,600 GPUs for 90 days (simulated): effective training time"),
+)
+
+
+def _documents() -> dict[str, dict[str, Any]]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "bench" / "results").glob("*.json"))}
+
+
+def _value(m: dict[str, Any]) -> str:
+    value = m["median"] if "median" in m else m["value"]  # a rate or count has one value, not a spread
+    return f"{value:g} {m['unit']}"
 
 
 def rows() -> list[str]:
     out = ["| benchmark | metric | median | p90 | n | target | command |", "|---|---|---|---|---|---|---|"]
-    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
-        doc = json.loads(path.read_text())
+    for doc in _documents().values():
         for key, m in doc["metrics"].items():
             cmd = f"`python bench/{m.get('script', doc['name'])}.py`"  # a metric another script adds to the file
             target = m.get("target")
             p90 = "" if m.get("p90") is None else f"{m['p90']:g}"
-            value = m["median"] if "median" in m else m["value"]  # a rate or count has one value, not a spread
             out.append(
-                f"| {doc['name']} | {key} | {value:g} {m['unit']} | {p90} | {m['n']} | "
+                f"| {doc['name']} | {key} | {_value(m)} | {p90} | {m['n']} | "
                 f"{'' if target is None else target} | {cmd} |"
             )
     return out
+
+
+def headline() -> list[str]:
+    docs = _documents()
+    out = ["| what | measured | n | target |", "|---|---|---|---|"]
+    for name, key, what in HEADLINE:
+        m = docs[name]["metrics"].get(key)
+        if m is None:
+            raise KeyError(f"bench/results/{name}.json has no metric {key!r}; fix HEADLINE in bench/table.py")
+        target = m.get("target")
+        out.append(f"| {what} | {_value(m)} | {m['n']} | {'' if target is None else target} |")
+    return out
+
+
+def between(text: str, begin: str, end: str) -> str | None:
+    """What ``text`` holds between the two markers (None when one is missing)."""
+    if begin not in text or end not in text:
+        return None
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def _replace(path: Path, begin: str, end: str, table: str) -> None:
+    text = path.read_text()
+    if between(text, begin, end) is None:
+        raise SystemExit(f"{path.relative_to(ROOT)} lacks the markers {begin} ... {end}; put them where the table goes")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{table}\n{end}{tail}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--update", action="store_true")
     args = ap.parse_args()
-    table = "\n".join(rows())
     if not args.update:
-        print(table)
+        print("\n".join(rows()))
         return 0
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"README.md lacks the markers {BEGIN} ... {END}", file=sys.stderr)
+    try:
+        _replace(PAGE, BEGIN, END, "\n".join(rows()))
+        _replace(README, HEAD_BEGIN, HEAD_END, "\n".join(headline()))
+    except (SystemExit, KeyError) as e:
+        print(e.args[0] if e.args else e, file=sys.stderr)
         return 2
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
     return 0
 
 

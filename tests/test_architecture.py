@@ -1,5 +1,5 @@
 """The packages' dependencies, read from the code (every import, top-level or inside a function): which
-way they go (README, "Architecture"), and no cycle between modules."""
+way they go (docs/architecture.md), and no cycle between modules."""
 
 from __future__ import annotations
 

@@ -221,26 +221,6 @@ def test_a_loop_that_decides_alone_is_never_made_to_disagree_by_a_fault_on_one_r
     assert [r["loss"] for r in read_steps(run_dir, 0)] == [1.0, "nan"]
 
 
-def test_the_readmes_guard_your_own_job_snippets_are_lines_of_the_tested_examples():
-    """Each Python block of the README's "Guard your own job" that names its source (``# from examples/...``)
-    is that file's lines, in order (``...`` elides lines): what a reader copies is what the tests run."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Guard your own job", 1)[1].split("\n## ", 1)[0]
-    blocks = [b.split("```", 1)[0] for b in section.split("```python\n")[1:]]
-    sourced = [b for b in blocks if b.startswith("# from examples/")]
-    assert {b.splitlines()[0].split()[-1] for b in sourced} == {
-        "examples/plain/train.py", "examples/lightning/train.py", "examples/hf/train.py"}
-    for block in sourced:
-        head, *lines = block.splitlines()
-        source = [line.strip() for line in (REPO / head.split()[-1]).read_text().splitlines()]
-        at = 0
-        for line in lines:
-            if line.strip() in ("", "..."):
-                continue
-            assert line.strip() in source[at:], f"{head}: {line.strip()!r} is not a line of the example (in order)"
-            at = source.index(line.strip(), at) + 1
-
-
 def test_small_tensors_in_a_json_state_go_back_bit_for_bit_and_big_ones_are_refused():
     """A data loader's state may hold its generator's state (a byte tensor): the Lightning adapter writes it as
     JSON and reads it back exactly; a tensor too big for a JSON state is a one-line error."""

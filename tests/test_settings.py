@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from trainguard.operators.settings import ControlSettings, SettingsError, markdown_table
-
-REPO = Path(__file__).resolve().parents[1]
+from trainguard.operators.settings import ControlSettings, SettingsError
 
 
 def test_settings_come_typed_from_a_mapping_and_overrides_win():
@@ -44,9 +40,3 @@ def test_a_bad_value_is_one_line_naming_the_variable_and_exit_2(var, value, mess
     with pytest.raises(SettingsError) as environ:
         ControlSettings.from_env()
     assert str(environ.value) == message
-
-
-def test_the_readmes_settings_table_is_the_settings_own():
-    table = markdown_table()
-    assert table in (REPO / "README.md").read_text()
-    assert table.count("\n| `TG_") == len(ControlSettings.model_fields)

@@ -125,7 +125,7 @@ def test_os_errors_are_one_line_json(node, capsys, monkeypatch):
 
 
 def test_ctrl_c_is_exit_130_with_a_one_line_error(node, capsys, monkeypatch):
-    """The README documents 130 for an interrupted command, everywhere; tg-node answered 2."""
+    """docs/reference/cli.md documents 130 for an interrupted command, everywhere; tg-node answered 2."""
     from trainguard.node_tools import job
 
     def interrupted(*_a, **_k):

@@ -1,0 +1,93 @@
+"""The documentation cannot drift from the code: the README stays one screen, the site builds with
+``mkdocs build --strict`` (a broken link, page or anchor fails), the snippets are lines of the tested examples,
+and the tables generated from code or results are what the code and results say today."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainguard.operators.settings import ControlSettings, markdown_table
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_table", REPO / "bench" / "table.py")
+table = importlib.util.module_from_spec(_spec)  # bench/table.py: the benchmark tables' maker
+_spec.loader.exec_module(table)
+
+README = (REPO / "README.md").read_text()
+MKDOCS = Path(sys.executable).with_name("mkdocs")
+
+
+def _build(config: Path, site: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    return subprocess.run([str(MKDOCS), "build", "--strict", "-f", str(config), "-d", str(site)],
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_the_readme_is_one_screen_and_points_into_the_docs():
+    assert len(README.splitlines()) <= 150
+    for page in ("getting-started.md", "guard-your-job.md", "deploy.md", "operate.md", "reference/cli.md",
+                 "benchmarks.md"):
+        assert f"](docs/{page})" in README
+        assert (REPO / "docs" / page).is_file()
+
+
+def test_the_site_builds_strict_and_a_broken_link_fails_it(tmp_path):
+    """The real site builds with no warning; the same site with one link to a missing anchor does not (the
+    build is strict for anchors, not only for pages)."""
+    built = _build(REPO / "mkdocs.yml", tmp_path / "site")
+    assert built.returncode == 0, built.stderr[-3000:]
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert "Guard your own job" in index and 'href="guard-your-job/"' in index  # the README, links made relative
+    assert (tmp_path / "site" / "assets" / "simulate.png").is_file()  # the committed chart, served
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "docs", copy / "docs")
+    shutil.copytree(REPO / "scripts", copy / "scripts")
+    for name in ("mkdocs.yml", "README.md"):
+        shutil.copy(REPO / name, copy / name)
+    page = copy / "docs" / "deploy.md"
+    page.write_text(page.read_text() + "\nSee [the rungs](operate.md#no-such-section).\n")
+    broken = _build(copy / "mkdocs.yml", tmp_path / "broken")
+    assert broken.returncode != 0 and "no-such-section" in broken.stderr
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/guard-your-job.md"])
+def test_the_guard_snippets_are_lines_of_the_tested_examples(path):
+    """Each Python block that names its source (``# from examples/...``) is that file's lines, in order (``...``
+    elides lines): what a reader copies is what the tests run."""
+    text = (REPO / path).read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    sourced = [b for b in blocks if b.startswith("# from examples/")]
+    assert sourced, f"{path} shows no example"
+    if path.startswith("docs/"):
+        assert {b.splitlines()[0].split()[-1] for b in sourced} == {
+            "examples/plain/train.py", "examples/lightning/train.py", "examples/hf/train.py"}
+    for block in sourced:
+        head, *lines = block.splitlines()
+        source = [line.strip() for line in (REPO / head.split()[-1]).read_text().splitlines()]
+        at = 0
+        for line in lines:
+            if line.strip() in ("", "..."):
+                continue
+            assert line.strip() in source[at:], f"{head}: {line.strip()!r} is not a line of the example (in order)"
+            at = source.index(line.strip(), at) + 1
+
+
+def test_the_settings_page_is_the_settings_own():
+    page = (REPO / "docs" / "reference" / "settings.md").read_text()
+    assert markdown_table() in page
+    assert page.count("\n| `TG_") == len(ControlSettings.model_fields)
+
+
+def test_the_benchmark_tables_are_the_committed_results():
+    """The benchmarks page holds every metric of bench/results/*.json and the README its headline rows, as
+    ``python bench/table.py --update`` writes them from the committed results."""
+    page = (REPO / "docs" / "benchmarks.md").read_text()
+    assert table.between(page, table.BEGIN, table.END) == "\n".join(table.rows())
+    assert table.between(README, table.HEAD_BEGIN, table.HEAD_END) == "\n".join(table.headline())
