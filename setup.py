@@ -8,7 +8,7 @@ from pathlib import Path
 from setuptools import find_namespace_packages, setup
 
 HERE = Path(__file__).resolve().parent
-SUBPACKAGES = ("checkpoint", "node_tools", "operators", "emulation")  # trainguard.SUBPACKAGES
+SUBPACKAGES = ("checkpoint", "node_tools", "operators", "emulation", "dags")  # trainguard.SUBPACKAGES
 
 package_dir = {"trainguard": "trainguard"}
 packages = ["trainguard"]

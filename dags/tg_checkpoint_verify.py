@@ -29,7 +29,8 @@ checkpoint_committed = Asset("trainguard-checkpoint-committed", watchers=[
     AssetWatcher(name="checkpoint_notices", trigger=CheckpointNoticeTrigger())])
 
 
-@dag(dag_id="tg_checkpoint_verify", start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=1,
+@dag(dag_id="tg_checkpoint_verify", is_paused_upon_creation=False,
+     start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=1,
      tags=["trainguard"], doc_md=__doc__,
      schedule=asset_or_cron(checkpoint_committed, cron_variable="TG_VERIFY_SCHEDULE", cron_default="*/30 * * * *",
                             on_variable="TG_VERIFY_ON_COMMIT"),

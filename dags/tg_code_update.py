@@ -22,7 +22,8 @@ from trainguard.operators.utils.schedules import schedule_from_env
 NAME = r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62})?$"
 
 
-@dag(dag_id="tg_code_update", schedule=schedule_from_env("TG_CODE_UPDATE_SCHEDULE", "@hourly"),
+@dag(dag_id="tg_code_update", is_paused_upon_creation=False,
+     schedule=schedule_from_env("TG_CODE_UPDATE_SCHEDULE", "@hourly"),
      start_date=datetime(2026, 1, 1), catchup=False,
      max_active_runs=1, tags=["trainguard"], doc_md=__doc__, params={
          "job": Param("", type="string", pattern=NAME, description="the job; empty = the hourly sweep"),

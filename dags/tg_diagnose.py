@@ -14,7 +14,8 @@ from airflow.sdk import Param, dag, task
 from trainguard.operators.utils.forms import NAME, job_param
 
 
-@dag(dag_id="tg_diagnose", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
+@dag(dag_id="tg_diagnose", is_paused_upon_creation=False,
+     schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
      doc_md=__doc__, params={
          "job": job_param("the job whose machines are diagnosed"),
          "machines": Param([], type="array", items={"type": "string", "pattern": NAME},

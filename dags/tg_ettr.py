@@ -10,7 +10,8 @@ from datetime import datetime
 from airflow.sdk import Param, dag, task
 
 
-@dag(dag_id="tg_ettr", schedule="@hourly", start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=1,
+@dag(dag_id="tg_ettr", is_paused_upon_creation=False,
+     schedule="@hourly", start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=1,
      tags=["trainguard"], doc_md=__doc__, params={
          "job": Param("", type="string", pattern=r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62})?$",
                       description="the job; empty = every job in the fleet database"),

@@ -12,7 +12,8 @@ from airflow.sdk import dag
 from trainguard.operators.sensors.alerts import IncidentSensor
 
 
-@dag(dag_id="tg_guardian", schedule="@continuous", max_active_runs=1, start_date=datetime(2026, 1, 1),
+@dag(dag_id="tg_guardian", is_paused_upon_creation=False,
+     schedule="@continuous", max_active_runs=1, start_date=datetime(2026, 1, 1),
      catchup=False, tags=["trainguard"], doc_md=__doc__)
 def tg_guardian():
     # settle window: TG_ALERT_SETTLE_S (1 s); the trigger records the batch (incidents and the bus cursor in one

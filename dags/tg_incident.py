@@ -30,7 +30,8 @@ RETRY_DEFERRED = {"retries": 2, "retry_delay": timedelta(seconds=2)}
 DEFERRED_RUNGS = {"slow_vote": SlowVoteOperator, "silent_corruption": SilentCorruptionOperator}
 
 
-@dag(dag_id="tg_incident", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
+@dag(dag_id="tg_incident", is_paused_upon_creation=False,
+     schedule=None, start_date=datetime(2026, 1, 1), catchup=False, max_active_runs=8,
      tags=["trainguard"], doc_md=__doc__,
      params={"incident_id": Param(1, type="integer", minimum=1),
              "resume_timeout_s": Param(None, type=["null", "number"], exclusiveMinimum=0,

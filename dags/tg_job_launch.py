@@ -15,7 +15,8 @@ from trainguard.operators.utils.forms import NAME, free_machines
 FIRST_STEP_TIMEOUT_S = 900.0
 
 
-@dag(dag_id="tg_job_launch", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
+@dag(dag_id="tg_job_launch", is_paused_upon_creation=False,
+     schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
      doc_md=__doc__, params={
          "name": Param("", type="string", pattern=f"({NAME})|^$", description="the job's name"),
          "command": Param("", type="string",

@@ -14,7 +14,8 @@ from airflow.sdk import dag, task
 from trainguard.operators.sensors.reconcile import ReconcileSensor
 
 
-@dag(dag_id="tg_reconcile", schedule="@continuous", max_active_runs=1, start_date=datetime(2026, 1, 1),
+@dag(dag_id="tg_reconcile", is_paused_upon_creation=False,
+     schedule="@continuous", max_active_runs=1, start_date=datetime(2026, 1, 1),
      catchup=False, tags=["trainguard"], doc_md=__doc__)
 def tg_reconcile():
     found = ReconcileSensor(task_id="look", retries=3, retry_delay=timedelta(seconds=2))

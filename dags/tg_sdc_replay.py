@@ -15,7 +15,8 @@ from trainguard.operators.sensors.replay import ReplayPhaseOperator
 from trainguard.operators.utils.forms import job_param
 
 
-@dag(dag_id="tg_sdc_replay", schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
+@dag(dag_id="tg_sdc_replay", is_paused_upon_creation=False,
+     schedule=None, start_date=datetime(2026, 1, 1), catchup=False, tags=["trainguard"],
      doc_md=__doc__, max_active_runs=1, params={
          "job": job_param("the job whose machines are replayed"),
          "k": Param(1, type="integer", minimum=1, description="replicas per replay group (must divide DP)"),

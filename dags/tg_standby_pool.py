@@ -15,7 +15,8 @@ from airflow.sdk import Param, dag, task
 from trainguard.operators.utils.schedules import schedule_from_env
 
 
-@dag(dag_id="tg_standby_pool", schedule=schedule_from_env("TG_POOL_SCHEDULE", "*/10 * * * *"),
+@dag(dag_id="tg_standby_pool", is_paused_upon_creation=False,
+     schedule=schedule_from_env("TG_POOL_SCHEDULE", "*/10 * * * *"),
      start_date=datetime(2026, 1, 1), catchup=False,
      max_active_runs=1, tags=["trainguard"], doc_md=__doc__, params={
          "target": Param(-1, type="integer", minimum=-1,

@@ -58,16 +58,21 @@ USERS = f"admin:admin,{NOTES_USER}:user"
 
 
 class Standalone:
-    def __init__(self, home: Path, env: Mapping[str, str], *, port: int | None = None) -> None:
+    def __init__(self, home: Path, env: Mapping[str, str], *, port: int | None = None, stock: bool = False) -> None:
+        """``stock``: none of trainguard's provisioning (its DAG folder, its DAGs unpaused, the run notes' login, the
+        ``tg_ssh`` pool and the ``tg_airflow_api`` connection): what the deployment's own commands do
+        (``trainguard airflow install``, docs/deploy.md) is left to the caller; only this host's settings remain
+        (ports, the SQLite waits, the loops' pace)."""
         self.home = home
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {
             **os.environ,
             "AIRFLOW_HOME": str(home),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+            **({} if stock else {"AIRFLOW__CORE__DAGS_FOLDER": str(REPO / "dags"),
+                                 "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+                                 "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": USERS}),
             "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
             "AIRFLOW__CORE__PARALLELISM": "8",
             "AIRFLOW__API__PORT": str(self.port),
             "AIRFLOW__API__HOST": "127.0.0.1",
@@ -77,7 +82,6 @@ class Standalone:
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.25",
             "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
-            "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": USERS,
             "PYTHONPATH": str(REPO),
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # its subprocesses
             **env,
@@ -87,6 +91,7 @@ class Standalone:
                 self.env.setdefault(f"AIRFLOW__DATABASE__{key}", f"{__name__}.SQLITE_CONNECT_ARGS")
             self.env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", str(2 * SQLITE_BUSY_S))
         self.env.pop("AIRFLOW_CONN_TG_SSH", None)
+        self.stock = stock
         self.proc: subprocess.Popen[bytes] | None = None
         self._api: AirflowApi | None = None
 
@@ -105,12 +110,14 @@ class Standalone:
         (self.home / "standalone.url").write_text(self.url)  # where ``trainguard status`` finds it
 
     def ready(self, timeout: float = 240) -> None:
-        """Wait until the api-server answers and trainguard's DAGs are parsed; then provision the
-        ``tg_ssh`` pool and the ``tg_airflow_api`` connection."""
+        """Wait until the api-server answers and trainguard's DAGs are parsed; then (unless ``stock``) provision
+        the ``tg_ssh`` pool and the ``tg_airflow_api`` connection."""
         poll(self._healthy, timeout=timeout, interval=1.0, what=f"airflow standalone on {self.url}")
         poll(lambda: self.dag_ids() >= {"tg_guardian", "tg_incident", "tg_diagnose", "tg_sdc_replay"}, timeout=120,
                    interval=1.0, what="the trainguard DAGs to be parsed")
         self.request("GET", "/execution/health", auth=False)  # warm the execution API (first task waits otherwise)
+        if self.stock:
+            return
         slots = int(self.env.get("TG_SSH_POOL_SLOTS", "16"))
         # the metadata database is busy while the scheduler starts (SQLite): a write may fail once
         poll(lambda: self._try(lambda: self.ensure_pool(SSH_POOL, slots)), timeout=60, interval=1.0,

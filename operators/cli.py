@@ -3,6 +3,8 @@
 Commands::
 
     trainguard fleet migrate                    provision the fleet database (schema, the inventory's machines)
+    trainguard airflow bundles                  the DAG bundle list with trainguard's (for an Airflow you run)
+    trainguard airflow install [--pool-slots 16 --api-url URL]   provision that Airflow for trainguard's DAGs
     trainguard job submit SPEC [--wait S]       put a job under guard: a tg_job_launch run with the spec
     trainguard job stop J | status J | list     stop a job (its machines back to the pool); where jobs stand
     trainguard revision add --job J --revision R [--reason TEXT] | list --job J
@@ -51,6 +53,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     fp = sub.add_parser("fleet", help="the fleet database: provision it (once per release, before the DAGs run)")
     fsub = fp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     fsub.add_parser("migrate", help="create or migrate the schema; register the inventory's new machines")
+
+    ap = sub.add_parser("airflow", help="trainguard in an Airflow 3 you run: its DAG bundle, and what its DAGs need")
+    asub = ap.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
+    asub.add_parser("bundles", help="print AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST: yours, with trainguard's")
+    ai = asub.add_parser("install", help="provision the fleet database, the tg_ssh pool, the run notes' login and "
+                                         "the tg_airflow_api connection (each a no-op when in place)")
+    ai.add_argument("--pool-slots", type=int, default=16, help="slots of the tg_ssh pool (concurrent SSH sessions)")
+    ai.add_argument("--api-url", default="", help="where tasks reach the api-server (default: [api] base_url, "
+                                                  "else its host and port)")
 
     jp = sub.add_parser("job", help="jobs under guard: submit a spec (a tg_job_launch run), stop, status, list")
     jsub = jp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
@@ -115,6 +126,17 @@ def print_result(args: argparse.Namespace, document: Any, text: str | None = Non
         print(json.dumps(document, indent=2, default=str))
     else:
         print(text)
+
+
+def cmd_airflow(args: argparse.Namespace) -> int:
+    from trainguard.operators import airflow_setup
+
+    if args.action == "bundles":
+        print(airflow_setup.bundles_json())
+        return EXIT_OK
+    lines = airflow_setup.install(pool_slots=args.pool_slots, url=args.api_url)
+    print_result(args, {"done": lines}, "\n".join(lines))
+    return EXIT_OK
 
 
 def cmd_ettr(args: argparse.Namespace) -> int:
@@ -336,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             return handlers[args.command](args)
         if args.command == "fleet":
             return cmd_fleet(args)
+        if args.command == "airflow":
+            return cmd_airflow(args)
         if args.command == "job":
             return cmd_job(args)
         if args.command == "ettr":

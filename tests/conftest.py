@@ -161,3 +161,25 @@ def s3_endpoint() -> Iterator[str]:
     """A real moto_server on loopback: the S3 endpoint of the tests."""
     with moto_server() as (url, _proc):
         yield url
+
+
+
+def deploy_page_environment(env: dict[str, str], page: Path | None = None) -> tuple[dict[str, str], str]:
+    """The environment docs/deploy.md's "Into an Airflow you run" leaves behind, and what its commands printed:
+    its blocks marked ``<!-- test: runs -->`` run, as written, in one bash with ``env``; every other block of the
+    section says why a test does not run it (``skip``; ``site``: the test's own values are in ``env`` already;
+    ``starts``: the caller starts Airflow with what this returns)."""
+    import re
+    import subprocess
+
+    text = (page or Path(__file__).resolve().parents[1] / "docs" / "deploy.md").read_text()
+    section = text.split("## Into an Airflow you run", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"(?:<!-- test: (\w+)[^>]*-->\n)?```bash\n(.*?)```", section, flags=re.S)
+    assert blocks and all(mark in ("runs", "skip", "site", "starts") for mark, _ in blocks), \
+        f"every bash block of the deploy page's section needs a test marker: {[m for m, _ in blocks]}"
+    # the page's own output goes to stderr; stdout carries only the environment it leaves
+    script = "exec 3>&1 1>&2\nset -euo pipefail\n" + "".join(b for m, b in blocks if m == "runs") + "env -0 >&3\n"
+    done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, timeout=600)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    pairs = (item.split("=", 1) for item in done.stdout.decode().split("\0") if "=" in item)
+    return {k: v for k, v in pairs}, done.stderr.decode()

@@ -27,6 +27,14 @@ def test_dag_files_import_without_errors(dagbag):
         dagbag.dag_ids)
 
 
+def test_every_dag_is_created_unpaused_whatever_the_deployment_says(dagbag):
+    """An Airflow trainguard did not start may create DAGs paused (``dags_are_paused_at_creation``, True by
+    default): a guardian, a reconciler or an incident DAG that waits paused guards nothing."""
+    ours = [d for d in dagbag.dags.values() if "trainguard" in d.tags]
+    assert len(ours) == len(list((REPO / "dags").glob("tg_*.py")))
+    assert all(d.is_paused_upon_creation is False for d in ours), [d.dag_id for d in ours]
+
+
 def test_replay_dag_runs_its_phases_in_turn_and_always_restarts_the_job(dagbag):
     dag = dagbag.get_dag("tg_sdc_replay")
     assert [t.task_id for t in dag.get_task("prepare").downstream_list] != []

@@ -91,3 +91,34 @@ def test_the_benchmark_tables_are_the_committed_results():
     page = (REPO / "docs" / "benchmarks.md").read_text()
     assert table.between(page, table.BEGIN, table.END) == "\n".join(table.rows())
     assert table.between(README, table.HEAD_BEGIN, table.HEAD_END) == "\n".join(table.headline())
+
+
+@pytest.mark.parametrize("path", ["README.md", "docs/getting-started.md", "docs/guard-your-job.md"])
+def test_every_command_block_runs_or_says_why_not(path):
+    """A newcomer's pages: each shell block is run here (``<!-- test: runs -->``) or says why a test cannot run it
+    (``<!-- test: skip (reason) -->``), so no command on them is left unchecked by accident."""
+    import re
+
+    text = (REPO / path).read_text()
+    blocks = re.findall(r"(<!-- test: [^>]*-->\n)?```bash\n(.*?)```", text, flags=re.S)
+    assert blocks
+    for marker, body in blocks:
+        assert re.fullmatch(r"<!-- test: (runs|skip \(.{10,}\)) -->\n", marker), f"{path}: unmarked block {body!r}"
+        if "runs" in marker:
+            done = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=REPO, capture_output=True, text=True,
+                                  timeout=300)
+            assert done.returncode == 0, f"{path}: {body!r}: {done.stderr[-2000:]}"
+
+
+def test_the_job_specs_the_pages_show_are_valid_specs():
+    """The YAML job specs of the README and the guard page are what ``trainguard job submit`` accepts."""
+    import yaml
+
+    from trainguard.operators.jobspec import parse_spec
+
+    specs = [b.split("```", 1)[0] for path in ("README.md", "docs/guard-your-job.md")
+             for b in (REPO / path).read_text().split("```yaml\n")[1:]]
+    assert specs
+    for block in specs:
+        spec = parse_spec(yaml.safe_load(block), source="the docs' spec")
+        assert spec.name and spec.command

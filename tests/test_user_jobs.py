@@ -13,6 +13,10 @@ Four programs, each in a folder of its own copied from ``examples/``, on two mac
 * ``hf``: the Hugging Face ``Trainer`` on GPT-2 built from a configuration
   (``trainguard.transformers.TrainguardCallback``).
 
+The module's Airflow is one trainguard did not provision: ``airflow standalone`` after the commands of
+docs/deploy.md's "Into an Airflow you run" (its DAG bundle, ``trainguard airflow install``), run as the page writes
+them.
+
 Each recovery must lose at most one step, and every step's loss, before and after each restore, must equal bit
 for bit the loss of an uninterrupted run of the same program on this host.
 
@@ -37,7 +41,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import own_cluster, wait_until
+from tests.conftest import deploy_page_environment, own_cluster, wait_until
 from trainguard.emulation.standalone import Standalone
 from trainguard.node_tools import cluster, inject
 from trainguard.node_tools.inventory import Inventory
@@ -94,6 +98,7 @@ def plane(user_cluster: Inventory) -> Iterator[tuple[Controller, Standalone, Pat
     cfg = ControlConfig(fleet_url=str(home / "fleet.db"), inventory=str(user_cluster.path))
     ctl = Controller(cfg)
     ctl.sync_inventory()
+    # an Airflow trainguard did not provision: docs/deploy.md's commands do ("Into an Airflow you run")
     airflow = Standalone(home / "airflow", {"TG_FLEET_URL": cfg.fleet_url, "TG_INVENTORY": cfg.inventory,
                                             "TG_CONTROL_HOME": str(home), "TG_ESCALATION_WINDOW_S": "5",
                                             "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
@@ -104,9 +109,11 @@ def plane(user_cluster: Inventory) -> Iterator[tuple[Controller, Standalone, Pat
                                             "TG_RECONCILE_PERIOD_S": "30",
                                             # a two-machine job loses a machine per scenario here: the breaker
                                             # (at most half the job's machines an hour) would stop the second
-                                            "TG_BREAKER_SHARE": "1.0", "TG_BREAKER_WINDOW_S": "20"})
+                                            "TG_BREAKER_SHARE": "1.0", "TG_BREAKER_WINDOW_S": "20"}, stock=True)
     (home / "airflow").mkdir()
     try:
+        airflow.env, printed = deploy_page_environment(airflow.env)
+        assert "pool tg_ssh: 16 slots" in printed and "connection tg_airflow_api: http://127.0.0.1:" in printed, printed
         airflow.launch()
         parked = transport_for(user_cluster).run_many(user_cluster.by_role("standby"), lambda _m: [
             user_cluster.tg_node, "standby", "park", "--nproc", "1"], timeout=240)

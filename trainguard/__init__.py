@@ -28,7 +28,7 @@ from pathlib import Path as _Path
 
 __version__ = "0.1.0"
 
-SUBPACKAGES = ("checkpoint", "node_tools", "operators", "emulation")
+SUBPACKAGES = ("checkpoint", "node_tools", "operators", "emulation", "dags")
 
 _root = _Path(__file__).resolve().parent.parent
 # A source checkout (its pyproject.toml names this project): the subpackages are the checkout's top-level folders.
