@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create or refresh ./.venv with trainguard's pinned dependencies and trainguard itself
+# Create or refresh ./.venv with trainguard's pinned dependencies, its tools (requirements-dev.txt) and trainguard itself
 # (editable), bytecode compiled. Idempotent: a stamp of requirements.txt, constraints.txt, setup.py,
 # pyproject.toml and this script skips the install when nothing changed. Uses uv when it is on PATH or
 # can be installed into the venv (seconds), pip otherwise (minutes).
@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 stamp=.venv/.trainguard-stamp
-want=$(cat requirements.txt constraints.txt pyproject.toml setup.py scripts/venv.sh | sha256sum | cut -d' ' -f1)
+want=$(cat requirements.txt requirements-dev.txt constraints.txt pyproject.toml setup.py scripts/venv.sh | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
   exit 0
 fi
@@ -30,10 +30,10 @@ if [ -n "$uv" ]; then
   # --compile-bytecode: with PYTHONDONTWRITEBYTECODE set (common in CI and containers) no .pyc is
   # ever cached, and every process that imports torch compiles it again (about 4.8 s instead of 2.3 s
   # here; the demo starts dozens of them: ranks, diagnosis tests, Airflow tasks)
-  "$uv" pip install -q --compile-bytecode --python .venv/bin/python -r requirements.txt -c constraints.txt
+  "$uv" pip install -q --compile-bytecode --python .venv/bin/python -r requirements-dev.txt -c constraints.txt
   "$uv" pip install -q --python .venv/bin/python --no-deps -e .
 else
-  .venv/bin/python -m pip install -q -r requirements.txt -c constraints.txt
+  .venv/bin/python -m pip install -q -r requirements-dev.txt -c constraints.txt
   .venv/bin/python -m compileall -q .venv/lib/python3*/site-packages >/dev/null || true
   .venv/bin/python -m pip install -q --no-deps -e .
 fi

@@ -74,7 +74,13 @@ def breakdown_lines(r: Result) -> list[str]:
 
 def chart(results: Sequence[Result], path: Path) -> None:
     """ETTR per week and cumulative, and unproductive hours by phase, for each profile (one PNG)."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        from trainguard.node_tools.errors import TrainguardError
+
+        raise TrainguardError("--chart needs matplotlib: pip install 'trainguard[charts]', or leave --chart out",
+                              exit_code=2) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
