@@ -48,11 +48,11 @@ tier stops (a step without its replica is never committed).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import re
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -241,6 +241,7 @@ class ReferenceCopy:
 
 
 # how long a step waits for the saver process to lay out buffers for a new state shape (once per shape)
+LOG = logging.getLogger("trainguard.checkpoint")
 CONFIGURE_WAIT_S = 10.0
 COPY_LATEST_S = 0.25  # with copy_at_idle: the soonest the copier copies without waiting for host_idle
 COMMIT_IDLE_S = 2.0  # the longest a rank waits for a step of its own to report before the next commit round
@@ -363,7 +364,8 @@ class Checkpointer:
 
     # ---- reporting ---------------------------------------------------------------------
     def _log(self, message: str, *, kind: str = "") -> None:
-        """One line on stderr, naming machine and rank; a repeated kind is logged 1st, 10th, 100th ... time."""
+        """One warning of the ``trainguard.checkpoint`` logger, naming machine and rank (stderr when the job configured
+        no logging); a repeated kind is logged 1st, 10th, 100th ... time."""
         kind = kind or message
         n = self._logged.get(kind, 0) + 1
         self._logged[kind] = n
@@ -372,8 +374,8 @@ class Checkpointer:
         line = f"checkpoint: machine {self.machine} rank {self.rank}: {message}" + (f" (x{n})" if n > 1 else "")
         if self._log_fn is not None:
             self._log_fn(line)
-        else:
-            print(line, file=sys.stderr, flush=True)
+        else:  # the training job's own logging; one that configured none still sees it on stderr (lastResort)
+            LOG.warning(line)
 
     def _error(self, message: str, *, kind: str = "") -> None:
         with self._lock:
