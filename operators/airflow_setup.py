@@ -100,6 +100,7 @@ def api_url(config: Mapping[str, str]) -> str:
     if config.get("base_url"):
         return config["base_url"].rstrip("/")
     host = config.get("host") or "127.0.0.1"
+    # listening everywhere says nothing of where it is reached: this host (workers elsewhere: --api-url)
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # noqa: S104  (read, not bound)
     return f"http://{host}:{config.get('port') or 8080}"
 
@@ -112,6 +113,9 @@ def connection_document(url: str, login: str, password: str) -> dict[str, Any]:
     if u.scheme not in ("http", "https") or not u.hostname:
         raise TrainguardError(f"--api-url {url!r} is not an http(s) URL of the api-server; pass one like "
                               "http://airflow.example:8080", exit_code=2)
+    if u.path not in ("", "/"):
+        raise TrainguardError(f"the api-server's URL {url!r} has a path; trainguard reaches it at a host's root: pass "
+                              "--api-url with the scheme, host and port the tasks reach it at", exit_code=2)
     return {API_CONN: {"conn_type": "http", "host": u.hostname, "port": u.port or (443 if u.scheme == "https" else 80),
                        "schema": u.scheme, "login": login, "password": password,
                        "description": "trainguard: run notes and incident runs (a least-privileged login)"}}
@@ -131,7 +135,14 @@ def _airflow_command() -> str:
 
 
 def _run(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([_airflow_command(), *argv], capture_output=True, text=True, timeout=300)
+    try:
+        return subprocess.run([_airflow_command(), *argv], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise TrainguardError(f"'airflow {' '.join(argv[:2])}' did not answer in 300 s; is the metadata database "
+                              "reachable?", exit_code=2) from None
+    except OSError as exc:
+        raise TrainguardError(f"cannot run airflow ({exc.strerror}); run this in the environment Airflow is "
+                              "installed in", exit_code=2) from None
 
 
 def _airflow(run: Runner, argv: Sequence[str], what: str) -> None:
@@ -144,14 +155,13 @@ def _airflow(run: Runner, argv: Sequence[str], what: str) -> None:
 
 def _config() -> dict[str, Any]:
     """The parts of the Airflow configuration in force here that the install reads."""
-    from importlib.metadata import version
-
+    import airflow
     from airflow.api_fastapi.auth.managers.simple.simple_auth_manager import SimpleAuthManager
     from airflow.configuration import conf
 
     return {
-        "version": version("apache-airflow"),
-        "bundles": conf.getjson("dag_processor", "dag_bundle_config_list", fallback=[]) or [],
+        "version": airflow.__version__,
+        "bundles": _bundles_in_force(),
         "dags_folder": conf.get("core", "dags_folder", fallback=""),
         "auth_manager": conf.get("core", "auth_manager", fallback=""),
         "simple_users": conf.get("core", "simple_auth_manager_users", fallback=""),
@@ -161,20 +171,46 @@ def _config() -> dict[str, Any]:
     }
 
 
+def _bundles_in_force() -> list[dict[str, Any]]:
+    from airflow.configuration import conf
+    from airflow.exceptions import AirflowConfigException
+
+    try:
+        out = conf.getjson("dag_processor", "dag_bundle_config_list", fallback=[]) or []
+    except AirflowConfigException as exc:
+        raise TrainguardError(f"[dag_processor] dag_bundle_config_list is not valid JSON ({exc}); fix it first",
+                              exit_code=2) from None
+    if not isinstance(out, list):
+        raise TrainguardError("[dag_processor] dag_bundle_config_list is not a JSON list; fix it first", exit_code=2)
+    return out
+
+
 def bundles_json() -> str:
     """``trainguard airflow bundles``: the value of ``AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST`` that keeps
-    this deployment's bundles and adds trainguard's."""
-    return json.dumps(bundle_list(_config()["bundles"]))
+    this deployment's bundles and adds trainguard's (unchanged when they load its DAGs already, through the
+    dags folder or a bundle of its own: never the same DAGs twice)."""
+    from airflow.configuration import conf
+
+    current = _bundles_in_force()
+    if loads_our_dags(current, conf.get("core", "dags_folder", fallback="")):
+        return json.dumps(current)
+    return json.dumps(bundle_list(current))
 
 
-def install(*, pool_slots: int = 16, url: str = "", env: Mapping[str, str] | None = None,
+def install(*, pool_slots: int | None = None, url: str = "", env: Mapping[str, str] | None = None,
             config: Mapping[str, Any] | None = None, run: Runner = _run,
             provision: Callable[[], dict[str, Any]] | None = None) -> list[str]:
     """Provision what trainguard's DAGs need in this Airflow; returns one line per step. Checks first and
-    changes nothing when a prerequisite is missing."""
+    changes nothing when a prerequisite is missing. ``pool_slots``: the ``tg_ssh`` pool's size, set whether or
+    not the pool exists; None keeps an existing pool as it is and makes a missing one with ``TG_SSH_POOL_SLOTS``
+    (16) slots."""
     env = os.environ if env is None else env
-    if pool_slots < 1:
+    if pool_slots is not None and pool_slots < 1:
         raise TrainguardError(f"--pool-slots {pool_slots} must be at least 1", exit_code=2)
+    default_slots = env.get("TG_SSH_POOL_SLOTS") or "16"
+    if not default_slots.isdigit() or int(default_slots) < 1:
+        raise TrainguardError(f"TG_SSH_POOL_SLOTS={default_slots!r} is not a whole number of at least 1; unset it "
+                              "for the default (16)", exit_code=2)
     missing = [v for v in ("TG_FLEET_URL", "TG_INVENTORY") if not env.get(v)]
     if missing:
         raise TrainguardError(f"{' and '.join(missing)} not set: set them here and in the environment of every "
@@ -208,13 +244,24 @@ def install(*, pool_slots: int = 16, url: str = "", env: Mapping[str, str] | Non
 
         def provision() -> dict[str, Any]:
             return _provision(ControlSettings.from_env(env))
-    fleet = provision()
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        fleet = provision()
+    except (OSError, ValueError, SQLAlchemyError) as exc:
+        raise TrainguardError(f"the fleet database {env['TG_FLEET_URL']} could not be provisioned: "
+                              f"{str(exc).splitlines()[0][:300]}", exit_code=2) from None
     applied = ", ".join(map(str, fleet["migrations_applied"])) or "none"
     lines.append(f"fleet database {fleet['fleet_url']}: migrations applied {applied}, "
                  f"machines added {', '.join(fleet['machines_added']) or 'none'}")
-    _airflow(run, ["pools", "set", SSH_POOL, str(pool_slots), "concurrent SSH sessions of trainguard's node tasks"],
-             f"the {SSH_POOL} pool")
-    lines.append(f"pool {SSH_POOL}: {pool_slots} slots")
+    have = run(["pools", "get", SSH_POOL, "--output", "json"]) if pool_slots is None else None
+    if have is not None and have.returncode == 0:
+        lines.append(f"pool {SSH_POOL}: kept as it is (--pool-slots N resizes it)")
+    else:
+        slots = pool_slots or int(default_slots)
+        _airflow(run, ["pools", "set", SSH_POOL, str(slots), "concurrent SSH sessions of trainguard's node tasks"],
+                 f"the {SSH_POOL} pool")
+        lines.append(f"pool {SSH_POOL}: {slots} slots")
     if simple:
         login, password = NOTES_USER, ensure_password(Path(cfg["passwords_file"]), NOTES_USER)
         lines.append(f"login {NOTES_USER} (role user): its password in {cfg['passwords_file']}")

@@ -59,7 +59,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     asub.add_parser("bundles", help="print AIRFLOW__DAG_PROCESSOR__DAG_BUNDLE_CONFIG_LIST: yours, with trainguard's")
     ai = asub.add_parser("install", help="provision the fleet database, the tg_ssh pool, the run notes' login and "
                                          "the tg_airflow_api connection (each a no-op when in place)")
-    ai.add_argument("--pool-slots", type=int, default=16, help="slots of the tg_ssh pool (concurrent SSH sessions)")
+    ai.add_argument("--pool-slots", type=int, default=None, help="resize the tg_ssh pool (concurrent SSH sessions); "
+                                                                 "default: keep it, or make it with $TG_SSH_POOL_SLOTS "
+                                                                 "(16) slots")
     ai.add_argument("--api-url", default="", help="where tasks reach the api-server (default: [api] base_url, "
                                                   "else its host and port)")
 

@@ -72,6 +72,7 @@ class Airflow:
         self.calls: list[list[str]] = []
         self.imported: list[dict[str, Any]] = []
         self.fail = fail
+        self.fail_only = ""  # with fail: only this subcommand of it fails
 
     def __call__(self, argv):
         self.calls.append(list(argv))
@@ -79,7 +80,7 @@ class Airflow:
             path = Path(argv[2])
             assert stat.S_IMODE(path.stat().st_mode) == 0o600
             self.imported.append(json.loads(path.read_text()))
-        if self.fail and argv[0] == self.fail:
+        if self.fail and argv[0] == self.fail and self.fail_only in ("", argv[1]):
             return subprocess.CompletedProcess(argv, 1, "", "error\nOperationalError: no such table: slot_pool\n")
         return subprocess.CompletedProcess(argv, 0, "", "")
 
@@ -115,6 +116,21 @@ def test_install_provisions_the_pool_the_login_and_the_connection_and_again_chan
     assert any(line.startswith("DAGs: bundle trainguard at ") for line in lines)
     setup.install(pool_slots=12, env=_env(tmp_path), config=_config(tmp_path), run=airflow, provision=_fleet)
     assert airflow.imported[1] == airflow.imported[0]  # the same login and password: a no-op for Airflow
+
+
+def test_a_pool_that_exists_is_kept_unless_a_size_is_asked_and_a_missing_one_takes_the_setting(tmp_path):
+    kept = Airflow()  # `pools get` answers: the pool is there
+    lines = setup.install(env=_env(tmp_path), config=_config(tmp_path), run=kept, provision=_fleet)
+    assert kept.calls[0] == ["pools", "get", "tg_ssh", "--output", "json"]
+    assert not any(c[:2] == ["pools", "set"] for c in kept.calls) and "pool tg_ssh: kept as it is" in lines[1]
+    missing = Airflow(fail="pools")
+    missing.fail_only = "get"
+    env = {**_env(tmp_path), "TG_SSH_POOL_SLOTS": "24"}
+    setup.install(env=env, config=_config(tmp_path), run=missing, provision=_fleet)
+    assert ["pools", "set", "tg_ssh", "24", "concurrent SSH sessions of trainguard's node tasks"] in missing.calls
+    with pytest.raises(TrainguardError, match="TG_SSH_POOL_SLOTS='many'"):
+        setup.install(env={**env, "TG_SSH_POOL_SLOTS": "many"}, config=_config(tmp_path), run=Airflow(),
+                      provision=_fleet)
 
 
 @pytest.mark.parametrize("over,env_drop,message", [
@@ -157,7 +173,8 @@ def test_the_real_airflow_command_takes_the_pool_and_the_connection(tmp_path):
     """``trainguard airflow bundles`` and ``install`` in a fresh AIRFLOW_HOME with its metadata database migrated:
     the pool and the connection are in Airflow afterwards, as Airflow's own command reads them."""
     inv = tmp_path / "inventory.json"
-    inv.write_text(json.dumps({"schema": 1, "cluster": "t", "machines": []}))
+    inv.write_text(json.dumps({"schema": 1, "cluster": "t", "transport": "local",
+                               "machines": [{"name": "m0", "address": "127.0.0.1"}]}))
     home = tmp_path / "airflow"
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("AIRFLOW", "TG_"))},
            "AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
@@ -178,5 +195,8 @@ def test_the_real_airflow_command_takes_the_pool_and_the_connection(tmp_path):
     assert pools[0]["slots"] in (7, "7")
     conns = json.loads(run(str(bin_dir / "airflow"), "connections", "get", "tg_airflow_api", "--output", "json").stdout)
     assert conns[0]["login"] == "tg_notes" and conns[0]["host"] == "127.0.0.1"
-    again = run(str(bin_dir / "trainguard"), "airflow", "install", "--pool-slots", "7")
-    assert again.returncode == 0 and "machines added none" in again.stdout
+    assert "machines added m0" in done.stdout
+    again = run(str(bin_dir / "trainguard"), "airflow", "install")
+    assert again.returncode == 0 and "machines added none" in again.stdout and "pool tg_ssh: kept" in again.stdout
+    pools = json.loads(run(str(bin_dir / "airflow"), "pools", "get", "tg_ssh", "--output", "json").stdout)
+    assert pools[0]["slots"] in (7, "7")
