@@ -169,6 +169,7 @@ def test_an_airflow_command_that_fails_says_what_to_run(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # CI's tier runs the same command on its way to a recovery (tests/test_user_jobs.py)
 def test_the_real_airflow_command_takes_the_pool_and_the_connection(tmp_path):
     """``trainguard airflow bundles`` and ``install`` in a fresh AIRFLOW_HOME with its metadata database migrated:
     the pool and the connection are in Airflow afterwards, as Airflow's own command reads them."""
