@@ -79,7 +79,21 @@ def test_the_guard_snippets_are_lines_of_the_tested_examples(path):
             at = source.index(line.strip(), at) + 1
 
 
-def test_the_settings_page_is_the_settings_own():
+_ref_spec = importlib.util.spec_from_file_location("docs_reference", REPO / "scripts" / "reference.py")
+reference = importlib.util.module_from_spec(_ref_spec)  # scripts/reference.py: the reference tables' maker
+_ref_spec.loader.exec_module(reference)
+
+
+@pytest.mark.parametrize("page,name", [(p, n) for p, tables in reference.TABLES.items() for n in tables])
+def test_the_reference_pages_tables_are_what_the_code_says(page, name):
+    """Each reference table (settings, alerts, commands, faults, exit codes, metrics) is what
+    ``python scripts/reference.py --update`` makes from the code today."""
+    text = (REPO / "docs" / "reference" / page).read_text()
+    assert reference.between(text, name) == reference.TABLES[page][name](), \
+        f"docs/reference/{page}'s {name} table is stale: run python scripts/reference.py --update"
+
+
+def test_the_settings_table_lists_every_setting():
     page = (REPO / "docs" / "reference" / "settings.md").read_text()
     assert markdown_table() in page
     assert page.count("\n| `TG_") == len(ControlSettings.model_fields)
