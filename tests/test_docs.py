@@ -137,3 +137,19 @@ def test_the_job_specs_the_pages_show_are_valid_specs():
     for block in specs:
         spec = parse_spec(yaml.safe_load(block), source="the docs' spec")
         assert spec.name and spec.command
+
+
+def test_the_screenshots_the_pages_show_are_the_browser_tests_own():
+    """Every UI picture in the docs is one a browser test saves (its name appears in a test's
+    ``save_screenshot``; ``scripts/screenshots.py`` copies them from ``artifacts/``), and each is there."""
+    import re
+
+    spec = importlib.util.spec_from_file_location("docs_screenshots", REPO / "scripts" / "screenshots.py")
+    shots = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shots)
+    taken = shots.taken_by_tests()
+    shown = {m for page in (REPO / "docs").rglob("*.md")
+             for m in re.findall(r"assets/screenshots/([\w.-]+\.png)", page.read_text())}
+    assert shown and shown <= taken, shown - taken
+    for name in shown:
+        assert (REPO / "docs" / "assets" / "screenshots" / name).stat().st_size > 10_000
