@@ -55,10 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(minutes=30))
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    # a GPU per rank where there is one (NCCL needs the tensors there), else the CPU; the data is drawn on the CPU
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     model = torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.GELU(),
-                                torch.nn.Linear(args.width, 1))
+                                torch.nn.Linear(args.width, 1)).to(device)
     if dist.is_initialized():
-        model = DistributedDataParallel(model)
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.5)
 
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         step = guard.restore()  # trainguard: 0, or the step after the restored one
         while args.steps == 0 or step < args.steps:
             with guard.step(step, tokens=args.batch * world) as s:  # trainguard
-                x, y = batch(args, step, rank)
+                x, y = (t.to(device) for t in batch(args, step, rank))
                 optimizer.zero_grad(set_to_none=True)
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 loss.backward()
