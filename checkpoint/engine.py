@@ -246,6 +246,7 @@ CONFIGURE_WAIT_S = 10.0
 COPY_LATEST_S = 0.25  # with copy_at_idle: the soonest the copier copies without waiting for host_idle
 COMMIT_IDLE_S = 2.0  # the longest a rank waits for a step of its own to report before the next commit round
 RETAIN_EVERY_S = 5.0  # retention runs after each commit, and at least this often without one
+EMPTY_STEP_S = 60.0  # a step folder empty this long holds no copy being written: retention removes it
 
 
 class Checkpointer:
@@ -1161,6 +1162,36 @@ class Checkpointer:
             for step, _r, path in copies:
                 if step not in keep:
                     layout.remove_copy(path)
+        if self.rank == min(self.placement.ranks_on(self.machine_index)):  # one rank per machine does the rest
+            self._retain_foreign()
+
+    def _retain_foreign(self) -> None:
+        """Delete the copies this machine keeps for ranks it no longer serves: local copies of ranks that are not
+        its own now, and replicas no rank of it answers for (their holder is not one of its ranks). A machine
+        evicted and swapped back in under other ranks, or a standby that served another placement, keeps them
+        otherwise: nothing restores from them (a rank restores from its own machine, its replica holder or the
+        remote tier), and over a job's recoveries they filled the machines' disks until the disk-full rung
+        evicted healthy machines one after another (measured: 256 MiB disks full after 25 recoveries). Step
+        folders left empty go too; a copy a verification is reading stays."""
+        mine = set(self.placement.ranks_on(self.machine_index))
+        for tier in ("local", "replica"):
+            for _step, owner, path in layout.list_copies(self.root, tier):
+                if tier == "local":
+                    foreign = owner not in mine
+                else:
+                    holder = (layout.read_json(path / layout.REPLICA_INFO) or {}).get("holder")
+                    if holder is None:
+                        holder = self.placement.backup_rank(owner) if self.replicate else None
+                    foreign = holder not in mine
+                if foreign and not layout.pinned(path):
+                    layout.remove_copy(path)
+            base = self.root / tier
+            with contextlib.suppress(OSError):
+                for step_dir in base.iterdir():  # empty for a minute: not a copy about to be written
+                    if step_dir.is_dir() and not any(step_dir.iterdir()) \
+                            and time.time() - step_dir.stat().st_mtime > EMPTY_STEP_S:
+                        with contextlib.suppress(OSError):
+                            step_dir.rmdir()
 
     # ---- end ---------------------------------------------------------------------------
     def close(self, *, flush: bool = True, timeout_s: float = 120.0) -> None:

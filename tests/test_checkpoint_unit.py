@@ -416,6 +416,44 @@ def test_retention_keeps_the_newest_committed_and_the_newest_verified(tmp_path: 
     assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [1, 5, 6]
 
 
+def test_copies_of_ranks_this_machine_no_longer_serves_are_deleted_and_its_own_kept(tmp_path: Path):
+    """Measured in the chaos campaign: a machine swapped back in under other ranks kept every copy of the ranks it
+    served before (and replicas for holders gone from it); after 25 recoveries its 256 MiB disk was full and the
+    disk-full rung evicted healthy machines one after another. Retention now deletes what no rank of the machine
+    answers for: local copies of other ranks, replicas held for a rank not on it, step folders left empty a
+    minute; a replica this machine's rank holds, and a copy a verification is reading, stay."""
+    import shutil
+
+    saved_run(tmp_path, steps=2)  # rank 0's copies of steps 0 and 1 (this machine: rank 0 of a 1-rank layout)
+    own = layout.copy_dir(tmp_path, "local", 1, 0)
+
+    def plant(tier: str, step: int, rank: int, holder: int | None = None) -> Path:
+        dst = layout.copy_dir(tmp_path, tier, step, rank)
+        shutil.copytree(own, dst)
+        if holder is not None:
+            (dst / layout.REPLICA_INFO).write_text(json.dumps({"holder": holder}))
+        return dst
+
+    gone = [plant("local", 0, 3), plant("local", 1, 2), plant("replica", 1, 6, holder=2)]
+    held = plant("replica", 1, 5, holder=0)  # this machine's rank holds it
+    pinned = plant("local", 0, 4)
+    (pinned / layout.VERIFYING).write_text("{}")
+    empty_old, empty_new = tmp_path / "replica" / "step_7", tmp_path / "replica" / "step_8"
+    empty_old.mkdir(parents=True)
+    empty_new.mkdir()
+    os.utime(empty_old, (1.0, 1.0))
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, keep=3)
+    ck.restore()
+    ck.start()
+    run_steps(ck, model, opt, range(2, 4))
+    ck.close()
+    assert not any(p.exists() for p in gone)
+    assert held.exists() and pinned.exists() and own.exists()
+    assert not empty_old.exists() and empty_new.exists()
+    assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local", rank=0)) == [1, 2, 3]
+
+
 def test_a_checkpoint_root_that_cannot_be_made_is_one_line(tmp_path: Path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
