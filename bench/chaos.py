@@ -815,8 +815,14 @@ def main() -> int:
                     print(stopped, flush=True)
                     break
                 time.sleep(c.rng.uniform(lo, hi))
-                c.trial(catalogue[name])
-            c.settled(timeout=600)
+                try:
+                    c.trial(catalogue[name])
+                except Exception as exc:  # the harness itself failed (a repair, a park): what ran is still written
+                    stopped = f"the harness failed in trial {i + 1} ({name}): {type(exc).__name__}: {exc}"[:1000]
+                    print(stopped, flush=True)
+                    break
+            if not stopped:
+                c.settled(timeout=600)
         finally:
             c.stop()
     metrics = metrics_of(c.trials)
