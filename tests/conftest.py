@@ -164,21 +164,28 @@ def s3_endpoint() -> Iterator[str]:
 
 
 
+def marked_bash_blocks(text: str) -> list[tuple[str, str, str]]:
+    """The bash blocks of a docs page with their test marker: ``(kind, reason, body)``, where a block is preceded by
+    ``<!-- test: KIND (REASON) -->`` (both empty when it has none)."""
+    import re
+
+    return re.findall(r"(?:<!-- test: (\w+) ?(\(.*?\))? -->\n)?```bash\n(.*?)```", text, flags=re.S)
+
+
 def deploy_page_environment(env: dict[str, str], page: Path | None = None) -> tuple[dict[str, str], str]:
     """The environment docs/deploy.md's "Into an Airflow you run" leaves behind, and what its commands printed:
     its blocks marked ``<!-- test: runs -->`` run, as written, in one bash with ``env``; every other block of the
     section says why a test does not run it (``skip``; ``site``: the test's own values are in ``env`` already;
     ``starts``: the caller starts Airflow with what this returns)."""
-    import re
     import subprocess
 
     text = (page or Path(__file__).resolve().parents[1] / "docs" / "deploy.md").read_text()
     section = text.split("## Into an Airflow you run", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"(?:<!-- test: (\w+)[^>]*-->\n)?```bash\n(.*?)```", section, flags=re.S)
-    assert blocks and all(mark in ("runs", "skip", "site", "starts") for mark, _ in blocks), \
-        f"every bash block of the deploy page's section needs a test marker: {[m for m, _ in blocks]}"
+    blocks = marked_bash_blocks(section)
+    assert blocks and all(mark in ("runs", "skip", "site", "starts") for mark, _, _ in blocks), \
+        f"every bash block of the deploy page's section needs a test marker: {[m for m, _, _ in blocks]}"
     # the page's own output goes to stderr; stdout carries only the environment it leaves
-    script = "exec 3>&1 1>&2\nset -euo pipefail\n" + "".join(b for m, b in blocks if m == "runs") + "env -0 >&3\n"
+    script = "exec 3>&1 1>&2\nset -euo pipefail\n" + "".join(b for m, _, b in blocks if m == "runs") + "env -0 >&3\n"
     done = subprocess.run(["bash", "-c", script], env=env, capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     pairs = (item.split("=", 1) for item in done.stdout.decode().split("\0") if "=" in item)

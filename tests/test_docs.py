@@ -10,15 +10,25 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
+from tests.conftest import marked_bash_blocks
 from trainguard.operators.settings import ControlSettings, markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_table", REPO / "bench" / "table.py")
-table = importlib.util.module_from_spec(_spec)  # bench/table.py: the benchmark tables' maker
-_spec.loader.exec_module(table)
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    """A script of the repository (not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+table = _load("bench_table", REPO / "bench" / "table.py")  # the benchmark tables' maker
 
 README = (REPO / "README.md").read_text()
 MKDOCS = Path(sys.executable).with_name("mkdocs")
@@ -79,9 +89,7 @@ def test_the_guard_snippets_are_lines_of_the_tested_examples(path):
             at = source.index(line.strip(), at) + 1
 
 
-_ref_spec = importlib.util.spec_from_file_location("docs_reference", REPO / "scripts" / "reference.py")
-reference = importlib.util.module_from_spec(_ref_spec)  # scripts/reference.py: the reference tables' maker
-_ref_spec.loader.exec_module(reference)
+reference = _load("docs_reference", REPO / "scripts" / "reference.py")  # the reference tables' maker
 
 
 @pytest.mark.parametrize("page,name", [(p, n) for p, tables in reference.TABLES.items() for n in tables])
@@ -111,15 +119,12 @@ def test_the_benchmark_tables_are_the_committed_results():
 def test_every_command_block_runs_or_says_why_not(path):
     """A newcomer's pages: each shell block is run here (``<!-- test: runs -->``) or says why a test cannot run it
     (``<!-- test: skip (reason) -->``), so no command on them is left unchecked by accident."""
-    import re
-
-    text = (REPO / path).read_text()
-    blocks = re.findall(r"(<!-- test: [^>]*-->\n)?```bash\n(.*?)```", text, flags=re.S)
+    blocks = marked_bash_blocks((REPO / path).read_text())
     assert blocks
-    for marker, body in blocks:
-        kind = re.fullmatch(r"<!-- test: (runs|skip) ?(\(.{10,}\))? -->\n", marker or "")
-        assert kind and (kind[1] == "runs" or kind[2]), f"{path}: a block without its marker (or reason): {body!r}"
-        if kind[1] == "runs":
+    for kind, reason, body in blocks:
+        assert kind == "runs" or (kind == "skip" and len(reason) >= 12), \
+            f"{path}: a block without its marker (or reason): {body!r}"
+        if kind == "runs":
             done = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=REPO, capture_output=True, text=True,
                                   timeout=300)
             assert done.returncode == 0, f"{path}: {body!r}: {done.stderr[-2000:]}"
@@ -144,10 +149,7 @@ def test_the_screenshots_the_pages_show_are_the_browser_tests_own():
     ``save_screenshot``; ``scripts/screenshots.py`` copies them from ``artifacts/``), and each is there."""
     import re
 
-    spec = importlib.util.spec_from_file_location("docs_screenshots", REPO / "scripts" / "screenshots.py")
-    shots = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shots)
-    taken = shots.taken_by_tests()
+    taken = _load("docs_screenshots", REPO / "scripts" / "screenshots.py").taken_by_tests()
     shown = {m for page in (REPO / "docs").rglob("*.md")
              for m in re.findall(r"assets/screenshots/([\w.-]+\.png)", page.read_text())}
     assert shown and shown <= taken, shown - taken
