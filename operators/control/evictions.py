@@ -6,14 +6,37 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from trainguard.node_tools.inventory import Machine
 from trainguard.node_tools.logs import UNRESTORABLE_KIND
+from trainguard.node_tools.transport import RunResult
 from trainguard.operators.control.base import ControllerBase, held_copies
 from trainguard.operators.fleet import states
 from trainguard.operators.policy import ladder
+
+PROBE_TIMEOUT_S = 15.0  # the most a standby's answer is waited for when nothing else answers
+PROBE_GRACE_S = 2.0  # once enough standbys answered: how long a silent one earlier in the order is waited for
+
+
+def probe_settled(order: Sequence[str], ok: Mapping[str, bool], need: int, elapsed_s: float,
+                  grace_s: float = PROBE_GRACE_S, timeout_s: float = PROBE_TIMEOUT_S) -> float | None:
+    """Whether the standbys asked at once (``order``: the fleet's order) have answered enough to choose:
+    None when every one answered, when the ``need`` first of the order answered well, when ``need`` answered
+    well and ``grace_s`` passed (a silent one is passed over), or past ``timeout_s``; else the seconds to
+    wait before asking again. ``ok``: the answers in so far (True: a standby that answered well)."""
+    if len(ok) >= len(order) or elapsed_s >= timeout_s:
+        return None
+    good = [n for n in order if ok.get(n)]
+    if len(good) >= need and (all(n in ok for n in order[:order.index(good[need - 1]) + 1])
+                              or elapsed_s >= grace_s):
+        return None
+    if len(good) >= need:
+        return grace_s - elapsed_s
+    return timeout_s - elapsed_s
 
 
 class Evictions(ControllerBase):
@@ -26,24 +49,78 @@ class Evictions(ControllerBase):
     def ready_standbys(self, wanted: int, *, why: str = "") -> list[str]:
         """Up to ``wanted`` standbys checked reachable now (``tg-node standby status``), in the fleet's order;
         one that does not answer goes to repair (``why``: whom it was called to replace) and the next is
-        tried."""
+        tried. The first ``2 * wanted`` standbys are asked at once: once ``wanted`` have answered, one that is
+        still silent after :data:`PROBE_GRACE_S` is passed over, so a standby that died as it was called costs
+        seconds, not the connection's timeout (:attr:`passed_over` names them; the incident's close judges
+        them, :meth:`judge_passed_over`)."""
         ready: list[str] = []
         tried: set[str] = set()
+        self.passed_over: list[str] = []
         while len(ready) < wanted:
-            todo = [n for n in self.pool() if n not in tried][: wanted - len(ready)]
+            need = wanted - len(ready)
+            todo = [n for n in self.pool() if n not in tried][: 2 * need]
             if not todo:
                 break
             tried.update(todo)
-            results = self._run(self.machines(todo), lambda m: [self.inventory.tg_node, "standby", "status"],
-                                timeout=15)
+            results = self._race(todo, need)
             for n in todo:
-                r = results[n]
+                r = results.get(n)
+                if r is None:  # still silent when enough others answered: passed over, judged later
+                    self.passed_over.append(n)
+                    continue
                 if r.ok and isinstance(r.answer(), dict):
-                    ready.append(n)
+                    if len(ready) < wanted:
+                        ready.append(n)
                 elif not self.cfg.dry_run:
                     self.fleet.transition(n, states.REPAIR, reason=f"standby did not answer when called{why}: "
                                                                    f"{r.describe()[:200]}")
         return ready
+
+    def judge_passed_over(self, incident_id: int) -> dict[str, str]:
+        """The standbys the incident's evictions passed over (silent when called, see :meth:`ready_standbys`)
+        and still in the pool, asked again with the whole timeout: one that does not answer goes to repair.
+        Run when the incident closes, after the job was restarted without waiting for them. Returns what each
+        answered ("ok", or why it went to repair)."""
+        names = sorted({n for a in self.fleet.actions(incident_id) if a.kind == "evict"
+                        for n in (a.evidence or {}).get("passed_over") or ()})
+        names = [n for n in names if n in self.pool()]
+        if not names or self.cfg.dry_run:
+            return {}
+        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "standby", "status"],
+                            timeout=PROBE_TIMEOUT_S)
+        out: dict[str, str] = {}
+        for n, r in results.items():
+            if r.ok and isinstance(r.answer(), dict):
+                out[n] = "ok"
+                continue
+            out[n] = r.describe()[:200]
+            self.fleet.transition(n, states.REPAIR, reason=f"standby did not answer when called by incident "
+                                                           f"{incident_id} (passed over): {out[n]}")
+        return out
+
+    def _race(self, names: Sequence[str], need: int) -> dict[str, RunResult]:
+        """Ask each of ``names`` for its standby status at once; the answers in by the time
+        :func:`probe_settled` says the choice is made (every one answered, or ``need`` answered and the rest
+        silent past the grace). Silent ones are absent; their threads end on their own timeout."""
+        answers: dict[str, RunResult] = {}
+        arrived = threading.Condition()
+
+        def ask(m: Machine) -> None:
+            r = self.transport.run(m, [self.inventory.tg_node, "standby", "status"], timeout=PROBE_TIMEOUT_S)
+            with arrived:
+                answers[m.name] = r
+                arrived.notify_all()
+
+        for m in self.machines(names):
+            threading.Thread(target=ask, args=(m,), name=f"tg-probe-{m.name}", daemon=True).start()
+        t0 = time.monotonic()
+        with arrived:
+            while True:
+                ok = {n: r.ok and isinstance(r.answer(), dict) for n, r in answers.items()}
+                left = probe_settled(names, ok, need, time.monotonic() - t0)
+                if left is None:
+                    return dict(answers)
+                arrived.wait(left)
 
     def _breaker(self, job: Any, wanted: Sequence[str]) -> ladder.BreakerVerdict:
         return ladder.breaker(job_machines=len(job.machine_list),
@@ -104,13 +181,14 @@ class Evictions(ControllerBase):
             self.fleet.finish_action(action.id, "skipped", verdict.reason)
             return self.wait_for_human(incident_id, verdict.reason)
         standbys = self.ready_standbys(len(wanted), why=f" to replace {', '.join(wanted)} in {inc.job}")
+        silent = {"passed_over": self.passed_over} if self.passed_over else {}
         deferred: list[str] = []
         if len(standbys) < len(wanted):
             must = [n for n in wanted if n in set(priority)]
             why = (f"{len(wanted)} machines to replace ({', '.join(wanted)}), {len(standbys)} standbys answer; add "
                    f"machines to the pool (tg_standby_pool) or repair the standbys, then resolve the incident")
             if not must or len(standbys) < len(must):
-                self.fleet.finish_action(action.id, "skipped", why, evidence={"standbys": standbys})
+                self.fleet.finish_action(action.id, "skipped", why, evidence={"standbys": standbys, **silent})
                 return self.wait_for_human(incident_id, why)
             order = must + [n for n in wanted if n not in set(must)]
             wanted, deferred = order[:len(standbys)], order[len(standbys):]
@@ -121,7 +199,7 @@ class Evictions(ControllerBase):
                                      for n, c in copies.items()}
         kept = self.protect_checkpoints(inc.job, wanted, max_step=max_step)
         if kept.get("refused"):
-            self.fleet.finish_action(action.id, "skipped", kept["refused"], evidence={"checkpoint": kept})
+            self.fleet.finish_action(action.id, "skipped", kept["refused"], evidence={"checkpoint": kept, **silent})
             return {**self.wait_for_human(incident_id, kept["refused"]), "checkpoint": kept}
         plan = dict(zip(sorted(wanted), standbys, strict=False))
         if self.cfg.dry_run:
@@ -129,7 +207,7 @@ class Evictions(ControllerBase):
             return {"swaps": plan, "dry_run": True, "reason": reason, "checkpoint": kept}
         swaps = self.fleet.swap(inc.job, plan, reason=reason, incident_id=incident_id)
         self.fleet.finish_action(action.id, "done", json.dumps(swaps), evidence={"checkpoint": kept,
-                                                                               "standbys": standbys,
+                                                                               "standbys": standbys, **silent,
                                                                                **({"deferred": deferred}
                                                                                   if deferred else {})})
         self.fleet.update_incident(incident_id, decided_ts=time.time())

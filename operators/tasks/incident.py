@@ -408,6 +408,7 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
     its close that comes again after it triaged the incident again hands the incident to that run once more)."""
     c = c or common.controller()
     incident_id = int(incident_id)
+    c.judge_passed_over(incident_id)  # standbys its evictions passed over, silent when called: judged now
     inc = c.fleet.incident(incident_id)
 
     RESOLVED, FAILED = IncidentState.RESOLVED, IncidentState.FAILED
