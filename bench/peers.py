@@ -1,0 +1,327 @@
+"""Side by side with the peers on one emulated cluster: the same small job (``bench/peers_job.py``), the same
+machines, the same faults, under NVIDIA's nvidia-resiliency-ext (``ft_launcher``, rank monitors, in-job
+restart) and torchft (replica groups and a lighthouse; the survivors train on, a restarted group heals from a
+live peer).
+
+Each peer is run the way its documentation integrates it, with its real launcher on the emulated machines
+(network namespaces of this host, gloo): nothing is imitated. The peers are not trainguard's dependencies;
+install them first (versions that install on CPU-only Python 3.11: ``bench/requirements-peers.txt``)::
+
+    uv pip install --python .venv/bin/python --no-deps -r bench/requirements-peers.txt
+    python bench/peers.py [--trials 3] [--peers nvrx,torchft] [--faults crash,hang,machine_lost,nan]
+                          [--out bench/results/peers.json]
+
+Faults (the machine it hits is never the rendezvous host m0):
+
+- ``crash``: SIGKILL of one rank;
+- ``hang``: SIGSTOP of one rank (every thread of it stops: a rank that hangs outside a collective);
+- ``machine_lost``: every process of one machine killed and its link set down (no RST: peers see silence);
+- ``nan``: the job's loss is NaN on one machine from the next step on (until the harness clears it).
+
+Per trial, read from the ranks' step lines: whether training went on (``resumed``), fault -> the first step
+finished after it (``resume_s``), fault -> training at its full width again (``full_width_s``: every replica back,
+for torchft its throughput before the fault), steps done again (``steps_lost``), healthy machines taken out, and
+what a human had to do. Metric names carry the system (``nvrx.crash.resume_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from trainguard.node_tools import cluster, inject
+from trainguard.node_tools.inventory import Inventory
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = cluster.ClusterSpec(name="tgq", machines=5, standbys=1, subnet="10.213.24.0/24", disk_mb=64, gpus=1)
+MACHINES = ["m0", "m1", "m2", "m3"]
+SPARE = "m4"
+VICTIM = "m2"
+LIGHTHOUSE_PORT = 29510
+RDZV_PORT = 29500
+WARMUP_STEPS = 15  # steps every replica finishes before a fault
+WATCH_S = 90.0  # how long after a fault the trial watches
+HEARTBEAT_S = 5.0  # NVRx's rank heartbeat timeout; torchft's lighthouse heartbeat timeout
+
+FAULTS = ("crash", "hang", "machine_lost", "nan")
+PEERS = ("nvrx", "torchft")
+
+
+def venv_bin(name: str) -> str:
+    return str(Path(sys.executable).parent / name)
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for dist in ("torch", "torchft", "nvidia-resiliency-ext"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = "not installed"
+    return out
+
+
+class Machines:
+    """Processes started inside the emulated machines' namespaces, each in a session of its own."""
+
+    def __init__(self, inv: Inventory, work: Path) -> None:
+        self.inv, self.work = inv, work
+        self.procs: dict[str, list[subprocess.Popen[bytes]]] = {}
+
+    def address(self, name: str) -> str:
+        return self.inv.machine(name).address
+
+    def faults_dir(self, name: str) -> Path:
+        d = self.work / "faults" / name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], tag: str) -> subprocess.Popen[bytes]:
+        netns = self.inv.machine(name).extra["netns"]
+        full = {**os.environ, "PYTHONPATH": str(ROOT), "PEERS_MACHINE": name, "PEERS_ADDRESS": self.address(name),
+                "PEERS_FAULTS": str(self.faults_dir(name)), "OMP_NUM_THREADS": "1",
+                "GLOO_SOCKET_IFNAME": "eth0", **env}
+        out = open(self.work / f"{tag}-{name}.out", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(["ip", "netns", "exec", netns, *argv], env=full, stdout=out, stderr=subprocess.STDOUT,
+                                cwd=ROOT, start_new_session=True)
+        self.procs.setdefault(name, []).append(proc)
+        return proc
+
+    def kill_machine(self, name: str) -> None:
+        """Every process of the machine ends (SIGKILL), as when it loses power."""
+        netns = self.inv.machine(name).extra["netns"]
+        pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+        for proc in self.procs.get(name, []):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+
+    def stop_all(self) -> None:
+        for name, procs in self.procs.items():
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGCONT)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
+            self.kill_machine(name)
+            for f in self.faults_dir(name).iterdir():
+                f.unlink()
+        self.procs = {}
+
+
+# ---- the peers, as each documents its integration ------------------------------------------------------------
+def job_argv(mode: str, state_dir: Path) -> list[str]:
+    return [str(ROOT / "bench" / "peers_job.py"), "--mode", mode, "--state-dir", str(state_dir)]
+
+
+def start_nvrx(ms: Machines, trial_dir: Path) -> None:
+    """``ft_launcher`` on every machine: one c10d rendezvous on m0, in-job restarts, a rank monitor per rank whose
+    heartbeat timeout is :data:`HEARTBEAT_S`; 3 to 4 machines (a lost one leaves the job at 3, torchelastic's
+    documented elastic range)."""
+    state = trial_dir / "nvrx-state"
+    state.mkdir(parents=True, exist_ok=True)
+    for name in MACHINES:
+        argv = [venv_bin("ft_launcher"), "--nnodes", "3:4", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{ms.address('m0')}:{RDZV_PORT}", "--rdzv-id", trial_dir.name,
+                "--local-addr", ms.address(name), "--max-restarts", "20", "--monitor-interval", "1",
+                # the rendezvous store lives in m0's agent: it cannot tell from its host name (every namespace of
+                # this host shares one) that the endpoint is its own address
+                "--rdzv-conf", f"is_host={'true' if name == 'm0' else 'false'}",
+                "--ft-param-initial_rank_heartbeat_timeout", "120",
+                "--ft-param-rank_heartbeat_timeout", str(HEARTBEAT_S), "--ft-param-workload_check_interval", "1",
+                "--ft-param-rank_termination_signal", "SIGKILL", *job_argv("nvrx", state)]
+        ms.spawn(name, argv,
+                 {"PEERS_LOG": str(trial_dir / "steps")}, "nvrx")
+
+
+def start_torchft(ms: Machines, trial_dir: Path) -> subprocess.Popen[bytes]:
+    """The lighthouse on the host's bridge address, then one replica group per machine: ``torchrun`` of one rank
+    with restarts (a crashed group comes back and heals from a live peer), ``min_replicas`` 1."""
+    host = SPEC.host_address
+    lighthouse = subprocess.Popen(
+        [venv_bin("torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms",
+         "10000", "--heartbeat_timeout_ms", str(int(HEARTBEAT_S * 1000)), "--bind", f"{host}:{LIGHTHOUSE_PORT}"],
+        stdout=open(trial_dir / "lighthouse.out", "ab"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
+    for i, name in enumerate(MACHINES):
+        ms.spawn(name, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+                        "--max-restarts", "20", "--monitor-interval", "1", "--master-addr", ms.address(name),
+                        "--master-port", str(RDZV_PORT), *job_argv("torchft", trial_dir)],
+                 {"PEERS_LOG": str(trial_dir / "steps"), "REPLICA_GROUP_ID": str(i),
+                  "TORCHFT_LIGHTHOUSE": f"http://{host}:{LIGHTHOUSE_PORT}"}, "torchft")
+    return lighthouse
+
+
+# ---- reading the steps ------------------------------------------------------------------------------------------
+def step_lines(trial_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted((trial_dir / "steps").glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError):
+                out.append(json.loads(line))
+    return sorted(out, key=lambda d: d["ts"])
+
+
+def wait_for_steps(trial_dir: Path, replicas: int, steps: int, timeout_s: float) -> bool:
+    """Every one of ``replicas`` finished ``steps`` steps (each step line names its replica)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done: dict[str, int] = {}
+        for d in step_lines(trial_dir):
+            done[d["replica"]] = done.get(d["replica"], 0) + 1
+        if len(done) >= replicas and min(done.values()) >= steps:
+            return True
+        time.sleep(1.0)
+    return False
+
+
+def judge(lines: list[dict[str, Any]], t_fault: float, width: int) -> dict[str, Any]:
+    """What the step lines say about the fault at ``t_fault``: the newest step finished before it, the first step
+    begun after it that finished (resume), the first time every one of ``width`` replicas/ranks finished a step together
+    again after a step at a narrower width or a restart (full width), and the steps finished again (a step
+    number finished both before and after the fault)."""
+    before = [d for d in lines if d["ts"] < t_fault]
+    after = [d for d in lines if d["ts"] >= t_fault]
+    last = max((d["step"] for d in before), default=-1)
+    out: dict[str, Any] = {"last_step_before": last, "resumed": False, "resume_s": None, "full_width_s": None,
+                           "steps_lost": None, "steps_after": 0}
+    if not after:
+        return out
+    # training resumed: a step that began after the fault finished (one past the step in flight at the fault,
+    # or any step of a process started after it); the step in flight may still finish on the survivors
+    pids_before = {d["pid"] for d in before}
+    resumed = [d for d in after if d["step"] > last + 1 or d["pid"] not in pids_before]
+    out["steps_after"] = len({d["step"] for d in after})
+    if not resumed:
+        return out
+    out.update(resumed=True, resume_s=round(resumed[0]["ts"] - t_fault, 2))
+    # steps the job finished again: a restart from an older checkpoint redoes them, replicas that train on do not
+    out["steps_lost"] = len({d["step"] for d in after} & {d["step"] for d in before})
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for d in after:
+        by_step.setdefault(d["step"], []).append(d)
+    narrowed = False
+    for step in sorted(by_step):
+        ds = by_step[step]
+        full = max(d["participants"] for d in ds) >= width and len({d["replica"] for d in ds}) >= width
+        if not full:
+            narrowed = True
+        elif narrowed or any(d["pid"] not in pids_before for d in ds):
+            out["full_width_s"] = round(max(d["ts"] for d in ds) - t_fault, 2)
+            break
+    return out
+
+
+def victim_pid(trial_dir: Path, machine: str) -> int:
+    """The pid of the rank that last logged a step on ``machine``."""
+    mine = [d for d in step_lines(trial_dir) if d["replica"] in (machine, str(MACHINES.index(machine)))]
+    return int(mine[-1]["pid"])
+
+
+def inflict(ms: Machines, trial_dir: Path, fault: str) -> Any:
+    """Inject ``fault`` on :data:`VICTIM`; returns the undo (called when the trial ends)."""
+    if fault == "crash":
+        os.kill(victim_pid(trial_dir, VICTIM), signal.SIGKILL)
+        return lambda: None
+    if fault == "hang":
+        pid = victim_pid(trial_dir, VICTIM)
+        os.kill(pid, signal.SIGSTOP)
+        return lambda: _cont(pid)
+    if fault == "machine_lost":
+        inject.inject(ms.inv, VICTIM, "nic_down")
+        ms.kill_machine(VICTIM)
+        return lambda: inject.clear(ms.inv, VICTIM, "nic_down")
+    if fault == "nan":
+        flag = ms.faults_dir(VICTIM) / "nan"
+        flag.write_text("1")
+        return flag.unlink
+    raise ValueError(f"unknown fault {fault!r}")
+
+
+def _cont(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s: float = WATCH_S) -> dict[str, Any]:
+    trial_dir = work / f"{peer}-{fault}-{n}"
+    (trial_dir / "steps").mkdir(parents=True)
+    ms = Machines(inv, trial_dir)
+    lighthouse = None
+    undo: Any = None
+    try:
+        if peer == "nvrx":
+            start_nvrx(ms, trial_dir)
+        else:
+            lighthouse = start_torchft(ms, trial_dir)
+        if not wait_for_steps(trial_dir, len(MACHINES), WARMUP_STEPS, 180.0):
+            return {"peer": peer, "fault": fault, "error": "the job did not reach its warm-up steps",
+                    "output": {f.name: f.read_text(errors="replace").splitlines()[-12:]
+                               for f in sorted(trial_dir.glob("*.out"))}}
+        t_fault = time.time()
+        undo = inflict(ms, trial_dir, fault)
+        time.sleep(watch_s)  # the trial's observation window: the peers act on their own in it
+        verdict = judge(step_lines(trial_dir), t_fault, len(MACHINES))
+        return {"peer": peer, "fault": fault, **verdict}
+    finally:
+        if undo is not None:
+            with contextlib.suppress(Exception):
+                undo()
+        ms.stop_all()
+        if lighthouse is not None:
+            lighthouse.kill()
+            lighthouse.wait(10)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--faults", default=",".join(FAULTS))
+    ap.add_argument("--watch-s", type=float, default=WATCH_S, help="how long each trial watches after its fault")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    stop_on_sigterm()
+    peers = [p for p in args.peers.split(",") if p]
+    faults = [f for f in args.faults.split(",") if f]
+    trials: list[dict[str, Any]] = []
+    with emulated_cluster(SPEC, "tg-bench-peers-") as (inv, home):
+        for n in range(args.trials):
+            for peer in peers:
+                for fault in faults:
+                    t = run_trial(inv, home, peer, fault, n, args.watch_s)
+                    print(json.dumps(t), flush=True)
+                    trials.append(t)
+    metrics: dict[str, Any] = {}
+    for peer in peers:
+        for fault in faults:
+            ts = [t for t in trials if t["peer"] == peer and t["fault"] == fault and "error" not in t]
+            key = f"{peer}.{fault}"
+            metrics[f"{key}.resumed_rate"] = round(sum(t["resumed"] for t in ts) / len(ts), 3) if ts else None
+            for field, unit in (("resume_s", "s"), ("full_width_s", "s"), ("steps_lost", "steps")):
+                values = [float(t[field]) for t in ts if t.get(field) is not None]
+                if values:
+                    metrics[f"{key}.{field}"] = summarize(values, unit)
+    print(write_result("peers", quick=False, setup={"spec": SPEC.__dict__, "machines": MACHINES,
+                                                   "versions": versions(), "watch_s": args.watch_s,
+                                                   "heartbeat_s": HEARTBEAT_S, "trials": trials},
+                       metrics=metrics, out=args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
