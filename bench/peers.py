@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -54,6 +55,7 @@ RDZV_PORT = 29500
 WARMUP_STEPS = 15  # steps every replica finishes before a fault
 WATCH_S = 90.0  # how long after a fault the trial watches
 HEARTBEAT_S = 5.0  # NVRx's rank heartbeat timeout; torchft's lighthouse heartbeat timeout
+RESUMED_STEPS = 5  # steps begun after the fault that must finish before training counts as resumed
 
 FAULTS = ("crash", "hang", "machine_lost", "nan")
 PEERS = ("nvrx", "torchft")
@@ -204,9 +206,11 @@ def judge(lines: list[dict[str, Any]], t_fault: float, width: int) -> dict[str, 
     # training resumed: a step that began after the fault finished (one past the step in flight at the fault,
     # or any step of a process started after it); the step in flight may still finish on the survivors
     pids_before = {d["pid"] for d in before}
-    resumed = [d for d in after if d["step"] > last + 1 or d["pid"] not in pids_before]
+    # (with a finite loss: a model whose parameters a NaN reached "trains" on, but learns nothing)
+    resumed = [d for d in after if (d["step"] > last + 1 or d["pid"] not in pids_before)
+               and math.isfinite(d["loss"])]
     out["steps_after"] = len({d["step"] for d in after})
-    if not resumed:
+    if len({d["step"] for d in resumed}) < RESUMED_STEPS:  # a step or two, then down again, is not training
         return out
     out.update(resumed=True, resume_s=round(resumed[0]["ts"] - t_fault, 2))
     # steps the job finished again: a restart from an older checkpoint redoes them, replicas that train on do not

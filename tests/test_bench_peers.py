@@ -48,3 +48,11 @@ def test_a_job_that_never_trains_again_did_not_resume():
     # the step in flight at the fault finishes; nothing after it does
     got = judge([line(s, 106.0 + s, "a", 1) for s in range(5)], 109.5, 1)
     assert not got["resumed"] and got["resume_s"] is None and got["last_step_before"] == 3
+    # a restart that finishes a step, then fails again (a NaN that comes back), in a loop: not resumed either
+    loop = [line(s, 100.0 + s, "a", 1) for s in range(10)] + [line(9, 115.0 + 10 * k, "a", 10 + k) for k in range(4)]
+    got = judge(loop, 110.0, 1)
+    assert not got["resumed"] and got["steps_after"] == 1
+    # steps that go on with a NaN loss: the NaN reached every replica's parameters
+    nan = [line(s, 100.0 + s, "a", 1) for s in range(10)] + [{**line(s, 100.0 + s, "a", 1), "loss": float("nan")}
+                                                             for s in range(10, 30)]
+    assert not judge(nan, 109.5, 1)["resumed"]
