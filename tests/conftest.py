@@ -15,6 +15,18 @@ from trainguard.emulation.standalone import free_port, poll
 from trainguard.node_tools import cluster
 from trainguard.node_tools.inventory import Inventory
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run ended by SIGTERM (a CI job's time limit, ``timeout``, a kill) tears down as Ctrl-C does: the
+    fixtures' Airflow, job processes and namespaces are removed, not left running for the next run to trip on
+    (three Airflow standalones left by killed runs once put this host's load at 16)."""
+    import signal
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
 # A cluster of its own for the tests, so a demo cluster ("tg") on the same host is left alone.
 TEST_CLUSTER = cluster.ClusterSpec(name="tgt", machines=6, standbys=2, subnet="10.213.9.0/24", disk_mb=64, gpus=8)
 
