@@ -42,6 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from trainguard.emulation.standalone import poll
 from trainguard.node_tools import cluster, inject
 from trainguard.node_tools.inventory import Inventory
 
@@ -178,17 +179,12 @@ def step_lines(trial_dir: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda d: d["ts"])
 
 
-def wait_for_steps(trial_dir: Path, replicas: int, steps: int, timeout_s: float) -> bool:
+def warmed_up(trial_dir: Path, replicas: int, steps: int) -> bool:
     """Every one of ``replicas`` finished ``steps`` steps (each step line names its replica)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        done: dict[str, int] = {}
-        for d in step_lines(trial_dir):
-            done[d["replica"]] = done.get(d["replica"], 0) + 1
-        if len(done) >= replicas and min(done.values()) >= steps:
-            return True
-        time.sleep(1.0)
-    return False
+    done: dict[str, int] = {}
+    for d in step_lines(trial_dir):
+        done[d["replica"]] = done.get(d["replica"], 0) + 1
+    return len(done) >= replicas and min(done.values()) >= steps
 
 
 def judge(lines: list[dict[str, Any]], t_fault: float, width: int) -> dict[str, Any]:
@@ -272,7 +268,10 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
             start_nvrx(ms, trial_dir)
         else:
             lighthouse = start_torchft(ms, trial_dir)
-        if not wait_for_steps(trial_dir, len(MACHINES), WARMUP_STEPS, 180.0):
+        try:
+            poll(lambda: warmed_up(trial_dir, len(MACHINES), WARMUP_STEPS), timeout=180.0, interval=1.0,
+                 what="the job's warm-up steps")
+        except TimeoutError:
             return {"peer": peer, "fault": fault, "error": "the job did not reach its warm-up steps",
                     "output": {f.name: f.read_text(errors="replace").splitlines()[-12:]
                                for f in sorted(trial_dir.glob("*.out"))}}

@@ -176,6 +176,18 @@ def s3_endpoint() -> Iterator[str]:
 
 
 
+def load_script(name: str, path: Path) -> Any:
+    """A script of the repository (``bench/``, ``scripts/``: not a package) as a module named ``name``."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
 def marked_bash_blocks(text: str) -> list[tuple[str, str, str]]:
     """The bash blocks of a docs page with their test marker: ``(kind, reason, body)``, where a block is preceded by
     ``<!-- test: KIND (REASON) -->`` (both empty when it has none)."""

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _peers():
-    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "bench" / "peers.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_peers"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_peers", ROOT / "bench" / "peers.py")
 
 
 def line(step: int, ts: float, replica: str, pid: int, participants: int = 4) -> dict:

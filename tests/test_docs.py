@@ -4,31 +4,21 @@ and the tables generated from code or results are what the code and results say 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.conftest import marked_bash_blocks
+from tests.conftest import load_script, marked_bash_blocks
 from trainguard.operators.settings import ControlSettings, markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    """A script of the repository (not a package) as a module."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-table = _load("bench_table", REPO / "bench" / "table.py")  # the benchmark tables' maker
+table = load_script("bench_table", REPO / "bench" / "table.py")  # the benchmark tables' maker
 
 README = (REPO / "README.md").read_text()
 MKDOCS = Path(sys.executable).with_name("mkdocs")
@@ -89,7 +79,7 @@ def test_the_guard_snippets_are_lines_of_the_tested_examples(path):
             at = source.index(line.strip(), at) + 1
 
 
-reference = _load("docs_reference", REPO / "scripts" / "reference.py")  # the reference tables' maker
+reference = load_script("docs_reference", REPO / "scripts" / "reference.py")  # the reference tables' maker
 
 
 @pytest.mark.parametrize("page,name", [(p, n) for p, tables in reference.TABLES.items() for n in tables])
@@ -149,7 +139,7 @@ def test_the_screenshots_the_pages_show_are_the_browser_tests_own():
     ``save_screenshot``; ``scripts/screenshots.py`` copies them from ``artifacts/``), and each is there."""
     import re
 
-    taken = _load("docs_screenshots", REPO / "scripts" / "screenshots.py").taken_by_tests()
+    taken = load_script("docs_screenshots", REPO / "scripts" / "screenshots.py").taken_by_tests()
     shown = {m for page in (REPO / "docs").rglob("*.md")
              for m in re.findall(r"assets/screenshots/([\w.-]+\.png)", page.read_text())}
     assert shown and shown <= taken, shown - taken

@@ -39,6 +39,11 @@ def probe_settled(order: Sequence[str], ok: Mapping[str, bool], need: int, elaps
     return timeout_s - elapsed_s
 
 
+def _answered_well(r: RunResult) -> bool:
+    """A standby's ``tg-node standby status`` that answered with its state."""
+    return r.ok and isinstance(r.answer(), dict)
+
+
 class Evictions(ControllerBase):
     """Swapping machines for standbys, safely."""
 
@@ -46,16 +51,19 @@ class Evictions(ControllerBase):
         """The standbys of the fleet database that the inventory holds, in the fleet's order."""
         return [m.name for m in self.fleet.machines(state=states.STANDBY) if m.name in self.inventory.names()]
 
-    def ready_standbys(self, wanted: int, *, why: str = "") -> list[str]:
+    def _status_argv(self, _m: Machine) -> list[str]:
+        return [self.inventory.tg_node, "standby", "status"]
+
+    def ready_standbys(self, wanted: int, *, why: str = "") -> tuple[list[str], list[str]]:
         """Up to ``wanted`` standbys checked reachable now (``tg-node standby status``), in the fleet's order;
         one that does not answer goes to repair (``why``: whom it was called to replace) and the next is
         tried. The first ``2 * wanted`` standbys are asked at once: once ``wanted`` have answered, one that is
         still silent after :data:`PROBE_GRACE_S` is passed over, so a standby that died as it was called costs
-        seconds, not the connection's timeout (:attr:`passed_over` names them; the incident's close judges
-        them, :meth:`judge_passed_over`)."""
+        seconds, not the connection's timeout. Returns the ready standbys and the passed-over ones (the
+        incident's close judges those, :meth:`judge_passed_over`)."""
         ready: list[str] = []
         tried: set[str] = set()
-        self.passed_over: list[str] = []
+        passed_over: list[str] = []
         while len(ready) < wanted:
             need = wanted - len(ready)
             todo = [n for n in self.pool() if n not in tried][: 2 * need]
@@ -66,15 +74,15 @@ class Evictions(ControllerBase):
             for n in todo:
                 r = results.get(n)
                 if r is None:  # still silent when enough others answered: passed over, judged later
-                    self.passed_over.append(n)
+                    passed_over.append(n)
                     continue
-                if r.ok and isinstance(r.answer(), dict):
+                if _answered_well(r):
                     if len(ready) < wanted:
                         ready.append(n)
                 elif not self.cfg.dry_run:
                     self.fleet.transition(n, states.REPAIR, reason=f"standby did not answer when called{why}: "
                                                                    f"{r.describe()[:200]}")
-        return ready
+        return ready, passed_over
 
     def judge_passed_over(self, incident_id: int) -> dict[str, str]:
         """The standbys the incident's evictions passed over (silent when called, see :meth:`ready_standbys`)
@@ -83,14 +91,14 @@ class Evictions(ControllerBase):
         answered ("ok", or why it went to repair)."""
         names = sorted({n for a in self.fleet.actions(incident_id) if a.kind == "evict"
                         for n in (a.evidence or {}).get("passed_over") or ()})
-        names = [n for n in names if n in self.pool()]
         if not names or self.cfg.dry_run:
             return {}
-        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "standby", "status"],
-                            timeout=PROBE_TIMEOUT_S)
+        pool = set(self.pool())
+        names = [n for n in names if n in pool]
+        results = self._run(self.machines(names), self._status_argv, timeout=PROBE_TIMEOUT_S)
         out: dict[str, str] = {}
         for n, r in results.items():
-            if r.ok and isinstance(r.answer(), dict):
+            if _answered_well(r):
                 out[n] = "ok"
                 continue
             out[n] = r.describe()[:200]
@@ -106,7 +114,7 @@ class Evictions(ControllerBase):
         arrived = threading.Condition()
 
         def ask(m: Machine) -> None:
-            r = self.transport.run(m, [self.inventory.tg_node, "standby", "status"], timeout=PROBE_TIMEOUT_S)
+            r = self.transport.run(m, self._status_argv(m), timeout=PROBE_TIMEOUT_S)
             with arrived:
                 answers[m.name] = r
                 arrived.notify_all()
@@ -116,7 +124,7 @@ class Evictions(ControllerBase):
         t0 = time.monotonic()
         with arrived:
             while True:
-                ok = {n: r.ok and isinstance(r.answer(), dict) for n, r in answers.items()}
+                ok = {n: _answered_well(r) for n, r in answers.items()}
                 left = probe_settled(names, ok, need, time.monotonic() - t0)
                 if left is None:
                     return dict(answers)
@@ -180,8 +188,8 @@ class Evictions(ControllerBase):
         if breaker and not verdict.allowed:
             self.fleet.finish_action(action.id, "skipped", verdict.reason)
             return self.wait_for_human(incident_id, verdict.reason)
-        standbys = self.ready_standbys(len(wanted), why=f" to replace {', '.join(wanted)} in {inc.job}")
-        silent = {"passed_over": self.passed_over} if self.passed_over else {}
+        standbys, passed_over = self.ready_standbys(len(wanted), why=f" to replace {', '.join(wanted)} in {inc.job}")
+        silent = {"passed_over": passed_over} if passed_over else {}
         deferred: list[str] = []
         if len(standbys) < len(wanted):
             must = [n for n in wanted if n in set(priority)]
