@@ -5,6 +5,7 @@ the names trainguard installs cannot collide with a training script's own module
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -183,6 +184,36 @@ def test_a_script_with_its_own_checkpoint_and_operators_modules_trains_and_resto
     assert again.returncode == 0, again.stderr[-2000:]
     assert "restored step 3" in again.stderr and "resuming at step 4" in again.stderr
     assert [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")] == ["4", "5"]
+
+
+def test_the_guards_lines_go_to_the_trainguard_logger(run_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="trainguard")
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model, opt, checkpoint=_config(tmp_path / "c")) as g:  # no log=: the logger
+        for step in range(g.restore(), 3):
+            with g.step(step) as s:
+                model(torch.ones(1, 4)).sum().backward()
+                assert s.ok()
+                opt.step()
+    with Guard(torch.nn.Linear(4, 1), None, checkpoint=_config(tmp_path / "c")) as g2:
+        assert g2.restore() == 3
+    said = [r.getMessage() for r in caplog.records if r.name == "trainguard"]
+    assert any(m.startswith("rank 0: restored step 2 ") and m.endswith("resuming at step 3") for m in said), said
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_a_job_that_configured_logging_gets_the_lines_in_its_own_format(tmp_path, configured):
+    code = ("import logging\n"
+            + ("logging.basicConfig(format='JOB %(levelname)s %(name)s: %(message)s', level=logging.WARNING)\n"
+               if configured else "")
+            + "from trainguard.torch import logger\nlogger().info('restored step 7')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_neutral_env(tmp_path),
+                         capture_output=True, text=True, timeout=60, check=True)
+    # the job's handler and format (its root level is the job's, the logger's own INFO lets the line through);
+    # with nothing configured, standard error with trainguard's prefix
+    want = "JOB INFO trainguard: restored step 7" if configured else "trainguard: restored step 7"
+    assert out.stderr.strip() == want
 
 
 class _NanFault:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -66,10 +67,25 @@ from trainguard.node_tools.topology import GROUP_KINDS, RankCoords, Topology
 
 __all__ = ["GROUP_KINDS", "CheckpointConfig", "Guard", "GuardError", "GuardedStep", "JobMonitor", "RankCoords",
            "ReferenceCopy", "RestoreError", "RestoreResult", "Stateful", "Topology", "TopologyError",
-           "TrainguardError", "checkpoint_config_from_env", "gradient_norm", "heartbeat", "json_tensors",
+           "TrainguardError", "checkpoint_config_from_env", "gradient_norm", "heartbeat", "json_tensors", "logger",
            "rng_states", "set_rng_states", "tensors_from_json"]
 
 STATE_KEY = "state"  # where the ``state`` objects' states live in a checkpoint's data position
+
+
+def logger() -> logging.Logger:
+    """The ``trainguard`` logger the guard's lines go to (restores, non-finite steps), at INFO. A job that
+    configured logging (a handler on the root logger) gets them through its own handlers; one that did not
+    gets them on standard error, prefixed ``trainguard:``, as Lightning does for its own logger."""
+    log = logging.getLogger("trainguard")
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("trainguard: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    return log
 
 
 class GuardError(TrainguardError):
@@ -310,7 +326,8 @@ class Guard:
         sync: :meth:`GuardedStep.ok` decides on every rank together (default True).
         collective_timeout_s: timeout of the checkpoint's own collectives. Seconds.
         monitor: a :class:`JobMonitor` built already (default: one from the environment).
-        log: where the guard's lines go (default: standard error, from local rank 0 only).
+        log: where the guard's lines go (default: the ``trainguard`` logger, from local rank 0 only; see
+            :func:`logger`).
     """
 
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None, *,
@@ -524,4 +541,4 @@ class Guard:
         if self._log_fn is not None:
             self._log_fn(line)
         elif self.local_rank == 0:
-            print(f"trainguard: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+            logger().info("rank %d: %s", self.rank, line)
