@@ -11,17 +11,16 @@ RUN apt-get update \
 USER airflow
 
 WORKDIR /opt/trainguard
-COPY --chown=airflow:root requirements.txt constraints.txt pyproject.toml setup.py README.md ./
-# the control plane runs no training: the CPU build of torch is enough for its imports
-RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu "torch==2.13.0" \
- && pip install --no-cache-dir "apache-airflow==3.3.2" -r requirements.txt -c constraints.txt
+COPY --chown=airflow:root constraints.txt pyproject.toml setup.py README.md ./
 COPY --chown=airflow:root trainguard ./trainguard
 COPY --chown=airflow:root node_tools ./node_tools
 COPY --chown=airflow:root checkpoint ./checkpoint
 COPY --chown=airflow:root operators ./operators
 COPY --chown=airflow:root dags ./dags
 COPY --chown=airflow:root docker/provision.py ./docker/provision.py
-RUN pip install --no-cache-dir --no-deps .
+# the control plane's side (trainguard[control]): Airflow's providers, the fleet database's drivers, the policy's
+# libraries; no torch (the control plane runs no training) and no test tools (requirements-dev.txt)
+RUN pip install --no-cache-dir "apache-airflow==3.3.2" ".[control]" -c constraints.txt
 
 ENV AIRFLOW__CORE__DAGS_FOLDER=/opt/trainguard/dags \
     AIRFLOW__CORE__LOAD_EXAMPLES=False \

@@ -15,16 +15,17 @@ RUN apt-get update \
  && mkdir -p /run/sshd /etc/trainguard /var/lib/trainguard
 
 WORKDIR /opt/trainguard
-COPY requirements.txt constraints.txt pyproject.toml setup.py README.md ./
-# torch from its own index (the CPU or a CUDA build), then the pinned rest
-RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==2.13.0" \
- && pip install --no-cache-dir -r requirements.txt -c constraints.txt
+COPY constraints.txt pyproject.toml setup.py README.md ./
+# torch from its own index (the CPU or a CUDA build), first: the rest then finds it installed
+RUN pip install --no-cache-dir --index-url "${TORCH_INDEX}" "torch==2.13.0"
 COPY trainguard ./trainguard
 COPY node_tools ./node_tools
 COPY checkpoint ./checkpoint
 COPY operators ./operators
 COPY examples ./examples
-RUN pip install --no-cache-dir --no-deps .
+# the node's side (trainguard[node]): the agent, tg-node, the checkpoint library and the training faces; no Airflow,
+# no Celery, no test tools. A team's trainer (Lightning, Transformers) goes into the image built FROM this one.
+RUN pip install --no-cache-dir ".[node]" -c constraints.txt
 
 ENV TG_NODE_CONFIG=/etc/trainguard/node.json \
     TG_WORKDIR=/var/lib/trainguard \

@@ -82,9 +82,15 @@ def test_the_compose_file_has_airflows_official_services_on_the_trainguard_image
     assert first == f"apache/airflow:{_pins()['apache-airflow']}-python3.11"
     node_from = (DOCKER / "node.Dockerfile").read_text().split("\nFROM ", 1)[1].split()[0]
     assert node_from.startswith("python:3.11")
-    for df in ("airflow.Dockerfile", "node.Dockerfile"):
+    # each image installs its side of trainguard (its extra) under the pins; torch only on the node; no test tools
+    for df, extra in (("airflow.Dockerfile", "control"), ("node.Dockerfile", "node")):
         text = (DOCKER / df).read_text()
-        assert f'"torch=={_pins()["torch"]}"' in text and "-c constraints.txt" in text, df
+        installs = " ".join(line for line in text.splitlines() if "pip install" in line)
+        assert f'".[{extra}]" -c constraints.txt' in installs, df
+        assert ("torch" in installs) == (extra == "node"), df
+        assert "requirements" not in installs, df  # requirements.txt carries the examples' trainers
+        if extra == "node":
+            assert f'"torch=={_pins()["torch"]}"' in installs
         for src in re.findall(r"^COPY (?:--\S+ )*(\S+)", text, flags=re.M):
             assert (REPO / src).exists(), f"{df} copies {src}, which is not in the repository"
     # every service starts after what it needs; Airflow after its provisioning
