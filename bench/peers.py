@@ -1,5 +1,6 @@
 """Side by side with the peers on one emulated cluster: the same small job (``bench/peers_job.py``), the same
-machines, the same faults, under NVIDIA's nvidia-resiliency-ext (``ft_launcher``, rank monitors, in-job
+machines, the same faults, under trainguard (the job's spec submitted to its control plane in a real ``airflow
+standalone``, with one warm standby), NVIDIA's nvidia-resiliency-ext (``ft_launcher``, rank monitors, in-job
 restart) and torchft (replica groups and a lighthouse; the survivors train on, a restarted group heals from a
 live peer).
 
@@ -8,26 +9,37 @@ Each peer is run the way its documentation integrates it, with its real launcher
 install them first (versions that install on CPU-only Python 3.11: ``bench/requirements-peers.txt``)::
 
     uv pip install --python .venv/bin/python --no-deps -r bench/requirements-peers.txt
-    python bench/peers.py [--trials 3] [--peers nvrx,torchft] [--faults crash,hang,machine_lost,nan]
+    python bench/peers.py [--trials 3] [--peers trainguard,nvrx,torchft]
+                          [--faults crash,hang,hang_collective,machine_lost,nan,slow]
                           [--out bench/results/peers.json]
 
 Faults (the machine it hits is never the rendezvous host m0):
 
 - ``crash``: SIGKILL of one rank;
 - ``hang``: SIGSTOP of one rank (every thread of it stops: a rank that hangs outside a collective);
+- ``hang_collective``: one rank stalls before its backward pass, alive (its background threads run on), so every
+  other rank hangs inside the gradient all-reduce;
 - ``machine_lost``: every process of one machine killed and its link set down (no RST: peers see silence);
-- ``nan``: the job's loss is NaN on one machine from the next step on (until the harness clears it).
+- ``nan``: the job's loss is NaN on one machine from the next step on (until the harness clears it);
+- ``slow``: every step of one machine takes 3 s longer from the next step on (a throttled GPU, fail-slow).
 
 Per trial, read from the ranks' step lines: whether training went on (``resumed``), fault -> the first step
 finished after it (``resume_s``), fault -> training at its full width again (``full_width_s``: every replica back,
 for torchft its throughput before the fault), steps done again (``steps_lost``), healthy machines taken out, and
-what a human had to do. Metric names carry the system (``nvrx.crash.resume_s``).
+what a human had to do. For ``slow``, training never stops: ``resume_s`` is fault -> the first of
+:data:`RESUMED_STEPS` steps in a row at the pace before the fault. Metric names carry the system
+(``nvrx.crash.resume_s``).
+
+Each trainguard trial gets a control plane of its own (a fresh fleet database and Airflow), as each NVRx and
+torchft trial gets fresh launchers; the harness then does what a repair crew does (the lost machine brought back,
+the cluster's roles as they were) before the next trial. Airflow's start is outside every measurement.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -42,9 +54,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from trainguard.emulation.guarded import NO_SCHEDULES, GuardedJob
 from trainguard.emulation.standalone import poll
 from trainguard.node_tools import cluster, inject
 from trainguard.node_tools.inventory import Inventory
+from trainguard.operators.jobspec import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = cluster.ClusterSpec(name="tgq", machines=5, standbys=1, subnet="10.213.24.0/24", disk_mb=64, gpus=1)
@@ -57,9 +71,11 @@ WARMUP_STEPS = 15  # steps every replica finishes before a fault
 WATCH_S = 90.0  # how long after a fault the trial watches
 HEARTBEAT_S = 5.0  # NVRx's rank heartbeat timeout; torchft's lighthouse heartbeat timeout
 RESUMED_STEPS = 5  # steps begun after the fault that must finish before training counts as resumed
+SLOW_S = 3.0  # the slow fault's extra seconds a step
+SLOW_FACTOR = 1.5  # a step this many times the median step before the fault is a slow one
 
-FAULTS = ("crash", "hang", "machine_lost", "nan")
-PEERS = ("nvrx", "torchft")
+FAULTS = ("crash", "hang", "hang_collective", "machine_lost", "nan", "slow")
+PEERS = ("trainguard", "nvrx", "torchft")
 
 
 def venv_bin(name: str) -> str:
@@ -68,7 +84,7 @@ def venv_bin(name: str) -> str:
 
 def versions() -> dict[str, str]:
     out = {}
-    for dist in ("torch", "torchft", "nvidia-resiliency-ext"):
+    for dist in ("trainguard", "torch", "torchft", "nvidia-resiliency-ext"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -169,6 +185,48 @@ def start_torchft(ms: Machines, trial_dir: Path) -> subprocess.Popen[bytes]:
     return lighthouse
 
 
+def start_trainguard(inv: Inventory, trial_dir: Path, job: str) -> GuardedJob:
+    """The job's spec (``-m bench.peers_job --mode trainguard``, one rank a machine on :data:`MACHINES`) launched
+    by a control plane of its own: a fleet database and ``airflow standalone`` with trainguard's DAGs, the
+    standby parked warm, its settings the defaults (the harness repairs machines and deploys no code: no
+    scheduled pool, code or checkpoint runs)."""
+    spec = JobSpec(name=job, command=["-m", "bench.peers_job", "--mode", "trainguard"], workdir=str(ROOT),
+                   machines=MACHINES, processes_per_machine=1,
+                   env={"PEERS_LOG": str(trial_dir / "steps"), "PEERS_FAULTS": str(trial_dir / "faults" / "{machine}")})
+    home = trial_dir / "control"
+    home.mkdir()
+    g = GuardedJob(inv, home, job=job, topology=spec.topology(), settings=NO_SCHEDULES, spec=spec)
+    try:
+        g.start()
+        g.armed()
+    except BaseException:
+        g.stop()
+        raise
+    return g
+
+
+def trainguard_record(g: GuardedJob, t_fault: float) -> dict[str, Any]:
+    """What trainguard's fleet database says of the trial: the incidents opened after the fault (category, state,
+    its swaps) and the machines it evicted."""
+    incidents = [i for i in g.ctl.fleet.incidents(g.job) if i.opened_ts >= t_fault - 1.0]
+    evicted = sorted({old for i in incidents for old in g.swaps(i.id)})
+    return {"incidents": [{"id": i.id, "category": i.category, "state": i.state, "swaps": g.swaps(i.id)}
+                          for i in incidents],
+            "evicted": evicted, "healthy_taken_out": [m for m in evicted if m != VICTIM]}
+
+
+def reset_cluster(inv: Inventory) -> Inventory:
+    """What a repair crew does between trainguard trials: the victim machine's sshd and agent back (a lost
+    machine's were killed), its faults cleared, every machine's role as the cluster came up."""
+    assert inv.path is not None
+    inject.clear(inv, VICTIM)
+    inv = cluster.up(SPEC, inv.path.parent, log=lambda *_: None)
+    for i, m in enumerate(inv.machines):
+        m.role = SPEC.role(i)
+    inv.save(inv.path)
+    return inv
+
+
 # ---- reading the steps ------------------------------------------------------------------------------------------
 def step_lines(trial_dir: Path) -> list[dict[str, Any]]:
     out = []
@@ -196,12 +254,15 @@ def judge(lines: list[dict[str, Any]], t_fault: float, width: int) -> dict[str, 
     after = [d for d in lines if d["ts"] >= t_fault]
     last = max((d["step"] for d in before), default=-1)
     out: dict[str, Any] = {"last_step_before": last, "resumed": False, "resume_s": None, "full_width_s": None,
-                           "steps_lost": None, "steps_after": 0}
+                           "steps_lost": None, "steps_after": 0, "restarted": False, "narrowed": False}
     if not after:
         return out
     # training resumed: a step that began after the fault finished (one past the step in flight at the fault,
     # or any step of a process started after it); the step in flight may still finish on the survivors
     pids_before = {d["pid"] for d in before}
+    # something acted: a rank that was not there before logged a step, or steps ran narrower than the job
+    out["restarted"] = any(d["pid"] not in pids_before for d in after)
+    out["narrowed"] = any(d["participants"] < width for d in after)
     # (with a finite loss: a model whose parameters a NaN reached "trains" on, but learns nothing)
     resumed = [d for d in after if (d["step"] > last + 1 or d["pid"] not in pids_before)
                and math.isfinite(d["loss"])]
@@ -226,6 +287,47 @@ def judge(lines: list[dict[str, Any]], t_fault: float, width: int) -> dict[str, 
     return out
 
 
+def judge_slow(lines: list[dict[str, Any]], t_fault: float, replica: str) -> dict[str, Any]:
+    """The pace of ``replica``'s rank 0 around a slow fault at ``t_fault``: its median step before (the last 20),
+    whether steps slowed (one over :data:`SLOW_FACTOR` x that), and fault -> the first of :data:`RESUMED_STEPS`
+    steps in a row back at the pace before (after the slow ones; a restart's gap counts as slow)."""
+    mine = sorted(d["ts"] for d in lines if d["replica"] == replica and d["rank"] == 0)
+    before = [t for t in mine if t < t_fault]
+    gaps_before = [b - a for a, b in itertools.pairwise(before)][-20:]
+    out: dict[str, Any] = {"step_s_before": None, "slowed": False, "slow_step_s": None, "resumed": False,
+                           "resume_s": None}
+    if not gaps_before:
+        return out
+    base = sorted(gaps_before)[len(gaps_before) // 2]
+    ts = [before[-1], *(t for t in mine if t >= t_fault)]
+    slow: list[float] = []
+    fast_run = 0
+    for i in range(1, len(ts)):
+        gap = ts[i] - ts[i - 1]
+        if gap > SLOW_FACTOR * base:
+            slow.append(gap)
+            fast_run = 0
+        elif slow:
+            fast_run += 1
+            if fast_run == RESUMED_STEPS:
+                out.update(resumed=True, resume_s=round(ts[i - RESUMED_STEPS + 1] - t_fault, 2))
+                break
+    out.update(step_s_before=round(base, 3), slowed=bool(slow),
+               slow_step_s=round(sorted(slow)[len(slow) // 2], 3) if slow else None)
+    return out
+
+
+def human_work(fault: str, verdict: dict[str, Any]) -> str:
+    """What a person had to do for the job to train at its full width and pace again, read from the verdict."""
+    if not verdict.get("resumed"):
+        if fault == "slow":
+            return "find the slow machine and take it out of the job (nothing noticed it)"
+        return "find the faulty machine, take it out and restart the job (training did not resume on its own)"
+    if fault != "slow" and verdict.get("full_width_s") is None and verdict.get("narrowed"):
+        return "bring a machine in place of the lost one and restart the job at its full width"
+    return "nothing"
+
+
 def victim_pid(trial_dir: Path, machine: str) -> int:
     """The pid of the rank that last logged a step on ``machine``."""
     mine = [d for d in step_lines(trial_dir) if d["replica"] in (machine, str(MACHINES.index(machine)))]
@@ -245,9 +347,9 @@ def inflict(ms: Machines, trial_dir: Path, fault: str) -> Any:
         inject.inject(ms.inv, VICTIM, "nic_down")
         ms.kill_machine(VICTIM)
         return lambda: inject.clear(ms.inv, VICTIM, "nic_down")
-    if fault == "nan":
-        flag = ms.faults_dir(VICTIM) / "nan"
-        flag.write_text("1")
+    if fault in ("nan", "slow", "hang_collective"):
+        flag = ms.faults_dir(VICTIM) / {"hang_collective": "stall"}.get(fault, fault)
+        flag.write_text(str(SLOW_S) if fault == "slow" else "1")
         return flag.unlink
     raise ValueError(f"unknown fault {fault!r}")
 
@@ -262,9 +364,12 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
     (trial_dir / "steps").mkdir(parents=True)
     ms = Machines(inv, trial_dir)
     lighthouse = None
+    guarded: GuardedJob | None = None
     undo: Any = None
     try:
-        if peer == "nvrx":
+        if peer == "trainguard":
+            guarded = start_trainguard(inv, trial_dir, f"peers-{fault}-{n}")
+        elif peer == "nvrx":
             start_nvrx(ms, trial_dir)
         else:
             lighthouse = start_torchft(ms, trial_dir)
@@ -278,16 +383,56 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
         t_fault = time.time()
         undo = inflict(ms, trial_dir, fault)
         time.sleep(watch_s)  # the trial's observation window: the peers act on their own in it
-        verdict = judge(step_lines(trial_dir), t_fault, len(MACHINES))
-        return {"peer": peer, "fault": fault, **verdict}
+        lines = step_lines(trial_dir)
+        verdict = judge(lines, t_fault, len(MACHINES))
+        if fault == "slow":  # training never stopped: back at its pace is what counts
+            verdict.update(judge_slow(lines, t_fault, "0" if peer == "torchft" else MACHINES[0]))
+        record = trainguard_record(guarded, t_fault) if guarded is not None else {"healthy_taken_out": []}
+        detected = bool(record.get("incidents")) if guarded is not None else (
+            verdict["resumed"] if fault == "slow" else verdict["restarted"] or verdict["narrowed"])
+        return {"peer": peer, "fault": fault, "detected": detected, **verdict, **record,
+                "human": human_work(fault, verdict)}
     finally:
         if undo is not None:
             with contextlib.suppress(Exception):
                 undo()
+        if guarded is not None:
+            try:
+                guarded.airflow.stop(grace_s=10.0)  # nothing acts on the fleet while the crew resets it
+            finally:
+                reset_cluster(inv)  # the lost machine reachable again, so that the job's stop reaches it
+                with contextlib.suppress(Exception):  # (a job already down everywhere has nothing to stop)
+                    guarded.ctl.stop(guarded.job)
         ms.stop_all()
         if lighthouse is not None:
             lighthouse.kill()
             lighthouse.wait(10)
+
+
+def metrics_of(trials: list[dict[str, Any]], peers: list[str], faults: list[str]
+               ) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """Per system and fault (``<system>.<fault>.<metric>``): the shares of trials detected and resumed, healthy
+    machines taken out, and medians of resume, full width and steps lost over the trials that have them; and
+    what a human had to do (each distinct answer)."""
+    metrics: dict[str, Any] = {}
+    human: dict[str, list[str]] = {}
+    for peer in peers:
+        for fault in faults:
+            ts = [t for t in trials if t["peer"] == peer and t["fault"] == fault and "error" not in t]
+            if not ts:
+                continue
+            key, n = f"{peer}.{fault}", len(ts)
+            for name in ("detected", "resumed"):
+                metrics[f"{key}.{name}_rate"] = {"value": round(sum(bool(t[name]) for t in ts) / n, 3), "n": n,
+                                                 "unit": "share"}
+            metrics[f"{key}.healthy_taken_out"] = {"value": sum(len(t["healthy_taken_out"]) for t in ts), "n": n,
+                                                   "unit": "machines"}
+            for field, unit in (("resume_s", "s"), ("full_width_s", "s"), ("steps_lost", "steps")):
+                values = [float(t[field]) for t in ts if t.get(field) is not None]
+                if values:
+                    metrics[f"{key}.{field}"] = summarize(values, unit)
+            human[key] = sorted({t["human"] for t in ts})
+    return metrics, human
 
 
 def main() -> int:
@@ -309,19 +454,11 @@ def main() -> int:
                     t = run_trial(inv, home, peer, fault, n, args.watch_s)
                     print(json.dumps(t), flush=True)
                     trials.append(t)
-    metrics: dict[str, Any] = {}
-    for peer in peers:
-        for fault in faults:
-            ts = [t for t in trials if t["peer"] == peer and t["fault"] == fault and "error" not in t]
-            key = f"{peer}.{fault}"
-            metrics[f"{key}.resumed_rate"] = round(sum(t["resumed"] for t in ts) / len(ts), 3) if ts else None
-            for field, unit in (("resume_s", "s"), ("full_width_s", "s"), ("steps_lost", "steps")):
-                values = [float(t[field]) for t in ts if t.get(field) is not None]
-                if values:
-                    metrics[f"{key}.{field}"] = summarize(values, unit)
+    metrics, human = metrics_of(trials, peers, faults)
     print(write_result("peers", quick=False, setup={"spec": SPEC.__dict__, "machines": MACHINES,
                                                    "versions": versions(), "watch_s": args.watch_s,
-                                                   "heartbeat_s": HEARTBEAT_S, "trials": trials},
+                                                   "heartbeat_s": HEARTBEAT_S, "slow_s": SLOW_S,
+                                                   "human": human, "trials": trials},
                        metrics=metrics, out=args.out))
     return 0
 

@@ -17,8 +17,9 @@ integration each system documents:
 Every rank appends one JSON line per finished step to ``$PEERS_LOG/<mode>-<replica>-<rank>.jsonl``
 (``step``, ``ts``, ``participants``, ``loss``): the harness reads detection, resume and steps lost from them.
 Faults the job cannot be given from outside come from files in ``$PEERS_FAULTS`` (``nan``: the next step's loss
-is NaN on this machine; ``slow``: each step sleeps that many extra seconds), the way a bad batch or a throttled
-GPU would show in the step.
+is NaN on this machine; ``slow``: each step sleeps that many extra seconds; ``stall``: the step waits before its
+backward pass while the file is there), the way a bad batch, a throttled GPU or a deadlocked data loader would show
+in the step.
 """
 
 from __future__ import annotations
@@ -66,9 +67,15 @@ class StepLog:
                                   "participants": participants, "loss": loss, "pid": os.getpid()}) + "\n")
 
 
+def machine() -> str:
+    """This rank's machine: the harness names it (NVRx, torchft), trainguard's launch does (``TG_MACHINE``)."""
+    return os.environ.get("PEERS_MACHINE", os.environ.get("TG_MACHINE", "m"))
+
+
 def fault(name: str) -> str:
-    """The content of this machine's fault file ``name`` ("" when there is none)."""
-    root = os.environ.get("PEERS_FAULTS", "")
+    """The content of this machine's fault file ``name`` ("" when there is none). ``$PEERS_FAULTS`` may hold
+    ``{machine}`` (one spec's environment for every machine of a trainguard launch)."""
+    root = os.environ.get("PEERS_FAULTS", "").replace("{machine}", machine())
     path = Path(root) / name if root else None
     return path.read_text().strip() if path is not None and path.exists() else ""
 
@@ -86,6 +93,8 @@ def compute(args: argparse.Namespace, model: torch.nn.Module, step: int, rank: i
     loss = torch.nn.functional.mse_loss(model(x), y)
     if fault("nan"):
         loss = loss * float("nan")
+    while fault("stall"):  # alive, threads running, never at the all-reduce: every other rank waits inside it
+        time.sleep(0.2)
     loss.backward()
     time.sleep(args.step_time_s + float(fault("slow") or 0.0))
     return loss
@@ -108,7 +117,7 @@ def run_nvrx(args: argparse.Namespace) -> int:
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         step = int(saved["step"]) + 1
-    log = StepLog("nvrx", os.environ.get("PEERS_MACHINE", "m"), rank)
+    log = StepLog("nvrx", machine(), rank)
     while args.steps == 0 or step < args.steps:
         optimizer.zero_grad(set_to_none=True)
         loss = compute(args, ddp, step, rank)
@@ -163,7 +172,7 @@ def run_trainguard(args: argparse.Namespace) -> int:
     model, optimizer = model_and_optimizer(args)
     ddp = DistributedDataParallel(model)
     guard = Guard(ddp, optimizer)
-    log = StepLog("trainguard", os.environ.get("PEERS_MACHINE", os.environ.get("TG_MACHINE", "m")), rank)
+    log = StepLog("trainguard", machine(), rank)
     try:
         step = guard.restore()
         while args.steps == 0 or step < args.steps:

@@ -17,6 +17,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"
 HEAD_BEGIN, HEAD_END = "<!-- bench-headline:begin -->", "<!-- bench-headline:end -->"
+PEERS_BEGIN, PEERS_END = "<!-- bench-peers:begin -->", "<!-- bench-peers:end -->"
+# bench/peers.py's systems: (metric prefix, distribution, name for people)
+SYSTEMS = (("trainguard", "trainguard", "trainguard"), ("nvrx", "nvidia-resiliency-ext", "NVRx"),
+           ("torchft", "torchft", "torchft"))
 PAGE = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 
@@ -70,6 +74,46 @@ def headline() -> list[str]:
     return out
 
 
+def peers_rows(doc: dict[str, Any] | None = None, *, detail: bool = True) -> list[str]:
+    """The side-by-side table of ``bench/results/peers.json``: a row per fault, a column per system, each cell
+    the trials resumed, the median fault -> training again (and -> full width, steps done again) and, with
+    ``detail``, what a human had to do."""
+    doc = doc or _documents().get("peers")
+    if doc is None:
+        return ["(no bench/results/peers.json yet: `python bench/peers.py --out bench/results/peers.json`)"]
+    m, setup = doc["metrics"], doc["setup"]
+    faults = list(dict.fromkeys(t["fault"] for t in setup["trials"]))
+    names = [f"{label} {setup['versions'].get(dist, '?')}" for _, dist, label in SYSTEMS]
+    out = [f"| fault | {' | '.join(names)} |", "|---" * (len(SYSTEMS) + 1) + "|"]
+    for fault in faults:
+        cells = []
+        for prefix, _, _ in SYSTEMS:
+            key = f"{prefix}.{fault}"
+            rate = m.get(f"{key}.resumed_rate")
+            if rate is None:
+                cells.append("not run")
+                continue
+            n = rate["n"]
+            ok = round(rate["value"] * n)
+            if ok == 0:
+                cell = f"not resumed (0/{n})"
+            else:
+                cell = f"{ok}/{n} resumed, {m[f'{key}.resume_s']['median']:g} s"
+                if f"{key}.full_width_s" in m and fault != "slow":
+                    cell += f"; full width {m[f'{key}.full_width_s']['median']:g} s"
+                if f"{key}.steps_lost" in m:
+                    cell += f"; {m[f'{key}.steps_lost']['median']:g} steps again"
+            taken = m.get(f"{key}.healthy_taken_out", {}).get("value")
+            if taken:
+                cell += f"; {taken} healthy machines out"
+            human = [h for h in setup.get("human", {}).get(key, []) if h != "nothing"]
+            if detail and human:
+                cell += f". A human: {'; or '.join(human)}"
+            cells.append(cell)
+        out.append(f"| {fault} | {' | '.join(cells)} |")
+    return out
+
+
 def between(text: str, begin: str, end: str) -> str | None:
     """What ``text`` holds between the two markers (None when one is missing)."""
     if begin not in text or end not in text:
@@ -96,6 +140,8 @@ def main() -> int:
     try:
         _replace(PAGE, BEGIN, END, "\n".join(rows()))
         _replace(README, HEAD_BEGIN, HEAD_END, "\n".join(headline()))
+        _replace(PAGE, PEERS_BEGIN, PEERS_END, "\n".join(peers_rows()))
+        _replace(README, PEERS_BEGIN, PEERS_END, "\n".join(peers_rows(detail=False)))
     except (SystemExit, KeyError) as e:
         print(e.args[0] if e.args else e, file=sys.stderr)
         return 2

@@ -39,7 +39,6 @@ DEVICE_TRAIN_ARGS = ("--checkpoint", "--emulate-device-s", "0.2")
 # the harness is the repair crew and deploys its own revisions: no scheduled pool, code or checkpoint runs
 NO_SCHEDULES = {"TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "", "TG_VERIFY_SCHEDULE": "",
                 "TG_VERIFY_ON_COMMIT": "0"}
-PARK = ("standby", "park", "--nproc", "2")
 # the tg_incident tasks that decide an incident (the branches of the ladder)
 HANDLERS = frozenset(rungs.TASK_IDS)
 
@@ -92,17 +91,20 @@ def iso_ts(ts: str | None) -> float | None:
 class GuardedJob:
     """The control plane and one guarded job on an emulated cluster (``inv``); ``home`` holds the fleet
     database and the Airflow home. ``settings`` are the control plane's ``TG_*`` environment (they go
-    to the DAGs' tasks and to this process's :class:`Controller` alike)."""
+    to the DAGs' tasks and to this process's :class:`Controller` alike). ``spec``: a job of one's own to
+    run instead of the reference job (its ``name`` is ``job``; its machines are the cluster's active ones)."""
 
     def __init__(self, inv: Inventory, home: Path, *, job: str, topology: Topology = TOPOLOGY,
                  train_args: Sequence[str] = TRAIN_ARGS, settings: Mapping[str, str] | None = None,
-                 port: int | None = None, remote_tier: bool = True, airflow: Standalone | None = None) -> None:
+                 port: int | None = None, remote_tier: bool = True, airflow: Standalone | None = None,
+                 spec: JobSpec | None = None) -> None:
         self.inv, self.home, self.job, self.topology = inv, home, job, topology
-        self.train_args = list(train_args)
+        self.spec = spec  # what the job runs (None: the reference job with ``train_args``)
+        self.train_args = spec.args if spec is not None else list(train_args)
         # the third tier: a directory of this host stands for the shared storage every machine mounts (the
         # machines are namespaces of this host); the control plane rescues copies into it before an eviction
         # that would take their last copy
-        self.remote_url = f"file://{(home / 'remote-tier' / job).resolve()}" if remote_tier else ""
+        self.remote_url = f"file://{(home / 'remote-tier' / job).resolve()}" if remote_tier and spec is None else ""
         if self.remote_url and "--checkpoint" in self.train_args and not any(
                 a.startswith(("--checkpoint-remote", "--checkpoint-s3")) for a in self.train_args):
             self.train_args += ["--checkpoint-remote", self.remote_url]
@@ -133,8 +135,9 @@ class GuardedJob:
         self.park(standbys + active)
         self.airflow.ready()
         log(f"airflow up: DAGs {', '.join(sorted(self.airflow.dag_ids()))}")
+        own = self.spec.document() if self.spec is not None else None
         if submit:
-            ref = reference_spec(self.job, self.topology, train_args=self.train_args)
+            ref = self.spec or reference_spec(self.job, self.topology, train_args=self.train_args)
             spec = JobSpec.model_validate({**ref.document(), "machines": active})
             run_id = self.airflow.trigger("tg_job_launch", {"spec": spec.document()})
             log(f"submitted job {self.job} ({self.topology}) on {', '.join(active)}: tg_job_launch run {run_id}")
@@ -144,7 +147,8 @@ class GuardedJob:
             log(f"job {self.job} launched and armed by tg_job_launch run {run_id}")
             self.training(2, timeout=300)
             return
-        self.ctl.launch_job(self.job, self.topology, active, train_args=self.train_args, arm=False, warm=active)
+        self.ctl.launch_job(self.job, self.topology, active, train_args=self.train_args, arm=False, warm=active,
+                            spec=own)
         log(f"launched job {self.job} ({self.topology}) on {', '.join(active)} (warm)")
         self.training(2, timeout=300)
         self._arming = threading.Thread(target=self.ctl.arm, args=(self.job,), name="arm", daemon=True)
@@ -172,7 +176,8 @@ class GuardedJob:
         if not names:
             return
         done = self.transport.run_many([self.inv.machine(n) for n in names],
-                                       lambda m: [self.inv.tg_node, *PARK], timeout=240)
+                                       lambda m: [self.inv.tg_node, "standby", "park", "--nproc",
+                                                  str(self.topology.ranks_per_machine)], timeout=240)
         bad = {n: r.describe() for n, r in done.items() if not r.ok}
         if bad:
             raise RuntimeError(f"parking standbys failed: {bad}")

@@ -52,3 +52,71 @@ def test_a_job_that_never_trains_again_did_not_resume():
     nan = [line(s, 100.0 + s, "a", 1) for s in range(10)] + [{**line(s, 100.0 + s, "a", 1), "loss": float("nan")}
                                                              for s in range(10, 30)]
     assert not judge(nan, 109.5, 1)["resumed"]
+
+
+def test_a_slow_rank_voted_out_is_back_at_pace_after_its_restart():
+    peers = _peers()
+    pace = [line(s, 100.0 + 0.2 * s, "m0", 1) for s in range(30)]  # 0.2 s a step; the fault at 106.0
+    slow = [line(30 + k, 106.0 + 3.2 * (k + 1), "m0", 1) for k in range(4)]  # 3.2 s a step: slowed
+    # stopped, swapped, restarted at 130.0 (a gap counted slow), then at pace
+    back = [line(34 + k, 130.0 + 0.2 * k, "m0", 2) for k in range(8)]
+    got = peers.judge_slow(pace + slow + back, 106.0, "m0")
+    assert got["slowed"] and got["step_s_before"] == 0.2 and got["slow_step_s"] == 3.2
+    # the first of five steps in a row at pace: the one finished at 130.2 (130.0 ends the restart's gap)
+    assert got["resumed"] and got["resume_s"] == 24.2
+    assert peers.human_work("slow", got) == "nothing"
+
+
+def test_a_slow_rank_nothing_noticed_never_counts_as_back():
+    peers = _peers()
+    lines = [line(s, 100.0 + 0.2 * s, "0", 1) for s in range(30)] + \
+        [line(30 + k, 106.0 + 3.2 * (k + 1), "0", 1) for k in range(20)]
+    got = peers.judge_slow(lines, 106.0, "0")
+    assert got["slowed"] and not got["resumed"] and got["resume_s"] is None
+    assert peers.human_work("slow", got).startswith("find the slow machine")
+    # a fault that never bit (no slow step) does not count as back at pace either
+    steady = [line(s, 100.0 + 0.2 * s, "0", 1) for s in range(60)]
+    assert not peers.judge_slow(steady, 106.0, "0")["resumed"]
+
+
+def test_what_a_human_does_follows_the_verdict():
+    peers = _peers()
+    before = [line(s, 100.0 + s, r, pid, 3) for s in range(10) for r, pid in (("0", 1), ("1", 2), ("2", 3))]
+    # the survivors train on at 2 of 3 and the lost replica never comes back
+    narrow = [line(s, 100.5 + s, r, pid, 2) for s in range(10, 20) for r, pid in (("0", 1), ("1", 2))]
+    got = peers.judge(before + narrow, 110.0, 3)
+    assert got["resumed"] and got["narrowed"] and not got["restarted"] and got["full_width_s"] is None
+    assert peers.human_work("machine_lost", got).startswith("bring a machine in place")
+    assert peers.human_work("crash", {"resumed": False}).startswith("find the faulty machine")
+
+
+def test_the_side_by_side_table_says_per_fault_what_each_system_did():
+    peers = _peers()
+    table = load_script("bench_table", ROOT / "bench" / "table.py")
+    base = {"detected": True, "healthy_taken_out": [], "full_width_s": None, "steps_lost": 0, "narrowed": False}
+    trials = [
+        *({**base, "peer": "trainguard", "fault": "crash", "resumed": True, "resume_s": r, "full_width_s": r,
+           "human": "nothing", "healthy_taken_out": h} for r, h in ((10.0, []), (12.0, ["m3"]), (11.0, []))),
+        *({**base, "peer": "torchft", "fault": "crash", "resumed": True, "resume_s": 5.0, "narrowed": True,
+           "human": "bring a machine in place of the lost one and restart the job at its full width"}
+          for _ in range(3)),
+        *({**base, "peer": "nvrx", "fault": "crash", "resumed": False, "resume_s": None, "steps_lost": None,
+           "human": "find the faulty machine, take it out and restart the job (training did not resume on its own)"}
+          for _ in range(2)),
+        {"peer": "nvrx", "fault": "crash", "error": "the job did not reach its warm-up steps"},  # not counted
+    ]
+    metrics, human = peers.metrics_of(trials, ["trainguard", "nvrx", "torchft"], ["crash", "hang"])
+    assert metrics["trainguard.crash.resume_s"]["median"] == 11.0 and metrics["trainguard.crash.resume_s"]["n"] == 3
+    assert metrics["trainguard.crash.healthy_taken_out"]["value"] == 1
+    assert metrics["nvrx.crash.resumed_rate"] == {"value": 0.0, "n": 2, "unit": "share"}
+    assert "nvrx.crash.resume_s" not in metrics and not any(k.endswith(".hang.resumed_rate") for k in metrics)
+    doc = {"metrics": metrics, "setup": {"trials": trials, "human": human,
+                                         "versions": {"trainguard": "0.1.0", "nvidia-resiliency-ext": "0.4.1",
+                                                      "torchft": "0.2.0"}}}
+    rows = table.peers_rows(doc)
+    assert rows[0] == "| fault | trainguard 0.1.0 | NVRx 0.4.1 | torchft 0.2.0 |"
+    tg, nvrx, tft = rows[2].split(" | ")[1:]
+    assert tg == "3/3 resumed, 11 s; full width 11 s; 0 steps again; 1 healthy machines out"
+    assert nvrx.startswith("not resumed (0/2). A human: find the faulty machine")
+    assert tft.startswith("3/3 resumed, 5 s; 0 steps again. A human: bring a machine in place")
+    assert table.peers_rows(doc, detail=False)[2].endswith("| 3/3 resumed, 5 s; 0 steps again |")

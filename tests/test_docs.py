@@ -103,6 +103,8 @@ def test_the_benchmark_tables_are_the_committed_results():
     page = (REPO / "docs" / "benchmarks.md").read_text()
     assert table.between(page, table.BEGIN, table.END) == "\n".join(table.rows())
     assert table.between(README, table.HEAD_BEGIN, table.HEAD_END) == "\n".join(table.headline())
+    assert table.between(page, table.PEERS_BEGIN, table.PEERS_END) == "\n".join(table.peers_rows())
+    assert table.between(README, table.PEERS_BEGIN, table.PEERS_END) == "\n".join(table.peers_rows(detail=False))
 
 
 @pytest.mark.parametrize("path", ["README.md", "docs/getting-started.md", "docs/guard-your-job.md"])
