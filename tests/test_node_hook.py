@@ -27,7 +27,8 @@ def test_fan_out_returns_each_machines_json(ns_cluster: Inventory, monkeypatch: 
 
 def test_credentials_come_from_the_airflow_connection(ns_cluster: Inventory, monkeypatch: pytest.MonkeyPatch):
     key = str(ns_cluster.resolve(ns_cluster.ssh["identity_file"]))
-    monkeypatch.setenv("AIRFLOW_CONN_TG_SSH", json.dumps({"conn_type": "ssh", "login": "root",
+    # trainguard's own connection type; one of the SSH provider's type "ssh" is read the same way
+    monkeypatch.setenv("AIRFLOW_CONN_TG_SSH", json.dumps({"conn_type": "trainguard_ssh", "login": "root",
                                                            "extra": {"key_file": key}}))
     hook = NodeHook(ns_cluster)
     assert hook.credentials() == ("root", key, None)

@@ -71,10 +71,9 @@ class FleetHook(BaseHook):
     :param ssh_conn_id: the Airflow connection with the machines' SSH login and key
     """
 
+    # its connection is its NodeHook's (the machines' SSH login): no connection type of its own
     conn_name_attr = "ssh_conn_id"
     default_conn_name = "tg_ssh"
-    conn_type = "ssh"
-    hook_name = "trainguard fleet"
 
     def __init__(self, *, settings: ControlSettings | None = None, ssh_conn_id: str | None = default_conn_name
                  ) -> None:

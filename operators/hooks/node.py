@@ -39,6 +39,7 @@ from airflow.sdk import BaseHook
 
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.transport import FANOUT, RunResult, Transport
+from trainguard.operators.provider_info import CONN_TYPE
 
 DEFAULT_CONN_ID = "tg_ssh"
 
@@ -106,8 +107,10 @@ class NodeHook(BaseHook):
 
     conn_name_attr = "ssh_conn_id"
     default_conn_name = DEFAULT_CONN_ID
-    conn_type = "ssh"
-    hook_name = "trainguard node"
+    # a type of its own (registered by trainguard.operators.provider_info), not the SSH provider's "ssh"; a
+    # connection of type "ssh" works as well: only its login and the extra's key_file or private_key are read
+    conn_type = CONN_TYPE
+    hook_name = "trainguard machines (SSH)"
 
     def __init__(self, inventory: Inventory | str | Path, *, ssh_conn_id: str | None = DEFAULT_CONN_ID,
                  connect_timeout_s: float = 5.0, connect_attempts: int = 2, max_parallel: int = FANOUT) -> None:
