@@ -208,23 +208,22 @@ def start_trainguard(inv: Inventory, trial_dir: Path, job: str) -> GuardedJob:
 def trainguard_record(g: GuardedJob, t_fault: float) -> dict[str, Any]:
     """What trainguard's fleet database says of the trial: the incidents opened after the fault (category, state,
     its swaps) and the machines it evicted."""
-    incidents = [i for i in g.ctl.fleet.incidents(g.job) if i.opened_ts >= t_fault - 1.0]
-    evicted = sorted({old for i in incidents for old in g.swaps(i.id)})
-    return {"incidents": [{"id": i.id, "category": i.category, "state": i.state, "swaps": g.swaps(i.id)}
-                          for i in incidents],
+    incidents = [(i, g.swaps(i.id)) for i in g.ctl.fleet.incidents(g.job) if i.opened_ts >= t_fault - 1.0]
+    evicted = sorted({old for _, swaps in incidents for old in swaps})
+    return {"incidents": [{"id": i.id, "category": i.category, "state": i.state, "swaps": swaps}
+                          for i, swaps in incidents],
             "evicted": evicted, "healthy_taken_out": [m for m in evicted if m != VICTIM]}
 
 
-def reset_cluster(inv: Inventory) -> Inventory:
+def reset_cluster(inv: Inventory) -> None:
     """What a repair crew does between trainguard trials: the victim machine's sshd and agent back (a lost
     machine's were killed), its faults cleared, every machine's role as the cluster came up."""
     assert inv.path is not None
     inject.clear(inv, VICTIM)
-    inv = cluster.up(SPEC, inv.path.parent, log=lambda *_: None)
-    for i, m in enumerate(inv.machines):
+    fresh = cluster.up(SPEC, inv.path.parent, log=lambda *_: None)
+    for i, m in enumerate(fresh.machines):
         m.role = SPEC.role(i)
-    inv.save(inv.path)
-    return inv
+    fresh.save(inv.path)
 
 
 # ---- reading the steps ------------------------------------------------------------------------------------------
