@@ -44,6 +44,7 @@ class _Opening(AlertTrigger):
     controller: Any = None
     opened: tuple[dict[str, Any], ...] = ()
     whole = False  # record the whole storm before the first event, not only its first batch
+    follow_s = 0.0  # what is timed is the first event: staying on the bus after it is not
 
     def _warm(self) -> None:
         return None

@@ -286,8 +286,47 @@ def _recording(tmp_path, monkeypatch, api_url: str | None):
         return AirflowApi(api_url, username="tg_notes", password="pw", retry_s=1.0)
 
     monkeypatch.setattr(AlertTrigger, "_api", api)
+    monkeypatch.setattr(AlertTrigger, "follow_s", 0.0)  # the follow has a test of its own
     trigger = AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.2, poll_s=0.05, record=True)
     return c, trigger
+
+
+def test_a_second_machines_fault_soon_after_joins_the_incident_the_trigger_just_started(tmp_path, monkeypatch,
+                                                                                        dag_runs):
+    """The trigger stays on the bus for ``follow_s`` after starting an incident's run: a GPU lost on a
+    second machine while the first machine's full disk is being handled joins that incident within a poll
+    (before its swap), instead of waiting ~10 s for the next guardian run to be scheduled."""
+    c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
+    monkeypatch.setattr(AlertTrigger, "follow_s", 3.0)
+    bus = open_bus(c.inventory.bus_url)
+    joined: dict[str, float] = {}
+
+    def second_fault() -> None:
+        deadline = time.monotonic() + 15
+        while not c.fleet.incidents("j") and time.monotonic() < deadline:
+            time.sleep(0.02)  # polling for the condition: the first incident exists
+        bus.publish(Alert("gpu_lost", "m2"))
+        published = time.monotonic()
+        while time.monotonic() < deadline:
+            [inc] = c.fleet.incidents("j")
+            if any(a.kind == "gpu_lost" for a in c.fleet.alerts_of(inc.id)):
+                joined["s"] = time.monotonic() - published
+                return
+            time.sleep(0.02)
+
+    t = threading.Thread(target=second_fault)
+    began = time.monotonic()
+    bus.publish(Alert("disk_full", "m1"))
+    t.start()
+    event = first_event(trigger)
+    t.join()
+    [inc] = c.fleet.incidents("j")  # one incident: the second fault joined it
+    assert joined["s"] < 1.0, joined
+    assert sorted(a.kind for a in c.fleet.alerts_of(inc.id)) == ["disk_full", "gpu_lost"]
+    assert c.unhandled_faults(inc.id) == {"m1": "disk_full", "m2": "gpu_lost"}
+    assert event["alerts"] == 2 and event["kinds"] == ["m1:disk_full", "m2:gpu_lost"]
+    assert list(dag_runs.runs) == [f"incident__{inc.id}"]  # one run
+    assert time.monotonic() - began >= 3.0  # it followed
 
 
 def test_the_guardians_trigger_records_the_batch_and_starts_the_incidents_run_itself(tmp_path, monkeypatch, dag_runs):

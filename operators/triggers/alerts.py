@@ -23,8 +23,11 @@ incident opens within a second or so of the storm's first alerts whatever its si
 and no event grows with the storm. Recording, the trigger then records the next batches one after the
 other (each joins the open incident; each commits the cursor) until the bus holds nothing unread or
 :attr:`AlertTrigger.drain_s` has passed, and fires once with what it recorded; a batch it cannot record is
-left unrecorded, and the next run reads it again. Without ``record``, each run fires with one batch and the
-next run reads the next.
+left unrecorded, and the next run reads it again. When it started incident runs, it then stays on the bus
+for :attr:`AlertTrigger.follow_s` more, recording each batch as it comes: a second machine's fault seconds
+after the first joins the open incident before its swap, rather than ~10 s later when the next guardian run
+is scheduled and deferred (on a loaded host), after the job was restarted onto that machine. Without
+``record``, each run fires with one batch and the next run reads the next.
 
 While it waits the trigger also watches trainguard itself: every second it lists the agents' heartbeats
 (:class:`trainguard.operators.policy.liveness.AgentWatch`) and reports an agent silent past ``silent_s`` on a machine
@@ -216,6 +219,10 @@ class AlertTrigger(BaseTrigger):
 
     #: how long a recording trigger goes on recording the batches of a storm before it fires
     drain_s = 60.0
+    #: how long a recording trigger that started incident runs stays on the bus, recording each batch as it
+    #: comes: a second machine's fault a few seconds after the first joins the open incident before its swap
+    #: (the next guardian run would read it only once it is scheduled and deferred, ~10 s on a loaded host)
+    follow_s = 20.0
 
     def __init__(self, bus_url: str, fleet_url: str = "", *, reader: str = GUARDIAN,
                  settle_s: float = DEFAULT_SETTLE_S, poll_s: float = DEFAULT_POLL_S, kinds: Sequence[str] = (),
@@ -297,6 +304,26 @@ class AlertTrigger(BaseTrigger):
             nxt = watch.event(batch, time.time())
             if not (batch or nxt["read"] or nxt["gone"] or nxt["quarantined"]):
                 break
+            done = self._record(nxt)
+            if not done.get("recorded"):
+                break
+            watch.commit(nxt)
+            out = _merged(out, done)
+        # a run it could not start is the guardian's task's to start: following would only delay that
+        follow = out.get("starts") and all(v == "started" for v in out["started"].values())
+        return self._follow(watch, out) if follow and self.follow_s > 0 else out
+
+    def _follow(self, watch: _Watch, out: dict[str, Any]) -> dict[str, Any]:
+        """Record each batch that reaches the bus within :attr:`follow_s` (every ``poll_s``), joining the
+        incidents just started; returns ``out`` with what was recorded merged in. A batch that cannot be
+        recorded ends the follow uncommitted: the next run reads it again."""
+        until = time.monotonic() + self.follow_s
+        while time.monotonic() < until:
+            batch = sorted(self._keep(watch.poll(tidy=False)), key=lambda a: a["ts"])
+            nxt = watch.event(batch, time.time())
+            if not (batch or nxt["read"] or nxt["gone"] or nxt["quarantined"]):
+                time.sleep(min(self.poll_s, max(0.0, until - time.monotonic())))
+                continue
             done = self._record(nxt)
             if not done.get("recorded"):
                 break
