@@ -75,7 +75,9 @@ SETTINGS = {"TG_ESCALATION_WINDOW_S": "1", "TG_BREAKER_SHARE": "0.75", "TG_BREAK
             "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "3", "TG_AGENT_SILENT_S": "10",
             "TG_RESUME_TIMEOUT_S": "120", "TG_STOP_GRACE_S": "2", "TG_ALERT_SETTLE_S": "1", **NO_SCHEDULES}
 TARGETS = {"jobs_dead": 0, "checkpoints_lost": 0, "resumed_or_waiting_rate": 1.0, "left_on_faulty_machine": 0,
-           "false_slow_incidents_30min": 0}
+           "false_slow_incidents_30min": 0, "second_fault_resume_ratio_max": 2.0}
+#: scenarios where a second machine's GPU fault joins the first machine's incident
+JOINED = ("disk_full_and_gpu_lost", "two_gpus_lost")
 TRIAL_TIMEOUT_S = 420.0
 
 
@@ -671,6 +673,14 @@ def metrics_of(trials: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     steps = [t["steps_lost"] for t in trials]
     if steps:
         metrics["steps_lost"] = summarize([float(s) for s in steps], "steps")
+    # a second machine's GPU fault joining an incident (a full disk's, or another lost GPU's): the worst
+    # trial's fault -> resumed against the median clean lost GPU of the same run
+    clean = [t["resume_s"] for t in trials if t["scenario"] == "gpu_lost" and t.get("resume_s")]
+    joined = [t["resume_s"] for t in trials if t["scenario"] in JOINED and t.get("resume_s")]
+    if clean and joined:
+        metrics["second_fault_resume_ratio_max"] = {
+            "value": round(max(joined) / statistics.median(clean), 3), "n": len(joined), "unit": "x",
+            "target": TARGETS["second_fault_resume_ratio_max"]}
     return metrics
 
 

@@ -68,7 +68,8 @@ VICTIM = "m2"
 LIGHTHOUSE_PORT = 29510
 RDZV_PORT = 29500
 WARMUP_STEPS = 15  # steps every replica finishes before a fault
-WATCH_S = 90.0  # how long after a fault the trial watches
+WATCH_S = 90.0  # how long after a fault the trial watches, at most
+SETTLED_STEPS = 5  # steps at full width after recovery before a trial may end early
 HEARTBEAT_S = 5.0  # NVRx's rank heartbeat timeout; torchft's lighthouse heartbeat timeout
 RESUMED_STEPS = 5  # steps begun after the fault that must finish before training counts as resumed
 SLOW_S = 3.0  # the slow fault's extra seconds a step
@@ -316,6 +317,20 @@ def judge_slow(lines: list[dict[str, Any]], t_fault: float, replica: str) -> dic
     return out
 
 
+def settled(lines: list[dict[str, Any]], t_fault: float, fault: str, peer: str, g: GuardedJob | None) -> bool:
+    """Nothing more for the trial to see: training resumed, at its full width again (for ``slow``: back at its
+    pace) :data:`SETTLED_STEPS` steps ago, and no incident of trainguard's open."""
+    if fault == "slow":
+        verdict = judge_slow(lines, t_fault, "0" if peer == "torchft" else MACHINES[0])
+        done = verdict["resumed"] and max(d["ts"] for d in lines) >= t_fault + verdict["resume_s"] + SLOW_S
+    else:
+        verdict = judge(lines, t_fault, len(MACHINES))
+        full = verdict["full_width_s"]
+        done = full is not None and sum(d["ts"] > t_fault + full for d in lines) >= SETTLED_STEPS * len(MACHINES)
+    return bool(done) and (g is None or all(i.state != "open" for i in g.ctl.fleet.incidents(g.job)
+                                            if i.opened_ts >= t_fault - 1.0))
+
+
 def human_work(fault: str, verdict: dict[str, Any]) -> str:
     """What a person had to do for the job to train at its full width and pace again, read from the verdict."""
     if not verdict.get("resumed"):
@@ -381,7 +396,11 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
                                for f in sorted(trial_dir.glob("*.out"))}}
         t_fault = time.time()
         undo = inflict(ms, trial_dir, fault)
-        time.sleep(watch_s)  # the trial's observation window: the peers act on their own in it
+        # the trial's observation window: the peers act on their own in it; it ends early once training is
+        # back at its full width (and pace) with nothing of trainguard's still open
+        with contextlib.suppress(TimeoutError):
+            poll(lambda: settled(step_lines(trial_dir), t_fault, fault, peer, guarded), timeout=watch_s,
+                 interval=2.0, what="the fault's recovery")
         lines = step_lines(trial_dir)
         verdict = judge(lines, t_fault, len(MACHINES))
         if fault == "slow":  # training never stopped: back at its pace is what counts

@@ -50,13 +50,13 @@ def _value(m: dict[str, Any]) -> str:
 
 def rows() -> list[str]:
     out = ["| benchmark | metric | median | p90 | n | target | command |", "|---|---|---|---|---|---|---|"]
-    for doc in _documents().values():
+    for stem, doc in _documents().items():  # a file's name: one script may write several (chaos, chaos_joins)
         for key, m in doc["metrics"].items():
             cmd = f"`python bench/{m.get('script', doc['name'])}.py`"  # a metric another script adds to the file
             target = m.get("target")
             p90 = "" if m.get("p90") is None else f"{m['p90']:g}"
             out.append(
-                f"| {doc['name']} | {key} | {_value(m)} | {p90} | {m['n']} | "
+                f"| {stem} | {key} | {_value(m)} | {p90} | {m['n']} | "
                 f"{'' if target is None else target} | {cmd} |"
             )
     return out

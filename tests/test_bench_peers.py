@@ -120,3 +120,19 @@ def test_the_side_by_side_table_says_per_fault_what_each_system_did():
     assert nvrx.startswith("not resumed (0/2). A human: find the faulty machine")
     assert tft.startswith("3/3 resumed, 5 s; 0 steps again. A human: bring a machine in place")
     assert table.peers_rows(doc, detail=False)[2].endswith("| 3/3 resumed, 5 s; 0 steps again |")
+
+
+def test_a_trial_ends_early_only_once_training_is_back_at_full_width_for_a_few_steps():
+    peers = _peers()
+    four = (("m0", 1), ("m1", 2), ("m2", 3), ("m3", 4))
+    before = [line(s, 100.0 + s, r, pid) for s in range(10) for r, pid in four]
+
+    def restarted(steps: int) -> list[dict]:  # the fault at 110: a restart on new pids from step 7, at 113
+        return [line(s, 113.0 + s, r, pid + 10) for s in range(7, 7 + steps) for r, pid in four]
+
+    assert not peers.settled(before, 110.0, "crash", "nvrx", None)  # nothing after the fault yet
+    assert not peers.settled(before + restarted(peers.SETTLED_STEPS), 110.0, "crash", "nvrx", None)
+    assert peers.settled(before + restarted(peers.SETTLED_STEPS + 1), 110.0, "crash", "nvrx", None)
+    # survivors training on at three of four never settle: the lost replica is not back
+    narrow = [line(s, 100.5 + s, r, pid, 3) for s in range(10, 40) for r, pid in four[:3]]
+    assert not peers.settled(before + narrow, 110.0, "crash", "torchft", None)
