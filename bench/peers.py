@@ -469,7 +469,10 @@ def main() -> int:
         for n in range(args.trials):
             for peer in peers:
                 for fault in faults:
-                    t = run_trial(inv, home, peer, fault, n, args.watch_s)
+                    try:
+                        t = run_trial(inv, home, peer, fault, n, args.watch_s)
+                    except Exception as exc:  # one trial's harness failure is reported, the others still run
+                        t = {"peer": peer, "fault": fault, "error": f"{type(exc).__name__}: {exc}"[:500]}
                     print(json.dumps(t), flush=True)
                     trials.append(t)
     metrics, human = metrics_of(trials, peers, faults)
