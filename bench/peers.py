@@ -220,11 +220,12 @@ def reset_cluster(inv: Inventory) -> None:
     """What a repair crew does between trainguard trials: the victim machine's sshd and agent back (a lost
     machine's were killed), its faults cleared, every machine's role as the cluster came up."""
     assert inv.path is not None
-    inject.clear(inv, VICTIM)
-    fresh = cluster.up(SPEC, inv.path.parent, log=lambda *_: None)
+    inject.clear(inv, VICTIM, "nic_down")  # its link up (from the host)
+    fresh = cluster.up(SPEC, inv.path.parent, log=lambda *_: None)  # its sshd and agent again
     for i, m in enumerate(fresh.machines):
         m.role = SPEC.role(i)
     fresh.save(inv.path)
+    inject.clear(fresh, VICTIM)  # then the rest of its faults, over SSH
 
 
 # ---- reading the steps ------------------------------------------------------------------------------------------
@@ -270,13 +271,20 @@ def judge(lines: list[dict[str, Any]], t_fault: float, width: int) -> dict[str, 
     if len({d["step"] for d in resumed}) < RESUMED_STEPS:  # a step or two, then down again, is not training
         return out
     out.update(resumed=True, resume_s=round(resumed[0]["ts"] - t_fault, 2))
-    # steps the job finished again: a restart from an older checkpoint redoes them, replicas that train on do not
-    out["steps_lost"] = len({d["step"] for d in after} & {d["step"] for d in before})
+    # steps the job finished again: a restart from an older checkpoint redoes them from the lowest step a new
+    # process finished (a restart from nothing, from step 0: every step), replicas that train on redo none
+    done_before = {d["step"] for d in before}
+    redone = [d["step"] for d in after if d["pid"] not in pids_before and d["step"] in done_before]
+    out["steps_lost"] = len({s for s in done_before if s >= min(redone)}) if redone else 0
+    # full width again: steps in the order they finished (a restarted process counts its steps again from
+    # where it restored, even from 0), the step in flight at the fault left out
     by_step: dict[int, list[dict[str, Any]]] = {}
     for d in after:
+        if d["step"] <= last + 1 and d["pid"] in pids_before:  # in flight at the fault on the same processes
+            continue
         by_step.setdefault(d["step"], []).append(d)
     narrowed = False
-    for step in sorted(by_step):
+    for step in sorted(by_step, key=lambda k: min(d["ts"] for d in by_step[k])):
         ds = by_step[step]
         full = max(d["participants"] for d in ds) >= width and len({d["replica"] for d in ds}) >= width
         if not full:
@@ -382,6 +390,7 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
     undo: Any = None
     try:
         if peer == "trainguard":
+            reset_cluster(inv)  # a machine another system's trial lost comes back first (trainguard needs its sshd)
             guarded = start_trainguard(inv, trial_dir, f"peers-{fault}-{n}")
         elif peer == "nvrx":
             start_nvrx(ms, trial_dir)
@@ -408,7 +417,7 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
         record = trainguard_record(guarded, t_fault) if guarded is not None else {"healthy_taken_out": []}
         detected = bool(record.get("incidents")) if guarded is not None else (
             verdict["resumed"] if fault == "slow" else verdict["restarted"] or verdict["narrowed"])
-        return {"peer": peer, "fault": fault, "detected": detected, **verdict, **record,
+        return {"peer": peer, "fault": fault, "t_fault": round(t_fault, 3), "detected": detected, **verdict, **record,
                 "human": human_work(fault, verdict)}
     finally:
         if undo is not None:
@@ -460,6 +469,9 @@ def main() -> int:
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--watch-s", type=float, default=WATCH_S, help="how long each trial watches after its fault")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--into", type=Path, help="an earlier result of this script: the trials run now replace its "
+                                              "trials of the same system and fault, the rest are kept, and the rerun "
+                                              "is listed in its setup's reruns")
     args = ap.parse_args()
     stop_on_sigterm()
     peers = [p for p in args.peers.split(",") if p]
@@ -475,13 +487,34 @@ def main() -> int:
                         t = {"peer": peer, "fault": fault, "error": f"{type(exc).__name__}: {exc}"[:500]}
                     print(json.dumps(t), flush=True)
                     trials.append(t)
+    setup: dict[str, Any] = {"spec": SPEC.__dict__, "machines": MACHINES, "versions": versions(),
+                             "watch_s": args.watch_s, "heartbeat_s": HEARTBEAT_S, "slow_s": SLOW_S,
+                             "commit": _commit(), "reruns": []}
+    if args.into:
+        setup, trials = merged(json.loads(args.into.read_text())["setup"], trials, peers, faults)
+    peers = [p for p in PEERS if any(t["peer"] == p for t in trials)]
+    faults = [f for f in FAULTS if any(t["fault"] == f for t in trials)]
     metrics, human = metrics_of(trials, peers, faults)
-    print(write_result("peers", quick=False, setup={"spec": SPEC.__dict__, "machines": MACHINES,
-                                                   "versions": versions(), "watch_s": args.watch_s,
-                                                   "heartbeat_s": HEARTBEAT_S, "slow_s": SLOW_S,
-                                                   "human": human, "trials": trials},
+    print(write_result("peers", quick=False, setup={**setup, "human": human, "trials": trials},
                        metrics=metrics, out=args.out))
     return 0
+
+
+def merged(setup: dict[str, Any], trials: list[dict[str, Any]], peers: list[str], faults: list[str]
+           ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """An earlier run's setup and trials with ``trials`` (of ``peers`` x ``faults``) in place of its own of the
+    same system and fault; the rerun listed (when, at which commit, what, why: the trials it replaced)."""
+    redo = {(p, f) for p in peers for f in faults}
+    kept = [t for t in setup["trials"] if (t["peer"], t["fault"]) not in redo]
+    rerun = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": _commit(),
+             "peers": peers, "faults": faults, "trials": len(trials),
+             "replaced": len(setup["trials"]) - len(kept)}
+    return ({**setup, "reruns": [*setup.get("reruns", []), rerun]}, kept + trials)
+
+
+def _commit() -> str:
+    out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
 
 
 if __name__ == "__main__":

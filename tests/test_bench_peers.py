@@ -136,3 +136,30 @@ def test_a_trial_ends_early_only_once_training_is_back_at_full_width_for_a_few_s
     # survivors training on at three of four never settle: the lost replica is not back
     narrow = [line(s, 100.5 + s, r, pid, 3) for s in range(10, 40) for r, pid in four[:3]]
     assert not peers.settled(before + narrow, 110.0, "crash", "torchft", None)
+
+
+def test_replicas_that_start_again_from_nothing_lose_every_step_and_are_not_back_at_full_width():
+    """torchft's replica groups all restarted at once (no live peer to heal from): training goes on from step 0,
+    at three of four replicas. Every step done before is lost, and the step in flight at the fault (at full
+    width, on the old processes) does not count as full width again."""
+    judge = _peers().judge
+    four = (("0", 1), ("1", 2), ("2", 3), ("3", 4))
+    before = [line(s, 100.0 + 0.5 * s, r, pid) for s in range(20) for r, pid in four]  # steps 0..19, last at 109.5
+    in_flight = [line(20, 110.01, r, pid) for r, pid in four]
+    again = [line(s, 130.0 + 0.2 * s, r, pid + 10, 3) for s in range(15) for r, pid in (four[0], four[1], four[3])]
+    got = judge(before + in_flight + again, 110.0, 4)
+    assert got["resumed"] and got["resume_s"] == 20.0 and got["steps_lost"] == 20
+    assert got["full_width_s"] is None and got["narrowed"]
+
+
+def test_a_rerun_replaces_only_the_trials_of_its_systems_and_faults_and_is_listed():
+    peers = _peers()
+    old = {"versions": {"torchft": "0.2.0"}, "trials": [
+        {"peer": p, "fault": f, "n": 0} for p in ("trainguard", "torchft") for f in ("crash", "nan")]}
+    new = [{"peer": "torchft", "fault": "nan", "n": 1}]
+    setup, trials = peers.merged(old, new, ["torchft"], ["nan"])
+    assert sorted((t["peer"], t["fault"], t["n"]) for t in trials) == [
+        ("torchft", "crash", 0), ("torchft", "nan", 1), ("trainguard", "crash", 0), ("trainguard", "nan", 0)]
+    [rerun] = setup["reruns"]
+    assert rerun["peers"] == ["torchft"] and rerun["faults"] == ["nan"] and rerun["replaced"] == 1
+    assert setup["versions"] == {"torchft": "0.2.0"}
