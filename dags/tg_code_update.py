@@ -17,6 +17,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
+from trainguard.operators.sensors.resume import CodeResumeSensor
 from trainguard.operators.utils.schedules import schedule_from_env
 
 NAME = r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62})?$"
@@ -40,15 +41,6 @@ def tg_code_update():
 
         return code_update.code_update(params["job"], params["revision"], params["urgency"], params["reason"])
 
-    @task.sensor(poke_interval=2, timeout=600, mode="poke")
-    def training_resumed(result: dict):
-        from airflow.sdk import PokeReturnValue
-
-        from trainguard.operators.tasks import code_update
-
-        info = code_update.code_resumed(result)
-        return PokeReturnValue(is_done=info is not None, xcom_value=info)
-
     @task(trigger_rule="all_done")
     def rearm(result: dict | None = None) -> dict:
         from trainguard.operators.tasks import code_update
@@ -62,10 +54,11 @@ def tg_code_update():
         return code_update.code_conclude(result, resumed)
 
     result = update()
-    resumed = training_resumed(result)
+    # deferred: no worker slot is held while the restarted jobs come back
+    resumed = CodeResumeSensor(task_id="training_resumed", update=result)
     rearmed = rearm(result)
     resumed >> rearmed
-    rearmed >> conclude(result, resumed)  # last: the run fails when the update or its resume did
+    rearmed >> conclude(result, resumed.output)  # last: the run fails when the update or its resume did
 
 
 tg_code_update()

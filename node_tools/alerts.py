@@ -100,6 +100,8 @@ ALERT_KINDS: dict[str, str] = {
                 "job runs and no incident handles it",
     "job_stalled": "the reconciler found every machine running the job but its lowest step unchanged for longer than "
                    "TG_RECONCILE_STALL_S, no rank holding still, and no incident handling it",
+    "job_held": "the reconciler found a rank holding still on purpose (the NaN guard waiting for a restart from the "
+                "last finite step) on two looks TG_RECONCILE_CONFIRM_S apart, and no incident handling it",
 }
 
 #: Kinds published to the bus's notices folder instead of its alerts.

@@ -318,13 +318,3 @@ def note(verdicts: Sequence[Mapping[str, Any]], promotions: Sequence[Mapping[str
             line += f"; S3 upload incomplete: {p['problems'][0] if p['problems'] else '?'}"
         parts.append(line)
     return "; ".join(parts)
-
-
-def s3_credentials(access_key: str | None, secret_key: str | None, token: str | None,
-                   region: str | None) -> dict[str, str]:
-    """The AWS_* variables handed to the machines' upload commands."""
-    env = {"AWS_ACCESS_KEY_ID": access_key or "", "AWS_SECRET_ACCESS_KEY": secret_key or "",
-           "AWS_DEFAULT_REGION": region or "us-east-1"}
-    if token:
-        env["AWS_SESSION_TOKEN"] = token
-    return {k: v for k, v in env.items() if v}

@@ -74,6 +74,7 @@ class FakeFleet(Transport):
         self.progress_age: float | None = None  # seconds since each rank's last progress, as its heartbeat says
         self.agent_restarted: list[str] = []
         self.rescued: list[tuple[str, int, int]] = []
+        self.envs: list[tuple[str, list[str], dict[str, str]]] = []  # each command's extra environment
 
     # ---- the job ---------------------------------------------------------------------------------------
     def launch(self, machines: Sequence[str]) -> None:
@@ -111,6 +112,7 @@ class FakeFleet(Transport):
         argv = [str(a) for a in argv]
         name = machine.name
         self.commands.append((name, argv[1:]))
+        self.envs.append((name, argv[1:], dict(env or {})))
         if name in self.unreachable:
             return RunResult(name, argv, 255, "", f"ssh: connect to host {machine.address} port 22: No route to host",
                              0.01, reachable=False)
@@ -165,7 +167,8 @@ class FakeFleet(Transport):
             if self.rescue_fails:
                 return self._ok(name, argv, {"error": f"machine {name}: the remote tier refused the write"}, 2)
             step = int(argv[argv.index("--step") + 1])
-            tier = open_tier(argv[argv.index("--to") + 1])
+            endpoint = argv[argv.index("--endpoint-url") + 1] if "--endpoint-url" in argv else ""
+            tier = open_tier(argv[argv.index("--to") + 1], endpoint_url=endpoint)
             mine = sorted({(s, r) for t, s, r in self.copies.get(name, []) if s == step})
             for s, r in mine:
                 self.rescued.append((name, s, r))

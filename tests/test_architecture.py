@@ -95,3 +95,28 @@ def test_the_dags_import_only_the_control_planes_airflow_facing_modules():
         banned = ("trainguard.operators.tasks", "trainguard.operators.control", "trainguard.emulation")
         assert not {m for m in names if m and m.startswith(banned)}, \
             (path.name, names)
+
+
+#: Airflow modules the product may not import: the task SDK's internals and the core's ORM (public: airflow.sdk,
+#: the providers, airflow.triggers.base, airflow.plugins_manager, airflow.exceptions, airflow.configuration)
+PRIVATE_AIRFLOW = ("airflow.sdk.execution_time", "airflow.sdk._shared", "airflow.models", "airflow.utils.session",
+                   "airflow.jobs", "airflow.executors")
+
+
+def _airflow_imports(path: Path) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("airflow"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("airflow"):
+            out.add(node.module)
+    return out
+
+
+def test_the_product_imports_no_private_airflow_module():
+    files = [p for d in ("operators", "dags", "trainguard") for p in (REPO / d).rglob("*.py")]
+    seen = {m for p in files for m in _airflow_imports(p)}
+    assert "airflow.sdk" in seen  # the imports are read
+    private = {(p.relative_to(REPO).as_posix(), m) for p in files for m in _airflow_imports(p)
+               if m.startswith(PRIVATE_AIRFLOW)}
+    assert private == set()

@@ -138,6 +138,7 @@ def test_the_code_update_form_takes_an_urgency_of_its_enum_and_waits_for_trainin
     dag = dagbag.get_dag("tg_code_update")
     assert set(dag.params.keys()) == {"job", "revision", "urgency", "reason"} and dag.max_active_runs == 1
     assert dag.get_task("training_resumed").upstream_task_ids == {"update"}
+    assert type(dag.get_task("training_resumed")).__name__ == "CodeResumeSensor"  # deferred: no worker held
     assert dag.get_task("rearm").upstream_task_ids == {"update", "training_resumed"}
     assert dag.get_task("rearm").trigger_rule == "all_done"
     # the run's last task: a failed update (or resume) fails the run, as the UI shows it

@@ -187,6 +187,47 @@ def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_
         {k: v for k, v in payload.items() if k != "checks"}).resumed
 
 
+def test_the_code_updates_resume_wait_defers_and_fires_once_every_restarted_job_answered(tmp_path, monkeypatch):
+    """tg_code_update's training_resumed holds no worker: it defers to a trigger that asks every poll whether
+    each job the update restarted trained again (or ended), and fires once with the answers."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from trainguard.operators.sensors.resume import CodeResumeSensor
+    from trainguard.operators.tasks import code_update
+    from trainguard.operators.triggers.resume import CodeResumeTrigger
+
+    update = {"restarts": [{"job": "j", "restart_ts": 100.0}]}
+    sensor = CodeResumeSensor(task_id="training_resumed", update=update)
+    with pytest.raises(TaskDeferred) as deferred:
+        sensor.execute({})
+    trigger = deferred.value.trigger
+    assert isinstance(trigger, CodeResumeTrigger) and deferred.value.method_name == "execute_complete"
+    path, kwargs = trigger.serialize()
+    assert path == "trainguard.operators.triggers.resume.CodeResumeTrigger"
+    assert deferred.value.timeout is not None and deferred.value.timeout.total_seconds() == 600
+    # a lazy update or the sweep restarted nothing: nothing to wait for
+    assert CodeResumeSensor(task_id="w", update={"restarts": []}).execute({}) == {"resumed": {}, "ended": {}}
+
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    answers: list = []
+
+    def resumed(upd, ctl=None):  # the first two checks: the job has not trained since its restart
+        assert ctl is c and upd == update  # the triggerer's shared controller, the update rebuilt from JSON
+        answers.append(None if len(answers) < 2 else {"resumed": {"j": {"first_step": 6}}, "ended": {}})
+        return answers[-1]
+
+    monkeypatch.setattr(code_update, "code_resumed", resumed)
+
+    async def first_event():
+        async for event in CodeResumeTrigger(**{**kwargs, "poll_s": 0.01}).run():
+            return event.payload
+
+    payload = asyncio.run(first_event())
+    assert len(answers) == 3 and payload["checks"] == 3
+    assert sensor.execute_complete({}, payload) == {"resumed": {"j": {"first_step": 6}}, "ended": {}}
+
+
 def test_a_restart_job_run_again_while_its_incident_waits_for_a_human_restarts_and_reopens_it(tmp_path, monkeypatch):
     from trainguard.operators.tasks import incident as steps
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.fakes import alert, fleet_controller, recover, use_controller
+from tests.fakes import alert, fleet_controller, recover, run_incident, use_controller
 from trainguard.operators.control import Controller
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.fleet.store import FleetError, FleetStore, FleetUnavailable
@@ -572,3 +572,61 @@ def test_a_wrong_statement_is_not_an_outage():
     assert transient(locked)
     assert not transient(sa.exc.OperationalError("SELECT", {}, __import__("sqlite3").OperationalError(
         "no such column: nosuch")))
+
+
+def test_a_rank_held_by_the_nan_guard_with_no_incident_handling_it_is_found_on_the_second_look():
+    """The NaN guard holds still and waits for the control plane; when no incident handles the job (the NaN's
+    alerts joined an incident that closed), the wait would last for ever: two looks confirm_s apart report it."""
+    memory = JobMemory()
+    run = {"m0": "running", "m1": "running"}
+    assert policy.judge_look("j", Look(ts=0.0, states=run, step=38), memory, confirm_s=15, stall_s=300) == []
+    held = (0, 1)
+    assert policy.judge_look("j", Look(ts=10.0, states=run, step=38, held=held), memory, confirm_s=15,
+                             stall_s=300) == []
+    assert policy.judge_look("j", Look(ts=20.0, states=run, step=38, held=held), memory, confirm_s=15,
+                             stall_s=300) == []  # 10 s: not yet
+    [found] = policy.judge_look("j", Look(ts=26.0, states=run, step=38, held=held, incarnations={"m0": 2}), memory,
+                                confirm_s=15, stall_s=300)
+    assert found.kind == "job_held" and found.machines == ("m0", "m1") and "hold still at step 38" in found.reason
+    assert found.evidence["held"] == [0, 1]
+    # a hold that ends (the job was restarted) clears it; a new hold needs two looks again
+    assert policy.judge_look("j", Look(ts=30.0, states=run, step=39), memory, confirm_s=15, stall_s=300) == []
+    assert policy.judge_look("j", Look(ts=50.0, states=run, step=40, held=(1,)), memory, confirm_s=15,
+                             stall_s=300) == []
+    # the alert it raises is a NaN's for the ladder, and the same observation raises the same alert once
+    from trainguard.operators.control.reconcile import ALERT_KIND, finding_alert_id
+    from trainguard.operators.policy import ladder
+
+    assert ladder.triage("j", [{"kind": ALERT_KIND["job_held"], "machine": "m0", "job": "j", "ts": 26.0,
+                                "severity": "fault"}]).category == "nan"
+    assert finding_alert_id(found) == finding_alert_id(policy.Finding.read(found.dump()))
+
+
+def test_a_nan_that_comes_back_after_the_restart_is_handed_to_a_new_incident_a_level_up(tmp_path, monkeypatch):
+    """A machine that keeps making NaN: the first incident restores the last finite step and restarts; the
+    NaN comes back at the next step and its alerts join that incident before it closes. Before, the incident
+    closed "resumed" over them and the job held still for ever; now they open a new incident a level up (its
+    run started), which the ladder handles as a repeat."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, _fleet = fleet_controller(tmp_path)
+    out = run_incident(c, [alert("nan_loss", f"m{r}", rank=r) for r in range(4)], monkeypatch,
+                       joined_late=[alert("nan_loss", f"m{r}", rank=r, ts=time.time() + 1) for r in range(4)])
+    first = c.fleet.incident(out["incident"])
+    assert first.state == "resolved" and "the failure came back after the restart" in first.summary, first.summary
+    [new] = [i for i in c.fleet.incidents("j") if i.id != first.id]
+    assert new.state == "open" and new.level == first.level + 1
+    assert len(c.fleet.alerts_of(first.id)) == 4 and len(c.fleet.alerts_of(new.id)) == 4  # moved, not copied
+    assert out["closed"]["handed_on"]["incident"] == new.id
+    decision = steps.triage(new.id)
+    assert decision["action"] in ("rollback", "replay"), decision  # the ladder's level 1 for a NaN
+    # closing again (a retry of close_incident) moves nothing more and opens nothing more
+    steps.close(first.id, None, out["result"]["recovery"], out["resumed"])
+    assert len(c.fleet.incidents("j")) == 2
+
+
+def test_a_clean_restart_hands_nothing_on(tmp_path, monkeypatch):
+    c, _fleet = fleet_controller(tmp_path)
+    out = run_incident(c, [alert("nan_loss", f"m{r}", rank=r) for r in range(4)], monkeypatch)
+    assert c.fleet.incident(out["incident"]).state == "resolved" and len(c.fleet.incidents("j")) == 1
+    assert "handed_on" not in out["closed"]

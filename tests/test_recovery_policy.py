@@ -184,6 +184,38 @@ def test_an_eviction_that_would_take_every_copy_of_a_rank_rescues_them_to_the_re
     assert out["closed"]["state"] == "resolved" and c.fleet.job("j").machine_list == ["m4", "m1", "m2", "m5"]
 
 
+def test_the_eviction_reads_and_rescues_to_s3_through_the_s3_connection_not_the_processs_environment(
+        tmp_path, monkeypatch, s3_endpoint):
+    """The control plane's S3 keys and endpoint are its Airflow connection's (``tg_s3``): the listing of the
+    remote copies and the rescue command handed to the machines use them, whatever the Airflow process's own
+    ``AWS_*`` variables and ``TG_S3_ENDPOINT_URL`` say (here: other keys and an endpoint nobody listens on)."""
+    import json
+
+    import boto3
+
+    from tests.fakes import replicated_copies
+    from trainguard.checkpoint.s3 import open_tier
+
+    boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(Bucket="evict-rescue")
+    url = "s3://evict-rescue/j"
+    monkeypatch.setenv("AIRFLOW_CONN_TG_S3", json.dumps({
+        "conn_type": "aws", "login": "conn-key", "password": "conn-secret",
+        "extra": {"endpoint_url": s3_endpoint, "region_name": "eu-west-1"}}))
+    monkeypatch.setenv("TG_S3_ENDPOINT_URL", "http://127.0.0.1:9")  # discard port: nothing answers
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "process-key")
+    c, fleet = fleet_controller(tmp_path, topology=DEMO, train_args=["--checkpoint", "--checkpoint-remote", url])
+    fleet.copies = replicated_copies(DEMO, ["m0", "m1", "m2", "m3"], [237, 238])
+    fleet.l2 = {"m0": "3 wrong results", "m3": "3 wrong results"}
+    out = run_incident(c, [alert("rank_exit", "m1", rank=2)], monkeypatch)
+    kept = next(a for a in c.fleet.actions(out["incident"]) if a.kind == "evict").evidence["checkpoint"]
+    assert kept["safe"] and kept["rescued"] == {"m0": [0, 1, 6, 7]}, kept
+    [(_m, argv, env)] = [e for e in fleet.envs if e[1][:2] == ["ckpt", "rescue"]]
+    assert argv[argv.index("--endpoint-url") + 1] == s3_endpoint
+    assert env == {"AWS_ACCESS_KEY_ID": "conn-key", "AWS_SECRET_ACCESS_KEY": "conn-secret",
+                   "AWS_DEFAULT_REGION": "eu-west-1"}
+    assert {(238, r) for r in (0, 1, 6, 7)} <= set(open_tier(url, endpoint_url=s3_endpoint).list_copies())
+
+
 def test_an_eviction_that_cannot_rescue_falls_back_to_the_newest_step_complete_without_the_machines(
         tmp_path, monkeypatch):
     c, fleet, _url = _two_fail_l2(tmp_path, older_in_remote=230)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -16,6 +15,7 @@ from trainguard.node_tools.logs import UNRESTORABLE_KIND
 from trainguard.node_tools.transport import RunResult
 from trainguard.operators.control.base import ControllerBase, held_copies
 from trainguard.operators.fleet import states
+from trainguard.operators.hooks.s3 import S3Access, s3_access
 from trainguard.operators.policy import ladder
 
 PROBE_TIMEOUT_S = 15.0  # the most a standby's answer is waited for when nothing else answers
@@ -229,13 +229,17 @@ class Evictions(ControllerBase):
         j = self.fleet.job(job)
         return stored_spec(j).remote_url(list(j.train_args))
 
-    def remote_copies(self, url: str) -> tuple[set[tuple[int, int]], str]:
-        """The ``(step, rank)`` copies in a remote tier, and why not ("" when it answered)."""
+    def remote_copies(self, url: str, access: S3Access | None = None) -> tuple[set[tuple[int, int]], str]:
+        """The ``(step, rank)`` copies in a remote tier, and why not ("" when it answered); an S3 tier through
+        ``access`` (default: :func:`trainguard.operators.hooks.s3.s3_access`)."""
         from trainguard.checkpoint.errors import S3TierError
         from trainguard.checkpoint.s3 import open_tier
 
         try:
-            tier = open_tier(url, endpoint_url=os.environ.get("TG_S3_ENDPOINT_URL", ""), timeout_s=5.0)
+            if url.startswith("file://"):
+                return set(open_tier(url).list_copies()), ""
+            access = access or s3_access()
+            tier = open_tier(url, endpoint_url=access.endpoint_url, timeout_s=5.0, client=access.client)
             return set(tier.list_copies()), ""
         except S3TierError as exc:
             return set(), str(exc)
@@ -281,7 +285,9 @@ class Evictions(ControllerBase):
         if max_step is not None:  # the restart restores no newer step: only those count
             copies = {n: None if c is None else [x for x in c if x[1] <= max_step] for n, c in copies.items()}
         url = self.remote_url(job)
-        remote, remote_error = self.remote_copies(url) if url else (set(), "no remote tier")
+        # one way to S3 for the listing and the rescue: the control plane's connection (its endpoint, its keys)
+        access = s3_access() if url.startswith("s3://") else S3Access()
+        remote, remote_error = self.remote_copies(url, access) if url else (set(), "no remote tier")
         if max_step is not None:
             remote = {x for x in remote if x[0] <= max_step}
         safety = eviction_safety(copies, remote, evict=evict, world_size=world)
@@ -295,14 +301,13 @@ class Evictions(ControllerBase):
             return out
         why = remote_error or "nothing to rescue from"
         if url and safety.rescue and not self.cfg.dry_run:
-            env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
             step = str(safety.step)
             done = self._run(self.machines(sorted(safety.rescue)), lambda m: [
                 self.inventory.tg_node, "ckpt", "rescue", "--job", job, "--step", step, "--to", url,
-                "--endpoint-url", os.environ.get("TG_S3_ENDPOINT_URL", "")], timeout=600, env=env)
+                "--endpoint-url", access.endpoint_url], timeout=600, env=access.env)
             out["rescued"] = {n: [u["rank"] for u in (r.answer() or {}).get("uploaded", [])] if r.ok else r.describe()
                               for n, r in done.items()}
-            remote, remote_error = self.remote_copies(url)
+            remote, remote_error = self.remote_copies(url, access)
             remote = {x for x in remote if max_step is None or x[0] <= max_step}
             again = eviction_safety(copies, remote, evict=evict, world_size=world)
             if again.step == safety.step and again.safe and all(isinstance(v, list) and v

@@ -315,6 +315,18 @@ class Incidents(ControllerBase):
                 out.setdefault(a.machine, set()).add(a.kind)
         return {m: ", ".join(sorted(k)) for m, k in sorted(out.items())}
 
+    def recurred(self, incident_id: int, *, since: float) -> list[Any]:
+        """The incident's alerts stamped at or after ``since`` (its restart) that say the job failed again the
+        way the ladder handles by restarting (a crash, a hang, a NaN, diverged parameters): the failure came
+        back after the recovery. Explicit machine faults are not among them (they are pending faults, evicted
+        before the incident closes), nor slowdowns (a restart's first steps are slow)."""
+        kinds = ladder.CRASH | ladder.HANG | ladder.NUMERIC | ladder.SDC
+        late = [a for a in self.fleet.alerts_of(incident_id, kinds=kinds) if a.ts >= since]
+        if not late:
+            return []
+        t = ladder.triage("", [a.document for a in late])
+        return late if t.category in ("crash", "hang", "nan", "sdc") else []
+
     def implicate(self, incident_id: int, machine: str, why: str) -> None:
         """Record that the incident's failure started on ``machine`` (its logs say so)."""
         self.fleet.record_action(f"implicate:{incident_id}:{machine}", kind="implicate", incident_id=incident_id,

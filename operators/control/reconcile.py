@@ -29,7 +29,8 @@ from trainguard.operators.policy.reconcile import Finding, JobMemory, Look
 from trainguard.operators.policy.rungs import run_id
 
 #: the alert kind each finding opens its incident with
-ALERT_KIND = {"job_down": "job_down", "job_stalled": "job_stalled", "agent_silent": "agent_silent"}
+ALERT_KIND = {"job_down": "job_down", "job_stalled": "job_stalled", "job_held": "job_held",
+              "agent_silent": "agent_silent"}
 #: a look at a job's machines waits this long for each
 LOOK_TIMEOUT_S = 10.0
 #: a launch of the job started this recently and not finished is under way (an older one died with its task)
@@ -42,6 +43,7 @@ def finding_alert_id(f: Finding) -> str:
     ev = f.evidence
     basis = {"job_down": lambda: [sorted(f.machines), sorted((ev.get("incarnations") or {}).items())],
              "job_stalled": lambda: [ev.get("step"), sorted((ev.get("incarnations") or {}).items())],
+             "job_held": lambda: [ev.get("step"), ev.get("held"), sorted((ev.get("incarnations") or {}).items())],
              "unhandled_fault": lambda: sorted(ev.get("alerts") or []),
              "agent_silent": lambda: sorted((ev.get("since") or {}).items())}[f.kind]()
     return hashlib.sha256(repr([f.job, f.kind, basis]).encode()).hexdigest()[:32]

@@ -788,6 +788,27 @@ class FleetStore:
         t = ladder.triage(job, alerts)
         return t.category.value, t.machines
 
+    def split_off(self, incident_id: int, alert_ids: Collection[str], *, level: int) -> Incident | None:
+        """Move ``alert_ids`` of the incident to a new open incident of its job at ``level``, in one
+        transaction (its category left for its triage); None when none of them is the incident's any more (a
+        retry after the move). What a recovery that held but saw its failure come back hands on: the failure
+        after the restart is a new failure, a level up, not part of the incident that restarted the job."""
+        with self.tx() as s:
+            old = s.get(Incident, incident_id, with_for_update=True)
+            if old is None:
+                raise FleetError(f"no incident {incident_id}")
+            ids = sorted(set(map(str, alert_ids)))
+            mine = list(s.scalars(select(Alert).where(Alert.incident_id == incident_id, Alert.id.in_(ids))))
+            if not mine:
+                return None
+            inc = Incident(job=old.job, state=states.IncidentState.OPEN, category="", level=level,
+                           opened_ts=self.clock(), first_alert_ts=min(a.ts for a in mine), summary="")
+            s.add(inc)
+            s.flush()
+            s.execute(sa.update(Alert).where(Alert.id.in_([a.id for a in mine])).values(incident_id=inc.id))
+            new_id = inc.id
+        return self.incident(new_id)
+
     def _next_level(self, s: Session, job: str, window_s: float, *, failed_ts: float, category: str,
                     machines: Sequence[str], before: int | None = None) -> int:
         """The level of a failure of ``job`` (its first alert at ``failed_ts``, triaged as ``category`` on

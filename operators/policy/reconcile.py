@@ -11,6 +11,9 @@ handles:
   a code update or a launch in flight is not a job down);
 * ``job_stalled``: every machine runs the job, but its lowest finished step has not moved for ``stall_s``
   (by the reconciler's clock) while no rank holds still on purpose (a rank that found a NaN holds);
+* ``job_held``: a rank holds still on purpose (the NaN guard waits for the control plane to restart the job
+  from its last finite step) on two looks at least ``confirm_s`` apart, and no incident handles it: the
+  wait would last for ever (the NaN's alert joined an incident that closed, or never left the machine);
 * ``unhandled_fault``: a machine still serving the job with an explicit machine fault (a lost GPU, a fatal
   Xid ...) recorded after it joined the job, in an incident that closed without evicting it;
 * ``agent_silent``: an agent the guardian finds silent on a machine of the job;
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: the kinds of finding, and the alert kind each opens its incident with
-FINDING_KINDS = ("job_down", "job_stalled", "unhandled_fault", "agent_silent", "stuck_incident")
+FINDING_KINDS = ("job_down", "job_stalled", "job_held", "unhandled_fault", "agent_silent", "stuck_incident")
 #: runs started again for one stuck incident before it waits for a human
 MAX_REDRIVES = 3
 
@@ -87,6 +90,7 @@ class JobMemory:
     last: Look | None = None
     step_moved_ts: float | None = None
     down_since: Look | None = None
+    held_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,19 @@ def judge_look(job: str, look: Look, memory: JobMemory, *, confirm_s: float, sta
                                       f"on {seen} (seen {look.ts - first.ts:.0f}s apart) and no incident handles it",
                                evidence={"states": dict(look.states), "step": look.step}))
             memory.down_since = None  # reported: the next one needs two looks again
+        return out
+    if not look.held:
+        memory.held_since = None
+    elif memory.held_since is None:
+        memory.held_since = look.ts
+    elif look.ts - memory.held_since >= confirm_s:
+        out.append(Finding(job, "job_held", tuple(sorted(look.states)),
+                           reason=f"rank(s) {list(look.held)} of job {job} hold still at step {look.step} (the NaN "
+                                  f"guard waits for a restart from the last finite step) for "
+                                  f"{look.ts - memory.held_since:.0f}s and no incident handles it",
+                           evidence={"step": look.step, "held": list(look.held),
+                                     "incarnations": dict(look.incarnations)}))
+        memory.held_since = None  # reported: the next one needs two looks again
         return out
     quiet = look.ts - memory.step_moved_ts
     # a long step (an evaluation, a checkpoint) still shows progress in the ranks' heartbeats: not a stall

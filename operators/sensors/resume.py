@@ -1,7 +1,9 @@
 """The deferrable ``ResumeSensor``: ``wait_for_resume`` of ``tg_incident``. Its ``execute`` only reads its
 input (``restart_job``'s :class:`~trainguard.operators.models.Restart`) and defers to
 :class:`trainguard.operators.triggers.resume.ResumeTrigger`; while an incident waits for its job to train again, no
-worker slot is held, so a fleet with many incidents at once keeps its slots for the rungs.
+worker slot is held, so a fleet with many incidents at once keeps its slots for the rungs. The deferrable
+``CodeResumeSensor`` (``training_resumed`` of ``tg_code_update``) waits the same way for the jobs a code
+update restarted.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from trainguard.operators.triggers.resume import DEFAULT_POLL_S, ResumeTrigger
+from trainguard.operators.triggers.resume import DEFAULT_POLL_S, CodeResumeTrigger, ResumeTrigger
 
 # a guard against a trigger that never answers: the resume check itself answers "failed" after the
 # control plane's resume_timeout_s
@@ -53,3 +55,36 @@ class ResumeSensor(BaseOperator):
         self.log.info("resume of incident %s after %s checks in the triggerer: %s", self.incident_id, checks,
                       info.dump())
         return info.dump()
+
+
+class CodeResumeSensor(BaseOperator):
+    """Waits, deferred, until every job the code update restarted trained past its restored step or ended
+    without one (the ladder then handles it); returns ``{"resumed": {job: ...}, "ended": {job: why}}``.
+    Nothing restarted (a lazy update, the hourly sweep): answers at once. The run fails after ``timeout``.
+
+    :param update: the ``update`` task's result (an XCom reference)
+    :param timeout: how long to wait for the restarted jobs
+    :param poll_s: seconds between the trigger's checks
+    """
+
+    template_fields = ("update",)
+
+    def __init__(self, *, update: Any, timeout: timedelta = timedelta(minutes=10), poll_s: float = 2.0,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.update = update
+        self.wait = timeout
+        self.poll_s = poll_s
+
+    def execute(self, context: Any) -> dict[str, Any]:
+        update = dict(self.update or {})
+        if not update.get("restarts"):
+            return {"resumed": {}, "ended": {}}
+        self.defer(trigger=CodeResumeTrigger(update, poll_s=self.poll_s), method_name="execute_complete",
+                   timeout=self.wait)
+
+    def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
+        event = dict(event or {})
+        checks = event.pop("checks", None)
+        self.log.info("the code update's restarted jobs after %s checks in the triggerer: %s", checks, event)
+        return {"resumed": event.get("resumed", {}), "ended": event.get("ended", {})}

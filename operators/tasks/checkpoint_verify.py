@@ -4,7 +4,6 @@ retain.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from trainguard.node_tools.errors import TrainguardError
@@ -39,20 +38,13 @@ def ckpt_verify(target: dict[str, Any]) -> dict[str, Any]:
 
 
 def _s3() -> tuple[Any, Any, dict[str, str]]:
-    """Settings, a boto3 client and the machines' credentials, from the Airflow connection
-    ``TG_S3_CONN_ID`` (default ``tg_s3``: type aws, ``endpoint_url`` in its extra for an S3-compatible
-    store); short timeouts, so an endpoint that is down fails the task in seconds."""
-    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
-    from botocore.config import Config
-
+    """Settings, a boto3 client and the machines' credentials, from the S3 connection
+    (:func:`trainguard.operators.hooks.s3.s3_access`)."""
     from trainguard.operators import checkpoints
+    from trainguard.operators.hooks.s3 import s3_access
 
-    hook = S3Hook(aws_conn_id=os.environ.get("TG_S3_CONN_ID", "tg_s3"),
-                  config=Config(connect_timeout=5, read_timeout=30, retries={"max_attempts": 2, "mode": "standard"}))
-    settings = checkpoints.S3Settings.from_env(endpoint_url=hook.conn_config.endpoint_url or "")
-    creds = hook.get_credentials()
-    env = checkpoints.s3_credentials(creds.access_key, creds.secret_key, creds.token, hook.conn_region_name)
-    return settings, hook.get_conn(), env
+    access = s3_access(required=True)
+    return checkpoints.S3Settings.from_env(endpoint_url=access.endpoint_url), access.client, access.env
 
 
 def ckpt_promote(verdict: dict[str, Any]) -> dict[str, Any]:

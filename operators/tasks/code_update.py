@@ -23,10 +23,11 @@ def code_update(job: str, revision: str, urgency: str, reason: str) -> dict[str,
     return {**out, "restarts": [out] if out.get("restarted") else []}
 
 
-def code_resumed(update: dict[str, Any]) -> dict[str, Any] | None:
-    """For the sensor: every restarted job trained past its restored step, or ended without a step
-    (then the ladder handles it as an incident); None until each did one or the other."""
-    c = common.controller()
+def code_resumed(update: dict[str, Any], ctl: Any = None) -> dict[str, Any] | None:
+    """For the sensor's trigger: every restarted job trained past its restored step, or ended without a step
+    (then the ladder handles it as an incident); None until each did one or the other. ``ctl``: the
+    triggerer's shared controller (default: the task's)."""
+    c = ctl or common.controller()
     seen: dict[str, Any] = {}
     ended: dict[str, str] = {}
     for r in update.get("restarts", []):

@@ -427,14 +427,21 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
         # whether the job resumed is looked at now, not assumed either way
         resume = resumed(incident_id, recovery, c) or resume
     if restarted and resume and not resume.get("skipped") and not resume.get("failed") and not resume.get("pending"):
+        # the failure back after the restart (a NaN a machine keeps making, a crash that comes again): a new
+        # incident a level up handles it, not this one, whose recovery it would otherwise close over
+        back = _hand_on(c, incident_id, inc, since=float(recovery.get("again_ts") or recovery["restart_ts"]))
         if recovery.get("again"):  # its second restart: the job was down from the stop to the resume
             start = float(recovery["again_ts"])
             c.fleet.add_ettr(inc.job, "recovery", start, max(start, float(resume["ts"])),
                              incident_id=incident_id, detail="restarted again (restart_job ran again)")
-            return closed(RESOLVED, f"resumed at step {resume['first_step']} after the restart again")
-        return closed(RESOLVED, f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
-                                  f"after the first alert)",
-                      resumed=resume, steps_before=int(recovery.get("steps_before", -1)))
+            done = closed(RESOLVED, f"resumed at step {resume['first_step']} after the restart again{back['note']}")
+        else:
+            done = closed(RESOLVED, f"resumed at step {resume['first_step']} ({time.time() - inc.first_alert_ts:.1f}s "
+                                    f"after the first alert){back['note']}",
+                          resumed=resume, steps_before=int(recovery.get("steps_before", -1)))
+        if back["incident"] is not None:
+            done["done"]["handed_on"] = _start_run(c, back["incident"], inc.job)
+        return done
     if restarted:  # the restart did not hold, faults joined after it, or the resume check itself failed
         why = (resume or {}).get("failed") or (
             "explicit faults joined after the restart: " + ", ".join(sorted((resume or {})["pending"]))
@@ -467,6 +474,30 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
         return closed(FAILED, "the incident's run ended without a recovery while the job trains on; next: look at "
                                 "its tasks' logs")
     return escalation_step(c, incident_id, "the incident's run ended without a recovery and the job does not train")
+
+
+def _hand_on(c: Controller, incident_id: int, inc: Any, *, since: float) -> dict[str, Any]:
+    """The incident's alerts after its restart (``since``) that say the job failed again, moved to a new incident
+    a level up (:meth:`Controller.recurred`, :meth:`FleetStore.split_off`); ``{"note", "incident"}`` for the
+    close (``incident`` None when nothing came back)."""
+    back = c.recurred(incident_id, since=since)
+    new = c.fleet.split_off(incident_id, [a.id for a in back], level=inc.level + 1) if back else None
+    if new is None:
+        return {"note": "", "incident": None}
+    kinds = ", ".join(sorted({f"{a.machine}:{a.kind}" for a in back})[:8])
+    return {"note": f"; the failure came back after the restart ({kinds}): incident {new.id} handles it at "
+                    f"level {new.level}", "incident": new.id}
+
+
+def _start_run(c: Controller, incident_id: int, job: str) -> dict[str, Any]:
+    """Start the tg_incident run of an incident opened here (the guardian's sweep starts it if this start
+    is lost)."""
+    from trainguard.operators.tasks import guardian
+
+    run = guardian.run_id(incident_id)
+    started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": job, "first_seen_ts": None},
+                                    "trigger_run_id": run}])
+    return {"incident": incident_id, "run": run, "started": started.get(run)}
 
 
 def _spared(decision: dict[str, Any] | None, recovery: dict[str, Any] | None) -> str:

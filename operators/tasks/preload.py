@@ -5,13 +5,12 @@ when it starts. The scheduler loads it before its LocalExecutor forks the worker
 process, so a task starts with the task runner, the fleet database's models, paramiko and the SSH hooks
 already in memory instead of importing them: 0.1-0.2 s of CPU per task on an idle machine, several times
 that beside a training job on the same cores. An incident runs about ten tasks, four of them while the job
-is down. Importing this module does nothing else: it reads no settings and opens no connection.
+is down. Importing this module does nothing else: it reads no settings and opens no connection. It names only
+public modules: Airflow's task runner comes with them (through ``airflow.sdk``), and its supervisor is the
+worker's own, loaded before any task.
 """
 
 from __future__ import annotations
-
-import airflow.sdk.execution_time.supervisor
-import airflow.sdk.execution_time.task_runner  # noqa: F401
 
 import trainguard.operators.hooks.fleet
 import trainguard.operators.hooks.node  # noqa: F401

@@ -300,18 +300,26 @@ class AlertTrigger(BaseTrigger):
         watch.commit(event)
         began = time.monotonic()
         while (watch.reader.more or watch.reader.gone) and time.monotonic() - began < self.drain_s:
-            batch = sorted(self._keep(watch.poll(tidy=False)), key=lambda a: a["ts"])
-            nxt = watch.event(batch, time.time())
-            if not (batch or nxt["read"] or nxt["gone"] or nxt["quarantined"]):
+            done = self._record_next(watch)
+            if not done:  # nothing left, or a batch that cannot be recorded (left for the next run)
                 break
-            done = self._record(nxt)
-            if not done.get("recorded"):
-                break
-            watch.commit(nxt)
             out = _merged(out, done)
         # a run it could not start is the guardian's task's to start: following would only delay that
         follow = out.get("starts") and all(v == "started" for v in out["started"].values())
         return self._follow(watch, out) if follow and self.follow_s > 0 else out
+
+    def _record_next(self, watch: _Watch) -> dict[str, Any] | None:
+        """Read the next batch and record it, its names committed: what was recorded, ``{}`` when the bus held
+        nothing new, None when the batch could not be recorded (its names are left for the next run)."""
+        batch = sorted(self._keep(watch.poll(tidy=False)), key=lambda a: a["ts"])
+        nxt = watch.event(batch, time.time())
+        if not (batch or nxt["read"] or nxt["gone"] or nxt["quarantined"]):
+            return {}
+        done = self._record(nxt)
+        if not done.get("recorded"):
+            return None
+        watch.commit(nxt)
+        return done
 
     def _follow(self, watch: _Watch, out: dict[str, Any]) -> dict[str, Any]:
         """Record each batch that reaches the bus within :attr:`follow_s` (every ``poll_s``), joining the
@@ -319,16 +327,13 @@ class AlertTrigger(BaseTrigger):
         recorded ends the follow uncommitted: the next run reads it again."""
         until = time.monotonic() + self.follow_s
         while time.monotonic() < until:
-            batch = sorted(self._keep(watch.poll(tidy=False)), key=lambda a: a["ts"])
-            nxt = watch.event(batch, time.time())
-            if not (batch or nxt["read"] or nxt["gone"] or nxt["quarantined"]):
-                time.sleep(min(self.poll_s, max(0.0, until - time.monotonic())))
-                continue
-            done = self._record(nxt)
-            if not done.get("recorded"):
+            done = self._record_next(watch)
+            if done is None:
                 break
-            watch.commit(nxt)
-            out = _merged(out, done)
+            if done:
+                out = _merged(out, done)
+            else:
+                time.sleep(min(self.poll_s, max(0.0, until - time.monotonic())))
         return out
 
     def _api(self) -> Any:
