@@ -431,9 +431,26 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
                 with contextlib.suppress(Exception):  # (a job already down everywhere has nothing to stop)
                     guarded.ctl.stop(guarded.job)
         ms.stop_all()
+        if peer == "nvrx":
+            remove_ft_sockets()
         if lighthouse is not None:
             lighthouse.kill()
             lighthouse.wait(10)
+
+
+def remove_ft_sockets(tmp: Path | None = None) -> list[str]:
+    """The Unix sockets ``ft_launcher`` and its rank monitors leave in the temporary folder
+    (``_ft_launcher<pid>...socket``) once their processes are gone: removed (a live one is left alone)."""
+    import re
+    import tempfile
+
+    gone = []
+    for path in Path(tmp or tempfile.gettempdir()).glob("_ft_launcher*.socket"):
+        m = re.match(r"_ft_launcher(\d+)", path.name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            path.unlink(missing_ok=True)
+            gone.append(path.name)
+    return gone
 
 
 def metrics_of(trials: list[dict[str, Any]], peers: list[str], faults: list[str]

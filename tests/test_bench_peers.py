@@ -163,3 +163,14 @@ def test_a_rerun_replaces_only_the_trials_of_its_systems_and_faults_and_is_liste
     [rerun] = setup["reruns"]
     assert rerun["peers"] == ["torchft"] and rerun["faults"] == ["nan"] and rerun["replaced"] == 1
     assert setup["versions"] == {"torchft": "0.2.0"}
+
+
+def test_the_sockets_of_launchers_that_are_gone_are_removed_and_a_live_ones_kept(tmp_path):
+    import os
+
+    peers = _peers()
+    (tmp_path / f"_ft_launcher{os.getpid()}.socket").write_text("")  # this process: alive
+    (tmp_path / "_ft_launcher999999999_rmon0.socket").write_text("")  # no such process
+    (tmp_path / "other.socket").write_text("")
+    assert peers.remove_ft_sockets(tmp_path) == ["_ft_launcher999999999_rmon0.socket"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"_ft_launcher{os.getpid()}.socket", "other.socket"]
