@@ -236,9 +236,7 @@ class Evictions(ControllerBase):
         from trainguard.checkpoint.s3 import open_tier
 
         try:
-            if url.startswith("file://"):
-                return set(open_tier(url).list_copies()), ""
-            access = access or s3_access()
+            access = access or _access_for(url)
             tier = open_tier(url, endpoint_url=access.endpoint_url, timeout_s=5.0, client=access.client)
             return set(tier.list_copies()), ""
         except S3TierError as exc:
@@ -286,7 +284,7 @@ class Evictions(ControllerBase):
             copies = {n: None if c is None else [x for x in c if x[1] <= max_step] for n, c in copies.items()}
         url = self.remote_url(job)
         # one way to S3 for the listing and the rescue: the control plane's connection (its endpoint, its keys)
-        access = s3_access() if url.startswith("s3://") else S3Access()
+        access = _access_for(url)
         remote, remote_error = self.remote_copies(url, access) if url else (set(), "no remote tier")
         if max_step is not None:
             remote = {x for x in remote if x[0] <= max_step}
@@ -386,3 +384,8 @@ class Evictions(ControllerBase):
             return {"did": f"rolled back to {good} (the job's own code failed after the restart)"}
         return {"did": f"restarted again as it was ({why[:160]})"}
 
+
+def _access_for(url: str) -> S3Access:
+    """How to reach a remote tier: an ``s3://`` one through the control plane's S3 connection; a directory
+    tier (``file://``) needs nothing."""
+    return s3_access() if url.startswith("s3://") else S3Access()
