@@ -60,9 +60,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.campaign import balanced_draws
 from bench.common import emulated_cluster, seconds_range, stop_on_sigterm, summarize, write_result
+from trainguard.emulation import cluster, inject
 from trainguard.emulation.guarded import DEVICE_TRAIN_ARGS, NO_SCHEDULES, TOPOLOGY, GuardedJob
 from trainguard.emulation.standalone import poll
-from trainguard.node_tools import cluster, inject, procs
+from trainguard.node_tools import procs
 from trainguard.node_tools.alerts import Alert
 from trainguard.node_tools.bus import open_bus
 from trainguard.node_tools.errors import FaultError

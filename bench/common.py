@@ -87,7 +87,7 @@ def emulated_cluster(spec: Any, prefix: str) -> Iterator[tuple[Any, Path]]:
     import sys
     import tempfile
 
-    from trainguard.node_tools import cluster
+    from trainguard.emulation import cluster
 
     tmp = Path(tempfile.mkdtemp(prefix=prefix))
     state = tmp / "state"

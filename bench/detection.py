@@ -28,7 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
-from trainguard.node_tools import cluster, inject, launcher, monitor
+from trainguard.emulation import cluster, inject
+from trainguard.node_tools import launcher, monitor
 from trainguard.node_tools.alerts import Alert
 from trainguard.node_tools.bus import BusReader, open_bus
 from trainguard.node_tools.inventory import Inventory, Machine

@@ -38,7 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainguard.node_tools import cluster, launcher, procs  # noqa: E402
+from trainguard.emulation import cluster  # noqa: E402
+from trainguard.node_tools import launcher, procs  # noqa: E402
 from trainguard.node_tools.errors import ClusterError  # noqa: E402
 from trainguard.node_tools.inventory import Inventory  # noqa: E402
 from trainguard.node_tools.topology import Topology  # noqa: E402

@@ -59,7 +59,8 @@ def _median_ms(samples: list[float]) -> float:
 
 # ---- 1. NVML ------------------------------------------------------------------------------------------------
 def nvml_part(dry_run: bool, tmp: Path) -> dict[str, Any]:
-    from trainguard.node_tools.nvml import EmulatedNvml, RealNvml
+    from trainguard.emulation.nvml import EmulatedNvml
+    from trainguard.node_tools.nvml import RealNvml
 
     backend = EmulatedNvml(tmp / "nvml.json", machine="m0", gpus=1) if dry_run else RealNvml()
     snaps = []

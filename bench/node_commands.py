@@ -30,7 +30,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
-from trainguard.node_tools import cluster, inject, launcher, monitor
+from trainguard.emulation import cluster, inject
+from trainguard.node_tools import launcher, monitor
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
 from trainguard.checkpoint import layout
 from trainguard.checkpoint.verify import verify_step
+from trainguard.emulation import cluster
 from trainguard.emulation.standalone import poll
-from trainguard.node_tools import cluster
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.topology import Topology
 from trainguard.operators.control import ControlConfig, Controller

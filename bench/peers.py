@@ -54,9 +54,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from trainguard.emulation import cluster, inject
 from trainguard.emulation.guarded import NO_SCHEDULES, GuardedJob
 from trainguard.emulation.standalone import poll
-from trainguard.node_tools import cluster, inject
 from trainguard.node_tools.inventory import Inventory
 from trainguard.operators.jobspec import JobSpec
 

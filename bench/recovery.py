@@ -38,9 +38,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from trainguard.emulation import cluster, inject
 from trainguard.emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob
 from trainguard.emulation.standalone import poll
-from trainguard.node_tools import cluster, inject
 from trainguard.node_tools.bus import BusReader, open_bus
 from trainguard.node_tools.inventory import Inventory
 from trainguard.operators.policy import ladder

@@ -32,7 +32,7 @@ from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 def register(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Add the emulation's commands to ``trainguard``'s subparsers; returns each command's handler."""
-    from trainguard.node_tools.cluster import ClusterSpec
+    from trainguard.emulation.cluster import ClusterSpec
 
     d = ClusterSpec()
     cp = sub.add_parser("cluster", help="the emulated cluster of machines")
@@ -119,14 +119,14 @@ def _machines(inv: Any, names: str, default_role: str = "active") -> list[Any]:
 
 
 def _inventory(args: argparse.Namespace) -> Any:
-    from trainguard.node_tools.cluster import default_state_dir
+    from trainguard.emulation.cluster import default_state_dir
     from trainguard.node_tools.inventory import Inventory
 
     return Inventory.load(Path(args.state_dir or default_state_dir()) / "inventory.json")
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
-    from trainguard.node_tools import cluster
+    from trainguard.emulation import cluster
 
     if args.action == "job":
         return cmd_job(args)
@@ -165,7 +165,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    from trainguard.node_tools import faults, inject
+    from trainguard.emulation import faults, inject
 
     if args.list:
         kinds = [{"kind": f.name, "target": f.target, "summary": f.summary, "params": dict(f.params)}
@@ -250,7 +250,7 @@ def cmd_controlplane(args: argparse.Namespace) -> int:
 
 
 def _default_state() -> Path:
-    from trainguard.node_tools.cluster import default_state_dir
+    from trainguard.emulation.cluster import default_state_dir
 
     return default_state_dir()
 
@@ -259,3 +259,4 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from trainguard.emulation.demo import run_demo
 
     return run_demo(args)
+

@@ -25,9 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from trainguard.emulation import scaleout
+from trainguard.emulation import cluster, scaleout
 from trainguard.emulation.standalone import Standalone
-from trainguard.node_tools import cluster
 from trainguard.node_tools.errors import TrainguardError
 
 PROFILE_FILE = "profile.json"

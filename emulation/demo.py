@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainguard.emulation import cluster
 from trainguard.emulation.guarded import (
     DEVICE_TRAIN_ARGS,
     FAULTS,
@@ -35,7 +36,6 @@ from trainguard.emulation.guarded import (
     GuardedJob,
     action_swaps,
 )
-from trainguard.node_tools import cluster
 from trainguard.node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
 
 JOB = "demo"

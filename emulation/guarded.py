@@ -21,8 +21,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from trainguard.emulation import inject
 from trainguard.emulation.standalone import Standalone, poll
-from trainguard.node_tools import inject
 from trainguard.node_tools.bus import BusReader, open_bus
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.topology import Topology
@@ -45,7 +45,7 @@ HANDLERS = frozenset(rungs.TASK_IDS)
 
 @dataclass(frozen=True)
 class Fault:
-    """How a scripted fault is injected (with :func:`trainguard.node_tools.inject.inject`)."""
+    """How a scripted fault is injected (with :func:`trainguard.emulation.inject.inject`)."""
 
     kind: str  # the injector's fault kind
     node: int  # the node rank (index in the job's machine list) of the machine it hits

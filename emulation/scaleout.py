@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.emulation import servers
+from trainguard.emulation.cluster import ClusterSpec, _netns_list, _network_up, _run, namespace_on_bridge
 from trainguard.emulation.standalone import Standalone, free_port
-from trainguard.node_tools.cluster import ClusterSpec, _netns_list, _network_up, _run, namespace_on_bridge
 from trainguard.node_tools.errors import ClusterError
 
 BUS_BUCKET = "trainguard-bus"

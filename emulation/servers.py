@@ -31,7 +31,7 @@ def _ensure(package: str, found: str | None) -> None:
         return
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         raise ClusterError(f"{package} is not installed and cannot be installed here: apt-get install {package}")
-    from trainguard.node_tools.cluster import apt_install
+    from trainguard.emulation.cluster import apt_install
 
     apt_install(package)
 

@@ -28,9 +28,10 @@ Commands::
     tg-node standby park --nproc N | activate <job start arguments> | status | unpark
     tg-node ckpt list --job J | verify --job J --step N [--mark] | upload --job J --step N --s3 URL
                 | rescue --job J --step N --to URL      (a step's copies here into the remote tier)
-    tg-node fault inject --kind K [--rank R] [--job J] [--param k=v ...]
-    tg-node fault clear [--kind K]
-    tg-node fault list
+
+Other packages add commands through the entry point group ``tg_node.commands``: a function that adds its
+subparsers, each with ``node_handler`` (``(namespace, node config) -> (exit code, document)``) as a default.
+The emulation adds ``tg-node fault inject|clear|list`` that way; a node installed without it has no ``fault``.
 """
 
 from __future__ import annotations
@@ -42,8 +43,11 @@ import sys
 from typing import Any
 
 from trainguard.node_tools import __version__
-from trainguard.node_tools.cliutil import OneLineParser, key_values
+from trainguard.node_tools.cliutil import OneLineParser
 from trainguard.node_tools.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TrainguardError
+from trainguard.node_tools.plugins import load_group
+
+COMMANDS_GROUP = "tg_node.commands"
 
 
 def _job_start_args(js: argparse.ArgumentParser) -> None:
@@ -96,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host-key-dir", help="publish the host public key there as MACHINE.pub "
                                            "(default $TG_HOST_KEY_DIR; none when unset)")
     up.add_argument("--foreground", action="store_true", help="stay until SIGTERM, then end them (PID 1)")
-    sub.add_parser("gpu", help="GPU snapshot through NVML (real or emulated)")
+    sub.add_parser("gpu", help="GPU snapshot through NVML (real, or a backend a package registers)")
     ap = sub.add_parser("agent", help="run the real-time checks and publish alerts (a daemon)")
     ap.add_argument("--supervise", action="store_true", help="restart the agent whenever it dies")
     ap.add_argument("--restart", action="store_true",
@@ -189,16 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--to", required=True, help="the job's remote tier: s3://bucket/prefix or file:///dir")
     kr.add_argument("--endpoint-url", default="", help="S3-compatible endpoint (default: boto3's)")
 
-    fp = sub.add_parser("fault", help="inject or clear faults (emulated machines only)")
-    fsub = fp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
-    fi = fsub.add_parser("inject")
-    fi.add_argument("--kind", required=True)
-    fi.add_argument("--rank", type=int)
-    fi.add_argument("--job")
-    fi.add_argument("--param", action="append", default=[])
-    fc = fsub.add_parser("clear")
-    fc.add_argument("--kind")
-    fsub.add_parser("list")
+    for _name, register in load_group(COMMANDS_GROUP):  # the emulation's `fault`, where it is installed
+        register(sub)
     return p
 
 
@@ -206,20 +202,20 @@ def _up(ns: argparse.Namespace) -> dict[str, Any]:
     import os
     from pathlib import Path
 
-    from trainguard.node_tools import cluster
+    from trainguard.node_tools import services
 
     if not ns.config and not os.environ.get("TG_NODE_CONFIG"):
         raise TrainguardError("tg-node up needs --config PATH or TG_NODE_CONFIG")
     path = Path(ns.config or os.environ["TG_NODE_CONFIG"]).resolve()
     if not path.exists():
-        cluster.node_config_from_env(path, dict(os.environ))
+        services.node_config_from_env(path, dict(os.environ))
     host_key_dir = ns.host_key_dir or os.environ.get("TG_HOST_KEY_DIR")
-    doc = cluster.machine_up(path, netns=ns.netns, sshd=ns.sshd, listen=ns.listen,
+    doc = services.machine_up(path, netns=ns.netns, sshd=ns.sshd, listen=ns.listen,
                              authorized_keys=Path(ns.authorized_keys) if ns.authorized_keys else None,
                              host_key_dir=Path(host_key_dir) if host_key_dir else None)
     if ns.foreground:
         print(json.dumps(doc), flush=True)
-        cluster.serve_forever(path, ns.netns)
+        services.serve_forever(path, ns.netns)
         return {**doc, "stopped": True}
     return doc
 
@@ -344,16 +340,9 @@ def run(argv: list[str]) -> tuple[int, Any]:
         if ns.action == "rescue":
             return ckpt.rescue(cfg, ns.job, ns.step, to_url=ns.to, endpoint_url=ns.endpoint_url)
         return ckpt.upload(cfg, ns.job, ns.step, s3_url=ns.s3, endpoint_url=ns.endpoint_url)
-    if ns.command == "fault":
-        from trainguard.node_tools import inject
-
-        if ns.action == "inject":
-            return EXIT_OK, inject.inject_on_node(
-                cfg, ns.kind, rank=ns.rank, job_name=ns.job, params=key_values(ns.param)
-            )
-        if ns.action == "clear":
-            return EXIT_OK, inject.clear_on_node(cfg, ns.kind)
-        return EXIT_OK, {"machine": cfg.machine, "active": inject.read_ledger(cfg)}
+    handler = getattr(ns, "node_handler", None)
+    if handler is not None:  # a command another package registered
+        return handler(ns, cfg)
     raise TrainguardError(f"unknown command {ns.command!r}")
 
 

@@ -17,6 +17,12 @@ from pathlib import Path
 from trainguard.checkpoint.files import write_json_atomic
 from trainguard.node_tools.errors import TrainguardError
 
+
+def tg_home() -> Path:
+    """Where trainguard keeps this host's local state (the emulated cluster, a kept demo's Airflow):
+    ``$TG_HOME``, else ``./.tg``."""
+    return Path(os.environ.get("TG_HOME", ".tg")).resolve()
+
 NVML_BACKENDS = ("auto", "real", "emulated", "none")
 
 

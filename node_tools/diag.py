@@ -43,10 +43,9 @@ found and ended when the run finishes. ``timeout_s`` bounds each test (default:
 30 s at level 1, 60 s at levels 2 and 3); a level's worst case is its test count
 times that.
 
-On the emulated cluster the ``sdc`` fault (``trainguard.node_tools.faults``) makes the machine
-compute wrong: the compute burn flips bit ``bit`` of one element of every matmul
-result right after computing it, and ``align`` flips it in one gradient element
-before the update, as ``InJobFaults.corrupt_grads`` does in a training rank.
+The compute burn hands every matmul result, and ``align`` one gradient before the update, to the
+machine's fault points (:mod:`trainguard.node_tools.faultpoints`): inert on a real machine; on the
+emulated cluster an ``sdc`` fault flips one bit there, as it does in a training rank's gradients.
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ from typing import Any
 
 from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, TrainguardError
-from trainguard.node_tools.faults import flip_bit
+from trainguard.node_tools.faultpoints import FaultPoints
 
 LEVELS = {1: "quick", 2: "medium", 3: "neighbours"}
 DEFAULT_TIMEOUT_S = {1: 30.0, 2: 60.0, 3: 60.0}
@@ -700,16 +699,10 @@ def _load_cfg(args: dict[str, Any]) -> NodeConfig:
     return NodeConfig.load(Path(args["config"]))
 
 
-def _faults(cfg: NodeConfig) -> Any:
-    from trainguard.node_tools.faults import InJobFaults
+def _faults(cfg: NodeConfig) -> FaultPoints:
+    from trainguard.node_tools import faultpoints
 
-    return InJobFaults(cfg.fault_file, rank=-1)
-
-
-def _sdc_bit(faults: Any) -> int | None:
-    """The bit the emulated ``sdc`` fault flips now, or None when the machine computes right."""
-    params = faults.active("sdc")
-    return None if params is None else int(params.get("bit", 22))
+    return faultpoints.load(cfg.fault_file, rank=-1)
 
 
 def _os_error(exc: OSError, what: str) -> str:
@@ -855,9 +848,7 @@ def _w_compute(args: dict[str, Any]) -> dict[str, Any]:
             n, a, b, ref, bound = inputs[results % len(inputs)]
             s = time.monotonic()
             c = a @ b
-            bit = _sdc_bit(faults)
-            if bit is not None:
-                flip_bit(c, bit)  # the emulated broken ALU
+            faults.corrupt_compute(c)  # a broken ALU, where a harness emulates one
             c = c.cpu()
             busy += time.monotonic() - s
             flops += 2.0 * n**3
@@ -1265,9 +1256,7 @@ def _w_align(args: dict[str, Any]) -> dict[str, Any]:
         for p in params.values():
             p.grad = None
         loss.backward()
-        bit = _sdc_bit(faults)
-        if bit is not None:
-            flip_bit(params["w1"].grad, bit)  # the emulated broken ALU, as corrupt_grads does
+        if faults.corrupt_compute(params["w1"].grad):  # a broken ALU, as in a training rank's gradients
             flipped += 1
         feed((h_all, h_out), out)
         feed((h_all, h_out), loss)

@@ -28,8 +28,8 @@ and the hook keeps two files per rank under ``<run_dir>/ranks/``:
 
 The hook never blocks training on I/O beyond an append of one line per step, and
 never raises into the training loop because of its own files. It imports no
-torch. The fault points of the emulated cluster (``trainguard.node_tools.faults``) hang off
-it, inert unless ``TG_FAULT_FILE`` is set.
+torch. Its fault points (:mod:`trainguard.node_tools.faultpoints`) are inert unless
+``TG_FAULT_FILE`` names a control file and a harness (the emulated cluster's) is installed.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.files import write_json_atomic as _write_json_atomic
-from trainguard.node_tools import procs
-from trainguard.node_tools.faults import InJobFaults
+from trainguard.node_tools import faultpoints, procs
 
 SCHEMA_VERSION = 1
 
@@ -92,7 +91,7 @@ class JobMonitor:
     coords: dict[str, int] = field(default_factory=dict)
     flush_interval_s: float = 0.5
     incarnation: int = 0
-    faults: InJobFaults | None = None
+    faults: faultpoints.FaultPoints | None = None
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
@@ -113,7 +112,7 @@ class JobMonitor:
         self._steps_fh = open(  # noqa: SIM115 - kept open for the rank's life, closed in close()
             steps_path(self.run_dir, self.rank), "a", encoding="utf-8", buffering=1)
         if self.faults is None:
-            self.faults = InJobFaults.from_env(rank=self.rank, local_rank=self.local_rank)
+            self.faults = faultpoints.from_env(rank=self.rank, local_rank=self.local_rank)
 
     @classmethod
     def from_env(cls, *, coords: dict[str, int] | None = None, **overrides: Any) -> JobMonitor:
@@ -163,7 +162,7 @@ class JobMonitor:
 
     def _now(self) -> float:
         """This rank's clock: the host's, or off by what a ``clock`` fault of the emulated cluster says."""
-        return time.time() + (self.faults.clock_offset() if self.faults is not None else 0.0)
+        return time.time() + self.faults.clock_offset()
 
     def snapshot(self) -> dict[str, Any]:
         now = self._now()
@@ -211,15 +210,13 @@ class JobMonitor:
         self.flush()
 
     def step_begin(self, step: int) -> None:
-        """Called before each step; applies in-job faults of the emulated cluster (slow, exit)."""
-        if self.faults is not None:
-            self.faults.before_step(step)
+        """Called before each step; the fault points' (a harness's slow rank or exit)."""
+        self.faults.before_step(step)
 
     @contextlib.contextmanager
     def collective(self, group: str, op: str) -> Iterator[None]:
         """Count a collective on ``group`` (e.g. "tp", "pp", "dp") as started, then completed."""
-        if self.faults is not None:
-            self.faults.before_collective(group, op)
+        self.faults.before_collective(group, op)
         with self._lock:
             counter = self._collectives.setdefault(group, CollectiveCounter())
             counter.started += 1

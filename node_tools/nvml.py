@@ -1,6 +1,6 @@
-"""GPU state through NVML: the real library (pynvml) or an emulated backend.
+"""GPU state through NVML: the real library (pynvml), or a backend another package registers.
 
-Both backends return the same snapshot document::
+Every backend returns the same snapshot document::
 
     {"backend": "real"|"emulated", "driver_version": str, "device_count": int,
      "devices": [{"index", "uuid", "name", "temperature_c", "throttle_reasons": [...],
@@ -8,25 +8,19 @@ Both backends return the same snapshot document::
                   "pcie_max_gen", "pcie_max_width"}],
      "xid_events": [{"gpu", "xid", "ts"}]}
 
-The emulated backend keeps the state of a machine's GPUs in a JSON file that the
-fault injector changes (GPU lost, Xid, uncorrectable ECC, overheating), so the
-checks above it run unchanged on machines without GPUs. The real backend needs
-the NVML library; where it is missing it raises :class:`NvmlUnavailable`.
+The emulated cluster's backend (``trainguard.emulation.nvml``, through the ``trainguard.nvml_backends``
+entry point) keeps the state of a machine's GPUs in a JSON file that its fault injector changes, so the
+checks above it run unchanged on machines without GPUs. The real backend needs the NVML library; where
+it is missing it raises :class:`NvmlUnavailable`.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from abc import ABC, abstractmethod
-from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.files import write_json_atomic
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import FaultError, TrainguardError
-
-THERMAL_REASONS = ["hw_thermal_slowdown", "sw_thermal_slowdown"]
+from trainguard.node_tools.errors import TrainguardError
 
 
 class NvmlUnavailable(TrainguardError):
@@ -39,98 +33,6 @@ class GpuBackend(ABC):
     @abstractmethod
     def snapshot(self) -> dict[str, Any]:
         """The current state of every GPU (see the module docstring)."""
-
-
-# ---------------------------------------------------------------------------------------
-# Emulated
-# ---------------------------------------------------------------------------------------
-def healthy_device(machine: str, index: int) -> dict[str, Any]:
-    return {
-        "index": index,
-        "uuid": f"GPU-emulated-{machine}-{index}",
-        "name": "Emulated GPU",
-        "present": True,
-        "temperature_c": 42,
-        "throttle_reasons": [],
-        "ecc_uncorrectable": 0,
-        "remap_pending": False,
-        "pcie_gen": 5,
-        "pcie_width": 16,
-        "pcie_max_gen": 5,
-        "pcie_max_width": 16,
-    }
-
-
-def healthy_state(machine: str, gpus: int) -> dict[str, Any]:
-    return {
-        "driver_version": "emulated",
-        "devices": [healthy_device(machine, i) for i in range(gpus)],
-        "xid_events": [],
-    }
-
-
-class EmulatedNvml(GpuBackend):
-    """GPU state read from (and faults written to) a JSON file."""
-
-    name = "emulated"
-
-    def __init__(self, state_file: Path, *, machine: str = "machine", gpus: int = 8) -> None:
-        self.state_file = Path(state_file)
-        self.machine = machine
-        self.gpus = gpus
-
-    def _read(self) -> dict[str, Any]:
-        try:
-            return json.loads(self.state_file.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return healthy_state(self.machine, self.gpus)
-        except (OSError, ValueError) as exc:
-            raise NvmlUnavailable(f"emulated NVML state {self.state_file} is unreadable: {exc}") from None
-
-    def _write(self, state: dict[str, Any]) -> None:
-        write_json_atomic(self.state_file, state, indent=1, make_parent=False)
-
-    def reset(self) -> None:
-        self._write(healthy_state(self.machine, self.gpus))
-
-    def snapshot(self) -> dict[str, Any]:
-        state = self._read()
-        devices = [
-            {k: v for k, v in d.items() if k != "present"} for d in state["devices"] if d.get("present", True)
-        ]
-        return {
-            "backend": self.name,
-            "driver_version": state.get("driver_version", "emulated"),
-            "device_count": len(devices),
-            "devices": devices,
-            "xid_events": list(state.get("xid_events", [])),
-        }
-
-    def inject(self, kind: str, params: dict[str, Any]) -> dict[str, Any]:
-        """Apply a GPU fault; returns what changed."""
-        state = self._read()
-        gpu = int(params.get("gpu", 0))
-        devices = state["devices"]
-        if not 0 <= gpu < len(devices):
-            raise FaultError(f"machine {self.machine} has GPUs 0..{len(devices) - 1}; there is no GPU {gpu}")
-        dev = devices[gpu]
-        now = time.time()
-        if kind == "gpu_lost":
-            dev["present"] = False
-            state["xid_events"].append({"gpu": gpu, "xid": 79, "ts": now})
-        elif kind == "xid":
-            state["xid_events"].append({"gpu": gpu, "xid": int(params.get("xid", 79)), "ts": now})
-        elif kind == "ecc":
-            dev["ecc_uncorrectable"] = int(dev.get("ecc_uncorrectable", 0)) + 1
-            dev["remap_pending"] = True
-            state["xid_events"].append({"gpu": gpu, "xid": 48, "ts": now})
-        elif kind == "thermal":
-            dev["temperature_c"] = int(params.get("temperature_c", 96))
-            dev["throttle_reasons"] = list(THERMAL_REASONS)
-        else:
-            raise FaultError(f"{kind!r} is not a GPU fault")
-        self._write(state)
-        return {"gpu": gpu, "kind": kind, "device": dev}
 
 
 # ---------------------------------------------------------------------------------------
@@ -203,12 +105,25 @@ def _str(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+NVML_BACKENDS_GROUP = "trainguard.nvml_backends"
+
+
 def backend_for(config: NodeConfig) -> GpuBackend | None:
-    """The backend this machine's configuration selects; None when it has no GPUs to watch."""
-    if config.nvml_backend == "emulated":
-        if config.nvml_state is None:
-            raise TrainguardError(f"machine {config.machine}: emulated NVML needs nvml_state in its node config")
-        return EmulatedNvml(config.nvml_state, machine=config.machine, gpus=config.gpus)
+    """The backend this machine's configuration selects; None when it has no GPUs to watch.
+
+    ``real`` and ``auto`` are this module's; any other name is looked up in the entry point group
+    ``trainguard.nvml_backends`` (the emulation registers ``emulated``): a function of the node
+    configuration that returns a :class:`GpuBackend`.
+    """
+    if config.nvml_backend not in ("real", "auto", "none"):
+        from trainguard.node_tools.plugins import load_group
+
+        make = dict(load_group(NVML_BACKENDS_GROUP)).get(config.nvml_backend)
+        if make is None:
+            raise TrainguardError(
+                f"machine {config.machine}: nvml_backend {config.nvml_backend!r} is not installed on this node; "
+                f"set nvml_backend to real, auto or none in its node config")
+        return make(config)
     if config.nvml_backend == "real":
         return RealNvml()
     if config.nvml_backend == "auto":

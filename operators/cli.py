@@ -43,7 +43,7 @@ COMMANDS_GROUP = "trainguard.commands"
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     """The parser and the handlers of the commands other packages register (entry point group
     ``trainguard.commands``: a function that adds its subparsers and returns their handlers)."""
-    from importlib.metadata import entry_points
+    from trainguard.node_tools.plugins import load_group
 
     p = OneLineParser(prog="trainguard", description="keep large PyTorch training jobs productive")
     p.add_argument("--state-dir", type=Path, help="emulated cluster state (default $TG_HOME/cluster or ./.tg/cluster)")
@@ -110,13 +110,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     sim.add_argument("--sensitivity", action="store_true", help="also the sensitivity table (about 30 runs)")
     sim.add_argument("--chart", type=Path, help="write a PNG chart here")
     handlers: dict[str, Handler] = {}
-    for ep in sorted(entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
-        try:
-            register = ep.load()
-        except ModuleNotFoundError as exc:  # a part left out of this installation (the images: the emulation)
-            if exc.name and ep.module.startswith(exc.name):
-                continue
-            raise
+    for _name, register in load_group(COMMANDS_GROUP):  # without the parts this installation leaves out
         handlers.update(register(sub))
     return p, handlers
 
@@ -255,9 +249,9 @@ def cmd_revision(args: argparse.Namespace) -> int:
 
 def _kept_airflow_home(args: argparse.Namespace) -> Path:
     """Where a demo kept with ``--keep`` left its ``airflow standalone``."""
-    from trainguard.node_tools.cluster import default_state_dir
+    from trainguard.node_tools.config import tg_home
 
-    return Path(args.state_dir or default_state_dir()).parent / "control" / "airflow"
+    return (args.state_dir.parent if args.state_dir else tg_home()) / "control" / "airflow"
 
 
 def _airflow(args: argparse.Namespace) -> Any:

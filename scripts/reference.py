@@ -1,6 +1,6 @@
 """The reference pages' tables, made from the code they describe: the settings (``ControlSettings``), the alert
 kinds with what the ladder does with each (``node_tools.alerts``, ``operators.policy.ladder``), the injectable
-faults (``node_tools.faults``), the exit codes (``node_tools.errors``), the Prometheus metrics (the collector
+faults (``emulation.faults``), the exit codes (``node_tools.errors``), the Prometheus metrics (the collector
 itself, scraped once from an empty fleet database) and the command line (every subcommand's ``--help``).
 
     python scripts/reference.py            print every table
@@ -49,7 +49,7 @@ def alerts() -> str:
 
 
 def faults() -> str:
-    from trainguard.node_tools import faults as f
+    from trainguard.emulation import faults as f
 
     rows = ["| fault | target | what happens | parameters (default) |", "|---|---|---|---|"]
     for k in f.FAULT_KINDS.values():

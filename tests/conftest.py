@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from trainguard.emulation import cluster
 from trainguard.emulation.standalone import free_port, poll
-from trainguard.node_tools import cluster
 from trainguard.node_tools.inventory import Inventory
 
 

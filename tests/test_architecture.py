@@ -85,6 +85,36 @@ def test_the_packages_depend_one_way_and_checkpoint_takes_from_node_tools_only_t
                                                                         "trainguard.node_tools.errors"}, (mod, deps)
 
 
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+#: the harness: the emulated cluster, fault injection, the in-job fault points and the emulated NVML backend
+HARNESS = ("trainguard.emulation.cluster", "trainguard.emulation.inject", "trainguard.emulation.faults",
+           "trainguard.emulation.nvml")
+
+
+def test_no_product_module_reaches_the_fault_injection_or_the_emulation():
+    """Not even through another module: a node installed without ``emulation/`` imports every product module.
+    The product asks for the harness's parts by entry point only (node_tools/plugins.py)."""
+    graph = _graph()
+    assert set(HARNESS) <= set(graph)  # the harness is where it belongs
+    assert "trainguard.emulation.faults" in _reach(graph, "trainguard.emulation.inject")  # and reaching is seen
+    product = [m for m in graph if _package(m) != "emulation"]
+    assert "trainguard.node_tools.monitor" in product and "trainguard.torch" in product
+    reached = {m: sorted(d for d in _reach(graph, m) if _package(d) == "emulation") for m in product}
+    assert {m: d for m, d in reached.items() if d} == {}
+    names = {p.stem for pkg in ("node_tools", "checkpoint", "operators") for p in (REPO / pkg).rglob("*.py")}
+    assert not names & {"cluster", "inject", "faults"}, names & {"cluster", "inject", "faults"}
+
+
 def test_the_dags_import_only_the_control_planes_airflow_facing_modules():
     """DAG files are wiring: they import the sensors, triggers, forms, schedules and rung registry, and the
     task bodies only inside their tasks; never the harness."""

@@ -22,7 +22,8 @@ import pytest
 
 from tests import jobs
 from tests.conftest import wait_until
-from trainguard.node_tools import inject, launcher
+from trainguard.emulation import inject
+from trainguard.node_tools import launcher
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.topology import Topology
 

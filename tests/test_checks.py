@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import wait_until
+from trainguard.emulation.nvml import EmulatedNvml
 from trainguard.node_tools import monitor, procs
 from trainguard.node_tools.agent import Agent, AgentSettings
 from trainguard.node_tools.alerts import Alert
@@ -29,7 +30,6 @@ from trainguard.node_tools.checks import (
     RankTimeouts,
 )
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.nvml import EmulatedNvml
 
 
 # ---- kernel log ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from trainguard.node_tools import faults
+from trainguard.emulation import faults
 from trainguard.operators.cli import main
 
 

@@ -12,7 +12,8 @@ import psutil
 import pytest
 
 from tests.conftest import TEST_CLUSTER, can_namespace, wait_until
-from trainguard.node_tools import cluster, procs
+from trainguard.emulation import cluster
+from trainguard.node_tools import procs
 from trainguard.node_tools.errors import ClusterError
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.transport import LocalTransport, SshTransport, control_dir, transport_for
@@ -167,7 +168,7 @@ def test_local_transport_fallback(cluster_dir: Path):
         res = transport_for(inv).run(inv.machine("m1"), [inv.tg_node, "info"], timeout=20)
         assert res.ok and res.json()["machine"] == "m1"
         with pytest.raises(Exception, match="no network namespace"):
-            from trainguard.node_tools import inject
+            from trainguard.emulation import inject
 
             inject.inject(inv, "m0", "nic_down")
     finally:

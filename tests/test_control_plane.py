@@ -33,8 +33,9 @@ import pytest
 
 from tests.conftest import own_cluster, wait_until
 from tests.jobs import AlertWatch
+from trainguard.emulation import cluster, inject
 from trainguard.emulation.standalone import Standalone
-from trainguard.node_tools import cluster, inject, launcher
+from trainguard.node_tools import launcher
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for

@@ -17,11 +17,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import free_port
+from trainguard.emulation.faults import write_control
+from trainguard.emulation.nvml import EmulatedNvml
 from trainguard.node_tools import diag as d
 from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.errors import TrainguardError
-from trainguard.node_tools.faults import write_control
-from trainguard.node_tools.nvml import EmulatedNvml
 
 
 @pytest.fixture

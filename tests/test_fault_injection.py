@@ -20,7 +20,8 @@ import pytest
 
 from tests import jobs
 from tests.conftest import wait_until
-from trainguard.node_tools import inject, launcher, procs
+from trainguard.emulation import inject
+from trainguard.node_tools import launcher, procs
 from trainguard.node_tools.errors import FaultError
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.topology import Topology

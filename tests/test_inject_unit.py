@@ -9,10 +9,10 @@ import threading
 import pytest
 import torch
 
-from trainguard.node_tools import faults
+from trainguard.emulation import faults
+from trainguard.emulation.nvml import EmulatedNvml
 from trainguard.node_tools.errors import FaultError
 from trainguard.node_tools.monitor import JobMonitor, read_heartbeat, read_steps
-from trainguard.node_tools.nvml import EmulatedNvml
 
 
 def test_every_fault_from_the_foundation_issue_is_in_the_catalogue():

@@ -6,7 +6,8 @@ import pytest
 
 from tests import jobs
 from tests.conftest import free_port
-from trainguard.node_tools import inject, launcher
+from trainguard.emulation import inject
+from trainguard.node_tools import launcher
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for

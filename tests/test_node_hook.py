@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from trainguard.node_tools import inject
+from trainguard.emulation import inject
 from trainguard.node_tools.inventory import Inventory
 from trainguard.operators.hooks.node import NodeHook
 

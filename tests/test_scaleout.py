@@ -27,9 +27,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import can_namespace
-from trainguard.emulation import scaleout
+from trainguard.emulation import cluster, scaleout
 from trainguard.emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob
-from trainguard.node_tools import cluster
 from trainguard.operators.fleet import states
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.scaleout,

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port, wait_until
-from trainguard.node_tools import faults, job, monitor, procs
+from trainguard.emulation import faults
+from trainguard.node_tools import job, monitor, procs
 from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.errors import TrainguardError
 from trainguard.node_tools.logs import classify, logs, parse_torchrun_report, strip_prefix

@@ -42,8 +42,8 @@ from typing import Any
 import pytest
 
 from tests.conftest import deploy_page_environment, own_cluster, wait_until
+from trainguard.emulation import cluster, inject
 from trainguard.emulation.standalone import Standalone
-from trainguard.node_tools import cluster, inject
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.monitor import read_steps
 from trainguard.node_tools.transport import transport_for

@@ -6,7 +6,7 @@ limited disk is filled. Faults that only a training process can produce (a NaN i
 the loss, a flipped bit in a gradient, an exception in user code, a rank that
 blocks before a collective, a slow rank) are requested through a control file
 that the in-job hook (:class:`InJobFaults`) polls at each step and collective.
-GPU faults go to the emulated NVML backend (``trainguard.node_tools.nvml``).
+GPU faults go to the emulated NVML backend (``trainguard.emulation.nvml``).
 
 The control file is ``$TG_FAULT_FILE`` (set by ``tg-node job start`` from the
 machine's configuration). Without it every fault point is inert, so the hook
@@ -25,6 +25,7 @@ from typing import Any
 
 from trainguard.checkpoint.files import write_json_atomic
 from trainguard.node_tools.errors import FaultError
+from trainguard.node_tools.faultpoints import FaultPoints
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,10 @@ def flip_bit(tensor: Any, bit: int) -> None:
 DEVICE_FAULTS = frozenset({"bitflip"})
 
 
-class InJobFaults:
-    """Fault points inside a training rank. Inert when there is no control file."""
+class InJobFaults(FaultPoints):
+    """The fault points of a rank (or, as rank -1, of a machine's diagnostics) read from the control file.
+    Registered as the ``trainguard.fault_points`` entry point: the product calls them through
+    :func:`trainguard.node_tools.faultpoints.load`. Inert when there is no control file."""
 
     #: how often a blocked rank re-reads the control file to see whether it was cleared
     poll_interval_s = 0.2
@@ -274,3 +277,11 @@ class InJobFaults:
             flip_bit(grad, bit)
             return True
         return False
+
+    def corrupt_compute(self, tensor: Any) -> bool:
+        """Flip one bit of a diagnostic's float32 result when the machine has an ``sdc`` fault."""
+        sdc = self.active("sdc")
+        if sdc is None:
+            return False
+        flip_bit(tensor, int(sdc.get("bit", 22)))
+        return True

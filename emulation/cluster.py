@@ -16,8 +16,8 @@ Without root (or with ``transport="local"``) machines are plain folders on this
 host reached through the ``local`` transport: no sshd, no namespace, no disk
 limit, no link faults. ``up`` says so.
 
-:func:`machine_up` brings one machine's services up from its own folder; it is
-also the entrypoint of the node container image (``docker/``).
+Each machine's services come up through ``tg-node up``
+(:func:`trainguard.node_tools.services.machine_up`), the entrypoint of the node container image too.
 """
 
 from __future__ import annotations
@@ -40,15 +40,14 @@ from typing import Any
 
 import psutil
 
-from trainguard.checkpoint.files import write_atomic
+from trainguard.emulation.nvml import EmulatedNvml
 from trainguard.node_tools import procs
-from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.config import NodeConfig, tg_home
 from trainguard.node_tools.errors import ClusterError
 from trainguard.node_tools.inventory import Inventory, InventoryError, Machine
-from trainguard.node_tools.nvml import EmulatedNvml
+from trainguard.node_tools.services import agent_running, keygen, sshd_binary, sshd_running
 from trainguard.node_tools.transport import known_hosts_lines, transport_for
 
-SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/bin/sshd")
 _CLUSTER_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
 
 
@@ -148,7 +147,7 @@ class ClusterSpec:
 
 
 def default_state_dir() -> Path:
-    return Path(os.environ.get("TG_HOME", ".tg")).resolve() / "cluster"
+    return tg_home() / "cluster"
 
 
 def _run(argv: list[str], *, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -195,13 +194,6 @@ def _mounts_under(path: Path) -> list[Path]:
     return sorted(found, key=lambda p: len(str(p)), reverse=True)
 
 
-def _sshd_binary() -> str:
-    for path in SSHD_CANDIDATES:
-        if os.access(path, os.X_OK):
-            return path
-    return ""
-
-
 def apt_install(package: str, *, timeout_s: float = 900.0) -> None:
     """Install one of Debian's packages with apt-get (root); ClusterError naming the failing command."""
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
@@ -213,14 +205,14 @@ def apt_install(package: str, *, timeout_s: float = 900.0) -> None:
 
 def ensure_openssh(log: Any = print) -> str:
     """The sshd binary, installing Debian's openssh-server when it is missing (root only)."""
-    sshd = _sshd_binary()
+    sshd = sshd_binary()
     if sshd:
         return sshd
     if not shutil.which("apt-get"):
         raise ClusterError("sshd is not installed and apt-get is not available; install openssh-server")
     log("openssh-server is missing; installing it with apt-get (once)")
     apt_install("openssh-server")
-    sshd = _sshd_binary()
+    sshd = sshd_binary()
     if not sshd:
         raise ClusterError("openssh-server was installed but no sshd binary was found")
     return sshd
@@ -244,55 +236,6 @@ def _machine_dir(state_dir: Path, i: int) -> Path:
     return state_dir / "machines" / f"m{i}"
 
 
-def _keygen(path: Path, comment: str) -> str:
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)])
-    pub = Path(str(path) + ".pub").read_text().split()
-    return f"{pub[0]} {pub[1]}"
-
-
-def _sshd_config(mdir: Path, address: str, authorized_keys: Path, env: dict[str, str]) -> str:
-    setenv = " ".join(f'"{k}={v}"' for k, v in env.items())
-    return "\n".join([
-        f"ListenAddress {address}",
-        "Port 22",
-        f"HostKey {mdir / 'ssh_host_ed25519_key'}",
-        f"PidFile {mdir / 'sshd.pid'}",
-        f"AuthorizedKeysFile {authorized_keys}",
-        "PermitRootLogin prohibit-password",
-        "PubkeyAuthentication yes",
-        "PasswordAuthentication no",
-        "KbdInteractiveAuthentication no",
-        "UsePAM no",
-        "StrictModes no",
-        "PrintMotd no",
-        "UseDNS no",
-        "MaxStartups 200:30:400",
-        "MaxSessions 64",
-        f"SetEnv {setenv}",
-        # S3 credentials the control plane hands a command inside its session (checkpoint uploads)
-        "AcceptEnv AWS_ACCESS_KEY_ID AWS_SECRET_ACCESS_KEY AWS_SESSION_TOKEN AWS_DEFAULT_REGION",
-        "",
-    ])
-
-
-def _sshd_running(mdir: Path, netns: str) -> int | None:
-    try:
-        pid = int((mdir / "sshd.pid").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    if not procs.alive(pid):
-        return None
-    try:  # the sshd of this machine's namespace (a leftover pid file may name another process)
-        ours = f"/run/netns/{netns}" if netns else "/proc/self/ns/net"
-        if os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat(ours).st_ino:
-            return None
-    except OSError:
-        return None
-    return pid
-
-
 def kill_sshd(mdir: Path, sig: int = signal.SIGKILL) -> int:
     """An emulated machine's sshd dies with every session it serves, as when its host goes: the listener
     (``sshd.pid`` in its folder) and its connections' processes (a connection a client holds open, an
@@ -309,90 +252,12 @@ def kill_sshd(mdir: Path, sig: int = signal.SIGKILL) -> int:
     return pid
 
 
-def _agent_running(mdir: Path) -> int | None:
-    try:
-        pid = int((mdir / "agent.pid").read_text().strip())
-    except (OSError, ValueError):
-        return None
-    cmdline = procs.cmdline(pid)
-    return pid if procs.alive(pid) and "agent" in cmdline and "--supervise" in cmdline else None
-
-
-def _credentials_env(mdir: Path) -> dict[str, str]:
-    """The machine's S3 credentials for its agent and its SSH sessions (an S3 bus): the shared-credentials
-    file in its folder, as a real machine has its own (an instance profile, a credentials file)."""
-    creds = mdir / "aws_credentials"
-    if not creds.exists():
-        return {}
-    return {"AWS_SHARED_CREDENTIALS_FILE": str(creds), "AWS_DEFAULT_REGION": "us-east-1"}
-
-
 def _write_credentials(mdir: Path) -> None:
     key = os.environ.get("AWS_ACCESS_KEY_ID", "trainguard")
     secret = os.environ.get("AWS_SECRET_ACCESS_KEY", "trainguard-secret")
     fd = os.open(mdir / "aws_credentials", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as fh:
         fh.write(f"[default]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n")
-
-
-def start_agent(config_path: Path, *, netns: str = "") -> int:
-    """Start the machine's agent under its supervisor (unless it runs); returns the supervisor's pid."""
-    mdir = config_path.parent
-    pid = _agent_running(mdir)
-    if pid:
-        return pid
-    tg_node = str(Path(sys.executable).parent / "tg-node")
-    argv = [tg_node, "agent", "--supervise"]
-    if netns:
-        argv = ["ip", "netns", "exec", netns, *argv]  # ip execs the command: the pid stays the same
-    with open(mdir / "agent.log", "ab") as log:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True,
-                                env={**os.environ, **_credentials_env(mdir), "TG_NODE_CONFIG": str(config_path)})
-    (mdir / "agent.pid").write_text(f"{proc.pid}\n")
-    return proc.pid
-
-
-def machine_up(config_path: Path, *, netns: str = "", sshd: str = "", listen: str = "0.0.0.0",  # noqa: S104
-               authorized_keys: Path | None = None, host_key_dir: Path | None = None) -> dict[str, Any]:
-    """Bring one machine's services up from its folder: GPU state, kernel log, sshd, agent.
-
-    With ``sshd`` (its binary), the machine's host key is made once (``ssh_host_ed25519_key`` beside
-    the configuration) and its ``sshd_config`` written: key-only login for ``authorized_keys`` (default
-    ``authorized_keys`` beside the configuration) on ``listen``, every session seeing this machine's
-    configuration; in a namespace (``netns``: a machine emulated on a shared host), a home directory of
-    its own too (``home`` beside the configuration: a session's login shell reads that home's dotfiles,
-    not those of the host, whose ``.bashrc`` may start anything: one that ran ``pyenv init`` cost each
-    session 130 ms of CPU). With ``host_key_dir``, the host key's public half is published there as
-    ``<machine>.pub`` (where a provisioner builds known_hosts from). This is ``tg-node up``: ``cluster up``
-    runs it for each namespace and the node image (``docker/node.Dockerfile``) has it as its entrypoint.
-    Idempotent: what runs is left running. Returns the machine, the pids of sshd (0 without) and the agent,
-    and the host public key.
-    """
-    cfg = NodeConfig.load(config_path)
-    mdir = config_path.parent
-    cfg.workdir.mkdir(parents=True, exist_ok=True)
-    if cfg.nvml_state and not cfg.nvml_state.exists():
-        EmulatedNvml(cfg.nvml_state, machine=cfg.machine, gpus=cfg.gpus).reset()
-    if cfg.kmsg_path and str(cfg.kmsg_path) != "/dev/kmsg":
-        cfg.kmsg_path.touch()
-    host_key = ""
-    sshd_pid = 0
-    if sshd:
-        host_key = _keygen(mdir / "ssh_host_ed25519_key", cfg.machine)
-        if host_key_dir is not None:
-            write_atomic(host_key_dir / f"{cfg.machine}.pub", host_key + "\n")
-        env = {"TG_NODE_CONFIG": str(config_path.resolve()),
-               "PATH": f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               **_credentials_env(mdir)}
-        if netns:  # an emulated machine's own home: the host's dotfiles run in none of its sessions
-            home = mdir.resolve() / "home"
-            home.mkdir(mode=0o700, exist_ok=True)
-            env["HOME"] = str(home)
-        (mdir / "sshd_config").write_text(_sshd_config(mdir, listen, authorized_keys or mdir / "authorized_keys", env))
-        sshd_pid = _sshd_up(cfg, mdir, netns, sshd)
-    agent_pid = start_agent(config_path, netns=netns) if cfg.bus_url else 0
-    return {"machine": cfg.machine, "sshd_pid": sshd_pid, "agent_pid": agent_pid, "host_key": host_key}
 
 
 def _tg_node_up(tg_node: str, config: Path, *, netns: str, sshd: str, listen: str, authorized_keys: Path) -> str:
@@ -409,78 +274,6 @@ def _tg_node_up(tg_node: str, config: Path, *, netns: str, sshd: str, listen: st
     if proc.returncode or "error" in doc:
         raise ClusterError(f"'tg-node up' for {config.parent.name} failed: {doc.get('error')}")
     return str(doc.get("host_key", ""))
-
-
-def node_config_from_env(path: Path, env: dict[str, str]) -> NodeConfig:
-    """A machine's configuration from ``TG_MACHINE`` (required), ``TG_WORKDIR``, ``TG_BUS_URL``,
-    ``TG_GPUS``, ``TG_NVML_BACKEND``, ``TG_IFACE`` (a node container's environment), saved at ``path``."""
-    machine = env.get("TG_MACHINE", "")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", machine):
-        raise ClusterError(f"no node configuration at {path} and TG_MACHINE={machine!r} is not a machine name; "
-                           f"set TG_MACHINE (letters, digits, '.', '_', '-') or mount a node.json")
-    try:
-        gpus = int(env.get("TG_GPUS", "0"))
-    except ValueError:
-        raise ClusterError(f"TG_GPUS={env['TG_GPUS']!r} is not a number of GPUs") from None
-    cfg = NodeConfig(machine=machine, workdir=Path(env.get("TG_WORKDIR", "/var/lib/trainguard")),
-                     install_dir=Path(__file__).resolve().parent.parent, gpus=gpus,
-                     nvml_backend=env.get("TG_NVML_BACKEND", "auto"), iface=env.get("TG_IFACE", ""),
-                     bus_url=env.get("TG_BUS_URL", ""))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    cfg.save(path)
-    return cfg
-
-
-def serve_forever(config_path: Path, netns: str = "") -> int:
-    """Stay in the foreground (a container's PID 1) until SIGTERM or SIGINT, then end the machine's
-    agent and sshd. Returns 0."""
-    import signal
-
-    stop = {"now": False}
-
-    def on_signal(_signum: int, _frame: Any) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    mdir = config_path.parent
-    while not stop["now"]:
-        try:
-            os.waitpid(-1, os.WNOHANG)  # reap what PID 1 inherits
-        except ChildProcessError:
-            pass
-        time.sleep(0.5)
-    ours = procs.pids_with_env("TG_NODE_CONFIG", str(config_path.resolve()))  # the agent, sshd, their sessions
-    procs.terminate([*ours, *(p for p in (_agent_running(mdir), _pid_in(mdir / "sshd.pid")) if p)])
-    return 0
-
-
-def _pid_in(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _sshd_up(cfg: NodeConfig, mdir: Path, netns: str, sshd: str) -> int:
-    pid = _sshd_running(mdir, netns)
-    if pid:
-        return pid
-    Path("/run/sshd").mkdir(parents=True, exist_ok=True)
-    argv = [sshd, "-f", str(mdir / "sshd_config")]
-    if netns:
-        argv = ["ip", "netns", "exec", netns, *argv]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False,
-                          env=dict(os.environ, TG_NODE_CONFIG=str(mdir / "node.json")))
-    if proc.returncode:
-        raise ClusterError(f"sshd for machine {cfg.machine} did not start: {proc.stderr.strip()}")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        pid = _sshd_running(mdir, netns)
-        if pid:
-            return pid
-        time.sleep(0.05)
-    raise ClusterError(f"sshd for machine {cfg.machine} started but wrote no pid file in {mdir}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -587,7 +380,7 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
         client_key = keys / "id_ed25519"
         authorized = keys / "authorized_keys"
         if transport == "ssh":
-            pub = _keygen(client_key, f"trainguard-{spec.name}")
+            pub = keygen(client_key, f"trainguard-{spec.name}")
             authorized.write_text(pub + "\n")
             _network_up(spec)
         bus_url = spec.bus_url or f"spool://{state_dir / 'bus'}"
@@ -608,6 +401,8 @@ def up(spec: ClusterSpec, state_dir: Path | None = None, *, log: Any = print) ->
                 status_path=mdir / "agent" / "status.json", job_nice=spec.job_nice,
             )
             cfg.save(mdir / "node.json")
+            if not cfg.nvml_state.exists():  # healthy GPUs until a fault is injected
+                EmulatedNvml(cfg.nvml_state, machine=name, gpus=spec.gpus).reset()
             if spec.bus_url:
                 _write_credentials(mdir)
             if transport == "ssh":
@@ -712,8 +507,8 @@ def status(state_dir: Path | None = None) -> dict[str, Any]:
             procs_doc = {"state": "unknown", "error": str(exc)[:200]}
         machines.append({
             "name": m.name, "role": m.role, "address": m.address, "netns": netns,
-            "sshd_pid": _sshd_running(mdir, netns) if netns else None,
-            "agent_pid": _agent_running(mdir),
+            "sshd_pid": sshd_running(mdir, netns) if netns else None,
+            "agent_pid": agent_running(mdir),
             "agent_state": procs_doc.get("state"),
             "agent_status_age_s": procs_doc.get("status_age_s"),
             "agent": procs_doc,

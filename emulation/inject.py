@@ -1,4 +1,4 @@
-"""Fault injection: each fault kind of ``trainguard.node_tools.faults`` made real on a machine.
+"""Fault injection: each fault kind of ``trainguard.emulation.faults`` made real on a machine.
 
 Two halves:
 
@@ -28,11 +28,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from trainguard.node_tools import faults, job, monitor, procs
+from trainguard.emulation import faults
+from trainguard.emulation.nvml import EmulatedNvml
+from trainguard.node_tools import job, monitor, procs
 from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.errors import FaultError
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.nvml import EmulatedNvml
 from trainguard.node_tools.transport import transport_for
 
 DISK_FILLER = ".tg-disk-filler"
