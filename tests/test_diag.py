@@ -21,6 +21,8 @@ from trainguard.emulation.faults import write_control
 from trainguard.emulation.nvml import EmulatedNvml
 from trainguard.node_tools import diag as d
 from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.diag import collectives, common, levels
+from trainguard.node_tools.diag import runner as diag_runner
 from trainguard.node_tools.errors import TrainguardError
 
 
@@ -76,9 +78,9 @@ def test_level_1_names_a_lost_gpu(node):
 
 def test_no_nvml_is_fine_without_gpus_and_a_failure_with_them(tmp_path):
     cfg = NodeConfig(machine="cpu1", workdir=tmp_path, install_dir=tmp_path, gpus=0, nvml_backend="none")
-    assert d._w_gpu({"config": _saved(cfg, tmp_path / "a.json")})["ok"]
+    assert levels.run_gpu({"config": _saved(cfg, tmp_path / "a.json")})["ok"]
     cfg.gpus = 8
-    result = d._w_gpu({"config": _saved(cfg, tmp_path / "b.json")})
+    result = levels.run_gpu({"config": _saved(cfg, tmp_path / "b.json")})
     assert not result["ok"] and "8 GPUs are expected" in result["reason"]
 
 
@@ -216,14 +218,14 @@ def test_level_3_peer_never_comes_align_still_runs(node):
 
 
 def test_a_test_past_its_timeout_is_killed_with_its_process(node, monkeypatch):
-    started: list[d._Worker] = []
-    real_init = d._Worker.__init__
+    started: list[diag_runner.Worker] = []
+    real_init = diag_runner.Worker.__init__
 
     def spy(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         started.append(self)
 
-    monkeypatch.setattr(d._Worker, "__init__", spy)
+    monkeypatch.setattr(diag_runner.Worker, "__init__", spy)
     # the disk exists already: a test that does finish in time (the real-time checks) has nothing to fail on,
     # even when the workdir test, which would have made it, was killed first
     node.workdir.mkdir(parents=True)
@@ -237,15 +239,15 @@ def test_a_test_past_its_timeout_is_killed_with_its_process(node, monkeypatch):
 
 
 def test_a_batch_goes_on_in_a_fresh_process_after_a_test_times_out(tmp_path, node, monkeypatch):
-    started: list[d._Worker] = []
-    real_init = d._Worker.__init__
+    started: list[diag_runner.Worker] = []
+    real_init = diag_runner.Worker.__init__
 
     def spy(self, *args, **kwargs):
         real_init(self, *args, **kwargs)
         started.append(self)
 
-    monkeypatch.setattr(d._Worker, "__init__", spy)
-    runner = d._Runner(node, tmp_path, timeout_s=3, seed=0)
+    monkeypatch.setattr(diag_runner.Worker, "__init__", spy)
+    runner = diag_runner.Runner(node, tmp_path, timeout_s=3, seed=0)
     # a rank whose peer never comes blocks in its rendezvous past the test's timeout
     hanging = {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1", "master_port": free_port(),
                "backend": "gloo", "device": "cpu"}
@@ -259,7 +261,7 @@ def test_a_batch_goes_on_in_a_fresh_process_after_a_test_times_out(tmp_path, nod
 
 def test_local_collective_with_one_process_per_rank(node, tmp_path):
     """The path of a machine with GPUs (one process per device), here with gloo on the CPU."""
-    runner = d._Runner(node, tmp_path, timeout_s=60, seed=0)
+    runner = diag_runner.Runner(node, tmp_path, timeout_s=60, seed=0)
     try:
         result = runner.local_collective({"cuda_device_count": 0})
     finally:
@@ -273,16 +275,16 @@ def test_local_collective_with_one_process_per_rank(node, tmp_path):
 
 def test_threaded_collective_names_the_rank_that_failed(node, tmp_path, monkeypatch):
     """A rank thread that raises fails the test with its rank named; its peer is not left waiting forever."""
-    real = d._collective_checks
+    real = collectives.collective_checks
 
     def broken(args, rank, world, seed, dev, details, ops=None):
         if rank == 1:
             raise RuntimeError("emulated broken rank")
         return real(args, rank, world, seed, dev, details, ops)
 
-    monkeypatch.setattr(d, "_collective_checks", broken)
+    monkeypatch.setattr(collectives, "collective_checks", broken)
     t0 = time.monotonic()
-    result = d._w_collective_threads({"world_size": 2, "seed": 0, "deadline_unix": time.time() + 6})
+    result = collectives.run_collective_threads({"world_size": 2, "seed": 0, "deadline_unix": time.time() + 6})
     assert time.monotonic() - t0 < 10
     assert not result["ok"]
     assert "rank 1: RuntimeError: emulated broken rank" in result["reason"]
@@ -293,7 +295,7 @@ def test_disk_errors_carry_the_errno(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     cfg = NodeConfig(machine="m", workdir=blocker / "sub", install_dir=tmp_path)
-    result = d._w_disk({"config": _saved(cfg, tmp_path / "n.json"), "size_mib": 1})
+    result = levels.run_disk({"config": _saved(cfg, tmp_path / "n.json"), "size_mib": 1})
     assert not result["ok"] and "errno 20 (ENOTDIR)" in result["reason"]
 
 
@@ -317,13 +319,13 @@ def test_a_failed_rank_stops_its_waiting_peers(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     cfg = NodeConfig(machine="m", workdir=blocker / "sub", install_dir=tmp_path)
-    runner = d._Runner(cfg, tmp_path, timeout_s=30, seed=0)
+    runner = diag_runner.Runner(cfg, tmp_path, timeout_s=30, seed=0)
     t0 = time.monotonic()
     failing = runner._start([("workdir", {})])
     waiting = runner._start([("collective", {"rank": 0, "world_size": 2, "master_addr": "127.0.0.1",
                                              "master_port": free_port(), "backend": "gloo", "device": "cpu"})])
     try:
-        d._wait_all([failing, waiting], "rank {} failed")
+        diag_runner.wait_all([failing, waiting], "rank {} failed")
     finally:
         waiting.kill()
     assert time.monotonic() - t0 < 15
@@ -332,8 +334,8 @@ def test_a_failed_rank_stops_its_waiting_peers(tmp_path):
 
 
 def test_stragglers_of_a_run_are_ended(tmp_path, node):
-    runner = d._Runner(node, tmp_path, timeout_s=5, seed=0)
-    env = {**os.environ, d.MARKER_ENV: runner.marker}
+    runner = diag_runner.Runner(node, tmp_path, timeout_s=5, seed=0)
+    env = {**os.environ, common.MARKER_ENV: runner.marker}
     orphan = subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(120)"],
                               env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
