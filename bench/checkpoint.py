@@ -70,7 +70,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
-from trainguard.checkpoint import saver
+from trainguard.checkpoint import saverlink
 from trainguard.emulation.standalone import free_port
 from trainguard.node_tools.monitor import read_heartbeat, read_steps
 
@@ -139,7 +139,7 @@ class Job:
     def stop_savers(self) -> None:
         """End the machines' saver processes (as a reboot would): their memory snapshots go."""
         for m in range(WORLD):
-            saver.stop(self.machine(m))
+            saverlink.stop(self.machine(m))
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:

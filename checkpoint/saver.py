@@ -35,18 +35,14 @@ after the root, the rank and the slot.
 from __future__ import annotations
 
 import argparse
-import base64
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
-import mmap
 import os
 import queue
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -58,142 +54,28 @@ from typing import Any
 from trainguard.checkpoint import layout
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.hostboard import HostBoard
+from trainguard.checkpoint.saverproto import (
+    INFO,
+    LOCK,
+    SHM_DIR,
+    SOCKET,
+    LineReader,
+    ShmFile,
+    alive,
+    b64,
+    files_sha,
+    non_finite,
+    send_doc,
+    shm_prefix,
+    unb64,
+)
 from trainguard.checkpoint.verify import check_data
 
-SOCKET = "saver.sock"
-LOCK = "saver.lock"
-INFO = "saver.json"
-SHM_DIR = Path("/dev/shm")
 SLOTS = 2
 QUIET_WAIT_S = 2.0  # the longest a snapshot waits for its rank's host to idle before it is persisted anyway
 # once its rank idles, the share of the rank's usual idle span a snapshot waits for the host's other ranks to
 # idle too (trainguard.checkpoint.hostboard); what is left of the span is the saver's
 HOST_WAIT_SHARE = 0.5
-
-# the bit patterns of an infinity or a NaN: every exponent bit set
-_EXPONENT = {"F64": ("<u8", 0x7FF0000000000000), "F32": ("<u4", 0x7F800000), "F16": ("<u2", 0x7C00),
-             "BF16": ("<u2", 0x7F80)}
-# the formats numpy computes in: checked with its vectorised isfinite (one pass, a bool per value; the
-# exponent mask below makes two temporaries as large as the data: 3.9 ms against 0.5 ms for 4.9 MB here)
-_NUMPY_FLOAT = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}
-
-
-def shm_prefix(root: Path) -> str:
-    """The ``/dev/shm`` name prefix of a root's buffers (one host may hold several emulated machines)."""
-    return "tg-ckpt-" + hashlib.sha256(str(Path(root).resolve()).encode()).hexdigest()[:12]
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text.encode("ascii"))
-
-
-def send_doc(sock: socket.socket, doc: dict[str, Any], lock: threading.Lock | None = None) -> None:
-    data = json.dumps(doc, separators=(",", ":")).encode("utf-8") + b"\n"
-    if lock is None:
-        sock.sendall(data)
-    else:
-        with lock:
-            sock.sendall(data)
-
-
-class LineReader:
-    """JSON documents, one per line, from a stream socket; raw byte blocks in between."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buf = bytearray()
-
-    def doc(self) -> dict[str, Any] | None:
-        """The next document; None when the peer closed the connection."""
-        while True:
-            end = self.buf.find(b"\n")
-            if end >= 0:
-                line = bytes(self.buf[:end])
-                del self.buf[:end + 1]
-                value = json.loads(line)
-                if not isinstance(value, dict):
-                    raise ValueError("a message that is not a JSON object")
-                return value
-            chunk = self.sock.recv(1 << 16)
-            if not chunk:
-                return None
-            self.buf += chunk
-
-    def exactly(self, n: int) -> bytearray:
-        out = bytearray(self.buf[:n])
-        del self.buf[:n]
-        view = memoryview(bytearray(n - len(out)))
-        got = 0
-        while got < len(view):
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise ConnectionError(f"connection closed {len(view) - got} bytes before the end of a copy")
-            got += k
-        out += view
-        return out
-
-
-# ---- shared memory --------------------------------------------------------------------------------
-class ShmFile:
-    """A ``/dev/shm`` file mapped into this process."""
-
-    def __init__(self, path: Path, size: int, *, create: bool) -> None:
-        self.path = Path(path)
-        self.size = size
-        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, max(size, 1))
-            self.mm = mmap.mmap(fd, max(size, 1))
-        finally:
-            os.close(fd)
-
-    def view(self) -> memoryview:
-        return memoryview(self.mm)[:self.size]
-
-    def close(self, *, unlink: bool = False) -> None:
-        with contextlib.suppress(BufferError, ValueError):
-            self.mm.close()
-        if unlink:
-            with contextlib.suppress(OSError):
-                self.path.unlink()
-
-
-def files_sha(parts_by_file: list[tuple[str, list[Any]]]) -> list[tuple[int, str]]:
-    """``(size, sha256)`` of each file given as ``(name, parts)`` (bytes-like parts, in order)."""
-    out = []
-    for _name, parts in parts_by_file:
-        h = hashlib.sha256()
-        size = 0
-        for part in parts:
-            h.update(part)
-            size += len(part)
-        out.append((size, h.hexdigest()))
-    return out
-
-
-def non_finite(data: memoryview, entries: list[list[Any]]) -> str:
-    """The first floating-point tensor (``[name, dtype, shape, begin, end]`` entries) of ``data`` holding
-    a NaN or an infinity, as a few words ("" if none)."""
-    import numpy as np
-
-    for name, dtype, _shape, begin, end in entries:
-        spec = _EXPONENT.get(dtype)
-        if spec is None or end <= begin:
-            continue
-        native = _NUMPY_FLOAT.get(dtype)
-        if native and np.isfinite(np.frombuffer(data[begin:end], dtype=native)).all():
-            continue
-        bits = np.frombuffer(data[begin:end], dtype=spec[0])
-        bad = int(np.count_nonzero((bits & spec[1]) == spec[1]))
-        if bad:
-            return f"tensor {name} holds {bad} non-finite values"
-    return ""
 
 
 # ---- the saver's view of one rank ----------------------------------------------------------------------
@@ -273,7 +155,7 @@ class Saver:
         layout.clean_temporaries(self.root)  # half-written copies of a saver of this root that was killed
         for stale in SHM_DIR.glob(f"{self.prefix}-p*"):  # buffers of this root's savers that are gone
             pid = stale.name[len(self.prefix) + 2:].partition("-")[0]
-            if not pid.isdigit() or not _alive(int(pid)):
+            if not pid.isdigit() or not alive(int(pid)):
                 with contextlib.suppress(OSError):
                     stale.unlink()
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -450,7 +332,7 @@ class Saver:
         """New buffers for the rank's layout (the slots holding older snapshots go)."""
         r.queue.join()
         old = r.slots
-        r.layouts = {name: {"prefix": _unb64(spec["prefix"]), "size": int(spec["size"]),
+        r.layouts = {name: {"prefix": unb64(spec["prefix"]), "size": int(spec["size"]),
                             "entries": spec["entries"], "tensors": spec["tensors"]}
                      for name, spec in msg["layouts"].items()}
         r.generation += 1
@@ -469,8 +351,8 @@ class Saver:
         newest = r.newest()
         if newest is None or newest.step != step:
             return {"ok": False, "why": f"no complete snapshot of step {step} in memory"}
-        return {"ok": True, "manifest": _b64(newest.manifest),
-                "files": [[name, str(f.path), _b64(r.layouts[name]["prefix"]), f.size]
+        return {"ok": True, "manifest": b64(newest.manifest),
+                "files": [[name, str(f.path), b64(r.layouts[name]["prefix"]), f.size]
                           for name, f in newest.files.items()]}
 
     # ---- persisting ----------------------------------------------------------------------------------
@@ -692,207 +574,6 @@ def _background_priority(nice: int) -> None:
     if nice:
         with contextlib.suppress(OSError):
             os.nice(nice)
-
-
-# ---- the rank's side ---------------------------------------------------------------------------------
-def connect(root: Path, *, host: str, idle_s: float, nice: int, timeout_s: float = 30.0) -> socket.socket:
-    """A connection to the saver of ``root``, starting one (in a session of its own, so that it outlives
-    the rank) when none answers. Ranks of one machine starting together start one saver between them."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    path = str(root / SOCKET)
-
-    def attempt() -> socket.socket | None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            s.connect(path)
-            return s
-        except OSError:
-            s.close()
-            return None
-
-    sock = attempt()
-    if sock is not None:
-        return sock
-    # not one of the job's processes: the job's stop (which finds them by TG_JOB_TOKEN) leaves it running with
-    # its memory snapshots for the restart, and it never counts as a rank still alive
-    env = {k: v for k, v in os.environ.items() if k not in ("TG_JOB_TOKEN", "TG_FAULT_FILE")}
-    log = open(root / "saver.log", "ab")  # noqa: SIM115 - handed to the child
-    try:
-        subprocess.Popen([sys.executable, "-m", "trainguard.checkpoint.saver", "--root", str(root), "--host", host,
-                          "--idle-s", str(idle_s), "--nice", str(nice)],
-                         stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, env=env,
-                         close_fds=True,
-                         cwd=str(Path(__file__).resolve().parent.parent))
-    finally:
-        log.close()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:  # the saver that won the lock (this one or a sibling's) answers
-        sock = attempt()
-        if sock is not None:
-            return sock
-        time.sleep(0.02)
-    raise OSError(f"the checkpoint saver of {root} did not answer within {timeout_s:.0f}s (see {root}/saver.log)")
-
-
-class SaverLink:
-    """A rank's connection to its machine's saver (see the module). Requests that need an answer
-    (``hello``, ``static``, ``configure``, ``fetch``, ``close``) wait for it; the saver's reports
-    (a snapshot done, an upload, an error) go to the callbacks on a reader thread."""
-
-    def __init__(self, root: Path, *, rank: int, job: str, host: str = "127.0.0.1", idle_s: float = 600.0,
-                 nice: int = 10,
-                 on_done: Callable[[dict[str, Any]], None] = lambda doc: None,
-                 on_error: Callable[[str], None] = lambda line: None,
-                 on_configured: Callable[[dict[str, Any]], None] = lambda doc: None, timeout_s: float = 120.0) -> None:
-        self.root = Path(root)
-        self.timeout_s = timeout_s
-        self.on_done = on_done
-        self.on_error = on_error
-        self.on_configured = on_configured
-        self.sock = connect(self.root, host=host, idle_s=idle_s, nice=nice)
-        self._send_lock = threading.Lock()
-        self._replies: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.saver_cpu_s = 0.0
-        self.uploaded: list[int] = []
-        self._closing = False
-        self.lost = threading.Event()  # the saver closed the connection (it died): nothing more is persisted
-        self._posts: queue.SimpleQueue[Callable[[], dict[str, Any]] | None] = queue.SimpleQueue()
-        self._reader = threading.Thread(target=self._read, name="tg-ckpt-saver-link", daemon=True)
-        self._reader.start()
-        self._poster = threading.Thread(target=self._post_loop, name="tg-ckpt-saver-post", daemon=True)
-        self._poster.start()
-        hello = self.request({"op": "hello", "rank": rank, "job": job}, "hello")
-        self.host = str(hello["host"])
-        self.port = int(hello["port"])
-        self.pid = int(hello["pid"])
-        self.memory: dict[str, Any] | None = hello.get("memory")
-
-    def _read(self) -> None:
-        reader = LineReader(self.sock)
-        try:
-            while True:
-                doc = reader.doc()
-                if doc is None:
-                    break
-                op = doc.get("op")
-                if "cpu_s" in doc:
-                    self.saver_cpu_s = float(doc["cpu_s"])
-                if op == "done":
-                    self.on_done(doc)
-                elif op == "configured":  # asked for without waiting (the training thread never waits)
-                    self.on_configured(doc)
-                elif op == "uploaded":
-                    self.uploaded.append(int(doc["step"]))
-                elif op == "error":
-                    self.on_error(str(doc.get("message", "")))
-                else:
-                    self._replies.put(doc)
-        except (OSError, ValueError):
-            pass
-        self._replies.put(None)  # the saver is gone: a waiting request fails at once
-        self.lost.set()
-        if not self._closing:
-            self.on_error(f"the checkpoint saver of {self.root} closed the connection; snapshots stop")
-
-    def send(self, doc: dict[str, Any]) -> None:
-        send_doc(self.sock, doc, self._send_lock)
-
-    def post(self, make: Callable[[], dict[str, Any]]) -> None:
-        """Send ``make()`` from the link's own thread (the training thread only queues it)."""
-        self._posts.put(make)
-
-    def _post_loop(self) -> None:
-        while True:
-            make = self._posts.get()
-            if make is None:
-                return
-            try:
-                self.send(make())
-            except OSError as exc:
-                if not self._closing:
-                    self.on_error(f"the checkpoint saver of {self.root} is gone ({exc}); snapshots stop")
-                return
-            except Exception as exc:  # a state that cannot be described: the saver never gets this snapshot
-                self.on_error(f"a snapshot could not be handed to the saver ({type(exc).__name__}: {exc})")
-
-    def request(self, doc: dict[str, Any], answer: str) -> dict[str, Any]:
-        self._drain_posts()
-        self.send(doc)
-        try:
-            reply = self._replies.get(timeout=self.timeout_s)
-        except queue.Empty:
-            raise OSError(f"the checkpoint saver of {self.root} did not answer {doc['op']} in "
-                          f"{self.timeout_s:.0f}s") from None
-        if reply is None or reply.get("op") != answer:
-            raise OSError(f"the checkpoint saver of {self.root} answered {doc['op']} with {reply!r}")
-        return reply
-
-    def fetch(self, step: int) -> tuple[bytes, dict[str, bytes]] | None:
-        """The manifest and file bytes of the rank's snapshot of ``step`` held in memory, or None."""
-        reply = self.request({"op": "fetch", "step": step}, "fetched")
-        if not reply.get("ok"):
-            return None
-        files = {}
-        for name, path, prefix, size in reply["files"]:
-            shm = ShmFile(Path(path), int(size), create=False)
-            try:
-                files[name] = _unb64(prefix) + bytes(shm.view())
-            finally:
-                shm.close()
-        return _unb64(reply["manifest"]), files
-
-    def _drain_posts(self) -> None:
-        """Everything posted so far is sent (a request comes after the snapshots handed over before it)."""
-        done = threading.Event()
-        self._posts.put(lambda: (done.set(), {"op": "noop"})[1])
-        done.wait(self.timeout_s)
-
-    def close(self, *, flush: bool) -> None:
-        try:
-            if flush:  # what was posted goes first, then the saver writes and sends all of it
-                self.request({"op": "close", "flush": True}, "closed")
-            else:
-                self._drain_posts()
-                self.send({"op": "close", "flush": False})
-        finally:
-            self._closing = True
-            self._posts.put(None)
-            with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
-            self.sock.close()
-
-
-def stop(root: Path, *, timeout_s: float = 10.0) -> bool:
-    """End the saver of ``root`` (its memory snapshots go); True if one was running."""
-    info = layout.read_json(Path(root) / INFO) or {}
-    pid = info.get("pid")
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _alive(pid):
-            return True
-        time.sleep(0.05)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    return True
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not: when this process started the saver, it is reaped here)."""
-    with contextlib.suppress(ChildProcessError):
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return fh.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ import pytest
 
 from tests.conftest import free_port, wait_until
 from tests.test_checkpoint_unit import flip_byte, lie_about_size, truncate
-from trainguard.checkpoint import layout, saver
+from trainguard.checkpoint import layout, saverlink
 from trainguard.checkpoint.shards import MODEL_FILE, OPTIM_FILE
 from trainguard.checkpoint.verify import verify_step
 from trainguard.node_tools.monitor import read_heartbeat, read_steps
@@ -111,7 +111,7 @@ def restart(chain: Chain, *, more: int = 2, s3: bool = True, env_extra: dict[str
     (with the restore fields) and stderr."""
     if not memory:
         for m in range(WORLD):
-            saver.stop(chain.machine(m))
+            saverlink.stop(chain.machine(m))
     chain.launches += 1
     run_dir = chain.base / f"run{chain.launches}"
     steps = chain.newest + 1 + more

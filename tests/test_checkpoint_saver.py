@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from tests.test_checkpoint_unit import checkpointer, digest, make_model, run_steps, train_step
-from trainguard.checkpoint import hostboard, layout, saver
-from trainguard.checkpoint.saver import LineReader, SaverLink, non_finite, send_doc
+from trainguard.checkpoint import hostboard, layout, saver, saverlink, saverproto
+from trainguard.checkpoint.saverlink import SaverLink
+from trainguard.checkpoint.saverproto import LineReader, non_finite, send_doc
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,7 +93,7 @@ def test_a_rank_killed_mid_run_restores_from_the_savers_memory_without_its_disk(
     assert digest(model, opt) == digests[3]
     assert ck.status()["saver_pid"] == saver_pid  # the same saver, not a new one
     ck.close()
-    assert saver.stop(tmp_path)
+    assert saverlink.stop(tmp_path)
 
 
 def test_memory_is_offered_only_to_the_same_job(tmp_path: Path):
@@ -108,7 +109,7 @@ def test_memory_is_offered_only_to_the_same_job(tmp_path: Path):
     again = SaverLink(tmp_path, rank=0, job="a")
     assert again.memory is None  # job b took the machine's saver over: job a's memory went with it
     again.close(flush=False)
-    assert saver.stop(tmp_path)
+    assert saverlink.stop(tmp_path)
 
 
 def _static(token: str) -> dict[str, object]:
@@ -157,7 +158,7 @@ def test_a_saver_keeps_replicas_only_for_ranks_it_serves_under_the_jobs_token(tm
     assert json.loads((path / layout.REPLICA_INFO).read_text()) == {"holder": 1, "owner": 0}
     conn.close()
     link.close(flush=False)
-    assert saver.stop(holder_root)
+    assert saverlink.stop(holder_root)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -209,7 +210,7 @@ def test_a_saver_that_dies_stops_snapshots_but_never_the_training(tmp_path: Path
     assert ck.skipped == 4
     assert any("saver" in line and ("closed" in line or "gone" in line) for line in lines)
     # the dead saver's buffers do not stay in /dev/shm (it cannot remove them; nobody else would)
-    assert not list(saver.SHM_DIR.glob(f"{saver.shm_prefix(tmp_path)}-*"))
+    assert not list(saverproto.SHM_DIR.glob(f"{saverproto.shm_prefix(tmp_path)}-*"))
     ck.close(flush=False)
 
 
@@ -249,7 +250,7 @@ def test_a_saver_persists_once_every_rank_of_its_host_idles_and_no_later_than_it
         assert time.monotonic() - t0 >= 0.8 * saver.HOST_WAIT_SHARE * saver.QUIET_WAIT_S
         ck.close()
         assert os.getpid() not in board.busy()  # its record is given back
-        assert saver.stop(tmp_path / "m")
+        assert saverlink.stop(tmp_path / "m")
     finally:
         other.kill()
         other.wait()
@@ -283,7 +284,7 @@ def test_a_paused_saver_makes_the_step_wait_and_the_snapshot_is_kept(tmp_path: P
     assert ck.drain(30)
     ck.close()
     assert sorted(s for s, _r, _p in layout.list_copies(tmp_path, "local")) == [1, 2, 3]  # retention keeps 3
-    assert saver.stop(tmp_path)
+    assert saverlink.stop(tmp_path)
 
 
 def test_a_stuck_saver_costs_one_bounded_wait_then_snapshots_skip_until_it_runs_again(tmp_path: Path):
@@ -313,7 +314,7 @@ def test_a_stuck_saver_costs_one_bounded_wait_then_snapshots_skip_until_it_runs_
     assert ck.drain(30)
     assert any("no buffer was freed within 0.5s" in line for line in lines)
     ck.close()
-    assert saver.stop(tmp_path)
+    assert saverlink.stop(tmp_path)
 
 
 def test_a_step_waiting_for_a_buffer_lets_the_saver_persist_without_waiting_for_the_next_idle_moment(
@@ -337,4 +338,4 @@ def test_a_step_waiting_for_a_buffer_lets_the_saver_persist_without_waiting_for_
     assert 0 < infos[2].waited_s < 0.75 * saver.QUIET_WAIT_S
     assert ck.drain(30)
     ck.close()
-    assert saver.stop(tmp_path)
+    assert saverlink.stop(tmp_path)

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import free_port, wait_until
-from trainguard.checkpoint import engine as engine_module
-from trainguard.checkpoint import layout, saver
+from trainguard.checkpoint import layout, saverlink, timing
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.config import CheckpointConfig, expand_root
 from trainguard.checkpoint.engine import Checkpointer
@@ -178,7 +177,7 @@ def test_a_copy_left_to_the_idle_moment_that_never_ran_is_dropped_not_taken_from
     """A loop that changes the state without host_idle() or before_update() in between: the snapshot of the
     step before cannot be copied any more (the parameters are the next step's); it is dropped and said so,
     never written under the wrong step number."""
-    monkeypatch.setattr(engine_module, "COPY_LATEST_S", 600.0)  # the copier's own deadline never comes here
+    monkeypatch.setattr(timing, "COPY_LATEST_S", 600.0)  # the copier's own deadline never comes here
     lines: list[str] = []
     model, opt = make_model()
     ck = checkpointer(tmp_path, model, opt, lines, copy_at_idle=True, keep=5)
@@ -222,7 +221,7 @@ def test_a_failing_rank_hands_its_deferred_snapshot_to_the_saver_on_its_way_out(
                                                                                 monkeypatch: pytest.MonkeyPatch):
     """The next step raises before its idle moment (a user's bug in the data pipeline): the state is still the
     finished step's, and the saver process persists it after the rank is gone."""
-    monkeypatch.setattr(engine_module, "COPY_LATEST_S", 600.0)
+    monkeypatch.setattr(timing, "COPY_LATEST_S", 600.0)
     model, opt = make_model()
     ck = checkpointer(tmp_path, model, opt, saver="process", copy_at_idle=True, fsync=False)
     assert ck.restore() is None
@@ -522,7 +521,7 @@ def test_a_non_finite_state_the_loop_called_healthy_is_never_written_nor_committ
 
 def test_non_finite_values_fail_verification_even_with_good_checksums(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch):
-    from trainguard.checkpoint.engine import _Slot
+    from trainguard.checkpoint.slots import Slot as _Slot
 
     monkeypatch.setattr(_Slot, "non_finite", lambda self: "")  # a copy from before the writer checked
     model, opt = make_model()
@@ -799,7 +798,7 @@ def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_p
     assert sorted(s for s, _r, _p in layout.list_copies(root, "local")) == [1, 3]
     # every copy damaged (and the saver's memory gone with its process, as after a reboot): the job refuses to
     # start from scratch, in one line, with the damage named above it
-    assert saver.stop(root)
+    assert saverlink.stop(root)
     flip_byte(layout.copy_dir(root, "local", 3, 0) / MODEL_FILE)
     truncate(layout.copy_dir(root, "local", 1, 0) / OPTIM_FILE)
     res = _train(run, "--steps", "6")

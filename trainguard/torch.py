@@ -58,9 +58,10 @@ import torch
 import torch.distributed as dist
 
 from trainguard.checkpoint.config import CheckpointConfig, default_s3_url, expand_root, root_template
-from trainguard.checkpoint.engine import ReferenceCopy, RestoreResult, SnapshotInfo
 from trainguard.checkpoint.errors import RestoreError
+from trainguard.checkpoint.info import RestoreResult, SnapshotInfo
 from trainguard.checkpoint.shards import local_part
+from trainguard.checkpoint.slots import ReferenceCopy
 from trainguard.node_tools.errors import TopologyError, TrainguardError
 from trainguard.node_tools.monitor import JobMonitor
 from trainguard.node_tools.topology import GROUP_KINDS, RankCoords, Topology
