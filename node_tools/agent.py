@@ -52,10 +52,10 @@ from trainguard.node_tools.checks import (
     GpuCheck,
     KernelLogCheck,
     NicCheck,
-    RankCheck,
 )
 from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.nvml import NvmlUnavailable, backend_for
+from trainguard.node_tools.rankcheck import RankCheck
 
 NETWORK_KINDS = ("nic_down", "nic_errors", "kernel_link")
 METRICS_FILE = "metrics.prom"  # beside the status file

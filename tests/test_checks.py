@@ -26,10 +26,9 @@ from trainguard.node_tools.checks import (
     GpuCheck,
     KernelLogCheck,
     NicCheck,
-    RankCheck,
-    RankTimeouts,
 )
 from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.rankcheck import RankCheck, RankTimeouts
 
 
 # ---- kernel log ---------------------------------------------------------------------------
@@ -330,7 +329,7 @@ def test_a_rank_holding_still_after_a_nan_is_not_a_hang_until_its_hold_runs_out(
     """A rank that found a non-finite loss skips the update and holds still for the control plane: its
     progress stops on purpose. The agent reports the NaN, not a hang (a hang would evict machines), for as
     long as the rank said it would hold (on the agent's clock, at most MAX_HOLD_S), and a hang after it."""
-    from trainguard.node_tools.checks import MAX_HOLD_S
+    from trainguard.node_tools.rankcheck import MAX_HOLD_S
 
     clock = Clock()
     check = RankCheck(tmp_path, clock=clock, timeouts=RankTimeouts(floor_s=3.0, factor=5.0))
