@@ -356,3 +356,18 @@ def test_migration_5_gives_jobs_recorded_before_it_the_reference_jobs_spec_they_
     assert spec.command == [REFERENCE_ENTRY, "--checkpoint", "--steps", "9"] and spec.pass_layout
     assert (spec.machines, spec.processes_per_machine, spec.revision) == (4, 2, "r7")
     assert spec.topology().world_size == 8 and spec.is_reference
+
+
+def test_every_public_call_of_the_store_and_its_parts_waits_out_an_unavailable_database():
+    """The store's methods live in several classes (machines, jobs, incidents, ledger): each public one, wherever
+    it is defined, is wrapped by the retry (a method left out would fail at the first restart of the database)."""
+    import inspect
+
+    from trainguard.operators.fleet.store import FleetStore
+
+    public = {n for klass in FleetStore.__mro__[:-1] for n, f in vars(klass).items()
+              if not n.startswith("_") and callable(f) and not isinstance(f, (staticmethod, classmethod))}
+    assert {"incident", "transition", "submit_job", "add_ettr", "register_machine"} <= public  # from every part
+    bare = sorted(n for n in public - {"close", "tx"}
+                  if not hasattr(inspect.getattr_static(FleetStore, n), "__wrapped__"))
+    assert bare == []

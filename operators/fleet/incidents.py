@@ -1,0 +1,265 @@
+"""The fleet database: incidents and their alerts: opening, ingesting a batch from the bus with its cursor,
+levels, splits, hand-overs.
+
+One of :class:`~trainguard.operators.fleet.store.FleetStore`'s bases: its methods use the store's engine,
+transactions and retries."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
+
+from trainguard.operators.fleet import states
+from trainguard.operators.fleet.db import INCIDENT_STATES, OPEN_INCIDENT_STATES, FleetError, chunks
+from trainguard.operators.fleet.models import (
+    Action,
+    Alert,
+    BusCursor,
+    Incident,
+    Job,
+    QuarantinedAlert,
+)
+from trainguard.operators.policy import ladder
+
+
+class IncidentRecords:
+    """Incidents and their alerts, a part of :class:`~trainguard.operators.fleet.store.FleetStore`."""
+
+    def open_incident(self, job: str, alerts: Iterable[dict[str, Any]], *, category: str = "",
+                      escalation_window_s: float = 1800.0) -> tuple[Incident, bool]:
+        """Attach ``alerts`` to the job's open incident, or open one. Returns (incident, opened). A new
+        incident within ``escalation_window_s`` of the job's last closed one starts a level above it."""
+        with self.tx() as s:
+            return self._attach(s, job, list(alerts), category=category, escalation_window_s=escalation_window_s)
+
+    def _attach(self, s: Session, job: str, alerts: list[dict[str, Any]], *, category: str = "",
+                escalation_window_s: float) -> tuple[Incident, bool]:
+        """Attach ``alerts`` to the job's open incident (or open one) within ``s``. An alert whose id is
+        recorded already keeps its incident; one that comes twice in ``alerts`` is attached once. The alerts
+        are written in bulk: a statement per :data:`CHUNK` alerts, not per alert."""
+        # the job's row first: two writers attaching to a job that has no open incident yet (two guardians, a
+        # retried event) queue here, so the second sees the incident the first opened (Postgres runs them
+        # concurrently at READ COMMITTED; SQLite's BEGIN IMMEDIATE had serialised them already)
+        s.execute(select(Job.name).where(Job.name == job).with_for_update())
+        inc = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(OPEN_INCIDENT_STATES))
+                       .order_by(Incident.id.desc()).with_for_update())
+        opened = inc is None
+        if inc is None:
+            first = min((float(a.get("ts", self.clock())) for a in alerts), default=self.clock())
+            what, machines = self._what_failed(job, alerts, category)
+            inc = Incident(job=job, state=states.IncidentState.OPEN, category=category,
+                           level=self._next_level(s, job, escalation_window_s, failed_ts=first, category=what,
+                                                  machines=machines),
+                           opened_ts=self.clock(), first_alert_ts=first, summary="")
+            s.add(inc)
+            s.flush()
+        rows, batch = [], set()
+        for a in alerts:
+            alert_id = str(a["id"])
+            if alert_id in batch:
+                continue
+            batch.add(alert_id)
+            rows.append({"id": alert_id, "ts": float(a.get("ts", 0.0)), "job": a.get("job") or "",
+                         "machine": a.get("machine") or "", "rank": a.get("rank"), "kind": a["kind"],
+                         "severity": a.get("severity") or "", "incident_id": inc.id, "document": a})
+        self._insert_new(s, Alert, rows, keys=("id",))
+        return inc, opened
+
+    @staticmethod
+    def _recorded_alerts(s: Session, ids: Sequence[str]) -> set[str]:
+        """Which of ``ids`` are recorded already (within ``s``), read in chunks of :data:`CHUNK` ids."""
+        found: set[str] = set()
+        for chunk in chunks(sorted(set(ids))):
+            found.update(s.scalars(select(Alert.id).where(Alert.id.in_(chunk))))
+        return found
+
+    def ingest(self, by_job: dict[str, list[dict[str, Any]]], *, escalation_window_s: float, reader: str = "",
+               read: dict[str, float] | None = None, gone: Sequence[str] = (),
+               quarantined: Sequence[dict[str, Any]] = (), liveness: dict[str, dict[str, Any]] | None = None,
+               unattached: Sequence[dict[str, Any]] = ()) -> list[tuple[Incident, bool]]:
+        """One batch of the bus in one transaction: each job's alerts attached to its open incident (or one
+        opened; ``unattached``: alerts recorded without an incident), the ``reader``'s cursor advanced (the
+        names ``read`` with the reader's time; ``gone``: names that left the bus), ``quarantined`` documents
+        recorded, the agents' ``liveness`` as the reader last saw
+        it. Returns (incident, opened) per job, in job order. Either all of it is recorded or none. Recording
+        the same batch again changes nothing. Every part is written in bulk (a statement per :data:`CHUNK`
+        rows), so a burst of 100,000 alerts and names costs about a hundred statements per part."""
+        with self.tx() as s:
+            out = [self._attach(s, job, list(alerts), escalation_window_s=escalation_window_s)
+                   for job, alerts in sorted(by_job.items())]
+            # alerts recorded for the record only (a slowdown the whole job shares): no incident
+            self._insert_new(s, Alert, [{"id": str(a["id"]), "ts": float(a.get("ts", 0.0)), "job": a.get("job") or "",
+                                         "machine": a.get("machine") or "", "rank": a.get("rank"), "kind": a["kind"],
+                                         "severity": a.get("severity") or "", "incident_id": None, "document": a}
+                                        for a in {str(a["id"]): a for a in unattached}.values()], keys=("id",))
+            self._upsert(s, BusCursor, [{"reader": reader, "name": name, "seen_ts": float(ts)}
+                                        for name, ts in (read or {}).items()], keys=("reader", "name"))
+            for chunk in chunks(sorted(set(gone))):
+                s.execute(sa.delete(BusCursor).where(BusCursor.reader == reader, BusCursor.name.in_(chunk)))
+            rows = [{"reader": reader, "name": str(q.get("name", ""))[:256], "machine": str(q.get("machine", ""))[:128],
+                     "kind": str(q.get("kind", ""))[:64], "reason": str(q.get("reason", ""))[:2000],
+                     "ts": float(q.get("ts") or self.clock()), "document": dict(q.get("document") or {})}
+                    for q in quarantined]
+            for chunk in chunks(rows):
+                s.execute(sa.insert(QuarantinedAlert.__table__), chunk)
+            if liveness:
+                self._record_liveness(s, liveness)
+            return out
+
+    @staticmethod
+    def _what_failed(job: str, alerts: Sequence[dict[str, Any]], category: str = "") -> tuple[str, tuple[str, ...]]:
+        """A failure's category and implicated machines for the escalation rule: ``category`` when the caller
+        names one (a manual incident), else what :func:`ladder.triage` makes of ``alerts`` (all of them: they
+        were routed to this job already). The triage task judges the incident again with all its evidence and
+        re-levels it (:meth:`relevel`)."""
+        if category:
+            return category, ()
+        t = ladder.triage(job, alerts)
+        return t.category.value, t.machines
+
+    def split_off(self, incident_id: int, alert_ids: Collection[str], *, level: int) -> Incident | None:
+        """Move ``alert_ids`` of the incident to a new open incident of its job at ``level``, in one
+        transaction (its category left for its triage); None when none of them is the incident's any more (a
+        retry after the move). What a recovery that held but saw its failure come back hands on: the failure
+        after the restart is a new failure, a level up, not part of the incident that restarted the job."""
+        with self.tx() as s:
+            old = s.get(Incident, incident_id, with_for_update=True)
+            if old is None:
+                raise FleetError(f"no incident {incident_id}")
+            ids = sorted(set(map(str, alert_ids)))
+            mine = list(s.scalars(select(Alert).where(Alert.incident_id == incident_id, Alert.id.in_(ids))))
+            if not mine:
+                return None
+            inc = Incident(job=old.job, state=states.IncidentState.OPEN, category="", level=level,
+                           opened_ts=self.clock(), first_alert_ts=min(a.ts for a in mine), summary="")
+            s.add(inc)
+            s.flush()
+            s.execute(sa.update(Alert).where(Alert.id.in_([a.id for a in mine])).values(incident_id=inc.id))
+            new_id = inc.id
+        return self.incident(new_id)
+
+    def _next_level(self, s: Session, job: str, window_s: float, *, failed_ts: float, category: str,
+                    machines: Sequence[str], before: int | None = None) -> int:
+        """The level of a failure of ``job`` (its first alert at ``failed_ts``, triaged as ``category`` on
+        ``machines``) by :func:`ladder.escalation_level`: one above the job's last recovery when it comes within
+        ``window_s`` of that recovery's end and repeats it, else 0. The failure's own time counts, not when the
+        control plane got to it. Incidents closed without a recovery (a tolerated network blip, a passing
+        slowdown) are not recoveries and do not count. The last incident's category and machines are what its
+        triage recorded; one closed before its triage ran is judged by :func:`ladder.triage` of its alerts.
+        ``before``: only incidents older than this one (re-levelling an open incident)."""
+        q = select(Incident).where(
+            Incident.job == job,
+            or_(Incident.state == states.IncidentState.FAILED,
+                and_(Incident.state == states.IncidentState.RESOLVED, Incident.resumed_ts.is_not(None))))
+        if before is not None:
+            q = q.where(Incident.id < before)
+        last = s.scalar(q.order_by(Incident.id.desc()))
+        if last is None:
+            return 0
+        last_category, last_machines = last.category, tuple(last.machines or ())
+        if not last_category:
+            alerts = s.scalars(select(Alert.document).where(Alert.incident_id == last.id).order_by(Alert.ts))
+            last_category, last_machines = self._what_failed(job, list(alerts))
+        return ladder.escalation_level(last_level=last.level, last_recovery_end_ts=last.resumed_ts or last.closed_ts,
+                                       failed_ts=failed_ts, window_s=window_s, last_category=last_category,
+                                       last_machines=last_machines, category=category, machines=machines)
+
+    def relevel(self, incident_id: int, *, category: str, machines: Sequence[str], window_s: float) -> int:
+        """Record the triage's ``category`` and ``machines`` on the open incident and its level from them
+        (:meth:`_next_level`): the level set when it opened came from its first alerts alone. Returns the
+        level."""
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            inc.level = self._next_level(s, inc.job, window_s, failed_ts=inc.first_alert_ts, category=category,
+                                         machines=machines, before=inc.id)
+            inc.category, inc.machines = category, sorted(machines)
+            return inc.level
+
+    def known_alerts(self, ids: Sequence[str]) -> set[str]:
+        """Which of ``ids`` are recorded already (read in chunks of :data:`CHUNK` ids)."""
+        if not ids:
+            return set()
+        with self.tx() as s:
+            return self._recorded_alerts(s, ids)
+
+    def alerts_on(self, machines: Collection[str], *, kinds: Collection[str], since: float = 0.0) -> list[Alert]:
+        """The alerts of ``kinds`` about ``machines`` recorded at ``since`` or later, oldest first."""
+        out: list[Alert] = []
+        with self.tx() as s:
+            for chunk in chunks(sorted(set(machines))):
+                out += s.scalars(select(Alert).where(Alert.machine.in_(chunk), Alert.kind.in_(sorted(kinds)),
+                                                     Alert.ts >= since))
+        return sorted(out, key=lambda a: a.ts)
+
+    def incident(self, incident_id: int) -> Incident:
+        with self.tx() as s:
+            return self._required(s, Incident, incident_id)
+
+    def incidents(self, job: str | None = None) -> list[Incident]:
+        with self.tx() as s:
+            q = select(Incident).order_by(Incident.id)
+            if job is not None:
+                q = q.where(Incident.job == job)
+            return list(s.scalars(q))
+
+    def alerts_of(self, incident_id: int, *, kinds: Collection[str] | None = None, limit: int | None = None
+                  ) -> list[Alert]:
+        """The incident's alerts, oldest first; only those of ``kinds`` and the first ``limit`` when given (an
+        incident of an alert storm holds one alert per rank: a question about a few kinds need not load them
+        all)."""
+        q = select(Alert).where(Alert.incident_id == incident_id)
+        if kinds is not None:
+            q = q.where(Alert.kind.in_(sorted(kinds)))
+        q = q.order_by(Alert.ts, Alert.id)
+        if limit is not None:
+            q = q.limit(limit)
+        with self.tx() as s:
+            return list(s.scalars(q))
+
+    def update_incident(self, incident_id: int, **fields: Any) -> None:
+        allowed = {"state", "category", "level", "diagnosis_start_ts", "decided_ts", "resumed_ts", "closed_ts",
+                   "summary", "lost_steps"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise FleetError(f"incident fields {sorted(unknown)} cannot be set")
+        if "state" in fields and fields["state"] not in INCIDENT_STATES:
+            raise FleetError(f"incident state {fields['state']!r} is not one of {', '.join(INCIDENT_STATES)}")
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            for key, value in fields.items():
+                if key.endswith("_ts") and getattr(inc, key) is not None:
+                    continue  # the first time a milestone is reached counts
+                setattr(inc, key, value)
+
+    def claim_watched(self, incident_id: int, key: str, *, watched: Collection[str], kind: str,
+                      machines: Sequence[str] = (), evidence: dict[str, Any] | None = None, detail: str = "") -> bool:
+        """A watched incident's verdict (a fail-slow vote's), recorded as a done action in the same
+        transaction that checks the incident is still of a ``watched`` category: after it, stronger
+        alerts can no longer take the incident over (:meth:`take_over`); when they did first, nothing is
+        recorded and the answer is False. Claiming twice is a no-op (True)."""
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            if s.scalar(select(Action).where(Action.key == key)) is not None:
+                return True
+            if inc.category not in watched:
+                return False
+            now = self.clock()
+            s.add(Action(key=key, kind=kind, incident_id=incident_id, machines=list(machines), evidence=evidence or {},
+                         outcome="done", detail=detail, dry_run=False, started_ts=now, finished_ts=now))
+            return True
+
+    def take_over(self, incident_id: int, *, watched: Collection[str], category: str, summary: str) -> bool:
+        """Give an open incident of a ``watched`` category on which nothing was acted yet (no action, no
+        claimed verdict) the stronger ``category``, in one transaction; False when it is too late."""
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            if inc.state != states.IncidentState.OPEN or inc.category not in watched:
+                return False
+            if s.scalar(select(Action.id).where(Action.incident_id == incident_id).limit(1)) is not None:
+                return False
+            inc.category, inc.summary = category, summary
+            return True
