@@ -17,7 +17,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainguard.operators.fleet.db import url_for
 from trainguard.operators.hooks.airflow_api import RETRY_S, AirflowApi, ApiError
+from trainguard.operators.provider_info import FLEET_CONN_TYPE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,6 +93,9 @@ class Standalone:
                 self.env.setdefault(f"AIRFLOW__DATABASE__{key}", f"{__name__}.SQLITE_CONNECT_ARGS")
             self.env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", str(2 * SQLITE_BUSY_S))
         self.env.pop("AIRFLOW_CONN_TG_SSH", None)
+        if not stock and self.env.get("TG_FLEET_URL"):  # the fleet database reached as a deployment does: a connection
+            self.env["AIRFLOW_CONN_TG_FLEET"] = json.dumps(
+                {"conn_type": FLEET_CONN_TYPE, "extra": {"url": url_for(self.env.pop("TG_FLEET_URL"))}})
         self.stock = stock
         self.proc: subprocess.Popen[bytes] | None = None
         self._api: AirflowApi | None = None

@@ -270,12 +270,22 @@ def install(*, pool_slots: int | None = None, url: str = "", env: Mapping[str, s
         lines.append(f"login {login}: from TG_NOTES_LOGIN")
     conn = connection[API_CONN]
     conn.update(login=login, password=password)
-    with tempfile.TemporaryDirectory(prefix="tg-install-") as tmp:  # mode 0700: the password never leaves it
+    from trainguard.operators.fleet.db import url_for
+    from trainguard.operators.hooks.connections import fleet_conn_id
+    from trainguard.operators.provider_info import FLEET_CONN_TYPE
+
+    fleet_conn = fleet_conn_id(env)  # the fleet database as every component reads it: a connection
+    connection[fleet_conn] = {"conn_type": FLEET_CONN_TYPE, "extra": json.dumps({"url": url_for(env["TG_FLEET_URL"])}),
+                              "description": "trainguard: the fleet database"}
+    with tempfile.TemporaryDirectory(prefix="tg-install-") as tmp:  # mode 0700: the passwords never leave it
         doc = Path(tmp) / "connections.json"
         doc.write_text(json.dumps(connection))
         doc.chmod(0o600)
-        _airflow(run, ["connections", "import", str(doc), "--overwrite"], f"the {API_CONN} connection")
+        _airflow(run, ["connections", "import", str(doc), "--overwrite"],
+                 f"the {API_CONN} and {fleet_conn} connections")
     lines.append(f"connection {API_CONN}: {conn['schema']}://{conn['host']}:{conn['port']} as {login}")
+    lines.append(f"connection {fleet_conn}: the fleet database (type {FLEET_CONN_TYPE})")
     lines.append(f"DAGs: bundle {BUNDLE} at {dags_path()}; start (or restart) every Airflow component with "
-                 "TG_FLEET_URL and TG_INVENTORY in its environment")
+                 f"TG_INVENTORY in its environment (the fleet database is the connection {fleet_conn}; TG_FLEET_URL "
+                 f"is read only where a process finds no such connection)")
     return lines

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 CONN_TYPE = "trainguard_ssh"  # :class:`trainguard.operators.hooks.node.NodeHook`'s, not the SSH provider's "ssh"
+FLEET_CONN_TYPE = "trainguard_fleet"  # :class:`trainguard.operators.hooks.fleet.FleetHook`'s: the fleet database
 
 
 def get_provider_info() -> dict[str, Any]:
@@ -31,6 +32,16 @@ def get_provider_info() -> dict[str, Any]:
                 "relabeling": {"login": "SSH user on the machines"},
                 "placeholders": {"login": "root",
                                  "extra": '{"key_file": "/etc/trainguard/id_ed25519"} or {"private_key": "..."}'},
+            },
+        }, {
+            "connection-type": FLEET_CONN_TYPE,
+            "hook-class-name": "trainguard.operators.hooks.fleet.FleetHook",
+            "hook-name": "trainguard fleet database",
+            # any SQLAlchemy URL in the extra; a postgres or sqlite connection serves as well (hooks/connections.py)
+            "ui-field-behaviour": {
+                "hidden-fields": ["host", "schema", "port", "login", "password"],
+                "relabeling": {},
+                "placeholders": {"extra": '{"url": "postgresql+psycopg://trainguard:...@db:5432/trainguard"}'},
             },
         }],
     }

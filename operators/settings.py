@@ -1,4 +1,5 @@
-"""The control plane's settings: one typed object, read from ``TG_*`` environment variables.
+"""The control plane's settings: one typed object, read from ``TG_*`` environment variables (the fleet database
+from its Airflow connection where one is defined: :mod:`trainguard.operators.hooks.connections`).
 
 Every setting of the control plane (the Airflow processes, ``trainguard``) that an operator may change
 is a field of :class:`ControlSettings`: its type, its bounds, its default and what it does, in one
@@ -38,7 +39,9 @@ class ControlSettings(BaseModel):
 
     model_config = {"frozen": True}
 
-    fleet_url: str = Field(".tg/fleet.db", description="the fleet database: a SQLite path or a SQLAlchemy URL")
+    fleet_url: str = Field(".tg/fleet.db", description="the fleet database where the Airflow connection "
+                                                       "TG_FLEET_CONN_ID (tg_fleet) is not defined: a SQLite path or "
+                                                       "a SQLAlchemy URL")
     fleet_retry_s: float = Field(180.0, ge=0.0, le=3600.0,
                                  description="how long the control plane's tasks and triggers wait out a fleet "
                                              "database that does not answer (a restart, a network blip) before "
@@ -116,6 +119,12 @@ class ControlSettings(BaseModel):
                 base = ControlSettings.model_validate({n: env[cls.variable(n)] for n in ControlSettings.model_fields
                                                        if env.get(cls.variable(n), "") != ""})
             given = {k: v for k, v in overrides.items() if v is not None}
+            if "fleet_url" not in given:  # the fleet database's connection, where it is defined, over TG_FLEET_URL
+                from trainguard.operators.hooks.connections import fleet_url_from_connection
+
+                url = fleet_url_from_connection(env)
+                if url:
+                    given["fleet_url"] = url
             return ControlSettings.model_validate({**base.model_dump(), **given}) if given else base
         except ValidationError as exc:
             raise _one_line(exc, os.environ if env is None else env) from None

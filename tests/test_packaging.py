@@ -35,6 +35,8 @@ def _modules(*packages: str) -> list[str]:
     for pkg in packages:
         for path in sorted((REPO / pkg).rglob("*.py")):
             rel = path.relative_to(REPO).with_suffix("")
+            if rel.name == "__main__":  # a package's command (python -m), run rather than imported
+                continue
             parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
             if pkg == "trainguard":
                 parts = parts[1:]

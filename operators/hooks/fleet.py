@@ -12,7 +12,9 @@ It owns, for whoever holds it:
   for the hook's life (:meth:`close` ends them);
 - the :class:`~trainguard.operators.control.Controller` over all three (:meth:`get_controller`).
 
-Settings come from :class:`trainguard.operators.settings.ControlSettings` (``TG_*`` variables), SSH credentials from
+Settings come from :class:`trainguard.operators.settings.ControlSettings` (``TG_*`` variables), the fleet database
+from its Airflow connection (``tg_fleet``, type ``trainguard_fleet``, ``postgres`` or ``sqlite``:
+:mod:`trainguard.operators.hooks.connections`) where it is defined, else ``TG_FLEET_URL``; SSH credentials from
 the Airflow connection ``ssh_conn_id`` (default ``tg_ssh``), else the inventory's.
 """
 
@@ -26,6 +28,13 @@ from typing import TYPE_CHECKING, Any
 from airflow.sdk import BaseHook
 
 from trainguard.operators.fleet.store import FleetStore, url_for
+from trainguard.operators.hooks.connections import (
+    DEFAULT_FLEET_CONN_ID,
+    FLEET_CONN_TYPE,
+    FleetConnectionError,
+    fleet_url_of,
+    get_connection,
+)
 from trainguard.operators.settings import ControlSettings
 
 if TYPE_CHECKING:
@@ -71,19 +80,31 @@ class FleetHook(BaseHook):
     :param ssh_conn_id: the Airflow connection with the machines' SSH login and key
     """
 
-    # its connection is its NodeHook's (the machines' SSH login): no connection type of its own
-    conn_name_attr = "ssh_conn_id"
-    default_conn_name = "tg_ssh"
+    # its own connection is the fleet database's; the machines' SSH login is its NodeHook's (``ssh_conn_id``)
+    conn_type = FLEET_CONN_TYPE
+    conn_name_attr = "fleet_conn_id"
+    default_conn_name = DEFAULT_FLEET_CONN_ID
+    hook_name = "trainguard fleet database"
 
-    def __init__(self, *, settings: ControlSettings | None = None, ssh_conn_id: str | None = default_conn_name
-                 ) -> None:
+    def __init__(self, *, settings: ControlSettings | None = None, ssh_conn_id: str | None = "tg_ssh",
+                 fleet_conn_id: str | None = None) -> None:
         super().__init__()
         self._settings = settings
         self.ssh_conn_id = ssh_conn_id
+        self.fleet_conn_id = fleet_conn_id
 
     @cached_property
     def settings(self) -> ControlSettings:
-        return self._settings or ControlSettings.from_env()
+        """The settings; the fleet database's URL from ``fleet_conn_id`` when given (else as
+        :meth:`ControlSettings.from_env` finds it: the ``TG_FLEET_CONN_ID`` connection, else ``TG_FLEET_URL``)."""
+        settings = self._settings or ControlSettings.from_env()
+        if self.fleet_conn_id:
+            conn = get_connection(self.fleet_conn_id)
+            if conn is None:
+                raise FleetConnectionError(f"the fleet database's connection {self.fleet_conn_id!r} is not defined: "
+                                           f"add it (type {FLEET_CONN_TYPE}, postgres or sqlite)")
+            settings = settings.model_copy(update={"fleet_url": fleet_url_of(conn)})
+        return settings
 
     @cached_property
     def store(self) -> FleetStore:

@@ -47,15 +47,9 @@ def s3_credentials(access_key: str | None, secret_key: str | None, token: str | 
 
 def _defined(conn: str) -> bool:
     """Whether Airflow knows the connection (its environment variable, a secrets backend, the database)."""
-    if os.environ.get(f"AIRFLOW_CONN_{conn.upper()}"):
-        return True
-    try:
-        from airflow.sdk import BaseHook
+    from trainguard.operators.hooks.connections import get_connection
 
-        BaseHook.get_connection(conn)
-    except Exception:  # not defined, or no Airflow to ask (a tool outside it): the environment stands in
-        return False
-    return True
+    return get_connection(conn) is not None
 
 
 class S3ConnectionMissing(LookupError):
