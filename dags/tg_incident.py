@@ -14,11 +14,11 @@ from datetime import datetime, timedelta
 
 from airflow.sdk import Param, dag, task
 
+from trainguard.operators.operators.close import CloseIncidentOperator
+from trainguard.operators.operators.replay import SilentCorruptionOperator
+from trainguard.operators.operators.vote import SlowVoteOperator
 from trainguard.operators.policy.rungs import NO_RECOVERY, RUNGS
-from trainguard.operators.sensors.close import CloseIncidentOperator
-from trainguard.operators.sensors.replay import SilentCorruptionOperator
 from trainguard.operators.sensors.resume import ResumeSensor
-from trainguard.operators.sensors.vote import SlowVoteOperator
 
 # A deferred task whose trigger fires before the executor reported the deferral's own end is failed by the
 # scheduler (apache/airflow#66374, #71580); each of these is safe to try again (a wait defers again; the close

@@ -11,7 +11,7 @@ from datetime import datetime
 
 from airflow.sdk import Param, dag, task
 
-from trainguard.operators.sensors.replay import ReplayPhaseOperator
+from trainguard.operators.operators.replay import ReplayPhaseOperator
 from trainguard.operators.utils.forms import job_param
 
 

@@ -150,3 +150,33 @@ def test_the_product_imports_no_private_airflow_module():
     private = {(p.relative_to(REPO).as_posix(), m) for p in files for m in _airflow_imports(p)
                if m.startswith(PRIVATE_AIRFLOW)}
     assert private == set()
+
+
+def test_the_provider_keeps_operators_sensors_and_triggers_apart_and_its_sensors_defer():
+    """As Airflow's providers are laid out: every class in ``sensors/`` is a sensor, every one in ``operators/`` an
+    operator that is not, every one in ``triggers/`` a trigger; and each sensor defers (its ``execute`` calls
+    ``self.defer``: no sensor holds a worker slot poking)."""
+    from airflow.sdk import BaseOperator, BaseSensorOperator
+    from airflow.triggers.base import BaseTrigger
+
+    def classes(folder: str) -> dict[str, type]:
+        import importlib
+        import inspect
+
+        found = {}
+        for path in sorted((REPO / "operators" / folder).glob("*.py")):
+            mod = importlib.import_module(f"trainguard.operators.{folder}.{path.stem}".replace(".__init__", ""))
+            found.update({f"{path.stem}.{n}": c for n, c in inspect.getmembers(mod, inspect.isclass)
+                          if c.__module__ == mod.__name__ and not n.startswith("_")})
+        return found
+
+    sensors, operators, triggers = classes("sensors"), classes("operators"), classes("triggers")
+    assert {"resume.ResumeSensor", "alerts.AlertSensor"} <= set(sensors) and "vote.SlowVoteOperator" in operators
+    assert [n for n, c in sensors.items() if not issubclass(c, BaseSensorOperator)] == []
+    assert [n for n, c in operators.items() if not issubclass(c, BaseOperator) or issubclass(c, BaseSensorOperator)] \
+        == []
+    assert [n for n, c in triggers.items() if not issubclass(c, BaseTrigger)] == []
+    import inspect
+
+    poking = [n for n, c in sensors.items() if "self.defer(" not in inspect.getsource(c.execute)]
+    assert poking == []

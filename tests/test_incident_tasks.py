@@ -273,7 +273,7 @@ def test_the_slow_vote_defers_its_rounds_to_the_triggerer_then_decides_from_them
     resumes with them and decides as the rung does."""
     from airflow.sdk.exceptions import TaskDeferred
 
-    from trainguard.operators.sensors.vote import SlowVoteOperator
+    from trainguard.operators.operators.vote import SlowVoteOperator
     from trainguard.operators.tasks import incident as steps
     from trainguard.operators.triggers.vote import SlowVoteTrigger
 
@@ -323,7 +323,7 @@ def test_the_slow_vote_defers_its_rounds_to_the_triggerer_then_decides_from_them
 
 
 def test_an_explicit_fault_that_joined_before_the_vote_decides_without_deferring(tmp_path, monkeypatch):
-    from trainguard.operators.sensors.vote import SlowVoteOperator
+    from trainguard.operators.operators.vote import SlowVoteOperator
     from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
@@ -340,7 +340,7 @@ def test_close_incident_escalates_a_restart_that_did_not_hold_and_waits_for_its_
     again) and the new restart's resume is awaited in the triggerer: close_incident defers, then closes."""
     from airflow.sdk.exceptions import TaskDeferred
 
-    from trainguard.operators.sensors.close import CloseIncidentOperator
+    from trainguard.operators.operators.close import CloseIncidentOperator
     from trainguard.operators.tasks import incident as steps
     from trainguard.operators.triggers.resume import ResumeTrigger
 
@@ -385,7 +385,7 @@ def test_silent_corruption_watches_both_replay_phases_in_the_triggerer_then_evic
     the machine in a failing horizontal and a failing vertical group is evicted."""
     from airflow.sdk.exceptions import TaskDeferred
 
-    from trainguard.operators.sensors.replay import SilentCorruptionOperator
+    from trainguard.operators.operators.replay import SilentCorruptionOperator
     from trainguard.operators.tasks import incident as steps
     from trainguard.operators.triggers.replay import ReplayTrigger
 

@@ -1,4 +1,5 @@
-"""The deferrable ``ResumeSensor``: ``wait_for_resume`` of ``tg_incident``. Its ``execute`` only reads its
+"""The deferrable ``ResumeSensor``: ``wait_for_resume`` of ``tg_incident``. Both sensors here defer from their
+first moment: they never poke, and hold no worker slot while they wait. Its ``execute`` only reads its
 input (``restart_job``'s :class:`~trainguard.operators.models.Restart`) and defers to
 :class:`trainguard.operators.triggers.resume.ResumeTrigger`; while an incident waits for its job to train again, no
 worker slot is held, so a fleet with many incidents at once keeps its slots for the rungs. The deferrable
@@ -11,7 +12,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseSensorOperator
 
 from trainguard.operators.triggers.resume import DEFAULT_POLL_S, CodeResumeTrigger, ResumeTrigger
 
@@ -20,7 +21,7 @@ from trainguard.operators.triggers.resume import DEFAULT_POLL_S, CodeResumeTrigg
 MAX_WAIT = timedelta(hours=1)
 
 
-class ResumeSensor(BaseOperator):
+class ResumeSensor(BaseSensorOperator):
     """Waits, deferred, until the restarted job trains past its restored step (or the restart failed);
     returns the :class:`~trainguard.operators.models.Resume`. Nothing restarted: answers ``skipped`` at once.
 
@@ -32,7 +33,7 @@ class ResumeSensor(BaseOperator):
     template_fields = ("incident_id", "recovery")
 
     def __init__(self, *, incident_id: Any, recovery: Any, poll_s: float = DEFAULT_POLL_S, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(timeout=MAX_WAIT.total_seconds(), **kwargs)
         self.incident_id = incident_id
         self.recovery = recovery
         self.poll_s = poll_s
@@ -44,7 +45,7 @@ class ResumeSensor(BaseOperator):
         if not rec.restarted:
             return Resume(skipped=True).dump()
         self.defer(trigger=ResumeTrigger(int(self.incident_id), rec.dump(), poll_s=self.poll_s),
-                   method_name="execute_complete", timeout=MAX_WAIT)
+                   method_name="execute_complete", timeout=timedelta(seconds=self.timeout))
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
         from trainguard.operators.models import Resume
@@ -57,7 +58,7 @@ class ResumeSensor(BaseOperator):
         return info.dump()
 
 
-class CodeResumeSensor(BaseOperator):
+class CodeResumeSensor(BaseSensorOperator):
     """Waits, deferred, until every job the code update restarted trained past its restored step or ended
     without one (the ladder then handles it); returns ``{"resumed": {job: ...}, "ended": {job: why}}``.
     Nothing restarted (a lazy update, the hourly sweep): answers at once. The run fails after ``timeout``.
@@ -71,9 +72,8 @@ class CodeResumeSensor(BaseOperator):
 
     def __init__(self, *, update: Any, timeout: timedelta = timedelta(minutes=10), poll_s: float = 2.0,
                  **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(timeout=timeout.total_seconds(), **kwargs)
         self.update = update
-        self.wait = timeout
         self.poll_s = poll_s
 
     def execute(self, context: Any) -> dict[str, Any]:
@@ -81,7 +81,7 @@ class CodeResumeSensor(BaseOperator):
         if not update.get("restarts"):
             return {"resumed": {}, "ended": {}}
         self.defer(trigger=CodeResumeTrigger(update, poll_s=self.poll_s), method_name="execute_complete",
-                   timeout=self.wait)
+                   timeout=timedelta(seconds=self.timeout))
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
         event = dict(event or {})

@@ -84,7 +84,7 @@ def runtime_analysis(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
 def slow_vote(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     """Throughput decline: vote over rounds on each rank's compute time while the job trains; evict the
     group flagged in most rounds (then recover), or nothing when the slowdown was shared or passed. In
-    Airflow the rounds are taken in the triggerer (:class:`trainguard.operators.sensors.vote.SlowVoteOperator`), then
+    Airflow the rounds are taken in the triggerer (:class:`trainguard.operators.operators.vote.SlowVoteOperator`), then
     :func:`slow_vote_decide` decides as here."""
     return slow_vote_decide(c, decision, c.vote_slow(decision["incident"]))
 
@@ -109,7 +109,7 @@ def silent_corruption(c: Controller, decision: dict[str, Any]) -> dict[str, Any]
     the alignment test on every machine; when every machine agrees, replay real training steps in groups
     (dual-phase replay); evict the machines either finds (a repeat offender at once). In Airflow the
     replay's groups are watched in the triggerer
-    (:class:`trainguard.operators.sensors.replay.SilentCorruptionOperator`),
+    (:class:`trainguard.operators.operators.replay.SilentCorruptionOperator`),
     the same evidence decided by :func:`sdc_decide`."""
     early, evidence = sdc_before_replay(c, decision)
     if early is not None:

@@ -3,7 +3,7 @@ launched group's result (:meth:`trainguard.operators.control.Controller.replay_p
 once every part ended, or why it failed), with the triggerer's one controller (one held SSH connection
 per machine for every trigger, its blocking reads in a thread); once every group has one (or ``timeout_s``
 passed) it ends the groups' sub-jobs and fires with the results. Its operators are in
-:mod:`trainguard.operators.sensors.replay`: while the replicas compute, no worker slot is held.
+:mod:`trainguard.operators.operators.replay`: while the replicas compute, no worker slot is held.
 """
 
 from __future__ import annotations

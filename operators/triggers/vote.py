@@ -3,7 +3,7 @@ rank's recent compute time (:meth:`trainguard.operators.control.Controller.vote_
 controller: one fleet database engine and one held SSH connection per machine for every trigger, its
 blocking reads in a thread), ``rounds`` times, and fires with them; at once, with the rounds so far and
 ``superseded``, when stronger alerts took the incident over meanwhile. Its operator is
-:class:`trainguard.operators.sensors.vote.SlowVoteOperator`: while the vote samples a slow job (a minute by default),
+:class:`trainguard.operators.operators.vote.SlowVoteOperator`: while the vote samples a slow job (a minute by default),
 no worker slot is held.
 """
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
-from trainguard.operators.sensors.rung import RungOperator
+from trainguard.operators.operators.rung import RungOperator
 
 
 class SlowVoteOperator(RungOperator):

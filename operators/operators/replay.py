@@ -15,7 +15,7 @@ from typing import Any
 
 from airflow.sdk import BaseOperator
 
-from trainguard.operators.sensors.rung import RungOperator
+from trainguard.operators.operators.rung import RungOperator
 from trainguard.operators.triggers.replay import DEFAULT_TIMEOUT_S
 
 # a guard against a trigger that never fires: it gives up on a group after DEFAULT_TIMEOUT_S itself

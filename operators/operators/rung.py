@@ -1,5 +1,5 @@
-"""The base of ``tg_incident``'s deferrable rungs (:mod:`trainguard.operators.sensors.vote`,
-:mod:`trainguard.operators.sensors.replay`): a rung as an operator of its own, taking the triage's decision and
+"""The base of ``tg_incident``'s deferrable rungs (:mod:`trainguard.operators.operators.vote`,
+:mod:`trainguard.operators.operators.replay`): a rung as an operator of its own, taking the triage's decision and
 returning its :class:`~trainguard.operators.models.RungResult`, its waits deferred to the triggerer."""
 
 from __future__ import annotations
