@@ -12,7 +12,8 @@ Commands::
     trainguard ettr --job J [--window-s 3600]   (the control plane's fleet database: $TG_FLEET_URL, $TG_INVENTORY)
     trainguard status [--airflow-url URL]       trainguard's own health and its jobs, one screen (exit 1: look)
     trainguard simulate [--gpus 9600 --days 90 --profile byterobust|measured --model FILE --seed N
-                         --sensitivity --chart PNG]   projected ETTR of one job at scale (operators/sim)
+                         --sensitivity --chart PNG --degrade [--min-replicas N]]
+                                                projected ETTR of one job at scale (operators/sim)
 
 and the commands other packages register through the ``trainguard.commands`` entry point (the emulation's:
 ``cluster``, ``inject``, ``demo``, ``controlplane``; see :mod:`trainguard.emulation.cli`).
@@ -108,6 +109,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     sim.add_argument("--pp", type=int, default=8, help="pipeline stages (TP is one 8-GPU machine; default 8)")
     sim.add_argument("--seed", type=int, default=1)
     sim.add_argument("--sensitivity", action="store_true", help="also the sensitivity table (about 30 runs)")
+    sim.add_argument("--degrade", action="store_true", help="train through faults confined to a few data-parallel "
+                                                           "replicas on the others (operators/policy/degrade.py)")
+    sim.add_argument("--min-replicas", type=int, default=1, help="with --degrade: the fewest replicas the job "
+                                                                 "trains on (default 1)")
     sim.add_argument("--chart", type=Path, help="write a PNG chart here")
     handlers: dict[str, Handler] = {}
     for _name, register in load_group(COMMANDS_GROUP):  # without the parts this installation leaves out
@@ -162,7 +167,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     m = model.load_model(args.model)
     machines = args.gpus // m.gpus_per_machine if args.gpus > 0 else 0
     prof = profiles.profile(args.profile, max(machines, 1), gpus_per_machine=m.gpus_per_machine)
-    result, wall = report.timed(m, prof, gpus=args.gpus, days=args.days, pp=args.pp, seed=args.seed)
+    knobs = report.degrade_knobs(prof, args.min_replicas) if args.degrade else None
+    result, wall = report.timed(m, prof, gpus=args.gpus, days=args.days, pp=args.pp, seed=args.seed, knobs=knobs)
     doc: dict[str, Any] = {**result.as_dict(), "wall_s": round(wall, 3)}
     lines = [*report.breakdown_lines(result), f"  simulated in {wall:.1f} s"]
     if args.sensitivity:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainguard.node_tools.topology import Topology
-from trainguard.operators.policy import code, ladder, pool, runtime, sdc
+from trainguard.operators.policy import code, degrade, ladder, pool, runtime, sdc
 from trainguard.operators.settings import ControlSettings
 from trainguard.operators.sim.model import DAY_S, FailureKind, FailureModel, Profile, SimError
 
@@ -43,7 +43,7 @@ JOB = "sim"
 WEEK_S = 7 * DAY_S
 POOL_PERIOD_S = 600.0  # tg_standby_pool's default schedule (*/10 * * * *)
 PHASES = ("detection", "diagnosis", "restart", "restore", "swap", "wait_machine", "lost_work", "human",
-          "hot_update", "checkpoint")
+          "hot_update", "checkpoint", "quorum", "degraded")
 _DEFAULTS = ControlSettings.model_fields
 
 
@@ -56,13 +56,16 @@ class Knobs:
     """What the sensitivity table varies. ``pool_size``: a fixed standby target instead of the policy's;
     ``checkpoint_interval_s``: instead of every step; ``detect_scale``/``restart_scale``: multiply those
     phases (the swap and the hot update are restarts too); ``phase_scale``: multiply any ledger phase's cost
-    (what-if for one phase)."""
+    (what-if for one phase); ``degrade``: faults confined to a few data-parallel replicas are trained through on
+    the others (:func:`trainguard.operators.policy.degrade.plan`), no fewer than ``min_replicas`` of them."""
 
     pool_size: int | None = None
     checkpoint_interval_s: float | None = None
     detect_scale: float = 1.0
     restart_scale: float = 1.0
     phase_scale: tuple[tuple[str, float], ...] = ()
+    degrade: bool = False
+    min_replicas: int = 1
 
 
 @dataclass
@@ -80,11 +83,12 @@ class Result:
     evictions: dict[str, int]
     pool: dict[str, Any]
     pool_series: list[tuple[float, int]] = field(default_factory=list)
+    degrade: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         hours = {k: round(v / 3600, 3) for k, v in sorted(self.by_cause.items(), key=lambda kv: -kv[1])}
         return {"gpus": self.gpus, "machines": self.machines, "days": self.days, "profile": self.profile,
-                "ettr": round(self.ettr, 5), "ettr_weekly": [round(w, 5) for w in self.weeks],
+                "degrade": self.degrade, "ettr": round(self.ettr, 5), "ettr_weekly": [round(w, 5) for w in self.weeks],
                 "unproductive_h": {"by_cause": hours,
                                    "by_phase": {k: round(v / 3600, 3) for k, v in self.by_phase.items()}},
                 "incidents": self.incidents, "actions": self.actions, "evictions": self.evictions, "pool": self.pool}
@@ -137,6 +141,7 @@ class Simulation:
         self.last_end: float | None = None
         self.last_category: str | None = None
         self.last_machines: tuple[str, ...] = ()
+        self.last_replicas: tuple[int, ...] | None = None  # a degraded recovery's replicas (None: the whole job)
         self.net_history: deque[dict[str, Any]] = deque(maxlen=64)
         self.evicted_log: deque[tuple[float, str]] = deque()  # (ts, machine) evictions, for breaker/pool
         self.eviction_count: Counter[str] = Counter()
@@ -339,6 +344,9 @@ class Simulation:
                                         failed_ts=ts, window_s=_setting("escalation_window_s"),
                                         last_category=self.last_category, last_machines=self.last_machines,
                                         category=first.category, machines=first.machines)
+        if level and self.knobs.degrade and not degrade.repeats(self.last_replicas,
+                                                                degrade.replicas_of(self.topo, [slot])):
+            level = 0  # the last recovery healed other replicas: this one never stopped, nothing to climb
         t, d = self.decide(kind, slot, ts, level)
         self.incidents[kind.name] += 1
         action = d.action
@@ -387,6 +395,7 @@ class Simulation:
         elif action == ladder.Action.WAIT_HUMAN:
             cost["human"] += p.human_s
             evict = [faulty] if faulty else []
+        path = self._path(t, d, action, kind, slot, evict, level) if k.degrade and restart else None
         if evict:
             window = _setting("breaker_window_s")
             recent = {n for when, n in self.evicted_log if when >= ts - window}
@@ -396,6 +405,18 @@ class Simulation:
                 self.actions["breaker"] += 1
                 cost["human"] += p.human_s
             self._evict(evict, faulty, ts, cost)
+        if path is not None and path.path == degrade.DEGRADE:
+            self.actions["degrade"] += 1
+            # the other replicas stall at the two changes of who trains (the replica leaves; healed, it rejoins);
+            # meanwhile the job trains without it: its share of that time is lost
+            window = sum(cost.values()) + p.heal_s
+            cost = Counter({"quorum": 2 * p.quorum_s, "degraded": (1 - path.width) * window})
+            restart = False
+            self.last_level, self.last_category, self.last_machines = level, t.category, t.machines
+            self.last_end = ts + 2 * p.quorum_s + window
+            self.last_replicas = path.replicas
+        elif path is not None:
+            self.actions["stop_world"] += 1
         if restart:
             cost["restart"] += p.restart_s * k.restart_scale
             cost["restore"] += p.restore_s
@@ -406,13 +427,24 @@ class Simulation:
             self.left[machine] = kind.name  # a latent cause on this machine that no test sees
         if restart:
             self.last_level, self.last_category, self.last_machines = level, t.category, t.machines
+            self.last_replicas = None
         for ph, f in k.phase_scale:
             if ph in cost:
                 cost[ph] *= f
-        down = sum(cost.values())
+        down = sum(v for ph, v in cost.items() if ph != "degraded")  # degraded: the job trains on, narrower
         if restart:
             self.last_end = ts + down
         return down, dict(cost)
+
+    def _path(self, t: ladder.Triage, d: ladder.Decision, action: ladder.Action, kind: FailureKind, slot: int,
+              evict: list[str], level: int) -> degrade.DegradePlan:
+        """Degrade or stop the world (:func:`trainguard.operators.policy.degrade.plan`) for this incident: the
+        machines it takes out (what the rung evicts, and where the failure showed) and its first decision."""
+        machines = {slot, *(self.slot[n] for n in evict if n in self.slot)}
+        verdict = kind.log_verdict if action == ladder.Action.DIAGNOSE else ""
+        final = d.action.value if action in (ladder.Action.DIAGNOSE, ladder.Action.REPLAY) else action.value
+        return degrade.plan(self.topo, category=t.category.value, action=final, machines=sorted(machines),
+                            level=level, min_replicas=self.knobs.min_replicas, log_verdict=verdict)
 
     def _evict(self, machines: list[str], faulty: str | None, now: float, cost: Counter[str]) -> None:
         self._pool_until(now)
@@ -495,6 +527,8 @@ class Simulation:
                 self.by_phase[ph] += sec
                 self.by_cause[kind.name] += sec
             now = t_fail + down
+            if cost.get("degraded"):  # the job trained on at reduced width: that share of the window is lost
+                self._spread(now, now + cost["degraded"], -1.0)
             for name, left_kind in self.left.items():
                 if not any(h[3] == name for h in heap):
                     seq += 1
@@ -553,7 +587,7 @@ class Simulation:
                       profile=self.prof.name, ettr=productive / self.horizon, weeks=weeks,
                       by_cause=dict(self.by_cause), by_phase={p: self.by_phase.get(p, 0.0) for p in PHASES},
                       incidents=dict(self.incidents), actions=dict(self.actions), evictions=ev, pool=pool_doc,
-                      pool_series=self.pool_series)
+                      pool_series=self.pool_series, degrade=self.knobs.degrade)
 
 
 def simulate(model: FailureModel, prof: Profile, *, gpus: int, days: float, tp: int = 8, pp: int = 8, seed: int = 0,

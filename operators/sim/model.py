@@ -194,7 +194,10 @@ class Profile:
     top of a restart when the pool lacks standbys (the shortfall is rescheduled); ``hot_update_s``: a manual
     code change applied in place; ``human_s``: an incident that waits for a human; ``step_s``: the training
     step (checkpoint interval: every step); ``checkpoint_overhead``: step time with checkpoints over without,
-    minus 1; ``provision_s``: a new standby's self-check before it parks; ``sources``: where each came from.
+    minus 1; ``provision_s``: a new standby's self-check before it parks; ``sources``: where each came from;
+    the degrade path's (``--degrade``): ``quorum_s``, the other replicas' stall at a change of the replicas
+    that train (a replica leaves, a healed one rejoins), and ``heal_s``, a replacement catching up from a
+    live replica before it rejoins.
     A profile is built for one job size (:mod:`trainguard.operators.sim.profiles`): restarts grow with the machines."""
 
     name: str
@@ -210,3 +213,5 @@ class Profile:
     checkpoint_overhead: float
     provision_s: float
     sources: Mapping[str, str] = field(default_factory=dict)
+    quorum_s: float = 0.0
+    heal_s: float = 0.0

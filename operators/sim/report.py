@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.operators.sim.engine import Knobs, Result, simulate
-from trainguard.operators.sim.model import FailureModel, Profile
+from trainguard.operators.sim.model import FailureModel, Profile, SimError
 
 # (row name, what varies, values, how a value becomes knobs)
 SENSITIVITY: tuple[tuple[str, str, tuple[Any, ...]], ...] = (
@@ -57,8 +57,10 @@ def sensitivity_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 def breakdown_lines(r: Result) -> list[str]:
     d = r.as_dict()
-    lines = [f"{r.profile}: {r.gpus} GPUs ({r.machines} machines) for {r.days:g} days: ETTR {r.ettr:.2%} "
-             f"(weekly {min(r.weeks):.2%} .. {max(r.weeks):.2%})"]
+    paths = (f"; {r.actions.get('degrade', 0)} incidents trained through on fewer replicas, "
+             f"{r.actions.get('stop_world', 0)} stopped the world" if r.degrade else "")
+    lines = [f"{r.profile}{' with the degrade path' if r.degrade else ''}: {r.gpus} GPUs ({r.machines} machines) "
+             f"for {r.days:g} days: ETTR {r.ettr:.2%} (weekly {min(r.weeks):.2%} .. {max(r.weeks):.2%}){paths}"]
     lines.append("  unproductive by phase (h): " + ", ".join(
         f"{k} {v:.1f}" for k, v in d["unproductive_h"]["by_phase"].items() if v))
     lines.append("  unproductive by cause (h): " + ", ".join(
@@ -109,6 +111,16 @@ def chart(results: Sequence[Result], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)
+
+
+def degrade_knobs(prof: Profile, min_replicas: int = 1) -> Knobs:
+    """The knobs of a run with the degrade path; a profile without its costs is refused in one line."""
+    if prof.quorum_s <= 0:
+        raise SimError(f"the {prof.name} profile has no cost for training on fewer replicas (ByteRobust stops the "
+                       f"world for every fault); use --profile measured with --degrade")
+    if min_replicas < 1:
+        raise SimError(f"--min-replicas {min_replicas} must be at least 1")
+    return Knobs(degrade=True, min_replicas=min_replicas)
 
 
 def timed(model: FailureModel, prof: Profile, **kwargs: Any) -> tuple[Result, float]:
