@@ -1,0 +1,115 @@
+"""Replica groups on this host, for the tests and the benchmark of :mod:`trainguard.replicas`: a torchft
+lighthouse and one ``torchrun`` per group running ``examples/replicas`` (each group's rank with its own step
+records), a rank killed the way a machine loses it, and what the step records say afterwards."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The step records of a group's rank 0 (a torn last line left out)."""
+    path = run_dir / "ranks" / "rank0.steps.jsonl"
+    out = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+    return out
+
+
+def wait_for(what: str, cond: Callable[[], bool], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+class ReplicaRun:
+    """``groups`` replica groups of ``examples/replicas`` under one lighthouse, in ``folder``."""
+
+    def __init__(self, folder: Path, *, groups: int = 2, steps: int = 150, step_s: float = 0.05,
+                 heartbeat_timeout_ms: int = 2000, digest_every: int = 10) -> None:
+        self.folder, self.n, self.steps = folder, groups, steps
+        self.step_s, self.heartbeat_ms, self.digest_every = step_s, heartbeat_timeout_ms, digest_every
+        self.runs = {i: folder / f"replica{i}" for i in range(groups)}
+        self.lighthouse: subprocess.Popen[bytes] | None = None
+        self.groups: dict[int, subprocess.Popen[bytes]] = {}
+
+    def start(self) -> None:
+        bin_dir = Path(sys.executable).parent
+        port = _port()
+        self.lighthouse = subprocess.Popen(
+            [str(bin_dir / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
+             "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(self.heartbeat_ms),
+             "--bind", f"127.0.0.1:{port}"],
+            stdout=open(self.folder / "lighthouse.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            start_new_session=True)
+        for i in range(self.n):
+            env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "TG_REPLICA": str(i),
+                   "TG_REPLICA_HOST": "127.0.0.1", "TG_RUN_DIR": str(self.runs[i]), "PYTHONPATH": str(REPO),
+                   "OMP_NUM_THREADS": "1"}
+            env.pop("TG_FAULT_FILE", None)
+            self.groups[i] = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
+                 "--max-restarts", "3", "--monitor-interval", "0.5", "--master-addr", "127.0.0.1",
+                 "--master-port", str(_port()), "-m", "examples.replicas.train", "--steps", str(self.steps),
+                 "--step-time-s", str(self.step_s), "--digest-every", str(self.digest_every)],
+                env=env, cwd=REPO, stdout=open(self.log(i), "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                start_new_session=True)
+
+    def log(self, i: int) -> Path:
+        return self.folder / f"group{i}.log"
+
+    def records(self, i: int) -> list[dict[str, Any]]:
+        return read_records(self.runs[i])
+
+    def kill(self, i: int) -> float:
+        """SIGKILL group ``i``'s training rank (torchrun restarts it); returns when (wall clock)."""
+        [worker] = psutil.Process(self.groups[i].pid).children(recursive=True)[-1:]
+        at = time.time()
+        worker.send_signal(signal.SIGKILL)
+        return at
+
+    def finish(self, timeout: float = 180.0) -> dict[int, int]:
+        """Wait for every group to end; their exit codes."""
+        return {i: p.wait(timeout=timeout) for i, p in self.groups.items()}
+
+    def stop(self) -> None:
+        for p in (*self.groups.values(), *([self.lighthouse] if self.lighthouse else [])):
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+
+    def digests(self, i: int) -> dict[int, str]:
+        """The state digests group ``i`` logged, by step."""
+        text = self.log(i).read_text(errors="replace")
+        found = {}
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[-3] == "digest":
+                found[int(parts[-2])] = parts[-1]
+        return found

@@ -1,0 +1,48 @@
+"""Replica groups under trainguard.replicas (torchft's lighthouse, quorum and live healing behind trainguard's
+face): two groups train ``examples/replicas``; one group's rank is killed; the other trains on alone (its step
+records say one participant) without stopping longer than the quorum change; torchrun restarts the killed rank,
+which heals from the live group and rejoins; afterwards both hold the same state bit for bit."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from trainguard.emulation.replicas import ReplicaRun, wait_for
+
+STEPS = 150
+
+
+@pytest.mark.slow
+def test_one_replica_dies_the_other_trains_on_and_the_restarted_one_heals_from_it(tmp_path):
+    run = ReplicaRun(tmp_path, steps=STEPS, step_s=0.05, heartbeat_timeout_ms=2000)
+    try:
+        run.start()
+        wait_for("both replicas to train together", lambda: len(run.records(1)) >= 20
+                 and any(r.get("participants") == 2 for r in run.records(1)))
+        killed_at = run.kill(1)
+        wait_for("the survivor to train alone", lambda: any(
+            r["ts"] > killed_at and r.get("participants") == 1 for r in run.records(0)))
+        wait_for("the restarted replica to heal from the live one", lambda: any(
+            r.get("healed_from_step") is not None and r["ts"] > killed_at for r in run.records(1)))
+        codes = run.finish()
+        assert codes == {0: 0, 1: 0}, [run.log(i).read_text()[-3000:] for i in (0, 1)]
+    finally:
+        run.stop()
+    survivor = run.records(0)
+    steps = [r["step"] for r in survivor]  # (the group that joined second healed from the other at the start)
+    assert steps == list(range(steps[0], STEPS)) and steps[0] < 10  # every step once: none lost, none redone
+    # the survivor never stood still longer than the quorum change (the lighthouse's 2 s heartbeat timeout and
+    # a failed step), far from a restart of the whole job
+    gaps = [b["ts"] - a["ts"] for a, b in itertools.pairwise(survivor) if a["ts"] >= killed_at - 5]
+    assert max(gaps) < 10.0, max(gaps)
+    alone = [r["step"] for r in survivor if r.get("participants") == 1 and r["ts"] > killed_at]
+    assert alone and any(r.get("participants") == 2 for r in survivor if r["step"] > max(alone))  # it rejoined
+    healed = [r for r in run.records(1) if r.get("healed_from_step") is not None and r["ts"] > killed_at]
+    assert healed[0]["step"] > healed[0]["healed_from_step"] + 1  # it jumped to the live replicas' step
+    # the same state bit for bit at every step both logged after the heal, the last one included
+    d0, d1 = run.digests(0), run.digests(1)
+    common = sorted(s for s in set(d0) & set(d1) if s > healed[0]["step"])
+    assert STEPS in common, (sorted(d0), sorted(d1))
+    assert all(d0[s] == d1[s] for s in common), {s: (d0[s], d1[s]) for s in common}

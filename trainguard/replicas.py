@@ -1,0 +1,165 @@
+"""Train through the loss of a data-parallel replica: torchft's quorum, reconfigurable process group and live
+healing behind trainguard's face.
+
+A job that runs its data-parallel replicas as replica groups (one ``torchrun`` each, every group a full copy of
+the model in its own TP x PP layout) keeps training when a group dies: the others agree on who trains each step
+(torchft's lighthouse and :class:`torchft.Manager`), average gradients among themselves (torchft's
+reconfigurable process group), and a group that comes back receives the state from a live one before it trains
+(torchft's checkpoint transport). trainguard adds what the machines' side needs: every committed step goes
+into the rank's step records and heartbeat (:class:`trainguard.node_tools.monitor.JobMonitor`), so the agent
+sees progress, hangs and slow steps as for any guarded job, and :meth:`Replicas.digest` says whether two
+replicas hold the same parameters bit for bit.
+
+In the training script::
+
+    rep = Replicas(model, optimizer)          # the replica group from TG_REPLICA, the lighthouse from
+    model, optimizer = rep.model, rep.optimizer   # TORCHFT_LIGHTHOUSE
+    while rep.step < steps:
+        rep.begin()
+        optimizer.zero_grad()                 # joins this step's quorum
+        loss = loss_fn(model(x), y)
+        loss.backward()                       # gradients averaged over the replicas that train this step
+        optimizer.step()                      # applied only if every participant commits
+        rep.end(loss)                         # a committed step goes into the step records
+    rep.close()
+
+Environment: ``TG_REPLICA`` (or torchft's ``REPLICA_GROUP_ID``) names the group; ``TORCHFT_LIGHTHOUSE`` is the
+lighthouse's URL (``http://host:port``); ``TG_REPLICA_HOST`` the address other groups reach this one at
+(default: this host's name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.node_tools.monitor import JobMonitor
+
+__all__ = ["Replicas", "ReplicasError", "state_digest"]
+
+
+class ReplicasError(TrainguardError):
+    """The replica group cannot start (no group name, no lighthouse)."""
+
+
+def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> str:
+    """sha256 of every parameter and buffer (and the optimizer's tensors), in name order: two replicas that hold
+    the same state bit for bit have the same digest."""
+    h = hashlib.sha256()
+
+    def feed(name: str, t: torch.Tensor) -> None:
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    for name, t in sorted(model.state_dict().items()):
+        feed(name, t)
+    if optimizer is not None:
+        for pid, st in sorted(optimizer.state_dict()["state"].items()):
+            for key, v in sorted(st.items()):
+                if isinstance(v, torch.Tensor):
+                    feed(f"optim.{pid}.{key}", v)
+    return h.hexdigest()
+
+
+class Replicas:
+    """One rank of one replica group (see the module).
+
+    :param model: the replica's model (on its device)
+    :param optimizer: its optimizer
+    :param replica: the group's name (default ``TG_REPLICA`` or ``REPLICA_GROUP_ID``)
+    :param min_replicas: the fewest groups that may train a step
+    :param timeout_s: a collective or a transfer that takes longer fails the step (the group is then left out)
+    :param quorum_timeout_s: how long a step waits for its quorum
+    :param monitor: the rank's hook (default: one from the environment)
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica: str | None = None,
+                 min_replicas: int = 1, timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
+                 monitor: JobMonitor | None = None) -> None:
+        from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        replica = replica or os.environ.get("TG_REPLICA") or os.environ.get("REPLICA_GROUP_ID")
+        if not replica:
+            raise ReplicasError("no replica group: set TG_REPLICA (its name, e.g. its data-parallel index)")
+        if not os.environ.get("TORCHFT_LIGHTHOUSE"):
+            raise ReplicasError("no lighthouse: set TORCHFT_LIGHTHOUSE to its URL (http://host:port); start one "
+                                "with torchft_lighthouse --min_replicas N --bind host:port")
+        if min_replicas < 1:
+            raise ReplicasError(f"min_replicas={min_replicas} must be at least 1")
+        self.replica = str(replica)
+        self._inner_model, self._inner_optimizer = model, optimizer
+        timeout = timedelta(seconds=timeout_s)
+        pg = ProcessGroupGloo(timeout=timeout)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.manager = Manager(
+            pg=pg, min_replica_size=min_replicas, replica_id=f"tg_{self.replica}",
+            load_state_dict=self._load, state_dict=self._state, timeout=timeout,
+            quorum_timeout=timedelta(seconds=quorum_timeout_s),
+            hostname=os.environ.get("TG_REPLICA_HOST") or socket.gethostname(),
+            checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
+        self.model = DistributedDataParallel(self.manager, model)
+        self.optimizer = Optimizer(self.manager, optimizer)
+        self.monitor = monitor if monitor is not None else JobMonitor.from_env(coords={"dp": _index(self.replica)})
+        self.monitor.start()
+        self.healed = 0  # times this group jumped ahead by receiving a live replica's state
+        self._began = (self.step, time.monotonic())
+
+    def _state(self) -> dict[str, Any]:
+        return {"model": self._inner_model.state_dict(), "optim": self._inner_optimizer.state_dict()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self._inner_model.load_state_dict(state["model"])
+        self._inner_optimizer.load_state_dict(state["optim"])
+
+    @property
+    def step(self) -> int:
+        """The job's step: how many steps the replicas committed (a group that healed has the live ones')."""
+        return int(self.manager.current_step())
+
+    @property
+    def participants(self) -> int:
+        """How many replica groups trained the last step."""
+        return int(self.manager.num_participants())
+
+    def begin(self) -> None:
+        """Before a step (before ``optimizer.zero_grad()``, which joins its quorum)."""
+        self._began = (self.step, time.monotonic())
+        self.monitor.step_begin(self.step)
+
+    def end(self, loss: torch.Tensor | float, *, tokens: int = 0) -> bool:
+        """After ``optimizer.step()``: whether the step was committed (the job's step advanced). A committed
+        step goes into the step records with ``participants`` (the groups that trained it) and this replica; a
+        group that healed meanwhile (it received a live replica's state and jumped to its step) says so."""
+        before, t0 = self._began
+        now = self.step
+        if now <= before:
+            return False
+        step_time = time.monotonic() - t0
+        extra: dict[str, Any] = {"participants": self.participants, "replica": self.replica}
+        if now > before + 1:
+            self.healed += 1
+            extra["healed_from_step"] = before
+        self.monitor.step_end(now - 1, loss=float(loss), grad_norm=0.0, step_time_s=step_time,
+                              tokens_per_s=tokens / step_time if step_time > 0 else 0.0, **extra)
+        return True
+
+    def digest(self) -> str:
+        """:func:`state_digest` of this replica's model and optimizer."""
+        return state_digest(self._inner_model, self._inner_optimizer)
+
+    def close(self, status: str = "finished") -> None:
+        self.monitor.close(status)
+        self.manager.shutdown(wait=False)
+
+
+def _index(replica: str) -> int:
+    digits = "".join(ch for ch in replica if ch.isdigit())
+    return int(digits) if digits else 0
