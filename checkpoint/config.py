@@ -139,7 +139,6 @@ class CheckpointConfig:
             raise CheckpointError(f"checkpoint remote tier {self.s3_url!r} must look like s3://bucket/prefix or "
                                   f"file:///shared/dir")
 
-
     def is_candidate(self, step: int) -> bool:
         """Whether ``step`` is a verification candidate (see ``verify_every_steps``)."""
         return bool(self.verify_every_steps) and (step + 1) % self.verify_every_steps == 0

@@ -251,7 +251,6 @@ class Checkpointer(Snapshotting, Persisting, Replicating, Committing, Restoring)
 
     # ---- the saver process (saver "process") ----------------------------------------------------------
 
-
     def drain(self, timeout_s: float = 60.0) -> bool:
         """Wait until every snapshot taken so far is written and replicated (or failed), and a due S3
         upload has been picked up by the uploader. For tests and benchmarks; training never calls it.

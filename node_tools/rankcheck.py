@@ -358,7 +358,6 @@ class RankCheck(Check):
             hist.append(value)
         return found
 
-
     def _slow(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
         step_time = _num(rec.get("step_time_s"))
         if not math.isfinite(step_time):
@@ -385,7 +384,6 @@ class RankCheck(Check):
                         evidence={"step": rec.get("step"), "step_time_s": step_time, "baseline_s": baseline,
                                   "comm_s": comm, "compute_s": step_time - comm if math.isfinite(comm) else None,
                                   **_compute_growth(st)})]
-
 
     def _decline(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
         """A sustained decline of the job's throughput (over its last steps, against the steps before them):
@@ -421,7 +419,6 @@ class RankCheck(Check):
                                   "baseline_tokens_per_s": round(baseline, 1),
                                   "decline": round(1 - now / baseline, 3), "window_steps": window,
                                   "steps": st.decline.n, **_compute_growth(st)})]
-
 
     def _grown(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
         """While the throughput decline cannot speak for a straggler (a decline every rank shared, a busy host,

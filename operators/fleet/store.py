@@ -185,7 +185,6 @@ class FleetStore(MachineRecords, JobRecords, IncidentRecords, LedgerRecords):
         with self._sessions() as session, session.begin():
             yield session
 
-
     @staticmethod
     def _dialect_insert(s: Session) -> Any:
         """The ``insert`` of the session's database with ON CONFLICT (SQLite, Postgres), or None."""
