@@ -36,6 +36,8 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("chaos", "jobs_dead", "chaos campaign: jobs left dead"),
     ("campaign", "ettr", "random faults every few minutes: effective training time"),
     ("simulate", "ettr.measured", "9,600 GPUs for 90 days (simulated): effective training time"),
+    ("simulate", "ettr.measured_degrade", "the same, training through a lost replica on the others"),
+    ("replicas", "survivor_stall_s", "a replica group dies: the other's stall (trainguard.replicas)"),
 )
 
 

@@ -141,9 +141,13 @@ def test_the_measured_profile_is_read_from_the_committed_benchmark_results(tmp_p
     import json
     import shutil
 
-    for name in ("detection", "recovery", "checkpoint"):
+    for name in ("detection", "recovery", "checkpoint", "replicas"):
         shutil.copy(profiles.RESULTS / f"{name}.json", tmp_path / f"{name}.json")
     base = profiles.measured(1200, tmp_path)
+    rep = json.loads((tmp_path / "replicas.json").read_text())  # the degrade path's costs: trainguard.replicas'
+    rep["metrics"]["survivor_stall_s"]["median"] = base.quorum_s + 2.0
+    (tmp_path / "replicas.json").write_text(json.dumps(rep))
+    assert profiles.measured(1200, tmp_path).quorum_s == pytest.approx(base.quorum_s + 2.0)
     # the restore and the restart are the benchmarks' medians, not numbers typed in: the restore is the memory
     # copy's, the restart what remains of the crash's resume (+ Table 7's growth to the job's size)
     doc = json.loads((tmp_path / "checkpoint.json").read_text())

@@ -22,8 +22,8 @@ reschedule         ``recovery:cold_requeue_s`` less the crash's restart
 hot update         ``recovery:resume_s.user_error`` less its detection and localization, + growth
 standby self-check ``recovery:cold_requeue.self_check_s``
 checkpoint cost    ``checkpoint:device.step_overhead_ratio``
-quorum (degrade)   ``peers:torchft.crash.resume_s`` (torchft's survivors training again after a replica died)
-heal (degrade)     ``peers:torchft.crash.full_width_s`` less the quorum, + ``checkpoint:restore_s.memory``
+quorum (degrade)   ``replicas:survivor_stall_s`` (the surviving replica's stall when another died)
+heal (degrade)     ``replicas:heal_s`` (a killed replica group back, healed from a live one)
 =================  ===========================================================================
 """
 
@@ -141,9 +141,9 @@ def measured(machines: int, results: Path | None = None, gpus_per_machine: int =
     _, _, growth = table7(machines, gpus_per_machine)
     grow = growth * max(0.0, math.log2(machines / MEASURED_MACHINES))
     loc = {r: _m(rec, f"localize_s.{r}", "recovery") for r in ("crash", "nan", "hang", "slow", "bitflip", "user_error")}
-    peers = _metrics(results, "peers")
-    quorum = _m(peers, "torchft.crash.resume_s", "peers")
-    heal = max(0.0, _m(peers, "torchft.crash.full_width_s", "peers") - quorum) + restore
+    rep = _metrics(results, "replicas")
+    quorum = _m(rep, "survivor_stall_s", "replicas")
+    heal = _m(rep, "heal_s", "replicas")
     return Profile(
         name="measured", detect_s=detect,
         diagnose_s={"diagnose": loc["crash"], "align": max(0.0, loc["nan"] - loc["crash"]), "analyze": loc["hang"],
@@ -155,9 +155,9 @@ def measured(machines: int, results: Path | None = None, gpus_per_machine: int =
         checkpoint_overhead=_m(ck, "device.step_overhead_ratio", "checkpoint"),
         provision_s=_m(rec, "cold_requeue.self_check_s", "recovery"), quorum_s=quorum, heal_s=heal,
         sources={"all": "bench/results/*.json medians (operators/sim/profiles.py maps metric to phase)",
-                 "degrade": "torchft as measured here (peers:torchft.crash.resume_s: the other replicas train "
-                            "again; full_width_s less that: the restarted replica healed from a live one) plus "
-                            "checkpoint:restore_s.memory for loading the state received",
+                 "degrade": "replicas:survivor_stall_s (the replica that did not fail stood still: each of the "
+                            "two quorum changes) and replicas:heal_s (a killed replica group restarted, healed "
+                            "from the live one and trained again), trainguard.replicas on this host",
                  "restart growth": f"Table 7: +{growth:.1f} s per doubling of machines from the measured "
                                    f"{MEASURED_MACHINES} to {machines} (+{grow:.0f} s)",
                  "human": "§4.1: a manual hang diagnosis took more than 1.5 h",
