@@ -57,6 +57,7 @@ class ReplicaRun:
         self.runs = {i: folder / f"replica{i}" for i in range(groups)}
         self.lighthouse: subprocess.Popen[bytes] | None = None
         self.groups: dict[int, subprocess.Popen[bytes]] = {}
+        self._logs: list[Any] = []
 
     def start(self) -> None:
         bin_dir = Path(sys.executable).parent
@@ -65,8 +66,7 @@ class ReplicaRun:
             [str(bin_dir / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
              "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(self.heartbeat_ms),
              "--bind", f"127.0.0.1:{port}"],
-            stdout=open(self.folder / "lighthouse.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-            start_new_session=True)
+            stdout=self._open(self.folder / "lighthouse.log"), stderr=subprocess.STDOUT, start_new_session=True)
         for i in range(self.n):
             env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "TG_REPLICA": str(i),
                    "TG_REPLICA_HOST": "127.0.0.1", "TG_RUN_DIR": str(self.runs[i]), "PYTHONPATH": str(REPO),
@@ -77,8 +77,12 @@ class ReplicaRun:
                  "--max-restarts", "3", "--monitor-interval", "0.5", "--master-addr", "127.0.0.1",
                  "--master-port", str(_port()), "-m", "examples.replicas.train", "--steps", str(self.steps),
                  "--step-time-s", str(self.step_s), "--digest-every", str(self.digest_every)],
-                env=env, cwd=REPO, stdout=open(self.log(i), "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                start_new_session=True)
+                env=env, cwd=REPO, stdout=self._open(self.log(i)), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _open(self, path: Path) -> Any:
+        fh = open(path, "wb")  # noqa: SIM115 - the child's output, closed in stop()
+        self._logs.append(fh)
+        return fh
 
     def log(self, i: int) -> Path:
         return self.folder / f"group{i}.log"
@@ -88,9 +92,12 @@ class ReplicaRun:
 
     def kill(self, i: int) -> float:
         """SIGKILL group ``i``'s training rank (torchrun restarts it); returns when (wall clock)."""
-        [worker] = psutil.Process(self.groups[i].pid).children(recursive=True)[-1:]
+        workers = [c for c in psutil.Process(self.groups[i].pid).children(recursive=True)
+                   if "examples.replicas.train" in " ".join(c.cmdline())]
+        if len(workers) != 1:
+            raise RuntimeError(f"group {i} runs {len(workers)} training ranks, not 1: {workers}")
         at = time.time()
-        worker.send_signal(signal.SIGKILL)
+        workers[0].send_signal(signal.SIGKILL)
         return at
 
     def finish(self, timeout: float = 180.0) -> dict[int, int]:
@@ -103,6 +110,9 @@ class ReplicaRun:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
+        for fh in self._logs:
+            fh.close()
+        self._logs.clear()
 
     def digests(self, i: int) -> dict[int, str]:
         """The state digests group ``i`` logged, by step."""

@@ -111,9 +111,9 @@ NVML_BACKENDS_GROUP = "trainguard.nvml_backends"
 def backend_for(config: NodeConfig) -> GpuBackend | None:
     """The backend this machine's configuration selects; None when it has no GPUs to watch.
 
-    ``real`` and ``auto`` are this module's; any other name is looked up in the entry point group
-    ``trainguard.nvml_backends`` (the emulation registers ``emulated``): a function of the node
-    configuration that returns a :class:`GpuBackend`.
+    ``real`` and ``auto`` are this module's, ``none`` is no backend; ``emulated`` (the one other name a node
+    configuration accepts) is looked up in the entry point group ``trainguard.nvml_backends``, which the
+    emulation fills: a function of the node configuration that returns a :class:`GpuBackend`.
     """
     if config.nvml_backend not in ("real", "auto", "none"):
         from trainguard.node_tools.plugins import load_group

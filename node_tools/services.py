@@ -119,7 +119,7 @@ def start_agent(config_path: Path, *, netns: str = "") -> int:
 
 def machine_up(config_path: Path, *, netns: str = "", sshd: str = "", listen: str = "0.0.0.0",  # noqa: S104
                authorized_keys: Path | None = None, host_key_dir: Path | None = None) -> dict[str, Any]:
-    """Bring one machine's services up from its folder: GPU state, kernel log, sshd, agent.
+    """Bring one machine's services up from its folder: its work directory, kernel log, sshd, agent.
 
     With ``sshd`` (its binary), the machine's host key is made once (``ssh_host_ed25519_key`` beside
     the configuration) and its ``sshd_config`` written: key-only login for ``authorized_keys`` (default

@@ -242,8 +242,8 @@ def install(*, pool_slots: int | None = None, url: str = "", env: Mapping[str, s
         from trainguard.operators.hooks.fleet import provision as _provision
         from trainguard.operators.settings import ControlSettings
 
-        def provision() -> dict[str, Any]:
-            return _provision(ControlSettings.from_env(env))
+        def provision() -> dict[str, Any]:  # the database TG_FLEET_URL names: the one tg_fleet is made to name
+            return _provision(ControlSettings.from_env(env, fleet_url=env["TG_FLEET_URL"]))
     from sqlalchemy.exc import SQLAlchemyError
 
     try:
@@ -271,11 +271,10 @@ def install(*, pool_slots: int | None = None, url: str = "", env: Mapping[str, s
     conn = connection[API_CONN]
     conn.update(login=login, password=password)
     from trainguard.operators.fleet.db import url_for
-    from trainguard.operators.hooks.connections import fleet_conn_id
-    from trainguard.operators.provider_info import FLEET_CONN_TYPE
+    from trainguard.operators.hooks.connections import fleet_conn_id, fleet_connection
 
     fleet_conn = fleet_conn_id(env)  # the fleet database as every component reads it: a connection
-    connection[fleet_conn] = {"conn_type": FLEET_CONN_TYPE, "extra": json.dumps({"url": url_for(env["TG_FLEET_URL"])}),
+    connection[fleet_conn] = {**fleet_connection(url_for(env["TG_FLEET_URL"])),
                               "description": "trainguard: the fleet database"}
     with tempfile.TemporaryDirectory(prefix="tg-install-") as tmp:  # mode 0700: the passwords never leave it
         doc = Path(tmp) / "connections.json"
@@ -284,7 +283,7 @@ def install(*, pool_slots: int | None = None, url: str = "", env: Mapping[str, s
         _airflow(run, ["connections", "import", str(doc), "--overwrite"],
                  f"the {API_CONN} and {fleet_conn} connections")
     lines.append(f"connection {API_CONN}: {conn['schema']}://{conn['host']}:{conn['port']} as {login}")
-    lines.append(f"connection {fleet_conn}: the fleet database (type {FLEET_CONN_TYPE})")
+    lines.append(f"connection {fleet_conn}: the fleet database (type {connection[fleet_conn]['conn_type']})")
     lines.append(f"DAGs: bundle {BUNDLE} at {dags_path()}; start (or restart) every Airflow component with "
                  f"TG_INVENTORY in its environment (the fleet database is the connection {fleet_conn}; TG_FLEET_URL "
                  f"is read only where a process finds no such connection)")

@@ -113,9 +113,8 @@ def test_install_provisions_the_pool_the_login_and_the_connection_and_again_chan
     assert not any(password in " ".join(c) for c in airflow.calls)  # never on a command line
     assert not Path(airflow.calls[1][2]).exists()
     fleet = airflow.imported[0]["tg_fleet"]  # every component reads the fleet database from this connection
-    assert fleet["conn_type"] == "trainguard_fleet"
-    assert json.loads(fleet["extra"]) == {"url": f"sqlite:///{(tmp_path / 'fleet.db').resolve()}"}
-    assert "connection tg_fleet: the fleet database (type trainguard_fleet)" in lines
+    assert (fleet["conn_type"], fleet["host"]) == ("sqlite", str((tmp_path / "fleet.db").resolve()))
+    assert "connection tg_fleet: the fleet database (type sqlite)" in lines
     assert lines[0] == "fleet database fleet.db: migrations applied 1, 2, machines added m0"
     assert any(line.startswith("DAGs: bundle trainguard at ") for line in lines)
     setup.install(pool_slots=12, env=_env(tmp_path), config=_config(tmp_path), run=airflow, provision=_fleet)
@@ -201,7 +200,7 @@ def test_the_real_airflow_command_takes_the_pool_and_the_connection(tmp_path):
     conns = json.loads(run(str(bin_dir / "airflow"), "connections", "get", "tg_airflow_api", "--output", "json").stdout)
     assert conns[0]["login"] == "tg_notes" and conns[0]["host"] == "127.0.0.1"
     fleet = json.loads(run(str(bin_dir / "airflow"), "connections", "get", "tg_fleet", "--output", "json").stdout)
-    assert fleet[0]["conn_type"] == "trainguard_fleet" and str(tmp_path / "fleet.db") in fleet[0]["extra"]
+    assert fleet[0]["conn_type"] == "sqlite" and fleet[0]["host"] == str((tmp_path / "fleet.db").resolve())
     assert "machines added m0" in done.stdout
     again = run(str(bin_dir / "trainguard"), "airflow", "install")
     assert again.returncode == 0 and "machines added none" in again.stdout and "pool tg_ssh: kept" in again.stdout

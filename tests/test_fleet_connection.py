@@ -97,3 +97,27 @@ def test_a_postgres_connection_reaches_a_real_server(monkeypatch):
         assert [m.name for m in FleetStore(got).machines()] == ["m3"]
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("url", ["postgresql+psycopg://tg:s3cr%2Ft@db:5433/fleet?sslmode=require",
+                                 "postgresql+psycopg://tg@/fleet?host=/run/postgresql", "sqlite:////srv/tg/fleet.db",
+                                 "mysql+pymysql://tg:pw@db/fleet"])
+def test_the_connection_install_writes_names_the_same_database_and_keeps_a_password_out_of_the_extra(
+        monkeypatch, url):
+    from sqlalchemy.engine import make_url
+
+    doc = connections.fleet_connection(url)
+    if doc["conn_type"] == "postgres":
+        assert "s3cr" not in doc.get("extra", "")  # the password is in the field Airflow masks
+    _conn(monkeypatch, doc)
+    got = make_url(ControlSettings.from_env().fleet_url)
+    want = make_url(url)
+    assert (got.drivername.split("+")[0], got.username, got.password, got.host, got.port, got.database,
+            dict(got.query)) == (want.drivername.split("+")[0], want.username, want.password, want.host, want.port,
+                                 want.database, dict(want.query))
+
+
+def test_a_variable_that_is_not_a_connection_is_refused_in_one_line(monkeypatch):
+    _conn(monkeypatch, "{not json")
+    with pytest.raises(FleetConnectionError, match=r"^AIRFLOW_CONN_TG_FLEET is not a connection Airflow can read"):
+        ControlSettings.from_env()

@@ -95,6 +95,7 @@ class Replicas:
         if min_replicas < 1:
             raise ReplicasError(f"min_replicas={min_replicas} must be at least 1")
         self.replica = str(replica)
+        self.index = _index(self.replica)  # the group's number (the digits of its name; 0 without any)
         self._inner_model, self._inner_optimizer = model, optimizer
         timeout = timedelta(seconds=timeout_s)
         pg = ProcessGroupGloo(timeout=timeout)
@@ -107,7 +108,7 @@ class Replicas:
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
         self.model = DistributedDataParallel(self.manager, model)
         self.optimizer = Optimizer(self.manager, optimizer)
-        self.monitor = monitor if monitor is not None else JobMonitor.from_env(coords={"dp": _index(self.replica)})
+        self.monitor = monitor if monitor is not None else JobMonitor.from_env(coords={"dp": self.index})
         self.monitor.start()
         self.healed = 0  # times this group jumped ahead by receiving a live replica's state
         self._began = (self.step, time.monotonic())

@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     while args.steps == 0 or rep.step < args.steps:
         rep.begin()
         optimizer.zero_grad()  # joins this step's quorum
-        x, y = batch(args, rep.step, int(rep.replica))
+        x, y = batch(args, rep.step, rep.index)
         loss = torch.nn.functional.mse_loss(ddp(x), y)
         loss.backward()  # averaged over the replicas that train this step
         if args.step_time_s:

@@ -16,6 +16,7 @@ Elsewhere ``TG_FLEET_URL`` (a SQLite path or a SQLAlchemy URL) stands in.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -50,18 +51,25 @@ def get_connection(conn_id: str, env: Mapping[str, str] | None = None) -> Any | 
         hit = _CACHE.get(key)
     if hit is not None and now - hit[0] < CACHE_S:
         return hit[1]
-    try:
-        if in_env:  # as Airflow reads an AIRFLOW_CONN_* variable: a JSON document or a URI
-            from airflow.sdk import Connection
+    if in_env:  # as Airflow reads an AIRFLOW_CONN_* variable: a JSON document or a URI
+        from airflow.sdk import Connection
 
+        try:
             conn = Connection.from_json(in_env, conn_id=conn_id) if in_env.lstrip().startswith("{") \
                 else Connection.from_uri(in_env, conn_id=conn_id)
-        else:
-            from airflow.sdk import BaseHook
+        except Exception as exc:  # a variable that names a connection and cannot be one: say so, never guess
+            raise FleetConnectionError(f"AIRFLOW_CONN_{conn_id.upper()} is not a connection Airflow can read "
+                                       f"({type(exc).__name__}: {str(exc)[:120]}); fix it or unset it") from None
+    else:
+        from airflow.sdk import BaseHook
+        from airflow.sdk.exceptions import AirflowNotFoundException
 
+        try:
             conn = BaseHook.get_connection(conn_id)
-    except Exception:  # not defined (Airflow raises its own not-found error), or no Airflow reachable
-        conn = None
+        except AirflowNotFoundException:
+            conn = None  # not defined: remembered like a found one
+        except Exception:  # no Airflow to ask here, or it did not answer now: not remembered, asked again next time
+            return None
     with _LOCK:
         _CACHE[key] = (now, conn)
     return conn
@@ -100,3 +108,23 @@ def fleet_url_from_connection(env: Mapping[str, str] | None = None) -> str | Non
     """The fleet database's URL from its connection, or None when the connection is not defined."""
     conn = get_connection(fleet_conn_id(env), env)
     return None if conn is None else fleet_url_of(conn)
+
+
+def fleet_connection(url: str) -> dict[str, Any]:
+    """The fleet connection that names ``url``, as ``airflow connections import`` reads it: a PostgreSQL URL as a
+    ``postgres`` connection (its password in the password field, which Airflow keeps secret and masks), a SQLite
+    file as a ``sqlite`` one, anything else as a ``trainguard_fleet`` one with the URL in its extra."""
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    if u.drivername.startswith("postgresql"):
+        doc: dict[str, Any] = {"conn_type": "postgres", "host": u.host or "", "login": u.username or "",
+                               "password": u.password or "", "schema": u.database or ""}
+        if u.port:
+            doc["port"] = u.port
+        if u.query:
+            doc["extra"] = json.dumps({k: v if isinstance(v, str) else v[0] for k, v in u.query.items()})
+        return doc
+    if u.drivername == "sqlite" and u.database:
+        return {"conn_type": "sqlite", "host": u.database}
+    return {"conn_type": FLEET_CONN_TYPE, "extra": json.dumps({"url": url})}

@@ -53,7 +53,7 @@ def fleet_store(url: str | Path) -> FleetStore:
     with _LOCK:
         store = _STORES.get(key)
         if store is None:
-            store = _STORES[key] = FleetStore(key, retry_s=ControlSettings.from_env().fleet_retry_s)
+            store = _STORES[key] = FleetStore(key, retry_s=ControlSettings.from_env(fleet_url=key).fleet_retry_s)
         return store
 
 

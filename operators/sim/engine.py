@@ -415,7 +415,7 @@ class Simulation:
             self.last_level, self.last_category, self.last_machines = level, t.category, t.machines
             self.last_end = ts + 2 * p.quorum_s + window
             self.last_replicas = path.replicas
-        elif path is not None:
+        elif path is not None and path.path == degrade.STOP_WORLD:
             self.actions["stop_world"] += 1
         if restart:
             cost["restart"] += p.restart_s * k.restart_scale
@@ -521,6 +521,8 @@ class Simulation:
                     heapq.heappush(heap, (t_fail + self.rng.uniform(30, 240), seq, kind.name, self.names[slot]))
                 now = t_fail
                 continue
+            if "quorum" in cost:  # trained through: the other replicas lose the step in flight, not the interval
+                lost = (t_fail - now) % self.prof.step_s
             cost["lost_work"] = lost * ratio * dict(self.knobs.phase_scale).get("lost_work", 1.0)
             self._spread(t_fail - cost["lost_work"], t_fail, -1.0)
             for ph, sec in cost.items():

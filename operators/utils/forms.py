@@ -9,7 +9,8 @@ NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 
 def fleet_jobs() -> list[str]:
-    """The jobs in the fleet database (``TG_FLEET_URL``); empty when it is not there yet or unreadable."""
+    """The jobs in the fleet database (its connection ``tg_fleet``, else ``TG_FLEET_URL``); empty when it is not
+    there yet or unreadable."""
     from trainguard.node_tools.errors import TrainguardError
     from trainguard.operators.fleet.store import FleetStore
     from trainguard.operators.settings import ControlSettings
