@@ -13,7 +13,8 @@ Metrics (medians over the trials):
   restart, the interpreter and torch, the quorum, the transfer from the live group);
 * ``full_width_s``: the kill to the survivor's first step with both groups again;
 * ``steps_redone``: steps the survivor ran twice (target 0);
-* ``digests_equal``: 1 when both groups hold the same state bit for bit at every step both logged after the heal.
+* ``digests_equal``: 1 when both groups hold the same state bit for bit at every step both logged after the heal;
+* ``survivor_restarts``: times the surviving group's own process died and came back (target 0).
 
 The simulator's degrade path reads ``survivor_stall_s`` and ``heal_s`` (operators/sim/profiles.py).
 """
@@ -60,6 +61,8 @@ def trial(folder: Path) -> dict[str, float]:
     return {"survivor_stall_s": max(around) - statistics.median(before), "heal_s": healed["ts"] - killed,
             "full_width_s": back["ts"] - killed, "steps_redone": float(len(steps) - len(set(steps))),
             "digests_equal": float(bool(common) and all(d0[s] == d1[s] for s in common)),
+            "survivor_restarts": float(sum(r["ts"] > killed and r.get("healed_from_step") is not None
+                                           for r in survivor)),
             "step_s": statistics.median(before)}
 
 
@@ -76,11 +79,13 @@ def main() -> int:
             t = trial(folder)
             trials.append(t)
             print(f"trial {i}: " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()), flush=True)
-    targets = {"steps_redone": 0, "digests_equal": 1}
-    units = {"steps_redone": "steps", "digests_equal": "bool"}
+    targets = {"steps_redone": 0, "digests_equal": 1, "survivor_restarts": 0}
+    units = {"steps_redone": "steps", "digests_equal": "bool", "survivor_restarts": "restarts"}
     metrics = {k: summarize([t[k] for t in trials], units.get(k, "s"), target=targets.get(k))
-               for k in ("survivor_stall_s", "heal_s", "full_width_s", "steps_redone", "digests_equal", "step_s")}
-    setup = {"groups": 2, "ranks_per_group": 1, "steps": STEPS, "step_sleep_s": STEP_S,
+               for k in ("survivor_stall_s", "heal_s", "full_width_s", "steps_redone", "digests_equal",
+                         "survivor_restarts", "step_s")}
+    setup = {"groups": 2, "ranks_per_group": 1, "gradients": "one flat all-reduce through torchft's manager",
+             "steps": STEPS, "step_sleep_s": STEP_S,
              "lighthouse": {"heartbeat_timeout_ms": 2000, "quorum_tick_ms": 100, "join_timeout_ms": 1000},
              "fault": "SIGKILL of group 1's rank after 40 steps; torchrun restarts it", "trials": trials}
     print(write_result("replicas", quick=False, setup=setup, metrics=metrics, out=args.out)[:300])

@@ -3,12 +3,12 @@ healing behind trainguard's face.
 
 A job that runs its data-parallel replicas as replica groups (one ``torchrun`` each, every group a full copy of
 the model in its own TP x PP layout) keeps training when a group dies: the others agree on who trains each step
-(torchft's lighthouse and :class:`torchft.Manager`), average gradients among themselves (torchft's
-reconfigurable process group), and a group that comes back receives the state from a live one before it trains
-(torchft's checkpoint transport). trainguard adds what the machines' side needs: every committed step goes
-into the rank's step records and heartbeat (:class:`trainguard.node_tools.monitor.JobMonitor`), so the agent
-sees progress, hangs and slow steps as for any guarded job, and :meth:`Replicas.digest` says whether two
-replicas hold the same parameters bit for bit.
+(torchft's lighthouse and :class:`torchft.Manager`), average gradients among themselves (one all-reduce over
+torchft's reconfigurable process group, in the optimizer's step), and a group that comes back receives the
+state from a live one before it trains (torchft's checkpoint transport). trainguard adds what the machines'
+side needs: every committed step goes into the rank's step records and heartbeat
+(:class:`trainguard.node_tools.monitor.JobMonitor`), so the agent sees progress, hangs and slow steps as for any
+guarded job, and :meth:`Replicas.digest` says whether two replicas hold the same parameters bit for bit.
 
 In the training script::
 
@@ -18,8 +18,9 @@ In the training script::
         rep.begin()
         optimizer.zero_grad()                 # joins this step's quorum
         loss = loss_fn(model(x), y)
-        loss.backward()                       # gradients averaged over the replicas that train this step
-        optimizer.step()                      # applied only if every participant commits
+        loss.backward()
+        optimizer.step()                      # gradients averaged over the replicas that train this step,
+                                              # then applied only if every participant commits
         rep.end(loss)                         # a committed step goes into the step records
     rep.close()
 
@@ -83,7 +84,7 @@ class Replicas:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica: str | None = None,
                  min_replicas: int = 1, timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
                  monitor: JobMonitor | None = None) -> None:
-        from torchft import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+        from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
         replica = replica or os.environ.get("TG_REPLICA") or os.environ.get("REPLICA_GROUP_ID")
@@ -106,12 +107,17 @@ class Replicas:
             quorum_timeout=timedelta(seconds=quorum_timeout_s),
             hostname=os.environ.get("TG_REPLICA_HOST") or socket.gethostname(),
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=device))
-        self.model = DistributedDataParallel(self.manager, model)
-        self.optimizer = Optimizer(self.manager, optimizer)
+        # the gradients are averaged by the optimizer's step (one flat all-reduce of them all through the
+        # manager), not by torchft's DistributedDataParallel: its communication hook asserts on the work the
+        # manager hands back once a step has failed, which killed the surviving group when its peer died
+        # mid-backward (torchft 0.2.0, ddp.py _comm_hook), the one thing this must survive
+        self.model = model
+        self.optimizer = _AveragingOptimizer(self.manager, optimizer)
         self.monitor = monitor if monitor is not None else JobMonitor.from_env(coords={"dp": self.index})
         self.monitor.start()
         self.healed = 0  # times this group jumped ahead by receiving a live replica's state
         self._began = (self.step, time.monotonic())
+        self._fresh = True  # no step committed by this process yet
 
     def _state(self) -> dict[str, Any]:
         return {"model": self._inner_model.state_dict(), "optim": self._inner_optimizer.state_dict()}
@@ -145,9 +151,12 @@ class Replicas:
             return False
         step_time = time.monotonic() - t0
         extra: dict[str, Any] = {"participants": self.participants, "replica": self.replica}
-        if now > before + 1:
+        # healed: the step jumped while this group waited for its quorum, or this process (which starts from the
+        # script's own initial state, at step 0) got its first committed step past the first: a live group's state
+        if now > before + 1 or (self._fresh and now > 1):
             self.healed += 1
-            extra["healed_from_step"] = before
+            extra["healed_from_step"] = before if now > before + 1 else 0
+        self._fresh = False
         self.monitor.step_end(now - 1, loss=float(loss), grad_norm=0.0, step_time_s=step_time,
                               tokens_per_s=tokens / step_time if step_time > 0 else 0.0, **extra)
         return True
@@ -164,3 +173,44 @@ class Replicas:
 def _index(replica: str) -> int:
     digits = "".join(ch for ch in replica if ch.isdigit())
     return int(digits) if digits else 0
+
+
+class _AveragingOptimizer:
+    """The optimizer as torchft's wrapper drives it (``zero_grad`` joins the step's quorum, ``step`` applies only
+    a step every participant commits), whose ``step`` first averages the gradients over the replicas training the
+    step: one all-reduce of them all, flattened, through the manager (which turns a failed all-reduce into a step
+    that does not commit)."""
+
+    def __init__(self, manager: Any, optimizer: torch.optim.Optimizer) -> None:
+        self.manager, self.optim = manager, optimizer
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.manager.start_quorum()
+        self.optim.zero_grad(set_to_none)
+
+    def step(self) -> None:
+        _average_gradients(self.manager, self.optim)
+        if self.manager.should_commit():
+            self.optim.step()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state)
+
+
+def _average_gradients(manager: Any, optimizer: torch.optim.Optimizer) -> None:
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    manager.allreduce(flat).wait()  # averaged over the participants; a failure leaves the step uncommitted
+    for g, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        g.copy_(averaged)

@@ -46,16 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     except ReplicasError as exc:
         print(f"replicas: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    ddp, optimizer = rep.model, rep.optimizer
+    model, optimizer = rep.model, rep.optimizer
     while args.steps == 0 or rep.step < args.steps:
         rep.begin()
         optimizer.zero_grad()  # joins this step's quorum
         x, y = batch(args, rep.step, rep.index)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        loss.backward()  # averaged over the replicas that train this step
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
         if args.step_time_s:
             time.sleep(args.step_time_s)
-        optimizer.step()  # applied only if every participant commits
+        optimizer.step()  # averaged over the replicas that train this step; applied if every one commits
         if rep.end(loss) and args.digest_every and rep.step % args.digest_every == 0:
             print(f"digest {rep.step} {rep.digest()}", flush=True)
     print(f"digest {rep.step} {rep.digest()}", flush=True)
