@@ -112,12 +112,13 @@ class Replicas:
         # manager hands back once a step has failed, which killed the surviving group when its peer died
         # mid-backward (torchft 0.2.0, ddp.py _comm_hook), the one thing this must survive
         self.model = model
-        self.optimizer = _AveragingOptimizer(self.manager, optimizer)
         self.monitor = monitor if monitor is not None else JobMonitor.from_env(coords={"dp": self.index})
+        self.optimizer = _AveragingOptimizer(self.manager, optimizer, self.monitor)
         self.monitor.start()
         self.healed = 0  # times this group jumped ahead by receiving a live replica's state
         self._began = (self.step, time.monotonic())
         self._fresh = True  # no step committed by this process yet
+        self._open = False  # a step begun and not committed yet
 
     def _state(self) -> dict[str, Any]:
         return {"model": self._inner_model.state_dict(), "optim": self._inner_optimizer.state_dict()}
@@ -137,8 +138,11 @@ class Replicas:
         return int(self.manager.num_participants())
 
     def begin(self) -> None:
-        """Before a step (before ``optimizer.zero_grad()``, which joins its quorum)."""
-        self._began = (self.step, time.monotonic())
+        """Before a step (before ``optimizer.zero_grad()``, which joins its quorum). A step that did not commit is
+        tried again under the same clock: its record's step time covers every try, as its ``comm_s`` does."""
+        if not self._open:
+            self._began = (self.step, time.monotonic())
+            self._open = True
         self.monitor.step_begin(self.step)
 
     def end(self, loss: torch.Tensor | float, *, tokens: int = 0) -> bool:
@@ -149,6 +153,7 @@ class Replicas:
         now = self.step
         if now <= before:
             return False
+        self._open = False
         step_time = time.monotonic() - t0
         extra: dict[str, Any] = {"participants": self.participants, "replica": self.replica}
         # healed: the step jumped while this group waited for its quorum, or this process (which starts from the
@@ -181,16 +186,20 @@ class _AveragingOptimizer:
     step: one all-reduce of them all, flattened, through the manager (which turns a failed all-reduce into a step
     that does not commit)."""
 
-    def __init__(self, manager: Any, optimizer: torch.optim.Optimizer) -> None:
-        self.manager, self.optim = manager, optimizer
+    def __init__(self, manager: Any, optimizer: torch.optim.Optimizer, monitor: JobMonitor) -> None:
+        self.manager, self.optim, self.monitor = manager, optimizer, monitor
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.start_quorum()
         self.optim.zero_grad(set_to_none)
 
     def step(self) -> None:
-        _average_gradients(self.manager, self.optim)
-        if self.manager.should_commit():
+        # counted as the step's communication (the quorum it may wait for included): the rank check judges a
+        # rank's compute without it, so a replica's quorum change is not taken for a slow machine
+        with self.monitor.collective("dp", "all_reduce"):
+            _average_gradients(self.manager, self.optim)
+            committed = self.manager.should_commit()
+        if committed:
             self.optim.step()
 
     @property
