@@ -31,7 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
-from trainguard.emulation.replicas import ReplicaRun, wait_for
+from trainguard.emulation.replicas import ReplicaRun
+from trainguard.emulation.standalone import poll
 
 STEPS, STEP_S = 200, 0.05
 
@@ -40,11 +41,11 @@ def trial(folder: Path) -> dict[str, float]:
     run = ReplicaRun(folder, steps=STEPS, step_s=STEP_S, heartbeat_timeout_ms=2000)
     try:
         run.start()
-        wait_for("both groups to train together", lambda: len(run.records(1)) >= 40
-                 and sum(r.get("participants") == 2 for r in run.records(0)) >= 30)
+        poll(lambda: len(run.records(1)) >= 40 and sum(r.get("participants") == 2 for r in run.records(0)) >= 30,
+             timeout=120, interval=0.05, what="both groups to train together")
         killed = run.kill(1)
-        wait_for("the restarted group to heal", lambda: any(
-            r.get("healed_from_step") is not None and r["ts"] > killed for r in run.records(1)))
+        poll(lambda: any(r.get("healed_from_step") is not None and r["ts"] > killed for r in run.records(1)),
+             timeout=120, interval=0.05, what="the restarted group to heal")
         codes = run.finish()
         if any(codes.values()):
             raise RuntimeError(f"a group failed: {codes}; see {folder}")

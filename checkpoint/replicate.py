@@ -5,11 +5,11 @@ Its methods use the state ``Checkpointer.__init__`` sets up; the class is one of
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from trainguard.checkpoint import layout, wire
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.slots import json_bytes
 from trainguard.checkpoint.verify import CopyCheck, check_data
 
 
@@ -36,9 +36,9 @@ class Replicating:
             if good:
                 try:
                     names = [e["name"] for e in (check.manifest or {})["files"]]
+                    info = json.dumps({"holder": self.rank, "owner": src}, sort_keys=True).encode()
                     layout.write_copy(dest, manifest, [(n, [f]) for n, f in zip(names, files, strict=True)],
-                                      extra={layout.REPLICA_INFO: json_bytes({"holder": self.rank, "owner": src})},
-                                      fsync=self.cfg.fsync)
+                                      extra={layout.REPLICA_INFO: info}, fsync=self.cfg.fsync)
                 except OSError as exc:
                     good = False
                     self._error(f"rank {src} step {step} tier replica: write to {dest} failed "

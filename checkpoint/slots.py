@@ -122,9 +122,3 @@ def pin(flat: torch.Tensor, log: Any) -> None:
     if int(rc) != 0:
         log(f"could not page-lock a {flat.numel()}-byte snapshot buffer (cudaHostRegister returned {int(rc)}); "
             f"device-to-host copies into it are synchronous", kind="pin")
-
-
-def json_bytes(doc: dict[str, Any]) -> bytes:
-    import json
-
-    return json.dumps(doc, sort_keys=True).encode("utf-8")

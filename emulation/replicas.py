@@ -8,23 +8,17 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from trainguard.emulation.standalone import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -36,15 +30,6 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
             with contextlib.suppress(ValueError):
                 out.append(json.loads(line))
     return out
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 class ReplicaRun:
@@ -61,7 +46,7 @@ class ReplicaRun:
 
     def start(self) -> None:
         bin_dir = Path(sys.executable).parent
-        port = _port()
+        port = free_port()
         self.lighthouse = subprocess.Popen(
             [str(bin_dir / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
              "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(self.heartbeat_ms),
@@ -75,7 +60,7 @@ class ReplicaRun:
             self.groups[i] = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
                  "--max-restarts", "3", "--monitor-interval", "0.5", "--master-addr", "127.0.0.1",
-                 "--master-port", str(_port()), "-m", "examples.replicas.train", "--steps", str(self.steps),
+                 "--master-port", str(free_port()), "-m", "examples.replicas.train", "--steps", str(self.steps),
                  "--step-time-s", str(self.step_s), "--digest-every", str(self.digest_every)],
                 env=env, cwd=REPO, stdout=self._open(self.log(i)), stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from trainguard.emulation.standalone import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = ("trainguard", "checkpoint", "node_tools", "operators", "dags")
@@ -45,12 +46,6 @@ def bare_node(tmp_path_factory: pytest.TempPathFactory) -> Path:
     subprocess.run([uv, "pip", "install", "-q", "--python", str(py), "--no-deps", "--no-build-isolation", str(src)],
                    check=True, timeout=300, capture_output=True)
     return venv
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node(venv: Path, *argv: str, config: Path, timeout: float = 120) -> tuple[int, dict]:
@@ -108,7 +103,7 @@ def test_a_node_installed_without_the_emulation_runs_the_agent_and_a_guarded_job
     user.mkdir()
     shutil.copy2(REPO / "examples" / "plain" / "train.py", user / "train.py")
     code, started = _node(bare_node, "job", "start", "--job", "bare", "--nnodes", "1", "--node-rank", "0",
-                          "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                          "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                           "--entry", "train.py", "--workdir", str(user), "--",
                           "--steps", "6", "--batch", "8", "--width", "16", config=config)
     assert code == 0 and started["state"] == "running", started

@@ -9,7 +9,8 @@ import itertools
 
 import pytest
 
-from trainguard.emulation.replicas import ReplicaRun, wait_for
+from trainguard.emulation.replicas import ReplicaRun
+from trainguard.emulation.standalone import poll
 
 STEPS = 150
 
@@ -19,13 +20,13 @@ def test_one_replica_dies_the_other_trains_on_and_the_restarted_one_heals_from_i
     run = ReplicaRun(tmp_path, steps=STEPS, step_s=0.05, heartbeat_timeout_ms=2000)
     try:
         run.start()
-        wait_for("both replicas to train together", lambda: len(run.records(1)) >= 20
-                 and any(r.get("participants") == 2 for r in run.records(1)))
+        poll(lambda: len(run.records(1)) >= 20 and any(r.get("participants") == 2 for r in run.records(1)),
+             timeout=120, interval=0.05, what="both replicas to train together")
         killed_at = run.kill(1)
-        wait_for("the survivor to train alone", lambda: any(
-            r["ts"] > killed_at and r.get("participants") == 1 for r in run.records(0)))
-        wait_for("the restarted replica to heal from the live one", lambda: any(
-            r.get("healed_from_step") is not None and r["ts"] > killed_at for r in run.records(1)))
+        poll(lambda: any(r["ts"] > killed_at and r.get("participants") == 1 for r in run.records(0)),
+             timeout=120, interval=0.05, what="the survivor to train alone")
+        poll(lambda: any(r.get("healed_from_step") is not None and r["ts"] > killed_at for r in run.records(1)),
+             timeout=120, interval=0.05, what="the restarted replica to heal from the live one")
         codes = run.finish()
         assert codes == {0: 0, 1: 0}, [run.log(i).read_text()[-3000:] for i in (0, 1)]
     finally:
