@@ -120,18 +120,21 @@ class GuardedJob:
         self._arming: threading.Thread | None = None  # the job's machines being armed again (see start)
 
     # ---- bring-up and teardown --------------------------------------------------------------------
-    def start(self, *, log: Callable[[str], None] = lambda _m: None, submit: bool = False) -> None:
+    def start(self, *, log: Callable[[str], None] = lambda _m: None, submit: bool = False,
+              launch_airflow: bool = True) -> None:
         """Park every machine warm (the standbys, and the job's own machines) while Airflow starts, then
         launch the job on its warm interpreters and wait for it to train. The job's machines are armed
         again (warm interpreters for the first restart) while it trains: :meth:`armed` waits for that.
 
         ``submit``: launch it as a user would, through a ``tg_job_launch`` run (the reference job's spec on the
-        job's machines: validate, reserve, check, start, first step, arm), visible in the UI."""
+        job's machines: validate, reserve, check, start, first step, arm), visible in the UI. ``launch_airflow``
+        False: the Airflow this harness was handed runs already (a second job on the same control plane)."""
         standbys = [m.name for m in self.inv.by_role("standby")]
         active = [m.name for m in self.inv.by_role("active")][: self.topology.machines]
         log(f"parking warm standbys {', '.join(standbys)} and the job's machines; starting airflow standalone "
             f"on {self.airflow.url}")
-        self.airflow.launch()  # it boots while the machines park
+        if launch_airflow:
+            self.airflow.launch()  # it boots while the machines park
         self.park(standbys + active)
         self.airflow.ready()
         log(f"airflow up: DAGs {', '.join(sorted(self.airflow.dag_ids()))}")

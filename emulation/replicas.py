@@ -32,6 +32,48 @@ def read_records(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
+class Lighthouse:
+    """A ``torchft_lighthouse`` on this host at ``address`` (the cluster's bridge address, where every machine's
+    namespace reaches it), as a deployment runs one outside a job's machines; its output goes to ``log``."""
+
+    def __init__(self, address: str, log: Path, *, heartbeat_timeout_ms: int = 2000, join_timeout_ms: int = 1000
+                 ) -> None:
+        self.address, self.port, self.log = address, free_port(), log
+        self.heartbeat_ms, self.join_ms = heartbeat_timeout_ms, join_timeout_ms
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}:{self.port}"
+
+    def start(self) -> Lighthouse:
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms",
+                 "100", "--join_timeout_ms", str(self.join_ms), "--heartbeat_timeout_ms", str(self.heartbeat_ms),
+                 "--bind", f"{self.address}:{self.port}"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+
+def rank_digests(run_dir: Path) -> dict[int, str]:
+    """The state digests (``digest STEP HEX`` lines of ``examples/replicas``) a job's ranks printed on this machine
+    (its ``logs/`` under ``run_dir``), by step."""
+    found: dict[int, str] = {}
+    for log in sorted(run_dir.glob("logs/**/stdout.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == "digest" and parts[1].isdigit():
+                found[int(parts[1])] = parts[2]
+    return found
+
+
 class ReplicaRun:
     """``groups`` replica groups of ``examples/replicas`` under one lighthouse, in ``folder``."""
 

@@ -69,6 +69,13 @@ def _job_start_args(js: argparse.ArgumentParser) -> None:
     js.add_argument("--checkpoint", default="", help="checkpoint location for the job (TG_CHECKPOINT)")
     js.add_argument("--launcher", default="torchrun", help="torchrun, or direct: one process, no torchrun "
                                                           "(--nproc-per-node 1)")
+    js.add_argument("--replica", type=int, default=None, metavar="N",
+                    help="this part belongs to data-parallel replica group N (nnodes and node-rank are the group's)")
+    js.add_argument("--replicas", type=int, default=0, metavar="W", help="the job's replica groups (with --replica)")
+    js.add_argument("--lighthouse", default="", help="the replica groups' lighthouse, http://host:port")
+    js.add_argument("--replica-host", default="", help="the address other groups reach this one at "
+                                                       "(default: --master-addr)")
+    js.add_argument("--min-replicas", type=int, default=1, help="the fewest groups that may train a step")
     js.add_argument("args", nargs=argparse.REMAINDER)
 
 
@@ -82,6 +89,8 @@ def _job_spec(ns: argparse.Namespace, *, warm: bool) -> Any:
         revision=ns.revision, checkpoint=ns.checkpoint, warm=warm,
         warm_if_parked=bool(getattr(ns, "warm_if_parked", False)), launcher=ns.launcher,
         module=ns.module, workdir=ns.workdir, env=job.parse_env(ns.env), restore_max_step=ns.restore_max_step,
+        replica=ns.replica, replicas=ns.replicas, lighthouse=ns.lighthouse, replica_host=ns.replica_host,
+        min_replicas=ns.min_replicas,
     )
 
 

@@ -76,6 +76,13 @@ class JobSpec:
             directory).
         env: environment variables for every rank (a launch's own variables win over them).
         restore_max_step: restore no checkpoint step newer than this (``TG_RESTORE_MAX_STEP``; None: the newest).
+        replica: this machine's part belongs to data-parallel replica group ``replica`` of ``replicas`` (a job
+            whose replicas train on when one is lost: :mod:`trainguard.replicas`); ``nnodes`` and ``node_rank``
+            are then the group's. None: the job is one group.
+        replicas: the job's replica groups (with ``replica``).
+        lighthouse: the replica groups' lighthouse (``http://host:port``; ``TORCHFT_LIGHTHOUSE``).
+        replica_host: the address other groups reach this machine's group at (``TG_REPLICA_HOST``).
+        min_replicas: the fewest groups that may train a step (``TG_MIN_REPLICAS``).
     """
 
     job: str
@@ -95,9 +102,23 @@ class JobSpec:
     workdir: str = ""
     env: dict[str, str] = field(default_factory=dict)
     restore_max_step: int | None = None
+    replica: int | None = None
+    replicas: int = 0
+    lighthouse: str = ""
+    replica_host: str = ""
+    min_replicas: int = 1
 
     def validate(self) -> None:
         check_job_name(self.job)
+        if self.replica is not None:
+            if not 0 <= self.replica < self.replicas:
+                raise TrainguardError(f"job {self.job}: --replica {self.replica} is outside 0..{self.replicas - 1} "
+                                      f"(--replicas {self.replicas})")
+            if not re.fullmatch(r"https?://[A-Za-z0-9.:\[\]_-]+", self.lighthouse or ""):
+                raise TrainguardError(f"job {self.job}: --lighthouse {self.lighthouse!r} must be http://host:port, "
+                                      f"the replica groups' lighthouse")
+            if not 1 <= self.min_replicas <= self.replicas:
+                raise TrainguardError(f"job {self.job}: --min-replicas {self.min_replicas} must be 1..{self.replicas}")
         if not self.entry:
             raise TrainguardError(f"job {self.job}: no training script (--entry) to start")
         for key in self.env:
@@ -229,6 +250,9 @@ def start(cfg: NodeConfig, spec: JobSpec) -> dict[str, Any]:
         "TG_REVISION": spec.revision,
         "TG_CHECKPOINT": spec.checkpoint,
         "TG_RESTORE_MAX_STEP": "" if spec.restore_max_step is None else str(spec.restore_max_step),
+        **({"TG_REPLICA": str(spec.replica), "TG_REPLICAS": str(spec.replicas),
+            "TORCHFT_LIGHTHOUSE": spec.lighthouse, "TG_REPLICA_HOST": spec.replica_host or spec.master_addr,
+            "TG_MIN_REPLICAS": str(spec.min_replicas)} if spec.replica is not None else {}),
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(cfg.install_dir), os.environ.get("PYTHONPATH", "")])),

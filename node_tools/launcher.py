@@ -20,6 +20,17 @@ from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import RunResult, Transport, transport_for
 
 
+@dataclass(frozen=True)
+class ReplicaGroups:
+    """A job run as one replica group per data-parallel replica (:mod:`trainguard.replicas`): each group is a
+    ``torchrun`` of its own across the replica's machines (its own rendezvous on its first machine), and the groups
+    meet at ``lighthouse`` (``http://host:port``, a ``torchft_lighthouse`` outside the job's machines);
+    ``min_replicas``: the fewest groups that may train a step."""
+
+    lighthouse: str
+    min_replicas: int = 1
+
+
 @dataclass
 class JobPlan:
     """What to launch.
@@ -46,6 +57,7 @@ class JobPlan:
             job does).
         restore_max_step: restore no checkpoint step newer than this (``TG_RESTORE_MAX_STEP`` for the job's
             guard; None: the newest).
+        replicas: run each data-parallel replica as a group of its own (None: the job is one ``torchrun``).
     """
 
     job: str
@@ -64,6 +76,7 @@ class JobPlan:
     env: dict[str, str] = field(default_factory=dict)
     pass_layout: bool = False
     restore_max_step: int | None = None
+    replicas: ReplicaGroups | None = None
 
     def validate(self) -> None:
         """Refuse a plan whose machines do not fit its topology or name a machine twice (linear in the
@@ -81,6 +94,22 @@ class JobPlan:
         if repeated:
             raise ClusterError(f"a machine appears twice in the job's machine list: {_some(repeated)}; "
                                f"list each machine once")
+        if self.replicas is not None:
+            t = self.topology
+            if (t.tp * t.pp) % t.ranks_per_machine:
+                raise ClusterError(f"job {self.job}: replica groups need every machine inside one data-parallel "
+                                   f"replica, but {t.ranks_per_machine} ranks a machine do not divide a replica's "
+                                   f"{t.tp * t.pp} (TP x PP) ranks; use fewer processes per machine")
+            if not 1 <= self.replicas.min_replicas <= t.dp:
+                raise ClusterError(f"job {self.job}: min_replicas {self.replicas.min_replicas} must be 1..{t.dp} "
+                                   f"(the job's data-parallel replicas)")
+
+    def replica_of(self, machine: Machine) -> tuple[int, list[Machine]]:
+        """``machine``'s data-parallel replica and that replica's machines, in node-rank order (a replica holds
+        ``tp * pp / ranks_per_machine`` consecutive machines)."""
+        per = self.topology.tp * self.topology.pp // self.topology.ranks_per_machine
+        replica = self.node_rank(machine) // per
+        return replica, self.machines[replica * per: (replica + 1) * per]
 
     def node_rank(self, machine: Machine) -> int:
         """``machine``'s node rank: its position in ``machines`` (the first machine equal to it, as
@@ -106,18 +135,24 @@ class JobPlan:
 
     def start_argv(self, inv: Inventory, machine: Machine) -> list[str]:
         """The command that starts ``machine``'s part of the job (O(1) in the machines, on average)."""
-        i = self.node_rank(machine)
         t = self.topology
         command = (["standby", "activate"] if machine.name in self.warm
                    else ["job", "start", "--warm-if-parked"] if self.warm_if_parked else ["job", "start"])
+        group, rank, group_args = self.machines, self.node_rank(machine), []
+        if self.replicas is not None:  # the replica's own torchrun, rendezvous on its first machine
+            replica, group = self.replica_of(machine)
+            rank = group.index(machine)
+            group_args = ["--replica", str(replica), "--replicas", str(t.dp), "--lighthouse", self.replicas.lighthouse,
+                          "--replica-host", machine.address, "--min-replicas", str(self.replicas.min_replicas)]
         return [
             inv.tg_node, *command,
             "--job", self.job,
-            "--nnodes", str(len(self.machines)),
-            "--node-rank", str(i),
+            "--nnodes", str(len(group)),
+            "--node-rank", str(rank),
             "--nproc-per-node", str(t.ranks_per_machine),
-            "--master-addr", self.machines[0].address,
+            "--master-addr", group[0].address,
             "--master-port", str(self.master_port),
+            *group_args,
             "--entry", self.entry,
             "--revision", self.revision,
             "--checkpoint", self.checkpoint,
@@ -166,15 +201,20 @@ def _check(results: dict[str, RunResult], what: str) -> dict[str, Any]:
 
 
 def launch(inv: Inventory, plan: JobPlan, *, timeout: float = 60.0, transport: Transport | None = None,
-           ) -> dict[str, Any]:
-    """Start the job on every machine of the plan; all or nothing."""
+           only: Sequence[str] | None = None) -> dict[str, Any]:
+    """Start the job on every machine of the plan; all or nothing. ``only``: start the parts of these machines of
+    the plan alone (a replica group that rejoins while the others train on)."""
     plan.validate()
     transport = transport or transport_for(inv)
-    results = transport.run_many(plan.machines, lambda m: plan.start_argv(inv, m), timeout=timeout)
+    machines = plan.machines if only is None else [m for m in plan.machines if m.name in set(only)]
+    if only is not None and len(machines) != len(set(only)):
+        missing = sorted(set(only) - {m.name for m in machines})
+        raise ClusterError(f"job {plan.job}: {_some(missing)} not in its machine list; start only machines of it")
+    results = transport.run_many(machines, lambda m: plan.start_argv(inv, m), timeout=timeout)
     try:
         return _check(results, f"starting job {plan.job}")
     except ClusterError:
-        stop(inv, plan.job, plan.machines, transport=transport)
+        stop(inv, plan.job, machines, transport=transport)
         raise
 
 

@@ -37,6 +37,32 @@ def _rung(incident: Any) -> str:
     return incident.state
 
 
+def _degraded(c: Any, job: str, states_now: dict[str, Any], *, open_ids: set[int], now: float
+              ) -> dict[str, Any] | None:
+    """For a job run as replica groups that trains without some of them: which replicas are out, since when and for
+    how long, and the share still training; None when it trains at full width (or is not such a job). Out: the
+    replicas an open incident's degrade path took out (until their groups rejoin and it closes), or whose
+    machines are down while enough others run (their incident not opened yet)."""
+    taken = [a for a in c.fleet.actions() if a.kind == "degrade" and a.incident_id in open_ids
+             and a.outcome in ("done", "pending")]
+    if taken:
+        a = taken[0]
+        since = float(a.started_ts or now)
+        ev = a.evidence or {}
+        return {"replicas": list(ev.get("replicas") or []), "width": ev.get("width"), "since": since,
+                "for_s": round(now - since, 1), "incident": a.incident_id}
+    if not states_now or all(s == "running" for s in states_now.values()):
+        return None
+    training = c.training_groups(job, states_now)
+    if not training:
+        return None
+    j = c.fleet.job(job)
+    per = len(j.machine_list) // max(1, j.dp)
+    out = sorted({i // per for i, n in enumerate(j.machine_list) if n not in set(training)})
+    return {"replicas": out, "width": round((j.dp - len(out)) / j.dp, 4), "since": None, "for_s": None,
+            "incident": None}
+
+
 def collect(c: Any, *, now: float | None = None) -> dict[str, Any]:
     """The Fleet page's document."""
     from trainguard.operators import standby_pool
@@ -57,15 +83,18 @@ def collect(c: Any, *, now: float | None = None) -> dict[str, Any]:
         incidents = [{"incident": i.id, "state": i.state, "category": i.category or "untriaged",
                       "rung": _rung(i), "open_s": round(now - i.opened_ts, 1)}
                      for i in c.fleet.incidents(j.name) if i.state in OPEN_INCIDENT_STATES]
+        degraded = _degraded(c, j.name, progress["states"], open_ids={i["incident"] for i in incidents}, now=now)
+        if degraded is not None and seen == "partly running":
+            seen = "degraded"  # some replica groups are down, enough of the others train on
         report = ettr.get(j.name)
         problem = ""
-        if j.state == "running" and seen != "running":
+        if j.state == "running" and seen not in ("running", "degraded"):
             problem = f"the fleet database says running, its machines say {seen}: the job is not training"
         jobs.append({"job": j.name, "state": seen, "recorded_state": j.state, "revision": j.revision or "-",
                      "step": progress.get("step"), "machines": machines, "incidents": incidents,
                      "ettr": None if report is None else {"cumulative": report.evidence.get("cumulative"),
                                                           "sliding": report.evidence.get("sliding")},
-                     "problem": problem})
+                     "degraded": degraded, "problem": problem})
     _history, _rate, serving, target = standby_pool.sizing(c.fleet, now)
     standbys = [m.name for m in c.fleet.machines(state=states.STANDBY)]
     return {"ts": now, "jobs": jobs, "pool": {"standbys": standbys, "target": target, "serving": serving,

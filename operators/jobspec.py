@@ -14,6 +14,14 @@ control plane performs: the first, and each restart after a recovery, a code upd
     env: {NCCL_DEBUG: WARN}
     revision: v1.4.2
 
+A job whose data-parallel replicas train on when one is lost (its script uses :class:`trainguard.replicas.Replicas`)
+says so with ``replicas``: each replica then runs as a ``torchrun`` group of its own, the groups meet at a torchft
+lighthouse the deployment runs outside the job's machines, and an incident confined to one replica takes that
+replica out, swaps its machines and heals it from a live one while the others train (the degrade path,
+:mod:`trainguard.operators.policy.degrade`)::
+
+    replicas: {lighthouse: "http://10.0.0.2:29510", min_replicas: 1}
+
 A data-parallel job needs no layout (``dp`` is every rank); a job with tensor or pipeline parallelism says
 ``layout: {tp: 8, pp: 4}`` so that eviction takes whole parallel groups out, and ``pass_layout: true`` when its
 script reads ``--tp/--pp/--dp`` from its command line (the reference job does).
@@ -55,6 +63,17 @@ class Layout(BaseModel):
     dp: int | None = Field(None, ge=1)
 
 
+class Replicas(BaseModel):
+    """The job runs one replica group per data-parallel replica (see the module)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    lighthouse: str = Field(pattern=r"^https?://[A-Za-z0-9.:\[\]_-]+$",
+                            description="the torchft lighthouse the groups meet at, http://host:port")
+    min_replicas: int = Field(1, ge=1, description="the fewest groups that may train a step")
+    degrade: bool = Field(True, description="an incident confined to some replicas takes them out while the others "
+                                            "train on; false: every incident stops the whole job")
+
+
 class JobSpec(BaseModel):
     """What to run, where, and how to keep it running.
 
@@ -75,6 +94,7 @@ class JobSpec(BaseModel):
             tier (``s3://bucket/prefix``), handed to every rank as ``TG_CHECKPOINT``; "" = the job decides.
         env: environment variables for every rank (names torchrun sets and ``TG_*`` are refused).
         revision: the code revision the job runs (recorded; a code update or rollback changes it).
+        replicas: run each data-parallel replica as a group of its own (:class:`Replicas`; None: one group).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -91,6 +111,7 @@ class JobSpec(BaseModel):
     checkpoint: str = ""
     env: dict[str, str] = Field(default_factory=dict)
     revision: str = "r0"
+    replicas: Replicas | None = None
 
     @field_validator("name")
     @classmethod
@@ -158,7 +179,17 @@ class JobSpec(BaseModel):
         if self.launcher == "direct" and self.processes_per_machine != 1:
             raise ValueError("launcher direct starts one process a machine: set processes_per_machine: 1 "
                              "or launcher: torchrun")
-        self.topology(self.machine_count)  # the layout fits the ranks
+        topo = self.topology(self.machine_count)  # the layout fits the ranks
+        if self.replicas is not None:
+            if self.launcher != "torchrun":
+                raise ValueError("replicas: each replica group is a torchrun of its own; set launcher: torchrun")
+            if (topo.tp * topo.pp) % topo.ranks_per_machine:
+                raise ValueError(f"replicas: every machine must hold ranks of one replica only, but "
+                                 f"{topo.ranks_per_machine} processes a machine do not divide a replica's "
+                                 f"{topo.tp * topo.pp} (tp x pp) ranks")
+            if isinstance(self.machines, list) and self.replicas.min_replicas > topo.dp:
+                raise ValueError(f"replicas: min_replicas {self.replicas.min_replicas} is more than the job's "
+                                 f"{topo.dp} data-parallel replicas")
         return self
 
     # ---- derived -------------------------------------------------------------------
@@ -202,8 +233,9 @@ class JobSpec(BaseModel):
         return [*self.args, *(["--tp", str(t.tp), "--pp", str(t.pp), "--dp", str(t.dp)] if self.pass_layout else [])]
 
     def document(self) -> dict[str, Any]:
-        """The spec as stored (JSON)."""
-        return self.model_dump(mode="json")
+        """The spec as stored (JSON); ``replicas`` only when the job has them (a spec stored before the field
+        existed reads the same)."""
+        return self.model_dump(mode="json", exclude={"replicas"} if self.replicas is None else None)
 
     @property
     def is_reference(self) -> bool:
@@ -233,12 +265,14 @@ class JobSpec(BaseModel):
              **plan_fields: Any) -> Any:
         """The :class:`trainguard.node_tools.launcher.JobPlan` that runs this spec's command on ``machines``
         (``train_args``: the arguments recorded with the job, which a launch may extend)."""
-        from trainguard.node_tools.launcher import JobPlan
+        from trainguard.node_tools.launcher import JobPlan, ReplicaGroups
 
+        groups = (ReplicaGroups(self.replicas.lighthouse, min(self.replicas.min_replicas, topology.dp))
+                  if self.replicas is not None else None)
         return JobPlan(job=job, topology=topology, machines=machines, train_args=list(train_args),
                        entry=self.entry, module=bool(self.module), workdir=self.workdir, env=dict(self.env),
                        launcher=self.launcher, pass_layout=self.pass_layout, checkpoint=self.checkpoint,
-                       revision=revision, **plan_fields)
+                       revision=revision, replicas=groups, **plan_fields)
 
 
 def _one_line(exc: ValidationError, source: str) -> str:

@@ -141,6 +141,8 @@ class Resume(_Payload):
     failed: str | None = None
     pending: dict[str, str] | None = None  # explicit machine faults that joined after the restart
     skipped: bool = False  # nothing was restarted
+    healed_from_step: int | None = None  # a replica group that rejoined: the step it received a live replica's state at
+    participants: int | None = None  # ... and the replica groups that trained its first step
 
     def dump(self) -> dict[str, Any]:
         """Only what it says (``{"pending": {...}}``, ``{"failed": why}``, the resume's step and time)."""

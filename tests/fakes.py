@@ -84,9 +84,13 @@ class FakeFleet(Transport):
             self.incarnation[name] = self.incarnation.get(name, -1) + 1
         self.started_ts = time.time()
 
+    #: machines that step on their own while others of the job are down (a job run as replica groups)
+    trains_without: frozenset[str] = frozenset()
+
     def _train(self) -> None:
-        """One step more, if the whole job runs."""
-        if len(self.running) == self.topo.machines:
+        """One step more, if the whole job runs (or the machines of ``trains_without`` do)."""
+        if len(self.running) == self.topo.machines or (self.trains_without
+                                                        and self.trains_without <= set(self.running)):
             self.step += 1
             self.records.append({"step": self.step, "ts": time.time(), "incarnation": 0, "loss": 2.0,
                                  "ckpt_restored_step": self.restored if len(self.records) == 0 else None})
@@ -121,6 +125,8 @@ class FakeFleet(Transport):
             if name in self.start_fails:
                 return self._ok(name, argv, {"error": self.start_fails[name]}, 2)
             node_rank = int(argv[argv.index("--node-rank") + 1])
+            if "--replica" in argv:  # a replica group's part: its node rank is the group's
+                node_rank += int(argv[argv.index("--replica") + 1]) * int(argv[argv.index("--nnodes") + 1])
             self.incarnation[name] = self.incarnation.get(name, -1) + 1
             if self.restore_fails and not self.rescued:  # it starts, finds no step to restore, and ends
                 self.running.pop(name, None)

@@ -127,3 +127,21 @@ def test_the_degrade_path_needs_a_profile_with_its_costs():
     assert "replicas:survivor_stall_s" in measured.sources["degrade"]
     with pytest.raises(SimError, match="--min-replicas 0 must be at least 1"):
         report.degrade_knobs(measured, 0)
+
+
+def test_a_job_run_as_replica_groups_counts_a_stretch_trained_by_fewer_replicas_as_partly_productive():
+    from trainguard.operators.policy import ettr
+
+    def steps(ends):  # one-second steps ending at ``ends``
+        return [{"step": i, "ts": float(t), "step_time_s": 1.0, "incarnation": 0} for i, t in enumerate(ends)]
+
+    always = steps(range(1, 61))  # a replica that trained the whole minute
+    half = steps([*range(1, 31)])  # one that was out for its second half (its group taken out, not yet back)
+    each = [ettr.ettr(r, start_ts=0.0, end_ts=60.0) for r in (always, half)]
+    job = ettr.across_replicas(each)
+    assert job.ratio == pytest.approx(0.75) and job.productive_s == pytest.approx(45.0)
+    assert job.kept_steps == 60
+    alone = ettr.across_replicas(each[:1])
+    assert alone == each[0]  # one group: the replica's own figure, as before
+    with pytest.raises(ValueError):
+        ettr.across_replicas([])

@@ -630,3 +630,4 @@ def test_a_clean_restart_hands_nothing_on(tmp_path, monkeypatch):
     out = run_incident(c, [alert("nan_loss", f"m{r}", rank=r) for r in range(4)], monkeypatch)
     assert c.fleet.incident(out["incident"]).state == "resolved" and len(c.fleet.incidents("j")) == 1
     assert "handed_on" not in out["closed"]
+

@@ -29,11 +29,13 @@ each other program's remaining two faults.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -475,3 +477,89 @@ def test_a_lightning_fit_recovers_from_a_lost_gpu_and_a_hang(plane, user_cluster
 def test_an_hf_trainer_recovers_from_a_crash_and_a_hang(plane, user_cluster, programs, tmp_path):
     ctl, airflow, _home = plane
     _campaign(ctl, airflow, user_cluster, programs, "hf", ("crash", "hang"), tmp_path)
+
+
+@pytest.fixture(scope="module")
+def lighthouse(user_cluster: Inventory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A torchft lighthouse on the cluster's bridge, outside the job's machines, as a deployment runs one."""
+    from trainguard.emulation.replicas import Lighthouse
+
+    lh = Lighthouse(SPEC.host_address, tmp_path_factory.mktemp("lighthouse") / "lighthouse.log").start()
+    try:
+        yield lh.url
+    finally:
+        lh.stop()
+
+
+def test_a_job_of_replica_groups_trains_through_a_lost_gpu_on_its_other_replica_which_heals_from_a_live_one(
+        plane, user_cluster, lighthouse, tmp_path):
+    """The degrade path end to end: ``examples/replicas`` submitted with ``replicas:`` in its spec runs as two
+    replica groups (one machine each); a GPU lost on the second group's machine takes that group alone out, its
+    machine is swapped for a warm standby where the group heals from the first, and the first never stops: its
+    process is the same, its longest pause is a quorum change, it trained alone meanwhile and with both again after;
+    both end with the same state bit for bit; the run's rung says it took the degrade path."""
+    from trainguard.emulation.replicas import rank_digests
+
+    ctl, airflow, _home = plane
+    job = "replicas"
+    spec = tmp_path / "replicas.yaml"
+    spec.write_text(f"name: {job}\n"
+                    f"command: [-m, examples.replicas.train, --steps, '0', --step-time-s, '{STEP_S}', --digest-every, "
+                    f"'10', --timeout-s, '3']\n"
+                    "machines: 2\n"
+                    f"replicas: {{lighthouse: '{lighthouse}', min_replicas: 1}}\n")
+    password = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory,
+           "TG_AIRFLOW_USER": "admin", "TG_AIRFLOW_PASSWORD": password}
+    out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "submit", str(spec), "--wait",
+                          "420", "--airflow-url", airflow.url], env=env, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        first, second = ctl.fleet.job(job).machine_list
+
+        def records(machine: str, rank: int) -> list[dict[str, Any]]:
+            return read_steps(Path(user_cluster.machine(machine).workdir) / "jobs" / job, rank)
+
+        wait_until(lambda: sum(r.get("participants") == 2 for r in records(first, 0)) >= 10, timeout=180,
+                   what="both replica groups to train together")
+        last = _last(ctl, job)
+        at = time.time()
+        inject.inject(user_cluster, second, "gpu_lost")
+        inc = _incident_after(ctl, last, job)
+        if inc.state != "resolved":
+            pytest.fail(f"incident {inc.state}: {inc.summary}\n{_job_logs(user_cluster, job, [first, second])}",
+                        pytrace=False)
+        now = ctl.fleet.job(job).machine_list
+        assert now[0] == first and second not in now, now
+        assert "path: degrade" in inc.summary and "path degrade" in inc.summary, inc.summary
+        [done] = [a for a in ctl.fleet.actions(inc.id) if a.kind == "degrade"]
+        assert done.outcome == "done" and done.evidence["replicas"] == [1]
+        assert not [a for a in ctl.fleet.actions(inc.id) if a.kind == "launch"]  # the whole job never restarted
+        rung = _rung_output(airflow, inc.id, "evict_now")
+        assert rung["path"] == "degrade" and rung["degraded"]["machines"] == [now[1]], rung
+        wait_until(lambda: sum(r.get("participants") == 2 and r["ts"] > inc.resumed_ts for r in records(first, 0))
+                   >= 12, timeout=120, what="both groups to train together again")
+        survivor = records(first, 0)
+        assert {r["incarnation"] for r in survivor} == {0}  # the first group's process never restarted
+        around = [b["ts"] - a["ts"] for a, b in itertools.pairwise(survivor) if at - 1 <= b["ts"]]
+        assert max(around) < float(STEP_S) + 6.0, max(around)  # a step and a quorum change, not a restart
+        after = [r for r in survivor if r["ts"] > at]
+        alone = [i for i, r in enumerate(after) if r.get("participants") == 1]
+        assert alone and any(r.get("participants") == 2 for r in after[alone[0]:]), "it trained alone, then both"
+        steps = [r["step"] for r in survivor]
+        assert steps == sorted(set(steps))  # every step once: nothing redone
+        healed = [r for r in records(now[1], 1) if r.get("healed_from_step") is not None]
+        assert healed and healed[0]["step"] > max(r["step"] for r in survivor if r["ts"] < at)
+        d0, d1 = (rank_digests(Path(user_cluster.machine(m).workdir) / "jobs" / job) for m in now)
+        common = [s for s in set(d0) & set(d1) if s > healed[0]["step"]]
+        assert common and all(d0[s] == d1[s] for s in common), (d0, d1)
+    finally:
+        inject.clear(user_cluster, second, "gpu_lost")
+        ctl.release(job)
+
+
+def _rung_output(airflow: Standalone, incident_id: int, task: str) -> dict[str, Any]:
+    """What ``task`` of the incident's tg_incident run returned (its XCom)."""
+    run = airflow.incident_run(incident_id)
+    assert run is not None, f"no tg_incident run for incident {incident_id}"
+    return airflow.xcom("tg_incident", run["dag_run_id"], task)

@@ -26,7 +26,9 @@ In the training script::
 
 Environment: ``TG_REPLICA`` (or torchft's ``REPLICA_GROUP_ID``) names the group; ``TORCHFT_LIGHTHOUSE`` is the
 lighthouse's URL (``http://host:port``); ``TG_REPLICA_HOST`` the address other groups reach this one at
-(default: this host's name).
+(default: this host's name); ``TG_MIN_REPLICAS`` the fewest groups that may train a step (default 1);
+``TG_REPLICAS`` the job's groups. A job spec with ``replicas:`` (:mod:`trainguard.operators.jobspec`) launches
+one group per data-parallel replica and sets them all.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class Replicas:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica: str | None = None,
-                 min_replicas: int = 1, timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
+                 min_replicas: int | None = None, timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
                  monitor: JobMonitor | None = None) -> None:
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
@@ -93,10 +95,15 @@ class Replicas:
         if not os.environ.get("TORCHFT_LIGHTHOUSE"):
             raise ReplicasError("no lighthouse: set TORCHFT_LIGHTHOUSE to its URL (http://host:port); start one "
                                 "with torchft_lighthouse --min_replicas N --bind host:port")
+        if min_replicas is None:
+            min_replicas = _env_int("TG_MIN_REPLICAS", 1)
         if min_replicas < 1:
             raise ReplicasError(f"min_replicas={min_replicas} must be at least 1")
         self.replica = str(replica)
         self.index = _index(self.replica)  # the group's number (the digits of its name; 0 without any)
+        #: the job's replica groups when its launch says (``TG_REPLICAS``; 0: not said): a step's record holds it
+        #: beside ``participants``, so the ETTR ledger counts a step trained by fewer groups as partly productive
+        self.width = _env_int("TG_REPLICAS", 0)
         self._inner_model, self._inner_optimizer = model, optimizer
         timeout = timedelta(seconds=timeout_s)
         pg = ProcessGroupGloo(timeout=timeout)
@@ -112,7 +119,14 @@ class Replicas:
         # manager hands back once a step has failed, which killed the surviving group when its peer died
         # mid-backward (torchft 0.2.0, ddp.py _comm_hook), the one thing this must survive
         self.model = model
-        self.monitor = monitor if monitor is not None else JobMonitor.from_env(coords={"dp": self.index})
+        if monitor is None:
+            # launched by trainguard as one group of TG_REPLICAS: the rank's records carry its rank in the whole job
+            # (the groups' ranks in replica order), so every group's records sit beside the others', as one job's
+            group_world, group_rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+            whole = {"rank": self.index * group_world + group_rank, "world_size": group_world * self.width} \
+                if self.width else {}
+            monitor = JobMonitor.from_env(coords={"dp": self.index}, **whole)
+        self.monitor = monitor
         self.optimizer = _AveragingOptimizer(self.manager, optimizer, self.monitor)
         self.monitor.start()
         self.healed = 0  # times this group jumped ahead by receiving a live replica's state
@@ -155,7 +169,8 @@ class Replicas:
             return False
         self._open = False
         step_time = time.monotonic() - t0
-        extra: dict[str, Any] = {"participants": self.participants, "replica": self.replica}
+        extra: dict[str, Any] = {"participants": self.participants, "replica": self.replica,
+                                 **({"width": self.width} if self.width else {})}
         # healed: the step jumped while this group waited for its quorum, or this process (which starts from the
         # script's own initial state, at step 0) got its first committed step past the first: a live group's state
         if now > before + 1 or (self._fresh and now > 1):
@@ -173,6 +188,14 @@ class Replicas:
     def close(self, status: str = "finished") -> None:
         self.monitor.close(status)
         self.manager.shutdown(wait=False)
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ReplicasError(f"{name}={raw!r} is not a whole number; unset it or set the number") from None
 
 
 def _index(replica: str) -> int:

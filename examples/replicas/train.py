@@ -26,10 +26,13 @@ from trainguard.replicas import Replicas, ReplicasError
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="replicas", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=100, help="steps to run; 0 = until stopped")
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=64, help="samples per replica and step")
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-time-s", type=float, default=0.0, help="sleep this long in each step (a model's compute)")
+    p.add_argument("--timeout-s", type=float, default=5.0,
+                   help="a collective with another group that takes longer fails the step, which the groups then try "
+                        "again without the silent one (a stopped group holds the others this long)")
     p.add_argument("--digest-every", type=int, default=0, help="log the state digest every N steps (0: at the end)")
     return p.parse_args(argv)
 
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                                 torch.nn.Linear(args.width, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     try:
-        rep = Replicas(model, opt)
+        rep = Replicas(model, opt, timeout_s=args.timeout_s)
     except ReplicasError as exc:
         print(f"replicas: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -12,6 +12,8 @@ elsewhere). Its parts, one module each:
 - :mod:`~trainguard.operators.control.diagnosis`: stop-time diagnosis (L1-L3, alignment) and the probe;
 - :mod:`~trainguard.operators.control.analysis`: stacks of a hang and the fail-slow vote;
 - :mod:`~trainguard.operators.control.replay`: dual-phase replay;
+- :mod:`~trainguard.operators.control.degrade`: the degrade path (a replica group taken out and healed from a live
+  one while the others train on);
 - :mod:`~trainguard.operators.control.ettr`: the ETTR ledger;
 - :mod:`~trainguard.operators.control.reconcile`: the reconciler's looks behind the incidents, and what it does
   about what it finds.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 from trainguard.operators.control.analysis import RuntimeAnalysis
 from trainguard.operators.control.base import ControlConfig, asdict_action
+from trainguard.operators.control.degrade import ReplicaDegrade
 from trainguard.operators.control.diagnosis import Diagnosis, neighbour_groups
 from trainguard.operators.control.ettr import EttrLedger
 from trainguard.operators.control.evictions import Evictions
@@ -36,6 +39,7 @@ from trainguard.operators.control.replay import Replay
 __all__ = ["ControlConfig", "Controller", "asdict_action", "neighbour_groups"]
 
 
-class Controller(Incidents, JobLifecycle, Evictions, Diagnosis, RuntimeAnalysis, Replay, EttrLedger, Reconciliation):
+class Controller(Incidents, JobLifecycle, Evictions, Diagnosis, RuntimeAnalysis, Replay, EttrLedger, Reconciliation,
+                 ReplicaDegrade):
     """The control plane's actions on one fleet: every part above over one fleet database, inventory and
     transport."""

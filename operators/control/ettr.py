@@ -37,6 +37,16 @@ class EttrLedger(ControllerBase):
             r["incarnation"] = order.setdefault(key, len(order))
         return records
 
+    def _replica_first_ranks(self, job: str) -> list[int]:
+        """The first rank of each data-parallel replica of a job run as replica groups (its spec's ``replicas``);
+        ``[0]`` for any other job."""
+        from trainguard.operators.jobspec import stored_spec
+
+        j = self.fleet.job(job)
+        if not j.spec or stored_spec(j).replicas is None:
+            return [0]
+        return [d * j.tp * j.pp for d in range(j.dp)]
+
     def ettr_report(self, job: str, *, window_s: float = 3600.0,
                     records: Sequence[Mapping[str, Any]] | None = None, as_of: float | None = None
                     ) -> dict[str, Any]:
@@ -54,9 +64,16 @@ class EttrLedger(ControllerBase):
         records = list(self.step_history(job, unanswered=unanswered) if records is None else records)
         if not records:
             raise TrainguardError(f"job {job} has no step records on any machine of the inventory; has it run?")
+        # a job run as replica groups: every replica's first rank (each group's records are its own replica's)
+        others = [ettr.StepHistory(self.step_history(job, rank=q, unanswered=unanswered))
+                  for q in self._replica_first_ranks(job)[1:]]
         first = min(float(r["ts"]) - float(r.get("step_time_s") or 0.0) for r in records)
         steps = ettr.StepHistory(records)
         job_incidents = self.fleet.incidents(job)
+        # an incident handled by the degrade path: the job trained on at reduced width, its stretches count for the
+        # share of replicas that were out
+        out_share = {a.incident_id: 1.0 - float((a.evidence or {}).get("width") or 0.0) for a in self.fleet.actions()
+                     if a.kind == "degrade" and a.outcome == "done"}
         incidents, by_cause = [], {}
         since = first
         for inc in job_incidents:
@@ -65,6 +82,8 @@ class EttrLedger(ControllerBase):
             split = ettr.incident_split({"first_alert_ts": inc.first_alert_ts, "opened_ts": inc.opened_ts,
                                          "diagnosis_start_ts": inc.diagnosis_start_ts, "decided_ts": inc.decided_ts,
                                          "resumed_ts": inc.resumed_ts}, steps, since_ts=since)
+            if inc.id in out_share:
+                split = {k: v * out_share[inc.id] for k, v in split.items()}
             incidents.append({"incident": inc.id, "category": inc.category, "state": inc.state,
                               **{k: round(v, 3) for k, v in split.items()}})
             cause = by_cause.setdefault(inc.category or "unknown", {"incidents": 0, "seconds": 0.0})
@@ -73,9 +92,12 @@ class EttrLedger(ControllerBase):
             since = inc.resumed_ts or since
         # the window ends at the last finished step while the job steps on (no incident open, no stall)
         now = steps.window_end(now, incident_open=any(i.state in OPEN_INCIDENT_STATES for i in job_incidents))
-        return {"job": job, "cumulative": steps.ettr(start_ts=first, end_ts=now).as_dict(),
-                "sliding": {"window_s": window_s,
-                            **steps.ettr(start_ts=max(first, now - window_s), end_ts=now).as_dict()},
+
+        def over(start: float) -> dict[str, Any]:
+            return ettr.across_replicas([h.ettr(start_ts=start, end_ts=now) for h in (steps, *others)]).as_dict()
+
+        return {"job": job, "cumulative": over(first),
+                "sliding": {"window_s": window_s, **over(max(first, now - window_s))},
                 "incidents": incidents, "by_cause": by_cause,
                 # machines whose step records could not be read: the report may miss their steps (it is partial)
                 "unanswered": unanswered}

@@ -3,6 +3,7 @@ bus cursor), the triage, the repeat-offender record, the close and its timeline.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -272,12 +273,21 @@ class Incidents(ControllerBase):
             fields["summary"] = f"{inc.summary}; {note}" if inc.summary else note
         self.fleet.update_incident(incident_id, **fields)
         inc = self.fleet.incident(incident_id)
+        # a degrade path: the job trained on at reduced width through every stretch (the ledger weighs them by the
+        # share of replicas that left), not stopped
+        degraded = next((a.evidence for a in self.fleet.actions(incident_id) if a.kind == "degrade"
+                         and a.outcome == "done"), None)
         # closed again (its restart_job cleared): the same stretches again, which the ledger keeps once
         for kind, start, end in (("detection", inc.first_alert_ts, inc.opened_ts),
                                  ("diagnosis", inc.diagnosis_start_ts, inc.decided_ts),
                                  ("recovery", inc.decided_ts, inc.resumed_ts)):
             if start is not None and end is not None and end >= start:
-                self.fleet.add_ettr(inc.job, kind, start, end, incident_id=incident_id)
+                if degraded is not None:
+                    self.fleet.add_ettr(inc.job, "degraded", start, end, incident_id=incident_id,
+                                        detail=json.dumps({"phase": kind, "width": degraded.get("width"),
+                                                           "replicas": degraded.get("replicas")}))
+                else:
+                    self.fleet.add_ettr(inc.job, kind, start, end, incident_id=incident_id)
         return {"incident": incident_id, "state": inc.state, "timeline": self.timeline(incident_id)}
 
     def timeline(self, incident_id: int) -> dict[str, Any]:

@@ -305,22 +305,32 @@ class JobLifecycle(ControllerBase):
         return {"job": job, "stopped": stopped, "started": started, "warm": started.get("warm", []),
                 "steps_before": before.get("step", -1), "restart_ts": time.time(), "replaced": replaced}
 
-    def progress(self, job: str) -> dict[str, Any]:
-        """The lowest step every rank finished and each machine's incarnation and state."""
+    def progress(self, job: str, machines: Sequence[str] | None = None) -> dict[str, Any]:
+        """The lowest step every rank finished and each machine's incarnation and state (of ``machines`` of the
+        job only, when given)."""
         j = self.fleet.job(job)
-        st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+        names = j.machine_list if machines is None else list(machines)
+        st = launcher.status(self.inventory, job, self.machines(names), transport=self.transport)
         return {"step": launcher.min_step(st),
                 "incarnations": {n: d.get("incarnation") for n, d in st.items()},
                 "states": {n: d.get("state", d.get("error")) for n, d in st.items()}}
 
     def trains(self, job: str, *, within_s: float = 15.0, poll_s: float = 1.0) -> bool:
-        """Whether every rank of the job finishes a step within ``within_s`` (the job trains right now)."""
+        """Whether every rank of the job finishes a step within ``within_s`` (the job trains right now). A job run as
+        replica groups trains while the groups that run (at least its ``min_replicas``) do: a group that stopped
+        is its own failure, whose alerts open an incident of their own (:meth:`training_groups`)."""
         start = self.progress(job)
+        names: list[str] | None = None
+        if not all(s == "running" for s in start["states"].values()):
+            names = self.training_groups(job, start["states"])
+            if not names:
+                return False
+            start = self.progress(job, names)
         if start["step"] < 0 or not all(s == "running" for s in start["states"].values()):
             return False
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
-            now = self.progress(job)
+            now = self.progress(job, names)
             if now["step"] > start["step"]:
                 return True
             if not all(s == "running" for s in now["states"].values()):

@@ -69,9 +69,15 @@ def render(doc: dict[str, Any]) -> str:
         incidents = "; ".join(f"#{i['incident']} {e(i['category'])}: {e(i['rung'])} ({e(i['state'])}, "
                               f"{i['open_s']:.0f}s)" for i in j["incidents"]) or "none"
         ettr = j["ettr"] or {}
+        state = e(j["state"])
+        d = j.get("degraded")
+        if d:  # training on without some replicas: which, the share training, and for how long
+            state += (f'<br><span class="degraded">replica(s) {e(", ".join(map(str, d["replicas"])))} out, '
+                      f'{float(d["width"] or 0) * 100:.0f}% of replicas training'
+                      + (f', for {float(d["for_s"]):.0f}s' if d.get("for_s") is not None else "") + "</span>")
         rows.append(
             f'<tr data-job="{e(j["job"])}"><td>{e(j["job"])}</td>'
-            f'<td class="state" data-state="{e(j["state"])}">{e(j["state"])}</td>'
+            f'<td class="state" data-state="{e(j["state"])}">{state}</td>'
             f'<td>{e(j["recorded_state"])}</td><td>{e(j["revision"])}</td>'
             f'<td>{"-" if j["step"] is None else int(j["step"])}</td><td>{machines}</td><td>{incidents}</td>'
             f'<td>{_pct(ettr.get("cumulative"))} / {_pct(ettr.get("sliding"))}</td>'
@@ -86,7 +92,8 @@ def render(doc: dict[str, Any]) -> str:
 body {{ font-family: sans-serif; margin: 1.5em; }}
 table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; }}
 td.state[data-state="running"] {{ color: #087f23; font-weight: bold; }}
-td.state:not([data-state="running"]) {{ color: #b00020; font-weight: bold; }} .problem {{ color: #b00020; }}
+td.state:not([data-state="running"]) {{ color: #b00020; font-weight: bold; }}
+td.state[data-state="degraded"], .degraded {{ color: #b26a00; }} .problem {{ color: #b00020; }}
 </style></head><body>
 <h1>trainguard fleet</h1>
 <p id="pool">standby pool: {len(pool["standbys"])} of target {pool["target"]} ({standbys})

@@ -20,7 +20,7 @@ import math
 from array import array
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, islice
 from operator import lt
@@ -208,6 +208,19 @@ def _kept_marks(steps: array[int], incarnations: array[int], ends: array[float])
 
 def _history(records: Iterable[Mapping[str, Any]] | StepHistory) -> StepHistory:
     return records if isinstance(records, StepHistory) else StepHistory(records)
+
+
+def across_replicas(each: Sequence[Ettr]) -> Ettr:
+    """The ETTR of a job run as replica groups from each replica's own (its first rank's records, over the same wall
+    time): the share of the job's replicas that trained, so a stretch trained by fewer replicas counts as partly
+    productive (two of three replicas training for a minute: 40 of its 60 s). Productive time and lost work are
+    the replicas' mean; steps are the most any replica kept or lost."""
+    if not each:
+        raise ValueError("no replica's ETTR to combine")
+    wall = each[0].wall_s
+    productive = sum(e.productive_s for e in each) / len(each)
+    return Ettr(productive / wall if wall > 0 else 0.0, productive, sum(e.lost_work_s for e in each) / len(each),
+                wall, max(e.kept_steps for e in each), max(e.lost_steps for e in each))
 
 
 def window_end(records: Iterable[Mapping[str, Any]] | StepHistory, now: float, *, incident_open: bool) -> float:

@@ -14,7 +14,7 @@ from trainguard.node_tools.errors import TrainguardError
 from trainguard.operators.control import Controller
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.models import IncidentDecision, Restart, Resume, RungResult, Stop, StopFound, Swap
-from trainguard.operators.policy import rungs
+from trainguard.operators.policy import degrade, rungs
 from trainguard.operators.policy.rungs import NO_RECOVERY
 from trainguard.operators.tasks import common
 from trainguard.operators.tasks.rungs import RUNG_ACTIONS, sdc_before_replay, sdc_decide, slow_vote_decide
@@ -38,7 +38,31 @@ def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
     evidence. A rung that fails returns its error (the incident's close escalates from there)."""
     c = common.controller()
     name, decision = _redirected(c, name, IncidentDecision.read(decision).dump())
-    return _result(c, name, decision, lambda: RUNG_ACTIONS[name](c, decision))
+    return _result(c, name, decision, lambda: _degraded_or(c, name, decision))
+
+
+def _degraded_or(c: Controller, name: str, decision: dict[str, Any]) -> dict[str, Any]:
+    """A job run as replica groups whose incident is confined to some of them takes the degrade path (those groups
+    out, their machines swapped, healed from a live replica while the others train on:
+    :meth:`Controller.degrade`); anything else, or groups whose logs blame the job's own code, goes to the rung
+    ``name``, which stops the whole job. For a replica job the result says which ``path`` it took and why."""
+    p = c.degrade_plan(decision)
+    if p is None:
+        return RUNG_ACTIONS[name](c, decision)
+    why = p.reason
+    if p.path == degrade.DEGRADE:
+        out = c.degrade(int(decision["incident"]), p)
+        if "degraded" in out:
+            d = out["degraded"]
+            where = (f"{', '.join(d['left'])} swapped for {', '.join(d['machines'])}" if d.get("swaps")
+                     else f"restarted in place on {', '.join(d['left'])}" if d.get("machines") else "left out")
+            c.fleet.update_incident(int(decision["incident"]), summary=f"path: degrade ({p.reason}); replica(s) "
+                                    f"{', '.join(map(str, p.replicas))} {where}; healing from a live replica")
+            return {"no_restart": True, "path": degrade.DEGRADE, "path_reason": p.reason, "degraded": d,
+                    **({"waiting_human": True, "reason": d.get("reason", "")} if d.get("waiting_human") else {})}
+        why = out["stop_world"]
+    result = RUNG_ACTIONS[name](c, decision)
+    return {**result, "path": degrade.STOP_WORLD if p.path != degrade.NONE else degrade.NONE, "path_reason": why}
 
 
 def _redirected(c: Controller, name: str, decision: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -269,6 +293,11 @@ def restart_job(incident_id: int, results: list[dict[str, Any] | None], stop: di
             if swapped.waiting_human:
                 result.update(restart=False, waiting_human=True, reason=swapped.reason)
     result["swap"] = swapped.dump()
+    degraded = result.get("degraded")
+    if degraded and degraded.get("machines") and not (swapped.joined or result.get("waiting_human")):
+        # the groups that left were started again on their machines by the rung; the rest never stopped
+        return Restart.read({**result, "restarted": True, "job": c.fleet.incident(incident_id).job,
+                             "restart_ts": float(degraded["restart_ts"]), **limit}).dump()
     if not result["restart"]:
         return Restart.read({**result, "restarted": False}).dump()
     cap = rung.restore_max_step if rung.restore_max_step is not None else rung.evict.max_step if rung.evict else None
@@ -307,8 +336,10 @@ def resumed(incident_id: int, recovery: dict[str, Any], c: Controller | None = N
     pending = c.unhandled_faults(int(incident_id))
     if pending:
         return Resume(pending=pending).dump()
+    degraded = recovery.get("degraded")
     try:
-        info = c.resumed(recovery["job"], recovery["restart_ts"])
+        info = (c.rejoined(recovery["job"], list(degraded["machines"]), float(recovery["restart_ts"]))
+                if degraded else c.resumed(recovery["job"], recovery["restart_ts"]))
     except TrainguardError as exc:
         return Resume(failed=str(exc)).dump()
     limit = rec.resume_timeout_s or c.cfg.resume_timeout_s
@@ -430,7 +461,15 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
         # the failure back after the restart (a NaN a machine keeps making, a crash that comes again): a new
         # incident a level up handles it, not this one, whose recovery it would otherwise close over
         back = _hand_on(c, incident_id, inc, since=float(recovery.get("again_ts") or recovery["restart_ts"]))
-        if recovery.get("again"):  # its second restart: the job was down from the stop to the resume
+        if recovery.get("degraded") and not recovery.get("again"):
+            d = recovery["degraded"]
+            healed = "healed from a live replica" if resume.get("healed_from_step") is not None else "rejoined"
+            done = closed(RESOLVED, f"path degrade: replica(s) {', '.join(map(str, d['replicas']))} {healed} on "
+                                    f"{', '.join(d['machines'])}, training at step {resume['first_step']} with "
+                                    f"{resume.get('participants') or '?'} replica group(s) "
+                                    f"({time.time() - inc.first_alert_ts:.1f}s after the first alert); the others "
+                                    f"trained on{back['note']}", resumed=resume)
+        elif recovery.get("again"):  # its second restart: the job was down from the stop to the resume
             start = float(recovery["again_ts"])
             c.fleet.add_ettr(inc.job, "recovery", start, max(start, float(resume["ts"])),
                              incident_id=incident_id, detail="restarted again (restart_job ran again)")
@@ -607,6 +646,12 @@ def incident_note(c: Controller, incident_id: int) -> str:
             parts.append("evicted " + ", ".join(f"{old} -> standby {new}" for old, new in sorted(swaps.items())))
             if a.evidence.get("deferred"):  # a partial swap: the pool was short of the whole group
                 parts.append(f"kept {', '.join(a.evidence['deferred'])} of the group (too few standbys)")
+        elif a.kind == "degrade" and a.outcome == "done":
+            d = json.loads(a.detail or "{}").get("degraded") or {}
+            parts.append(f"path degrade: replica(s) {', '.join(map(str, d.get('replicas', [])))} out, the others "
+                         f"trained on at width {d.get('width')}")
+        elif a.kind == "degrade" and a.outcome == "stop_world":
+            parts.append("path stop_world: " + json.loads(a.detail or "{}").get("stop_world", ""))
         elif a.kind == "rollback" and a.outcome == "done":
             parts.append(f"rolled back {a.evidence.get('from')} -> {a.evidence.get('to')}")
     if inc.resumed_ts and inc.first_alert_ts:

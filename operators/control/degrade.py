@@ -1,0 +1,150 @@
+"""Train through the loss of a data-parallel replica: an incident confined to some replica groups of a job run as
+replica groups (its spec's ``replicas``) takes those groups out, swaps their machines for warm standbys and starts
+the groups there, where they heal from a live replica, while the other groups never stop
+(:mod:`trainguard.operators.policy.degrade` says when; :mod:`trainguard.replicas` is the job's side)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from trainguard.node_tools import launcher
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.operators.control.base import ControllerBase, held_copies
+from trainguard.operators.control.jobs import _verdict
+from trainguard.operators.policy import degrade
+
+#: seconds before the first alert from which the stopped group's logs are read for the verdict
+LOGS_BEFORE_S = 120.0
+
+
+class ReplicaDegrade(ControllerBase):
+    """The degrade path of an incident (see the module)."""
+
+    def degrade_plan(self, decision: Mapping[str, Any]) -> degrade.DegradePlan | None:
+        """The path the incident's ``decision`` (an :class:`~trainguard.operators.models.IncidentDecision` document)
+        takes on its job: None when the job is not run as replica groups, or its spec turned the degrade path off
+        (every incident then stops the whole job)."""
+        from trainguard.operators.jobspec import stored_spec
+
+        prior = next((a for a in self.fleet.actions(int(decision["incident"])) if a.kind == "degrade"
+                      and a.outcome in ("done", "stop_world")), None)
+        if prior is not None:  # the rung's task run again: the path it took (its machines may have been swapped since)
+            ev = prior.evidence
+            return degrade.DegradePlan(str(ev["path"]), tuple(ev["replicas"]), tuple(ev.get("machines") or ()),
+                                       float(ev["width"]), str(ev["reason"]))
+        j = self.fleet.job(decision["job"])
+        if not j.spec:
+            return None
+        spec = stored_spec(j)
+        if spec.replicas is None or not spec.replicas.degrade:
+            return None
+        at = {name: i for i, name in enumerate(j.machine_list)}
+        return degrade.plan(self.topology(j.name), category=str(decision["category"]), action=str(decision["action"]),
+                            machines=[at[m] for m in decision.get("machines") or () if m in at],
+                            level=int(decision.get("level") or 0), min_replicas=spec.replicas.min_replicas)
+
+    def degrade(self, incident_id: int, p: degrade.DegradePlan) -> dict[str, Any]:
+        """Take ``p``'s replica groups out while the others train on: stop the groups on their machines (reading
+        their logs in the same sessions), swap those machines for warm standbys (the whole group: over-evicted,
+        the pool checks them before they serve again; in place when no standby is free), and start the groups
+        there; each heals from a live replica before it trains. Returns ``{"degraded": ...}``: the groups, the
+        machines that left and those that serve them now, when they were started (the resume check's clock);
+        ``{"stop_world": why}`` when the groups' logs blame the job's own code (every replica runs it: the ladder's
+        rung takes over). Done once per incident: asked again, it answers what was done."""
+        inc = self.fleet.incident(incident_id)
+        job = self.fleet.job(inc.job)
+        names = [job.machine_list[i] for i in p.machines]
+        key = f"degrade:{incident_id}:{','.join(map(str, p.replicas))}"
+        action, created = self.fleet.record_action(
+            key, kind="degrade", incident_id=incident_id, machines=names, dry_run=self.cfg.dry_run,
+            evidence={"path": p.path, "replicas": list(p.replicas), "machines": list(p.machines), "width": p.width,
+                      "reason": p.reason})
+        if not created and action.outcome in ("done", "stop_world"):
+            return json.loads(action.detail or "{}")
+        if self.cfg.dry_run:
+            self.fleet.finish_action(action.id, "dry_run", p.reason)
+            return {"degraded": {"replicas": list(p.replicas), "left": names, "dry_run": True}}
+        since = (inc.first_alert_ts or time.time()) - LOGS_BEFORE_S
+        results = launcher.stop_sessions(self.inventory, inc.job, self.machines(names), grace_s=self.cfg.stop_grace_s,
+                                         transport=self.transport, logs_since=since, copies=True)
+        verdict = _verdict({n: r.reachable and ((r.answer() or {}).get("logs") or {}).get("verdict")
+                            for n, r in results.items()})
+        if verdict["verdict"] == "user_code":
+            out = {"stop_world": f"the logs of replica(s) {', '.join(map(str, p.replicas))} blame the job's own code, "
+                                 f"which every replica runs: the whole job stops"}
+            self.fleet.finish_action(action.id, "stop_world", json.dumps(out))
+            return out
+        copies = {n: held_copies((r.answer() or {}).get("copies")) if r.ok else None for n, r in results.items()}
+        swaps: dict[str, str] = {}
+        why = f"degrade: {p.reason}"
+        if len(self.pool()) >= len(names):
+            ev = self.evict(incident_id, names, reason=why, copies=copies)
+            if ev.get("waiting_human"):  # the breaker, or the checkpoints: the others train on meanwhile
+                self.fleet.finish_action(action.id, "failed", str(ev.get("reason", ""))[:900])
+                return {"degraded": {"replicas": list(p.replicas), "left": names, "waiting_human": True,
+                                     "reason": ev.get("reason", "")}}
+            swaps = dict(ev.get("swaps") or {})
+        serving = [swaps.get(n, n) for n in names]
+        plan = self._plan(inc.job, set(), warm_if_parked=True)
+        # a kind of its own: a launch of the whole job is what a cleared restart_job repeats (restart_again)
+        launch, _ = self.fleet.record_action(f"replica_launch:{inc.job}:{incident_id}:{','.join(serving)}",
+                                             kind="replica_launch", incident_id=incident_id, machines=serving,
+                                             evidence={"replicas": list(p.replicas), "port": plan.master_port})
+        started_ts = time.time()
+        try:
+            docs = launcher.launch(self.inventory, plan, transport=self.transport, only=serving)
+        except TrainguardError as exc:
+            self.fleet.finish_action(launch.id, "failed", str(exc)[:900])
+            self.fleet.finish_action(action.id, "failed", str(exc)[:900])
+            raise
+        warm = sorted(n for n, d in docs.items() if d.get("warm"))
+        self.fleet.finish_action(launch.id, "done", f"replica(s) {', '.join(map(str, p.replicas))} started on "
+                                                    f"{', '.join(serving)} (warm: {', '.join(warm) or 'none'})",
+                                 evidence={"warm": warm})
+        out = {"degraded": {"replicas": list(p.replicas), "width": p.width, "left": names, "machines": serving,
+                            "swaps": swaps, "in_place": not swaps, "warm": warm, "restart_ts": started_ts,
+                            "reason": p.reason, "logs": verdict["verdict"]}}
+        self.fleet.finish_action(action.id, "done", json.dumps(out))
+        self.fleet.update_incident(incident_id, decided_ts=started_ts)
+        return out
+
+    def training_groups(self, job: str, states: Mapping[str, Any]) -> list[str] | None:
+        """For a job run as replica groups with the degrade path on: the machines of its groups whose every machine
+        runs (``states``: each machine's job state), when they are at least its ``min_replicas``; else None."""
+        from trainguard.operators.jobspec import stored_spec
+
+        j = self.fleet.job(job)
+        spec = stored_spec(j) if j.spec else None
+        if spec is None or spec.replicas is None or not spec.replicas.degrade:
+            return None
+        topo = self.topology(job)
+        per = topo.tp * topo.pp // topo.ranks_per_machine
+        groups = [j.machine_list[i:i + per] for i in range(0, len(j.machine_list), per)]
+        running = [g for g in groups if all(states.get(n) == "running" for n in g)]
+        return [n for g in running for n in g] if len(running) >= spec.replicas.min_replicas else None
+
+    def rejoined(self, job: str, machines: list[str], restart_ts: float) -> dict[str, Any] | None:
+        """Whether the replica groups started on ``machines`` at ``restart_ts`` train again: the first rank of
+        their first machine committed a step after the start, and every rank of those machines reports a step
+        at least as far. Then the step it rejoined at, the step it healed from (a live replica's state, not a
+        checkpoint) and how many groups trained it; else None."""
+        first = self.inventory.machine(machines[0])
+        ranks = self.topology(job).ranks_on(self.fleet.job(job).machine_list.index(machines[0]))
+        try:
+            records = launcher.steps(self.inventory, job, first, rank=ranks[0], since_ts=restart_ts,
+                                     transport=self.transport)
+        except TrainguardError:
+            return None
+        fresh = [r for r in records if r.get("ts", 0) > restart_ts]
+        if not fresh:
+            return None
+        st = launcher.status(self.inventory, job, self.machines(machines), transport=self.transport)
+        steps = [r.get("step") for d in st.values() for r in d.get("ranks", [])]
+        expected = len(machines) * self.topology(job).ranks_per_machine
+        if len(steps) < expected or any(s is None or s < fresh[0]["step"] for s in steps):
+            return None
+        return {"first_step": fresh[0]["step"], "healed_from_step": fresh[0].get("healed_from_step"),
+                "participants": fresh[0].get("participants"), "ts": fresh[0]["ts"]}

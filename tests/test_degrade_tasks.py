@@ -1,0 +1,201 @@
+"""The control plane's degrade path on the scripted fleet of :mod:`tests.fakes`: a job run as replica groups
+(TP1 x PP2 x DP2: replica 0 on m0, m1; replica 1 on m2, m3; standbys m4, m5) whose incident is confined to one
+replica takes that replica out, swaps its machines and starts its group there while the other never stops; what
+must stop the world still does; the run says which path it took. The same path on a real cluster and Airflow:
+bench/degrade.py and tests/test_user_jobs.py."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.fakes import alert, fleet_controller, run_incident
+from trainguard.node_tools.errors import TrainguardError
+from trainguard.node_tools.inventory import Machine
+from trainguard.node_tools.launcher import JobPlan, ReplicaGroups
+from trainguard.node_tools.topology import Topology
+from trainguard.operators.jobspec import JobSpecError, parse_spec
+
+TOPO = Topology(tp=1, pp=2, dp=2)
+LIGHTHOUSE = "http://10.0.0.1:29510"
+
+
+def _spec(**replicas: object) -> dict:
+    return parse_spec({"name": "j", "command": ["-m", "examples.replicas.train"], "machines": ["m0", "m1", "m2", "m3"],
+                       "layout": {"pp": 2}, "replicas": {"lighthouse": LIGHTHOUSE, **replicas}}).document()
+
+
+def _starts(fleet) -> dict[str, list[str]]:
+    return {m: argv for m, argv in fleet.commands if argv[:2] in (["job", "start"], ["standby", "activate"])}
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_a_lost_gpu_in_one_replica_swaps_that_replicas_machines_alone_and_the_other_never_stops(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec())
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    result = out["result"]
+    assert result["path"] == "degrade" and result["degraded"]["replicas"] == [0], result
+    # only replica 0's machines were stopped; the whole job never was (stop_job skipped)
+    assert sorted(fleet.sent("job", "stop")) == ["m0", "m1"] and result["stop"]["skipped"]
+    assert c.fleet.job("j").machine_list == ["m4", "m5", "m2", "m3"]
+    starts = _starts(fleet)
+    assert sorted(starts) == ["m4", "m5"]  # the replica's group on the standbys, nothing else started
+    for name, node_rank in (("m4", "0"), ("m5", "1")):
+        argv = starts[name]
+        assert _flag(argv, "--replica") == "0" and _flag(argv, "--replicas") == "2"
+        assert _flag(argv, "--nnodes") == "2" and _flag(argv, "--node-rank") == node_rank
+        assert _flag(argv, "--master-addr") == "10.0.0.14"  # the group's own rendezvous, on its first machine
+        assert _flag(argv, "--lighthouse") == LIGHTHOUSE
+        assert _flag(argv, "--replica-host") == c.inventory.machine(name).address
+    recovery = result["recovery"]
+    assert recovery["restarted"] and recovery["degraded"]["machines"] == ["m4", "m5"]
+    assert out["resumed"]["first_step"] is not None
+    inc = c.fleet.incident(out["incident"])
+    assert out["closed"]["state"] == "resolved" and "path degrade" in inc.summary and "trained on" in inc.summary
+    # the ledger: the incident's stretches count as reduced-width training, not as the job stopped
+    kinds = {e.kind for e in c.fleet.ettr_events("j")}
+    assert kinds == {"degraded"}
+    widths = {json.loads(e.detail)["width"] for e in c.fleet.ettr_events("j")}
+    assert widths == {0.5}
+    assert [a.kind for a in c.fleet.actions(out["incident"])].count("launch") == 0  # no whole-job launch
+
+
+def test_asked_again_the_degrade_does_nothing_more(tmp_path, monkeypatch):
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec())
+    out = run_incident(c, [alert("gpu_lost", "m2")], monkeypatch)
+    starts, stops = len(_starts(fleet)), len(fleet.sent("job", "stop"))
+    again = steps.handle("evict_now", out["decision"])  # the rung's task cleared and run again
+    assert again["degraded"] == out["result"]["degraded"]
+    assert len(_starts(fleet)) == starts and len(fleet.sent("job", "stop")) == stops
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m4", "m5"]
+
+
+@pytest.mark.parametrize(("alerts", "why"), [
+    ([alert("nan_loss", "m1", rank=1)], "nan"),
+    ([alert("gpu_lost", "m1"), alert("gpu_lost", "m3")], "spans 2 of 2"),
+])
+def test_what_must_stop_the_world_still_stops_the_whole_job(tmp_path, monkeypatch, alerts, why):
+    c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec())
+    out = run_incident(c, alerts, monkeypatch)
+    result = out["result"]
+    assert result["path"] == "stop_world" and why in result["path_reason"], result
+    assert sorted(set(fleet.sent("job", "stop"))) == ["m0", "m1", "m2", "m3"]
+    assert not result["recovery"].get("degraded")
+
+
+def test_a_crash_the_logs_blame_on_the_jobs_own_code_stops_the_world(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec())
+    fleet.logs["m3"] = {"class": "user_code", "kind": "python_exception",
+                        "first_failure": {"ts": 1.0, "line": "ZeroDivisionError"}}
+    out = run_incident(c, [alert("rank_exit", "m3", rank=3)], monkeypatch)
+    result = out["result"]
+    assert result["path"] == "stop_world" and "own code" in result["path_reason"], result
+    assert [a.outcome for a in c.fleet.actions(out["incident"]) if a.kind == "degrade"] == ["stop_world"]
+    assert "m0" in fleet.sent("job", "stop")  # the ladder's rung stopped everything
+
+
+def test_a_job_whose_spec_turns_the_degrade_path_off_stops_the_world(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec(degrade=False))
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    assert "path" not in out["result"] and not any(a.kind == "degrade" for a in c.fleet.actions(out["incident"]))
+    assert sorted(set(fleet.sent("job", "stop"))) == ["m0", "m1", "m2", "m3"]
+
+
+def test_with_no_standby_free_the_replica_restarts_in_place_and_heals(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path, machines=4, topology=TOPO, spec=_spec())
+    out = run_incident(c, [alert("rank_exit", "m2", rank=2)], monkeypatch)
+    d = out["result"]["degraded"]
+    assert d["in_place"] and d["machines"] == ["m2", "m3"] and sorted(_starts(fleet)) == ["m2", "m3"]
+    assert out["closed"]["state"] == "resolved"
+
+
+def test_a_replica_plan_starts_one_group_per_replica_with_its_own_rendezvous():
+    machines = [Machine(name=f"m{i}", address=f"10.0.0.{i}") for i in range(4)]
+    plan = JobPlan(job="j", topology=TOPO, machines=machines, entry="train.py",
+                   replicas=ReplicaGroups(LIGHTHOUSE, min_replicas=1))
+    plan.validate()
+
+    class Inv:
+        tg_node = "tg-node"
+
+    argv = plan.start_argv(Inv(), machines[3])
+    assert (_flag(argv, "--replica"), _flag(argv, "--nnodes"), _flag(argv, "--node-rank"),
+            _flag(argv, "--master-addr")) == ("1", "2", "1", "10.0.0.2")
+    # two ranks a machine of a job whose replicas are one rank each: a machine would hold two replicas
+    bad = JobPlan(job="j", topology=Topology(tp=1, pp=1, dp=4, ranks_per_machine=2), machines=machines[:2],
+                  entry="train.py", replicas=ReplicaGroups(LIGHTHOUSE))
+    with pytest.raises(TrainguardError, match="every machine inside one data-parallel replica"):
+        bad.validate()
+
+
+@pytest.mark.parametrize(("replicas", "error"), [
+    ({"lighthouse": "10.0.0.1:29510"}, "replicas.lighthouse"),
+    ({"lighthouse": LIGHTHOUSE, "min_replicas": 3}, "min_replicas 3 is more than the job's 2"),
+    ({"lighthouse": LIGHTHOUSE, "min_replicas": 0}, "replicas.min_replicas"),
+])
+def test_a_replicas_section_that_cannot_work_is_refused_in_one_line(replicas, error):
+    with pytest.raises(JobSpecError, match=error) as exc:
+        parse_spec({"name": "j", "command": ["train.py"], "machines": ["m0", "m1", "m2", "m3"], "layout": {"pp": 2},
+                    "replicas": replicas})
+    assert "\n" not in str(exc.value)
+
+
+def test_an_observation_closed_while_a_replica_group_is_down_leaves_the_group_to_its_own_incident(
+        tmp_path, monkeypatch):
+    """Two things at once: a loss spike was observed (no recovery) while replica 1's rank crashed, its alert still
+    on its way. The job trains on replica 0, so the observation closes resolved; a restart of every group from
+    here (the climb of a job found down) would throw away the state the groups that trained on hold."""
+    from tests.fakes import use_controller
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec())
+    use_controller(monkeypatch, c)
+    [item] = c.ingest([alert("loss_spike", "m0", rank=0)])
+    inc = item["incident"]
+    decision = steps.triage(inc)
+    idle = steps.no_recovery(decision)
+    recovery = steps.restart_job(inc, [])
+    resumed = steps.resumed(inc, recovery)
+    fleet.running.pop("m3")
+    fleet.trains_without = frozenset({"m0", "m1"})
+    step = steps.close_step(inc, idle, recovery, resumed, c)
+    assert "done" in step and c.fleet.incident(inc).state == "resolved", step
+    assert not _starts(fleet) and not fleet.sent("job", "stop")
+    fleet.running.pop("m1")  # both groups down: the job does not train, and the climb restarts it
+    [item] = c.ingest([alert("loss_spike", "m0", rank=0)])
+    inc = item["incident"]
+    decision = steps.triage(inc)
+    step = steps.close_step(inc, steps.no_recovery(decision), steps.restart_job(inc, []), None, c)
+    assert "watch" in step and "does not train" in step["watch"]["why"], step
+
+
+def test_the_fleet_page_shows_a_job_training_without_a_replica_as_degraded_and_for_how_long(tmp_path):
+    from trainguard.operators import fleet_view
+    from trainguard.operators.plugins import fleet as ui
+
+    c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec())
+    [job] = fleet_view.collect(c)["jobs"]
+    assert job["state"] == "running" and job["degraded"] is None
+    fleet.running.pop("m3")  # replica 1's group died; replica 0 trains on, its incident not opened yet
+    fleet.trains_without = frozenset({"m0", "m1"})
+    [job] = fleet_view.collect(c)["jobs"]
+    assert job["state"] == "degraded" and job["degraded"]["replicas"] == [1] and job["degraded"]["width"] == 0.5
+    assert job["problem"] == ""
+    [item] = c.ingest([alert("rank_exit", "m3", rank=3)])
+    decision = c.triage(item["incident"])
+    c.degrade(item["incident"], c.degrade_plan(decision))  # its group started on standbys, healing
+    doc = fleet_view.collect(c, now=time.time() + 12)
+    [job] = doc["jobs"]
+    d = job["degraded"]
+    assert d["replicas"] == [1] and d["incident"] == item["incident"] and 11 <= d["for_s"] <= 30
+    page = ui.render(doc)
+    assert "replica(s) 1 out, 50% of replicas training, for 1" in page
+    c.close(item["incident"], outcome="resolved")
+    assert fleet_view.collect(c)["jobs"][0]["degraded"] is None  # back at full width once its incident closed
