@@ -38,6 +38,9 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("simulate", "ettr.measured", "9,600 GPUs for 90 days (simulated): effective training time"),
     ("simulate", "ettr.measured_degrade", "the same, training through a lost replica on the others"),
     ("replicas", "survivor_stall_s", "a replica group dies: the other's stall (trainguard.replicas)"),
+    ("degrade", "ratio.gpu_lost", "a GPU lost: GPU-seconds lost training on the other replicas, over stopping all"),
+    ("degrade", "ratio.crash", "the same for a crash"),
+    ("degrade", "ratio.hang", "the same for a hang"),
 )
 
 

@@ -67,10 +67,17 @@ def rank_digests(run_dir: Path) -> dict[int, str]:
     (its ``logs/`` under ``run_dir``), by step."""
     found: dict[int, str] = {}
     for log in sorted(run_dir.glob("logs/**/stdout.log")):
-        for line in log.read_text(errors="replace").splitlines():
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == "digest" and parts[1].isdigit():
-                found[int(parts[1])] = parts[2]
+        found.update(digests_in(log.read_text(errors="replace")))
+    return found
+
+
+def digests_in(text: str) -> dict[int, str]:
+    """The ``digest STEP HEX`` lines of a log (torchrun may prefix each line with the rank's tag), by step."""
+    found: dict[int, str] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 3 and parts[-3] == "digest" and parts[-2].isdigit():
+            found[int(parts[-2])] = parts[-1]
     return found
 
 
@@ -82,20 +89,15 @@ class ReplicaRun:
         self.folder, self.n, self.steps = folder, groups, steps
         self.step_s, self.heartbeat_ms, self.digest_every = step_s, heartbeat_timeout_ms, digest_every
         self.runs = {i: folder / f"replica{i}" for i in range(groups)}
-        self.lighthouse: subprocess.Popen[bytes] | None = None
+        self.lighthouse: Lighthouse | None = None
         self.groups: dict[int, subprocess.Popen[bytes]] = {}
         self._logs: list[Any] = []
 
     def start(self) -> None:
-        bin_dir = Path(sys.executable).parent
-        port = free_port()
-        self.lighthouse = subprocess.Popen(
-            [str(bin_dir / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
-             "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(self.heartbeat_ms),
-             "--bind", f"127.0.0.1:{port}"],
-            stdout=self._open(self.folder / "lighthouse.log"), stderr=subprocess.STDOUT, start_new_session=True)
+        self.lighthouse = Lighthouse("127.0.0.1", self.folder / "lighthouse.log",
+                                     heartbeat_timeout_ms=self.heartbeat_ms).start()
         for i in range(self.n):
-            env = {**os.environ, "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "TG_REPLICA": str(i),
+            env = {**os.environ, "TORCHFT_LIGHTHOUSE": self.lighthouse.url, "TG_REPLICA": str(i),
                    "TG_REPLICA_HOST": "127.0.0.1", "TG_RUN_DIR": str(self.runs[i]), "PYTHONPATH": str(REPO),
                    "OMP_NUM_THREADS": "1"}
             env.pop("TG_FAULT_FILE", None)
@@ -132,7 +134,9 @@ class ReplicaRun:
         return {i: p.wait(timeout=timeout) for i, p in self.groups.items()}
 
     def stop(self) -> None:
-        for p in (*self.groups.values(), *([self.lighthouse] if self.lighthouse else [])):
+        if self.lighthouse is not None:
+            self.lighthouse.stop()
+        for p in self.groups.values():
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
@@ -143,10 +147,4 @@ class ReplicaRun:
 
     def digests(self, i: int) -> dict[int, str]:
         """The state digests group ``i`` logged, by step."""
-        text = self.log(i).read_text(errors="replace")
-        found = {}
-        for line in text.splitlines():
-            parts = line.split()
-            if len(parts) >= 3 and parts[-3] == "digest":
-                found[int(parts[-2])] = parts[-1]
-        return found
+        return digests_in(self.log(i).read_text(errors="replace"))

@@ -344,6 +344,10 @@ class RankCheck(Check):
                                      evidence={"step": step, "loss": str(loss), "grad_norm": str(grad)}))
             return found
         st.nan = False
+        if rec.get("healed_from_step") is not None:
+            # a replica group's step that received a live replica's state: its loss and gradients were computed on
+            # the state it had before (torchft applies the state at the step's commit), not a spike of training
+            return found
         for kind, value, hist in (("loss_spike", loss, st.losses), ("grad_spike", grad, st.grads)):
             if len(hist) >= self.t.spike_history:
                 median = statistics.median(hist)

@@ -585,6 +585,21 @@ def test_nan_and_spikes(tmp_path, fake_job):
     assert f.kind == "nan_loss" and f.evidence["step"] == 14  # once per episode
 
 
+def test_the_step_a_replica_group_healed_on_is_not_judged_for_spikes(tmp_path, fake_job):
+    """A replica group's step that received a live replica's state (``healed_from_step``): torchft applies the state
+    at the step's commit, so its loss was computed on the group's state from before (at a fresh start: the initial
+    weights), not a spike of training; the next step is judged against the history as before."""
+    fake_job.rank(0)
+    check = RankCheck(tmp_path)
+    for s in range(12):
+        fake_job.step(0, s, 2.0, grad=1.0)
+    assert check.run(time.time()) == []
+    fake_job.step(0, 40, 30.0, grad=20.0, healed_from_step=12)
+    assert check.run(time.time()) == []
+    fake_job.step(0, 41, 30.0, grad=1.0)  # a spike after the heal still is one
+    assert kinds(check.run(time.time())) == ["loss_spike"]
+
+
 def test_old_incarnations_are_ignored(tmp_path, fake_job):
     fake_job.rank(0)
     fake_job.inc = 0

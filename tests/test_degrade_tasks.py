@@ -199,3 +199,18 @@ def test_the_fleet_page_shows_a_job_training_without_a_replica_as_degraded_and_f
     assert "replica(s) 1 out, 50% of replicas training, for 1" in page
     c.close(item["incident"], outcome="resolved")
     assert fleet_view.collect(c)["jobs"][0]["degraded"] is None  # back at full width once its incident closed
+
+
+@pytest.mark.parametrize(("fields", "error"), [
+    ({"replica": 2, "replicas": 2, "lighthouse": LIGHTHOUSE}, "--replica 2 is outside 0..1"),
+    ({"replica": 0, "replicas": 2, "lighthouse": "10.0.0.1:29510"}, "must be http://host:port"),
+    ({"replica": 0, "replicas": 2, "lighthouse": "http://h:1; rm -rf /"}, "must be http://host:port"),
+    ({"replica": 0, "replicas": 2, "lighthouse": LIGHTHOUSE, "min_replicas": 3}, "--min-replicas 3 must be 1..2"),
+])
+def test_a_machines_part_of_a_replica_group_that_cannot_work_is_refused_before_anything_starts(fields, error):
+    from trainguard.node_tools.job import JobSpec
+
+    spec = JobSpec(job="j", nnodes=1, node_rank=0, nproc_per_node=1, master_addr="10.0.0.1", master_port=29500,
+                   entry="train.py", **fields)
+    with pytest.raises(TrainguardError, match=error):
+        spec.validate()

@@ -55,3 +55,32 @@ def test_one_replica_dies_the_other_trains_on_and_the_restarted_one_heals_from_i
     common = sorted(s for s in set(d0) & set(d1) if s > healed[0]["step"])
     assert STEPS in common, (sorted(d0), sorted(d1))
     assert all(d0[s] == d1[s] for s in common), {s: (d0[s], d1[s]) for s in common}
+
+
+@pytest.mark.slow
+def test_every_group_restarted_at_once_restores_its_own_checkpoint_and_loses_at_most_one_step(tmp_path):
+    """What a fault that stops the world does to a job of replica groups: every group's rank dies at once (torchrun
+    restarts each), no live replica is ahead to heal from, so each group restores the newest step of its own
+    checkpoint (trainguard's, taken every committed step, on by default under a launch) and the job goes on from
+    there, at most the step in flight lost; both groups end with the same state bit for bit."""
+    run = ReplicaRun(tmp_path, steps=STEPS, step_s=0.05, heartbeat_timeout_ms=2000)
+    try:
+        run.start()
+        poll(lambda: sum(r.get("participants") == 2 for r in run.records(1)) >= 30, timeout=120, interval=0.05,
+             what="both replicas to train together")
+        at = min(run.kill(0), run.kill(1))
+        poll(lambda: all(any(r["ts"] > at for r in run.records(i)) for i in (0, 1)), timeout=120, interval=0.1,
+             what="both groups to train again")
+        codes = run.finish()
+        assert codes == {0: 0, 1: 0}, [run.log(i).read_text()[-3000:] for i in (0, 1)]
+    finally:
+        run.stop()
+    reached = max(r["step"] for i in (0, 1) for r in run.records(i) if r["ts"] <= at)
+    for i in (0, 1):
+        records = run.records(i)
+        first = next(r for r in records if r["ts"] > at)
+        restored = first.get("ckpt_restored_step")
+        assert restored is not None and restored >= reached - 1, (i, first, reached)  # at most one step lost
+        assert first["step"] >= restored + 1  # from the restored step on (or past it, healed from the other)
+    d0, d1 = run.digests(0), run.digests(1)
+    assert STEPS in d0 and d0[STEPS] == d1.get(STEPS), (d0.get(STEPS), d1.get(STEPS))

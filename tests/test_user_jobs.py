@@ -375,12 +375,7 @@ def _campaign(ctl: Controller, airflow: Standalone, inv: Inventory, programs: di
                     f"workdir: {folder}\n"
                     "machines: 2\n"
                     "env: {TEAM_SETTING: kept, HF_HUB_OFFLINE: '1'}\n")
-    password = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
-    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory,
-           "TG_AIRFLOW_USER": "admin", "TG_AIRFLOW_PASSWORD": password}
-    out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "submit", str(spec), "--wait",
-                          "420", "--airflow-url", airflow.url], env=env, capture_output=True, text=True, timeout=480)
-    assert out.returncode == 0, out.stdout + out.stderr
+    env, out = _submit(ctl, airflow, spec)
     assert out.stdout.startswith(f"job {job} submitted: tg_job_launch run ") and "(success)" in out.stdout
     run_id = out.stdout.split("tg_job_launch run ", 1)[1].split(" ", 1)[0]
     assert airflow.task_states("tg_job_launch", run_id) == {t: "success" for t in (
@@ -417,6 +412,18 @@ def _campaign(ctl: Controller, airflow: Standalone, inv: Inventory, programs: di
               if r["loss"] != "nan" and r["loss"] != reference[r["step"]]}
     assert not differ, f"losses that differ from the uninterrupted run (step: (guarded, reference)): {differ}"
     assert any(r["loss"] == "nan" for r in records) == ("nan" in faults)  # the NaN step, recorded as such
+
+
+def _submit(ctl: Controller, airflow: Standalone, spec: Path) -> tuple[dict[str, str], Any]:
+    """``trainguard job submit SPEC --wait`` as a user runs it against this Airflow: the environment it ran with
+    and what it answered (exit 0 asserted)."""
+    password = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory,
+           "TG_AIRFLOW_USER": "admin", "TG_AIRFLOW_PASSWORD": password}
+    out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "submit", str(spec), "--wait",
+                          "420", "--airflow-url", airflow.url], env=env, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return env, out
 
 
 def _job_logs(inv: Inventory, job: str, machines: list[str]) -> str:
@@ -508,12 +515,7 @@ def test_a_job_of_replica_groups_trains_through_a_lost_gpu_on_its_other_replica_
                     f"'10', --timeout-s, '3']\n"
                     "machines: 2\n"
                     f"replicas: {{lighthouse: '{lighthouse}', min_replicas: 1}}\n")
-    password = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
-    env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory,
-           "TG_AIRFLOW_USER": "admin", "TG_AIRFLOW_PASSWORD": password}
-    out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "submit", str(spec), "--wait",
-                          "420", "--airflow-url", airflow.url], env=env, capture_output=True, text=True, timeout=480)
-    assert out.returncode == 0, out.stdout + out.stderr
+    _submit(ctl, airflow, spec)
     try:
         first, second = ctl.fleet.job(job).machine_list
 
@@ -525,7 +527,9 @@ def test_a_job_of_replica_groups_trains_through_a_lost_gpu_on_its_other_replica_
         last = _last(ctl, job)
         at = time.time()
         inject.inject(user_cluster, second, "gpu_lost")
-        inc = _incident_after(ctl, last, job)
+        inc = wait_until(lambda: next((i for i in ctl.fleet.incidents(job) if i.id > last and i.state in (
+            "resolved", "failed", "waiting_human") and any(a.kind == "gpu_lost" for a in ctl.fleet.alerts_of(i.id))),
+            None), timeout=300, interval=1.0, what="the lost GPU's incident to close")
         if inc.state != "resolved":
             pytest.fail(f"incident {inc.state}: {inc.summary}\n{_job_logs(user_cluster, job, [first, second])}",
                         pytrace=False)

@@ -5,10 +5,13 @@ A job that runs its data-parallel replicas as replica groups (one ``torchrun`` e
 the model in its own TP x PP layout) keeps training when a group dies: the others agree on who trains each step
 (torchft's lighthouse and :class:`torchft.Manager`), average gradients among themselves (one all-reduce over
 torchft's reconfigurable process group, in the optimizer's step), and a group that comes back receives the
-state from a live one before it trains (torchft's checkpoint transport). trainguard adds what the machines'
-side needs: every committed step goes into the rank's step records and heartbeat
-(:class:`trainguard.node_tools.monitor.JobMonitor`), so the agent sees progress, hangs and slow steps as for any
-guarded job, and :meth:`Replicas.digest` says whether two replicas hold the same parameters bit for bit.
+state from a live one at its first step (torchft's checkpoint transport; the state is applied at that step's
+commit, so the step's own loss was computed on the state from before, and its record says ``healed_from_step``).
+trainguard adds what the machines' side needs: every committed step is checkpointed (trainguard's checkpoint,
+under a launch: a restart of every group, a fault that stops the world, loses at most the step in flight) and
+goes into the rank's step records and heartbeat (:class:`trainguard.node_tools.monitor.JobMonitor`), so the
+agent sees progress, hangs and slow steps as for any guarded job, and :meth:`Replicas.digest` says whether two
+replicas hold the same parameters bit for bit.
 
 In the training script::
 
@@ -81,11 +84,18 @@ class Replicas:
     :param timeout_s: a collective or a transfer that takes longer fails the step (the group is then left out)
     :param quorum_timeout_s: how long a step waits for its quorum
     :param monitor: the rank's hook (default: one from the environment)
+    :param checkpoint: trainguard's checkpoint of the group's state every committed step (its own tiers: memory, this
+        machine's disk, a replica on another machine of the group, the remote tier): a
+        :class:`~trainguard.checkpoint.config.CheckpointConfig`, True for the launch's default
+        (:func:`trainguard.torch.checkpoint_config_from_env`), False for none; None (the default) checkpoints when
+        trainguard launched the job (``TG_RUN_DIR`` or ``TG_CHECKPOINT`` set). A group that starts restores its
+        newest step first; a live replica ahead of it still heals it. A restart of every group (a fault that stops
+        the world) so loses at most the step in flight.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica: str | None = None,
                  min_replicas: int | None = None, timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
-                 monitor: JobMonitor | None = None) -> None:
+                 monitor: JobMonitor | None = None, checkpoint: Any = None) -> None:
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -119,6 +129,7 @@ class Replicas:
         # manager hands back once a step has failed, which killed the surviving group when its peer died
         # mid-backward (torchft 0.2.0, ddp.py _comm_hook), the one thing this must survive
         self.model = model
+        self.checkpointer = self._checkpointer(checkpoint, model, optimizer)
         if monitor is None:
             # launched by trainguard as one group of TG_REPLICAS: the rank's records carry its rank in the whole job
             # (the groups' ranks in replica order), so every group's records sit beside the others', as one job's
@@ -127,12 +138,45 @@ class Replicas:
                 if self.width else {}
             monitor = JobMonitor.from_env(coords={"dp": self.index}, **whole)
         self.monitor = monitor
-        self.optimizer = _AveragingOptimizer(self.manager, optimizer, self.monitor)
+        self.optimizer = _AveragingOptimizer(self.manager, optimizer, self.monitor, self.checkpointer)
         self.monitor.start()
         self.healed = 0  # times this group jumped ahead by receiving a live replica's state
+        self.restored: Any = None  # the checkpoint step this group restored at its start (None: none)
+        if self.checkpointer is not None:
+            self.restored = self.checkpointer.restore()
+            self.checkpointer.start()
+            if self.restored is not None:  # the job's step and the manager's count, as the snapshot holds them
+                held = self.restored.data_position.get("manager") or {}
+                nxt = int(self.restored.data_position.get("next_step", self.restored.step + 1))
+                self.manager.load_state_dict({"step": int(held.get("step", nxt)),
+                                              "batches_committed": int(held.get("batches_committed", 0))})
+        self._start_step = self.step  # where this process began: 0, or the step after the restored one
+        self._report_restore = self.restored is not None
         self._began = (self.step, time.monotonic())
         self._fresh = True  # no step committed by this process yet
         self._open = False  # a step begun and not committed yet
+
+    @staticmethod
+    def _checkpointer(checkpoint: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        if checkpoint is None:
+            checkpoint = bool(os.environ.get("TG_CHECKPOINT") or os.environ.get("TG_RUN_DIR"))
+        if not checkpoint:
+            return None
+        from trainguard.checkpoint.engine import Checkpointer
+        from trainguard.node_tools.topology import Topology
+        from trainguard.torch import checkpoint_config_from_env
+
+        world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)
+        if world > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            raise ReplicasError(f"a checkpoint of a group of {world} ranks needs torch.distributed initialised for the "
+                                f"group (init_process_group) before Replicas; or pass checkpoint=False")
+        if checkpoint is True:
+            checkpoint = checkpoint_config_from_env()
+        local = _env_int("LOCAL_WORLD_SIZE", world)
+        return Checkpointer(checkpoint, topology=Topology(1, 1, world, ranks_per_machine=local if world % local == 0
+                                                         else 1),
+                            rank=rank, model=model, optimizer=optimizer, job=os.environ.get("TG_JOB", "job"),
+                            incarnation=_env_int("TG_INCARNATION", 0))
 
     def _state(self) -> dict[str, Any]:
         return {"model": self._inner_model.state_dict(), "optim": self._inner_optimizer.state_dict()}
@@ -171,11 +215,18 @@ class Replicas:
         step_time = time.monotonic() - t0
         extra: dict[str, Any] = {"participants": self.participants, "replica": self.replica,
                                  **({"width": self.width} if self.width else {})}
+        if self.checkpointer is not None:  # the state after the step, snapshotted (written in the background)
+            snap = self.checkpointer.after_step(now - 1, {"next_step": now, "manager": self.manager.state_dict()},
+                                                healthy=True, why="")
+            extra |= {"ckpt_saved": snap.taken, "ckpt_committed": self.checkpointer.newest_committed}
+            if self._report_restore:
+                extra |= {"ckpt_restored_step": self.restored.step, "ckpt_restore_source": self.restored.tier}
+                self._report_restore = False
         # healed: the step jumped while this group waited for its quorum, or this process (which starts from the
         # script's own initial state, at step 0) got its first committed step past the first: a live group's state
-        if now > before + 1 or (self._fresh and now > 1):
+        if now > before + 1 or (self._fresh and now > self._start_step + 1):
             self.healed += 1
-            extra["healed_from_step"] = before if now > before + 1 else 0
+            extra["healed_from_step"] = before if now > before + 1 else self._start_step
         self._fresh = False
         self.monitor.step_end(now - 1, loss=float(loss), grad_norm=0.0, step_time_s=step_time,
                               tokens_per_s=tokens / step_time if step_time > 0 else 0.0, **extra)
@@ -186,6 +237,8 @@ class Replicas:
         return state_digest(self._inner_model, self._inner_optimizer)
 
     def close(self, status: str = "finished") -> None:
+        if self.checkpointer is not None:  # the last snapshots written and committed
+            self.checkpointer.close(flush=status == "finished")
         self.monitor.close(status)
         self.manager.shutdown(wait=False)
 
@@ -209,8 +262,9 @@ class _AveragingOptimizer:
     step: one all-reduce of them all, flattened, through the manager (which turns a failed all-reduce into a step
     that does not commit)."""
 
-    def __init__(self, manager: Any, optimizer: torch.optim.Optimizer, monitor: JobMonitor) -> None:
-        self.manager, self.optim, self.monitor = manager, optimizer, monitor
+    def __init__(self, manager: Any, optimizer: torch.optim.Optimizer, monitor: JobMonitor, checkpointer: Any
+                 ) -> None:
+        self.manager, self.optim, self.monitor, self.checkpointer = manager, optimizer, monitor, checkpointer
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.start_quorum()
@@ -223,6 +277,8 @@ class _AveragingOptimizer:
             _average_gradients(self.manager, self.optim)
             committed = self.manager.should_commit()
         if committed:
+            if self.checkpointer is not None:  # the last snapshot's copy of the state is done before it changes
+                self.checkpointer.before_update()
             self.optim.step()
 
     @property
