@@ -67,11 +67,17 @@ class Replicas(BaseModel):
     """The job runs one replica group per data-parallel replica (see the module)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    lighthouse: str = Field(pattern=r"^https?://[A-Za-z0-9.:\[\]_-]+$",
-                            description="the torchft lighthouse the groups meet at, http://host:port")
+    lighthouse: str = Field(description="the torchft lighthouse the groups meet at, http://host:port")
     min_replicas: int = Field(1, ge=1, description="the fewest groups that may train a step")
     degrade: bool = Field(True, description="an incident confined to some replicas takes them out while the others "
                                             "train on; false: every incident stops the whole job")
+
+    @field_validator("lighthouse")
+    @classmethod
+    def _lighthouse(cls, v: str) -> str:
+        if not re.fullmatch(r"https?://[A-Za-z0-9.:\[\]_-]+", v):
+            raise ValueError(f"{v!r} is not the lighthouse's URL; write http://host:port (torchft_lighthouse --bind)")
+        return v
 
 
 class JobSpec(BaseModel):

@@ -21,8 +21,10 @@ a user-code error (a rollback), a repeat failure (level
 a network flap tolerated, an observation, a probe          ``none``: nothing stops
 =========================================================  ========================================
 
-Plain Python, called by the simulator (``trainguard simulate --degrade``); the control plane does not train through
-a lost replica yet (every incident it handles stops the world).
+Plain Python, called by the simulator (``trainguard simulate --degrade``) and by the control plane for a job run as
+replica groups (its spec's ``replicas``: :mod:`trainguard.operators.control.degrade`), whose incidents through the
+rungs of :func:`trainguard.operators.tasks.incident.handle` take this path (the fail-slow vote and the replay,
+deferred operators of their own, still stop the world there).
 """
 
 from __future__ import annotations
