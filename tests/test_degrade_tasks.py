@@ -214,3 +214,26 @@ def test_a_machines_part_of_a_replica_group_that_cannot_work_is_refused_before_a
                    entry="train.py", **fields)
     with pytest.raises(TrainguardError, match=error):
         spec.validate()
+
+
+def test_a_standby_that_fails_to_start_the_group_is_replaced_by_the_next_one(tmp_path, monkeypatch):
+    """The fix itself fails: the first standby given the replica's group does not start it. The next standby takes
+    its place, as a restart's would, and the other replica still never stops."""
+    c, fleet = fleet_controller(tmp_path, machines=7, topology=TOPO, spec=_spec())
+    fleet.start_fails["m4"] = "machine m4: the warm interpreters are gone"
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    d = out["result"]["degraded"]
+    assert d["machines"] == ["m6", "m5"] and d["swaps"] == {"m0": "m6", "m1": "m5"}, d
+    assert c.fleet.job("j").machine_list == ["m6", "m5", "m2", "m3"]
+    assert not {"m2", "m3"} & set(fleet.sent("job", "stop")) and out["closed"]["state"] == "resolved"
+    assert c.fleet.machine("m4").state == "evicted"
+
+
+def test_when_no_standby_starts_the_group_the_whole_job_goes_the_ladders_way(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path, machines=6, topology=TOPO, spec=_spec())
+    fleet.start_fails["m4"] = "machine m4: the warm interpreters are gone"
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    result = out["result"]
+    assert result["path"] == "stop_world" and "did not start" in result["path_reason"], result
+    assert [a.outcome for a in c.fleet.actions(out["incident"]) if a.kind == "degrade"] == ["stop_world"]
+    assert {"m2", "m3"} <= set(fleet.sent("job", "stop"))  # the ladder's rung stopped everything

@@ -84,3 +84,28 @@ def test_every_group_restarted_at_once_restores_its_own_checkpoint_and_loses_at_
         assert first["step"] >= restored + 1  # from the restored step on (or past it, healed from the other)
     d0, d1 = run.digests(0), run.digests(1)
     assert STEPS in d0 and d0[STEPS] == d1.get(STEPS), (d0.get(STEPS), d1.get(STEPS))
+
+
+def test_a_lighthouse_that_does_not_answer_or_is_not_a_url_is_refused_in_one_line(monkeypatch):
+    import socket
+
+    import torch
+
+    from trainguard import replicas
+    from trainguard.emulation.standalone import free_port
+    from trainguard.replicas import Replicas, ReplicasError
+
+    monkeypatch.setattr(replicas, "LIGHTHOUSE_WAIT_S", 1.0)
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.setenv("TG_REPLICA", "0")
+    with socket.socket() as held:  # a port nothing listens on: bound, never listening
+        held.bind(("127.0.0.1", free_port()))
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", f"http://127.0.0.1:{held.getsockname()[1]}")
+        with pytest.raises(ReplicasError, match=r"does not answer .*start torchft_lighthouse there") as exc:
+            Replicas(model, opt, checkpoint=False)
+    assert "\n" not in str(exc.value)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "10.0.0.1:29510")
+    with pytest.raises(ReplicasError, match="is not a URL; write http://host:port"):
+        Replicas(model, opt, checkpoint=False)

@@ -105,6 +105,7 @@ class Replicas:
         if not os.environ.get("TORCHFT_LIGHTHOUSE"):
             raise ReplicasError("no lighthouse: set TORCHFT_LIGHTHOUSE to its URL (http://host:port); start one "
                                 "with torchft_lighthouse --min_replicas N --bind host:port")
+        _answers(os.environ["TORCHFT_LIGHTHOUSE"])
         if min_replicas is None:
             min_replicas = _env_int("TG_MIN_REPLICAS", 1)
         if min_replicas < 1:
@@ -241,6 +242,35 @@ class Replicas:
             self.checkpointer.close(flush=status == "finished")
         self.monitor.close(status)
         self.manager.shutdown(wait=False)
+
+
+#: how long a group waits at its start for the lighthouse to answer (seconds)
+LIGHTHOUSE_WAIT_S = 10.0
+
+
+def _answers(url: str) -> None:
+    """Refuse to start (one line) when nothing listens at the lighthouse's address: torchft would otherwise wait for
+    its quorum until the quorum timeout, and the job would only be seen making no step."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError as exc:
+        raise ReplicasError(f"TORCHFT_LIGHTHOUSE={url!r} is not a URL ({exc}); write http://host:port") from None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ReplicasError(f"TORCHFT_LIGHTHOUSE={url!r} is not a URL; write http://host:port")
+    deadline = time.monotonic() + LIGHTHOUSE_WAIT_S
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=2.0).close()
+            return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise ReplicasError(f"the lighthouse {url} does not answer ({exc}); start torchft_lighthouse there, or "
+                                    f"point TORCHFT_LIGHTHOUSE (replicas.lighthouse in the job spec) at the one "
+                                    f"that runs") from None
+            time.sleep(0.5)
 
 
 def _env_int(name: str, default: int) -> int:

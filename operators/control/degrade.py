@@ -88,9 +88,41 @@ class ReplicaDegrade(ControllerBase):
                                      "reason": ev.get("reason", "")}}
             swaps = dict(ev.get("swaps") or {})
         serving = [swaps.get(n, n) for n in names]
-        plan = self._plan(inc.job, set(), warm_if_parked=True)
+        attempts = max(1, self.cfg.restart_attempts)
+        for attempt in range(attempts):
+            try:
+                started_ts, warm = self._start_groups(incident_id, inc.job, p, serving)
+                break
+            except launcher.PartsFailed as exc:
+                # a standby that fails to start (broken, gone) is replaced by the next, as a restart's would be;
+                # out of standbys or tries, the whole job goes the ladder's way (its restart has its own retries)
+                bad = sorted(n for n in exc.failed if n in serving and n not in names)
+                if attempt + 1 >= attempts or not bad or len(self.pool()) < len(bad):
+                    out = {"stop_world": f"the replica group(s) did not start on {', '.join(serving)} ({exc}); the "
+                                         f"whole job restarts instead"[:900]}
+                    self.fleet.finish_action(action.id, "stop_world", json.dumps(out))
+                    return out
+                ev = self.evict(incident_id, bad, breaker=False, reason="failed to start: " + "; ".join(
+                    exc.failed[n] for n in bad)[:300])
+                if ev.get("waiting_human"):
+                    self.fleet.finish_action(action.id, "failed", str(ev.get("reason", ""))[:900])
+                    return {"degraded": {"replicas": list(p.replicas), "left": names, "waiting_human": True,
+                                         "reason": ev.get("reason", "")}}
+                serving = [(ev.get("swaps") or {}).get(n, n) for n in serving]
+        swaps = {old: new for old, new in zip(names, serving, strict=True) if old != new}
+        out = {"degraded": {"replicas": list(p.replicas), "width": p.width, "left": names, "machines": serving,
+                            "swaps": swaps, "in_place": not swaps, "warm": warm, "restart_ts": started_ts,
+                            "reason": p.reason, "logs": verdict["verdict"]}}
+        self.fleet.finish_action(action.id, "done", json.dumps(out))
+        self.fleet.update_incident(incident_id, decided_ts=started_ts)
+        return out
+
+    def _start_groups(self, incident_id: int, job: str, p: degrade.DegradePlan, serving: list[str]
+                      ) -> tuple[float, list[str]]:
+        """Start ``p``'s replica groups on ``serving`` (an action of the incident): when, and which started warm."""
+        plan = self._plan(job, set(), warm_if_parked=True)
         # a kind of its own: a launch of the whole job is what a cleared restart_job repeats (restart_again)
-        launch, _ = self.fleet.record_action(f"replica_launch:{inc.job}:{incident_id}:{','.join(serving)}",
+        launch, _ = self.fleet.record_action(f"replica_launch:{job}:{incident_id}:{','.join(serving)}",
                                              kind="replica_launch", incident_id=incident_id, machines=serving,
                                              evidence={"replicas": list(p.replicas), "port": plan.master_port})
         started_ts = time.time()
@@ -98,18 +130,12 @@ class ReplicaDegrade(ControllerBase):
             docs = launcher.launch(self.inventory, plan, transport=self.transport, only=serving)
         except TrainguardError as exc:
             self.fleet.finish_action(launch.id, "failed", str(exc)[:900])
-            self.fleet.finish_action(action.id, "failed", str(exc)[:900])
             raise
         warm = sorted(n for n, d in docs.items() if d.get("warm"))
         self.fleet.finish_action(launch.id, "done", f"replica(s) {', '.join(map(str, p.replicas))} started on "
                                                     f"{', '.join(serving)} (warm: {', '.join(warm) or 'none'})",
                                  evidence={"warm": warm})
-        out = {"degraded": {"replicas": list(p.replicas), "width": p.width, "left": names, "machines": serving,
-                            "swaps": swaps, "in_place": not swaps, "warm": warm, "restart_ts": started_ts,
-                            "reason": p.reason, "logs": verdict["verdict"]}}
-        self.fleet.finish_action(action.id, "done", json.dumps(out))
-        self.fleet.update_incident(incident_id, decided_ts=started_ts)
-        return out
+        return started_ts, warm
 
     def training_groups(self, job: str, states: Mapping[str, Any]) -> list[str] | None:
         """For a job run as replica groups with the degrade path on: the machines of its groups whose every machine
