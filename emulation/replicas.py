@@ -85,8 +85,10 @@ class ReplicaRun:
     """``groups`` replica groups of ``examples/replicas`` under one lighthouse, in ``folder``."""
 
     def __init__(self, folder: Path, *, groups: int = 2, steps: int = 150, step_s: float = 0.05,
-                 heartbeat_timeout_ms: int = 2000, digest_every: int = 10) -> None:
+                 heartbeat_timeout_ms: int = 2000, digest_every: int = 10, args: list[str] | None = None,
+                 env: dict[int, dict[str, str]] | None = None) -> None:
         self.folder, self.n, self.steps = folder, groups, steps
+        self.args, self.env = list(args or []), dict(env or {})  # more arguments for every group; a group's variables
         self.step_s, self.heartbeat_ms, self.digest_every = step_s, heartbeat_timeout_ms, digest_every
         self.runs = {i: folder / f"replica{i}" for i in range(groups)}
         self.lighthouse: Lighthouse | None = None
@@ -101,11 +103,12 @@ class ReplicaRun:
                    "TG_REPLICA_HOST": "127.0.0.1", "TG_RUN_DIR": str(self.runs[i]), "PYTHONPATH": str(REPO),
                    "OMP_NUM_THREADS": "1"}
             env.pop("TG_FAULT_FILE", None)
+            env.update(self.env.get(i, {}))
             self.groups[i] = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
                  "--max-restarts", "3", "--monitor-interval", "0.5", "--master-addr", "127.0.0.1",
                  "--master-port", str(free_port()), "-m", "examples.replicas.train", "--steps", str(self.steps),
-                 "--step-time-s", str(self.step_s), "--digest-every", str(self.digest_every)],
+                 "--step-time-s", str(self.step_s), "--digest-every", str(self.digest_every), *self.args],
                 env=env, cwd=REPO, stdout=self._open(self.log(i)), stderr=subprocess.STDOUT, start_new_session=True)
 
     def _open(self, path: Path) -> Any:

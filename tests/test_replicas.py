@@ -109,3 +109,37 @@ def test_a_lighthouse_that_does_not_answer_or_is_not_a_url_is_refused_in_one_lin
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "10.0.0.1:29510")
     with pytest.raises(ReplicasError, match="is not a URL; write http://host:port"):
         Replicas(model, opt, checkpoint=False)
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_replica_is_applied_by_none_recorded_by_every_one_and_held_for_the_control_plane(tmp_path):
+    """A NaN on one replica reaches every replica through the average: no replica applies the step, each records
+    it as NaN (what the agent reports as ``nan_loss``, which stops the world) and holds still for the control
+    plane; nobody comes here, so after the hold they go on together, and no parameter ever held a NaN."""
+    import math
+
+    from trainguard.emulation.faults import write_control
+
+    control = tmp_path / "faults.json"
+    write_control(control, [])
+    run = ReplicaRun(tmp_path, steps=80, step_s=0.05, heartbeat_timeout_ms=2000,
+                     args=["--nonfinite-hold-s", "1"], env={1: {"TG_FAULT_FILE": str(control)}})
+    try:
+        run.start()
+        poll(lambda: sum(r.get("participants") == 2 for r in run.records(1)) >= 15, timeout=120, interval=0.05,
+             what="both replicas to train together")
+        write_control(control, [{"kind": "nan", "rank": 0, "id": "n1", "params": {}}])
+        codes = run.finish()
+        assert codes == {0: 0, 1: 0}, [run.log(i).read_text()[-3000:] for i in (0, 1)]
+    finally:
+        run.stop()
+    refused = {i: [r for r in run.records(i) if r.get("refused")] for i in (0, 1)}
+    assert len(refused[0]) == 1 and len(refused[1]) == 1, refused
+    assert refused[0][0]["step"] == refused[1][0]["step"]  # the same step, on both
+    assert all(not isinstance(r["loss"], float) or math.isnan(r["loss"]) for i in (0, 1) for r in refused[i])
+    for i in (0, 1):  # the refused step ran again and every committed step is finite
+        committed = [r for r in run.records(i) if not r.get("refused")]
+        assert refused[i][0]["step"] in {r["step"] for r in committed}
+        assert all(math.isfinite(r["loss"]) for r in committed)
+    d0, d1 = run.digests(0), run.digests(1)
+    assert 80 in d0 and d0[80] == d1.get(80)

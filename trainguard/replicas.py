@@ -91,11 +91,15 @@ class Replicas:
         trainguard launched the job (``TG_RUN_DIR`` or ``TG_CHECKPOINT`` set). A group that starts restores its
         newest step first; a live replica ahead of it still heals it. A restart of every group (a fault that stops
         the world) so loses at most the step in flight.
+    :param nonfinite_hold_s: after a step whose averaged gradients are not finite (a NaN on any replica reaches every
+        one through the average): no replica applies it, its record says ``loss`` NaN (the agent's ``nan_loss``),
+        and the group holds still this long for the control plane, which stops the job and restores the last
+        finite step; then it goes on with the next batch. Seconds (0: at once).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica: str | None = None,
                  min_replicas: int | None = None, timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
-                 monitor: JobMonitor | None = None, checkpoint: Any = None) -> None:
+                 monitor: JobMonitor | None = None, checkpoint: Any = None, nonfinite_hold_s: float = 300.0) -> None:
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -110,6 +114,9 @@ class Replicas:
             min_replicas = _env_int("TG_MIN_REPLICAS", 1)
         if min_replicas < 1:
             raise ReplicasError(f"min_replicas={min_replicas} must be at least 1")
+        if not nonfinite_hold_s >= 0:
+            raise ReplicasError(f"nonfinite_hold_s={nonfinite_hold_s} must be >= 0 (seconds)")
+        self.nonfinite_hold_s = float(nonfinite_hold_s)
         self.replica = str(replica)
         self.index = _index(self.replica)  # the group's number (the digits of its name; 0 without any)
         #: the job's replica groups when its launch says (``TG_REPLICAS``; 0: not said): a step's record holds it
@@ -210,6 +217,16 @@ class Replicas:
         group that healed meanwhile (it received a live replica's state and jumped to its step) says so."""
         before, t0 = self._began
         now = self.step
+        refused = self.optimizer.refused
+        if refused:  # not applied by any replica: recorded as what it was, then held for the control plane
+            self.optimizer.refused = ""
+            self._open = False
+            step_time = time.monotonic() - t0
+            self.monitor.step_end(before, loss=float("nan"), grad_norm=float("nan"), step_time_s=step_time,
+                                  tokens_per_s=0.0, participants=self.participants, replica=self.replica,
+                                  refused=refused, **({"width": self.width} if self.width else {}))
+            self._hold(before, refused)
+            return False
         if now <= before:
             return False
         self._open = False
@@ -232,6 +249,15 @@ class Replicas:
         self.monitor.step_end(now - 1, loss=float(loss), grad_norm=0.0, step_time_s=step_time,
                               tokens_per_s=tokens / step_time if step_time > 0 else 0.0, **extra)
         return True
+
+    def _hold(self, step: int, why: str) -> None:
+        """After a non-finite step: the heartbeat says the rank holds still on purpose until the control plane stops
+        the job (and restores the last finite step); if nobody comes within ``nonfinite_hold_s``, go on."""
+        if self.nonfinite_hold_s <= 0:
+            return
+        self.monitor.hold(f"step {step}: {why}", seconds=self.nonfinite_hold_s)
+        time.sleep(self.nonfinite_hold_s)  # the control plane's stop ends the process
+        self.monitor.release()
 
     def digest(self) -> str:
         """:func:`state_digest` of this replica's model and optimizer."""
@@ -295,6 +321,7 @@ class _AveragingOptimizer:
     def __init__(self, manager: Any, optimizer: torch.optim.Optimizer, monitor: JobMonitor, checkpointer: Any
                  ) -> None:
         self.manager, self.optim, self.monitor, self.checkpointer = manager, optimizer, monitor, checkpointer
+        self.refused = ""  # why the last step was applied by no replica (its averaged gradients were not finite)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.manager.start_quorum()
@@ -304,7 +331,10 @@ class _AveragingOptimizer:
         # counted as the step's communication (the quorum it may wait for included): the rank check judges a
         # rank's compute without it, so a replica's quorum change is not taken for a slow machine
         with self.monitor.collective("dp", "all_reduce"):
-            _average_gradients(self.manager, self.optim)
+            finite = _average_gradients(self.manager, self.optim, self.monitor.faults)
+            if not finite:  # every replica that took part sees the same average: none applies it
+                self.refused = "the averaged gradients are not finite: update skipped on every replica"
+                self.manager.report_error(RuntimeError(self.refused))
             committed = self.manager.should_commit()
         if committed:
             if self.checkpointer is not None:  # the last snapshot's copy of the state is done before it changes
@@ -322,13 +352,18 @@ class _AveragingOptimizer:
         self.optim.load_state_dict(state)
 
 
-def _average_gradients(manager: Any, optimizer: torch.optim.Optimizer) -> None:
+def _average_gradients(manager: Any, optimizer: torch.optim.Optimizer, faults: Any) -> bool:
+    """Average the gradients over the replicas training the step (one flat all-reduce); whether the average is
+    finite."""
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
     if not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
+        return True
+    # the emulated cluster's nan fault on this rank: its gradients non-finite, as a NaN loss makes them
+    flat = faults.corrupt_loss(_flatten_dense_tensors(grads))
     manager.allreduce(flat).wait()  # averaged over the participants; a failure leaves the step uncommitted
+    finite = bool(torch.isfinite(flat).all())
     for g, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(averaged)
+    return finite

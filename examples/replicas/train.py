@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=5.0,
                    help="a collective with another group that takes longer fails the step, which the groups then try "
                         "again without the silent one (a stopped group holds the others this long)")
+    p.add_argument("--nonfinite-hold-s", type=float, default=300.0,
+                   help="after a non-finite step, hold still this long for the control plane (seconds)")
     p.add_argument("--digest-every", type=int, default=0, help="log the state digest every N steps (0: at the end)")
     return p.parse_args(argv)
 
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                                 torch.nn.Linear(args.width, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     try:
-        rep = Replicas(model, opt, timeout_s=args.timeout_s)
+        rep = Replicas(model, opt, timeout_s=args.timeout_s, nonfinite_hold_s=args.nonfinite_hold_s)
     except ReplicasError as exc:
         print(f"replicas: error: {exc}", file=sys.stderr)
         return exc.exit_code
