@@ -38,7 +38,8 @@ STEPS, STEP_S = 200, 0.05
 
 
 def trial(folder: Path) -> dict[str, float]:
-    run = ReplicaRun(folder, steps=STEPS, step_s=STEP_S, heartbeat_timeout_ms=2000)
+    # the live heal is measured: no checkpoint (a group restarted fast enough restores its own step instead)
+    run = ReplicaRun(folder, steps=STEPS, step_s=STEP_S, heartbeat_timeout_ms=2000, args=["--no-checkpoint"])
     try:
         run.start()
         poll(lambda: len(run.records(1)) >= 40 and sum(r.get("participants") == 2 for r in run.records(0)) >= 30,

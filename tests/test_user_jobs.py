@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -557,6 +558,21 @@ def test_a_job_of_replica_groups_trains_through_a_lost_gpu_on_its_other_replica_
         d0, d1 = (rank_digests(Path(user_cluster.machine(m).workdir) / "jobs" / job) for m in now)
         common = [s for s in set(d0) & set(d1) if s > healed[0]["step"]]
         assert common and all(d0[s] == d1[s] for s in common), (d0, d1)
+
+        # what must stop the world still does: a NaN on the first replica reaches both through the average; neither
+        # applies it, the incident stops every group, and each restores its own checkpoint, at most a step lost
+        last = _last(ctl, job)
+        inject.inject(user_cluster, first, "nan", rank=0)
+        nan = wait_until(lambda: next((i for i in ctl.fleet.incidents(job) if i.id > last and i.category == "nan"
+                                       and i.state in ("resolved", "failed", "waiting_human")), None),
+                         timeout=300, interval=1.0, what="the NaN's incident to close")
+        assert nan.state == "resolved", f"{nan.summary}\n{_job_logs(user_cluster, job, now)}"
+        assert nan.lost_steps is not None and nan.lost_steps <= 1, (nan.lost_steps, nan.summary)
+        world = _rung_output(airflow, nan.id, "stop_time_diagnosis")
+        assert world["path"] == "stop_world" and "nan" in world["path_reason"], world
+        after = [r for r in records(first, 0) if r["incarnation"] >= 1]  # the first group's process, restarted
+        assert after and after[0].get("ckpt_restored_step") is not None, after[:1]
+        assert all(math.isfinite(float(r["loss"])) for r in after)
     finally:
         inject.clear(user_cluster, second, "gpu_lost")
         ctl.release(job)

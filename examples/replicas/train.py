@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "again without the silent one (a stopped group holds the others this long)")
     p.add_argument("--nonfinite-hold-s", type=float, default=300.0,
                    help="after a non-finite step, hold still this long for the control plane (seconds)")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="keep no checkpoint (a group that restarts then always heals from a live one)")
     p.add_argument("--digest-every", type=int, default=0, help="log the state digest every N steps (0: at the end)")
     return p.parse_args(argv)
 
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                                 torch.nn.Linear(args.width, 1))
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     try:
-        rep = Replicas(model, opt, timeout_s=args.timeout_s, nonfinite_hold_s=args.nonfinite_hold_s)
+        rep = Replicas(model, opt, timeout_s=args.timeout_s, nonfinite_hold_s=args.nonfinite_hold_s,
+                       checkpoint=False if args.no_checkpoint else None)
     except ReplicasError as exc:
         print(f"replicas: error: {exc}", file=sys.stderr)
         return exc.exit_code
