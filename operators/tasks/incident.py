@@ -465,8 +465,7 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
             d = recovery["degraded"]
             healed = "healed from a live replica" if resume.get("healed_from_step") is not None else "rejoined"
             done = closed(RESOLVED, f"path degrade: replica(s) {', '.join(map(str, d['replicas']))} {healed} on "
-                                    f"{', '.join(d['machines'])}, training at step {resume['first_step']} with "
-                                    f"{resume.get('participants') or '?'} replica group(s) "
+                                    f"{', '.join(d['machines'])} at step {resume['first_step']} "
                                     f"({time.time() - inc.first_alert_ts:.1f}s after the first alert); the others "
                                     f"trained on{back['note']}", resumed=resume)
         elif recovery.get("again"):  # its second restart: the job was down from the stop to the resume
