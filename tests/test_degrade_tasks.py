@@ -237,3 +237,18 @@ def test_when_no_standby_starts_the_group_the_whole_job_goes_the_ladders_way(tmp
     assert result["path"] == "stop_world" and "did not start" in result["path_reason"], result
     assert [a.outcome for a in c.fleet.actions(out["incident"]) if a.kind == "degrade"] == ["stop_world"]
     assert {"m2", "m3"} <= set(fleet.sent("job", "stop"))  # the ladder's rung stopped everything
+
+
+def test_a_slow_group_the_vote_finds_in_one_replica_takes_the_degrade_path(tmp_path, monkeypatch):
+    """The fail-slow vote runs while the job trains; the group it names lies in one replica, so that replica is
+    taken out and healed while the other trains on, instead of the whole job stopping for the eviction."""
+    c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec(), slow_rounds=5, slow_interval_s=0.0)
+    fleet.compute = {r: 0.36 for r in range(4)} | {1: 0.54}  # rank 1, on m1 (replica 0), 50% slower
+    declines = [alert("throughput_decline", f"m{r}", rank=r, decline=0.22) for r in range(4)]
+    out = run_incident(c, declines, monkeypatch)
+    result = out["result"]
+    assert (out["decision"]["category"], out["decision"]["action"]) == ("slow", "vote")
+    assert result["path"] == "degrade" and result["degraded"]["replicas"] == [0], result
+    assert "m1" in result["vote"]["machines"]
+    assert sorted(set(fleet.sent("job", "stop"))) == ["m0", "m1"] and result["stop"]["skipped"]
+    assert c.fleet.job("j").machine_list == ["m4", "m5", "m2", "m3"] and out["closed"]["state"] == "resolved"

@@ -22,9 +22,8 @@ a network flap tolerated, an observation, a probe          ``none``: nothing sto
 =========================================================  ========================================
 
 Plain Python, called by the simulator (``trainguard simulate --degrade``) and by the control plane for a job run as
-replica groups (its spec's ``replicas``: :mod:`trainguard.operators.control.degrade`), whose incidents through the
-rungs of :func:`trainguard.operators.tasks.incident.handle` take this path (the fail-slow vote and the replay,
-deferred operators of their own, still stop the world there).
+replica groups (its spec's ``replicas``: :mod:`trainguard.operators.control.degrade`): before a rung stops the job,
+and for the fail-slow vote once it named the slow group (:mod:`trainguard.operators.tasks.incident`).
 """
 
 from __future__ import annotations

@@ -45,24 +45,49 @@ def _degraded_or(c: Controller, name: str, decision: dict[str, Any]) -> dict[str
     """A job run as replica groups whose incident is confined to some of them takes the degrade path (those groups
     out, their machines swapped, healed from a live replica while the others train on:
     :meth:`Controller.degrade`); anything else, or groups whose logs blame the job's own code, goes to the rung
-    ``name``, which stops the whole job. For a replica job the result says which ``path`` it took and why."""
+    ``name``, which stops the whole job. For a replica job the result says which ``path`` it took and why. A slow
+    vote decides its path once it named the slow group (:func:`_after_vote`)."""
+    if decision["action"] == "vote":
+        return _after_vote(c, decision, RUNG_ACTIONS[name](c, decision))
+    degraded, why, p = _degrade_first(c, decision)
+    if degraded is not None:
+        return degraded
+    result = RUNG_ACTIONS[name](c, decision)
+    return result if p is None else {**result, "path": degrade.STOP_WORLD if p.path != degrade.NONE else degrade.NONE,
+                                     "path_reason": why}
+
+
+def _after_vote(c: Controller, decision: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+    """The slow vote's result, or, when the slow group it would evict lies in replicas a replica job may lose, the
+    degrade path for those machines instead (the vote's rounds kept in the result)."""
+    machines = (result.get("evict") or {}).get("machines")
+    if not machines:
+        return result
+    degraded, why, p = _degrade_first(c, {**decision, "machines": list(machines)})
+    if degraded is not None:
+        return {**degraded, "vote": result.get("vote")}
+    return result if p is None else {**result, "path": degrade.STOP_WORLD, "path_reason": why}
+
+
+def _degrade_first(c: Controller, decision: dict[str, Any]) -> tuple[dict[str, Any] | None, str, Any]:
+    """The degrade path of the decision when it takes it: ``(the rung's result, why, the plan)``; ``(None, why the
+    world stops, the plan)`` otherwise (the plan None: the job is not run as replica groups)."""
     p = c.degrade_plan(decision)
     if p is None:
-        return RUNG_ACTIONS[name](c, decision)
-    why = p.reason
-    if p.path == degrade.DEGRADE:
-        out = c.degrade(int(decision["incident"]), p)
-        if "degraded" in out:
-            d = out["degraded"]
-            where = (f"{', '.join(d['left'])} swapped for {', '.join(d['machines'])}" if d.get("swaps")
-                     else f"restarted in place on {', '.join(d['left'])}" if d.get("machines") else "left out")
-            c.fleet.update_incident(int(decision["incident"]), summary=f"path: degrade ({p.reason}); replica(s) "
-                                    f"{', '.join(map(str, p.replicas))} {where}; healing from a live replica")
-            return {"no_restart": True, "path": degrade.DEGRADE, "path_reason": p.reason, "degraded": d,
-                    **({"waiting_human": True, "reason": d.get("reason", "")} if d.get("waiting_human") else {})}
-        why = out["stop_world"]
-    result = RUNG_ACTIONS[name](c, decision)
-    return {**result, "path": degrade.STOP_WORLD if p.path != degrade.NONE else degrade.NONE, "path_reason": why}
+        return None, "", None
+    if p.path != degrade.DEGRADE:
+        return None, p.reason, p
+    out = c.degrade(int(decision["incident"]), p)
+    if "degraded" not in out:
+        return None, out["stop_world"], p
+    d = out["degraded"]
+    where = (f"{', '.join(d['left'])} swapped for {', '.join(d['machines'])}" if d.get("swaps")
+             else f"restarted in place on {', '.join(d['left'])}" if d.get("machines") else "left out")
+    c.fleet.update_incident(int(decision["incident"]), summary=f"path: degrade ({p.reason}); replica(s) "
+                            f"{', '.join(map(str, p.replicas))} {where}; healing from a live replica")
+    return ({"no_restart": True, "path": degrade.DEGRADE, "path_reason": p.reason, "degraded": d,
+             **({"waiting_human": True, "reason": d.get("reason", "")} if d.get("waiting_human") else {})},
+            p.reason, p)
 
 
 def _redirected(c: Controller, name: str, decision: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -119,7 +144,7 @@ def _vote_end(c: Controller, decision: dict[str, Any], rounds: list[dict[str, fl
               superseded: bool = False) -> dict[str, Any]:
     def decide() -> dict[str, Any]:
         vote = c.vote_verdict(decision["incident"], rounds, superseded=superseded)
-        return slow_vote_decide(c, decision, vote)
+        return _after_vote(c, decision, slow_vote_decide(c, decision, vote))
 
     return _result(c, "slow_vote", decision, decide)
 
