@@ -56,9 +56,11 @@ def _degraded(c: Any, job: str, states_now: dict[str, Any], *, open_ids: set[int
     training = c.training_groups(job, states_now)
     if not training:
         return None
+    from trainguard.operators.policy import degrade
+
     j = c.fleet.job(job)
-    per = len(j.machine_list) // max(1, j.dp)
-    out = sorted({i // per for i, n in enumerate(j.machine_list) if n not in set(training)})
+    out = list(degrade.replicas_of(c.topology(job), [i for i, n in enumerate(j.machine_list)
+                                                     if n not in set(training)]))
     return {"replicas": out, "width": round((j.dp - len(out)) / j.dp, 4), "since": None, "for_s": None,
             "incident": None}
 

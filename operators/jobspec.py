@@ -300,6 +300,13 @@ def stored_spec(job: Any) -> JobSpec:
     return parse_spec(job.spec, source=f"job {job.name}'s stored spec")
 
 
+def replica_groups(job: Any, *, degrading: bool = False) -> Replicas | None:
+    """The ``replicas`` of a fleet database's job row: None when the job runs as one group (or, with ``degrading``,
+    when its spec turned the degrade path off)."""
+    groups = stored_spec(job).replicas if job.spec else None
+    return None if groups is None or (degrading and not groups.degrade) else groups
+
+
 def parse_spec(document: Any, *, source: str = "job spec") -> JobSpec:
     """A :class:`JobSpec` from a parsed document, or :class:`JobSpecError` in one line."""
     if not isinstance(document, dict):

@@ -27,7 +27,7 @@ class ReplicaDegrade(ControllerBase):
         """The path the incident's ``decision`` (an :class:`~trainguard.operators.models.IncidentDecision` document)
         takes on its job: None when the job is not run as replica groups, or its spec turned the degrade path off
         (every incident then stops the whole job)."""
-        from trainguard.operators.jobspec import stored_spec
+        from trainguard.operators.jobspec import replica_groups
 
         prior = next((a for a in self.fleet.actions(int(decision["incident"])) if a.kind == "degrade"
                       and a.outcome in ("done", "stop_world")), None)
@@ -36,15 +36,13 @@ class ReplicaDegrade(ControllerBase):
             return degrade.DegradePlan(str(ev["path"]), tuple(ev["replicas"]), tuple(ev.get("machines") or ()),
                                        float(ev["width"]), str(ev["reason"]))
         j = self.fleet.job(decision["job"])
-        if not j.spec:
-            return None
-        spec = stored_spec(j)
-        if spec.replicas is None or not spec.replicas.degrade:
+        groups = replica_groups(j, degrading=True)
+        if groups is None:
             return None
         at = {name: i for i, name in enumerate(j.machine_list)}
         return degrade.plan(self.topology(j.name), category=str(decision["category"]), action=str(decision["action"]),
                             machines=[at[m] for m in decision.get("machines") or () if m in at],
-                            level=int(decision.get("level") or 0), min_replicas=spec.replicas.min_replicas)
+                            level=int(decision.get("level") or 0), min_replicas=groups.min_replicas)
 
     def degrade(self, incident_id: int, p: degrade.DegradePlan) -> dict[str, Any]:
         """Take ``p``'s replica groups out while the others train on: stop the groups on their machines (reading
@@ -78,14 +76,18 @@ class ReplicaDegrade(ControllerBase):
             self.fleet.finish_action(action.id, "stop_world", json.dumps(out))
             return out
         copies = {n: held_copies((r.answer() or {}).get("copies")) if r.ok else None for n, r in results.items()}
+
+        def waiting(ev: Mapping[str, Any]) -> dict[str, Any]:  # an eviction that waits for a human
+            self.fleet.finish_action(action.id, "failed", str(ev.get("reason", ""))[:900])
+            return {"degraded": {"replicas": list(p.replicas), "left": names, "waiting_human": True,
+                                 "reason": ev.get("reason", "")}}
+
         swaps: dict[str, str] = {}
         why = f"degrade: {p.reason}"
         if len(self.pool()) >= len(names):
             ev = self.evict(incident_id, names, reason=why, copies=copies)
             if ev.get("waiting_human"):  # the breaker, or the checkpoints: the others train on meanwhile
-                self.fleet.finish_action(action.id, "failed", str(ev.get("reason", ""))[:900])
-                return {"degraded": {"replicas": list(p.replicas), "left": names, "waiting_human": True,
-                                     "reason": ev.get("reason", "")}}
+                return waiting(ev)
             swaps = dict(ev.get("swaps") or {})
         serving = [swaps.get(n, n) for n in names]
         attempts = max(1, self.cfg.restart_attempts)
@@ -105,9 +107,7 @@ class ReplicaDegrade(ControllerBase):
                 ev = self.evict(incident_id, bad, breaker=False, reason="failed to start: " + "; ".join(
                     exc.failed[n] for n in bad)[:300])
                 if ev.get("waiting_human"):
-                    self.fleet.finish_action(action.id, "failed", str(ev.get("reason", ""))[:900])
-                    return {"degraded": {"replicas": list(p.replicas), "left": names, "waiting_human": True,
-                                         "reason": ev.get("reason", "")}}
+                    return waiting(ev)
                 serving = [(ev.get("swaps") or {}).get(n, n) for n in serving]
         swaps = {old: new for old, new in zip(names, serving, strict=True) if old != new}
         out = {"degraded": {"replicas": list(p.replicas), "width": p.width, "left": names, "machines": serving,
@@ -140,17 +140,16 @@ class ReplicaDegrade(ControllerBase):
     def training_groups(self, job: str, states: Mapping[str, Any]) -> list[str] | None:
         """For a job run as replica groups with the degrade path on: the machines of its groups whose every machine
         runs (``states``: each machine's job state), when they are at least its ``min_replicas``; else None."""
-        from trainguard.operators.jobspec import stored_spec
+        from trainguard.operators.jobspec import replica_groups
 
         j = self.fleet.job(job)
-        spec = stored_spec(j) if j.spec else None
-        if spec is None or spec.replicas is None or not spec.replicas.degrade:
+        groups = replica_groups(j, degrading=True)
+        if groups is None:
             return None
-        topo = self.topology(job)
-        per = topo.tp * topo.pp // topo.ranks_per_machine
-        groups = [j.machine_list[i:i + per] for i in range(0, len(j.machine_list), per)]
-        running = [g for g in groups if all(states.get(n) == "running" for n in g)]
-        return [n for g in running for n in g] if len(running) >= spec.replicas.min_replicas else None
+        per = len(j.machine_list) // max(1, j.dp)  # a replica's consecutive machines (the launch's replica_of)
+        groups_of = [j.machine_list[i:i + per] for i in range(0, len(j.machine_list), per)]
+        running = [g for g in groups_of if all(states.get(n) == "running" for n in g)]
+        return [n for g in running for n in g] if len(running) >= groups.min_replicas else None
 
     def rejoined(self, job: str, machines: list[str], restart_ts: float) -> dict[str, Any] | None:
         """Whether the replica groups started on ``machines`` at ``restart_ts`` train again: the first rank of

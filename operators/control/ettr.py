@@ -40,10 +40,10 @@ class EttrLedger(ControllerBase):
     def _replica_first_ranks(self, job: str) -> list[int]:
         """The first rank of each data-parallel replica of a job run as replica groups (its spec's ``replicas``);
         ``[0]`` for any other job."""
-        from trainguard.operators.jobspec import stored_spec
+        from trainguard.operators.jobspec import replica_groups
 
         j = self.fleet.job(job)
-        if not j.spec or stored_spec(j).replicas is None:
+        if replica_groups(j) is None:
             return [0]
         return [d * j.tp * j.pp for d in range(j.dp)]
 
