@@ -11,7 +11,8 @@ HERE = Path(__file__).resolve().parent
 SUBPACKAGES = ("checkpoint", "node_tools", "operators", "emulation", "dags")  # trainguard.SUBPACKAGES
 
 package_dir = {"trainguard": "trainguard"}
-packages = ["trainguard"]
+packages = ["trainguard", *(f"trainguard.{p}" for p in find_namespace_packages(
+    where=str(HERE / "trainguard"), include=["core", "core.*"]))]
 for name in SUBPACKAGES:
     if (HERE / name / "__init__.py").is_file():
         package_dir[f"trainguard.{name}"] = name

@@ -37,9 +37,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emulated_cluster, seconds_range, stop_on_sigterm, summarize, write_result
+from trainguard.core.topology import Topology
 from trainguard.emulation import cluster
 from trainguard.emulation.guarded import DEVICE_TRAIN_ARGS, FAULTS, NO_SCHEDULES, TOPOLOGY, Fault, GuardedJob
-from trainguard.node_tools.topology import Topology
 
 SPEC = cluster.ClusterSpec(name="tgc", machines=8, standbys=4, subnet="10.213.20.0/24", disk_mb=256, gpus=8)
 JOB = "campaign"

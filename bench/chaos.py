@@ -60,14 +60,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.campaign import balanced_draws
 from bench.common import emulated_cluster, seconds_range, stop_on_sigterm, summarize, write_result
+from trainguard.core import procs
+from trainguard.core.errors import FaultError
+from trainguard.core.topology import Topology
 from trainguard.emulation import cluster, inject
 from trainguard.emulation.guarded import DEVICE_TRAIN_ARGS, NO_SCHEDULES, TOPOLOGY, GuardedJob
 from trainguard.emulation.standalone import poll
-from trainguard.node_tools import procs
 from trainguard.node_tools.alerts import Alert
 from trainguard.node_tools.bus import open_bus
-from trainguard.node_tools.errors import FaultError
-from trainguard.node_tools.topology import Topology
 from trainguard.operators.fleet import states
 
 SPEC = cluster.ClusterSpec(name="tgx", machines=8, standbys=4, subnet="10.213.21.0/24", disk_mb=256, gpus=8)

@@ -45,11 +45,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from trainguard.core.topology import Topology
 from trainguard.emulation import cluster
 from trainguard.emulation.guarded import NO_SCHEDULES, Fault, GuardedJob
 from trainguard.emulation.replicas import Lighthouse, rank_digests
 from trainguard.emulation.standalone import Standalone, poll
-from trainguard.node_tools.topology import Topology
 from trainguard.operators.jobspec import JobSpec
 from trainguard.operators.policy.ettr import StepHistory
 

@@ -28,12 +28,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
+from trainguard.core.topology import Topology
 from trainguard.emulation import cluster, inject
 from trainguard.node_tools import launcher, monitor
 from trainguard.node_tools.alerts import Alert
 from trainguard.node_tools.bus import BusReader, open_bus
 from trainguard.node_tools.inventory import Inventory, Machine
-from trainguard.node_tools.topology import Topology
 from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 SPEC = cluster.ClusterSpec(name="tgd", machines=6, standbys=2, subnet="10.213.13.0/24", disk_mb=64, gpus=8)

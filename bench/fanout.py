@@ -38,11 +38,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from trainguard.core import procs  # noqa: E402
+from trainguard.core.errors import ClusterError  # noqa: E402
+from trainguard.core.topology import Topology  # noqa: E402
 from trainguard.emulation import cluster  # noqa: E402
-from trainguard.node_tools import launcher, procs  # noqa: E402
-from trainguard.node_tools.errors import ClusterError  # noqa: E402
+from trainguard.node_tools import launcher  # noqa: E402
 from trainguard.node_tools.inventory import Inventory  # noqa: E402
-from trainguard.node_tools.topology import Topology  # noqa: E402
 from trainguard.node_tools.transport import CONTROL_PERSIST_S, FANOUT, RunResult, control_dir, transport_for  # noqa: E402
 
 JOB = "fanout"

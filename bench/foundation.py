@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
+from trainguard.core.topology import Topology
 from trainguard.emulation import cluster
 from trainguard.node_tools import launcher, monitor
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
 from trainguard.operators.jobspec import REFERENCE_ENTRY
 

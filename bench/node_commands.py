@@ -30,10 +30,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import summarize, write_result
+from trainguard.core.topology import Topology
 from trainguard.emulation import cluster, inject
 from trainguard.node_tools import launcher, monitor
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
 
 SPEC = cluster.ClusterSpec(name="tgn", machines=6, standbys=2, subnet="10.213.14.0/24", disk_mb=128, gpus=8)

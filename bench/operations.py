@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
 from trainguard.checkpoint import layout
 from trainguard.checkpoint.verify import verify_step
+from trainguard.core.topology import Topology
 from trainguard.emulation import cluster
 from trainguard.emulation.standalone import poll
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.topology import Topology
 from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.fleet import states
 

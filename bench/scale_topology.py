@@ -22,9 +22,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from trainguard.core.topology import GROUP_KINDS, Topology, clear_layout_caches
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.launcher import JobPlan
-from trainguard.node_tools.topology import GROUP_KINDS, Topology, clear_layout_caches
 from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 RANKS_PER_MACHINE = 8

@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import write_result
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 from trainguard.operators.policy.runtime import SlowVoter, smallest_group
 
 ROUNDS = 5

@@ -20,7 +20,7 @@ What it guarantees to the training loop:
   training one wait.
 * **Tiers.** Each snapshot is written atomically to the machine's local disk
   (:mod:`trainguard.checkpoint.layout`), sent to the rank's backup rank
-  (:meth:`trainguard.node_tools.topology.Topology.backup_rank`: shares none of its TP, PP,
+  (:meth:`trainguard.core.topology.Topology.backup_rank`: shares none of its TP, PP,
   DP groups, on another machine) over a gloo group of the checkpoint's own, and
   every ``s3_every_steps`` steps (or on request) uploaded to S3.
 * **Commit.** A rank's step is done when its local copy is durable and its
@@ -77,7 +77,7 @@ from trainguard.checkpoint.shards import (
 )
 from trainguard.checkpoint.slots import Slot
 from trainguard.checkpoint.snapshots import Snapshotting
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 
 LOG = logging.getLogger("trainguard.checkpoint")
 

@@ -1,22 +1,17 @@
 """Errors of the checkpoint library: one line each, saying where and what to do next.
 
-Every error is a :class:`trainguard.node_tools.errors.TrainguardError`, so the training
+Every error is a :class:`trainguard.core.errors.TrainguardError`, so the training
 script (and any trainguard command line) prints its message on one line and
 exits with its code instead of a traceback.
 """
 
 from __future__ import annotations
 
-from trainguard.node_tools.errors import EXIT_UNHEALTHY, TrainguardError
+from trainguard.core.errors import EXIT_UNHEALTHY, TrainguardError
 
 
 class CheckpointError(TrainguardError):
     """A checkpoint could not be written, read or placed (bad configuration, unusable root)."""
-
-
-# The words of a RestoreError for copies that exist but make no complete step: the training script prints the
-# error on one line, and the node's log classifier names such an end by them (kind ``checkpoint_unrestorable``).
-UNRESTORABLE = "copies found but no step can be restored on all"
 
 
 class RestoreError(CheckpointError):

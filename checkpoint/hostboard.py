@@ -32,6 +32,8 @@ import struct
 import time
 from pathlib import Path
 
+from trainguard.core import procs
+
 SHM_DIR = Path("/dev/shm")
 SLOTS = 128
 RECORD = struct.Struct("<qqd8x")  # pid, state, since (CLOCK_MONOTONIC, the same clock for every process)
@@ -144,10 +146,4 @@ class HostBoard:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return procs.alive(pid)

@@ -33,8 +33,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.files import write_json_atomic
 from trainguard.checkpoint.manifest import MANIFEST
+from trainguard.core.files import write_json_atomic
 
 TIERS = ("local", "replica")
 COMMITTED = "committed.json"

@@ -13,11 +13,12 @@ from typing import Any
 
 from trainguard.checkpoint import layout, wire
 from trainguard.checkpoint import manifest as mf
-from trainguard.checkpoint.errors import UNRESTORABLE, RestoreError, S3TierError
+from trainguard.checkpoint.errors import RestoreError, S3TierError
 from trainguard.checkpoint.info import RestoreResult
 from trainguard.checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
 from trainguard.checkpoint.shards import apply_state
 from trainguard.checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
+from trainguard.core.errors import UNRESTORABLE
 
 
 class Restoring:

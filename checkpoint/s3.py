@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint.errors import S3TierError
-from trainguard.checkpoint.files import write_atomic
 from trainguard.checkpoint.layout import VERIFIED
 from trainguard.checkpoint.manifest import MANIFEST
+from trainguard.core.files import write_atomic
 
 _KEY_RE = re.compile(r"step_(\d+)/rank_(\d+)/([^/]+)$")
 

@@ -15,6 +15,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from trainguard.core import procs
+
 SOCKET = "saver.sock"
 
 LOCK = "saver.lock"
@@ -153,8 +155,4 @@ def alive(pid: int) -> bool:
     with contextlib.suppress(ChildProcessError):
         if os.waitpid(pid, os.WNOHANG)[0] == pid:
             return False
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return fh.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
+    return procs.alive(pid)

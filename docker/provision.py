@@ -112,7 +112,7 @@ def passwords_file(path: Path, wanted: dict[str, str]) -> None:
         have = {}
     doc = {**wanted, **have}
     if doc != have:
-        from trainguard.checkpoint.files import write_atomic
+        from trainguard.core.files import write_atomic
 
         write_atomic(path, json.dumps(doc) + "\n", mode=0o600)
 

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import EXIT_OK, TrainguardError
 from trainguard.node_tools.cliutil import OneLineParser, key_values
-from trainguard.node_tools.errors import EXIT_OK, TrainguardError
 from trainguard.operators.cli import print_result as _print
 from trainguard.operators.jobspec import REFERENCE_ENTRY
 
@@ -191,8 +191,8 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
+    from trainguard.core.topology import Topology
     from trainguard.node_tools import launcher
-    from trainguard.node_tools.topology import Topology
 
     inv = _inventory(args)
     if args.job_action == "launch":

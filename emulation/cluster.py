@@ -40,10 +40,10 @@ from typing import Any
 
 import psutil
 
+from trainguard.core import procs
+from trainguard.core.errors import ClusterError
 from trainguard.emulation.nvml import EmulatedNvml
-from trainguard.node_tools import procs
 from trainguard.node_tools.config import NodeConfig, tg_home
-from trainguard.node_tools.errors import ClusterError
 from trainguard.node_tools.inventory import Inventory, InventoryError, Machine
 from trainguard.node_tools.services import agent_running, keygen, sshd_binary, sshd_running
 from trainguard.node_tools.transport import known_hosts_lines, transport_for

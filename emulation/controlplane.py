@@ -25,9 +25,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import TrainguardError
 from trainguard.emulation import cluster, scaleout
 from trainguard.emulation.standalone import Standalone
-from trainguard.node_tools.errors import TrainguardError
 
 PROFILE_FILE = "profile.json"
 

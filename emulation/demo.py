@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
 from trainguard.emulation import cluster
 from trainguard.emulation.guarded import (
     DEVICE_TRAIN_ARGS,
@@ -36,7 +37,6 @@ from trainguard.emulation.guarded import (
     GuardedJob,
     action_swaps,
 )
-from trainguard.node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
 
 JOB = "demo"
 DEFAULT_FAULTS = ("gpu_lost", "hang", "nan", "user_error", "slow")

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.files import write_json_atomic
-from trainguard.node_tools.errors import FaultError
+from trainguard.core.errors import FaultError
+from trainguard.core.files import write_json_atomic
 from trainguard.node_tools.faultpoints import FaultPoints
 
 

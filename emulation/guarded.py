@@ -21,11 +21,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.topology import Topology
 from trainguard.emulation import inject
 from trainguard.emulation.standalone import Standalone, poll
 from trainguard.node_tools.bus import BusReader, open_bus
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
 from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.fleet import states

@@ -28,11 +28,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from trainguard.core import procs
+from trainguard.core.errors import FaultError
 from trainguard.emulation import faults
 from trainguard.emulation.nvml import EmulatedNvml
-from trainguard.node_tools import job, monitor, procs
+from trainguard.node_tools import job, monitor
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import FaultError
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.transport import transport_for
 

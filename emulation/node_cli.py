@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from trainguard.core.errors import EXIT_OK
 from trainguard.node_tools.cliutil import OneLineParser, key_values
-from trainguard.node_tools.errors import EXIT_OK
 
 
 def register_node(sub: Any) -> None:

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.files import write_json_atomic
+from trainguard.core.errors import FaultError, TrainguardError
+from trainguard.core.files import write_json_atomic
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import FaultError, TrainguardError
 from trainguard.node_tools.nvml import GpuBackend, NvmlUnavailable
 
 THERMAL_REASONS = ["hw_thermal_slowdown", "sw_thermal_slowdown"]

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import ClusterError
 from trainguard.emulation import servers
 from trainguard.emulation.cluster import ClusterSpec, _netns_list, _network_up, _run, namespace_on_bridge
 from trainguard.emulation.standalone import Standalone, free_port
-from trainguard.node_tools.errors import ClusterError
 
 BUS_BUCKET = "trainguard-bus"
 PG_PORT = 5432

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainguard.node_tools.errors import ClusterError
+from trainguard.core.errors import ClusterError
 
 
 def _ensure(package: str, found: str | None) -> None:

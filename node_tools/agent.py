@@ -309,7 +309,7 @@ def status_path(cfg: NodeConfig) -> Path:
 
 def build(cfg: NodeConfig) -> Agent:
     if not cfg.bus_url:
-        from trainguard.node_tools.errors import TrainguardError
+        from trainguard.core.errors import TrainguardError
 
         raise TrainguardError(f"machine {cfg.machine}: no alert bus configured (bus_url in its node config)")
     checks, notes = default_checks(cfg)
@@ -366,7 +366,7 @@ def supervise(cfg: NodeConfig, *, max_backoff_s: float = 30.0) -> int:
 def _process(pid: Any, marker: str) -> dict[str, Any]:
     """``{"pid", "state"}`` of a process of ours: running, stopped (SIGSTOP, traced), or gone (also when the
     pid now belongs to something that is not the agent)."""
-    from trainguard.node_tools import procs
+    from trainguard.core import procs
 
     if not isinstance(pid, int) or pid <= 0:
         return {"pid": None, "state": "gone"}
@@ -427,7 +427,7 @@ def restart(cfg: NodeConfig, *, wait_s: float = 10.0) -> dict[str, Any]:
 
 def check_once(cfg: NodeConfig, group: str = "all") -> tuple[int, dict[str, Any]]:
     """Run the checks of ``group`` once: (exit code, report). 0 healthy, 1 a fault found."""
-    from trainguard.node_tools.errors import EXIT_OK, EXIT_UNHEALTHY
+    from trainguard.core.errors import EXIT_OK, EXIT_UNHEALTHY
 
     checks, notes = default_checks(cfg, kernel_from_start=True)
     if group != "all":
@@ -452,7 +452,7 @@ def read_status(cfg: NodeConfig) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
-        from trainguard.node_tools.errors import TrainguardError
+        from trainguard.core.errors import TrainguardError
 
         raise TrainguardError(f"machine {cfg.machine}: the agent has written no status yet ({path})") from None
     except (OSError, ValueError):

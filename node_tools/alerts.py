@@ -45,8 +45,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import __version__
-from trainguard.node_tools.errors import TrainguardError
 
 SCHEMA_VERSION = 1
 SEVERITIES = ("info", "warning", "fault")

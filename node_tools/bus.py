@@ -81,9 +81,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from trainguard.checkpoint.files import write_atomic, write_json_atomic
+from trainguard.core.errors import TrainguardError
+from trainguard.core.files import write_atomic, write_json_atomic
 from trainguard.node_tools.alerts import MAX_ALERT_BYTES, Alert, AlertError, batch_document, parse_document
-from trainguard.node_tools.errors import TrainguardError
 
 #: The folders of a bus: ``alerts`` (read by the control plane's guardian) and ``notices`` (events that
 #: start scheduled work, such as a committed checkpoint; read by their own watcher, never by the guardian).

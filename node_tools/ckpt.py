@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY, TrainguardError
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY, TrainguardError
 
 
 def checkpoint_root(cfg: NodeConfig, job: str, record: dict[str, Any] | None = None) -> Path:

@@ -42,9 +42,9 @@ import json
 import sys
 from typing import Any
 
+from trainguard.core.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TrainguardError
 from trainguard.node_tools import __version__
 from trainguard.node_tools.cliutil import OneLineParser
-from trainguard.node_tools.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TrainguardError
 from trainguard.node_tools.plugins import load_group
 
 COMMANDS_GROUP = "tg_node.commands"

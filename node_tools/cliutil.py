@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 
 
 class OneLineParser(argparse.ArgumentParser):

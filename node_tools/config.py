@@ -14,8 +14,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainguard.checkpoint.files import write_json_atomic
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
+from trainguard.core.files import write_json_atomic
 
 
 def tg_home() -> Path:

@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.files import write_json_atomic
-from trainguard.node_tools.errors import InventoryError
+from trainguard.core.errors import InventoryError
+from trainguard.core.files import write_json_atomic
 
 SCHEMA_VERSION = 1
 ROLES = ("active", "standby", "free", "evicted")

@@ -34,9 +34,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.node_tools import monitor, procs
+from trainguard.core import procs
+from trainguard.core.errors import TrainguardError
+from trainguard.node_tools import monitor
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import TrainguardError
 
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 

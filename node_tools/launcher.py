@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.node_tools.errors import ClusterError
+from trainguard.core.errors import ClusterError
+from trainguard.core.topology import Topology
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.job import check_job_name
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import RunResult, Transport, transport_for
 
 

@@ -41,11 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.errors import UNRESTORABLE
+from trainguard.core.errors import EXIT_OK, UNRESTORABLE, TrainguardError
 from trainguard.node_tools import job as jobmod
 from trainguard.node_tools import monitor
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import EXIT_OK, TrainguardError
 
 #: how much of the end of a stderr file is read for classification (a traceback can be long)
 CLASSIFY_BYTES = 512 * 1024

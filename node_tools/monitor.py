@@ -46,8 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.files import write_json_atomic as _write_json_atomic
-from trainguard.node_tools import faultpoints, procs
+from trainguard.core import procs
+from trainguard.core.files import write_json_atomic as _write_json_atomic
+from trainguard.node_tools import faultpoints
 
 SCHEMA_VERSION = 1
 
@@ -62,7 +63,7 @@ def steps_path(run_dir: Path, rank: int) -> Path:
 
 def write_json_atomic(path: Path, document: Any) -> None:
     """Write ``document`` as compact JSON to ``path`` (its folder exists) atomically
-    (:func:`trainguard.checkpoint.files.write_json_atomic`)."""
+    (:func:`trainguard.core.files.write_json_atomic`)."""
     _write_json_atomic(path, document, compact=True, make_parent=False)
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from trainguard.core.errors import TrainguardError
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import TrainguardError
 
 
 class NvmlUnavailable(TrainguardError):

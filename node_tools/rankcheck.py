@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainguard.node_tools import monitor, procs
+from trainguard.core import procs
+from trainguard.node_tools import monitor
 from trainguard.node_tools.checks import Check, Finding, read_json
 
 

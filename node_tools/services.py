@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.checkpoint.files import write_atomic
-from trainguard.node_tools import procs
+from trainguard.core import procs
+from trainguard.core.errors import ClusterError
+from trainguard.core.files import write_atomic
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import ClusterError
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/bin/sshd")
 

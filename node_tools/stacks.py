@@ -38,10 +38,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from trainguard.core import procs
+from trainguard.core.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
 from trainguard.node_tools import job as jobmod
-from trainguard.node_tools import monitor, procs
+from trainguard.node_tools import monitor
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, TrainguardError
 
 STOPPED_STATES = ("T", "t")  # stopped by a signal, stopped by a tracer
 _ADDRESS_RE = re.compile(r"0x[0-9a-fA-F]+")

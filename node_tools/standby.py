@@ -154,7 +154,7 @@ def serve(slot_dir: Path, slots: list[int], preload: list[str]) -> int:
     The copies are forked after the imports (which start no thread: fork-safe), so a machine pays one
     ``import torch`` for all its interpreters instead of one each; each copy leads a session of its own,
     as a separately started interpreter would, so ending one's process group spares the others."""
-    from trainguard.node_tools import procs
+    from trainguard.core import procs
 
     procs.nice_from_env()  # warming up is the job's work: it yields as the job does
     started = time.monotonic()
@@ -200,7 +200,7 @@ def _run_work(work: dict[str, Any]) -> int:
     import runpy
     import traceback
 
-    from trainguard.node_tools import procs
+    from trainguard.core import procs
 
     os.environ.clear()
     os.environ.update(work["env"])
@@ -312,7 +312,7 @@ def _write_state(workdir: Path, state: dict[str, Any]) -> None:
 
 def claimed_pids(slot_dir: Path, job_token: str) -> list[int]:
     """Warm interpreters serving the job with ``job_token`` (its torchrun agent and ranks), alive."""
-    from trainguard.node_tools import procs
+    from trainguard.core import procs
 
     return sorted(int(doc["pid"]) for _path, doc in _claims(Path(slot_dir))
                   if doc.get("job_token") == job_token and procs.alive(int(doc.get("pid", 0))))
@@ -331,7 +331,7 @@ def _claims(slot_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
 
 def free_slots(workdir: Path) -> list[dict[str, Any]]:
     """Warm interpreters that are alive and unclaimed."""
-    from trainguard.node_tools import procs
+    from trainguard.core import procs
 
     out = []
     for ready in sorted(standby_dir(workdir).glob("slot*.ready")):
@@ -346,8 +346,8 @@ def free_slots(workdir: Path) -> list[dict[str, Any]]:
 
 def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: float = 180.0) -> dict[str, Any]:
     """Start warm interpreters until ``nproc + 1`` are free (ranks + the torchrun agent). Idempotent."""
-    from trainguard.node_tools import procs
-    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.core import procs
+    from trainguard.core.errors import TrainguardError
 
     if nproc < 1:
         raise TrainguardError(f"standby park: --nproc {nproc} must be >= 1")
@@ -401,7 +401,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
 def unpark(cfg: Any) -> dict[str, Any]:
     """End the free warm interpreters of this machine (a no-op when none is parked). Interpreters that
     serve a job (claimed: its torchrun agent and ranks) are the job's; they end with it."""
-    from trainguard.node_tools import procs
+    from trainguard.core import procs
 
     state = read_state(cfg.workdir) or {}
     free = free_slots(cfg.workdir)
@@ -424,7 +424,7 @@ def status(cfg: Any) -> dict[str, Any]:
     state = read_state(cfg.workdir) or {}
     free = free_slots(cfg.workdir)
     nproc = state.get("nproc")
-    from trainguard.node_tools import procs
+    from trainguard.core import procs
 
     busy = [doc for _path, doc in _claims(standby_dir(cfg.workdir)) if procs.alive(int(doc.get("pid", 0)))]
     if nproc and len(free) >= nproc + 1:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 
 BUNDLE = "trainguard"
 LOCAL_BUNDLE = "airflow.dag_processing.bundles.local.LocalDagBundle"
@@ -78,7 +78,7 @@ def simple_users(setting: str) -> dict[str, str]:
 def ensure_password(path: Path, user: str) -> str:
     """``user``'s password in the simple auth manager's passwords file, added (random) when it has none; every
     other login's kept. The file is written whole with mode 0600, then renamed."""
-    from trainguard.checkpoint.files import write_atomic
+    from trainguard.core.files import write_atomic
 
     try:
         have = json.loads(path.read_text()) if path.exists() else {}

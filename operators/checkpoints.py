@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.control import Controller
 from trainguard.operators.policy import checkpoints as policy
 

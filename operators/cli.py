@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import EXIT_INTERRUPTED, EXIT_OK, TrainguardError
 from trainguard.node_tools.cliutil import OneLineParser
-from trainguard.node_tools.errors import EXIT_INTERRUPTED, EXIT_OK, TrainguardError
 
 Handler = Callable[[argparse.Namespace], int]
 COMMANDS_GROUP = "trainguard.commands"

@@ -11,7 +11,7 @@ import math
 import time
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.control import Controller
 from trainguard.operators.policy import code
 

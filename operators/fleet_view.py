@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.fleet import states
 from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
 

@@ -39,9 +39,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
+from trainguard.core.topology import Topology
 from trainguard.node_tools.job import ENV_NAME_RE, JOB_NAME_RE, RESERVED_ENV
-from trainguard.node_tools.topology import Topology
 
 REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}\Z")
 MAX_SPEC_BYTES = 64 * 1024

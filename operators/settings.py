@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from trainguard.node_tools.errors import EXIT_USAGE, TrainguardError
+from trainguard.core.errors import EXIT_USAGE, TrainguardError
 from trainguard.operators.policy.liveness import DEFAULT_SILENT_S
 
 DEFAULT_SETTLE_S = 1.0  # the guardian's batch window, seconds

@@ -59,7 +59,7 @@ def faults() -> str:
 
 
 def exit_codes() -> str:
-    from trainguard.node_tools import errors
+    from trainguard.core import errors
 
     meaning = {"EXIT_OK": "success", "EXIT_UNHEALTHY": "unhealthy, or the job or check failed",
                "EXIT_USAGE": "bad input or a missing prerequisite: one line on stderr says what to do",

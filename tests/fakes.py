@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.topology import Topology
 from trainguard.node_tools.inventory import Inventory, Machine
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import RunResult, Transport
 from trainguard.operators.control import ControlConfig, Controller
 

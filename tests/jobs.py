@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import free_port, wait_until
+from trainguard.core.topology import Topology
 from trainguard.node_tools import launcher, monitor
 from trainguard.node_tools.inventory import Inventory, Machine
-from trainguard.node_tools.topology import Topology
 from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators import airflow_setup as setup
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGES = ("checkpoint", "node_tools", "operators", "emulation")  # each installed as trainguard.<name>
+CORE = "trainguard.core"  # the ground floor, inside trainguard/ itself
 
 
 def _module(path: Path) -> str:
@@ -19,17 +20,18 @@ def _module(path: Path) -> str:
 
 
 def _package(module: str) -> str:
-    """``trainguard.checkpoint.engine`` -> ``checkpoint``; ``trainguard.torch`` -> ``trainguard``."""
+    """``trainguard.checkpoint.engine`` -> ``checkpoint``; ``trainguard.core.files`` -> ``core``;
+    ``trainguard.torch`` -> ``trainguard``."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 and parts[1] in PACKAGES else parts[0]
+    return parts[1] if len(parts) > 1 and parts[1] in (*PACKAGES, "core") else parts[0]
 
 
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The repository modules ``path`` imports, at module level or inside a function. ``from pkg import
-    sub`` imports the module ``pkg.sub``, not ``pkg``'s own code."""
+def _imports(path: Path, modules: set[str], *, top_level: bool = False) -> set[str]:
+    """The repository modules ``path`` imports, at module level or inside a function (``top_level``: at module
+    level only). ``from pkg import sub`` imports the module ``pkg.sub``, not ``pkg``'s own code."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     every: set[str] = set()
-    for node in ast.walk(tree):
+    for node in (tree.body if top_level else ast.walk(tree)):
         names: list[str] = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -72,17 +74,33 @@ def test_no_module_imports_itself_back_through_others():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c", "a"]]  # and a cycle is seen
 
 
-def test_the_packages_depend_one_way_and_checkpoint_takes_from_node_tools_only_topology_and_errors():
+def test_the_packages_depend_one_way_and_stand_on_one_ground_floor():
+    """``trainguard.core`` (errors, topology, atomic writes, processes) imports nothing else of trainguard; the
+    checkpoint library takes nothing from the node tools, and the node tools reach the checkpoint library only
+    inside the functions of ``tg-node ckpt`` (its commands read the copies), never at a module's top."""
     graph = _graph()
+    assert {"trainguard.core.errors", "trainguard.core.topology", "trainguard.core.files",
+            "trainguard.core.procs"} <= set(graph)
     for mod, deps in graph.items():
         pkg = _package(mod)
-        if pkg in ("checkpoint", "node_tools", "trainguard"):  # the machines' side never reaches the control plane
+        if pkg == "core":
+            assert {d for d in deps if _package(d) != "core"} == set(), (mod, deps)
+        if pkg in ("checkpoint", "node_tools", "trainguard", "core"):  # the machines' side: never the control plane
             assert not [d for d in deps if _package(d) == "operators"], (mod, deps)
         if pkg != "emulation":  # the harness (Airflow standalone, the guarded job, the demo) is not the product's
             assert not [d for d in deps if _package(d) == "emulation"], (mod, deps)
         if pkg == "checkpoint":
-            assert {d for d in deps if _package(d) == "node_tools"} <= {"trainguard.node_tools.topology",
-                                                                        "trainguard.node_tools.errors"}, (mod, deps)
+            assert {d for d in deps if _package(d) == "node_tools"} == set(), (mod, deps)
+    top = {mod: {n for n in _imports(_path(mod), set(graph), top_level=True) if _package(n) == "checkpoint"}
+           for mod in graph if _package(mod) == "node_tools"}
+    assert {m: d for m, d in top.items() if d} == {}
+    assert "trainguard.checkpoint.layout" in graph["trainguard.node_tools.ckpt"]  # read inside its functions
+
+
+def _path(module: str) -> Path:
+    parts = module.split(".")[1:]
+    base = REPO / ("trainguard" if parts[0] == "core" else "") / Path(*parts)
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
 
 
 def _reach(graph: dict[str, set[str]], start: str) -> set[str]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.campaign import balanced_draws, metrics_of, over_eviction_groups, score, where
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 
 TOPO = Topology(tp=2, pp=2, dp=2)
 MACHINES = ["m0", "m1", "m2", "m3"]  # pipelines [m0 m1] [m2 m3]; data-parallel pairs [m0 m2] [m1 m3]

@@ -28,8 +28,8 @@ from tests.test_checkpoint_unit import flip_byte, lie_about_size, truncate
 from trainguard.checkpoint import layout, saverlink
 from trainguard.checkpoint.shards import MODEL_FILE, OPTIM_FILE
 from trainguard.checkpoint.verify import verify_step
+from trainguard.core.topology import Topology
 from trainguard.node_tools.monitor import read_heartbeat, read_steps
-from trainguard.node_tools.topology import Topology
 
 pytestmark = pytest.mark.slow
 

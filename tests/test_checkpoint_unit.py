@@ -29,8 +29,8 @@ from trainguard.checkpoint.plan import Holding, explain, plan_restore
 from trainguard.checkpoint.s3 import S3Tier
 from trainguard.checkpoint.shards import MODEL_FILE, OPTIM_FILE, ShardLayout
 from trainguard.checkpoint.verify import check_metrics, verify_copy, verify_root, verify_s3, verify_step
+from trainguard.core.topology import Topology
 from trainguard.node_tools.monitor import JobMonitor
-from trainguard.node_tools.topology import Topology
 
 REPO = Path(__file__).resolve().parents[1]
 ONE = Topology(1, 1, 1)
@@ -824,9 +824,9 @@ def test_training_script_checkpoints_every_n_steps_and_refuses_in_one_line(tmp_p
 def test_a_rescue_puts_every_copy_of_a_step_held_here_into_the_remote_tier_once(tmp_path: Path):
     """What the control plane runs on a machine it is about to evict when that machine holds the last copy."""
     from trainguard.checkpoint.s3 import open_tier
+    from trainguard.core.errors import TrainguardError
     from trainguard.node_tools import ckpt
     from trainguard.node_tools.config import NodeConfig
-    from trainguard.node_tools.errors import TrainguardError
 
     cfg = NodeConfig(machine="m7", workdir=tmp_path / "w", install_dir=tmp_path)
     root = tmp_path / "w" / "jobs" / "j" / "checkpoints"

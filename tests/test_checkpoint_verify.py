@@ -16,12 +16,12 @@ from tests.test_checkpoint_unit import flip_byte, saved_run
 from trainguard.checkpoint import layout
 from trainguard.checkpoint.s3 import S3Tier
 from trainguard.checkpoint.shards import MODEL_FILE
+from trainguard.core.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY
 from trainguard.node_tools import ckpt
 from trainguard.node_tools.agent import Agent
 from trainguard.node_tools.bus import NOTICES, BusReader, SpoolBus, open_bus
 from trainguard.node_tools.checks import CheckpointCheck
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import EXIT_OK, EXIT_REFUSED, EXIT_UNHEALTHY
 from trainguard.operators import checkpoints
 from trainguard.operators.policy import checkpoints as policy
 

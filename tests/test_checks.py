@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from tests.conftest import wait_until
+from trainguard.core import procs
 from trainguard.emulation.nvml import EmulatedNvml
-from trainguard.node_tools import monitor, procs
+from trainguard.node_tools import monitor
 from trainguard.node_tools.agent import Agent, AgentSettings
 from trainguard.node_tools.alerts import Alert
 from trainguard.node_tools.bus import BusError, BusReader, SpoolBus

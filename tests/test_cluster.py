@@ -12,9 +12,9 @@ import psutil
 import pytest
 
 from tests.conftest import TEST_CLUSTER, can_namespace, wait_until
+from trainguard.core import procs
+from trainguard.core.errors import ClusterError
 from trainguard.emulation import cluster
-from trainguard.node_tools import procs
-from trainguard.node_tools.errors import ClusterError
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.transport import LocalTransport, SshTransport, control_dir, transport_for
 

@@ -33,11 +33,11 @@ import pytest
 
 from tests.conftest import own_cluster, wait_until
 from tests.jobs import AlertWatch
+from trainguard.core.topology import Topology
 from trainguard.emulation import cluster, inject
 from trainguard.emulation.standalone import Standalone
 from trainguard.node_tools import launcher
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
 from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.fleet import states

@@ -147,7 +147,7 @@ def test_l3_pairs_neighbours_and_an_odd_one_out_joins_the_last_pair():
 
 
 def test_an_incident_run_ends_failed_when_its_incident_failed_or_waits_for_a_human(tmp_path: Path, monkeypatch):
-    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.core.errors import TrainguardError
     from trainguard.operators.tasks import incident as steps
 
     c = _controller(tmp_path)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 from trainguard.operators.policy import degrade
 from trainguard.operators.sim import engine, model
 from trainguard.operators.sim.model import FailureKind, Profile, SimError

@@ -12,10 +12,10 @@ import time
 import pytest
 
 from tests.fakes import alert, fleet_controller, run_incident
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
+from trainguard.core.topology import Topology
 from trainguard.node_tools.inventory import Machine
 from trainguard.node_tools.launcher import JobPlan, ReplicaGroups
-from trainguard.node_tools.topology import Topology
 from trainguard.operators.jobspec import JobSpecError, parse_spec
 
 TOPO = Topology(tp=1, pp=2, dp=2)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import can_namespace
-from trainguard.node_tools import procs
+from trainguard.core import procs
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.full]
 

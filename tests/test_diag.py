@@ -17,13 +17,13 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import free_port
+from trainguard.core.errors import TrainguardError
 from trainguard.emulation.faults import write_control
 from trainguard.emulation.nvml import EmulatedNvml
 from trainguard.node_tools import diag as d
 from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.diag import collectives, common, levels
 from trainguard.node_tools.diag import runner as diag_runner
-from trainguard.node_tools.errors import TrainguardError
 
 
 @pytest.fixture

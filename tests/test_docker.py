@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from tests.conftest import can_namespace, wait_until
+from trainguard.core import procs
 from trainguard.emulation import cluster
-from trainguard.node_tools import procs
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.transport import known_hosts_lines, transport_for
 

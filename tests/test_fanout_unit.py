@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+from trainguard.core.errors import TrainguardError
+from trainguard.core.topology import Topology
 from trainguard.emulation import controlplane, scaleout, servers
 from trainguard.node_tools import job
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import TrainguardError
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.launcher import JobPlan
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import FANOUT, RunResult, Transport, transport_for
 from trainguard.operators.cli import main as run_cli
 from trainguard.operators.settings import ControlSettings, SettingsError

@@ -20,11 +20,12 @@ import pytest
 
 from tests import jobs
 from tests.conftest import wait_until
+from trainguard.core import procs
+from trainguard.core.errors import FaultError
+from trainguard.core.topology import Topology
 from trainguard.emulation import inject
-from trainguard.node_tools import launcher, procs
-from trainguard.node_tools.errors import FaultError
+from trainguard.node_tools import launcher
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]

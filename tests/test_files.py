@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from trainguard.checkpoint import files
+from trainguard.core import files
 
 
 def test_a_write_replaces_the_file_whole_and_leaves_no_temporary(tmp_path):

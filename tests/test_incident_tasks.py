@@ -44,7 +44,7 @@ def test_a_closed_incident_whose_restart_job_runs_again_restarts_the_job_and_clo
 
 def test_a_restart_job_run_again_while_another_incident_of_the_job_is_open_refuses_and_changes_nothing(
         tmp_path, monkeypatch):
-    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.core.errors import TrainguardError
     from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
+from trainguard.core.errors import FaultError
 from trainguard.emulation import faults
 from trainguard.emulation.nvml import EmulatedNvml
-from trainguard.node_tools.errors import FaultError
 from trainguard.node_tools.monitor import JobMonitor, read_heartbeat, read_steps
 
 

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from trainguard.node_tools.errors import InventoryError
+from trainguard.core.errors import InventoryError
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.transport import SshTransport, known_hosts_lines
 

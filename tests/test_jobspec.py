@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes import alert, fleet_controller, run_incident
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 from trainguard.operators.jobspec import REFERENCE_ENTRY, JobSpecError, load_spec, parse_spec, reference_spec
 
 BASE = {"name": "team-llm", "command": ["train.py", "--lr", "3e-4"], "machines": 4}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.fakes import FakeFleet, fleet_controller, use_controller
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 from trainguard.operators.utils import mapping
 
 
@@ -59,7 +59,7 @@ def test_a_diagnosis_past_one_expansions_limit_maps_in_batches_and_reports_each_
 
 
 def test_a_named_machine_the_inventory_lacks_is_refused_before_any_task(tmp_path, monkeypatch):
-    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.core.errors import TrainguardError
     from trainguard.operators.tasks import diagnose
 
     c, _fleet = fleet_controller(tmp_path)

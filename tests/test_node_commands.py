@@ -6,10 +6,10 @@ import pytest
 
 from tests import jobs
 from tests.conftest import free_port
+from trainguard.core.topology import Topology
 from trainguard.emulation import inject
 from trainguard.node_tools import launcher
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
 from trainguard.operators.jobspec import REFERENCE_ENTRY
 
@@ -136,7 +136,7 @@ def test_a_killed_agent_is_restarted_by_its_supervisor(ns_cluster: Inventory):
     from pathlib import Path
 
     from tests.conftest import wait_until
-    from trainguard.node_tools import procs
+    from trainguard.core import procs
 
     status = Path(ns_cluster.machine("m5").extra["machine_dir"]) / "agent" / "status.json"
 

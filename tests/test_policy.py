@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 from trainguard.operators.policy import ettr, ladder, runtime, sdc
 
 JOB = ["m0", "m1", "m2", "m3"]

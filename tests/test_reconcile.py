@@ -495,7 +495,7 @@ def test_a_straggler_whose_history_learned_its_slowdown_still_stands_out_against
     compute growth read 0.92x-1.13x, because rank 2's slowed compute (0.477 s) had become its own normal, and
     the batch was recorded as a shared slowdown; the slow rank was never voted out. Against its stage's ranks
     now (about 0.26 s) it stands out, and the batch goes to the vote."""
-    from trainguard.node_tools.topology import Topology
+    from trainguard.core.topology import Topology
     from trainguard.operators.policy import ladder
 
     measured = {0: (0.9712, 0.259978), 1: (1.0156, 0.276517), 2: (0.9853, 0.476602), 3: (1.1339, 0.309698),

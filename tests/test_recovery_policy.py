@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from tests.fakes import alert, fleet_controller, run_incident, use_controller
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 from trainguard.node_tools.transport import RunResult
 
 

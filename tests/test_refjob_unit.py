@@ -23,8 +23,8 @@ from examples.gpt3d.data import MarkovData
 from examples.gpt3d.train import main as train_main
 from examples.gpt3d.train import shuffle_window
 from tests.conftest import free_port
+from trainguard.core.topology import Topology
 from trainguard.node_tools.monitor import read_heartbeat, read_steps
-from trainguard.node_tools.topology import Topology
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = "examples/gpt3d/train.py"

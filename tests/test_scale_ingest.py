@@ -34,7 +34,7 @@ def _postgres_missing() -> str:
         from tests import pg
     except ImportError as exc:
         return f"no PostgreSQL driver or test server helper ({exc})"
-    from trainguard.node_tools.errors import ClusterError
+    from trainguard.core.errors import ClusterError
 
     try:
         pg.ensure_pg_binaries()

@@ -10,8 +10,8 @@ from typing import ClassVar
 
 import pytest
 
+from trainguard.core.topology import Topology
 from trainguard.node_tools.stacks import stack_signature
-from trainguard.node_tools.topology import Topology
 from trainguard.operators.policy import runtime
 
 FRAMES = [f"f{i} (m{i % 3}.py)" for i in range(9)]

@@ -11,10 +11,10 @@ import random
 
 import pytest
 
-from trainguard.node_tools.errors import ClusterError, InventoryError, TopologyError
+from trainguard.core.errors import ClusterError, InventoryError, TopologyError
+from trainguard.core.topology import GROUP_KINDS, MAX_BACKUP_CANDIDATES, Topology, clear_layout_caches
 from trainguard.node_tools.inventory import Inventory, Machine
 from trainguard.node_tools.launcher import JobPlan
-from trainguard.node_tools.topology import GROUP_KINDS, MAX_BACKUP_CANDIDATES, Topology, clear_layout_caches
 from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 # ---- the reference: the placement, groups and machines as first written (quadratic in the ranks) ----------

@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 
 from tests.conftest import moto_server, own_cluster, wait_until
+from trainguard.core.topology import Topology
 from trainguard.emulation import cluster, inject
 from trainguard.emulation.standalone import Standalone
 from trainguard.node_tools import launcher
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import transport_for
 from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.fleet import states

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port, wait_until
+from trainguard.core import procs
+from trainguard.core.errors import TrainguardError
 from trainguard.emulation import faults
-from trainguard.node_tools import job, monitor, procs
+from trainguard.node_tools import job, monitor
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import TrainguardError
 from trainguard.node_tools.logs import classify, logs, parse_torchrun_report, strip_prefix
 from trainguard.node_tools.stacks import dump_process, find_py_spy, stack_signature, stacks
 from trainguard.operators.jobspec import REFERENCE_ENTRY

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port, wait_until
-from trainguard.node_tools import job, monitor, procs, standby
+from trainguard.core import procs
+from trainguard.core.errors import TrainguardError
+from trainguard.node_tools import job, monitor, standby
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import TrainguardError
 from trainguard.operators.jobspec import REFERENCE_ENTRY
 
 pytestmark = pytest.mark.slow

@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from trainguard.node_tools.errors import TopologyError
-from trainguard.node_tools.topology import Topology
+from trainguard.core.errors import TopologyError
+from trainguard.core.topology import Topology
 
 
 def test_demo_layout_places_tp_inside_machines_and_pp_across():

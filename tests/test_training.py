@@ -10,9 +10,9 @@ import pytest
 
 from tests import jobs
 from tests.conftest import wait_until
+from trainguard.core.topology import Topology
 from trainguard.node_tools import launcher
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.topology import Topology
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.full]
 

@@ -96,8 +96,8 @@ def test_two_phases_over_openssh_and_paramiko(ns_cluster: Inventory, tmp_path: P
 def test_a_stop_in_one_round_marks_everywhere_first_raises_no_alert_and_reads_the_logs(ns_cluster: Inventory):
     from tests import jobs
     from tests.conftest import wait_until
+    from trainguard.core.topology import Topology
     from trainguard.node_tools import launcher
-    from trainguard.node_tools.topology import Topology
 
     active = ns_cluster.by_role("active")
     plan = jobs.start(ns_cluster, "stop2p", Topology(tp=2, pp=2, dp=2), active)

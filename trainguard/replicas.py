@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.node_tools.monitor import JobMonitor
 
 __all__ = ["Replicas", "ReplicasError", "state_digest"]
@@ -171,7 +171,7 @@ class Replicas:
         if not checkpoint:
             return None
         from trainguard.checkpoint.engine import Checkpointer
-        from trainguard.node_tools.topology import Topology
+        from trainguard.core.topology import Topology
         from trainguard.torch import checkpoint_config_from_env
 
         world, rank = _env_int("WORLD_SIZE", 1), _env_int("RANK", 0)

@@ -62,9 +62,9 @@ from trainguard.checkpoint.errors import RestoreError
 from trainguard.checkpoint.info import RestoreResult, SnapshotInfo
 from trainguard.checkpoint.shards import local_part
 from trainguard.checkpoint.slots import ReferenceCopy
-from trainguard.node_tools.errors import TopologyError, TrainguardError
+from trainguard.core.errors import TopologyError, TrainguardError
+from trainguard.core.topology import GROUP_KINDS, RankCoords, Topology
 from trainguard.node_tools.monitor import JobMonitor
-from trainguard.node_tools.topology import GROUP_KINDS, RankCoords, Topology
 
 __all__ = ["GROUP_KINDS", "CheckpointConfig", "Guard", "GuardError", "GuardedStep", "JobMonitor", "RankCoords",
            "ReferenceCopy", "RestoreError", "RestoreResult", "Stateful", "Topology", "TopologyError",

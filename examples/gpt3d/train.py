@@ -9,7 +9,7 @@ or as ``python -m examples.gpt3d.train`` (a single process without torchrun runs
 with world size 1, e.g. ``--tp 1 --pp 1 --dp 1``). The backend is gloo on CPU and
 nccl (one GPU per local rank) when CUDA is available.
 
-Ranks are laid out by :class:`trainguard.node_tools.topology.Topology`
+Ranks are laid out by :class:`trainguard.core.topology.Topology`
 (``rank = (dp * PP + pp) * TP + tp``). A step runs a GPipe schedule (every
 micro-batch forward, then every micro-batch backward, activations and their
 gradients sent point to point between consecutive stages), averages gradients

@@ -55,6 +55,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import EXIT_OK, TrainguardError
 from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.diag.common import (
     ALIGN_ENV,
@@ -65,7 +66,6 @@ from trainguard.node_tools.diag.common import (
     tests_verdict,
 )
 from trainguard.node_tools.diag.runner import Runner, check_timeout, scratch
-from trainguard.node_tools.errors import EXIT_OK, TrainguardError
 
 __all__ = ["ALIGN_ENV", "ALIGN_TIMEOUT_S", "DEFAULT_TIMEOUT_S", "LEVELS", "L3Spec", "align", "diag"]
 

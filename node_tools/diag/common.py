@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, TrainguardError
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.errors import EXIT_OK, EXIT_UNHEALTHY, EXIT_USAGE, TrainguardError
 from trainguard.node_tools.faultpoints import FaultPoints
 
 LEVELS = {1: "quick", 2: "medium", 3: "neighbours"}

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import TrainguardError
 from trainguard.node_tools.config import NodeConfig
 from trainguard.node_tools.diag.common import (
     ALIGN_ENV,
@@ -30,7 +31,6 @@ from trainguard.node_tools.diag.common import (
     L3Spec,
     make_result,
 )
-from trainguard.node_tools.errors import TrainguardError
 
 
 @contextlib.contextmanager
@@ -169,7 +169,7 @@ class Runner:
 
     def sweep(self) -> list[int]:
         """End whatever a worker left behind (children outside its session); returns their pids."""
-        from trainguard.node_tools import procs
+        from trainguard.core import procs
 
         return procs.terminate(procs.pids_with_env(MARKER_ENV, self.marker), grace_s=1.0)
 
@@ -189,7 +189,7 @@ class Runner:
             return make_result(name, status, worker.duration_s, out.get("details"), str(out.get("reason") or ""))
         details = {"stderr_tail": worker.stderr_tail()}
         if worker.unkillable:
-            from trainguard.node_tools.procs import proc_state
+            from trainguard.core.procs import proc_state
 
             return make_result(name, FAILED, worker.duration_s, dict(details, pid=worker.proc.pid),
                            f"did not finish within {self.timeout_s:g} s and could not be killed (pid "

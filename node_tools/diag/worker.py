@@ -9,6 +9,7 @@ import time
 import traceback
 from pathlib import Path
 
+from trainguard.core.errors import EXIT_USAGE
 from trainguard.node_tools.diag.alignment import run_align
 from trainguard.node_tools.diag.collectives import run_collective, run_collective_threads
 from trainguard.node_tools.diag.common import (
@@ -25,7 +26,6 @@ from trainguard.node_tools.diag.levels import (
     run_torch,
     run_workdir,
 )
-from trainguard.node_tools.errors import EXIT_USAGE
 
 WORKERS = {
     "checks": run_checks, "gpu": run_gpu, "torch": run_torch, "workdir": run_workdir, "compute": run_compute,

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.topology import Topology
 from trainguard.node_tools.inventory import Inventory, Machine
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import RunResult, Transport, transport_for
 from trainguard.operators.fleet import FleetStore, states
 from trainguard.operators.settings import ControlSettings

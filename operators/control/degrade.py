@@ -10,8 +10,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import launcher
-from trainguard.node_tools.errors import TrainguardError
 from trainguard.operators.control.base import ControllerBase, held_copies
 from trainguard.operators.control.jobs import _verdict
 from trainguard.operators.policy import degrade

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.control.base import ControllerBase
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES

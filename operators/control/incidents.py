@@ -8,8 +8,8 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
-from trainguard.node_tools.topology import Topology
+from trainguard.core.errors import TrainguardError
+from trainguard.core.topology import Topology
 from trainguard.operators.control.base import ControllerBase, asdict_action
 from trainguard.operators.fleet import states
 from trainguard.operators.fleet.states import OPEN_INCIDENT_STATES, IncidentState

@@ -7,9 +7,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from trainguard.core.errors import TrainguardError
+from trainguard.core.topology import Topology
 from trainguard.node_tools import launcher
-from trainguard.node_tools.errors import TrainguardError
-from trainguard.node_tools.topology import Topology
 from trainguard.node_tools.transport import RunResult
 from trainguard.operators.control.base import PORT_BASE, PORT_SPAN, ControllerBase, described, held_copies
 

@@ -19,8 +19,8 @@ import time
 from collections.abc import Collection, Mapping, MutableMapping
 from typing import Any
 
+from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import launcher
-from trainguard.node_tools.errors import TrainguardError
 from trainguard.operators.control.base import ControllerBase
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.policy import ladder

@@ -8,9 +8,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from trainguard.core.errors import TrainguardError
+from trainguard.core.topology import Topology
 from trainguard.node_tools import launcher
-from trainguard.node_tools.errors import TrainguardError
-from trainguard.node_tools.topology import Topology
 from trainguard.operators.control.base import REPLAY_PORT_BASE, ControllerBase
 from trainguard.operators.fleet import states
 from trainguard.operators.jobspec import stored_spec

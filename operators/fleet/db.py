@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy import event, select
 
-from trainguard.node_tools.errors import EXIT_REFUSED, TrainguardError
+from trainguard.core.errors import EXIT_REFUSED, TrainguardError
 from trainguard.operators.fleet import states
 from trainguard.operators.fleet.models import (
     Machine,

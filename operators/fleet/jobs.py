@@ -34,7 +34,7 @@ class JobRecords:
             if s.get(Job, name) is not None:
                 return False
             if spec is None:
-                from trainguard.node_tools.topology import Topology
+                from trainguard.core.topology import Topology
                 from trainguard.operators.jobspec import reference_spec
 
                 spec = reference_spec(name, Topology(tp, pp, dp, ranks_per_machine=ranks_per_machine),

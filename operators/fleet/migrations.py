@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 
 if TYPE_CHECKING:  # Alembic (and Mako, Pygments under it) is imported only to migrate: a task opening the
     # fleet database never pays for it

@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from trainguard.node_tools.errors import EXIT_USAGE, TrainguardError
+from trainguard.core.errors import EXIT_USAGE, TrainguardError
 from trainguard.operators.provider_info import FLEET_CONN_TYPE
 
 DEFAULT_FLEET_CONN_ID = "tg_fleet"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 
 URGENCIES = ("urgent", "lazy", "rollback")
 LAZY_FORCE_S = 24 * 3600.0

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 
 DEGRADE, STOP_WORLD, NONE = "degrade", "stop_world", "none"
 #: categories a replica can be taken out for: the fault is in machines, not in the state every replica shares

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 
 # Xid codes that mean the GPU or its memory is unusable until repaired (NVIDIA's Xid catalogue:
 # 48 DBE, 62/63/64 row remapping, 74 NVLink, 79 fell off the bus, 92 high single-bit ECC rate,

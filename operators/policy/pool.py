@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 
 DAY_S = 86400.0
 PRIOR_RATE = 0.0012  # failures per machine-day (reproduces ByteRobust's Table 5)
@@ -91,7 +91,7 @@ def over_eviction_floor(layouts: Iterable[tuple[int, int, int, int]]) -> int:
     """The most machines one automatic over-eviction takes among the jobs of ``layouts`` (``(tp, pp, dp,
     ranks_per_machine)`` each): the ladder evicts a hang's or a straggler's pipeline (every stage of one
     data-parallel replica), so the pool must hold a pipeline's machines to swap it in one step."""
-    from trainguard.node_tools.topology import Topology
+    from trainguard.core.topology import Topology
 
     most = 0
     for tp, pp, dp, rpm in layouts:

@@ -32,8 +32,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainguard.core.topology import Topology
 from trainguard.node_tools.stacks import stack_signature
-from trainguard.node_tools.topology import Topology
 
 STACK_DEPTH = 12
 GROUP_ORDER = ("tp", "pp", "dp")

@@ -21,8 +21,8 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from trainguard.node_tools.errors import TrainguardError
-from trainguard.node_tools.topology import Topology
+from trainguard.core.errors import TrainguardError
+from trainguard.core.topology import Topology
 
 
 @dataclass(frozen=True)

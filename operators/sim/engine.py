@@ -34,7 +34,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainguard.node_tools.topology import Topology
+from trainguard.core.topology import Topology
 from trainguard.operators.policy import code, degrade, ladder, pool, runtime, sdc
 from trainguard.operators.settings import ControlSettings
 from trainguard.operators.sim.model import DAY_S, FailureKind, FailureModel, Profile, SimError

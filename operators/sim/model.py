@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 
 DEFAULT_MODEL = Path(__file__).with_name("failure_model.yaml")
 DAY_S = 86400.0

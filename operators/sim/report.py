@@ -79,7 +79,7 @@ def chart(results: Sequence[Result], path: Path) -> None:
     try:
         import matplotlib
     except ModuleNotFoundError:
-        from trainguard.node_tools.errors import TrainguardError
+        from trainguard.core.errors import TrainguardError
 
         raise TrainguardError("--chart needs matplotlib: pip install 'trainguard[charts]', or leave --chart out",
                               exit_code=2) from None

@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.tasks import common
 
 

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.control import Controller
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.models import IncidentDecision, Restart, Resume, RungResult, Stop, StopFound, Swap

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.tasks import common
 
 #: the form's fields that make a spec (the rest of the form, ``spec``, may hold a whole spec instead)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.control import Controller
 from trainguard.operators.policy import ladder
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainguard.node_tools.errors import TrainguardError
+from trainguard.core.errors import TrainguardError
 from trainguard.operators.tasks import common
 
 

@@ -11,7 +11,7 @@ NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 def fleet_jobs() -> list[str]:
     """The jobs in the fleet database (its connection ``tg_fleet``, else ``TG_FLEET_URL``); empty when it is not
     there yet or unreadable."""
-    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.core.errors import TrainguardError
     from trainguard.operators.fleet.store import FleetStore
     from trainguard.operators.settings import ControlSettings
 
@@ -35,7 +35,7 @@ def job_param(description: str) -> Any:
 def free_machines() -> list[str]:
     """The machines a submitted job may take (checked standbys serving no job); empty when the fleet database is
     not there yet or unreadable."""
-    from trainguard.node_tools.errors import TrainguardError
+    from trainguard.core.errors import TrainguardError
     from trainguard.operators.fleet.store import FleetStore
     from trainguard.operators.settings import ControlSettings
 

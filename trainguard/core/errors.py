@@ -22,6 +22,11 @@ EXIT_USAGE = 2
 EXIT_REFUSED = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
+# The words of the checkpoint library's RestoreError for copies that exist but make no complete step: the training
+# script prints the error on one line, and the node's log classifier names such an end by them (kind
+# ``checkpoint_unrestorable``). Both sides read them from here.
+UNRESTORABLE = "copies found but no step can be restored on all"
+
 
 class TrainguardError(Exception):
     """An error a user can act on; the message says what is wrong and what to do."""

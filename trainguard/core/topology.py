@@ -23,7 +23,7 @@ import math
 from array import array
 from dataclasses import dataclass
 
-from trainguard.node_tools.errors import TopologyError
+from trainguard.core.errors import TopologyError
 
 GROUP_KINDS = ("tp", "pp", "dp")
 #: backup candidates looked at per rank (the diagonal shifts find safe ones within the first few)
