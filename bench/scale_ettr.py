@@ -1,5 +1,5 @@
 """The ETTR report at scale: a job's whole step history (rank 0, 2-second steps) with an incident about
-every hour, each restored a few steps back, read by :meth:`EttrLedger.ettr_report` against a fleet
+every hour, each restored a few steps back, read by :meth:`Ettr.ettr_report` against a fleet
 database that holds the incidents.
 
     python bench/scale_ettr.py [DAYS ...]
@@ -23,8 +23,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainguard.node_tools.inventory import Inventory, Machine
-from trainguard.operators.control import ControlConfig
-from trainguard.operators.control.ettr import EttrLedger
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.control.ettr import Ettr
 from trainguard.operators.fleet import FleetStore
 from trainguard.operators.fleet.models import Incident
 from trainguard.operators.fleet.states import IncidentState
@@ -73,7 +73,7 @@ def job_history(days: float, *, seed: int = 0, t0: float = 1.75e9, step_s: float
     return records, incidents, t + 0.5 * step_s
 
 
-def ledger_with(incidents: list[dict[str, Any]], folder: Path) -> EttrLedger:
+def ledger_with(incidents: list[dict[str, Any]], folder: Path) -> Ettr:
     """An ETTR ledger over a fleet database in ``folder`` that holds the job and ``incidents`` (in order)."""
     fleet = FleetStore(folder / "fleet.db", migrate=True)
     fleet.register_machine("m0", address="127.0.0.1")
@@ -81,8 +81,8 @@ def ledger_with(incidents: list[dict[str, Any]], folder: Path) -> EttrLedger:
     with fleet.tx() as s:
         s.add_all(Incident(job=JOB, summary="", **inc) for inc in incidents)
     inventory = Inventory(cluster="scale", transport="local", machines=[Machine(name="m0", address="127.0.0.1")])
-    return EttrLedger(ControlConfig(fleet_url=str(folder / "fleet.db"), inventory=str(folder / "inventory.json")),
-                      inventory=inventory, fleet=fleet)
+    return Controller(ControlConfig(fleet_url=str(folder / "fleet.db"), inventory=str(folder / "inventory.json")),
+                      inventory=inventory, fleet=fleet).ettr
 
 
 def prepare_report(days: int) -> Callable[[], Any]:

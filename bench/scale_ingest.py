@@ -93,7 +93,7 @@ def _prepare(batches: int) -> Callable[[int], Callable[[], Any]]:
         events = _events(size, batches)
 
         def run() -> int:
-            starts = [s for e in events for s in group_alerts(e, c)]
+            starts = [s for e in events for s in group_alerts(c, e)]
             return len(starts)  # runs to start: one (the job's one incident)
 
         weakref.finalize(run, lambda: (c.fleet.close(), tmp.cleanup()))

@@ -1,7 +1,7 @@
 """Scale benchmark of the runtime analysis: every rank's stack in a hang, and the fail-slow vote.
 
 What the control plane does once every machine's ``tg-node stacks`` document is in
-(:meth:`trainguard.operators.control.analysis.RuntimeAnalysis.analyze` after the SSH round): each rank's
+(:meth:`trainguard.operators.control.analysis.Analysis.analyze` after the SSH round): each rank's
 signature and collective counters (:func:`trainguard.operators.policy.runtime.rank_stacks`), the grouping, the
 outliers and the parallel group to over-evict (:func:`trainguard.operators.policy.runtime.analyze`, kinds
 ``("pp", "dp")``); and the fail-slow vote (:class:`trainguard.operators.policy.runtime.SlowVoter`: 5 rounds of every
@@ -138,7 +138,7 @@ def hang_documents(topo: Topology, distinct: int = 0) -> dict[str, dict[str, Any
 
 
 def run_analysis(topo: Topology, docs: dict[str, dict[str, Any]], named: list[int]) -> runtime.Analysis:
-    """What RuntimeAnalysis.analyze runs on the documents of the SSH round."""
+    """What Analysis.analyze runs on the documents of the SSH round."""
     names = machine_names(topo)
     machine_of = {r: names[topo.machine_of(r)] for r in range(topo.world_size)}
     return runtime.analyze(topo, runtime.rank_stacks(docs, topo.world_size, machine_of), named=named,

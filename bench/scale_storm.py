@@ -52,7 +52,7 @@ class _Opening(AlertTrigger):
     def _record(self, event: dict[str, Any]) -> dict[str, Any]:
         from trainguard.operators.tasks import guardian
 
-        starts = guardian.group_alerts(event, self.controller)
+        starts = guardian.group_alerts(self.controller, event)
         self.opened = self.opened or tuple(starts)
         self.drain_s = 900.0 if self.whole else 0.0  # else the incident is open: the rest is recorded untimed
         return {"recorded": True, "starts": starts, "started": {}, "alerts": len(event["alerts"]), "kinds": [],

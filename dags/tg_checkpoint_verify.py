@@ -43,21 +43,24 @@ checkpoint_committed = Asset("trainguard-checkpoint-committed", watchers=[
 def tg_checkpoint_verify():
     @task
     def pick(params: dict | None = None, triggering_asset_events=None) -> list:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import checkpoint_verify
 
-        return checkpoint_verify.ckpt_targets(params["job"], params["step"], triggering_asset_events)
+        return checkpoint_verify.ckpt_targets(task_controller(), params["job"], params["step"], triggering_asset_events)
 
     @task(pool="tg_ssh", map_index_template="{{ target }}")
     def verify(target: dict) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import checkpoint_verify
 
-        return checkpoint_verify.ckpt_verify(target)
+        return checkpoint_verify.ckpt_verify(task_controller(), target)
 
     @task(map_index_template="{{ target }}")
     def promote(verdict: dict) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import checkpoint_verify
 
-        return checkpoint_verify.ckpt_promote(verdict)
+        return checkpoint_verify.ckpt_promote(task_controller(), verdict)
 
     @task(trigger_rule="all_done")
     def conclude(verdicts: list | None = None, promotions: list | None = None) -> dict:

@@ -37,21 +37,25 @@ NAME = r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,62})?$"
 def tg_code_update():
     @task
     def update(params: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import code_update
 
-        return code_update.code_update(params["job"], params["revision"], params["urgency"], params["reason"])
+        return code_update.code_update(task_controller(), params["job"], params["revision"], params["urgency"],
+                                       params["reason"])
 
     @task(trigger_rule="all_done")
     def rearm(result: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import code_update
 
-        return code_update.code_rearm(result or {})
+        return code_update.code_rearm(task_controller(), result or {})
 
     @task
     def conclude(result: dict, resumed: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import code_update
 
-        return code_update.code_conclude(result, resumed)
+        return code_update.code_conclude(task_controller(), result, resumed)
 
     result = update()
     # deferred: no worker slot is held while the restarted jobs come back

@@ -26,27 +26,32 @@ from trainguard.operators.utils.forms import NAME, job_param
 def tg_diagnose():
     @task
     def targets(params: dict | None = None) -> list:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import diagnose
 
-        return diagnose.diagnose_targets(params["job"], list(params["machines"]), int(params["level"]))
+        return diagnose.diagnose_targets(task_controller(), params["job"], list(params["machines"]),
+                                         int(params["level"]))
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
     def check_machine(target: dict) -> list:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import diagnose
 
-        return diagnose.diagnose_machine(target)
+        return diagnose.diagnose_machine(task_controller(), target)
 
     @task(pool="tg_ssh")
     def neighbours(results: list, params: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import diagnose
 
-        return diagnose.diagnose_neighbours(params["job"], list(results), int(params["level"]))
+        return diagnose.diagnose_neighbours(task_controller(), params["job"], list(results), int(params["level"]))
 
     @task
     def conclude(results: list, l3: dict, params: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import diagnose
 
-        return diagnose.diagnose_conclude(params["job"], list(results), l3, bool(params["evict"]))
+        return diagnose.diagnose_conclude(task_controller(), params["job"], list(results), l3, bool(params["evict"]))
 
     checked = check_machine.expand(target=targets())
     conclude(checked, neighbours(checked))

@@ -20,9 +20,10 @@ from airflow.sdk import Param, dag, task
 def tg_ettr():
     @task
     def report(params: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import ettr
 
-        return ettr.ettr_reports(params["job"], float(params["window_s"]))
+        return ettr.ettr_reports(task_controller(), params["job"], float(params["window_s"]))
 
     report()
 

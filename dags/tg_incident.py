@@ -43,9 +43,10 @@ def tg_incident():
         """The decision (XCom ``decision``), and the rung that handles it (the branch to follow)."""
         from airflow.sdk import get_current_context
 
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import incident
 
-        decision = incident.triage(params["incident_id"])
+        decision = incident.triage(task_controller(), params["incident_id"])
         get_current_context()["ti"].xcom_push(key="decision", value=decision)
         return incident.choose(decision)
 
@@ -57,9 +58,10 @@ def tg_incident():
 
         @task(task_id=rung.task_id, doc_md=rung.does)
         def act(decision: dict) -> dict:
-            from trainguard.operators.tasks import incident
+            from trainguard.operators.hooks.fleet import task_controller
+            from trainguard.operators.tasks import rungs
 
-            return incident.handle(rung.task_id, decision)
+            return rungs.handle(task_controller(), rung.task_id, decision)
 
         return act
 
@@ -67,43 +69,49 @@ def tg_incident():
     def stop_job(results: list, params: dict | None = None) -> dict:
         """Stop the job on every machine, reading the steps finished and the checkpoint copies held (unless
         the rung leaves it running or stopped it already)."""
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import incident
 
-        return incident.stop_job(params["incident_id"], list(results))
+        return incident.stop_job(task_controller(), params["incident_id"], list(results))
 
     @task(trigger_rule="none_failed_min_one_success")  # (the rungs not taken are skipped)
     def swap_machines(results: list, stop: dict, params: dict | None = None) -> dict:
         """Put standbys in the places of the machines the rung evicts (and of explicit faults that joined)."""
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import incident
 
-        return incident.swap_machines(params["incident_id"], list(results), stop)
+        return incident.swap_machines(task_controller(), params["incident_id"], list(results), stop)
 
     @task(trigger_rule="none_failed_min_one_success")
     def restart_job(results: list, stop: dict, swap: dict, params: dict | None = None) -> dict:
         """Start the job again on its machine list, from what the stop found (or leave it alone when the
         rung says so); cleared after it ran, it restarts the job again."""
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import incident
 
-        return incident.restart_job(params["incident_id"], list(results), stop, swap,
+        return incident.restart_job(task_controller(), params["incident_id"], list(results), stop, swap,
                                     resume_timeout_s=params.get("resume_timeout_s"))
 
     @task(trigger_rule="all_done")
     def rearm_job(params: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import incident
 
-        return incident.rearm(params["incident_id"])
+        return incident.rearm(task_controller(), params["incident_id"])
 
     @task(trigger_rule="all_done")
     def outcome(params: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import incident
 
-        return incident.outcome(params["incident_id"])
+        return incident.outcome(task_controller(), params["incident_id"])
 
     @task(task_id=NO_RECOVERY)
     def no_recovery(decision: dict) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import incident
 
-        return incident.no_recovery(decision)
+        return incident.no_recovery(task_controller(), decision)
 
     branch = triage()  # one task for the triage and the branch: a task hop less before every rung
     decision = branch["decision"]

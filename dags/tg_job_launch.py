@@ -45,33 +45,38 @@ def tg_job_launch():
 
     @task
     def reserve(spec: dict) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import launch
 
-        return launch.reserve(spec)
+        return launch.reserve(task_controller(), spec)
 
     @task(pool="tg_ssh")
     def check_machines(reserved: dict) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import launch
 
-        return launch.check(reserved)
+        return launch.check(task_controller(), reserved)
 
     @task(pool="tg_ssh")
     def start_job(checked: dict) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import launch
 
-        return launch.start(checked)
+        return launch.start(task_controller(), checked)
 
     @task
     def first_step(started: dict) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import launch
 
-        return launch.first_step(started, FIRST_STEP_TIMEOUT_S)
+        return launch.first_step(task_controller(), started, FIRST_STEP_TIMEOUT_S)
 
     @task(pool="tg_ssh")
     def arm_job(trains: dict) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import launch
 
-        return launch.arm(trains)
+        return launch.arm(task_controller(), trains)
 
     arm_job(first_step(start_job(check_machines(reserve(validate())))))
 

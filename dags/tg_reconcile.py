@@ -23,9 +23,10 @@ def tg_reconcile():
     @task(retries=2, retry_delay=timedelta(seconds=5))
     def act(findings: list) -> dict:
         """Each finding: an incident opened through the ladder, or a stuck incident's next run."""
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import reconcile
 
-        return reconcile.act(findings)
+        return reconcile.act(task_controller(), findings)
 
     act(found.output)
 

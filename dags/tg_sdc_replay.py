@@ -25,16 +25,18 @@ from trainguard.operators.utils.forms import job_param
 def tg_sdc_replay():
     @task
     def prepare(params: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import sdc_replay
 
-        return sdc_replay.replay_prepare(params["job"], int(params["k"]))
+        return sdc_replay.replay_prepare(task_controller(), params["job"], int(params["k"]))
 
 
     @task(trigger_rule="all_done")
     def conclude(plan: dict, h: dict | None = None, v: dict | None = None, params: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import sdc_replay
 
-        return sdc_replay.replay_conclude(plan, h, v, bool(params["evict"]))
+        return sdc_replay.replay_conclude(task_controller(), plan, h, v, bool(params["evict"]))
 
     plan = prepare()
     # each phase's groups are launched, then watched in the triggerer (no worker held while they compute)

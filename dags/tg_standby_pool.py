@@ -25,9 +25,10 @@ from trainguard.operators.utils.schedules import schedule_from_env
 def tg_standby_pool():
     @task
     def plan(params: dict | None = None) -> dict:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import standby_pool
 
-        return standby_pool.pool_plan(int(params["target"]))
+        return standby_pool.pool_plan(task_controller(), int(params["target"]))
 
     @task
     def machines(planned: dict) -> list:
@@ -35,9 +36,10 @@ def tg_standby_pool():
 
     @task(pool="tg_ssh", map_index_template="{{ machine }}")
     def self_check(target: list) -> list:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import standby_pool
 
-        return standby_pool.pool_check(target)
+        return standby_pool.pool_check(task_controller(), target)
 
     @task(trigger_rule="none_failed")
     def conclude(planned: dict, results: list | None = None) -> dict:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,10 @@ class Inventory:
         if len(machines) > _NAMES_IN_ERRORS:
             known += f" and {len(machines) - _NAMES_IN_ERRORS} more"
         raise InventoryError(f"unknown machine {name!r}; the inventory has: {known}")
+
+    def named(self, names: Iterable[str]) -> list[Machine]:
+        """The machines called ``names``, in that order (an unknown name: :meth:`machine`'s one-line error)."""
+        return [self.machine(n) for n in names]
 
     def by_role(self, role: str) -> list[Machine]:
         return [m for m in self.machines if m.role == role]

@@ -324,11 +324,11 @@ def cmd_job(args: argparse.Namespace) -> int:
         return EXIT_OK
     j = c.fleet.job(args.job)  # an unknown job: a one-line error
     if args.action == "stop":
-        out = c.release(args.job)
+        out = c.jobs.release(args.job)
         print_result(args, out, f"job {args.job} stopped; machines {', '.join(out['released']) or 'none'} back "
                                 f"in the pool")
         return EXIT_OK
-    progress = c.progress(args.job) if j.state in ("launching", "running") else {}
+    progress = c.jobs.progress(args.job) if j.state in ("launching", "running") else {}
     doc = {"job": j.name, "state": j.state, "machines": j.machine_list, "revision": j.revision, "spec": j.spec,
            "progress": progress}
     print_result(args, doc, "\n".join([

@@ -48,7 +48,7 @@ def request(ctl: Controller, job: str, revision: str, urgency: str, reason: str 
         ctl.fleet.finish_action(action.id, "done", plan.reason)
         return out
     try:
-        hot = ctl.hot_update(job, plan.revision, reason=reason or plan.reason)
+        hot = ctl.jobs.hot_update(job, plan.revision, reason=reason or plan.reason)
     except TrainguardError as exc:
         ctl.fleet.finish_action(action.id, "failed", str(exc))
         raise
@@ -93,7 +93,7 @@ def sweep(ctl: Controller, *, force_after_s: float = code.LAZY_FORCE_S,
             current = revs.get(j.revision)
             if current is not None and not current.known_good and not item.get("forced"):
                 start = revision_since(ctl, j.name)
-                healthy = [r for r in ctl.step_history(j.name) if float(r.get("ts", 0.0)) >= start
+                healthy = [r for r in ctl.ettr.step_history(j.name) if float(r.get("ts", 0.0)) >= start
                            and _finite(r.get("loss"))]
                 item["healthy_steps"] = len(healthy)
                 if code.becomes_known_good(len(healthy), threshold=known_good_steps):

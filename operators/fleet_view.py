@@ -53,7 +53,7 @@ def _degraded(c: Any, job: str, states_now: dict[str, Any], *, open_ids: set[int
                 "for_s": round(now - since, 1), "incident": a.incident_id}
     if not states_now or all(s == "running" for s in states_now.values()):
         return None
-    training = c.training_groups(job, states_now)
+    training = c.jobs.training_groups(job, states_now)
     if not training:
         return None
     from trainguard.operators.policy import degrade
@@ -76,7 +76,7 @@ def collect(c: Any, *, now: float | None = None) -> dict[str, Any]:
     jobs = []
     for j in c.fleet.jobs():
         try:
-            progress = c.progress(j.name)
+            progress = c.jobs.progress(j.name)
         except TrainguardError as exc:
             progress = {"step": None, "states": {}, "error": str(exc)}
         seen = observed_state(progress)

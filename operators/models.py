@@ -9,9 +9,9 @@ the next tasks act on is typed.
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainguard.operators.policy.ladder import Action, Category
 
@@ -41,6 +41,49 @@ class IncidentDecision(_Payload):
     reason: str
     rollback_to: str | None = None
     diagnose: dict[str, Any] = {}
+
+
+class Logs(_Payload):
+    """What the job's logs said as a rung stopped it: the verdict across its machines (``user_code``,
+    ``infrastructure``, ``unknown``, ``none``), each machine's, and the machine whose rank failed first of its own
+    accord (``culprit``), when they tell."""
+
+    model_config = ConfigDict(extra="allow")
+
+    verdict: str
+    machines: dict[str, Any] = {}
+    culprit: str | None = None
+    # the job's other incidents that implicated the culprit and left it in the job (None: none was implicated)
+    implicated: list[int] | None = None
+
+
+class DiagnosisReport(_Payload):
+    """A stop-time diagnosis (:meth:`trainguard.operators.control.diagnosis.Diagnosis.diagnose`): the machines
+    tested, those that failed (machine -> why) and every level's report."""
+
+    model_config = ConfigDict(extra="allow")
+
+    job: str
+    machines: list[str]
+    failed: dict[str, str] = {}
+    report: dict[str, Any] = {}
+    seconds: float = 0.0
+
+
+class Evidence(_Payload):
+    """What a rung gathered before it decided, carried in its result for the audit trail: the logs as it stopped
+    the job, the stop-time diagnosis, a hang's stacks, the slow vote's rounds, a silent agent's probe, the
+    replay's verdict; the machine evicted as a repeat offender; the newest step the restart may restore (the steps
+    after it hold corrupted parameters)."""
+
+    logs: Logs | None = None
+    diagnosis: DiagnosisReport | None = None
+    analysis: dict[str, Any] | None = None
+    vote: dict[str, Any] | None = None
+    probe: dict[str, Any] | None = None
+    replay: dict[str, Any] | None = None
+    repeat_offender: str | None = None
+    restore_max_step: int | None = Field(default=None, ge=0)
 
 
 class StopFound(_Payload):
@@ -151,3 +194,45 @@ class Resume(_Payload):
     @property
     def resumed(self) -> bool:
         return self.first_step is not None and not (self.failed or self.pending or self.skipped)
+
+
+class EscalationWatch(_Payload):
+    """An escalation's restart whose resume is awaited: the restart (a :class:`Restart`), its number among the
+    incident's escalation restarts, what was changed before each, why the recovery did not hold, and the run's own
+    limit on each resume wait (None: the setting's)."""
+
+    recovery: dict[str, Any]
+    attempt: int = Field(ge=1)
+    tried: list[str] = []
+    why: str = ""
+    resume_timeout_s: float | None = Field(None, gt=0)
+
+
+class Escalation(_Payload):
+    """Where the close of an incident stands, one of two states:
+
+    * ``done``: the incident closed (resolved or failed), waits for a human, or was handed to another run;
+      ``timeline`` says how it stands;
+    * ``watching``: the close restarted the job again (its recovery did not hold) and waits for that restart's resume
+      (``watch``); the resume check's answer moves it on (:func:`trainguard.operators.tasks.incident.escalation_after`):
+      to ``done`` (resumed: resolved; out of restarts: a human) or ``watching`` the next restart."""
+
+    state: Literal["done", "watching"]
+    timeline: dict[str, Any] | None = None
+    watch: EscalationWatch | None = None
+
+    @model_validator(mode="after")
+    def _one_of(self) -> Self:
+        if (self.state == "done") != (self.timeline is not None) or (self.state == "watching") != (self.watch
+                                                                                                 is not None):
+            raise ValueError(f"an escalation {self.state} holds {'its timeline' if self.state == 'done' else 'a watch'}"
+                             f" and nothing else")
+        return self
+
+    @classmethod
+    def done(cls, timeline: dict[str, Any]) -> Escalation:
+        return cls(state="done", timeline=dict(timeline))
+
+    @classmethod
+    def watching(cls, watch: EscalationWatch) -> Escalation:
+        return cls(state="watching", watch=watch)

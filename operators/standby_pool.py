@@ -63,7 +63,7 @@ def plan(ctl: Controller, *, target: int | None = None, provider: Provider | Non
     """The pool run's plan (changes nothing). ``target``: a pool size given by hand instead of the
     computed one; larger than the standbys plus the free inventory, it is refused (PoolError)."""
     now = time.time() if now is None else now
-    ctl.sync_inventory()
+    ctl.jobs.sync_inventory()
     since = now - pool.HISTORY_WINDOW_S
     history, rate, serving, computed = sizing(ctl.fleet, now)
     evictions: dict[str, int] = {}
@@ -105,7 +105,7 @@ def check(ctl: Controller, target: dict[str, Any]) -> dict[str, Any]:
     t0 = time.time()
     if ctl.fleet.machine(name).state != states.SELF_CHECK:  # a rerun after it was concluded
         return {"machine": name, "why": target["why"], "state": ctl.fleet.machine(name).state, "skipped": True}
-    diag = ctl.diagnose("", [name], levels=(1, 2))
+    diag = ctl.diagnosis.diagnose("", [name], levels=(1, 2))
     failed = diag["failed"].get(name)
     if not failed:
         parked = ctl.transport.run(ctl.inventory.machine(name), [ctl.inventory.tg_node, "standby", "park", "--nproc",

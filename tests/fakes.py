@@ -263,10 +263,9 @@ def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topo
         Machine(name=f"m{i}", address=f"10.0.0.{i + 10}", role="active" if i < active else "standby")
         for i in range(machines)])
     inv.save(tmp_path / "inventory.json")
-    c = Controller(ControlConfig(fleet_url=fleet_url or str(tmp_path / "fleet.db"), inventory=str(inv.path),
-                                 **settings), inventory=inv)
     fleet = FakeFleet(inv, topo)
-    c.transport = fleet
+    c = Controller(ControlConfig(fleet_url=fleet_url or str(tmp_path / "fleet.db"), inventory=str(inv.path),
+                                 **settings), inventory=inv, transport=fleet)
     c.sync_inventory()
     names = [f"m{i}" for i in range(active)]
     c.fleet.upsert_job("j", tp=topo.tp, pp=topo.pp, dp=topo.dp, ranks_per_machine=topo.ranks_per_machine,
@@ -277,11 +276,13 @@ def fleet_controller(tmp_path: Path, *, machines: int = 6, active: int = 4, topo
 
 
 def use_controller(monkeypatch: Any, c: Controller) -> None:
-    """Every task body (and the triggers' shared controller) works with ``c`` for the rest of the test."""
+    """The triggers' shared controller (and the controller a DAG's task is handed) is ``c`` for the rest of the
+    test; task bodies called directly are handed ``c``."""
+    from trainguard.operators.hooks import fleet
     from trainguard.operators.tasks import common
 
-    monkeypatch.setattr(common, "controller", lambda: c)
     monkeypatch.setattr(common, "shared_controller", lambda: c)
+    monkeypatch.setattr(fleet, "task_controller", lambda: c)
 
 
 def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: Any, *,
@@ -292,44 +293,45 @@ def run_incident(c: Controller, alerts: Sequence[dict[str, Any]], monkeypatch: A
     ``joined``: alerts the guardian records right after the triage (they join the open incident);
     ``joined_late``: alerts it records after the restart, before the resume check."""
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     use_controller(monkeypatch, c)
     [item] = c.ingest(alerts)
     incident = item["incident"]
-    decision = steps.triage(incident)
+    decision = steps.triage(c, incident)
     if joined:
         assert [i["incident"] for i in c.ingest(joined)] == [incident]
     branch = steps.choose(decision)
     if branch == "no_recovery":
-        idle = steps.no_recovery(decision)
-        recovery = steps.restart_job(incident, [])
-        resumed = steps.resumed(incident, recovery)
-        closed = steps.close(incident, idle, recovery, resumed)
+        idle = steps.no_recovery(c, decision)
+        recovery = steps.restart_job(c, incident, [])
+        resumed = steps.resumed(c, incident, recovery)
+        closed = steps.close(c, incident, idle, recovery, resumed)
         return {"decision": decision, "result": idle, "resumed": resumed, "closed": closed, "incident": incident}
-    result = steps.handle(branch, decision)
-    recovery, stop, swap = recover(incident, result)
+    result = rungs.handle(c, branch, decision)
+    recovery, stop, swap = recover(c, incident, result)
     result = {**result, "stop": stop, "swap": swap, "recovery": recovery}
     if joined_late:
         assert [i["incident"] for i in c.ingest(joined_late)] == [incident]
     resumed = None
     for _ in range(20):  # the resume trigger's checks
-        resumed = steps.resumed(incident, recovery)
+        resumed = steps.resumed(c, incident, recovery)
         if resumed is not None:
             break
-    closed = steps.close(incident, None, recovery, resumed)
+    closed = steps.close(c, incident, None, recovery, resumed)
     return {"decision": decision, "result": result, "resumed": resumed, "closed": closed, "incident": incident}
 
 
-def recover(incident: int, result: dict[str, Any] | None, **kwargs: Any
+def recover(c: Controller, incident: int, result: dict[str, Any] | None, **kwargs: Any
             ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """The tasks after a rung (its ``result``; None: the rung was skipped): stop_job, swap_machines,
     restart_job; returns their results ``(restart, stop, swap)``. ``kwargs``: restart_job's."""
     from trainguard.operators.tasks import incident as steps
 
     results = [result]
-    stop = steps.stop_job(incident, results)
-    swap = steps.swap_machines(incident, results, stop)
-    return steps.restart_job(incident, results, stop, swap, **kwargs), stop, swap
+    stop = steps.stop_job(c, incident, results)
+    swap = steps.swap_machines(c, incident, results, stop)
+    return steps.restart_job(c, incident, results, stop, swap, **kwargs), stop, swap
 
 
 def alert(kind: str, machine: str, *, rank: int | None = None, job: str = "j", ts: float | None = None,

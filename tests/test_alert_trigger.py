@@ -368,10 +368,13 @@ def test_a_batch_the_trigger_cannot_record_is_recorded_by_the_sensor(tmp_path, m
     c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
     real = guardian.group_alerts
 
-    def locked(event, ctl=None):  # the fleet database does not answer in the triggerer
-        if ctl is not None:
+    calls: list[str] = []
+
+    def locked(ctl, event):  # the fleet database does not answer in the triggerer (its first call)
+        calls.append("call")
+        if len(calls) == 1:
             raise RuntimeError("database is locked")
-        return real(event)
+        return real(ctl, event)
 
     monkeypatch.setattr(guardian, "group_alerts", locked)
     open_bus(c.inventory.bus_url).publish(Alert("gpu_lost", "m1"))

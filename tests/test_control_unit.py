@@ -11,6 +11,7 @@ import pytest
 from trainguard.node_tools.inventory import Inventory
 from trainguard.node_tools.transport import RunResult, Transport
 from trainguard.operators.control import Controller
+from trainguard.operators.control.replay import Replay
 
 
 def _alert(kind: str, machine: str, rank: int, ts: float) -> dict:
@@ -126,13 +127,13 @@ def test_a_replay_group_result_is_its_ranks_digests_once_every_part_ended():
 def test_the_replay_verdict_places_the_culprit_with_the_reference_or_says_it_cannot():
     plan = {"k": 1, "horizontal": [["m0", "m1"], ["m2", "m3"]], "vertical": [["m0", "m3"], ["m2", "m1"]]}
     good, bad = "0:aa,1:bb,2:cc,3:dd", "0:aa,1:bb,2:xx,3:dd"
-    with_ref = Controller.replay_verdict(plan, {"h0": good, "h1": bad, "ref": good}, {"v0": good, "v1": bad})
+    with_ref = Replay.replay_verdict(plan, {"h0": good, "h1": bad, "ref": good}, {"v0": good, "v1": bad})
     assert with_ref["culprits"] == ["m2"] and not with_ref["inconclusive"]
-    clean = Controller.replay_verdict(plan, {"h0": good, "h1": good, "ref": good}, {"v0": good, "v1": good})
+    clean = Replay.replay_verdict(plan, {"h0": good, "h1": good, "ref": good}, {"v0": good, "v1": good})
     assert clean["culprits"] == [] and not clean["inconclusive"]
-    blind = Controller.replay_verdict(plan, {"h0": good, "h1": bad}, {"v0": good, "v1": bad})
+    blind = Replay.replay_verdict(plan, {"h0": good, "h1": bad}, {"v0": good, "v1": bad})
     assert blind["inconclusive"] and blind["culprits"] == []
-    failed_ref = Controller.replay_verdict(plan, {"h0": good, "h1": bad, "ref": "failed: m4 unreachable"},
+    failed_ref = Replay.replay_verdict(plan, {"h0": good, "h1": bad, "ref": "failed: m4 unreachable"},
                                            {"v0": good, "v1": bad})
     assert failed_ref["inconclusive"] and failed_ref["reference_result"] is None
 
@@ -155,13 +156,13 @@ def test_an_incident_run_ends_failed_when_its_incident_failed_or_waits_for_a_hum
     monkeypatch.setenv("TG_INVENTORY", c.cfg.inventory)
     [inc] = c.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
     c.fleet.update_incident(inc["incident"], state="resolved", closed_ts=120.0)
-    assert steps.outcome(inc["incident"])["state"] == "resolved"
+    assert steps.outcome(c, inc["incident"])["state"] == "resolved"
     c.fleet.update_incident(inc["incident"], state="waiting_human", summary="breaker: limit 1")
     with pytest.raises(TrainguardError, match=r"incident \d+ waiting for a human: breaker: limit 1"):
-        steps.outcome(inc["incident"])
+        steps.outcome(c, inc["incident"])
     c.fleet.update_incident(inc["incident"], state="failed", summary="training did not resume")
     with pytest.raises(TrainguardError, match=r"incident \d+ failed: training did not resume"):
-        steps.outcome(inc["incident"])
+        steps.outcome(c, inc["incident"])
 
 
 def test_an_incident_runs_note_says_in_one_line_what_happened(tmp_path: Path, monkeypatch):
@@ -182,7 +183,7 @@ def test_an_incident_runs_note_says_in_one_line_what_happened(tmp_path: Path, mo
         f"incident {other['incident']} waiting human (untriaged): breaker: limit 1"
     monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
     monkeypatch.setenv("TG_INVENTORY", c.cfg.inventory)
-    assert steps.outcome(inc)["note"] == steps.incident_note(c, inc)  # outside a task: no run to annotate
+    assert steps.outcome(c, inc)["note"] == steps.incident_note(c, inc)  # outside a task: no run to annotate
 
 
 def _diag_run(machine: str, *, l2_ok: bool = True, l3_ok: bool = True, digest: str = "d0", level: int = 2):
@@ -211,7 +212,7 @@ def test_l2_and_l3_in_one_round_blame_l2_failures_and_retest_the_partners_they_l
                     "m2": _diag_run("m2"), "m3": _diag_run("m3", digest="d1")}
         return {n: _diag_run(n, level=3) for n in names}
 
-    monkeypatch.setattr(ctl, "_l3", fake_l3)
+    monkeypatch.setattr(ctl.diagnosis, "_l3", fake_l3)
     ctl.transport.l2["m1"] = "3 wrong results"  # and again when its L2 is repeated alone
     out = ctl.diagnose("j", align=True)
     assert calls == [(["m0", "m1", "m2", "m3"], True, 2), (["m0", "m2"], False, 3)]
@@ -229,7 +230,7 @@ def test_l2_and_l3_in_one_round_a_failed_collective_between_l2_healthy_machines_
         return {"m0": _diag_run("m0"), "m1": _diag_run("m1"), "m2": _diag_run("m2", l3_ok=False),
                 "m3": _diag_run("m3", l3_ok=False)}
 
-    monkeypatch.setattr(ctl, "_l3", fake_l3)
+    monkeypatch.setattr(ctl.diagnosis, "_l3", fake_l3)
     out = ctl.diagnose("j")
     assert sorted(out["failed"]) == ["m2", "m3"] and out["failed"]["m2"].startswith("L3: collective_neighbours")
     assert "align" not in out["report"]

@@ -66,12 +66,12 @@ def test_a_lost_gpu_in_one_replica_swaps_that_replicas_machines_alone_and_the_ot
 
 
 def test_asked_again_the_degrade_does_nothing_more(tmp_path, monkeypatch):
-    from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec())
     out = run_incident(c, [alert("gpu_lost", "m2")], monkeypatch)
     starts, stops = len(_starts(fleet)), len(fleet.sent("job", "stop"))
-    again = steps.handle("evict_now", out["decision"])  # the rung's task cleared and run again
+    again = rungs.handle(c, "evict_now", out["decision"])  # the rung's task cleared and run again
     assert again["degraded"] == out["result"]["degraded"]
     assert len(_starts(fleet)) == starts and len(fleet.sent("job", "stop")) == stops
     assert c.fleet.job("j").machine_list == ["m0", "m1", "m4", "m5"]
@@ -159,21 +159,21 @@ def test_an_observation_closed_while_a_replica_group_is_down_leaves_the_group_to
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("loss_spike", "m0", rank=0)])
     inc = item["incident"]
-    decision = steps.triage(inc)
-    idle = steps.no_recovery(decision)
-    recovery = steps.restart_job(inc, [])
-    resumed = steps.resumed(inc, recovery)
+    decision = steps.triage(c, inc)
+    idle = steps.no_recovery(c, decision)
+    recovery = steps.restart_job(c, inc, [])
+    resumed = steps.resumed(c, inc, recovery)
     fleet.running.pop("m3")
     fleet.trains_without = frozenset({"m0", "m1"})
-    step = steps.close_step(inc, idle, recovery, resumed, c)
-    assert "done" in step and c.fleet.incident(inc).state == "resolved", step
+    step = steps.close_step(c, inc, idle, recovery, resumed)
+    assert step.state == "done" and c.fleet.incident(inc).state == "resolved", step
     assert not _starts(fleet) and not fleet.sent("job", "stop")
     fleet.running.pop("m1")  # both groups down: the job does not train, and the climb restarts it
     [item] = c.ingest([alert("loss_spike", "m0", rank=0)])
     inc = item["incident"]
-    decision = steps.triage(inc)
-    step = steps.close_step(inc, steps.no_recovery(decision), steps.restart_job(inc, []), None, c)
-    assert "watch" in step and "does not train" in step["watch"]["why"], step
+    decision = steps.triage(c, inc)
+    step = steps.close_step(c, inc, steps.no_recovery(c, decision), steps.restart_job(c, inc, []), None)
+    assert step.state == "watching" and "does not train" in step.watch.why, step
 
 
 def test_the_fleet_page_shows_a_job_training_without_a_replica_as_degraded_and_for_how_long(tmp_path):
@@ -190,7 +190,7 @@ def test_the_fleet_page_shows_a_job_training_without_a_replica_as_degraded_and_f
     assert job["problem"] == ""
     [item] = c.ingest([alert("rank_exit", "m3", rank=3)])
     decision = c.triage(item["incident"])
-    c.degrade(item["incident"], c.degrade_plan(decision))  # its group started on standbys, healing
+    c.degrade.take_out(item["incident"], c.degrade_plan(decision))  # its group started on standbys, healing
     doc = fleet_view.collect(c, now=time.time() + 12)
     [job] = doc["jobs"]
     d = job["degraded"]

@@ -65,16 +65,16 @@ def test_a_round_opens_a_session_to_every_machine_at_once_up_to_the_fanout():
 
 
 def test_the_fanout_is_a_setting_the_controllers_transport_takes(tmp_path, monkeypatch):
-    from trainguard.operators.control.base import ControllerBase
+    from trainguard.operators.control import Controller
 
     inv = _inventory(3)
     inv.save(tmp_path / "inventory.json")
     monkeypatch.setenv("TG_SSH_FANOUT", "512")
     cfg = ControlSettings.from_env()
     assert cfg.ssh_fanout == 512
-    ctl = ControllerBase(cfg.model_copy(update={"inventory": str(tmp_path / "inventory.json"),
-                                                "fleet_url": str(tmp_path / "fleet.db")}))
-    assert ctl.transport.fanout == 512
+    ctl = Controller(cfg.model_copy(update={"inventory": str(tmp_path / "inventory.json"),
+                                            "fleet_url": str(tmp_path / "fleet.db")}))
+    assert ctl.transport.fanout == 512 and ctl.jobs.transport is ctl.transport
     monkeypatch.setenv("TG_SSH_FANOUT", "0")
     with pytest.raises(SettingsError, match="TG_SSH_FANOUT"):
         ControlSettings.from_env()

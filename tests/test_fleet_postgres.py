@@ -184,7 +184,6 @@ def test_a_restart_of_the_postgres_server_mid_incident_is_waited_out(tmp_path, m
     from trainguard.emulation.servers import Postgres
     from trainguard.operators.control import Controller
     from trainguard.operators.fleet.store import FleetUnavailable
-    from trainguard.operators.tasks import common
     from trainguard.operators.tasks import incident as steps
 
     folder = Path(tempfile.mkdtemp(prefix="tgpg-"))
@@ -206,9 +205,8 @@ def test_a_restart_of_the_postgres_server_mid_incident_is_waited_out(tmp_path, m
         back = threading.Timer(3.0, server.start)
         back.start()
         began = time.monotonic()
-        monkeypatch.setattr(common, "controller", lambda: Controller(
-            c.cfg, fleet=FleetStore(url, retry_s=60), transport=c.transport, inventory=c.inventory))
-        decision = steps.triage(item["incident"])
+        task = Controller(c.cfg, fleet=FleetStore(url, retry_s=60), transport=c.transport, inventory=c.inventory)
+        decision = steps.triage(task, item["incident"])
         waited = time.monotonic() - began
         back.join()
         assert waited >= 2.5 and decision["action"] == "evict" and decision["machines"] == ["m2"], (waited, decision)

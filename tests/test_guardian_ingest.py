@@ -119,6 +119,7 @@ def test_an_eviction_of_machines_outside_the_job_neither_stops_nor_restarts_it(c
     """Defence in depth: when the explicit fault names a machine that has left the job by the time the rung
     runs (replaced by hand meanwhile), evict_now touches nothing."""
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     ctl.transport = _Quiet(ctl.inventory)
     [item] = ctl.ingest([Alert("gpu_lost", "m1", job="j").record()])
@@ -126,9 +127,9 @@ def test_an_eviction_of_machines_outside_the_job_neither_stops_nor_restarts_it(c
     assert decision["action"] == "evict" and decision["machines"] == ["m1"]
     ctl.fleet.swap("j", {"m1": "m4"}, reason="replaced by hand")
     use_controller(monkeypatch, ctl)
-    out = steps.handle("evict_now", decision)
+    out = rungs.handle(ctl, "evict_now", decision)
     assert out["swaps"] == {} and not out["restart"] and "nothing to evict" in out["reason"]
-    assert steps.stop_job(item["incident"], [out])["skipped"]  # no stop (the transport refuses one)
+    assert steps.stop_job(ctl, item["incident"], [out])["skipped"]  # no stop (the transport refuses one)
     assert ctl.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]
     assert json.dumps(out)  # the handler's result is still a plain document
 

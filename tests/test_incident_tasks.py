@@ -26,13 +26,13 @@ def test_a_closed_incident_whose_restart_job_runs_again_restarts_the_job_and_clo
     starts = len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate"))
     ettr_before = sorted((e.kind, e.start_ts) for e in c.fleet.ettr_events("j"))
     # the operator clears restart_job (and what follows it) of the finished run: the same XCom input again
-    again = steps.restart_job(inc, [out["result"]], out["result"]["stop"], out["result"]["swap"])
+    again = steps.restart_job(c, inc, [out["result"]], out["result"]["stop"], out["result"]["swap"])
     assert again["restarted"] and again["again"] and c.fleet.incident(inc).state == "open"
     assert len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate")) == starts + 4  # all restarted
     assert c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]  # on the machines it runs on: no eviction
-    resumed = steps.resumed(inc, again)
+    resumed = steps.resumed(c, inc, again)
     assert Resume.read(resumed).resumed
-    closed = steps.close(inc, None, again, resumed)
+    closed = steps.close(c, inc, None, again, resumed)
     assert closed["state"] == "resolved" and "restarted again" in c.fleet.incident(inc).summary
     launches = [a for a in c.fleet.actions(inc) if a.kind == "launch"]
     assert len(launches) == 2 and all(a.outcome == "done" for a in launches)
@@ -52,7 +52,7 @@ def test_a_restart_job_run_again_while_another_incident_of_the_job_is_open_refus
     [second] = c.ingest([alert("gpu_lost", "m2")])
     starts = len(fleet.sent("job", "start"))
     with pytest.raises(TrainguardError, match=f"incident {second['incident']} of job j is open"):
-        steps.restart_job(first["incident"], [first["result"]], first["result"]["stop"], first["result"]["swap"])
+        steps.restart_job(c, first["incident"], [first["result"]], first["result"]["stop"], first["result"]["swap"])
     assert len(fleet.sent("job", "start")) == starts and c.fleet.incident(first["incident"]).state == "resolved"
 
 
@@ -62,32 +62,33 @@ def test_stop_swap_and_restart_are_tasks_of_their_own_each_from_the_xcom_of_the_
     starts the job from it with no round of reads either."""
     from trainguard.operators.models import Stop, Swap
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     fleet.copies = replicated_copies(fleet.topo, ["m0", "m1", "m2", "m3"], [9])
     [item] = c.ingest([alert("gpu_lost", "m1")])
-    result = RungResult.read(steps.handle("evict_now", steps.triage(item["incident"])))
+    result = RungResult.read(rungs.handle(c, "evict_now", steps.triage(c, item["incident"])))
     assert result.restart and result.evict.machines == ["m1"] and result.stopped is None
     assert fleet.sent("job", "stop") == [] and c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
     results = [None, result.dump(), None]  # the skipped rungs give None
-    stop = Stop.read(steps.stop_job(item["incident"], results))
+    stop = Stop.read(steps.stop_job(c, item["incident"], results))
     assert stop.stopped and stop.found.machines == ["m0", "m1", "m2", "m3"]
     assert stop.found.copies == {m: [tuple(x) for x in held] for m, held in fleet.copies.items()}
     fleet.commands.clear()
-    swap = Swap.read(steps.swap_machines(item["incident"], results, stop.dump()))
+    swap = Swap.read(steps.swap_machines(c, item["incident"], results, stop.dump()))
     assert swap.swaps == {"m1": "m4"} and c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]
     assert not fleet.sent("ckpt", "list")  # the copies came with the stop
     # cleared and run again: the eviction is not done twice
-    assert Swap.read(steps.swap_machines(item["incident"], results, stop.dump())).swaps == {"m1": "m4"}
+    assert Swap.read(steps.swap_machines(c, item["incident"], results, stop.dump())).swaps == {"m1": "m4"}
     assert len([a for a in c.fleet.actions(item["incident"]) if a.kind == "evict"]) == 1
     fleet.commands.clear()
-    recovery = steps.restart_job(item["incident"], results, stop.dump(), swap.dump())
+    recovery = steps.restart_job(c, item["incident"], results, stop.dump(), swap.dump())
     assert Restart.read(recovery).steps_before == stop.found.step
     assert fleet.commands and {tuple(cmd[:2]) for _m, cmd in fleet.commands} <= {("job", "start"),
                                                                                  ("standby", "activate")}
     # stop_job cleared after the restart: it stops the job again (the tasks after it start it again)
-    again = Stop.read(steps.stop_job(item["incident"], results))
+    again = Stop.read(steps.stop_job(c, item["incident"], results))
     assert again.stopped and not again.by_rung and set(fleet.sent("job", "stop")) == {"m0", "m4", "m2", "m3"}
 
 
@@ -95,15 +96,16 @@ def test_stop_job_leaves_a_job_alone_that_the_rung_leaves_alone_unless_an_explic
                                                                                                 monkeypatch):
     from trainguard.operators.models import Stop
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("rank_stopped", "m1", rank=1)])
-    result = steps.handle(steps.choose(steps.triage(item["incident"])), steps.triage(item["incident"]))
+    result = rungs.handle(c, steps.choose(steps.triage(c, item["incident"])), steps.triage(c, item["incident"]))
     assert result["restart"] is False  # the stacks refute the claim: the job trains on
-    assert Stop.read(steps.stop_job(item["incident"], [result])).skipped and fleet.sent("job", "stop") == []
+    assert Stop.read(steps.stop_job(c, item["incident"], [result])).skipped and fleet.sent("job", "stop") == []
     c.ingest([alert("gpu_lost", "m2")])  # joins the open incident
-    assert Stop.read(steps.stop_job(item["incident"], [result])).stopped and fleet.sent("job", "stop")
+    assert Stop.read(steps.stop_job(c, item["incident"], [result])).stopped and fleet.sent("job", "stop")
 
 
 def test_a_rung_that_leaves_the_job_alone_is_not_restarted_and_its_result_reaches_close(tmp_path, monkeypatch):
@@ -163,12 +165,14 @@ def test_the_resume_sensor_defers_at_once_and_holds_no_worker_while_it_waits():
 
 def test_the_resume_trigger_asks_until_every_rank_trained_past_the_restart_then_fires_once(tmp_path, monkeypatch):
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
     from trainguard.operators.triggers.resume import ResumeTrigger
 
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("gpu_lost", "m1")])
-    recovery, _stop, _swap = recover(item["incident"], steps.handle("evict_now", steps.triage(item["incident"])))
+    decision = steps.triage(c, item["incident"])
+    recovery, _stop, _swap = recover(c, item["incident"], rungs.handle(c, "evict_now", decision))
     answers = []
     real = steps.resumed
 
@@ -212,7 +216,7 @@ def test_the_code_updates_resume_wait_defers_and_fires_once_every_restarted_job_
     use_controller(monkeypatch, c)
     answers: list = []
 
-    def resumed(upd, ctl=None):  # the first two checks: the job has not trained since its restart
+    def resumed(ctl, upd):  # the first two checks: the job has not trained since its restart
         assert ctl is c and upd == update  # the triggerer's shared controller, the update rebuilt from JSON
         answers.append(None if len(answers) < 2 else {"resumed": {"j": {"first_step": 6}}, "ended": {}})
         return answers[-1]
@@ -235,10 +239,10 @@ def test_a_restart_job_run_again_while_its_incident_waits_for_a_human_restarts_a
     out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
     c.wait_for_human(out["incident"], "the operator looked at it")  # say a later check sent it to a human
     starts = len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate"))
-    again = steps.restart_job(out["incident"], [out["result"]], out["result"]["stop"], out["result"]["swap"])
+    again = steps.restart_job(c, out["incident"], [out["result"]], out["result"]["stop"], out["result"]["swap"])
     assert again["again"] and c.fleet.incident(out["incident"]).state == "open"
     assert len(fleet.sent("job", "start")) + len(fleet.sent("standby", "activate")) == starts + 4
-    closed = steps.close(out["incident"], None, again, steps.resumed(out["incident"], again))
+    closed = steps.close(c, out["incident"], None, again, steps.resumed(c, out["incident"], again))
     assert closed["state"] == "resolved" and c.fleet.job("j").state == "running"
 
 
@@ -248,21 +252,22 @@ def test_a_runs_own_resume_limit_overrides_the_setting_and_is_checked(tmp_path, 
     import time
 
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("gpu_lost", "m1")])
     inc = item["incident"]
-    result = steps.handle("evict_now", steps.triage(inc))
-    recovery, stop, swap = recover(inc, result, resume_timeout_s=30)
+    result = rungs.handle(c, "evict_now", steps.triage(c, inc))
+    recovery, stop, swap = recover(c, inc, result, resume_timeout_s=30)
     assert recovery["resume_timeout_s"] == 30 and c.cfg.resume_timeout_s > 60
-    monkeypatch.setattr(c, "resumed", lambda *_: None)  # no rank trained since the restart
+    monkeypatch.setattr(c.jobs, "resumed", lambda *_: None)  # no rank trained since the restart
     ago = {**recovery, "restart_ts": time.time() - 60}  # ... for a minute
-    assert steps.resumed(inc, ago) == {"failed": "training did not pass the restored step within 30s of the "
+    assert steps.resumed(c, inc, ago) == {"failed": "training did not pass the restored step within 30s of the "
                                                  "restart"}
-    assert steps.resumed(inc, {**ago, "resume_timeout_s": None}) is None  # the setting's limit: keep waiting
+    assert steps.resumed(c, inc, {**ago, "resume_timeout_s": None}) is None  # the setting's limit: keep waiting
     # cleared and run again, the run's limit still holds; a limit that is not a positive number is refused
-    assert steps.restart_job(inc, [result], stop, swap, resume_timeout_s=45)["resume_timeout_s"] == 45
+    assert steps.restart_job(c, inc, [result], stop, swap, resume_timeout_s=45)["resume_timeout_s"] == 45
     with pytest.raises(ValidationError, match="resume_timeout_s"):
         Restart.read({**recovery, "resume_timeout_s": 0})
 
@@ -284,7 +289,7 @@ def test_the_slow_vote_defers_its_rounds_to_the_triggerer_then_decides_from_them
         monkeypatch.setenv(key, value)
     fleet.compute = {r: 0.36 for r in range(4)} | {1: 0.9}  # rank 1 (m1) computes 2.5x its peers
     [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
-    decision = steps.triage(item["incident"])
+    decision = steps.triage(c, item["incident"])
     assert steps.choose(decision) == "slow_vote"
     op = SlowVoteOperator(task_id="slow_vote", decision=decision)
     with pytest.raises(TaskDeferred) as deferred:
@@ -329,7 +334,7 @@ def test_an_explicit_fault_that_joined_before_the_vote_decides_without_deferring
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
-    decision = steps.triage(item["incident"])
+    decision = steps.triage(c, item["incident"])
     c.ingest([alert("gpu_lost", "m2")])  # joins before the vote began
     out = SlowVoteOperator(task_id="slow_vote", decision=decision).execute({})
     assert out["rung"] == "evict_now" and out["evict"]["machines"] == ["m2"] and not fleet.sent("job", "status")
@@ -342,6 +347,7 @@ def test_close_incident_escalates_a_restart_that_did_not_hold_and_waits_for_its_
 
     from trainguard.operators.operators.close import CloseIncidentOperator
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
     from trainguard.operators.triggers.resume import ResumeTrigger
 
     url = f"file://{tmp_path / 'remote'}"
@@ -351,8 +357,8 @@ def test_close_incident_escalates_a_restart_that_did_not_hold_and_waits_for_its_
     fleet.restore_fails = True  # the restart finds no step it can restore on every rank
     [item] = c.ingest([alert("gpu_lost", "m1")])
     inc = item["incident"]
-    recovery, _stop, _swap = recover(inc, steps.handle("evict_now", steps.triage(inc)))
-    resume = steps.resumed(inc, recovery)
+    recovery, _stop, _swap = recover(c, inc, rungs.handle(c, "evict_now", steps.triage(c, inc)))
+    resume = steps.resumed(c, inc, recovery)
     assert resume["failed"].startswith("job j ended on every machine after the restart without a step")
     op = CloseIncidentOperator(task_id="close_incident", incident_id=str(inc), recovery=recovery, resume=resume)
     with pytest.raises(TaskDeferred) as deferred:
@@ -406,11 +412,11 @@ def test_silent_corruption_watches_both_replay_phases_in_the_triggerer_then_evic
         return {t: None if len(polls) == 1 else ("0:bad" if "m2" in g["machines"] else "0:good")
                 for t, g in launched["groups"].items()}
 
-    monkeypatch.setattr(c, "replay_launch", launch)
-    monkeypatch.setattr(c, "replay_poll", poll)
-    monkeypatch.setattr(c, "replay_stop", lambda launched: stopped.append(sorted(launched["groups"])))
+    monkeypatch.setattr(c.replay, "replay_launch", launch)
+    monkeypatch.setattr(c.replay, "replay_poll", poll)
+    monkeypatch.setattr(c.replay, "replay_stop", lambda launched: stopped.append(sorted(launched["groups"])))
     [item] = c.ingest([alert("sdc_suspect", "m0", rank=0, step=7), alert("sdc_suspect", "m2", rank=2, step=7)])
-    decision = steps.triage(item["incident"])
+    decision = steps.triage(c, item["incident"])
     assert steps.choose(decision) == "silent_corruption"
     op = SilentCorruptionOperator(task_id="silent_corruption", decision=decision)
 
@@ -443,8 +449,8 @@ def test_a_replay_group_without_a_result_in_time_counts_as_failed_and_every_grou
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     stopped = []
-    monkeypatch.setattr(c, "replay_poll", lambda launched: {"h0": "0:aa", "h1": None})  # h1 never ends
-    monkeypatch.setattr(c, "replay_stop", lambda launched: stopped.append(sorted(launched["groups"])))
+    monkeypatch.setattr(c.replay, "replay_poll", lambda launched: {"h0": "0:aa", "h1": None})  # h1 never ends
+    monkeypatch.setattr(c.replay, "replay_stop", lambda launched: stopped.append(sorted(launched["groups"])))
     launched = {"job": "j", "k": 1, "steps": 2, "world_size": 4,
                 "groups": {t: {"job": f"j-replay-{t}", "machines": ["m0"], "failed": None} for t in ("h0", "h1")}}
 

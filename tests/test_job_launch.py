@@ -19,16 +19,16 @@ from trainguard.operators.tasks import launch
 SPEC = {"name": "team", "command": ["train.py", "--epochs", "3"], "workdir": "/srv/team", "machines": 2}
 
 
-def _launch(spec: dict) -> dict:
-    checked = launch.check(launch.reserve(launch.validate({"spec": spec})))
-    return launch.first_step(launch.start(checked), timeout_s=30)
+def _launch(c, spec: dict) -> dict:
+    checked = launch.check(c, launch.reserve(c, launch.validate({"spec": spec})))
+    return launch.first_step(c, launch.start(c, checked), timeout_s=30)
 
 
 def test_a_submitted_job_takes_free_machines_starts_there_and_is_running_after_its_first_step(tmp_path, monkeypatch):
     c, fleet = fleet_controller(tmp_path)  # m0..m3 run job j; m4, m5 are free standbys
     use_controller(monkeypatch, c)
     assert c.fleet.free_machines() == ["m4", "m5"]
-    out = _launch(SPEC)
+    out = _launch(c, SPEC)
     assert out["job"] == "team" and out["step"] >= 0
     job = c.fleet.job("team")
     assert job.state == "running" and job.machine_list == ["m4", "m5"] and job.spec == parse_spec(SPEC).document()
@@ -39,7 +39,7 @@ def test_a_submitted_job_takes_free_machines_starts_there_and_is_running_after_i
     assert argv[argv.index("--entry") + 1] == "train.py" and argv[argv.index("--workdir") + 1] == "/srv/team"
     assert argv[argv.index("--") + 1:] == ["--epochs", "3"]
     # the same submission again is the same job: nothing reserved or started twice
-    again = launch.reserve(launch.validate({"spec": SPEC}))
+    again = launch.reserve(c, launch.validate({"spec": SPEC}))
     assert again == {"job": "team", "machines": ["m4", "m5"], "submitted": False}
 
 
@@ -47,25 +47,25 @@ def test_a_machine_that_fails_its_check_ends_the_launch_and_releases_every_reser
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     fleet.l1 = {"m5": "GPU 3 lost"}
-    reserved = launch.reserve(launch.validate({"spec": SPEC}))
+    reserved = launch.reserve(c, launch.validate({"spec": SPEC}))
     with pytest.raises(Exception, match=r"machines failed L1: m5: .*GPU 3 lost"):
-        launch.check(reserved)
+        launch.check(c, reserved)
     assert c.fleet.job("team").state == "failed"
     assert c.fleet.machine("m4").state == states.STANDBY and c.fleet.machine("m4").job is None
     assert not fleet.sent("job", "start") or "m4" not in fleet.sent("job", "start")
     # the machines are free again, and a corrected submission gets them
     fleet.l1 = {}
-    assert _launch(SPEC)["job"] == "team" and c.fleet.job("team").state == "running"
+    assert _launch(c, SPEC)["job"] == "team" and c.fleet.job("team").state == "running"
 
 
 def test_the_same_spec_submitted_again_never_touches_the_running_job_even_when_a_check_would_fail(
         tmp_path, monkeypatch):
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
-    _launch(SPEC)
+    _launch(c, SPEC)
     starts = len(fleet.sent("job", "start"))
     fleet.l1 = {"m5": "GPU 3 lost"}  # were it checked again, the launch would release the machines
-    out = _launch(SPEC)
+    out = _launch(c, SPEC)
     assert out["skipped"] == "job team was launched by an earlier submission"
     assert c.fleet.job("team").state == "running" and c.fleet.job("team").machine_list == ["m4", "m5"]
     assert len(fleet.sent("job", "start")) == starts and not fleet.sent("job", "stop")
@@ -76,7 +76,7 @@ def test_a_released_job_is_never_restarted_by_a_recovery_that_was_under_way(tmp_
     restart must not start the job on machines that may serve another job by now."""
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
-    _launch(SPEC)
+    _launch(c, SPEC)
     c.release("team", state="failed", reason="test")
     starts = len(fleet.sent("job", "start"))
     with pytest.raises(Exception, match=r"job team was stopped .* and its machines released; submit it again"):
@@ -88,9 +88,9 @@ def test_a_start_that_fails_on_one_machine_releases_every_reserved_machine(tmp_p
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     fleet.start_fails = {"m5": "training script /srv/team/train.py does not exist"}
-    checked = launch.check(launch.reserve(launch.validate({"spec": SPEC})))
+    checked = launch.check(c, launch.reserve(c, launch.validate({"spec": SPEC})))
     with pytest.raises(Exception, match="does not exist"):
-        launch.start(checked)
+        launch.start(c, checked)
     assert c.fleet.job("team").state == "failed" and c.fleet.free_machines() == ["m4", "m5"]
 
 
@@ -98,9 +98,9 @@ def test_too_few_free_machines_or_a_busy_one_is_refused_before_anything_is_reser
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     with pytest.raises(Exception, match=r"job team needs 3 machines, 2 are free \(m4, m5\); free more"):
-        launch.reserve(launch.validate({"spec": SPEC | {"machines": 3}}))
+        launch.reserve(c, launch.validate({"spec": SPEC | {"machines": 3}}))
     with pytest.raises(FleetError, match="machine m1 already serves job j; name another"):
-        launch.reserve(launch.validate({"spec": SPEC | {"machines": ["m4", "m1"]}}))
+        launch.reserve(c, launch.validate({"spec": SPEC | {"machines": ["m4", "m1"]}}))
     assert c.fleet.free_machines() == ["m4", "m5"]  # the failed transaction reserved nothing
     assert c.fleet.machine("m4").job is None
 
@@ -108,13 +108,13 @@ def test_too_few_free_machines_or_a_busy_one_is_refused_before_anything_is_reser
 def test_a_running_job_is_not_replaced_by_another_spec_and_a_stopped_one_is(tmp_path, monkeypatch):
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
-    _launch(SPEC)
+    _launch(c, SPEC)
     with pytest.raises(Exception, match="job team is running with another spec; stop it first"):
-        launch.reserve(launch.validate({"spec": SPEC | {"command": ["other.py"]}}))
+        launch.reserve(c, launch.validate({"spec": SPEC | {"command": ["other.py"]}}))
     out = c.release("team")
     assert out["released"] == ["m4", "m5"] and c.fleet.job("team").state == "stopped"
     assert c.release("team")["released"] == []  # stopping again is a no-op
-    assert launch.reserve(launch.validate({"spec": SPEC | {"command": ["other.py"]}}))["submitted"]
+    assert launch.reserve(c, launch.validate({"spec": SPEC | {"command": ["other.py"]}}))["submitted"]
 
 
 def test_the_form_fields_make_a_spec_when_no_whole_spec_is_given():
@@ -155,7 +155,7 @@ def test_the_job_commands_of_the_command_line(tmp_path, monkeypatch, capsys):
 def test_a_job_stopped_from_the_command_line_gives_its_machines_back(tmp_path, monkeypatch, capsys):
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
-    _launch(SPEC)
+    _launch(c, SPEC)
     monkeypatch.setattr("trainguard.operators.control.Controller", lambda _cfg: c)
     assert main(["job", "stop", "team"]) == 0
     assert capsys.readouterr().out.strip() == "job team stopped; machines m4, m5 back in the pool"

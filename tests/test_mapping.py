@@ -44,13 +44,13 @@ def test_a_diagnosis_past_one_expansions_limit_maps_in_batches_and_reports_each_
     monkeypatch.setattr(common, "name_mapped_task", labels.append)
     monkeypatch.setattr(common, "note", notes.append)
     fleet.l1 = {"m1050": "gpu: device lost"}
-    targets = diagnose.diagnose_targets("j", [], 1, max_tasks=1024)
+    targets = diagnose.diagnose_targets(c, "j", [], 1, max_tasks=1024)
     assert len(targets) == 550  # Airflow refuses to expand more than its max_map_length (1,024)
     machines = list(c.fleet.job("j").machine_list)
     assert [m for t in targets for m in t["machines"]] == machines
-    results = [diagnose.diagnose_machine(t) for t in targets]
+    results = [diagnose.diagnose_machine(c, t) for t in targets]
     assert labels[0] == "m0 .. m1 (2)" and len(labels) == 550
-    out = diagnose.diagnose_conclude("j", results, None, evict=False)
+    out = diagnose.diagnose_conclude(c, "j", results, None, evict=False)
     assert out["machines"] == machines
     assert list(out["failed"]) == ["m1050"] and "device lost" in out["failed"]["m1050"]
     assert notes == ["j: 1100 machines diagnosed; m1050 failed L1: quick: gpu: device lost"]
@@ -65,7 +65,7 @@ def test_a_named_machine_the_inventory_lacks_is_refused_before_any_task(tmp_path
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     with pytest.raises(TrainguardError, match="nowhere"):
-        diagnose.diagnose_targets("j", ["m0", "nowhere"], 2)
+        diagnose.diagnose_targets(c, "j", ["m0", "nowhere"], 2)
 
 
 def test_the_pool_self_checks_more_machines_than_one_expansion_holds(tmp_path, monkeypatch):
@@ -89,15 +89,15 @@ def test_the_pool_self_checks_more_machines_than_one_expansion_holds(tmp_path, m
     labels: list[str] = []
     monkeypatch.setattr(common, "name_mapped_task", labels.append)
     monkeypatch.setattr(common, "note", lambda text: None)
-    planned = standby_pool.pool_plan(7, max_tasks=3)
+    planned = standby_pool.pool_plan(c, 7, max_tasks=3)
     assert [len(b) for b in planned["targets"]] == [3, 3, 1]
     assert [t["machine"] for b in planned["targets"] for t in b] == [f"m{i}" for i in range(4, 11)]
-    results = [standby_pool.pool_check(b) for b in planned["targets"]]
+    results = [standby_pool.pool_check(c, b) for b in planned["targets"]]
     assert labels == ["m4 .. m6 (3)", "m7 .. m9 (3)", "m10"]
     out = standby_pool.pool_conclude(planned, results)
     assert sorted(out["joined"]) == sorted(f"m{i}" for i in range(4, 11) if i != 9)
     assert list(out["failed"]) == ["m9"]
     assert c.fleet.machine("m9").state == states.REPAIR and c.fleet.machine("m10").state == states.STANDBY
     # a rerun of a batch after it concluded changes nothing
-    again = standby_pool.pool_check(planned["targets"][0])
+    again = standby_pool.pool_check(c, planned["targets"][0])
     assert all(r.get("skipped") for r in again)

@@ -42,40 +42,41 @@ def test_a_crash_that_joins_a_slow_vote_after_its_verdict_is_triaged_again_inste
     the job ended, its rank_exit alerts joining the slow incident. The close does not call the incident
     resolved: the crash re-triages it, a new run of it restarts the job, and only then does it close."""
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     c, fleet = fleet_controller(tmp_path, slow_rounds=1)
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
     inc = item["incident"]
-    decision = steps.triage(inc)
+    decision = steps.triage(c, inc)
     assert steps.choose(decision) == "slow_vote"
-    result = steps.handle("slow_vote", decision)  # every rank computes alike: nothing stands out
+    result = rungs.handle(c, "slow_vote", decision)  # every rank computes alike: nothing stands out
     assert result["vote"]["machines"] == [] and not result["restart"]
     fleet.running.clear()  # SIGKILL: every machine's part ends
     joined = c.ingest([alert("rank_exit", f"m{r}", rank=r) for r in range(4)])
     assert [i["incident"] for i in joined] == [inc] and not joined[0]["taken_over"]  # too late to take over
-    recovery, _stop, _swap = recover(inc, result)
+    recovery, _stop, _swap = recover(c, inc, result)
     assert not recovery["restarted"]
-    resumed = steps.resumed(inc, recovery)
+    resumed = steps.resumed(c, inc, recovery)
     assert resumed["skipped"]
-    closed = steps.close(inc, None, recovery, resumed)
+    closed = steps.close(c, inc, None, recovery, resumed)
     assert c.fleet.incident(inc).state == IncidentState.OPEN, closed["summary"]
     assert c.fleet.incident(inc).category == "crash"
     assert [s["trigger_run_id"] for s in started] == [closed["triaged_again"]["run"]]
     assert closed["triaged_again"]["run"].startswith(f"incident__{inc}__crash")
     # the new run: the ladder decides for the crash, the job is restarted and trains again
-    again = steps.triage(inc)
+    again = steps.triage(c, inc)
     assert again["category"] == "crash"
     branch = steps.choose(again)
-    result = steps.handle(branch, again)
-    recovery, _stop, _swap = recover(inc, result)
+    result = rungs.handle(c, branch, again)
+    recovery, _stop, _swap = recover(c, inc, result)
     assert recovery["restarted"]
     resumed = None
     for _ in range(20):
-        resumed = steps.resumed(inc, recovery)
+        resumed = steps.resumed(c, inc, recovery)
         if resumed is not None:
             break
-    steps.close(inc, None, recovery, resumed)
+    steps.close(c, inc, None, recovery, resumed)
     assert c.fleet.incident(inc).state == IncidentState.RESOLVED
     assert c.trains("j")
 
@@ -84,16 +85,17 @@ def _a_slow_vote_that_found_nothing(tmp_path: Path, monkeypatch: Any) -> tuple[A
     """A fail-slow incident on the scripted fleet whose vote evicted nothing, run up to its close:
     ``(controller, fleet, incident, recovery, resume)``."""
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     c, fleet = fleet_controller(tmp_path, slow_rounds=1)
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
     inc = item["incident"]
-    decision = steps.triage(inc)
-    result = steps.handle(steps.choose(decision), decision)
+    decision = steps.triage(c, inc)
+    result = rungs.handle(c, steps.choose(decision), decision)
     assert result["vote"]["machines"] == []
-    recovery, _stop, _swap = recover(inc, result)
-    return c, fleet, inc, recovery, steps.resumed(inc, recovery)
+    recovery, _stop, _swap = recover(c, inc, result)
+    return c, fleet, inc, recovery, steps.resumed(c, inc, recovery)
 
 
 def test_a_crash_whose_alerts_arrive_while_the_close_looks_at_the_job_is_triaged_again_not_restarted_blind(
@@ -112,8 +114,8 @@ def test_a_crash_whose_alerts_arrive_while_the_close_looks_at_the_job_is_triaged
         c.ingest([alert("rank_exit", f"m{r}", rank=r) for r in range(4)])
         return looked(job)
 
-    monkeypatch.setattr(c, "not_training", not_training)
-    closed = steps.close(inc, None, recovery, resumed)
+    monkeypatch.setattr(c.incidents, "not_training", not_training)
+    closed = steps.close(c, inc, None, recovery, resumed)
     assert c.fleet.incident(inc).state == IncidentState.OPEN and c.fleet.incident(inc).category == "crash"
     assert [s["trigger_run_id"] for s in started] == [closed["triaged_again"]["run"]]
     assert not [a for a in c.fleet.actions(inc) if a.kind == "launch"]  # no restart without the crash's ladder
@@ -130,18 +132,18 @@ def test_a_close_tried_again_after_it_triaged_the_incident_again_hands_it_to_the
     c, fleet, inc, recovery, resumed = _a_slow_vote_that_found_nothing(tmp_path, monkeypatch)
     fleet.running.clear()
     c.ingest([alert("rank_exit", f"m{r}", rank=r) for r in range(4)])
-    first = steps.close(inc, None, recovery, resumed, run_id="incident__1")
+    first = steps.close(c, inc, None, recovery, resumed, run_id="incident__1")
     run = first["triaged_again"]["run"]
     assert c.fleet.incident(inc).category == "crash"
-    again = steps.close(inc, None, recovery, resumed, run_id="incident__1")  # the task's retry
+    again = steps.close(c, inc, None, recovery, resumed, run_id="incident__1")  # the task's retry
     assert again["triaged_again"] == {"run": run, "started": again["triaged_again"]["started"],
                                       "by_an_earlier_try": True}
     assert [s["trigger_run_id"] for s in started] == [run, run]  # the same run asked for (a 409 if it landed)
     assert not [a for a in c.fleet.actions(inc) if a.kind == "launch"]
     assert c.fleet.incident(inc).state == IncidentState.OPEN
     # the run it handed the incident to is a run of its own: its close is not answered from the record
-    escalated = steps.close_step(inc, None, recovery, resumed, c, run_id=run)
-    assert set(escalated) == {"watch"} and escalated["watch"]["attempt"] == 1, escalated  # (here: a job down)
+    escalated = steps.close_step(c, inc, None, recovery, resumed, run_id=run)
+    assert escalated.state == "watching" and escalated.watch.attempt == 1, escalated  # (here: a job down)
 
 
 def test_a_resume_check_that_ended_without_an_answer_is_asked_again_by_the_close_not_escalated(
@@ -151,16 +153,17 @@ def test_a_resume_check_that_ended_without_an_answer_is_asked_again_by_the_close
     restarted the job a second time, though it trained. The close looks at the job itself first: one launch,
     resolved."""
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("gpu_lost", "m2")])
     inc = item["incident"]
-    decision = steps.triage(inc)
-    result = steps.handle(steps.choose(decision), decision)
-    recovery, _stop, _swap = recover(inc, result)
+    decision = steps.triage(c, inc)
+    result = rungs.handle(c, steps.choose(decision), decision)
+    recovery, _stop, _swap = recover(c, inc, result)
     assert recovery["restarted"]
-    closed = steps.close(inc, None, recovery, None)  # no answer from the resume check's task
+    closed = steps.close(c, inc, None, recovery, None)  # no answer from the resume check's task
     assert closed["state"] == IncidentState.RESOLVED, closed
     assert len([a for a in c.fleet.actions(inc) if a.kind == "launch" and a.outcome == "done"]) == 1
 
@@ -174,16 +177,16 @@ def test_no_incident_closes_resolved_on_a_job_that_does_not_train(tmp_path, monk
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("nic_errors", "m1")])
     inc = item["incident"]
-    decision = steps.triage(inc)
+    decision = steps.triage(c, inc)
     assert decision["action"] == "tolerate"
-    idle = steps.no_recovery(decision)
-    recovery = steps.restart_job(inc, [])
-    resumed = steps.resumed(inc, recovery)
+    idle = steps.no_recovery(c, decision)
+    recovery = steps.restart_job(c, inc, [])
+    resumed = steps.resumed(c, inc, recovery)
     fleet.running.pop("m3")  # the job ended on m3 behind the incident's back, with no alert of it
-    step = steps.close_step(inc, idle, recovery, resumed, c)
-    assert "watch" in step, step  # not closed: restarted, its resume to be awaited
+    step = steps.close_step(c, inc, idle, recovery, resumed)
+    assert step.state == "watching", step  # not closed: restarted, its resume to be awaited
     assert c.fleet.incident(inc).state == IncidentState.OPEN
-    assert "does not train" in step["watch"]["why"] and "m3" in step["watch"]["why"]
+    assert "does not train" in step.watch.why and "m3" in step.watch.why
     assert len(fleet.running) == 4  # started again on every machine
     assert started == []  # no other category to re-triage to: the climb restarted it
 
@@ -209,7 +212,6 @@ def test_a_fleet_database_away_for_seconds_is_waited_out_by_the_triage_and_the_c
     """The database goes away as a GPU fault's incident begins: its triage (a fresh task process opening the
     database) waits until it is back instead of failing the run, then evicts the machine; with no wait allowed
     the same triage fails with a one-line error naming the database."""
-    from trainguard.operators.tasks import common
     from trainguard.operators.tasks import incident as steps
 
     c, fleet = fleet_controller(tmp_path)
@@ -223,10 +225,9 @@ def test_a_fleet_database_away_for_seconds_is_waited_out_by_the_triage_and_the_c
             _task_controller(c, retry_s=0)
     finally:
         shutil.move(db.with_name("fleet.db.away"), db)
-    monkeypatch.setattr(common, "controller", lambda: _task_controller(c, retry_s=60))
     back = _away(db, for_s=2.0)
     began = time.monotonic()
-    decision = steps.triage(inc)
+    decision = steps.triage(_task_controller(c, retry_s=60), inc)
     waited = time.monotonic() - began
     back.join()
     assert waited >= 1.5, waited
@@ -254,6 +255,7 @@ def test_an_open_incident_whose_run_failed_is_driven_again_then_waits_for_a_huma
     live run: the reconciler's pass finds it, starts a new run of it (which evicts the machine and closes it);
     an incident whose runs keep failing gets three new runs, then waits for a human, never left open."""
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     c, _fleet = fleet_controller(tmp_path, reconcile_grace_s=0.0)
     use_controller(monkeypatch, c)
@@ -269,12 +271,12 @@ def test_an_open_incident_whose_run_failed_is_driven_again_then_waits_for_a_huma
     assert [s["trigger_run_id"] for s in out["starts"]] == [f"incident__{inc}__redrive1"]
     assert c.reconcile_act([found])["starts"] == []  # acting on the same finding again starts nothing more
     # the new run handles it: m2 is evicted, the job restarted on a standby, the incident resolved
-    decision = steps.triage(inc)
-    result = steps.handle(steps.choose(decision), decision)
-    recovery, _stop, swap = recover(inc, result)
+    decision = steps.triage(c, inc)
+    result = rungs.handle(c, steps.choose(decision), decision)
+    recovery, _stop, swap = recover(c, inc, result)
     assert "m2" in swap["swaps"]
-    resumed = next(r for r in (steps.resumed(inc, recovery) for _ in range(20)) if r is not None)
-    steps.close(inc, None, recovery, resumed)
+    resumed = next(r for r in (steps.resumed(c, inc, recovery) for _ in range(20)) if r is not None)
+    steps.close(c, inc, None, recovery, resumed)
     assert c.fleet.incident(inc).state == IncidentState.RESOLVED
     assert c.reconcile_pass(memory, live_runs=[]) == []
 
@@ -317,7 +319,7 @@ def test_a_job_down_behind_the_incidents_backs_is_an_incident_on_the_second_look
     assert c.reconcile_pass(memory, live_runs=[]) == []  # seen once: not yet
     [found] = c.reconcile_pass(memory, live_runs=[])
     assert found.kind == "job_down" and found.machines == ("m3",) and "m3 (exited)" in found.reason
-    out = task.act([found.dump()])
+    out = task.act(c, [found.dump()])
     [start] = started
     inc = start["conf"]["incident_id"]
     assert c.fleet.incident(inc).state == IncidentState.OPEN
@@ -326,7 +328,7 @@ def test_a_job_down_behind_the_incidents_backs_is_an_incident_on_the_second_look
     assert c.triage(inc)["category"] == "crash"
     # while the incident is open the job is its: nothing found; acting on the same finding again adds nothing
     assert c.reconcile_pass(memory, live_runs=[start["trigger_run_id"]]) == []
-    assert task.act([found.dump()])["started"] == {}
+    assert task.act(c, [found.dump()])["started"] == {}
     assert len(c.fleet.incidents("j")) == 1
 
 
@@ -374,6 +376,7 @@ def test_an_explicit_fault_left_on_a_machine_of_the_job_is_raised_again_once(tmp
     evicted and came back later to the job is not raised."""
     from trainguard.operators.tasks import incident as steps
     from trainguard.operators.tasks import reconcile as task
+    from trainguard.operators.tasks import rungs
 
     c, _fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
@@ -382,13 +385,13 @@ def test_an_explicit_fault_left_on_a_machine_of_the_job_is_raised_again_once(tmp
     c.close(item["incident"], outcome=IncidentState.RESOLVED, note="closed by hand without acting")
     [found] = c.reconcile_pass({}, live_runs=[])
     assert found.kind == "unhandled_fault" and found.machines == ("m2",) and "gpu_lost" in found.reason
-    task.act([found.dump()])
+    task.act(c, [found.dump()])
     [start] = started
     inc = start["conf"]["incident_id"]
-    decision = steps.triage(inc)
+    decision = steps.triage(c, inc)
     assert decision["category"] == "machine_fault" and decision["machines"] == ["m2"]
-    result = steps.handle(steps.choose(decision), decision)
-    _recovery, _stop, swap = recover(inc, result)
+    result = rungs.handle(c, steps.choose(decision), decision)
+    _recovery, _stop, swap = recover(c, inc, result)
     assert "m2" in swap["swaps"]
     assert "m2" not in c.fleet.job("j").machine_list
     assert [f for f in c.reconcile_pass({}, live_runs=[start["trigger_run_id"]]) if f.kind == "unhandled_fault"] == []
@@ -435,24 +438,25 @@ def test_a_gpu_fault_that_joins_after_the_swap_of_an_evict_now_incident_is_evict
     and before the restart: m2 is evicted too before the launch, so the job is started once, on two standbys,
     and the resume check finds nothing pending (no second restart)."""
     from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs
 
     c, _fleet = fleet_controller(tmp_path, machines=7, breaker_share=0.75)
     use_controller(monkeypatch, c)
     [item] = c.ingest([alert("disk_full", "m1")])
     inc = item["incident"]
-    decision = steps.triage(inc)
+    decision = steps.triage(c, inc)
     assert steps.choose(decision) == "evict_now"
-    result = steps.handle("evict_now", decision)
-    stop = steps.stop_job(inc, [result])
-    swap = steps.swap_machines(inc, [result], stop)
+    result = rungs.handle(c, "evict_now", decision)
+    stop = steps.stop_job(c, inc, [result])
+    swap = steps.swap_machines(c, inc, [result], stop)
     assert set(swap["swaps"]) == {"m1"}
     c.ingest([alert("gpu_lost", "m2")])  # joins now, before restart_job
-    recovery = steps.restart_job(inc, [result], stop, swap)
+    recovery = steps.restart_job(c, inc, [result], stop, swap)
     assert recovery["restarted"] and set(recovery["swap"]["swaps"]) == {"m1", "m2"}, recovery
     assert not {"m1", "m2"} & set(c.fleet.job("j").machine_list)
-    resumed = next(r for r in (steps.resumed(inc, recovery) for _ in range(20)) if r is not None)
+    resumed = next(r for r in (steps.resumed(c, inc, recovery) for _ in range(20)) if r is not None)
     assert not resumed.get("pending") and not resumed.get("failed"), resumed
-    steps.close(inc, None, recovery, resumed)
+    steps.close(c, inc, None, recovery, resumed)
     assert c.fleet.incident(inc).state == IncidentState.RESOLVED
     assert len([a for a in c.fleet.actions(inc) if a.kind == "launch"]) == 1  # one restart
 
@@ -516,7 +520,7 @@ def test_a_job_with_steps_longer_than_the_closes_wait_is_training_while_its_rank
     machine runs it and every rank's heartbeat shows progress (a collective completed); a rank without progress
     for longer than TG_RECONCILE_STALL_S is."""
     c, fleet = fleet_controller(tmp_path, reconcile_stall_s=300.0)
-    monkeypatch.setattr(c, "trains", lambda job, **kw: False)  # no step within the wait: steps are long
+    monkeypatch.setattr(c.jobs, "trains", lambda job, **kw: False)  # no step within the wait: steps are long
     fleet.progress_age = 40.0
     assert c.not_training("j") == ""
     fleet.progress_age = 900.0
@@ -618,10 +622,10 @@ def test_a_nan_that_comes_back_after_the_restart_is_handed_to_a_new_incident_a_l
     assert new.state == "open" and new.level == first.level + 1
     assert len(c.fleet.alerts_of(first.id)) == 4 and len(c.fleet.alerts_of(new.id)) == 4  # moved, not copied
     assert out["closed"]["handed_on"]["incident"] == new.id
-    decision = steps.triage(new.id)
+    decision = steps.triage(c, new.id)
     assert decision["action"] in ("rollback", "replay"), decision  # the ladder's level 1 for a NaN
     # closing again (a retry of close_incident) moves nothing more and opens nothing more
-    steps.close(first.id, None, out["result"]["recovery"], out["resumed"])
+    steps.close(c, first.id, None, out["result"]["recovery"], out["resumed"])
     assert len(c.fleet.incidents("j")) == 2
 
 

@@ -456,15 +456,15 @@ def test_a_machine_far_below_its_peers_twice_or_computing_wrong_twice_fails(tmp_
 
 
 def test_diagnosis_runs_at_most_diag_concurrency_machines_at_once(tmp_path, monkeypatch):
-    c, _fleet = fleet_controller(tmp_path, diag_concurrency=2)
+    c, fleet = fleet_controller(tmp_path, diag_concurrency=2)
     batches: list[list[str]] = []
-    real = c._run
+    real = fleet.run_many
 
-    def counted(machines, argv_for, timeout, env=None):
+    def counted(machines, argv_for, **kwargs):
         batches.append(sorted(m.name for m in machines))
-        return real(machines, argv_for, timeout, env)
+        return real(machines, argv_for, **kwargs)
 
-    monkeypatch.setattr(c, "_run", counted)
+    monkeypatch.setattr(fleet, "run_many", counted)
     assert c.diagnose("j", levels=(1,))["failed"] == {}
     assert batches == [["m0", "m1"], ["m2", "m3"]]
     batches.clear()
@@ -473,7 +473,7 @@ def test_diagnosis_runs_at_most_diag_concurrency_machines_at_once(tmp_path, monk
 
 
 def test_the_peer_judgement_forgives_shared_slowness_only():
-    from trainguard.operators.policy.diagnosis import forgiven_by_peers
+    from trainguard.operators.control.diagnosis import forgiven_by_peers
 
     def doc(gbps: float, *, wrong: bool = False) -> dict:
         return {"tests": [{"name": "compute", "ok": not wrong, "reason": "2 results wrong" if wrong else ""},
@@ -515,19 +515,19 @@ def test_an_update_that_skipped_its_rearm_for_an_open_incident_is_rearmed_when_t
     fleet.parked -= {"m0", "m1", "m2", "m3"}  # the update restarted the job on them
     from trainguard.operators.tasks import code_update
 
-    skipped = code_update.code_rearm({"restarts": [{"job": "j"}]})["j"]
+    skipped = code_update.code_rearm(c, {"restarts": [{"job": "j"}]})["j"]
     assert skipped == {"skipped": f"incident {opened['incident']} of job j is open; its run re-arms when it ends"}
     assert not fleet.sent("standby", "park")
     # a second incident opened before the first run's re-arm: that one re-arms when it ends, not both at once
     c.close(opened["incident"], outcome="resolved", note="nothing evicted")
     [second] = c.ingest([alert("kernel_xid", "m2", xid=79)])
     assert second["incident"] != opened["incident"]
-    assert steps.rearm(opened["incident"]) == {
+    assert steps.rearm(c, opened["incident"]) == {
         "skipped": f"incident {second['incident']} of job j is open; its run re-arms when it ends"}
     c.close(second["incident"], outcome="resolved", note="nothing evicted")
-    armed = steps.rearm(second["incident"])  # no restart in this run either
+    armed = steps.rearm(c, second["incident"])  # no restart in this run either
     assert armed["parked"] == ["m0", "m1", "m2", "m3"] and armed["failed"] == {}
     assert sorted(fleet.sent("standby", "park")) == ["m0", "m1", "m2", "m3"]
     # repeating it parks nothing more
-    steps.rearm(second["incident"])
+    steps.rearm(c, second["incident"])
     assert len(fleet.sent("standby", "park")) == 4

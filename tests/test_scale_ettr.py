@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from trainguard.node_tools.inventory import Inventory, Machine
-from trainguard.operators.control import ControlConfig
-from trainguard.operators.control.ettr import EttrLedger
+from trainguard.operators.control import ControlConfig, Controller
+from trainguard.operators.control.ettr import Ettr
 from trainguard.operators.fleet import FleetStore
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
@@ -85,7 +85,7 @@ def ref_incident_split(incident: Mapping[str, Any], records: Iterable[Mapping[st
 
 def ref_report(fleet: FleetStore, job: str, records: list[dict[str, Any]], as_of: float, window_s: float = 3600.0,
                ) -> dict[str, Any]:
-    """EttrLedger.ettr_report as it was: every incident's split re-reads the whole history."""
+    """Ettr.ettr_report as it was: every incident's split re-reads the whole history."""
     now = as_of
     first = min(float(r["ts"]) - float(r.get("step_time_s") or 0.0) for r in records)
     incidents, by_cause = [], {}
@@ -166,7 +166,7 @@ def assert_same_ettr(got: ettr.Ettr, want: ettr.Ettr) -> None:
 
 
 def ledger_over(tmp_path: Path, incidents: list[dict[str, Any]], *, still_open: bool = False
-                ) -> tuple[EttrLedger, FleetStore]:
+                ) -> tuple[Ettr, FleetStore]:
     """An ETTR ledger whose fleet database holds job ``j`` and its ``incidents`` (opened and closed through the
     fleet database's own calls, in order), the last one left open when ``still_open``."""
     clock = [0.0]
@@ -182,9 +182,9 @@ def ledger_over(tmp_path: Path, incidents: list[dict[str, Any]], *, still_open: 
         fleet.update_incident(opened.id, state=inc["state"], **{k: inc[k] for k in (
             "diagnosis_start_ts", "decided_ts", "resumed_ts") if inc[k] is not None})
     inventory = Inventory(cluster="t", transport="local", machines=[Machine(name="m0", address="10.0.0.10")])
-    ledger = EttrLedger(ControlConfig(fleet_url=str(tmp_path / "fleet.db"),
-                                      inventory=str(tmp_path / "inventory.json")), inventory=inventory, fleet=fleet)
-    return ledger, fleet
+    c = Controller(ControlConfig(fleet_url=str(tmp_path / "fleet.db"), inventory=str(tmp_path / "inventory.json")),
+                   inventory=inventory, fleet=fleet)
+    return c.ettr, fleet
 
 
 # ---- the policy ---------------------------------------------------------------------------------------------
@@ -292,8 +292,8 @@ def test_a_report_says_which_machines_did_not_answer_for_their_step_records(tmp_
     use_controller(monkeypatch, c)
     notes: list[str] = []
     monkeypatch.setattr(common, "note", notes.append)
-    out = ettr_task.ettr_reports("j", 3600.0)
+    out = ettr_task.ettr_reports(c, "j", 3600.0)
     assert out["j"]["unanswered"] == ["m3"]
     assert notes[0].endswith("(partial: m3 did not answer)"), notes
     fake.unreachable = set()
-    assert ettr_task.ettr_reports("j", 3600.0)["j"]["unanswered"] == []
+    assert ettr_task.ettr_reports(c, "j", 3600.0)["j"]["unanswered"] == []

@@ -143,7 +143,7 @@ def test_a_burst_from_every_rank_is_one_incident_each_alert_once_in_one_transact
     event = _event([*burst, *burst[:50]], [f"big-{i:04d}" for i in range(BIG)])  # 50 delivered twice
     seen = _Statements(c.fleet.engine)
     try:
-        [start] = group_alerts(event, c)
+        [start] = group_alerts(c, event)
     finally:
         seen.close()
     [inc] = c.fleet.incidents("big")
@@ -156,7 +156,7 @@ def test_a_burst_from_every_rank_is_one_incident_each_alert_once_in_one_transact
     assert c.fleet.cursor("guardian") == pytest.approx(event["read"])
     assert len(c.fleet.liveness()) == BIG and c.fleet.quarantined() == []
     before = _recorded(c)
-    assert group_alerts(event, c) == []  # delivered again: nothing new, no run to start
+    assert group_alerts(c, event) == []  # delivered again: nothing new, no run to start
     assert _recorded(c) == before and [i.id for i in c.fleet.incidents("big")] == [inc.id]
     assert c.fleet.cursor("guardian") == pytest.approx(event["read"])
 
@@ -165,12 +165,12 @@ def test_a_burst_in_ten_batches_joins_the_one_incident_it_opened(tmp_path: Path,
     c = _controller(tmp_path, fleet_url, {"big": BIG})
     burst = _hang("big", BIG)
     events = [_event(burst[i::10]) for i in range(10)]
-    opened = [group_alerts(e, c) for e in events]
+    opened = [group_alerts(c, e) for e in events]
     assert len(opened[0]) == 1 and not any(opened[1:])  # one run: the incident the first batch opened
     [inc] = c.fleet.incidents("big")
     assert set(_recorded(c).values()) == {inc.id} and sorted(_recorded(c)) == sorted(a["id"] for a in burst)
     before = _recorded(c)
-    assert group_alerts(events[3], c) == [] and _recorded(c) == before
+    assert group_alerts(c, events[3]) == [] and _recorded(c) == before
     assert set(c.fleet.cursor("guardian")) == {a["bus_name"] for a in burst}
 
 
@@ -238,11 +238,11 @@ def test_a_database_without_on_conflict_records_the_same(tmp_path: Path, monkeyp
     c = _controller(tmp_path, str(tmp_path / "fleet.db"), {"big": 150})
     burst = _hang("big", 150)
     event = _event([*burst, *burst[:10]], ["big-0000"])
-    [_] = group_alerts(event, c)
+    [_] = group_alerts(c, event)
     [inc] = c.fleet.incidents("big")
     assert sorted(_recorded(c)) == sorted(a["id"] for a in burst) and set(_recorded(c).values()) == {inc.id}
     # an alert recorded before keeps its incident; the new one is added
     c.fleet.open_incident("big", [burst[0], _alert("rank_hang", "big-0001", job="big", rank=9)])
     assert len(_recorded(c)) == len(burst) + 1 and set(_recorded(c).values()) == {inc.id}
-    assert group_alerts(event, c) == [] and c.fleet.cursor("guardian") == pytest.approx(event["read"])
+    assert group_alerts(c, event) == [] and c.fleet.cursor("guardian") == pytest.approx(event["read"])
     assert list(c.fleet.liveness()) == ["big-0000"]

@@ -75,7 +75,7 @@ def test_the_simulator_decides_what_the_control_planes_triage_task_decides(tmp_p
     use_controller(monkeypatch, c)
     [opened] = c.ingest([{"id": f"{alert_kind}-1", "job": "j", "machine": "m1", "rank": 1, "kind": alert_kind,
                           "severity": "fault", "ts": 100.0, "evidence": {}}])
-    plane = incident_tasks.triage(opened["incident"])  # what tg_incident's triage task returns
+    plane = incident_tasks.triage(c, opened["incident"])  # what tg_incident's triage task returns
     sim = engine.Simulation(model.load_model(), profiles.byterobust(1200), gpus=9600, days=1)
     t, d = sim.decide(sim.kinds[sim_kind], 5, 100.0, level=0, rollback_to=plane["rollback_to"])
     assert (t.category.value, d.action.value) == (plane["category"], plane["action"])

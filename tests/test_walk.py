@@ -16,18 +16,22 @@ def _walk_module():
     return mod
 
 
-def test_stays_rooms_and_returns_are_counted_as_defined():
+def test_stays_rooms_returns_and_climbs_are_counted_as_defined():
     w = _walk_module()
-    figures = w.walk(["a", "a", "b", "a", "c", "c", "b"])
-    assert figures == {"stays": 5, "rooms": 3, "returns": 2, "path": ["a", "b", "a", "c", "b"]}
+    t, c, p = "operators/tasks/x.py", "operators/control/y.py", "operators/policy/z.py"
+    figures = w.walk([t, t, c, t, p, p, c], [(t, c), (t, p), (p, c)])
+    assert figures == {"stays": 5, "rooms": 3, "returns": 2, "climbs": 1, "climbed": [f"{p} -> {c}"],
+                       "path": [t, c, t, p, c]}
     assert w.room_of(str(REPO / "operators" / "policy" / "ladder.py")) == "operators/policy/ladder.py"
     assert w.room_of(str(REPO / "operators" / "fleet" / "store.py")) is None  # what the decision stands on
 
 
-def test_the_stop_time_diagnosis_walk_is_traced_from_the_task_to_the_policy():
+def test_the_stop_time_diagnosis_walks_at_most_eight_stays_and_never_climbs_back_up():
+    """The typed rung pipeline: the rung's task gathers (the job's stop and logs, the diagnosis) and the ladder
+    decides, each once, straight through; no service calls back into a task, no policy into a service."""
     w = _walk_module()
-    figures = w.walk(w.trace_decision())
+    figures = w.walk(*w.trace_decision())
     path = figures["path"]
-    assert path[0] == path[-1] == "operators/tasks/incident.py"
-    assert {"operators/tasks/rungs.py", "operators/policy/ladder.py", "operators/control/diagnosis.py"} <= set(path)
-    assert figures["stays"] >= figures["rooms"] >= 5
+    assert path[0] == path[-1] == "operators/tasks/rungs.py"
+    assert {"operators/control/jobs.py", "operators/policy/ladder.py", "operators/control/diagnosis.py"} <= set(path)
+    assert figures["stays"] <= 8 and figures["climbs"] == 0, figures

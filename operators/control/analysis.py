@@ -8,11 +8,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainguard.node_tools import launcher
-from trainguard.operators.control.base import ControllerBase
+from trainguard.operators.control.base import Part
 from trainguard.operators.policy import ladder, runtime
 
 
-class RuntimeAnalysis(ControllerBase):
+class Analysis(Part):
     """Evidence taken from the running (or hanging) job."""
 
     def analyze(self, job: str, incident_id: int | None = None) -> dict[str, Any]:
@@ -28,9 +28,9 @@ class RuntimeAnalysis(ControllerBase):
         firsts = [] if incident_id is None else \
             self.fleet.alerts_of(incident_id, kinds={"rank_hang", "rank_slow"}, limit=64)  # oldest first
         first = next((a.rank for a in firsts if a.rank is not None), None)
-        topo = self.topology(job)
-        results = self._run(self.machines(j.machine_list),
-                            lambda m: [self.inventory.tg_node, "stacks", "--job", job], timeout=60)
+        topo = j.topology
+        results = self.transport.run_many(self.inventory.named(j.machine_list),
+                                          lambda m: [self.inventory.tg_node, "stacks", "--job", job], timeout=60)
         docs = {n: r.json() for n, r in results.items() if r.reachable and not r.timed_out and r.json()}
         # an alert saying a rank stopped is a claim; the process the stacks see is the evidence
         stopped = runtime.confirmed_stopped(claimed, docs)
@@ -50,7 +50,7 @@ class RuntimeAnalysis(ControllerBase):
         """Each rank's compute time in its last step (step time less the time spent in collectives),
         from every machine's ``tg-node job status``: one round of the fail-slow vote."""
         j = self.fleet.job(job)
-        st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+        st = launcher.status(self.inventory, job, self.inventory.named(j.machine_list), transport=self.transport)
         out: dict[int, float] = {}
         for doc in st.values():
             for r in doc.get("ranks", []):
@@ -83,7 +83,7 @@ class RuntimeAnalysis(ControllerBase):
         verdict's kind and machines."""
         inc = self.fleet.incident(incident_id)
         j = self.fleet.job(inc.job)
-        voter = runtime.SlowVoter(self.topology(inc.job), rounds=max(1, len(rounds)))
+        voter = runtime.SlowVoter(j.topology, rounds=max(1, len(rounds)))
         flagged = [voter.add_round({int(r): float(t) for r, t in times.items()}, factor=self.cfg.slow_factor)
                    for times in rounds]
         if superseded:

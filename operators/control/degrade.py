@@ -8,20 +8,29 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import launcher
-from trainguard.operators.control.base import ControllerBase, held_copies
-from trainguard.operators.control.jobs import _verdict
+from trainguard.operators.control.base import Part
+from trainguard.operators.control.jobs import _verdict, held_copies
 from trainguard.operators.policy import degrade
+
+if TYPE_CHECKING:
+    from trainguard.operators.control.evictions import Evictions
+    from trainguard.operators.control.jobs import Jobs
 
 #: seconds before the first alert from which the stopped group's logs are read for the verdict
 LOGS_BEFORE_S = 120.0
 
 
-class ReplicaDegrade(ControllerBase):
+class Degrade(Part):
     """The degrade path of an incident (see the module)."""
+
+    def __init__(self, *base: Any, jobs: Jobs, evictions: Evictions) -> None:
+        super().__init__(*base)
+        self.jobs = jobs
+        self.evictions = evictions
 
     def degrade_plan(self, decision: Mapping[str, Any]) -> degrade.DegradePlan | None:
         """The path the incident's ``decision`` (an :class:`~trainguard.operators.models.IncidentDecision` document)
@@ -40,11 +49,11 @@ class ReplicaDegrade(ControllerBase):
         if groups is None:
             return None
         at = {name: i for i, name in enumerate(j.machine_list)}
-        return degrade.plan(self.topology(j.name), category=str(decision["category"]), action=str(decision["action"]),
+        return degrade.plan(j.topology, category=str(decision["category"]), action=str(decision["action"]),
                             machines=[at[m] for m in decision.get("machines") or () if m in at],
                             level=int(decision.get("level") or 0), min_replicas=groups.min_replicas)
 
-    def degrade(self, incident_id: int, p: degrade.DegradePlan) -> dict[str, Any]:
+    def take_out(self, incident_id: int, p: degrade.DegradePlan) -> dict[str, Any]:
         """Take ``p``'s replica groups out while the others train on: stop the groups on their machines (reading
         their logs in the same sessions), swap those machines for warm standbys (the whole group: over-evicted,
         the pool checks them before they serve again; in place when no standby is free), and start the groups
@@ -66,8 +75,9 @@ class ReplicaDegrade(ControllerBase):
             self.fleet.finish_action(action.id, "dry_run", p.reason)
             return {"degraded": {"replicas": list(p.replicas), "left": names, "dry_run": True}}
         since = (inc.first_alert_ts or time.time()) - LOGS_BEFORE_S
-        results = launcher.stop_sessions(self.inventory, inc.job, self.machines(names), grace_s=self.cfg.stop_grace_s,
-                                         transport=self.transport, logs_since=since, copies=True)
+        results = launcher.stop_sessions(self.inventory, inc.job, self.inventory.named(names),
+                                         grace_s=self.cfg.stop_grace_s, transport=self.transport, logs_since=since,
+                                         copies=True)
         verdict = _verdict({n: r.reachable and ((r.answer() or {}).get("logs") or {}).get("verdict")
                             for n, r in results.items()})
         if verdict["verdict"] == "user_code":
@@ -84,8 +94,8 @@ class ReplicaDegrade(ControllerBase):
 
         swaps: dict[str, str] = {}
         why = f"degrade: {p.reason}"
-        if len(self.pool()) >= len(names):
-            ev = self.evict(incident_id, names, reason=why, copies=copies)
+        if len(self.evictions.pool()) >= len(names):
+            ev = self.evictions.evict(incident_id, names, reason=why, copies=copies)
             if ev.get("waiting_human"):  # the breaker, or the checkpoints: the others train on meanwhile
                 return waiting(ev)
             swaps = dict(ev.get("swaps") or {})
@@ -99,12 +109,12 @@ class ReplicaDegrade(ControllerBase):
                 # a standby that fails to start (broken, gone) is replaced by the next, as a restart's would be;
                 # out of standbys or tries, the whole job goes the ladder's way (its restart has its own retries)
                 bad = sorted(n for n in exc.failed if n in serving and n not in names)
-                if attempt + 1 >= attempts or not bad or len(self.pool()) < len(bad):
+                if attempt + 1 >= attempts or not bad or len(self.evictions.pool()) < len(bad):
                     out = {"stop_world": f"the replica group(s) did not start on {', '.join(serving)} ({exc}); the "
                                          f"whole job restarts instead"[:900]}
                     self.fleet.finish_action(action.id, "stop_world", json.dumps(out))
                     return out
-                ev = self.evict(incident_id, bad, breaker=False, reason="failed to start: " + "; ".join(
+                ev = self.evictions.evict(incident_id, bad, breaker=False, reason="failed to start: " + "; ".join(
                     exc.failed[n] for n in bad)[:300])
                 if ev.get("waiting_human"):
                     return waiting(ev)
@@ -120,7 +130,7 @@ class ReplicaDegrade(ControllerBase):
     def _start_groups(self, incident_id: int, job: str, p: degrade.DegradePlan, serving: list[str]
                       ) -> tuple[float, list[str]]:
         """Start ``p``'s replica groups on ``serving`` (an action of the incident): when, and which started warm."""
-        plan = self._plan(job, set(), warm_if_parked=True)
+        plan = self.jobs.plan_launch(job, set(), warm_if_parked=True)
         # a kind of its own: a launch of the whole job is what a cleared restart_job repeats (restart_again)
         launch, _ = self.fleet.record_action(f"replica_launch:{job}:{incident_id}:{','.join(serving)}",
                                              kind="replica_launch", incident_id=incident_id, machines=serving,
@@ -137,39 +147,3 @@ class ReplicaDegrade(ControllerBase):
                                  evidence={"warm": warm})
         return started_ts, warm
 
-    def training_groups(self, job: str, states: Mapping[str, Any]) -> list[str] | None:
-        """For a job run as replica groups with the degrade path on: the machines of its groups whose every machine
-        runs (``states``: each machine's job state), when they are at least its ``min_replicas``; else None."""
-        from trainguard.operators.jobspec import replica_groups
-
-        j = self.fleet.job(job)
-        groups = replica_groups(j, degrading=True)
-        if groups is None:
-            return None
-        per = len(j.machine_list) // max(1, j.dp)  # a replica's consecutive machines (the launch's replica_of)
-        groups_of = [j.machine_list[i:i + per] for i in range(0, len(j.machine_list), per)]
-        running = [g for g in groups_of if all(states.get(n) == "running" for n in g)]
-        return [n for g in running for n in g] if len(running) >= groups.min_replicas else None
-
-    def rejoined(self, job: str, machines: list[str], restart_ts: float) -> dict[str, Any] | None:
-        """Whether the replica groups started on ``machines`` at ``restart_ts`` train again: the first rank of
-        their first machine committed a step after the start, and every rank of those machines reports a step
-        at least as far. Then the step it rejoined at, the step it healed from (a live replica's state, not a
-        checkpoint) and how many groups trained it; else None."""
-        first = self.inventory.machine(machines[0])
-        ranks = self.topology(job).ranks_on(self.fleet.job(job).machine_list.index(machines[0]))
-        try:
-            records = launcher.steps(self.inventory, job, first, rank=ranks[0], since_ts=restart_ts,
-                                     transport=self.transport)
-        except TrainguardError:
-            return None
-        fresh = [r for r in records if r.get("ts", 0) > restart_ts]
-        if not fresh:
-            return None
-        st = launcher.status(self.inventory, job, self.machines(machines), transport=self.transport)
-        steps = [r.get("step") for d in st.values() for r in d.get("ranks", [])]
-        expected = len(machines) * self.topology(job).ranks_per_machine
-        if len(steps) < expected or any(s is None or s < fresh[0]["step"] for s in steps):
-            return None
-        return {"first_step": fresh[0]["step"], "healed_from_step": fresh[0].get("healed_from_step"),
-                "participants": fresh[0].get("participants"), "ts": fresh[0]["ts"]}

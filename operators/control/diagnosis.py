@@ -1,17 +1,85 @@
 """Stop-time diagnosis: L1, L2 and L3 in pairs of neighbours (and the alignment test), judged with the peers of
-the same round, a failure run again alone before it counts; the probe of a silent agent."""
+the same round, a failure run again alone before it counts; the probe of a silent agent.
+
+A diagnosis measures; the ladder decides what to do with its report (evict what failed, restart in place). How a
+reading is judged belongs to the measurement, so it lives here, beside the rounds it judges. A diagnosis runs while
+other machines are diagnosed beside it, on hosts that may be busy: an absolute floor alone (a memory bandwidth of
+0.5 GB/s) fails healthy machines that merely share their cores. So:
+
+* a *measurement* (a bandwidth) is judged against the peers measured in the same round: a machine fails it only when
+  it is also far below the median of its peers (less than :data:`PEER_SHARE` of it); when every machine is slow, the
+  load is shared and nobody fails on it (:func:`forgiven_by_peers`);
+* a *correctness* failure (a wrong matmul result, a copy that came back different, a collective that delivered wrong
+  data, a GPU missing) fails on its own;
+* a failed reading is repeated, alone, before it can evict.
+"""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainguard.node_tools.inventory import Machine
 from trainguard.node_tools.transport import RunResult
-from trainguard.operators.control.base import ControllerBase
+from trainguard.operators.control.base import Part
 from trainguard.operators.fleet import states
 from trainguard.operators.policy import sdc
+
+#: a measurement below this share of the median of the peers measured in the same round fails
+PEER_SHARE = 0.5
+#: tests whose failure can be a measurement below a floor (the rest are correctness)
+MEASURED = {"memory": "gbps"}
+
+
+def _measured_only(doc: Mapping[str, Any]) -> dict[str, float] | None:
+    """The measurements of a report whose failed tests all failed a floor only: test -> value; None when a
+    correctness test failed (or a failed test has no measurement)."""
+    out: dict[str, float] = {}
+    for t in doc.get("tests") or []:
+        if t.get("ok") or t.get("name") == "collective_neighbours":
+            continue
+        key = MEASURED.get(str(t.get("name")))
+        value = ((t.get("details") or {}).get(key)) if key else None
+        if not isinstance(value, (int, float)) or "below the floor" not in str(t.get("reason", "")) or \
+                "came back different" in str(t.get("reason", "")):
+            return None
+        out[str(t["name"])] = float(value)
+    return out
+
+
+def _value(doc: Mapping[str, Any], test: str) -> float | None:
+    for t in doc.get("tests") or []:
+        if t.get("name") == test:
+            value = (t.get("details") or {}).get(MEASURED[test])
+            return float(value) if isinstance(value, (int, float)) else None
+    return None
+
+
+def forgiven_by_peers(round_docs: Mapping[str, Mapping[str, Any] | None]) -> dict[str, str]:
+    """Machines of one round (machine -> its L2 report) whose only failures are measurements below a floor
+    while they are not far below their peers' median: machine -> why it passes. With no peer measured, the
+    floor stands."""
+    out: dict[str, str] = {}
+    for machine, doc in round_docs.items():
+        measured = _measured_only(doc) if doc else None
+        if not measured:
+            continue
+        whys = []
+        for test, value in measured.items():
+            peers = [v for m, d in round_docs.items() if m != machine and d
+                     for v in [_value(d, test)] if v is not None]
+            if not peers:
+                break
+            median = statistics.median(peers)
+            if value < PEER_SHARE * median:
+                break
+            whys.append(f"{test} {value:.3g} is {value / median:.0%} of its {len(peers)} peers' median "
+                        f"{median:.3g}, measured in the same round: the load is shared")
+        else:
+            out[machine] = "; ".join(whys)
+    return out
 
 
 def _digest(r: RunResult) -> str | None:
@@ -31,7 +99,7 @@ def neighbour_groups(names: Sequence[str]) -> list[list[str]]:
     return groups
 
 
-class Diagnosis(ControllerBase):
+class Diagnosis(Part):
     """Tests on the job's machines while it is stopped."""
 
     def diagnose(self, job: str, machine_names: Sequence[str] | None = None, *, levels: Sequence[int] = (1, 2, 3),
@@ -43,7 +111,7 @@ class Diagnosis(ControllerBase):
         one test process per machine (:meth:`_l2_l3`). NaN adds the alignment test, run in L3's test process
         after its collective (alone when L3 does not run): a machine whose digest differs from a strict
         majority fails (a tie is broken by self-checked standbys). Robust to load
-        (:mod:`trainguard.operators.policy.diagnosis`): at most ``diag_concurrency`` machines at once, measurements
+        (see the module): at most ``diag_concurrency`` machines at once, measurements
         judged against the peers of the same round, and a failed L1 or L2 repeated alone before it counts."""
         names = list(machine_names or self.fleet.job(job).machine_list)
         failed: dict[str, str] = {}
@@ -96,15 +164,13 @@ class Diagnosis(ControllerBase):
         out: dict[str, RunResult] = {}
         size = max(1, self.cfg.diag_concurrency)
         for i in range(0, len(machines), size):
-            out.update(self._run(machines[i:i + size], argv_for, timeout=timeout))
+            out.update(self.transport.run_many(machines[i:i + size], argv_for, timeout=timeout))
         return out
 
     def _l2_bad(self, docs: Mapping[str, Any], results: Mapping[str, RunResult]) -> tuple[dict[str, list[str]],
                                                                                          dict[str, str]]:
         """The L1/L2 failures of one round (machine -> reasons, the collective left out) after the peers'
         judgement, and the machines it forgave (machine -> why)."""
-        from trainguard.operators.policy.diagnosis import forgiven_by_peers
-
         bad: dict[str, list[str]] = {}
         for n, doc in docs.items():
             tests = (doc or {}).get("tests") or []
@@ -123,10 +189,10 @@ class Diagnosis(ControllerBase):
         with that round's peers)."""
         argv = [self.inventory.tg_node, "diag", "--level", str(level)]
         if first is not None:
-            results = {n: r for n in names for n, r in self._run(self.machines([n]), lambda m: argv,
-                                                                  timeout=self.cfg.diag_timeout_s).items()}
+            results = {n: r for n in names for n, r in self.transport.run_many(
+                self.inventory.named([n]), lambda m: argv, timeout=self.cfg.diag_timeout_s).items()}
         else:
-            results = self._waves(self.machines(names), lambda m: argv, timeout=self.cfg.diag_timeout_s)
+            results = self._waves(self.inventory.named(names), lambda m: argv, timeout=self.cfg.diag_timeout_s)
         docs = {n: r.answer() for n, r in results.items()}
         bad, forgiven = self._l2_bad({**(first or {}), **docs}, results)
         bad = {n: r for n, r in bad.items() if n in docs}
@@ -205,7 +271,8 @@ class Diagnosis(ControllerBase):
         return digests.pop() if len(digests) == 1 and None not in digests else None
 
     def _align(self, names: Sequence[str]) -> dict[str, RunResult]:
-        return self._run(self.machines(names), lambda m: [self.inventory.tg_node, "align"], timeout=60)
+        return self.transport.run_many(self.inventory.named(names), lambda m: [self.inventory.tg_node, "align"],
+                                       timeout=60)
 
     def _l3(self, names: Sequence[str], *, align: bool = False, level: int = 3) -> dict[str, RunResult]:
         """L3 in pairs of neighbours (an odd one out joins the last pair); with ``align``, each machine's
@@ -226,7 +293,8 @@ class Diagnosis(ControllerBase):
         wave: list[str] = []
         for group in [*groups, []]:  # whole groups only: a pair meets at its collective
             if wave and (not group or len(wave) + len(group) > size):
-                out.update(self._run(self.machines(wave), lambda m: argv[m.name], timeout=self.cfg.diag_timeout_s))
+                out.update(self.transport.run_many(self.inventory.named(wave), lambda m: argv[m.name],
+                                                   timeout=self.cfg.diag_timeout_s))
                 wave = []
             wave += group
         return out
@@ -237,8 +305,8 @@ class Diagnosis(ControllerBase):
         (``tg-node agent --restart``; ``restarted``: machine -> what happened). Every probe is an action of
         the incident with its evidence."""
         names = [n for n in machine_names if n in self.inventory.names()]
-        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "diag", "--level", "1"],
-                            timeout=timeout_s)
+        results = self.transport.run_many(self.inventory.named(names),
+                                          lambda m: [self.inventory.tg_node, "diag", "--level", "1"], timeout=timeout_s)
         faulty: dict[str, str] = {}
         healthy = []
         for n, r in results.items():
@@ -251,8 +319,8 @@ class Diagnosis(ControllerBase):
                 healthy.append(n)
         restarted: dict[str, str] = {}
         if healthy and not self.cfg.dry_run:
-            again = self._run(self.machines(healthy), lambda m: [self.inventory.tg_node, "agent", "--restart"],
-                              timeout=30)
+            again = self.transport.run_many(self.inventory.named(healthy),
+                                            lambda m: [self.inventory.tg_node, "agent", "--restart"], timeout=30)
             for n, r in again.items():
                 doc = r.answer() or {}
                 restarted[n] = (f"passed L1; its agent was {doc.get('before', {}).get('agent', {}).get('state', '?')}"

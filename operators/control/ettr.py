@@ -8,13 +8,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainguard.core.errors import TrainguardError
-from trainguard.operators.control.base import ControllerBase
+from trainguard.operators.control.base import Part
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
 from trainguard.operators.policy import ettr
 
 
-class EttrLedger(ControllerBase):
+class Ettr(Part):
     """The job's effective training time."""
 
     def step_history(self, job: str, rank: int = 0, *, unanswered: list[str] | None = None
@@ -25,7 +25,7 @@ class EttrLedger(ControllerBase):
         always has the higher number. ``unanswered``: gets the machines that could not be asked (unreachable,
         or no answer in time), whose records, if they hold any, are missing from the history."""
         argv = [self.inventory.tg_node, "job", "steps", "--job", job, "--rank", str(rank)]
-        results = self._run(self.inventory.machines, lambda m: argv, timeout=30)
+        results = self.transport.run_many(self.inventory.machines, lambda m: argv, timeout=30)
         if unanswered is not None:
             unanswered.extend(sorted(n for n, res in results.items() if not res.reachable or res.timed_out))
         records = [dict(r, machine=name) for name, res in results.items() if res.ok

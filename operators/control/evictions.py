@@ -8,15 +8,20 @@ import json
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.node_tools.inventory import Machine
 from trainguard.node_tools.logs import UNRESTORABLE_KIND
 from trainguard.node_tools.transport import RunResult
-from trainguard.operators.control.base import ControllerBase, held_copies
+from trainguard.operators.control.base import Part
+from trainguard.operators.control.jobs import held_copies
 from trainguard.operators.fleet import states
 from trainguard.operators.hooks.s3 import S3Access, s3_access
 from trainguard.operators.policy import ladder
+
+if TYPE_CHECKING:
+    from trainguard.operators.control.incidents import Incidents
+    from trainguard.operators.control.jobs import Jobs
 
 PROBE_TIMEOUT_S = 15.0  # the most a standby's answer is waited for when nothing else answers
 PROBE_GRACE_S = 2.0  # once enough standbys answered: how long a silent one earlier in the order is waited for
@@ -44,8 +49,13 @@ def _answered_well(r: RunResult) -> bool:
     return r.ok and isinstance(r.answer(), dict)
 
 
-class Evictions(ControllerBase):
+class Evictions(Part):
     """Swapping machines for standbys, safely."""
+
+    def __init__(self, *base: Any, jobs: Jobs, incidents: Incidents) -> None:
+        super().__init__(*base)
+        self.jobs = jobs
+        self.incidents = incidents
 
     def pool(self) -> list[str]:
         """The standbys of the fleet database that the inventory holds, in the fleet's order."""
@@ -95,7 +105,7 @@ class Evictions(ControllerBase):
             return {}
         pool = set(self.pool())
         names = [n for n in names if n in pool]
-        results = self._run(self.machines(names), self._status_argv, timeout=PROBE_TIMEOUT_S)
+        results = self.transport.run_many(self.inventory.named(names), self._status_argv, timeout=PROBE_TIMEOUT_S)
         out: dict[str, str] = {}
         for n, r in results.items():
             if _answered_well(r):
@@ -119,7 +129,7 @@ class Evictions(ControllerBase):
                 answers[m.name] = r
                 arrived.notify_all()
 
-        for m in self.machines(names):
+        for m in self.inventory.named(names):
             threading.Thread(target=ask, args=(m,), name=f"tg-probe-{m.name}", daemon=True).start()
         t0 = time.monotonic()
         with arrived:
@@ -187,7 +197,7 @@ class Evictions(ControllerBase):
             return {"swaps": json.loads(action.detail or "{}"), "reason": "done before"}
         if breaker and not verdict.allowed:
             self.fleet.finish_action(action.id, "skipped", verdict.reason)
-            return self.wait_for_human(incident_id, verdict.reason)
+            return self.fleet.wait_for_human(incident_id, verdict.reason)
         standbys, passed_over = self.ready_standbys(len(wanted), why=f" to replace {', '.join(wanted)} in {inc.job}")
         silent = {"passed_over": passed_over} if passed_over else {}
         deferred: list[str] = []
@@ -197,18 +207,18 @@ class Evictions(ControllerBase):
                    f"machines to the pool (tg_standby_pool) or repair the standbys, then resolve the incident")
             if not must or len(standbys) < len(must):
                 self.fleet.finish_action(action.id, "skipped", why, evidence={"standbys": standbys, **silent})
-                return self.wait_for_human(incident_id, why)
+                return self.fleet.wait_for_human(incident_id, why)
             order = must + [n for n in wanted if n not in set(must)]
             wanted, deferred = order[:len(standbys)], order[len(standbys):]
             reason = (f"{reason}; partial swap: {len(standbys)} standbys for {len(order)} machines, "
                       f"{', '.join(wanted)} swapped (the evidence's first), {', '.join(deferred)} kept for now")
         if copies is not None:  # what the stop found, handed on: no round of reads
-            self._copies[inc.job] = {n: None if c is None else [(str(t), int(st), int(r)) for t, st, r in c]
+            self.memory.copies[inc.job] = {n: None if c is None else [(str(t), int(st), int(r)) for t, st, r in c]
                                      for n, c in copies.items()}
         kept = self.protect_checkpoints(inc.job, wanted, max_step=max_step)
         if kept.get("refused"):
             self.fleet.finish_action(action.id, "skipped", kept["refused"], evidence={"checkpoint": kept, **silent})
-            return {**self.wait_for_human(incident_id, kept["refused"]), "checkpoint": kept}
+            return {**self.fleet.wait_for_human(incident_id, kept["refused"]), "checkpoint": kept}
         plan = dict(zip(sorted(wanted), standbys, strict=False))
         if self.cfg.dry_run:
             self.fleet.finish_action(action.id, "dry_run", json.dumps(plan), evidence={"checkpoint": kept})
@@ -245,11 +255,11 @@ class Evictions(ControllerBase):
     def copies(self, job: str, names: Sequence[str]) -> dict[str, list[tuple[str, int, int]] | None]:
         """The checkpoint copies each of ``names`` holds (``(tier, step, rank)``; None: it did not answer): from
         the stop this controller just made, else read now (``tg-node ckpt list``)."""
-        known = self._copies.get(job) or {}
+        known = self.memory.copies.get(job) or {}
         if all(n in known for n in names):
             return {n: known[n] for n in names}
-        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "ckpt", "list", "--job", job],
-                            timeout=30)
+        results = self.transport.run_many(self.inventory.named(names),
+                                          lambda m: [self.inventory.tg_node, "ckpt", "list", "--job", job], timeout=30)
         out: dict[str, list[tuple[str, int, int]] | None] = {}
         for n, r in results.items():
             doc = r.answer()
@@ -276,7 +286,7 @@ class Evictions(ControllerBase):
             return {"checked": False, "reason": "the job keeps no checkpoints"}
         world = j.tp * j.pp * j.dp
         if fresh:
-            self._copies.pop(job, None)
+            self.memory.copies.pop(job, None)
         serving, known = set(j.machine_list), self.inventory.names()
         names = [*j.machine_list, *(n for n in evict if n not in serving and n in known)]
         copies = self.copies(job, names)
@@ -300,7 +310,7 @@ class Evictions(ControllerBase):
         why = remote_error or "nothing to rescue from"
         if url and safety.rescue and not self.cfg.dry_run:
             step = str(safety.step)
-            done = self._run(self.machines(sorted(safety.rescue)), lambda m: [
+            done = self.transport.run_many(self.inventory.named(sorted(safety.rescue)), lambda m: [
                 self.inventory.tg_node, "ckpt", "rescue", "--job", job, "--step", step, "--to", url,
                 "--endpoint-url", access.endpoint_url], timeout=600, env=access.env)
             out["rescued"] = {n: [u["rank"] for u in (r.answer() or {}).get("uploaded", [])] if r.ok else r.describe()
@@ -339,8 +349,8 @@ class Evictions(ControllerBase):
     def job_logs(self, job: str) -> dict[str, dict[str, Any] | None]:
         """Each machine's ``tg-node logs --job J`` (None: it did not answer)."""
         names = self.fleet.job(job).machine_list
-        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "logs", "--job", job],
-                            timeout=60)
+        results = self.transport.run_many(self.inventory.named(names),
+                                          lambda m: [self.inventory.tg_node, "logs", "--job", job], timeout=60)
         return {n: (r.answer() if r.reachable and not r.timed_out else None) for n, r in results.items()}
 
     def before_retry(self, incident_id: int, why: str) -> dict[str, Any]:
@@ -351,9 +361,9 @@ class Evictions(ControllerBase):
         transient failure). Returns ``{"did": what}``, or ``{"give_up": why}`` when nothing is left to try."""
         inc = self.fleet.incident(incident_id)
         job = inc.job
-        pending = self.unhandled_faults(incident_id)
+        pending = self.incidents.unhandled_faults(incident_id)
         if pending:
-            self.stop(job)
+            self.jobs.stop(job)
             ev = self.evict(incident_id, sorted(pending), reason="explicit machine fault that joined the "
                             "incident: " + "; ".join(f"{m}: {k}" for m, k in pending.items()))
             return {"give_up": ev["reason"]} if ev.get("waiting_human") else \
@@ -361,7 +371,7 @@ class Evictions(ControllerBase):
         logs = self.job_logs(job)
         silent = sorted(n for n, doc in logs.items() if doc is None)
         if silent:
-            self.stop(job)
+            self.jobs.stop(job)
             ev = self.evict(incident_id, silent, reason=f"unreachable after the restart ({why[:200]})")
             return {"give_up": ev["reason"]} if ev.get("waiting_human") else \
                 {"did": "replaced unreachable " + ", ".join(f"{a} -> {b}" for a, b in (ev.get("swaps") or {}).items())}
@@ -379,7 +389,7 @@ class Evictions(ControllerBase):
         rolled = any(a.kind == "rollback" for a in self.fleet.actions(incident_id))
         good = self.fleet.last_known_good(job, other_than=self.fleet.job(job).revision)
         if "user_code" in verdicts and good and not rolled:
-            self.stop(job)
+            self.jobs.stop(job)
             self.rollback(incident_id, good)
             return {"did": f"rolled back to {good} (the job's own code failed after the restart)"}
         return {"did": f"restarted again as it was ({why[:160]})"}

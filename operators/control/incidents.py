@@ -6,14 +6,17 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.core.errors import TrainguardError
 from trainguard.core.topology import Topology
-from trainguard.operators.control.base import ControllerBase, asdict_action
+from trainguard.operators.control.base import Part, asdict_action
 from trainguard.operators.fleet import states
 from trainguard.operators.fleet.states import OPEN_INCIDENT_STATES, IncidentState
 from trainguard.operators.policy import ladder
+
+if TYPE_CHECKING:
+    from trainguard.operators.control.jobs import Jobs
 
 #: a machine named by an alert of a job it does not serve: the job's machines the reason lists, at most
 LISTED_MACHINES = 16
@@ -62,8 +65,12 @@ class Roster:
         return ""
 
 
-class Incidents(ControllerBase):
+class Incidents(Part):
     """Alerts into incidents, triage, close."""
+
+    def __init__(self, *base: Any, jobs: Jobs) -> None:
+        super().__init__(*base)
+        self.jobs = jobs
 
     def roster(self) -> Roster:
         """The inventory's machines and the fleet's jobs as they are now (one read of each)."""
@@ -195,12 +202,12 @@ class Incidents(ControllerBase):
         """"" when the job trains: every rank finishes a step now (:meth:`trains`), or, for a job whose steps are
         longer than that wait, every machine runs it and every rank made progress (a step or a collective)
         within ``reconcile_stall_s``; else what its machines say."""
-        if self.trains(job):
+        if self.jobs.trains(job):
             return ""
         from trainguard.node_tools import launcher
 
         try:
-            st = launcher.status(self.inventory, job, self.machines(self.fleet.job(job).machine_list),
+            st = launcher.status(self.inventory, job, self.inventory.named(self.fleet.job(job).machine_list),
                                  transport=self.transport, brief=True)
         except TrainguardError as exc:
             return f"its machines cannot be read ({exc})"[:300]
@@ -241,7 +248,7 @@ class Incidents(ControllerBase):
         rollback_to = self.fleet.last_known_good(inc.job, other_than=job.revision)
         d = ladder.decide(t, level=inc.level, rollback_to=rollback_to)
         if d.action in ("tolerate", "observe") and job.state == "running":
-            states_now = self.progress(inc.job)["states"]
+            states_now = self.jobs.progress(inc.job)["states"]
             down = sorted(n for n, st in states_now.items() if st != "running")
             if down:  # what the alerts say needs nothing, but the job is not running: a crash to diagnose
                 t = ladder.Triage(inc.job, "crash", tuple(down), reason=f"{t.reason}; but the job does not run "
@@ -302,28 +309,16 @@ class Incidents(ControllerBase):
                         for a in self.fleet.actions(incident_id)],
         }
 
-    def wait_for_human(self, incident_id: int, reason: str) -> dict[str, Any]:
-        """The incident waits for a human, and so does its job (its state in the fleet database says so):
-        ``reason`` says why and what to do."""
-        inc = self.fleet.incident(incident_id)
-        self.fleet.update_incident(incident_id, state=IncidentState.WAITING_HUMAN, summary=reason)
-        self.fleet.set_job_state(inc.job, "waiting_human")
-        return {"swaps": {}, "waiting_human": True, "reason": reason}
-
     def unhandled_faults(self, incident_id: int) -> dict[str, str]:
         """Explicit machine faults among the incident's alerts (those that joined it after its triage too) on
         machines that still serve the job: machine -> the alerts' kinds. Every one is acted on before the
         incident closes."""
         inc = self.fleet.incident(incident_id)
-        serving = set(self.fleet.job(inc.job).machine_list)
-        out: dict[str, set[str]] = {}
         # only the kinds that can be explicit machine faults: the resume wait asks every second, and the
         # incident may hold an alert storm of another kind (every rank's hang)
-        for a in self.fleet.alerts_of(incident_id, kinds=ladder.EXPLICIT | ladder.XID):
-            if a.machine in serving and ladder.decisive(a.document) and ladder.triage("", [a.document]).category \
-                    == "machine_fault":
-                out.setdefault(a.machine, set()).add(a.kind)
-        return {m: ", ".join(sorted(k)) for m, k in sorted(out.items())}
+        return ladder.explicit_faults([a.document for a in self.fleet.alerts_of(incident_id, kinds=ladder.EXPLICIT
+                                                                                 | ladder.XID)],
+                                      self.fleet.job(inc.job).machine_list)
 
     def recurred(self, incident_id: int, *, since: float) -> list[Any]:
         """The incident's alerts stamped at or after ``since`` (its restart) that say the job failed again the
@@ -347,11 +342,7 @@ class Incidents(ControllerBase):
         implicated ``machine`` and left it in the job (a clean diagnosis, a restart in place): what makes a
         repeat offender."""
         since = (time.time() if now is None else now) - self.cfg.repeat_window_s
-        ids = {i.id for i in self.fleet.incidents(job) if i.id != other_than and i.first_alert_ts >= since}
-        actions = [a for a in self.fleet.actions() if a.incident_id in ids]
-        evicted = {a.incident_id for a in actions
-                   if a.kind == "evict" and a.outcome == "done" and machine in a.machines}
-        return sorted({a.incident_id for a in actions if a.kind == "implicate" and machine in a.machines} - evicted)
+        return self.fleet.implicated(job, machine, since=since, other_than=other_than)
 
     def first_step_of(self, incident_id: int, kinds: Sequence[str]) -> int | None:
         """The earliest training step the incident's alerts of ``kinds`` name (their evidence's step)."""

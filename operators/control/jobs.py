@@ -11,7 +11,8 @@ from trainguard.core.errors import TrainguardError
 from trainguard.core.topology import Topology
 from trainguard.node_tools import launcher
 from trainguard.node_tools.transport import RunResult
-from trainguard.operators.control.base import PORT_BASE, PORT_SPAN, ControllerBase, described, held_copies
+from trainguard.operators.control.base import PORT_BASE, PORT_SPAN, ROLE_STATE, Part
+from trainguard.operators.fleet import states
 
 if TYPE_CHECKING:
     from trainguard.operators.jobspec import JobSpec
@@ -19,6 +20,17 @@ if TYPE_CHECKING:
 SECONDARY_KINDS = ("peer_connection", "collective_timeout", "network")
 #: seconds between two rounds over every machine asking whether a restarted job ended without a step
 EXITED_CHECK_S = 10.0
+
+
+def described(results: Mapping[str, RunResult]) -> dict[str, str]:
+    """What each machine's stop said: "stopped", or why not."""
+    return {n: ("stopped" if r.ok else r.describe()) for n, r in results.items()}
+
+
+def held_copies(copies: Any) -> list[tuple[str, int, int]]:
+    """``(tier, step, rank)`` of the copies a ``tg-node ckpt list`` document lists."""
+    return [(str(c["tier"]), int(c["step"]), int(c["rank"])) for c in copies or []
+            if isinstance(c, Mapping) and isinstance(c.get("step"), int) and isinstance(c.get("rank"), int)]
 
 
 def _verdict(by_machine: Mapping[str, Any]) -> dict[str, Any]:
@@ -37,8 +49,13 @@ def _verdict(by_machine: Mapping[str, Any]) -> dict[str, Any]:
     return {"verdict": overall, "machines": verdicts, "culprit": min(first)[1] if first else None}
 
 
-class JobLifecycle(ControllerBase):
+class Jobs(Part):
     """Starting, stopping and restarting a job; reading its progress."""
+
+    def sync_inventory(self) -> list[str]:
+        """Register the inventory's machines that the fleet database does not know yet."""
+        return self.fleet.register_machines([(m.name, m.address, ROLE_STATE.get(m.role, states.STANDBY),
+                                              f"from the inventory (role {m.role})") for m in self.inventory.machines])
 
     def launch_job(self, job: str, topology: Topology, machine_names: Sequence[str], *,
                    train_args: Sequence[str] = (), revision: str = "r0", arm: bool = True,
@@ -52,7 +69,7 @@ class JobLifecycle(ControllerBase):
         self.fleet.upsert_job(job, tp=topology.tp, pp=topology.pp, dp=topology.dp,
                               ranks_per_machine=topology.ranks_per_machine, machines=machine_names,
                               revision=revision, train_args=train_args, spec=spec)
-        out = self._start(job, warm=set(warm) & set(machine_names))
+        out = self.launch(job, warm=set(warm) & set(machine_names))
         if arm and out.get("launched"):
             out["armed"] = self.arm(job)
         return out
@@ -89,7 +106,7 @@ class JobLifecycle(ControllerBase):
     def launch_submitted(self, job: str) -> dict[str, Any]:
         """Start a submitted job on its reserved machines (each start recorded; repeating it is a no-op)."""
         # one launch per submission: a job submitted again after a stop starts again
-        return self._start(job, warm_if_parked=True, tag=f"submitted-{int(self.fleet.job(job).created_ts * 1000)}")
+        return self.launch(job, warm_if_parked=True, tag=f"submitted-{int(self.fleet.job(job).created_ts * 1000)}")
 
     def first_step(self, job: str, *, timeout_s: float, poll_s: float = 1.0) -> dict[str, Any]:
         """Wait until every rank of the job finished a step: ``{"step": N, "seconds": S}``; raises when a machine's
@@ -126,12 +143,12 @@ class JobLifecycle(ControllerBase):
             return {"parked": [], "failed": {}, "dry_run": True}
         ready = self.parked(j.machine_list)
         todo = [n for n in j.machine_list if n not in ready]
-        results = self._run(self.machines(todo), lambda m: [self.inventory.tg_node, "standby", "park", "--nproc",
-                                                              str(j.ranks_per_machine)], timeout=300)
+        results = self.transport.run_many(self.inventory.named(todo), lambda m: [
+            self.inventory.tg_node, "standby", "park", "--nproc", str(j.ranks_per_machine)], timeout=300)
         return {"parked": sorted(ready | {n for n, r in results.items() if r.ok}),
                 "failed": {n: r.describe() for n, r in results.items() if not r.ok}}
 
-    def _plan(self, job: str, warm: set[str], *, warm_if_parked: bool = False,
+    def plan_launch(self, job: str, warm: set[str], *, warm_if_parked: bool = False,
               restore_max_step: int | None = None) -> launcher.JobPlan:
         """The launch of the job's stored spec on its machine list. ``restore_max_step`` (this launch only):
         the reference job takes it as a flag, a job on the public face as ``TG_RESTORE_MAX_STEP``."""
@@ -144,12 +161,12 @@ class JobLifecycle(ControllerBase):
             extra_args, restore_max_step = ["--restore-max-step", str(restore_max_step)], None
         launches = sum(1 for a in self.fleet.actions() if a.kind == "launch" and a.key.startswith(f"launch:{job}:"))
         # the job's own command, working directory, environment and launcher, from its stored spec
-        return spec.plan(job=job, topology=self.topology(job), machines=self.machines(j.machine_list),
+        return spec.plan(job=job, topology=j.topology, machines=self.inventory.named(j.machine_list),
                          train_args=[*j.train_args, *extra_args], revision=j.revision,
                          master_port=PORT_BASE + launches % PORT_SPAN, warm=warm, warm_if_parked=warm_if_parked,
                          restore_max_step=restore_max_step)
 
-    def _start(self, job: str, *, warm: set[str] | None = None, warm_if_parked: bool = False,
+    def launch(self, job: str, *, warm: set[str] | None = None, warm_if_parked: bool = False,
                incident_id: int | None = None, restore_max_step: int | None = None, tag: str = "") -> dict[str, Any]:
         """Launch the job on its machine list: those in ``warm`` on their parked interpreters; with
         ``warm_if_parked``, every other one on its parked interpreters if it has them, else cold."""
@@ -157,13 +174,13 @@ class JobLifecycle(ControllerBase):
         if self.fleet.job(job).state in ("stopped", "failed"):  # released: its machines may serve another job now
             raise TrainguardError(f"job {job} was stopped (or its launch failed) and its machines released; submit "
                                   f"it again ('trainguard job submit')", exit_code=3)
-        self._stopped.pop(job, None)  # what a stop found no longer holds once the job runs again
-        self._copies.pop(job, None)
+        self.memory.stopped.pop(job, None)  # what a stop found no longer holds once the job runs again
+        self.memory.copies.pop(job, None)
         j = self.fleet.job(job)
         if j.pending_revision:  # a lazy code update waits for the next restart: this one
             self.fleet.set_revision(job, j.pending_revision)
         # this launch only: later restarts restore the newest step again
-        plan = self._plan(job, warm, warm_if_parked=warm_if_parked, restore_max_step=restore_max_step)
+        plan = self.plan_launch(job, warm, warm_if_parked=warm_if_parked, restore_max_step=restore_max_step)
         tag = tag or (str(incident_id) if incident_id is not None else "initial")
         key = f"launch:{job}:{tag}:{','.join(j.machine_list)}"
         action, created = self.fleet.record_action(key, kind="launch", incident_id=incident_id,
@@ -193,7 +210,7 @@ class JobLifecycle(ControllerBase):
         interpreters where they are parked, restoring its newest committed checkpoint. Each call is a launch
         of its own (recorded); stop the job first when it runs."""
         starts = sum(1 for a in self.fleet.actions() if a.key.startswith(f"launch:{job}:start-"))
-        return self._start(job, warm_if_parked=True, tag=f"start-{starts + 1}")
+        return self.launch(job, warm_if_parked=True, tag=f"start-{starts + 1}")
 
     def hot_update(self, job: str, revision: str, *, reason: str = "") -> dict[str, Any]:
         """Switch the job to ``revision`` now, in place: stop it, record the revision, start it again on
@@ -204,12 +221,12 @@ class JobLifecycle(ControllerBase):
             return {"updated": False, "job": job, "reason": f"job {job} already runs {revision}"}
         stopped = self.stop(job)
         # the steps every rank finished: what the stop found (no more come after it)
-        before = self._stopped.pop(job, None) or self.progress(job)
+        before = self.memory.stopped.pop(job, None) or self.progress(job)
         self.fleet.set_revision(job, revision)
         machines = self.fleet.job(job).machine_list
         restart_ts = time.time()
         updates = sum(1 for a in self.fleet.actions() if a.key.startswith(f"launch:{job}:update-"))
-        started = self._start(job, warm_if_parked=True, tag=f"update-{updates + 1}-{revision}")
+        started = self.launch(job, warm_if_parked=True, tag=f"update-{updates + 1}-{revision}")
         return {"updated": bool(started.get("launched")), "job": job, "revision": revision, "machines": machines,
                 "stopped": stopped, "started": started, "warm": started.get("warm", []),
                 "steps_before": before.get("step", -1), "restart_ts": restart_ts}
@@ -224,93 +241,56 @@ class JobLifecycle(ControllerBase):
         # marked everywhere before anything is stopped: ranks ended by a peer's stop are then not reported
         # as new failures (both phases in one round of sessions)
         names = self.fleet.job(job).machine_list
-        results = launcher.stop_sessions(self.inventory, job, self.machines(names),
+        results = launcher.stop_sessions(self.inventory, job, self.inventory.named(names),
                                          grace_s=self.cfg.stop_grace_s if grace_s is None else grace_s,
                                          transport=self.transport, logs_since=logs_since, status=True, copies=True)
         statuses = {n: (r.answer() or {}).get("status") if r.ok else None for n, r in results.items()}
         # the checkpoint copies each machine holds now that nothing writes them: what an eviction checks
-        self._copies[job] = {n: held_copies((r.answer() or {}).get("copies")) if r.ok else None
+        self.memory.copies[job] = {n: held_copies((r.answer() or {}).get("copies")) if r.ok else None
                              for n, r in results.items()}
-        self._stopped.pop(job, None)
+        self.memory.stopped.pop(job, None)
         if all(isinstance(st, dict) and st.get("state") in ("exited", "absent") for st in statuses.values()):
-            self._stopped[job] = {"machines": list(names), "step": launcher.min_step(statuses),
+            self.memory.stopped[job] = {"machines": list(names), "step": launcher.min_step(statuses),
                                   "copies": {n: None if c is None else [list(x) for x in c]
-                                             for n, c in self._copies[job].items()}}
+                                             for n, c in self.memory.copies[job].items()}}
         return results
 
-    def stop_and_read_logs(self, job: str, since: float = 0.0) -> tuple[dict[str, str], dict[str, Any]]:
+    def stop_and_read_logs(self, job: str, since: float = 0.0, *, incident: int | None = None
+                           ) -> tuple[dict[str, str], dict[str, Any]]:
         """:meth:`stop`, and the logs' verdict across the job's machines, read in the same sessions after
         the stop: user_code if any rank's first failure is the job's own code, infrastructure, unknown,
-        or none."""
+        or none. With ``incident``: the machine where the failure started (the ``culprit``, when the logs tell
+        and it is not the job's own code) is recorded against that incident, and ``implicated`` lists the job's
+        other incidents within ``repeat_window_s`` that implicated it and left it in the job (what makes a repeat
+        offender; None when nothing was implicated)."""
         results = self._stop(job, logs_since=since)
-        return described(results), _verdict({n: r.reachable and ((r.answer() or {}).get("logs") or {}).get("verdict")
-                                  for n, r in results.items()})
+        logs = _verdict({n: r.reachable and ((r.answer() or {}).get("logs") or {}).get("verdict")
+                         for n, r in results.items()})
+        culprit = logs.get("culprit")
+        logs["implicated"] = None
+        if incident is not None and logs["verdict"] != "user_code" and culprit \
+                and culprit in self.fleet.job(job).machine_list:
+            first = logs["machines"].get(culprit) or {}
+            why = f"{first.get('class')} {first.get('kind') or ''}: {first.get('evidence') or ''}"
+            self.fleet.record_action(f"implicate:{incident}:{culprit}", kind="implicate", incident_id=incident,
+                                     machines=[culprit], evidence={"why": why[:300]})
+            logs["implicated"] = self.fleet.implicated(job, culprit, since=time.time() - self.cfg.repeat_window_s,
+                                                       other_than=incident)
+        return described(results), logs
 
     def stop_found(self, job: str) -> dict[str, Any] | None:
         """What this controller's last stop of ``job`` found, when it ended the job on every machine: its
         machines, the lowest step every rank finished and the checkpoint copies each held (handed on to the
         tasks after the stop through XCom: :class:`~trainguard.operators.models.StopFound`)."""
-        found = self._stopped.get(job)
+        found = self.memory.stopped.get(job)
         return dict(found) if found else None
-
-    def recover(self, incident_id: int, *, restore_max_step: int | None = None,
-                found: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Stop the job everywhere it answers, then start it on its machine list (replacements already
-        swapped in by :meth:`evict`): every machine with warm interpreters parked (standbys, and survivors
-        armed by :meth:`arm`) starts on them, the others cold. The job restores its newest committed
-        checkpoint itself. A machine that fails to start (unreachable, a broken standby) is replaced by the
-        next standby and the launch tried again, up to ``restart_attempts`` times; then the incident waits
-        for a human. Returns the steps every rank had finished before (for the resume check). ``found``: what
-        the stop right before it found (:meth:`stop_found`, handed on by the rung through XCom): then no round
-        of reads before the launch."""
-        inc = self.fleet.incident(incident_id)
-        job = inc.job
-        self._stopped.pop(job, None)
-        before: dict[str, Any] | None = dict(found) if found else None
-        if before is not None:
-            stopped = {n: "stopped" for n in before["machines"]}
-        else:
-            before = self.progress(job)
-            # the handler has usually stopped it already: no stop when no machine runs it
-            done = before["states"] and all(s in ("exited", "absent") for s in before["states"].values())
-            stopped = {n: "not running" for n in before["states"]} if done else self.stop(job)
-        replaced: dict[str, str] = {}
-        attempts = self.cfg.restart_attempts
-        launches = sum(1 for a in self.fleet.actions(incident_id) if a.kind == "launch")
-        for attempt in range(attempts):
-            n = launches + attempt  # each restart of the incident is an action of its own (a repeat is a no-op)
-            try:
-                started = self._start(job, warm_if_parked=True, incident_id=incident_id,
-                                      restore_max_step=restore_max_step,
-                                      tag=f"{incident_id}" if not n else f"{incident_id}-restart{n + 1}")
-                break
-            except launcher.PartsFailed as exc:
-                serving = set(self.fleet.job(job).machine_list)
-                bad = {n: why for n, why in exc.failed.items() if n in serving}
-                if attempt + 1 >= attempts or not bad:
-                    return {"job": job, "stopped": stopped, "started": {"launched": False, "error": str(exc)},
-                            **self.wait_for_human(incident_id, f"the restart failed {attempt + 1} times: {exc}"[:900]
-                                                  + "; next: repair or replace those machines, then resolve the "
-                                                    "incident (trigger tg_diagnose with evict to swap them)"),
-                            "replaced": replaced}
-                fresh = set(self.fleet.job(job).machine_list) - set(before.get("states") or before.get("machines")
-                                                                    or [])
-                ev = self.evict(incident_id, sorted(bad), breaker=not set(bad) <= fresh,
-                                reason="failed to start: " + "; ".join(bad.values())[:300])
-                if ev.get("waiting_human"):
-                    return {"job": job, "stopped": stopped, "started": {"launched": False, "error": str(exc)},
-                            **ev, "replaced": replaced}
-                replaced.update(ev.get("swaps") or {})
-        self.fleet.update_incident(incident_id, decided_ts=time.time())
-        return {"job": job, "stopped": stopped, "started": started, "warm": started.get("warm", []),
-                "steps_before": before.get("step", -1), "restart_ts": time.time(), "replaced": replaced}
 
     def progress(self, job: str, machines: Sequence[str] | None = None) -> dict[str, Any]:
         """The lowest step every rank finished and each machine's incarnation and state (of ``machines`` of the
         job only, when given)."""
         j = self.fleet.job(job)
         names = j.machine_list if machines is None else list(machines)
-        st = launcher.status(self.inventory, job, self.machines(names), transport=self.transport)
+        st = launcher.status(self.inventory, job, self.inventory.named(names), transport=self.transport)
         return {"step": launcher.min_step(st),
                 "incarnations": {n: d.get("incarnation") for n, d in st.items()},
                 "states": {n: d.get("state", d.get("error")) for n, d in st.items()}}
@@ -351,16 +331,16 @@ class JobLifecycle(ControllerBase):
         if not fresh:
             # whether the job ended everywhere without a step: a round over every machine, so at most every
             # EXITED_CHECK_S per job (a crash also comes as alerts, which end the wait at once)
-            checked = self._exited_checked.get((job, restart_ts), 0.0)
+            checked = self.memory.exited_checked.get((job, restart_ts), 0.0)
             if time.monotonic() - checked < EXITED_CHECK_S:
                 return None
-            self._exited_checked[(job, restart_ts)] = time.monotonic()
-            st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+            self.memory.exited_checked[(job, restart_ts)] = time.monotonic()
+            st = launcher.status(self.inventory, job, self.inventory.named(j.machine_list), transport=self.transport)
             if st and all(d.get("state") == "exited" for d in st.values()):
                 raise TrainguardError(f"job {job} ended on every machine after the restart without a step; "
                                       f"see 'tg-node logs --job {job}' on its machines")
             return None
-        st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport)
+        st = launcher.status(self.inventory, job, self.inventory.named(j.machine_list), transport=self.transport)
         steps = [r.get("step") for d in st.values() for r in d.get("ranks", [])]
         if not steps or any(s is None or s < fresh[0]["step"] for s in steps):
             return None
@@ -369,6 +349,44 @@ class JobLifecycle(ControllerBase):
 
     def parked(self, names: Sequence[str]) -> set[str]:
         """Which of ``names`` have warm interpreters parked."""
-        results = self._run(self.machines(names), lambda m: [self.inventory.tg_node, "standby", "status"], timeout=20)
+        results = self.transport.run_many(self.inventory.named(names),
+                                          lambda m: [self.inventory.tg_node, "standby", "status"], timeout=20)
         return {n for n, r in results.items() if r.ok and (r.json() or {}).get("state") == "parked"}
 
+    def training_groups(self, job: str, states: Mapping[str, Any]) -> list[str] | None:
+        """For a job run as replica groups with the degrade path on: the machines of its groups whose every machine
+        runs (``states``: each machine's job state), when they are at least its ``min_replicas``; else None."""
+        from trainguard.operators.jobspec import replica_groups
+
+        j = self.fleet.job(job)
+        groups = replica_groups(j, degrading=True)
+        if groups is None:
+            return None
+        per = len(j.machine_list) // max(1, j.dp)  # a replica's consecutive machines (the launch's replica_of)
+        groups_of = [j.machine_list[i:i + per] for i in range(0, len(j.machine_list), per)]
+        running = [g for g in groups_of if all(states.get(n) == "running" for n in g)]
+        return [n for g in running for n in g] if len(running) >= groups.min_replicas else None
+
+    def rejoined(self, job: str, machines: list[str], restart_ts: float) -> dict[str, Any] | None:
+        """Whether the replica groups started on ``machines`` at ``restart_ts`` train again: the first rank of
+        their first machine committed a step after the start, and every rank of those machines reports a step
+        at least as far. Then the step it rejoined at, the step it healed from (a live replica's state, not a
+        checkpoint) and how many groups trained it; else None."""
+        first = self.inventory.machine(machines[0])
+        j = self.fleet.job(job)
+        ranks = j.topology.ranks_on(j.machine_list.index(machines[0]))
+        try:
+            records = launcher.steps(self.inventory, job, first, rank=ranks[0], since_ts=restart_ts,
+                                     transport=self.transport)
+        except TrainguardError:
+            return None
+        fresh = [r for r in records if r.get("ts", 0) > restart_ts]
+        if not fresh:
+            return None
+        st = launcher.status(self.inventory, job, self.inventory.named(machines), transport=self.transport)
+        steps = [r.get("step") for d in st.values() for r in d.get("ranks", [])]
+        expected = len(machines) * j.topology.ranks_per_machine
+        if len(steps) < expected or any(s is None or s < fresh[0]["step"] for s in steps):
+            return None
+        return {"first_step": fresh[0]["step"], "healed_from_step": fresh[0].get("healed_from_step"),
+                "participants": fresh[0].get("participants"), "ts": fresh[0]["ts"]}

@@ -17,16 +17,19 @@ import hashlib
 import logging
 import time
 from collections.abc import Collection, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import launcher
-from trainguard.operators.control.base import ControllerBase
+from trainguard.operators.control.base import Part
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.policy import ladder
 from trainguard.operators.policy import reconcile as policy
 from trainguard.operators.policy.reconcile import Finding, JobMemory, Look
 from trainguard.operators.policy.rungs import run_id
+
+if TYPE_CHECKING:
+    from trainguard.operators.control.incidents import Incidents
 
 #: the alert kind each finding opens its incident with
 ALERT_KIND = {"job_down": "job_down", "job_stalled": "job_stalled", "job_held": "job_held",
@@ -49,13 +52,17 @@ def finding_alert_id(f: Finding) -> str:
     return hashlib.sha256(repr([f.job, f.kind, basis]).encode()).hexdigest()[:32]
 
 
-class Reconciliation(ControllerBase):
+class Reconciliation(Part):
     """The level-triggered look behind the incidents."""
+
+    def __init__(self, *base: Any, incidents: Incidents) -> None:
+        super().__init__(*base)
+        self.incidents = incidents
 
     def look(self, job: str) -> Look:
         """One look at ``job``'s machines (brief status: heartbeats and the process table, no history read)."""
         j = self.fleet.job(job)
-        st = launcher.status(self.inventory, job, self.machines(j.machine_list), transport=self.transport,
+        st = launcher.status(self.inventory, job, self.inventory.named(j.machine_list), transport=self.transport,
                              timeout=LOOK_TIMEOUT_S, brief=True)
         return Look.of(st, time.time())
 
@@ -155,7 +162,7 @@ class Reconciliation(ControllerBase):
                 alerts.append(doc)
             done.append(f.reason)
         if alerts:
-            for item in self.ingest(alerts, reader="reconciler"):
+            for item in self.incidents.ingest(alerts, reader="reconciler"):
                 if item["opened"] or item["taken_over"]:  # as the guardian starts them
                     taken = self.fleet.incident(item["incident"]).category if item["taken_over"] else ""
                     starts.append({"conf": {"incident_id": item["incident"], "job": item["job"],
@@ -174,7 +181,7 @@ class Reconciliation(ControllerBase):
             reason = (f"{why}; {n} runs of it were started again and none closed it; next: read the failed "
                       f"tasks' logs of its runs (incident__{incident_id}...), fix what fails, then clear the "
                       f"failed task or resolve the incident")
-            self.wait_for_human(incident_id, reason[:1500])
+            self.fleet.wait_for_human(incident_id, reason[:1500])
             return {"line": f"incident {incident_id}: waits for a human after {n} runs started again", "starts": []}
         rid = run_id(incident_id, f"redrive{n + 1}")
         action, created = self.fleet.record_action(f"redrive:{incident_id}:{n + 1}", kind="redrive",

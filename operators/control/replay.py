@@ -11,7 +11,7 @@ from typing import Any
 from trainguard.core.errors import TrainguardError
 from trainguard.core.topology import Topology
 from trainguard.node_tools import launcher
-from trainguard.operators.control.base import REPLAY_PORT_BASE, ControllerBase
+from trainguard.operators.control.base import REPLAY_PORT_BASE, Part
 from trainguard.operators.fleet import states
 from trainguard.operators.jobspec import stored_spec
 from trainguard.operators.policy import sdc
@@ -39,14 +39,14 @@ def _replay_result(statuses: Mapping[str, Any], steps: int, world_size: int) -> 
     return ",".join(f"{r}:{digests[r]}" for r in sorted(digests))
 
 
-class Replay(ControllerBase):
+class Replay(Part):
     """Replaying training steps on groups of machines."""
 
     def replay_plan(self, job: str, *, k: int = 1) -> dict[str, Any]:
         """The replay groups of the job (:func:`trainguard.operators.policy.sdc.plan_replay`), and a reference
         group of self-checked standbys (``k * PP`` of them, or none when too few are free)."""
         j = self.fleet.job(job)
-        topo = self.topology(job)
+        topo = j.topology
         plan = sdc.plan_replay(topo, j.machine_list, k=k)
         standbys = sorted(m.name for m in self.fleet.machines(state=states.STANDBY))
         size = k * topo.pp
@@ -66,7 +66,7 @@ class Replay(ControllerBase):
         launched: dict[str, Any] = {"job": job, "k": k, "steps": steps, "world_size": topo.world_size,
                                     "groups": {}}
         for i, (tag, names) in enumerate(groups.items()):
-            plan = stored_spec(j).plan(job=f"{job}-replay-{tag}", topology=topo, machines=self.machines(names),
+            plan = stored_spec(j).plan(job=f"{job}-replay-{tag}", topology=topo, machines=self.inventory.named(names),
                                        train_args=args, master_port=REPLAY_PORT_BASE + i, revision=j.revision)
             group: dict[str, Any] = {"job": plan.job, "machines": list(names), "failed": None}
             if self.cfg.dry_run:
@@ -87,7 +87,8 @@ class Replay(ControllerBase):
             if g.get("failed"):
                 out[tag] = g["failed"]
                 continue
-            st = launcher.status(self.inventory, g["job"], self.machines(g["machines"]), transport=self.transport)
+            st = launcher.status(self.inventory, g["job"], self.inventory.named(g["machines"]),
+                                 transport=self.transport)
             out[tag] = _replay_result(st, int(launched["steps"]), int(launched["world_size"]))
         return out
 
@@ -95,10 +96,10 @@ class Replay(ControllerBase):
         """End every group's sub-job (ended already, or now): marked stopped, out of the ranks' checks."""
         for g in launched["groups"].values():
             with contextlib.suppress(TrainguardError):
-                launcher.stop(self.inventory, g["job"], self.machines(g["machines"]), grace_s=2.0,
+                launcher.stop(self.inventory, g["job"], self.inventory.named(g["machines"]), grace_s=2.0,
                               transport=self.transport)
 
-    def replay(self, job: str, groups: Mapping[str, Sequence[str]], *, k: int, steps: int = 2,
+    def replay_groups(self, job: str, groups: Mapping[str, Sequence[str]], *, k: int, steps: int = 2,
                timeout_s: float = 300.0) -> dict[str, str]:
         """:meth:`replay_launch`, then :meth:`replay_poll` every second until every group has a result (or
         ``timeout_s`` passed: ``failed: no result ...``), then :meth:`replay_stop`. Returns each group's
@@ -142,7 +143,7 @@ class Replay(ControllerBase):
 
     def replay_phase(self, plan: Mapping[str, Any], phase: str) -> dict[str, str]:
         """One phase of :meth:`replay_plan`'s replay (:meth:`phase_groups`), run to its end."""
-        return self.replay(plan["job"], self.phase_groups(plan, phase), k=int(plan["k"]))
+        return self.replay_groups(plan["job"], self.phase_groups(plan, phase), k=int(plan["k"]))
 
     @staticmethod
     def replay_verdict(plan: Mapping[str, Any], h: Mapping[str, str], v: Mapping[str, str]) -> dict[str, Any]:

@@ -235,6 +235,17 @@ class IncidentRecords:
                     continue  # the first time a milestone is reached counts
                 setattr(inc, key, value)
 
+    def wait_for_human(self, incident_id: int, reason: str) -> dict[str, Any]:
+        """The incident waits for a human, and so does its job, in one transaction (``reason``: why, and what to
+        do). Returns what the action that stopped there answers (``waiting_human`` with the reason)."""
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            inc.state, inc.summary = states.IncidentState.WAITING_HUMAN, reason
+            job = self._required(s, Job, inc.job, lock=True)
+            if job.state != "waiting_human":
+                job.state, job.updated_ts = "waiting_human", self.clock()
+        return {"swaps": {}, "waiting_human": True, "reason": reason}
+
     def claim_watched(self, incident_id: int, key: str, *, watched: Collection[str], kind: str,
                       machines: Sequence[str] = (), evidence: dict[str, Any] | None = None, detail: str = "") -> bool:
         """A watched incident's verdict (a fail-slow vote's), recorded as a done action in the same

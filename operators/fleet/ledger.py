@@ -21,6 +21,7 @@ from trainguard.operators.fleet.models import (
     Checkpoint,
     Component,
     EttrEvent,
+    Incident,
     MachineEvent,
     QuarantinedAlert,
 )
@@ -113,6 +114,19 @@ class LedgerRecords:
             if incident_id is not None:
                 q = q.where(Action.incident_id == incident_id)
             return list(s.scalars(q))
+
+    def implicated(self, job: str, machine: str, *, since: float, other_than: int) -> list[int]:
+        """The job's incidents whose first alert came at or after ``since`` (but ``other_than``) that implicated
+        ``machine`` (an ``implicate`` action: their logs said the failure started there) and left it in the job (no
+        eviction of it done): what makes a repeat offender."""
+        with self.tx() as s:
+            ids = select(Incident.id).where(Incident.job == job, Incident.id != other_than,
+                                            Incident.first_alert_ts >= since)
+            rows = s.scalars(select(Action).where(Action.incident_id.in_(ids),
+                                                  Action.kind.in_(("implicate", "evict")))).all()
+            named = [a for a in rows if machine in (a.machines or ())]
+        evicted = {a.incident_id for a in named if a.kind == "evict" and a.outcome == "done"}
+        return sorted({a.incident_id for a in named if a.kind == "implicate"} - evicted)
 
     def evicted_recently(self, job: str, window_s: float) -> set[str]:
         """Machines evicted from ``job`` (for real, not dry runs) within the last ``window_s`` seconds."""

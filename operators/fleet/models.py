@@ -13,6 +13,8 @@ from typing import Any
 from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from trainguard.core.topology import Topology
+
 
 class Base(DeclarativeBase):
     pass
@@ -67,6 +69,11 @@ class Job(Base):
     spec: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_ts: Mapped[float] = mapped_column(Float)
     updated_ts: Mapped[float] = mapped_column(Float)
+
+    @property
+    def topology(self) -> Topology:
+        """The job's parallel layout (its ranks on its machines)."""
+        return Topology(self.tp, self.pp, self.dp, ranks_per_machine=self.ranks_per_machine)
 
 
 class Revision(Base):

@@ -57,6 +57,12 @@ def fleet_store(url: str | Path) -> FleetStore:
         return store
 
 
+def task_controller() -> Controller:
+    """The controller a task is handed (the DAGs' tasks and operators make it as they start): the process's fleet
+    database (no migration, one engine), the inventory, and SSH connections held for the task's life."""
+    return FleetHook().get_controller()
+
+
 def provision(settings: ControlSettings | None = None) -> dict[str, Any]:
     """Provision the fleet database: create or migrate its schema and register the inventory's machines it
     does not know yet. Run once per release, before the DAGs (``trainguard fleet migrate``, the compose

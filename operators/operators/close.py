@@ -6,11 +6,16 @@ in the triggerer (:class:`trainguard.operators.triggers.resume.ResumeTrigger`), 
 
 from __future__ import annotations
 
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
 
 from trainguard.operators.sensors.resume import MAX_WAIT
+
+if TYPE_CHECKING:
+    from trainguard.operators.control import Controller
+    from trainguard.operators.models import Escalation
 
 
 class CloseIncidentOperator(BaseOperator):
@@ -35,25 +40,31 @@ class CloseIncidentOperator(BaseOperator):
     def execute(self, context: Any) -> dict[str, Any] | None:
         from trainguard.operators.tasks import incident
 
-        return self._next(incident.close_step(int(self.incident_id), self.decision, self.recovery, self.resume,
-                                              run_id=(context or {}).get("run_id")))
+        return self._next(incident.close_step(self.controller, int(self.incident_id), self.decision, self.recovery,
+                                              self.resume, run_id=(context or {}).get("run_id")))
 
-    def _next(self, step: dict[str, Any]) -> dict[str, Any] | None:
+    def _next(self, step: Escalation) -> dict[str, Any] | None:
         from trainguard.operators.triggers.resume import ResumeTrigger
 
-        if "done" in step:
-            return step["done"]
-        watch = step["watch"]
+        if step.watch is None:
+            return dict(step.timeline or {})
+        watch = step.watch
         self.log.info("incident %s: escalation restart %s (%s); waiting for its resume in the triggerer",
-                      self.incident_id, watch["attempt"], "; ".join(watch["tried"]))
-        self.defer(trigger=ResumeTrigger(int(self.incident_id), watch["recovery"]), method_name="resumed",
-                   kwargs={"watch": watch}, timeout=MAX_WAIT)
+                      self.incident_id, watch.attempt, "; ".join(watch.tried))
+        self.defer(trigger=ResumeTrigger(int(self.incident_id), watch.recovery), method_name="resumed",
+                   kwargs={"watch": watch.model_dump(mode="json")}, timeout=MAX_WAIT)
         return None
 
     def resumed(self, context: Any, event: dict[str, Any] | None = None, watch: dict[str, Any] | None = None
                 ) -> dict[str, Any] | None:
-        from trainguard.operators.tasks import common, incident
+        from trainguard.operators.tasks import incident
 
         info = {k: v for k, v in dict(event or {}).items() if k != "checks"}
-        return self._next(incident.escalation_after(common.controller(), int(self.incident_id), dict(watch or {}),
-                                                    info))
+        return self._next(incident.escalation_after(self.controller, int(self.incident_id), dict(watch or {}), info))
+
+    @cached_property
+    def controller(self) -> Controller:
+        """This try's controller (made where it runs: in the worker, again after each deferral)."""
+        from trainguard.operators.hooks.fleet import task_controller
+
+        return task_controller()

@@ -26,9 +26,9 @@ class SilentCorruptionOperator(RungOperator):
     """The silent-corruption rung; returns its :class:`~trainguard.operators.models.RungResult`."""
 
     def execute(self, context: Any) -> dict[str, Any] | None:
-        from trainguard.operators.tasks import incident
+        from trainguard.operators.tasks import rungs
 
-        return self._next(incident.sdc_begin(self.decision), "horizontal")
+        return self._next(rungs.sdc_begin(self.controller, self.decision), "horizontal")
 
     def _next(self, step: dict[str, Any], phase: str) -> dict[str, Any] | None:
         from trainguard.operators.triggers.replay import ReplayTrigger
@@ -44,11 +44,12 @@ class SilentCorruptionOperator(RungOperator):
 
     def phase_done(self, context: Any, event: dict[str, Any] | None = None, replay: dict[str, Any] | None = None,
                    phase: str = "horizontal") -> dict[str, Any] | None:
-        from trainguard.operators.tasks import incident
+        from trainguard.operators.tasks import rungs
 
         results = dict((event or {}).get("results") or {})
         self.log.info("replay, %s phase: %s", phase, results)
-        return self._next(incident.sdc_phase_done(self.decision, dict(replay or {}), phase, results), "vertical")
+        return self._next(rungs.sdc_phase_done(self.controller, self.decision, dict(replay or {}), phase, results),
+                          "vertical")
 
 
 class ReplayPhaseOperator(BaseOperator):
@@ -68,10 +69,11 @@ class ReplayPhaseOperator(BaseOperator):
         self.phase = phase
 
     def execute(self, context: Any) -> None:
+        from trainguard.operators.hooks.fleet import task_controller
         from trainguard.operators.tasks import sdc_replay
         from trainguard.operators.triggers.replay import ReplayTrigger
 
-        launched = sdc_replay.phase_launch(self.plan, self.phase)
+        launched = sdc_replay.phase_launch(task_controller(), self.plan, self.phase)
         self.defer(trigger=ReplayTrigger(launched), method_name="execute_complete", timeout=MAX_WAIT)
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, str]:

@@ -4,9 +4,13 @@ returning its :class:`~trainguard.operators.models.RungResult`, its waits deferr
 
 from __future__ import annotations
 
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 from airflow.sdk import BaseOperator
+
+if TYPE_CHECKING:
+    from trainguard.operators.control import Controller
 
 
 class RungOperator(BaseOperator):
@@ -20,3 +24,10 @@ class RungOperator(BaseOperator):
     def __init__(self, *, decision: Any, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.decision = decision
+
+    @cached_property
+    def controller(self) -> Controller:
+        """This try's controller (made where it runs: in the worker, again after each deferral)."""
+        from trainguard.operators.hooks.fleet import task_controller
+
+        return task_controller()

@@ -1,7 +1,7 @@
 """``slow_vote`` of ``tg_incident`` as a deferrable operator: it takes the first round and defers to
 :class:`trainguard.operators.triggers.vote.SlowVoteTrigger`, which takes the other rounds in the triggerer on the
 first round's clock (the triggerer's pickup hides inside the first interval), and
-resumes with them to decide (:func:`trainguard.operators.tasks.incident.vote_end`: the verdict claimed on the
+resumes with them to decide (:func:`trainguard.operators.tasks.rungs.vote_end`: the verdict claimed on the
 incident, the slow group to evict or nothing). An explicit machine fault that joined the incident before
 the vote began decides it instead (evict that machine), with no rounds."""
 
@@ -20,14 +20,14 @@ class SlowVoteOperator(RungOperator):
     def execute(self, context: Any) -> dict[str, Any] | None:
         from trainguard.operators.models import IncidentDecision
         from trainguard.operators.settings import ControlSettings
-        from trainguard.operators.tasks import incident
+        from trainguard.operators.tasks import rungs
         from trainguard.operators.triggers.vote import SlowVoteTrigger
 
-        begun = incident.vote_begin(self.decision)
+        begun = rungs.vote_begin(self.controller, self.decision)
         if "result" in begun:
             return begun["result"]
         cfg = ControlSettings.from_env()
-        d = IncidentDecision.read(self.decision)
+        d = IncidentDecision.model_validate(self.decision)
         # a guard against a trigger that never fires: the rounds take rounds x interval, plus their reads
         limit = timedelta(seconds=cfg.slow_rounds * (cfg.slow_interval_s + 60) + 60)
         self.defer(trigger=SlowVoteTrigger(d.incident, cfg.slow_rounds, cfg.slow_interval_s,
@@ -36,10 +36,10 @@ class SlowVoteOperator(RungOperator):
         return None
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, Any]:
-        from trainguard.operators.tasks import incident
+        from trainguard.operators.tasks import rungs
 
         event = dict(event or {})
         self.log.info("vote: %d rounds in the triggerer%s", len(event.get("rounds") or []),
                       " (superseded)" if event.get("superseded") else "")
-        return incident.vote_end(self.decision, list(event.get("rounds") or []),
+        return rungs.vote_end(self.controller, self.decision, list(event.get("rounds") or []),
                                  superseded=bool(event.get("superseded")))

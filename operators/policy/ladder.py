@@ -425,3 +425,139 @@ def breaker(*, job_machines: int, evicted_recently: set[str], to_evict: Iterable
                                      f"{job_machines} evicted within {window_s:.0f}s (limit {limit}, "
                                      f"{max_share:.0%}); waiting for a human")
     return BreakerVerdict(True, f"{len(total)} of at most {limit} machines evicted in the window")
+
+
+# ---- the rungs' verdicts ----------------------------------------------------------------------------------------
+# Each rung of tg_incident gathers its evidence (the services of trainguard.operators.control) and hands it here; what
+# comes back says what the rung does. Nothing below reads a database or a machine.
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a rung decided from its evidence.
+
+    ``kind``: ``evict`` (``machines``, ``reason``; ``max_step``: the newest step the restart may restore;
+    ``priority``: the machines with direct evidence in an over-evicted group), ``rollback`` (to ``revision``),
+    ``reattempt`` (restart as it is; ``reason`` says why), ``wait_human`` (``reason``: why, and what next), ``leave``
+    (the job is left alone: ``resolved`` when nothing needs recovering, ``not_evicted`` when the group could not be
+    evicted while the job trains on), or ``diagnose`` (a gate: the rung's stop-time diagnosis is to be taken next)."""
+
+    kind: str
+    machines: tuple[str, ...] = ()
+    reason: str = ""
+    max_step: int | None = None
+    priority: tuple[str, ...] = ()
+    revision: str | None = None
+    resolved: str | None = None
+    not_evicted: str | None = None
+
+
+def explicit_faults(alerts: Iterable[Mapping[str, Any]], serving: Iterable[str]) -> dict[str, str]:
+    """The explicit machine faults among ``alerts`` (documents) on machines that still serve the job (``serving``):
+    machine -> the alerts' kinds. Every one is acted on before the incident closes."""
+    machines = set(serving)
+    out: dict[str, set[str]] = {}
+    for a in alerts:
+        if a.get("machine") in machines and decisive(a) and _category(a) == "machine_fault":
+            out.setdefault(str(a["machine"]), set()).add(str(a.get("kind")))
+    return {m: ", ".join(sorted(k)) for m, k in sorted(out.items())}
+
+
+def joined_fault(rung: str, explicit: Mapping[str, str]) -> str:
+    """Why an explicit machine fault that joined the incident before its rung acted decides it instead (the first
+    rung: evict that machine alone); "" when none did, or the rung is that first rung already."""
+    if rung == "evict_now" or not explicit:
+        return ""
+    return ("explicit machine fault that joined the incident before its rung acted: "
+            + "; ".join(f"{m}: {k}" for m, k in explicit.items()))
+
+
+def evict_named(job: str, machines: Sequence[str], serving: Iterable[str], reason: str) -> Verdict:
+    """The first rung: evict the machines an explicit fault names, no diagnosis; a decision naming no machine of the
+    job (an alert about a machine that left it) touches nothing."""
+    if not set(machines) & set(serving):
+        why = f"nothing to evict: {', '.join(machines) or 'no machine'} does not serve job {job}"
+        return Verdict("leave", reason=why, resolved=why)
+    return Verdict("evict", tuple(machines), reason)
+
+
+def repeat_offender(culprit: str | None, before: Sequence[int] | None, *, count: int, window_s: float
+                    ) -> Verdict | None:
+    """A machine where the job's failure started ``count`` times within ``window_s`` (``before``: the other incidents
+    that implicated it and left it in the job; None: the logs implicated no machine) is evicted now, whatever its
+    diagnosis would say; None otherwise."""
+    if not culprit or before is None or len(before) < count:
+        return None
+    return Verdict("evict", (culprit,), f"repeat offender: {culprit} was where the job failed first in incidents "
+                                        f"{', '.join(map(str, before))} within {window_s:.0f}s, each of which left "
+                                        f"it in the job; it is swapped out now")
+
+
+def following(d: Decision, *, rollback_to: str | None = None, max_step: int | None = None) -> Verdict:
+    """The ladder's ``d`` as a rung's verdict: evict what it names, roll back (when there is a revision to go to),
+    restart as it is (a reattempt, or a replay the rung already ran), else wait for a human."""
+    if d.action == Action.EVICT:
+        return Verdict("evict", tuple(d.machines), d.reason, max_step=max_step)
+    if d.action == Action.ROLLBACK and rollback_to:
+        return Verdict("rollback", reason=d.reason, revision=rollback_to)
+    if d.action in (Action.REATTEMPT, Action.REPLAY):
+        return Verdict("reattempt", reason=d.reason)
+    return Verdict("wait_human", reason=d.reason)
+
+
+def after_stop(job: str, category: str, machines: Sequence[str], *, level: int, rollback_to: str | None,
+               log_verdict: str, offender: Verdict | None = None) -> Verdict:
+    """A rung that stopped the job (an incident of ``category`` on ``machines``) and read its logs: a repeat offender
+    is evicted; logs that blame the job's own code roll it back (or wait for a human without a known-good revision);
+    anything else is diagnosed next."""
+    if offender is not None:
+        return offender
+    if log_verdict == "user_code":
+        t = Triage(job, category, tuple(machines))
+        return following(decide(t, level=level, log_verdict="user_code", rollback_to=rollback_to),
+                         rollback_to=rollback_to)
+    return Verdict("diagnose")
+
+
+def after_diagnosis(job: str, category: str, machines: Sequence[str], *, level: int, rollback_to: str | None,
+                    failed: Sequence[str], max_step: int | None = None) -> Verdict:
+    """What the ladder says once the stop-time diagnosis (or the alignment test, or a replay) named ``failed``:
+    evict them (restoring no step newer than ``max_step``), else restart in place, roll back or wait for a human by
+    the incident's level."""
+    t = Triage(job, category, tuple(machines))
+    return following(decide(t, level=level, rollback_to=rollback_to, diagnosis_done=True,
+                            diagnosis_failed=sorted(failed)), rollback_to=rollback_to, max_step=max_step)
+
+
+def after_analysis(category: str, analysis: Mapping[str, Any]) -> Verdict:
+    """A hang's stacks: over-evict the outliers' parallel group (the outliers' own machines first when the pool is
+    short); ``diagnose`` when nothing stands out."""
+    if not analysis.get("machines"):
+        return Verdict("diagnose")
+    group = analysis.get("group_kind") or "machine"
+    return Verdict("evict", tuple(analysis["machines"]),
+                   f"{category}: ranks {analysis.get('outliers')} stand out; {group} group evicted",
+                   priority=tuple(m for m in analysis.get("culprits") or () if m in analysis["machines"]))
+
+
+def after_vote(vote: Mapping[str, Any], *, blocked: str = "") -> Verdict:
+    """The fail-slow vote's verdict: the slow group evicted, or nothing (superseded, nothing stood out, or the group
+    cannot be replaced now, ``blocked`` says why: then the job trains on at its reduced speed)."""
+    if vote.get("superseded") or not vote.get("machines"):
+        return Verdict("leave")
+    kind, machines = vote.get("verdict") or "machine", ", ".join(vote["machines"])
+    if blocked:
+        return Verdict("leave", not_evicted=f"the slow {kind} group ({machines}) was not evicted: {blocked}; the job "
+                                            f"trains on at its reduced speed")
+    return Verdict("evict", tuple(vote["machines"]), f"slow: the {kind} group of {machines} held the slowest ranks "
+                                                      f"in most of {len(vote.get('rounds') or ())} rounds")
+
+
+def after_probe(probe: Mapping[str, Any]) -> Verdict:
+    """A silent agent's machine probed: unreachable or unhealthy, it is evicted; healthy, its agent was restarted
+    and the job is left alone."""
+    faulty = probe.get("faulty") or {}
+    if not faulty:
+        return Verdict("leave", resolved="; ".join(f"{m}: {why}" for m, why in sorted((probe.get("restarted")
+                                                                                         or {}).items())))
+    return Verdict("evict", tuple(sorted(faulty)),
+                   "silent agent, and the machine " + "; ".join(f"{m} {why}" for m, why in sorted(faulty.items())))

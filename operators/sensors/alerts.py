@@ -86,4 +86,6 @@ class IncidentSensor(AlertSensor):
                 self.log.warning("quarantined %s: %s", q.get("name"), q.get("reason"))
             return list(event.get("starts") or [])
         batch = super().execute_complete(context, event)
-        return guardian.group_alerts(batch)
+        from trainguard.operators.hooks.fleet import task_controller
+
+        return guardian.group_alerts(task_controller(), batch)

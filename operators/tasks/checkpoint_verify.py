@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainguard.core.errors import TrainguardError
+from trainguard.operators.control import Controller
 from trainguard.operators.tasks import common
 
 
@@ -20,21 +21,21 @@ def _announced(asset_events: Any) -> list[dict[str, Any]]:
     return out
 
 
-def ckpt_targets(job: str, step: int | None, asset_events: Any = None) -> list[dict[str, Any]]:
+def ckpt_targets(c: Controller, job: str, step: int | None, asset_events: Any = None) -> list[dict[str, Any]]:
     """The (job, step) pairs this run verifies: the form's, the notices', or the schedule's sweep."""
     from trainguard.operators import checkpoints
 
-    return checkpoints.targets(common.controller(), job=(job or "").strip(), step=step,
+    return checkpoints.targets(c, job=(job or "").strip(), step=step,
                                announced=_announced(asset_events))
 
 
-def ckpt_verify(target: dict[str, Any]) -> dict[str, Any]:
+def ckpt_verify(c: Controller, target: dict[str, Any]) -> dict[str, Any]:
     from airflow.sdk import get_current_context
 
     from trainguard.operators import checkpoints
 
     get_current_context()["target"] = f"{target['job']} step {target['step']}"
-    return checkpoints.verify(common.controller(), target)
+    return checkpoints.verify(c, target)
 
 
 def _s3() -> tuple[Any, Any, dict[str, str]]:
@@ -47,7 +48,7 @@ def _s3() -> tuple[Any, Any, dict[str, str]]:
     return checkpoints.S3Settings.from_env(endpoint_url=access.endpoint_url), access.client, access.env
 
 
-def ckpt_promote(verdict: dict[str, Any]) -> dict[str, Any]:
+def ckpt_promote(c: Controller, verdict: dict[str, Any]) -> dict[str, Any]:
     from airflow.sdk import get_current_context
 
     from trainguard.operators import checkpoints
@@ -56,7 +57,7 @@ def ckpt_promote(verdict: dict[str, Any]) -> dict[str, Any]:
     settings, client, env = checkpoints.S3Settings.from_env(), None, {}
     if verdict.get("ok") and settings.url:  # the S3 connection only when there is something to upload
         settings, client, env = _s3()
-    return checkpoints.promote(common.controller(), verdict, settings, client=client, credentials=env)
+    return checkpoints.promote(c, verdict, settings, client=client, credentials=env)
 
 
 def ckpt_conclude(verdicts: list[dict[str, Any]] | None, promotions: list[dict[str, Any]] | None) -> dict[str, Any]:

@@ -6,15 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from trainguard.core.errors import TrainguardError
+from trainguard.operators.control import Controller
 from trainguard.operators.tasks import common
 
 
-def code_update(job: str, revision: str, urgency: str, reason: str) -> dict[str, Any]:
+def code_update(c: Controller, job: str, revision: str, urgency: str, reason: str) -> dict[str, Any]:
     """A request from the form (job given): urgent/rollback -> hot update now, lazy -> pending. Without a
     job (the schedule): the sweep, forcing overdue lazy updates and marking known-good revisions."""
     from trainguard.operators import code_updates
-
-    c = common.controller()
     if not job:
         swept = code_updates.sweep(c, force_after_s=c.cfg.lazy_force_s, known_good_steps=c.cfg.known_good_steps)
         forced = [dict(f["forced"]) for f in swept.values() if f.get("forced", {}).get("restarted")]
@@ -23,16 +22,14 @@ def code_update(job: str, revision: str, urgency: str, reason: str) -> dict[str,
     return {**out, "restarts": [out] if out.get("restarted") else []}
 
 
-def code_resumed(update: dict[str, Any], ctl: Any = None) -> dict[str, Any] | None:
+def code_resumed(c: Controller, update: dict[str, Any]) -> dict[str, Any] | None:
     """For the sensor's trigger: every restarted job trained past its restored step, or ended without a step
-    (then the ladder handles it as an incident); None until each did one or the other. ``ctl``: the
-    triggerer's shared controller (default: the task's)."""
-    c = ctl or common.controller()
+    (then the ladder handles it as an incident); None until each did one or the other."""
     seen: dict[str, Any] = {}
     ended: dict[str, str] = {}
     for r in update.get("restarts", []):
         try:
-            info = c.resumed(r["job"], r["restart_ts"])
+            info = c.jobs.resumed(r["job"], r["restart_ts"])
         except TrainguardError as exc:
             ended[r["job"]] = str(exc)
             continue
@@ -42,14 +39,13 @@ def code_resumed(update: dict[str, Any], ctl: Any = None) -> dict[str, Any] | No
     return {"resumed": seen, "ended": ended}
 
 
-def code_rearm(update: dict[str, Any]) -> dict[str, Any]:
+def code_rearm(c: Controller, update: dict[str, Any]) -> dict[str, Any]:
     """Warm interpreters again beside every restarted job (the update consumed them), unless an incident
     of the job is open: its own run re-arms after its recovery."""
-    c = common.controller()
     return {r["job"]: common.arm_unless_busy(c, r["job"]) for r in update.get("restarts", [])}
 
 
-def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -> dict[str, Any]:
+def code_conclude(c: Controller, update: dict[str, Any], resumed_info: dict[str, Any] | None) -> dict[str, Any]:
     """The run's one-line note."""
     if "sweep" in update:
         parts = [f"{job}: forced {v['forced']['revision']}" if v.get("forced") else
@@ -67,7 +63,7 @@ def code_conclude(update: dict[str, Any], resumed_info: dict[str, Any] | None) -
             note = (f"{update['job']}: {update['from']} -> {update['revision']} in place on "
                     f"{', '.join(update['machines'])}; the job ended after the restart without a step ({ended}); "
                     f"the ladder handles it as an incident")
-        now = common.controller().fleet.job(update["job"]).revision
+        now = c.fleet.job(update["job"]).revision
         if now != update["revision"]:  # it failed and the ladder rolled it back meanwhile
             note += f"; {update['revision']} did not stay: the job runs {now} now (see its incidents)"
     elif update["action"] == "pending":

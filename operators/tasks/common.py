@@ -1,5 +1,6 @@
-"""What every task body shares: its controller (over the process's
-:class:`~trainguard.operators.hooks.fleet.FleetHook`), the run's note, the job's open incidents, work done by hand.
+"""What every task body shares: the run's note, the job's open incidents, work done by hand; and the one controller
+of a triggerer's triggers (and of the api-server's Fleet page). A task body is handed its controller (its first
+argument): the DAGs' tasks make it with :func:`trainguard.operators.hooks.fleet.task_controller`.
 """
 
 from __future__ import annotations
@@ -12,15 +13,6 @@ from trainguard.core.errors import TrainguardError
 from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
-
-
-def controller() -> Controller:
-    """A controller for this task: the process's fleet database (no migration, one engine), the inventory,
-    and SSH connections held for the task's life (:class:`~trainguard.operators.hooks.fleet.FleetHook`)."""
-    from trainguard.operators.hooks.fleet import FleetHook
-
-    return FleetHook().get_controller()
-
 
 _SHARED: dict[tuple[str, str], Controller] = {}
 _SHARED_LOCK = threading.Lock()
@@ -35,7 +27,9 @@ def shared_controller() -> Controller:
     key = (cfg.fleet_url, cfg.inventory)
     with _SHARED_LOCK:
         if key not in _SHARED:
-            _SHARED[key] = controller()
+            from trainguard.operators.hooks.fleet import task_controller
+
+            _SHARED[key] = task_controller()
         return _SHARED[key]
 
 
@@ -60,7 +54,7 @@ def arm_unless_busy(c: Controller, job: str, *, own_incident: int | None = None)
     state = c.fleet.job(job).state
     if state != "running":
         return {"skipped": f"job {job} is {state}"}
-    return c.arm(job)
+    return c.jobs.arm(job)
 
 
 def name_mapped_task(machine: str) -> None:
@@ -98,10 +92,10 @@ def finish_by_hand(c: Controller, incident: int, culprits: list[str], *, evict: 
     out: dict[str, Any] = {"incident": incident}
     c.fleet.update_incident(incident, decided_ts=time.time())
     if evict and culprits:
-        out["eviction"] = c.evict(incident, culprits, reason=reason)
+        out["eviction"] = c.evictions.evict(incident, culprits, reason=reason)
     if c.fleet.incident(incident).state == IncidentState.WAITING_HUMAN:
         return out
     if restart or (out.get("eviction") or {}).get("swaps"):
-        out["recovery"] = c.recover(incident)
-    out["closed"] = c.close(incident, outcome=IncidentState.RESOLVED, note=note)["state"]
+        out["recovery"] = c.recovery.recover(incident)
+    out["closed"] = c.incidents.close(incident, outcome=IncidentState.RESOLVED, note=note)["state"]
     return out

@@ -7,18 +7,18 @@ import time
 from typing import Any
 
 from trainguard.core.errors import TrainguardError
+from trainguard.operators.control import Controller
 from trainguard.operators.tasks import common
 
 
-def ettr_reports(job: str, window_s: float) -> dict[str, Any]:
+def ettr_reports(c: Controller, job: str, window_s: float) -> dict[str, Any]:
     """The ETTR report of ``job`` (every job in the fleet database when empty); a job with no steps yet
     is listed with its error."""
-    c = common.controller()
     names = [job] if job else [j.name for j in c.fleet.jobs()]
     out: dict[str, Any] = {}
     for name in names:
         try:
-            out[name] = c.ettr_report(name, window_s=window_s)
+            out[name] = c.ettr.ettr_report(name, window_s=window_s)
         except TrainguardError as exc:
             out[name] = {"error": str(exc)}
             continue

@@ -19,7 +19,6 @@ from typing import Any
 from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.policy.rungs import run_id
-from trainguard.operators.tasks import common
 
 INCIDENT_DAG = "tg_incident"
 __all__ = ["INCIDENT_DAG", "alert_source", "group_alerts", "orphans", "run_id", "start_runs", "start_soon"]
@@ -36,12 +35,11 @@ def alert_source() -> tuple[str, str]:
     return inv.bus_url, cfg.fleet_url
 
 
-def group_alerts(event: dict[str, Any], c: Controller | None = None) -> list[dict[str, Any]]:
+def group_alerts(c: Controller, event: dict[str, Any]) -> list[dict[str, Any]]:
     """Record the batch in one transaction (alerts into incidents, the bus cursor, quarantined documents, the
     agents' liveness); returns what starts the runs of the incidents newly opened or taken over (each
     ``{"conf", "trigger_run_id"}``, as the start_incident task takes them)."""
-    c = c or common.controller()
-    items = c.ingest(event["alerts"], reader=event.get("reader") or "guardian", read=event.get("read"),
+    items = c.incidents.ingest(event["alerts"], reader=event.get("reader") or "guardian", read=event.get("read"),
                      gone=event.get("gone") or (), quarantined=event.get("quarantined") or (),
                      liveness=event.get("liveness"))
     out = []

@@ -7,22 +7,30 @@ task is safe to clear.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 from trainguard.core.errors import TrainguardError
 from trainguard.operators.control import Controller
 from trainguard.operators.fleet.states import IncidentState
-from trainguard.operators.models import IncidentDecision, Restart, Resume, RungResult, Stop, StopFound, Swap
-from trainguard.operators.policy import degrade, rungs
+from trainguard.operators.models import (
+    Escalation,
+    EscalationWatch,
+    IncidentDecision,
+    Restart,
+    Resume,
+    RungResult,
+    Stop,
+    StopFound,
+    Swap,
+)
+from trainguard.operators.policy import rungs
 from trainguard.operators.policy.rungs import NO_RECOVERY
 from trainguard.operators.tasks import common
-from trainguard.operators.tasks.rungs import RUNG_ACTIONS, sdc_before_replay, sdc_decide, slow_vote_decide
 
 
-def triage(incident_id: int) -> dict[str, Any]:
+def triage(c: Controller, incident_id: int) -> dict[str, Any]:
     """The incident's :class:`~trainguard.operators.models.IncidentDecision` (an XCom document)."""
-    return IncidentDecision.read(common.controller().triage(int(incident_id))).dump()
+    return IncidentDecision.model_validate(c.incidents.triage(int(incident_id))).model_dump(mode="json")
 
 
 def choose(decision: dict[str, Any]) -> str:
@@ -31,207 +39,27 @@ def choose(decision: dict[str, Any]) -> str:
     return rungs.branch(IncidentDecision.read(decision).action)
 
 
-def handle(name: str, decision: dict[str, Any]) -> dict[str, Any]:
-    """The rung ``name`` (a task id of :data:`trainguard.operators.policy.rungs.RUNGS`): its evidence and its decision
-    (what to evict, roll back, or restart as it is). Returns a :class:`~trainguard.operators.models.RungResult`: whether
-    the job is to restart, what to evict, and what the rung's own stop found when it stopped the job for its
-    evidence. A rung that fails returns its error (the incident's close escalates from there)."""
-    c = common.controller()
-    name, decision = _redirected(c, name, IncidentDecision.read(decision).dump())
-    return _result(c, name, decision, lambda: _degraded_or(c, name, decision))
-
-
-def _degraded_or(c: Controller, name: str, decision: dict[str, Any]) -> dict[str, Any]:
-    """A job run as replica groups whose incident is confined to some of them takes the degrade path (those groups
-    out, their machines swapped, healed from a live replica while the others train on:
-    :meth:`Controller.degrade`); anything else, or groups whose logs blame the job's own code, goes to the rung
-    ``name``, which stops the whole job. For a replica job the result says which ``path`` it took and why. A slow
-    vote decides its path once it named the slow group (:func:`_after_vote`)."""
-    if decision["action"] == "vote":
-        return _after_vote(c, decision, RUNG_ACTIONS[name](c, decision))
-    degraded, why, p = _degrade_first(c, decision)
-    if degraded is not None:
-        return degraded
-    result = RUNG_ACTIONS[name](c, decision)
-    return result if p is None else {**result, "path": degrade.STOP_WORLD if p.path != degrade.NONE else degrade.NONE,
-                                     "path_reason": why}
-
-
-def _after_vote(c: Controller, decision: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
-    """The slow vote's result, or, when the slow group it would evict lies in replicas a replica job may lose, the
-    degrade path for those machines instead (the vote's rounds kept in the result)."""
-    machines = (result.get("evict") or {}).get("machines")
-    if not machines:
-        return result
-    degraded, why, p = _degrade_first(c, {**decision, "machines": list(machines)})
-    if degraded is not None:
-        return {**degraded, "vote": result.get("vote")}
-    return result if p is None else {**result, "path": degrade.STOP_WORLD, "path_reason": why}
-
-
-def _degrade_first(c: Controller, decision: dict[str, Any]) -> tuple[dict[str, Any] | None, str, Any]:
-    """The degrade path of the decision when it takes it: ``(the rung's result, why, the plan)``; ``(None, why the
-    world stops, the plan)`` otherwise (the plan None: the job is not run as replica groups)."""
-    p = c.degrade_plan(decision)
-    if p is None:
-        return None, "", None
-    if p.path != degrade.DEGRADE:
-        return None, p.reason, p
-    out = c.degrade(int(decision["incident"]), p)
-    if "degraded" not in out:
-        return None, out["stop_world"], p
-    d = out["degraded"]
-    where = (f"{', '.join(d['left'])} swapped for {', '.join(d['machines'])}" if d.get("swaps")
-             else f"restarted in place on {', '.join(d['left'])}" if d.get("machines") else "left out")
-    c.fleet.update_incident(int(decision["incident"]), summary=f"path: degrade ({p.reason}); replica(s) "
-                            f"{', '.join(map(str, p.replicas))} {where}; healing from a live replica")
-    return ({"no_restart": True, "path": degrade.DEGRADE, "path_reason": p.reason, "degraded": d,
-             **({"waiting_human": True, "reason": d.get("reason", "")} if d.get("waiting_human") else {})},
-            p.reason, p)
-
-
-def _redirected(c: Controller, name: str, decision: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """An explicit machine fault that joined the incident before its rung acted decides it: the first rung
-    (evict that machine alone) instead of ``name``."""
-    if name == "evict_now":
-        return name, decision
-    explicit = c.unhandled_faults(decision["incident"])
-    if not explicit:
-        return name, decision
-    why = ("explicit machine fault that joined the incident before its rung acted: "
-           + "; ".join(f"{m}: {k}" for m, k in explicit.items()))
-    c.fleet.update_incident(decision["incident"], category="machine_fault", summary=f"{why}; next: evict")
-    return "evict_now", {**decision, "category": "machine_fault", "action": "evict", "machines": sorted(explicit),
-                         "reason": why, "instead_of": name}
-
-
-def _result(c: Controller, name: str, decision: dict[str, Any], act: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """The rung's result as a :class:`~trainguard.operators.models.RungResult` (its error, when it failed)."""
-    try:
-        result = act()
-    except TrainguardError as exc:
-        return RungResult(rung=name, restart=False, error=f"{name} failed: {exc}"[:900], no_restart=True).dump()
-    found = c.stop_found(decision["job"])
-    return RungResult.read({**result, "rung": name, "restart": not _leaves_it_alone(result),
-                            "stopped": StopFound.read(found) if found else None}).dump()
-
-
-def vote_begin(decision: dict[str, Any]) -> dict[str, Any]:
-    """The slow vote's rung in Airflow, up to its deferral: ``{"result": RungResult}`` when it decided at once
-    (an explicit fault joined: evict_now decides; stronger alerts took the incident over; a vote of one
-    round), else ``{"first": one round's compute times, "started": when it began}``: the other rounds are
-    the triggerer's, on that round's clock."""
-    c = common.controller()
-    name, decision = _redirected(c, "slow_vote", IncidentDecision.read(decision).dump())
-    if name != "slow_vote":
-        return {"result": _result(c, name, decision, lambda: RUNG_ACTIONS[name](c, decision))}
-    started = time.time()
-    first = c.vote_round(decision["incident"])
-    if first.get("superseded"):
-        return {"result": _vote_end(c, decision, [], superseded=True)}
-    if c.cfg.slow_rounds <= 1:
-        return {"result": _vote_end(c, decision, [first["times"]])}
-    return {"first": first["times"], "started": started}
-
-
-def vote_end(decision: dict[str, Any], rounds: list[dict[str, float]], *, superseded: bool = False) -> dict[str, Any]:
-    """The slow vote's rung after its rounds (each rank's compute times, per round): the verdict, claimed on
-    the incident, and what it asks (:func:`trainguard.operators.tasks.rungs.slow_vote_decide`)."""
-    return _vote_end(common.controller(), IncidentDecision.read(decision).dump(), rounds, superseded=superseded)
-
-
-def _vote_end(c: Controller, decision: dict[str, Any], rounds: list[dict[str, float]], *,
-              superseded: bool = False) -> dict[str, Any]:
-    def decide() -> dict[str, Any]:
-        vote = c.vote_verdict(decision["incident"], rounds, superseded=superseded)
-        return _after_vote(c, decision, slow_vote_decide(c, decision, vote))
-
-    return _result(c, "slow_vote", decision, decide)
-
-
-def sdc_begin(decision: dict[str, Any]) -> dict[str, Any]:
-    """The silent-corruption rung in Airflow, up to its replay: ``{"result": RungResult}`` when it decided
-    without one (a repeat offender, the alignment test found the machine, a layout the replay cannot split,
-    an explicit fault that joined), else ``{"replay": ...}``: the horizontal phase launched, its groups to
-    be watched in the triggerer (then :func:`sdc_phase_done`)."""
-    c = common.controller()
-    name, decision = _redirected(c, "silent_corruption", IncidentDecision.read(decision).dump())
-    if name != "silent_corruption":
-        return {"result": _result(c, name, decision, lambda: RUNG_ACTIONS[name](c, decision))}
-    replay: dict[str, Any] = {}
-
-    def act() -> dict[str, Any]:
-        early, evidence = sdc_before_replay(c, decision)
-        if early is not None:
-            return early
-        if evidence.pop("needs_replay"):
-            try:
-                plan = c.replay_plan(decision["job"])
-                replay.update(plan=plan, evidence=evidence, t0=time.time(), launched=c.replay_launch(
-                    decision["job"], c.phase_groups(plan, "horizontal"), k=int(plan["k"])))
-                return {}
-            except TrainguardError as exc:  # a layout the replay cannot split, too few machines ...
-                evidence["replay"] = {"error": str(exc)}
-        return sdc_decide(c, decision, evidence)
-
-    result = _result(c, name, decision, act)
-    if not replay or result.get("error"):
-        return {"result": result}
-    return {"replay": {**replay, "stopped": result.get("stopped")}}
-
-
-def sdc_phase_done(decision: dict[str, Any], replay: dict[str, Any], phase: str, results: dict[str, str]
-                   ) -> dict[str, Any]:
-    """A replay phase's results are in: after the horizontal one, the vertical one is launched (``{"replay":
-    ...}`` again); after both, the verdict and the rung's result (``{"result": RungResult}``)."""
-    c = common.controller()
-    decision = IncidentDecision.read(decision).dump()
-    replay = {**replay, phase: dict(results)}
-    plan = replay["plan"]
-    if phase == "horizontal":
-        try:
-            launched = c.replay_launch(decision["job"], c.phase_groups(plan, "vertical"), k=int(plan["k"]))
-        except TrainguardError as exc:
-            return {"result": RungResult(rung="silent_corruption", restart=False, no_restart=True,
-                                         error=f"silent_corruption failed: {exc}"[:900]).dump()}
-        return {"replay": {**replay, "launched": launched}}
-    verdict = {**plan, **c.replay_verdict(plan, replay["horizontal"], replay["vertical"]),
-               "seconds": round(time.time() - float(replay["t0"]), 3)}
-    evidence = {**replay["evidence"], "replay": verdict}
-    result = _result(c, "silent_corruption", decision, lambda: sdc_decide(c, decision, evidence))
-    if replay.get("stopped") and not result.get("stopped"):  # what the rung's own stop found, before the replay
-        result = RungResult.read({**result, "stopped": replay["stopped"]}).dump()
-    return {"result": result}
-
-
-def _leaves_it_alone(result: dict[str, Any]) -> bool:
-    """Whether a rung's result asks for no restart: waiting for a human, a dry run, a slow vote that
-    evicted nothing."""
-    return bool(result.get("waiting_human") or result.get("dry_run") or result.get("no_restart"))
-
-
 def _rung(results: list[dict[str, Any] | None]) -> RungResult:
     """The result of the rung that ran (the skipped ones give None); none ran: nothing to restart."""
     done = [RungResult.read(r) for r in results if r]
     return done[0] if done else RungResult(rung=NO_RECOVERY, restart=False, no_restart=True)
 
 
-def stop_job(incident_id: int, results: list[dict[str, Any] | None]) -> dict[str, Any]:
+def stop_job(c: Controller, incident_id: int, results: list[dict[str, Any] | None]) -> dict[str, Any]:
     """Stop the job on every machine of it that answers (reading in the same sessions the steps every rank
     finished and the checkpoint copies each machine holds), when the rung restarts it or an explicit
     machine fault joined the incident meanwhile; the rung's own stop stands when it stopped the job for
     its evidence. Cleared and run again, it stops the job again (the tasks after it start it again).
     Returns a :class:`~trainguard.operators.models.Stop`."""
     rung = _rung(results)
-    c = common.controller()
     job = c.fleet.incident(int(incident_id)).job
-    joined = not (rung.waiting_human or rung.dry_run) and c.unhandled_faults(int(incident_id))
+    joined = not (rung.waiting_human or rung.dry_run) and c.incidents.unhandled_faults(int(incident_id))
     if not (rung.restart or joined):
         return Stop(stopped=False, skipped=True).dump()
     if rung.stopped is not None and not _restarted(c, int(incident_id)):
         return Stop(stopped=True, found=rung.stopped, by_rung=True).dump()
-    said = c.stop(job)
-    found = c.stop_found(job)
+    said = c.jobs.stop(job)
+    found = c.jobs.stop_found(job)
     return Stop(stopped=True, found=StopFound.read(found) if found else None, said=said).dump()
 
 
@@ -240,7 +68,7 @@ def _restarted(c: Controller, incident_id: int) -> bool:
     return any(a.kind == "launch" and a.outcome == "done" for a in c.fleet.actions(incident_id))
 
 
-def swap_machines(incident_id: int, results: list[dict[str, Any] | None], stop: dict[str, Any] | None
+def swap_machines(c: Controller, incident_id: int, results: list[dict[str, Any] | None], stop: dict[str, Any] | None
                   ) -> dict[str, Any]:
     """Replace the machines the rung decided to evict with standbys (each checked reachable, through the
     breaker, never taking the last copy of a checkpoint: the copies ``stop_job`` found), then any explicit
@@ -250,13 +78,12 @@ def swap_machines(incident_id: int, results: list[dict[str, Any] | None], stop: 
     rung = _rung(results)
     if rung.waiting_human or rung.dry_run:
         return Swap(skipped=True, waiting_human=rung.waiting_human, dry_run=rung.dry_run).dump()
-    c = common.controller()
     incident_id = int(incident_id)
     found = Stop.read(stop).found if stop else None
     copies = found.copies if found else None
     out: dict[str, Any] = {}
     if rung.evict is not None:
-        ev = c.evict(incident_id, rung.evict.machines, reason=rung.evict.reason, max_step=rung.evict.max_step,
+        ev = c.evictions.evict(incident_id, rung.evict.machines, reason=rung.evict.reason, max_step=rung.evict.max_step,
                      copies=copies, priority=rung.evict.priority)
         out = {**ev, "swaps": dict(ev.get("swaps") or {})}
         if ev.get("waiting_human") or ev.get("dry_run"):
@@ -268,10 +95,10 @@ def swap_machines(incident_id: int, results: list[dict[str, Any] | None], stop: 
 def _evict_joined(c: Controller, incident_id: int, copies: Any, swaps: dict[str, str]) -> dict[str, Any]:
     """Explicit machine faults that joined the incident and still serve its job, evicted (their standbys added to
     ``swaps``); {} when there are none."""
-    extra = c.unhandled_faults(incident_id)
+    extra = c.incidents.unhandled_faults(incident_id)
     if not extra:
         return {}
-    ev = c.evict(incident_id, sorted(extra), copies=copies,
+    ev = c.evictions.evict(incident_id, sorted(extra), copies=copies,
                  reason="explicit machine fault that joined the incident: "
                         + "; ".join(f"{m}: {k}" for m, k in extra.items()))
     out = {"joined": extra, "joined_eviction": {k: v for k, v in ev.items() if k != "swaps"},
@@ -281,8 +108,9 @@ def _evict_joined(c: Controller, incident_id: int, copies: Any, swaps: dict[str,
     return out
 
 
-def restart_job(incident_id: int, results: list[dict[str, Any] | None], stop: dict[str, Any] | None = None,
-                swap: dict[str, Any] | None = None, *, resume_timeout_s: float | None = None) -> dict[str, Any]:
+def restart_job(c: Controller, incident_id: int, results: list[dict[str, Any] | None],
+                stop: dict[str, Any] | None = None, swap: dict[str, Any] | None = None, *,
+                resume_timeout_s: float | None = None) -> dict[str, Any]:
     """After whichever rung ran (skipped ones give None), ``stop_job`` and ``swap_machines``: start the job on
     its machine list (the standbys in the evicted machines' places), from what the stop found, restoring
     its newest committed checkpoint (or the step the rung names), unless the rung leaves it alone or the
@@ -294,7 +122,6 @@ def restart_job(incident_id: int, results: list[dict[str, Any] | None], stop: di
     rung = _rung(results)
     swapped = Swap.read(swap) if swap else Swap(skipped=True)
     stopped = Stop.read(stop) if stop else Stop(stopped=False, skipped=True)
-    c = common.controller()
     incident_id = int(incident_id)
     limit = {"resume_timeout_s": resume_timeout_s}
     if _restarted(c, incident_id):
@@ -326,7 +153,7 @@ def restart_job(incident_id: int, results: list[dict[str, Any] | None], stop: di
     if not result["restart"]:
         return Restart.read({**result, "restarted": False}).dump()
     cap = rung.restore_max_step if rung.restore_max_step is not None else rung.evict.max_step if rung.evict else None
-    out = c.recover(incident_id, restore_max_step=cap, found=stopped.found.dump() if stopped.found else None)
+    out = c.recovery.recover(incident_id, restore_max_step=cap, found=stopped.found.dump() if stopped.found else None)
     return Restart.read({**out, "restarted": True, "swap": result["swap"], **limit}).dump()
 
 
@@ -344,11 +171,11 @@ def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:
         c.fleet.update_incident(incident_id, state=IncidentState.OPEN,
                                 summary=f"{inc.summary}; restarted again (its run's restart_job ran again)")
     begun = time.time()
-    out = c.recover(incident_id)
+    out = c.recovery.recover(incident_id)
     return Restart.read({**out, "restarted": True, "again": True, "again_ts": begun}).dump()
 
 
-def resumed(incident_id: int, recovery: dict[str, Any], c: Controller | None = None) -> dict[str, Any] | None:
+def resumed(c: Controller, incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None:
     """For the resume trigger: a :class:`~trainguard.operators.models.Resume` once training passed the restored step;
     ``failed`` once the restart ended without a step or did not get there within ``resume_timeout_s``;
     ``pending`` when explicit machine faults joined the incident meanwhile; else None (ask again). ``c``: a
@@ -357,14 +184,13 @@ def resumed(incident_id: int, recovery: dict[str, Any], c: Controller | None = N
     if not rec.restarted:
         return Resume(skipped=True).dump()
     recovery = rec.dump()
-    c = c or common.controller()
-    pending = c.unhandled_faults(int(incident_id))
+    pending = c.incidents.unhandled_faults(int(incident_id))
     if pending:
         return Resume(pending=pending).dump()
     degraded = recovery.get("degraded")
     try:
-        info = (c.rejoined(recovery["job"], list(degraded["machines"]), float(recovery["restart_ts"]))
-                if degraded else c.resumed(recovery["job"], recovery["restart_ts"]))
+        info = (c.jobs.rejoined(recovery["job"], list(degraded["machines"]), float(recovery["restart_ts"]))
+                if degraded else c.jobs.resumed(recovery["job"], recovery["restart_ts"]))
     except TrainguardError as exc:
         return Resume(failed=str(exc)).dump()
     limit = rec.resume_timeout_s or c.cfg.resume_timeout_s
@@ -378,7 +204,7 @@ def _wait_resumed(c: Controller, incident_id: int, recovery: dict[str, Any], *, 
                   ) -> dict[str, Any]:
     """:func:`resumed`'s answer, polled until it is one (outside Airflow; there the resume trigger asks)."""
     while True:
-        info = resumed(incident_id, recovery, c)
+        info = resumed(c, incident_id, recovery)
         if info is not None:
             return info
         time.sleep(poll_s)
@@ -388,100 +214,100 @@ def escalate(c: Controller, incident_id: int, why: str, *, resume_timeout_s: flo
     """A recovery that did not hold climbs on instead of leaving the job dead (:func:`escalation_step`), its
     resume waits polled here (outside Airflow; ``close_incident`` defers them to the triggerer)."""
     step = escalation_step(c, incident_id, why, resume_timeout_s=resume_timeout_s)
-    while "watch" in step:
-        step = escalation_after(c, incident_id, step["watch"], _wait_resumed(c, incident_id, step["watch"]["recovery"]))
-    return step["done"]
+    while step.watch is not None:
+        step = escalation_after(c, incident_id, step.watch, _wait_resumed(c, incident_id, step.watch.recovery))
+    return dict(step.timeline or {})
 
 
 def escalation_step(c: Controller, incident_id: int, why: str, *, attempt: int = 0, tried: list[str] | None = None,
-                    resume_timeout_s: float | None = None) -> dict[str, Any]:
+                    resume_timeout_s: float | None = None) -> Escalation:
     """One climb of a recovery that did not hold (``why``): before each new restart (at most
     ``restart_attempts`` in all) the controller removes what stands in the way (explicit faults that joined,
     machines that failed, the last copies of a checkpoint still on evicted machines: :meth:`Controller.
     before_retry`) and restarts the job; when that runs out, the incident and the job wait for a human, with
-    why and what next. Returns ``{"done": timeline}``, or ``{"watch": ...}``: a restart whose resume is to be
-    waited for (then :func:`escalation_after` with the answer). ``resume_timeout_s``: the run's own limit on
-    each resume wait (None: the setting's)."""
+    why and what next. Returns the :class:`~trainguard.operators.models.Escalation`: ``done``, or ``watching`` a
+    restart whose resume is to be waited for (then :func:`escalation_after` with the answer). ``resume_timeout_s``:
+    the run's own limit on each resume wait (None: the setting's)."""
     tried = list(tried or [])
     while attempt < c.cfg.restart_attempts:
         attempt += 1
         try:
-            step = c.before_retry(incident_id, why)
+            step = c.evictions.before_retry(incident_id, why)
             if step.get("give_up"):
                 why = step["give_up"]
                 break
             tried.append(step["did"])
-            out = c.recover(incident_id, found=c.stop_found(c.fleet.incident(incident_id).job))
+            out = c.recovery.recover(incident_id, found=c.jobs.stop_found(c.fleet.incident(incident_id).job))
         except TrainguardError as exc:  # the escalation itself failed (a machine lost meanwhile): climb on
             why = f"the restart itself failed: {exc}"
             continue
         if out.get("waiting_human"):
-            return {"done": c.timeline(incident_id)}
+            return Escalation.done(c.incidents.timeline(incident_id))
         recovery = Restart.read({**out, "restarted": True, "resume_timeout_s": resume_timeout_s}).dump()
-        return {"watch": {"recovery": recovery, "attempt": attempt, "tried": tried, "why": why,
-                          "resume_timeout_s": resume_timeout_s}}
+        return Escalation.watching(EscalationWatch(recovery=recovery, attempt=attempt, tried=tried, why=why,
+                                                   resume_timeout_s=resume_timeout_s))
     reason = (f"recovery did not hold: {why}"[:700] + (f"; tried: {'; '.join(tried)}"[:400] if tried else "")
               + "; next: look at 'tg-node logs --job J' on its machines, fix what stands in the way, then resolve "
                 "the incident (or trigger tg_diagnose with evict)")
-    c.wait_for_human(incident_id, reason)
-    return {"done": c.timeline(incident_id)}
+    c.fleet.wait_for_human(incident_id, reason)
+    return Escalation.done(c.incidents.timeline(incident_id))
 
 
-def escalation_after(c: Controller, incident_id: int, watch: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
-    """The answer of the resume check after an escalation's restart (``watch``: what
-    :func:`escalation_step` asked to watch): the incident closes resolved, or the escalation climbs on."""
+def escalation_after(c: Controller, incident_id: int, watch: EscalationWatch | dict[str, Any],
+                     info: dict[str, Any]) -> Escalation:
+    """The transition of a ``watching`` escalation on the resume check's answer (``watch``: what
+    :func:`escalation_step` asked to watch): resumed, the incident closes resolved (``done``); else the
+    escalation climbs on (:func:`escalation_step`)."""
+    watch = EscalationWatch.read(watch)
     if not info.get("failed") and not info.get("pending"):
-        tried = watch["tried"]
-        return {"done": c.close(incident_id, outcome=IncidentState.RESOLVED, resumed=info,
-                                steps_before=int(watch["recovery"].get("steps_before", -1)),
-                                note=f"resumed at step {info['first_step']} after {len(tried)} more restart(s): "
-                                     f"{'; '.join(tried)}")}
+        return Escalation.done(c.incidents.close(incident_id, outcome=IncidentState.RESOLVED, resumed=info,
+                                                 steps_before=int(watch.recovery.get("steps_before", -1)),
+                                                 note=f"resumed at step {info['first_step']} after {len(watch.tried)} "
+                                                      f"more restart(s): {'; '.join(watch.tried)}"))
     why = info.get("failed") or "explicit faults joined again: " + ", ".join(sorted(info["pending"]))
-    return escalation_step(c, incident_id, why, attempt=int(watch["attempt"]), tried=list(watch["tried"]),
-                           resume_timeout_s=watch.get("resume_timeout_s"))
+    return escalation_step(c, incident_id, why, attempt=watch.attempt, tried=list(watch.tried),
+                           resume_timeout_s=watch.resume_timeout_s)
 
 
-def close(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
+def close(c: Controller, incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
           resume: dict[str, Any] | None, *, run_id: str | None = None) -> dict[str, Any]:
     """Close the incident (:func:`close_step`), its escalation's resume waits polled here (outside Airflow;
     ``close_incident`` defers them to the triggerer). Returns the incident's timeline."""
-    c = common.controller()
-    step = close_step(incident_id, decision, recovery, resume, c, run_id=run_id)
-    while "watch" in step:
-        step = escalation_after(c, int(incident_id), step["watch"],
-                                _wait_resumed(c, int(incident_id), step["watch"]["recovery"]))
-    return step["done"]
+    step = close_step(c, incident_id, decision, recovery, resume, run_id=run_id)
+    while step.watch is not None:
+        step = escalation_after(c, int(incident_id), step.watch, _wait_resumed(c, int(incident_id),
+                                                                              step.watch.recovery))
+    return dict(step.timeline or {})
 
 
-def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
-               resume: dict[str, Any] | None, c: Controller | None = None, *, run_id: str | None = None
-               ) -> dict[str, Any]:
+def close_step(c: Controller, incident_id: int, decision: dict[str, Any] | None, recovery: dict[str, Any] | None,
+               resume: dict[str, Any] | None, *, run_id: str | None = None) -> Escalation:
     """Close the incident: resolved when training resumed (or nothing needed recovering and the job trains);
     a restart that did not hold, a rung that failed or a job left down escalates (:func:`escalation_step`);
     an incident waiting for a human stays so. ``decision``: what ``no_recovery`` returned (its ``action``),
-    None when a rung handled the incident. Returns ``{"done": timeline}``, or ``{"watch": ...}`` when the
-    escalation restarted the job and its resume is to be waited for. ``run_id``: the run closing it (a try of
-    its close that comes again after it triaged the incident again hands the incident to that run once more)."""
-    c = c or common.controller()
+    None when a rung handled the incident. Returns the :class:`~trainguard.operators.models.Escalation`: ``done``, or
+    ``watching`` when the escalation restarted the job and its resume is to be waited for. ``run_id``: the run closing
+    it (a try of its close that comes again after it triaged the incident again hands the incident to that run once
+    more)."""
     incident_id = int(incident_id)
-    c.judge_passed_over(incident_id)  # standbys its evictions passed over, silent when called: judged now
+    c.evictions.judge_passed_over(incident_id)  # standbys its evictions passed over, silent when called: judged now
     inc = c.fleet.incident(incident_id)
 
     RESOLVED, FAILED = IncidentState.RESOLVED, IncidentState.FAILED
 
-    def closed(outcome: str, note: str, **kw: Any) -> dict[str, Any]:
-        return {"done": c.close(incident_id, outcome=outcome, note=note, **kw)}
+    def closed(outcome: str, note: str, **kw: Any) -> Escalation:
+        return Escalation.done(c.incidents.close(incident_id, outcome=outcome, note=note, **kw))
 
     if inc.state == IncidentState.WAITING_HUMAN:
-        return {"done": c.timeline(incident_id)}
+        return Escalation.done(c.incidents.timeline(incident_id))
     restarted = bool(recovery and recovery.get("restarted"))
     in_flight = _escalated_before(c, incident_id, recovery) if restarted else None
     if in_flight is not None:  # a try of this task before (it failed while deferred) restarted the job already
-        return {"watch": in_flight}
+        return Escalation.watching(in_flight)
     if restarted and not (resume and any(k in resume for k in ("first_step", "failed", "pending", "skipped"))):
         # the resume check's task ended without an answer (it failed while a scheduler or the database was away):
         # whether the job resumed is looked at now, not assumed either way
-        resume = resumed(incident_id, recovery, c) or resume
+        resume = resumed(c, incident_id, recovery) or resume
     if restarted and resume and not resume.get("skipped") and not resume.get("failed") and not resume.get("pending"):
         # the failure back after the restart (a NaN a machine keeps making, a crash that comes again): a new
         # incident a level up handles it, not this one, whose recovery it would otherwise close over
@@ -503,7 +329,7 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
                                     f"after the first alert){back['note']}",
                           resumed=resume, steps_before=int(recovery.get("steps_before", -1)))
         if back["incident"] is not None:
-            done["done"]["handed_on"] = _start_run(c, back["incident"], inc.job)
+            done = Escalation.done({**(done.timeline or {}), "handed_on": _start_run(c, back["incident"], inc.job)})
         return done
     if restarted:  # the restart did not hold, faults joined after it, or the resume check itself failed
         why = (resume or {}).get("failed") or (
@@ -512,13 +338,13 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
         return escalation_step(c, incident_id, why, resume_timeout_s=recovery.get("resume_timeout_s"))
     vote = (recovery or {}).get("vote") or {}
     if vote.get("superseded"):  # stronger alerts took the incident over: its new run closes it
-        return {"done": c.timeline(incident_id)}
+        return Escalation.done(c.incidents.timeline(incident_id))
     if (recovery or {}).get("error"):  # the rung itself failed: the job may be stopped halfway
-        if c.trains(inc.job):
+        if c.jobs.trains(inc.job):
             return closed(FAILED, f"{recovery['error']}; the job still trains; next: look at the task's log, then "
                                     f"trigger tg_diagnose")
         return escalation_step(c, incident_id, recovery["error"])
-    if (recovery or {}).get("not_evicted") and c.trains(inc.job):  # closed (failed), so that later alerts
+    if (recovery or {}).get("not_evicted") and c.jobs.trains(inc.job):  # closed (failed), so that later alerts
         # open incidents of their own instead of joining one that waits while the job trains
         return closed(FAILED, recovery["not_evicted"])
     spared = _spared(decision, recovery)
@@ -526,14 +352,14 @@ def close_step(incident_id: int, decision: dict[str, Any] | None, recovery: dict
         again = _triage_again(c, incident_id, run_id)
         if again is not None:
             return again
-        why = c.not_training(inc.job)
+        why = c.incidents.not_training(inc.job)
         if why:  # the alerts of what stopped it (a crash's rank_exit) have arrived while the job was looked at
             again = _triage_again(c, incident_id, run_id)
             if again is not None:
                 return again
             return escalation_step(c, incident_id, f"{spared}; but the job does not train: {why}")
         return closed(RESOLVED, spared)
-    if c.trains(inc.job):
+    if c.jobs.trains(inc.job):
         return closed(FAILED, "the incident's run ended without a recovery while the job trains on; next: look at "
                                 "its tasks' logs")
     return escalation_step(c, incident_id, "the incident's run ended without a recovery and the job does not train")
@@ -543,7 +369,7 @@ def _hand_on(c: Controller, incident_id: int, inc: Any, *, since: float) -> dict
     """The incident's alerts after its restart (``since``) that say the job failed again, moved to a new incident
     a level up (:meth:`Controller.recurred`, :meth:`FleetStore.split_off`); ``{"note", "incident"}`` for the
     close (``incident`` None when nothing came back)."""
-    back = c.recurred(incident_id, since=since)
+    back = c.incidents.recurred(incident_id, since=since)
     new = c.fleet.split_off(incident_id, [a.id for a in back], level=inc.level + 1) if back else None
     if new is None:
         return {"note": "", "incident": None}
@@ -577,7 +403,7 @@ def _spared(decision: dict[str, Any] | None, recovery: dict[str, Any] | None) ->
     return ""
 
 
-def _triage_again(c: Controller, incident_id: int, by: str | None = None) -> dict[str, Any] | None:
+def _triage_again(c: Controller, incident_id: int, by: str | None = None) -> Escalation | None:
     """Before an incident closes without a restart: alerts that joined after its decision and say something
     stronger (a crash during a slow vote, a hang while a network flap was tolerated) re-triage it. The incident
     takes their category and a new tg_incident run handles it through the ladder (started now when the REST
@@ -593,7 +419,7 @@ def _triage_again(c: Controller, incident_id: int, by: str | None = None) -> dic
                     and (a.evidence or {}).get("by") == by), None)
     if earlier is not None and inc.state == IncidentState.OPEN:
         return _handed_to(c, incident_id, inc.job, str(earlier.evidence["run"]), by_an_earlier_try=True)
-    t = c.triage_again(incident_id)
+    t = c.incidents.triage_again(incident_id)
     if not ladder.outranks(inc.category, t):
         return None
     run = guardian.run_id(incident_id, f"{t.category}_{len(c.fleet.actions(incident_id))}")
@@ -609,17 +435,18 @@ def _triage_again(c: Controller, incident_id: int, by: str | None = None) -> dic
     return _handed_to(c, incident_id, inc.job, run)
 
 
-def _handed_to(c: Controller, incident_id: int, job: str, run: str, **note: Any) -> dict[str, Any]:
+def _handed_to(c: Controller, incident_id: int, job: str, run: str, **note: Any) -> Escalation:
     """The incident handed to its tg_incident run ``run`` (started now, or found started: a start that landed is
     not repeated); this run ends without closing it."""
     from trainguard.operators.tasks import guardian
 
     started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": job, "first_seen_ts": None},
                                     "trigger_run_id": run}])
-    return {"done": {**c.timeline(incident_id), "triaged_again": {"run": run, "started": started.get(run), **note}}}
+    return Escalation.done({**c.incidents.timeline(incident_id),
+                            "triaged_again": {"run": run, "started": started.get(run), **note}})
 
 
-def _escalated_before(c: Controller, incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None:
+def _escalated_before(c: Controller, incident_id: int, recovery: dict[str, Any]) -> EscalationWatch | None:
     """The escalation restart an earlier try of ``close_incident`` made after ``recovery``'s restart, while
     the incident is still open (the try failed while its resume was awaited): the resume of that restart is
     awaited again, instead of a second escalation restarting the job once more."""
@@ -632,23 +459,21 @@ def _escalated_before(c: Controller, incident_id: int, recovery: dict[str, Any])
         return None
     restart = Restart(restarted=True, job=rec.job, restart_ts=float(later[-1].finished_ts or later[-1].started_ts),
                       resume_timeout_s=rec.resume_timeout_s).dump()
-    return {"recovery": restart, "attempt": len(later), "tried": [f"{len(later)} restart(s) by an earlier try of "
-                                                                  f"this task"], "why": "",
-            "resume_timeout_s": rec.resume_timeout_s}
+    return EscalationWatch(recovery=restart, attempt=len(later),
+                           tried=[f"{len(later)} restart(s) by an earlier try of this task"], why="",
+                           resume_timeout_s=rec.resume_timeout_s)
 
 
-def rearm(incident_id: int) -> dict[str, Any]:
+def rearm(c: Controller, incident_id: int) -> dict[str, Any]:
     """When the incident's run ends: warm interpreters again on every machine of the job, for the next
     restart (after this run's restart consumed them, or after another run skipped its re-arm while this
     incident was open)."""
-    c = common.controller()
     return common.arm_unless_busy(c, c.fleet.incident(incident_id).job, own_incident=incident_id)
 
 
-def outcome(incident_id: int) -> dict[str, Any]:
+def outcome(c: Controller, incident_id: int) -> dict[str, Any]:
     """The run's last task: fails when the incident failed or waits for a human, so the run's colour in
     the UI says how the incident ended (its record holds the details)."""
-    c = common.controller()
     inc = c.fleet.incident(int(incident_id))
     note = incident_note(c, int(incident_id))
     common.note(note)
@@ -687,8 +512,7 @@ def incident_note(c: Controller, incident_id: int) -> str:
     return head + (": " + "; ".join(parts) if parts else "")
 
 
-def no_recovery(decision: dict[str, Any]) -> dict[str, Any]:
-    c = common.controller()
+def no_recovery(c: Controller, decision: dict[str, Any]) -> dict[str, Any]:
     if decision["action"] == "wait_human":
-        c.wait_for_human(decision["incident"], decision["reason"])
+        c.fleet.wait_for_human(decision["incident"], decision["reason"])
     return {"action": decision["action"], "reason": decision["reason"]}

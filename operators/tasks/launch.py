@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainguard.core.errors import TrainguardError
+from trainguard.operators.control import Controller
 from trainguard.operators.tasks import common
 
 #: the form's fields that make a spec (the rest of the form, ``spec``, may hold a whole spec instead)
@@ -34,18 +35,16 @@ def validate(conf: dict[str, Any]) -> dict[str, Any]:
     return spec.document()
 
 
-def reserve(spec_doc: dict[str, Any]) -> dict[str, Any]:
+def reserve(c: Controller, spec_doc: dict[str, Any]) -> dict[str, Any]:
     """Reserve the machines and record the job (``launching``) with its spec."""
     from trainguard.operators.jobspec import parse_spec
-
-    c = common.controller()
-    out = c.submit(parse_spec(spec_doc))
+    out = c.jobs.submit(parse_spec(spec_doc))
     common.note(f"job {out['job']}: machines {', '.join(out['machines'])} reserved")
     return out
 
 
 def _release(c: Any, job: str, what: str, exc: BaseException) -> None:
-    released = c.release(job, state="failed", reason=f"{what}: {exc}")
+    released = c.jobs.release(job, state="failed", reason=f"{what}: {exc}")
     common.note(f"job {job}: {what} failed ({exc}); machines {', '.join(released['released']) or 'none'} released")
 
 
@@ -58,14 +57,13 @@ def _earlier(step: dict[str, Any], what: str) -> dict[str, Any] | None:
     return {**step, "skipped": f"job {step['job']} was launched by an earlier submission"}
 
 
-def check(reserved: dict[str, Any]) -> dict[str, Any]:
+def check(c: Controller, reserved: dict[str, Any]) -> dict[str, Any]:
     """L1 (quick health) on every reserved machine; a machine that fails ends the launch and releases them all."""
     skipped = _earlier(reserved, "the check")
     if skipped is not None:
         return skipped
-    c = common.controller()
     job, machines = reserved["job"], list(reserved["machines"])
-    d = c.diagnose(job, machines, levels=(1,))
+    d = c.diagnosis.diagnose(job, machines, levels=(1,))
     if d["failed"]:
         err = TrainguardError("machines failed L1: " + "; ".join(f"{n}: {why}" for n, why in d["failed"].items()))
         _release(c, job, "the machine check", err)
@@ -73,13 +71,12 @@ def check(reserved: dict[str, Any]) -> dict[str, Any]:
     return {"job": job, "machines": machines, "checked": "L1", "seconds": d["seconds"], "submitted": True}
 
 
-def _run_releasing(step: dict[str, Any], what: str, act: Any) -> tuple[Any, dict[str, Any] | None]:
+def _run_releasing(c: Controller, step: dict[str, Any], what: str, act: Any) -> tuple[Any, dict[str, Any] | None]:
     """``act(controller, job)`` for a step of the launch: ``(its answer, None)``; ``(None, skipped)`` for a submission
     an earlier one launched. When it fails, the job's machines are released (state ``failed``) and it raises."""
     skipped = _earlier(step, what)
     if skipped is not None:
         return None, skipped
-    c = common.controller()
     try:
         return act(c, step["job"]), None
     except TrainguardError as exc:
@@ -87,9 +84,9 @@ def _run_releasing(step: dict[str, Any], what: str, act: Any) -> tuple[Any, dict
         raise
 
 
-def start(checked: dict[str, Any]) -> dict[str, Any]:
+def start(c: Controller, checked: dict[str, Any]) -> dict[str, Any]:
     """Start the job on its machines (warm where interpreters are parked)."""
-    out, skipped = _run_releasing(checked, "the start", lambda c, job: c.launch_submitted(job))
+    out, skipped = _run_releasing(c, checked, "the start", lambda c, job: c.jobs.launch_submitted(job))
     if skipped is not None:
         return skipped
     job = checked["job"]
@@ -97,11 +94,11 @@ def start(checked: dict[str, Any]) -> dict[str, Any]:
     return {"job": job, "submitted": True, **{k: out[k] for k in ("launched", "machines", "warm") if k in out}}
 
 
-def first_step(started: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+def first_step(c: Controller, started: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Wait for every rank's first step; the job is ``running`` from then on. A job that ends before it (or does
     not get there within ``timeout_s``) is stopped and its machines released."""
-    out, skipped = _run_releasing(started, "the first step",
-                                       lambda c, job: c.first_step(job, timeout_s=timeout_s))
+    out, skipped = _run_releasing(c, started, "the first step",
+                                       lambda c, job: c.jobs.first_step(job, timeout_s=timeout_s))
     if skipped is not None:
         return skipped
     job = started["job"]
@@ -109,6 +106,6 @@ def first_step(started: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     return {"job": job, "step": out["step"], "seconds": out["seconds"]}
 
 
-def arm(trains: dict[str, Any]) -> dict[str, Any]:
+def arm(c: Controller, trains: dict[str, Any]) -> dict[str, Any]:
     """Warm interpreters parked beside the running job, so its first restart starts warm."""
-    return common.arm_unless_busy(common.controller(), trains["job"])
+    return common.arm_unless_busy(c, trains["job"])

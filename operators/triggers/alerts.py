@@ -357,7 +357,7 @@ class AlertTrigger(BaseTrigger):
 
         began = time.monotonic()
         try:
-            starts = guardian.group_alerts(event, common.shared_controller())
+            starts = guardian.group_alerts(common.shared_controller(), event)
         except Exception as exc:
             self.log.warning("batch not recorded in the triggerer (the guardian's task records it): %s", exc)
             return event

@@ -65,7 +65,7 @@ class ReconcileTrigger(BaseTrigger):
         guardian = c.fleet.components().get("guardian")
         silent = {} if guardian is None or time.time() - guardian.seen_ts > GUARDIAN_STALE_S else {
             m: a.changed_ts for m, a in c.fleet.liveness().items() if a.reported_ts is not None}
-        found = c.reconcile_pass(memory, live_runs=live, silent=silent)
+        found = c.reconciliation.reconcile_pass(memory, live_runs=live, silent=silent)
         c.fleet.beat(RECONCILER, {"passes": passes, "period_s": self.period_s, "pid": os.getpid(),
                                   "pass_s": round(time.monotonic() - began, 3), "runs_known": live is not None,
                                   "found": len(found)})

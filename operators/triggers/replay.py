@@ -45,15 +45,15 @@ class ReplayTrigger(BaseTrigger):
         deadline = time.monotonic() + self.timeout_s
         try:
             while len(out) < len(groups) and time.monotonic() < deadline:
-                polled = await asyncio.to_thread(c.replay_poll, self.launched)
+                polled = await asyncio.to_thread(c.replay.replay_poll, self.launched)
                 out.update({t: r for t, r in polled.items() if r is not None})
                 if len(out) < len(groups):
                     await asyncio.sleep(self.poll_s)
         except asyncio.CancelledError:  # the task was killed: its groups do not run on
-            await asyncio.shield(asyncio.to_thread(c.replay_stop, self.launched))
+            await asyncio.shield(asyncio.to_thread(c.replay.replay_stop, self.launched))
             raise
         for tag in groups:
             out.setdefault(tag, f"failed: no result within {self.timeout_s:.0f}s")
-        await asyncio.to_thread(c.replay_stop, self.launched)
+        await asyncio.to_thread(c.replay.replay_stop, self.launched)
         self.log.info("replay of %s: %s", self.launched.get("job"), out)
         yield TriggerEvent({"results": out})

@@ -49,7 +49,7 @@ class ResumeTrigger(BaseTrigger):
         checks = 0
         while True:
             checks += 1
-            info = await asyncio.to_thread(incident.resumed, self.incident_id, self.recovery, c)
+            info = await asyncio.to_thread(incident.resumed, c, self.incident_id, self.recovery)
             if info is not None:
                 self.log.info("incident %s: %s after %d checks", self.incident_id, info, checks)
                 yield TriggerEvent({**info, "checks": checks})
@@ -80,7 +80,7 @@ class CodeResumeTrigger(BaseTrigger):
         checks = 0
         while True:
             checks += 1
-            info = await asyncio.to_thread(code_update.code_resumed, self.update, c)
+            info = await asyncio.to_thread(code_update.code_resumed, c, self.update)
             if info is not None:
                 self.log.info("code update: %s after %d checks", info, checks)
                 yield TriggerEvent({**info, "checks": checks})

@@ -50,7 +50,7 @@ class SlowVoteTrigger(BaseTrigger):
         started = time.time() if self.started is None else self.started
         while len(taken) < self.rounds:
             await asyncio.sleep(max(0.0, started + len(taken) * self.interval_s - time.time()))
-            one = await asyncio.to_thread(c.vote_round, self.incident_id)
+            one = await asyncio.to_thread(c.analysis.vote_round, self.incident_id)
             if one.get("superseded"):
                 self.log.info("incident %s: taken over by stronger alerts after %d rounds", self.incident_id,
                               len(taken))
