@@ -9,14 +9,14 @@ publishes its alerts as its agent does: one batch document for its ranks (``.spo
 ``.s3_single``: one object per alert, as agents before batching did). Publishing is untimed.
 
 ``bus_storm_read_s``
-    what the guardian's trigger does (:class:`trainguard.operators.triggers.alerts.AlertTrigger`, its cursor in a fleet
+    what the alert watcher does (:class:`trainguard.operators.triggers.alerts.AlertTrigger`, its cursor in a fleet
     database, the default settle window and poll) until its first event, holding alerts of the job, is ready:
     this bounds how soon the incident can open.
 ``bus_storm_drain_s``
-    the guardian's recording trigger until every alert of the storm was delivered in its batches (the
-    recording itself, the fleet database's part, left out: each batch counts as recorded at once).
+    the watcher until every alert of the storm was delivered in its events, batch after batch (the recording
+    itself, the fleet database's part, left out: each batch's names count as recorded at once).
 ``bus_idle_poll_s``
-    one poll of the trigger with nothing new, after the storm (published one object per alert) was read and
+    one poll of the watcher with nothing new, after the storm (published one object per alert) was read and
     recorded and the retention removed it from the folder; ``.unretained``: before the retention ran (the
     folder still holds every name it read). ``.s3``: the same on S3.
 
@@ -195,31 +195,26 @@ def storm_read(backend: str, *, batched: bool = True) -> Callable[[int], Callabl
     return prepare
 
 
-class _Delivering(AlertTrigger):
-    """The guardian's recording trigger, its recording left out: each batch counts as recorded (its cursor
-    committed) as soon as it is ready, so what is timed is the bus's part of delivering a storm."""
-
-    drain_s = 900.0
-
-    def _warm(self) -> None:
-        return None
-
-    def _record(self, event: dict[str, Any]) -> dict[str, Any]:
-        return {"recorded": True, "starts": [], "started": {}, "alerts": len(event["alerts"]), "kinds": [],
-                "first_seen_ts": event["first_seen_ts"], "fired_ts": time.time(),
-                "quarantined": [{k: q.get(k) for k in ("name", "reason")} for q in event["quarantined"]]}
-
-
 def storm_drain(backend: str, *, batched: bool = True) -> Callable[[int], Callable[[], int]]:
     def prepare(size: int) -> Callable[[], int]:
         url, fleet = _storm(backend, size, batched=batched)
 
+        async def drain() -> int:
+            delivered = 0
+            events = AlertTrigger(url, fleet.url, settle_s=DEFAULT_SETTLE_S, poll_s=DEFAULT_POLL_S, silent_s=0).run()
+            try:
+                while delivered < size:
+                    event = (await events.__anext__()).payload
+                    delivered += len(event["alerts"])
+            finally:
+                await events.aclose()
+            return delivered
+
         def run() -> int:
-            event = asyncio.run(first_event(_Delivering(url, fleet.url, settle_s=DEFAULT_SETTLE_S,
-                                                         poll_s=DEFAULT_POLL_S, record=True)))
-            if event["alerts"] != size:
-                raise RuntimeError(f"{event['alerts']} of {size} alerts delivered")
-            return event["alerts"]
+            delivered = asyncio.run(drain())
+            if delivered != size:
+                raise RuntimeError(f"{delivered} of {size} alerts delivered")
+            return delivered
         return run
     return prepare
 
@@ -227,22 +222,24 @@ def storm_drain(backend: str, *, batched: bool = True) -> Callable[[int], Callab
 def idle_poll(backend: str, *, retained: bool) -> Callable[[int], Callable[[], int]]:
     def prepare(size: int) -> Callable[[], int]:
         url, fleet = _storm(backend, size, batched=False)
-        watch = _Watch(url, fleet.url, "guardian", folder=ALERTS, silent_s=0.0, skew_s=60.0, retain_s=30.0,
-                       commits=True)
+        watch = _Watch(url, fleet.url, "guardian", folder=ALERTS, silent_s=0.0, skew_s=60.0)
         read = 0
         while True:  # the storm read and recorded, batch by batch
             got = watch.poll(tidy=False)
-            watch.commit(watch.event(got, time.time()))
+            event = watch.event(got, time.time())
+            fleet.advance_cursor("guardian", event["read"], event["gone"])  # what the recording task commits
             read += len(got)
             if not watch.reader.more:
                 break
         if read != size:
             raise RuntimeError(f"read {read} of {size} alerts")
-        if retained:  # what the retention does once the names are older than it by the reader's clock
-            watch.retain_s = 0.0
-            while watch.retire():
-                pass
-        watch.poll(tidy=False)  # the fleet database's periodic parts (the guardian's beat) done: not due again
+        watch.refresh()  # the watcher read the committed cursor again (every few seconds)
+        if retained:  # what the recording task's retention does once the names are older than it
+            names = list(fleet.cursor("guardian"))
+            done = open_bus(url).retire(names)
+            fleet.advance_cursor("guardian", {}, done)
+            watch.refresh()
+        watch.poll(tidy=False)  # the fleet database's periodic reads (the watched machines) done: not due again
 
         def run() -> int:
             new = watch.poll(tidy=False)

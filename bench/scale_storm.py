@@ -3,15 +3,15 @@
 Every rank of a job of 100,000 ranks on 12,500 machines alerts at once (an NCCL hang: ``size`` ``rank_hang``
 alerts, one batch document per machine as the agents publish them, stamped within 5 s by the machines' own
 clocks, one of them an hour ahead and one an hour behind). The fleet database knows the machines and the job.
-What is timed is the guardian's recording trigger from its start, the whole storm already on the bus, until
-its first batch is recorded: the bus read in batches (:class:`trainguard.operators.triggers.alerts.AlertTrigger`), the
-batch ingested into the fleet database (:func:`trainguard.operators.tasks.guardian.group_alerts`: the incident opened,
-the alerts attached, the cursor committed). Starting the incident's DAG run through Airflow's REST API is left
-out (one call, whatever the fleet's size).
+What is timed is the alert watcher from its start, the whole storm already on the bus, until its first batch is
+recorded: the bus read in batches (:class:`trainguard.operators.triggers.alerts.AlertTrigger`), the batch recorded
+into the fleet database as tg_incident's triage task records it (:func:`trainguard.operators.tasks.guardian.record`:
+the incident opened, the alerts attached, the cursor committed). Airflow's part between an event and the task (the
+asset event, the run's start) is left out (the same whatever the fleet's size).
 
 ``alert_storm_open_s.<size>`` on the spool bus, ``alert_storm_open_s.<size>.s3`` on S3 (``moto_server``);
-``alert_storm_recorded_s``: until the trigger recorded the whole storm, batch by batch, into that one incident
-(every alert once).
+``alert_storm_recorded_s``: until the whole storm was recorded, batch after batch, into that one incident (every
+alert once).
 
     python bench/scale_storm.py [SIZE ...]
 
@@ -38,25 +38,23 @@ from trainguard.operators.triggers.alerts import DEFAULT_POLL_S, AlertTrigger
 SIZES = [10_000, 100_000]
 
 
-class _Opening(AlertTrigger):
-    """The recording trigger over a given controller, stopping once its first batch is recorded."""
+async def _record_storm(c: Any, url: str, size: int, *, whole: bool) -> int:
+    """Watch the bus and record each batch as it comes, until the first opened the incident (or, ``whole``, until
+    every alert of the storm is recorded); the incident."""
+    from trainguard.operators.tasks import guardian
 
-    controller: Any = None
-    opened: tuple[dict[str, Any], ...] = ()
-    whole = False  # record the whole storm before the first event, not only its first batch
-    follow_s = 0.0  # what is timed is the first event: staying on the bus after it is not
-
-    def _warm(self) -> None:
-        return None
-
-    def _record(self, event: dict[str, Any]) -> dict[str, Any]:
-        from trainguard.operators.tasks import guardian
-
-        starts = guardian.group_alerts(self.controller, event)
-        self.opened = self.opened or tuple(starts)
-        self.drain_s = 900.0 if self.whole else 0.0  # else the incident is open: the rest is recorded untimed
-        return {"recorded": True, "starts": starts, "started": {}, "alerts": len(event["alerts"]), "kinds": [],
-                "first_seen_ts": event["first_seen_ts"], "fired_ts": event["fired_ts"], "quarantined": []}
+    events = AlertTrigger(url, c.fleet.url, settle_s=DEFAULT_SETTLE_S, poll_s=DEFAULT_POLL_S, silent_s=0).run()
+    opened, recorded = None, 0
+    try:
+        while True:
+            event = (await events.__anext__()).payload
+            items = await asyncio.to_thread(guardian.record, c, event, run="scale")
+            opened = opened or next((i["incident"] for i in items if i["opened"]), None)
+            recorded += len(event["alerts"])
+            if opened is not None and (not whole or recorded >= size):
+                return opened
+    finally:
+        await events.aclose()
 
 
 def _prepare(backend: str, *, whole: bool = False) -> Callable[[int], Callable[[], Any]]:
@@ -69,11 +67,9 @@ def _prepare(backend: str, *, whole: bool = False) -> Callable[[int], Callable[[
         objects = scale_bus.publish_storm(open_bus(url), size, batched=True)
 
         def run() -> Any:
-            trigger = _Opening(url, c.fleet.url, settle_s=DEFAULT_SETTLE_S, poll_s=DEFAULT_POLL_S, record=True)
-            trigger.controller, trigger.whole = c, whole
-            asyncio.run(scale_bus.first_event(trigger))
+            asyncio.run(_record_storm(c, url, size, whole=whole))
             incidents = c.fleet.incidents(scale_ingest.JOB)
-            if len(incidents) != 1 or not trigger.opened:
+            if len(incidents) != 1:
                 raise RuntimeError(f"{len(incidents)} incidents after the first batch, not one")
             if whole and len(c.fleet.alerts_of(incidents[0].id)) != size:
                 raise RuntimeError(f"{len(c.fleet.alerts_of(incidents[0].id))} of {size} alerts recorded")

@@ -302,11 +302,14 @@ class GuardedJob:
         return {old: new for a in self.ctl.fleet.actions(incident_id) for old, new in action_swaps(a).items()}
 
     def incident_run(self, incident_id: int) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-        """The incident's tg_incident run (its conf) and its task instances' states and times."""
-        run = self.airflow.incident_run(incident_id)
+        """The incident's tg_incident run (its conf, with ``first_seen_ts``: when the alert watcher first saw the
+        batch that opened it) and its task instances' states and times."""
+        run = self.airflow.incident_run(incident_id, self.ctl.fleet)
         if run is None:
             return {}, {}
-        return run["conf"], {
+        first = next((c["first_seen_ts"] for c in self.ctl.fleet.claims_of(incident_id)
+                      if c["run"] == run["dag_run_id"]), None)
+        return {**(run.get("conf") or {}), "first_seen_ts": first or (run.get("conf") or {}).get("first_seen_ts")}, {
             t["task_id"]: {"task_id": t["task_id"], "state": t["state"], "start": iso_ts(t["start_date"]),
                            "end": iso_ts(t["end_date"])}
             for t in self.airflow.task_instances("tg_incident", run["dag_run_id"])}

@@ -93,9 +93,12 @@ class Standalone:
                 self.env.setdefault(f"AIRFLOW__DATABASE__{key}", f"{__name__}.SQLITE_CONNECT_ARGS")
             self.env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", str(2 * SQLITE_BUSY_S))
         self.env.pop("AIRFLOW_CONN_TG_SSH", None)
+        # where the harness reads the incidents' runs (the fleet database)
+        self.fleet_url = url_for(self.env["TG_FLEET_URL"]) if self.env.get("TG_FLEET_URL") else ""
         if not stock and self.env.get("TG_FLEET_URL"):  # the fleet database reached as a deployment does: a connection
-            self.env["AIRFLOW_CONN_TG_FLEET"] = json.dumps(
-                {"conn_type": FLEET_CONN_TYPE, "extra": {"url": url_for(self.env.pop("TG_FLEET_URL"))}})
+            del self.env["TG_FLEET_URL"]
+            self.env["AIRFLOW_CONN_TG_FLEET"] = json.dumps({"conn_type": FLEET_CONN_TYPE,
+                                                             "extra": {"url": self.fleet_url}})
         self.stock = stock
         self.proc: subprocess.Popen[bytes] | None = None
         self._api: AirflowApi | None = None
@@ -118,7 +121,7 @@ class Standalone:
         """Wait until the api-server answers and trainguard's DAGs are parsed; then (unless ``stock``) provision
         the ``tg_ssh`` pool and the ``tg_airflow_api`` connection."""
         poll(self._healthy, timeout=timeout, interval=1.0, what=f"airflow standalone on {self.url}")
-        poll(lambda: self.dag_ids() >= {"tg_guardian", "tg_incident", "tg_diagnose", "tg_sdc_replay"}, timeout=120,
+        poll(lambda: self.dag_ids() >= {"tg_incident", "tg_reconcile", "tg_diagnose", "tg_sdc_replay"}, timeout=120,
                    interval=1.0, what="the trainguard DAGs to be parsed")
         self.request("GET", "/execution/health", auth=False)  # warm the execution API (first task waits otherwise)
         if self.stock:
@@ -272,8 +275,20 @@ class Standalone:
             return "\n".join(json.dumps(c) if isinstance(c, dict) else str(c) for c in content)
         return str(content)
 
-    def incident_run(self, incident_id: int) -> dict[str, Any] | None:
-        """The tg_incident run started for ``incident_id`` (None when there is none yet)."""
+    def incident_run(self, incident_id: int, fleet: Any = None) -> dict[str, Any] | None:
+        """The tg_incident run of ``incident_id``: the first that took it as its own (the run Airflow started for the
+        batch that opened it, as the fleet database records: ``fleet``, else the one this Airflow's tasks reach) or was
+        started for it (its conf names it); None when there is none yet."""
+        if fleet is None and self.fleet_url:
+            from trainguard.operators.hooks.fleet import fleet_store
+
+            fleet = fleet_store(self.fleet_url)
+        for claim in fleet.claims_of(incident_id) if fleet is not None else ():
+            try:
+                return self.request("GET", f"/api/v2/dags/tg_incident/dagRuns/{urllib.parse.quote(claim['run'])}")
+            except ApiError as exc:
+                if exc.status != 404:
+                    raise
         return next((run for run in self.runs("tg_incident")
                      if (run.get("conf") or {}).get("incident_id") == incident_id), None)
 

@@ -496,6 +496,9 @@ class BusReader:
         gone: names that left the folder since they were read (archived, quarantined): dropped from ``seen``.
         more: whether the last read stopped at one of its limits (alerts, bytes, time) with unread documents
             left: the next read goes on from there.
+        moves: whether the reader moves what it quarantines out of the folder itself; a reader that only watches
+            (the control plane's, in Airflow's triggerer) leaves that to whoever records what it read
+            (:meth:`AlertBus.quarantine` with each :attr:`quarantined` document's reason).
     """
 
     bus: AlertBus
@@ -506,6 +509,7 @@ class BusReader:
     max_bytes: int = MAX_ALERT_BYTES
     quarantined: list[dict[str, str]] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
+    moves: bool = True
     more: bool = field(default=False, init=False)
     # the pass in progress: its remaining pages, the names it listed so far, the unread names listed and not
     # read yet, and bodies fetched but not yet taken (a read that reached its limit mid-round)
@@ -633,7 +637,8 @@ class BusReader:
         gone = [n for n in self.seen if n not in self._listed]
         for n in gone:
             del self.seen[n]
-        self.gone += gone
+        known = set(self.gone)
+        self.gone += [n for n in gone if n not in known]
         self._pages, self._listed = None, set()
 
     def forget(self, names: Sequence[str]) -> None:
@@ -642,7 +647,8 @@ class BusReader:
             self.seen.pop(n, None)
 
     def _quarantine(self, name: str, reason: str, machine: str) -> None:
-        self.bus.quarantine(name, f"{name}: {reason}")
+        if self.moves:
+            self.bus.quarantine(name, f"{name}: {reason}")
         self.quarantined.append({"name": name, "reason": reason, "machine": machine[:63]})
 
     def _save(self) -> None:

@@ -197,7 +197,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         silent = silent_from_env()
     except ValueError as exc:
         raise TrainguardError(str(exc), exit_code=2) from None
-    doc = status.collect(fleet, silent_s=silent or 15.0, airflow_url=url,
+    beats = None
+    if url:  # the watchers' beats in Airflow's asset state stores, with the operator's login
+        try:
+            with _airflow(args) as api:
+                beats = status.watcher_beats(api)
+        except Exception:  # the api-server away or the login refused: its health below says which
+            beats = None
+    doc = status.collect(fleet, silent_s=silent or 15.0, airflow_url=url, beats=beats,
                          reconcile_period_s=ControlConfig.from_env().reconcile_period_s)
     print_result(args, doc, status.render(doc))
     return EXIT_OK if doc["healthy"] else 1

@@ -2,14 +2,17 @@
 
 What it reads, and what it calls unhealthy (exit 1; 0 when all is well, 2 when it cannot read):
 
-* **guardian**: when it last polled the bus (its trigger records that every few seconds in the fleet
-  database): older than ``STALE_S`` means nothing is watching the alerts;
-* **reconciler**: when it last took its look at the running jobs (``tg_reconcile``'s trigger records every pass):
+* **guardian**: when the watcher of the alert bus last polled it (the beat it writes every few seconds into its
+  asset's state store in Airflow: ``trainguard-alerts``), read through the REST API: older than ``STALE_S`` means
+  nothing is watching the alerts; and when a task last recorded a batch of it (the fleet database), which is not
+  judged (a quiet fleet records nothing);
+* **reconciler**: when its watcher last took its look at the running jobs (its beat, ``trainguard-reconcile``):
   older than three periods (at least ``STALE_S``) means nothing looks behind the incidents;
 * **airflow**: the api-server's ``/api/v2/monitor/health`` (metadatabase, scheduler, triggerer, dag
   processor), when an Airflow URL is known;
-* **agents**: for every machine serving a running job, how long ago the guardian saw its heartbeat change
-  (silent past ``TG_AGENT_SILENT_S``: the guardian raises an incident of its own);
+* **agents**: for every machine serving a running job, whether the guardian reported its agent silent (past
+  ``TG_AGENT_SILENT_S``: it raises an incident of its own) and how long ago, as last recorded, it saw its heartbeat
+  change;
 * **jobs**: each job's state in the fleet database, its machines and revision;
 * **incidents**: open ones, and those waiting for a human with their reason and next step (a human needed);
 * **bus**: documents quarantined in the last hour (unknown machines, oversized, not alerts).
@@ -51,29 +54,42 @@ def airflow_health(url: str, *, timeout: float = 5.0) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {"error": f"{url}: not a health document"}
 
 
+def watcher_beats(api: Any) -> dict[str, dict[str, Any] | None]:
+    """The beats the control plane's watchers write into their assets' state stores (the alert watcher's, the
+    reconciler's), through the REST API ``api`` (an :class:`~trainguard.operators.hooks.airflow_api.AirflowApi`)."""
+    from trainguard.operators.triggers.alerts import ALERTS_ASSET
+    from trainguard.operators.triggers.reconcile import RECONCILE_ASSET
+
+    return {"guardian": api.watcher_beat(ALERTS_ASSET), "reconciler": api.watcher_beat(RECONCILE_ASSET)}
+
+
 def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: float | None = None,
-            reconcile_period_s: float = 10.0) -> dict[str, Any]:
+            reconcile_period_s: float = 10.0, beats: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """The status document; ``problems`` lists every line that needs a human's attention.
-    ``reconcile_period_s``: the reconciler's period (0: it is off and not checked)."""
+    ``reconcile_period_s``: the reconciler's period (0: it is off and not checked); ``beats``: the watchers' beats
+    (:func:`watcher_beats`; None: Airflow's REST API was not asked, and the watchers' liveness is not judged)."""
     now = time.time() if now is None else now
     problems: list[str] = []
     components = fleet.components()
-    guardian = components.get("guardian")
-    g_age = None if guardian is None else round(now - guardian.seen_ts, 1)
-    if g_age is None:
-        problems.append("the guardian has never polled the bus: is tg_guardian unpaused and the triggerer up?")
-    elif g_age > STALE_S:
-        problems.append(f"the guardian last polled the bus {g_age:.0f}s ago: nothing watches the alerts; check "
-                        f"the triggerer and tg_guardian's run")
-    reconciler = components.get("reconciler")
-    r_age = None if reconciler is None else round(now - reconciler.seen_ts, 1)
-    if reconcile_period_s > 0:
+    guardian = components.get("guardian")  # the last batch a task recorded
+    recorded_age = None if guardian is None else round(now - guardian.seen_ts, 1)
+    watcher = (beats or {}).get("guardian")
+    g_age = _age(watcher, now)
+    if beats is not None and g_age is None:
+        problems.append("the alert watcher has written no beat: is tg_incident unpaused and the triggerer up?")
+    elif g_age is not None and g_age > STALE_S:
+        problems.append(f"the alert watcher last polled the bus {g_age:.0f}s ago: nothing watches the alerts; check "
+                        f"the triggerer (and tg_incident's asset watcher)")
+    reconciler = components.get("reconciler")  # the last findings a task acted on
+    looked = (beats or {}).get("reconciler")
+    r_age = _age(looked, now)
+    if reconcile_period_s > 0 and beats is not None:
         if r_age is None:
             problems.append("the reconciler has never looked at the jobs: is tg_reconcile unpaused and the "
                             "triggerer up?")
         elif r_age > max(STALE_S, 3 * reconcile_period_s):
             problems.append(f"the reconciler last looked at the jobs {r_age:.0f}s ago: nothing looks behind the "
-                            f"incidents; check the triggerer and tg_reconcile's run")
+                            f"incidents; check the triggerer (and tg_reconcile's asset watcher)")
     airflow: dict[str, Any] = {}
     if airflow_url:
         airflow = airflow_health(airflow_url)
@@ -92,10 +108,9 @@ def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: f
             continue
         seen = liveness.get(m.name)
         age = None if seen is None else round(now - seen.changed_ts, 1)
-        agents[m.name] = {"job": m.job, "heartbeat_age_s": age, "silent": bool(seen and seen.reported_ts)}
-        if age is None:
-            problems.append(f"agent of {m.name} ({m.job}): never seen by the guardian")
-        elif age > silent_s:
+        silent = bool(seen and seen.reported_ts)
+        agents[m.name] = {"job": m.job, "heartbeat_age_s": age, "silent": silent}
+        if silent:  # the watcher reported it (a task recorded that with the batch of its agent_silent alert)
             problems.append(f"agent of {m.name} ({m.job}) silent for {age:.0f}s")
     incidents = []
     for j in jobs:
@@ -112,8 +127,10 @@ def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: f
     quarantined = fleet.quarantined(since=now - 3600)
     return {
         "ts": now,
-        "guardian": {"last_poll_age_s": g_age, **(guardian.detail if guardian else {})},
-        "reconciler": {"last_pass_age_s": r_age, **(reconciler.detail if reconciler else {})},
+        "guardian": {"last_poll_age_s": g_age, "last_recorded_age_s": recorded_age,
+                     **{k: v for k, v in (watcher or {}).items() if k != "updated_at"}},
+        "reconciler": {"last_pass_age_s": r_age, **{k: v for k, v in (looked or {}).items() if k != "updated_at"},
+                       **({"last_acted_age_s": round(now - reconciler.seen_ts, 1)} if reconciler else {})},
         "airflow": airflow,
         "agents": agents,
         "jobs": [{"job": j.name, "state": j.state, "machines": j.machine_list, "revision": j.revision}
@@ -126,13 +143,19 @@ def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: f
     }
 
 
+def _age(beat: dict[str, Any] | None, now: float) -> float | None:
+    ts = (beat or {}).get("ts")
+    return round(now - float(ts), 1) if isinstance(ts, (int, float)) else None
+
+
 def render(doc: dict[str, Any]) -> str:
     """The status document as one screen of text."""
     g = doc["guardian"]
-    age = g["last_poll_age_s"]
-    polled = "never polled" if age is None else f"polled {age:.1f}s ago"
+    age, recorded = g["last_poll_age_s"], g.get("last_recorded_age_s")
+    polled = "polled: unknown (Airflow not asked)" if age is None else f"polled {age:.1f}s ago"
     watching = f", watching {g['watched']} machines" if "watched" in g else ""
-    lines = [f"guardian   {polled}{watching}"]
+    last = "" if recorded is None else f"; last batch recorded {recorded:.0f}s ago"
+    lines = [f"guardian   {polled}{watching}{last}"]
     r = doc.get("reconciler") or {}
     if r.get("last_pass_age_s") is not None:
         lines.append(f"reconciler looked {r['last_pass_age_s']:.1f}s ago (pass {r.get('passes', '?')}, "

@@ -1,6 +1,8 @@
-"""The alert trigger against a real spool bus and a fleet database: a burst becomes one batch; every alert is
-delivered once, whatever the writers' clocks; the cursor moves only when the batch is recorded; a silent
-agent of a running job is reported once per silence; the guardian records its own poll."""
+"""The alert watcher against a real spool bus and a fleet database: a burst becomes one batch; every alert is
+delivered once, whatever the writers' clocks; the watcher writes nothing (not the fleet database, not the bus): the
+cursor moves only when a task records the batch, and a batch nobody recorded is emitted again; a silent agent of a
+running job is reported once per silence. The recording (tg_incident's triage task): the batch into incidents, the
+incident claimed by the run, a batch that only joined an open incident ending its run."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,11 +22,23 @@ from trainguard.operators.triggers.alerts import AlertTrigger
 
 
 def first_event(trigger: AlertTrigger, timeout: float = 20.0) -> dict:
-    async def go() -> dict:
+    return events(trigger, 1, timeout=timeout)[0]
+
+
+def events(trigger: AlertTrigger, n: int, *, timeout: float = 20.0, between: Any = None) -> list[dict]:
+    """The first ``n`` events of one run of ``trigger`` (a watcher emits batch after batch); ``between(i, event)``
+    runs after the i-th."""
+    async def go() -> list[dict]:
         agen = trigger.run()
-        event = await asyncio.wait_for(agen.__anext__(), timeout)
-        await agen.aclose()
-        return event.payload
+        out = []
+        try:
+            for i in range(n):
+                out.append((await asyncio.wait_for(agen.__anext__(), timeout)).payload)
+                if between is not None:
+                    await asyncio.to_thread(between, i, out[-1])
+        finally:
+            await agen.aclose()
+        return out
 
     return asyncio.run(go())
 
@@ -156,7 +171,8 @@ def test_the_agent_watch_reports_a_silence_once_and_forgives_an_agent_that_talks
     assert alert["evidence"]["silent_s"] == 16.0 and alert["received_ts"] == 217.0
 
 
-def test_a_silent_agent_of_a_running_job_fires_the_trigger_and_the_guardian_records_its_poll(tmp_path: Path):
+def test_a_silent_agent_of_a_running_job_fires_the_trigger_and_nothing_is_written_until_a_task_records_it(
+        tmp_path: Path):
     url = f"spool://{tmp_path / 'bus'}"
     bus = open_bus(url)
     fleet = _fleet(tmp_path)
@@ -180,24 +196,28 @@ def test_a_silent_agent_of_a_running_job_fires_the_trigger_and_the_guardian_reco
     assert (silent["kind"], silent["machine"], silent["job"]) == ("agent_silent", "m1", "j")
     assert event["fired_ts"] - event["first_seen_ts"] < 1.0  # decisive: no settle window
     assert event["liveness"]["m1"]["reported_ts"] and event["liveness"]["m0"]["reported_ts"] is None
-    guardian = fleet.components()["guardian"]
-    assert abs(guardian.seen_ts - time.time()) < 10 and guardian.detail["watched"] == 2
+    assert event["watcher"]["watched"] == 2 and event["watcher"]["polls"] >= 1
+    # the watcher wrote nothing: no beat, no liveness, no cursor in the fleet database
+    assert fleet.components() == {} and fleet.liveness() == {} and fleet.cursor("guardian") == {}
 
 
-def test_recorded_names_older_than_the_retention_go_to_the_archive(tmp_path: Path):
-    url = f"spool://{tmp_path / 'bus'}"
-    bus = open_bus(url)
-    fleet = _fleet(tmp_path)
+def test_recorded_names_older_than_the_retention_go_to_the_archive_when_a_task_records(tmp_path: Path, monkeypatch):
+    from tests.fakes import fleet_controller
+    from trainguard.operators.tasks import guardian
+
+    c, _fake = fleet_controller(tmp_path)
+    bus = open_bus(c.inventory.bus_url)
     old, new = Alert("loss_spike", "m0", job="j", rank=0, severity="warning"), Alert("nan_loss", "m0", job="j")
     bus.publish(old)
-    first = first_event(AlertTrigger(url, fleet.url, settle_s=0.0, poll_s=0.05))
+    first = first_event(AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.0, poll_s=0.05, silent_s=0))
     [name] = first["read"]
-    first["read"][name] = time.time() - 700  # recorded 700 s ago by the reader's clock
-    _commit(fleet, first)
+    first["read"][name] = time.time() - 700  # read 700 s ago by the watcher's clock
+    guardian.record(c, first, retain_s=600.0)
+    assert (Path(c.inventory.bus_url.removeprefix("spool://")) / "archive" / "alerts" / name).exists()
+    assert name not in c.fleet.cursor("guardian")  # out of the folder and of the cursor in one go
     bus.publish(new)
-    second = first_event(AlertTrigger(url, fleet.url, settle_s=0.0, poll_s=0.05, retain_s=600.0))
+    second = first_event(AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.0, poll_s=0.05, silent_s=0))
     assert [a["id"] for a in second["alerts"]] == [new.id]
-    assert (tmp_path / "bus" / "archive" / "alerts" / name).exists() and name in second["gone"]
 
 
 def test_a_document_quarantined_on_its_own_fires_the_trigger_and_is_recorded_without_an_incident(tmp_path: Path):
@@ -216,6 +236,7 @@ def test_a_document_quarantined_on_its_own_fires_the_trigger_and_is_recorded_wit
     (tmp_path / "bus" / "alerts" / name).write_text(json.dumps(huge))
     event = first_event(AlertTrigger(url, fleet.url, settle_s=5.0, poll_s=0.05), timeout=3.0)  # no settle wait
     assert event["alerts"] == [] and [q["name"] for q in event["quarantined"]] == [name]
+    assert (tmp_path / "bus" / "alerts" / name).exists()  # the watcher moves nothing
     # the sensor hands it on to be recorded (it refused an event without alerts before)
     assert AlertSensor(task_id="w").execute_complete({}, event) is event
     fleet.ingest({}, escalation_window_s=0.0, reader=event["reader"], read=event["read"], gone=event["gone"],
@@ -271,137 +292,156 @@ def dag_runs():
     server.close()
 
 
-def _recording(tmp_path, monkeypatch, api_url: str | None):
-    """A recording trigger over the scripted fleet's controller (its bus a real spool), its REST API the
-    loopback server (None: no connection to it)."""
-    from tests.fakes import fleet_controller, use_controller
-    from trainguard.operators.hooks.airflow_api import AirflowApi
-
-    c, _fleet = fleet_controller(tmp_path)
-    use_controller(monkeypatch, c)
-
-    def api(self):
-        if api_url is None:
-            raise LookupError("The conn_id `tg_airflow_api` isn't defined")
-        return AirflowApi(api_url, username="tg_notes", password="pw", retry_s=1.0)
-
-    monkeypatch.setattr(AlertTrigger, "_api", api)
-    monkeypatch.setattr(AlertTrigger, "follow_s", 0.0)  # the follow has a test of its own
-    trigger = AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.2, poll_s=0.05, record=True)
-    return c, trigger
+def _snapshot(fleet: FleetStore, bus_root: Path) -> dict:
+    """What the fleet database holds that a recording would change, and every file on the bus."""
+    return {"incidents": [(i.id, i.state) for i in fleet.incidents("j")], "alerts": fleet.known_alerts([]),
+            "cursor": fleet.cursor("guardian"), "components": sorted(fleet.components()),
+            "liveness": sorted(fleet.liveness()), "quarantined": len(fleet.quarantined()),
+            "actions": len(fleet.actions()),
+            "files": sorted(str(p.relative_to(bus_root)) for p in bus_root.rglob("*") if p.is_file()
+                            and "heartbeats" not in p.parts)}
 
 
-def test_a_second_machines_fault_soon_after_joins_the_incident_the_trigger_just_started(tmp_path, monkeypatch,
-                                                                                        dag_runs):
-    """The trigger stays on the bus for ``follow_s`` after starting an incident's run: a GPU lost on a
-    second machine while the first machine's full disk is being handled joins that incident within a poll
-    (before its swap), instead of waiting ~10 s for the next guardian run to be scheduled."""
-    c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
-    monkeypatch.setattr(AlertTrigger, "follow_s", 3.0)
+def test_the_watcher_only_watches_it_writes_no_database_row_and_moves_no_bus_object(tmp_path: Path):
+    """Alerts, an oversized document, an agent silent and a job running: the watcher emits all of it and leaves the
+    fleet database and the bus exactly as they were (recording is the tasks')."""
+    import json
+
+    url = f"spool://{tmp_path / 'bus'}"
+    bus = open_bus(url)
+    fleet = _fleet(tmp_path)
+    bus.publish(Alert("rank_exit", "m0", job="j", rank=0))
+    huge = Alert("kernel_xid", "m1", evidence={"xid": 79, "blob": "x" * (1 << 20)}).to_dict()
+    (tmp_path / "bus" / "alerts" / f"{time.time_ns():020d}-m1-{'c' * 32}.json").write_text(json.dumps(huge))
+    bus.beat("m0", {"seq": 1})
+    before = _snapshot(fleet, tmp_path / "bus")
+    got = events(AlertTrigger(url, fleet.url, settle_s=0.3, poll_s=0.05, silent_s=5.0), 1, timeout=10.0)
+    assert [a["kind"] for a in got[0]["alerts"]] == ["rank_exit"] and len(got[0]["quarantined"]) == 1
+    assert _snapshot(fleet, tmp_path / "bus") == before
+
+
+def test_a_batch_nobody_recorded_is_emitted_again_and_a_recorded_one_never(tmp_path: Path, monkeypatch):
+    """Level-triggered: the run for a batch failed (the database blinked); the same watcher reads the committed
+    cursor again and emits the batch once more; once a task records it, nothing of it comes again."""
+    from trainguard.operators.triggers import alerts as watcher
+
+    monkeypatch.setattr(watcher, "CURSOR_EVERY_S", 0.1)
+    url = f"spool://{tmp_path / 'bus'}"
+    bus = open_bus(url)
+    fleet = _fleet(tmp_path)
+    bus.publish(Alert("nan_loss", "m0", job="j", rank=0))
+    seen: list[dict] = []
+
+    def after(i: int, event: dict) -> None:
+        seen.append(event)
+        if i == 1:  # the second time: recorded now
+            _commit(fleet, event)
+            bus.publish(Alert("gpu_lost", "m1"))
+
+    got = events(AlertTrigger(url, fleet.url, settle_s=0.0, poll_s=0.05, silent_s=0, reemit_s=0.5), 3,
+                 timeout=10.0, between=after)
+    first, again, third = got
+    assert [a["id"] for a in again["alerts"]] == [a["id"] for a in first["alerts"]]  # the same alert, once more
+    assert again["watcher"]["reemitted"] >= 1 and again["fired_ts"] - first["fired_ts"] >= 0.5
+    assert [a["kind"] for a in third["alerts"]] == ["gpu_lost"]  # recorded: never again
+
+
+def _asset_events(*payloads: dict) -> dict:
+    class Event:
+        def __init__(self, payload: dict) -> None:
+            self.extra = {"from_trigger": True, "payload": payload}
+
+    return {"trainguard-alerts": [Event(p) for p in payloads]}
+
+
+def test_a_run_for_a_batch_records_it_claims_the_incident_it_opened_and_a_retry_finds_it(tmp_path: Path):
+    from tests.fakes import fleet_controller
+    from trainguard.operators.tasks import guardian
+
+    c, _fake = fleet_controller(tmp_path)
     bus = open_bus(c.inventory.bus_url)
-    joined: dict[str, float] = {}
+    bus.publish(Alert("gpu_lost", "m1"))
+    event = first_event(AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.1, poll_s=0.05, silent_s=0))
+    incident, starts, line = guardian.incident_of_run(c, guardian.events_of(_asset_events(event)), run="asset_1")
+    [inc] = c.fleet.incidents("j")
+    assert incident == inc.id and starts == [] and f"incident {inc.id} opened" in line
+    assert c.fleet.claimed_by("asset_1") == [inc.id] and c.fleet.cursor("guardian")
+    assert c.fleet.claims_of(inc.id) == [{"run": "asset_1", "first_seen_ts": event["first_seen_ts"]}]
+    assert c.fleet.components()["guardian"].detail["run"] == "asset_1"  # the beat, from the task
+    # the task tried again (it failed after recording): the same incident, nothing recorded twice
+    again, _, _ = guardian.incident_of_run(c, guardian.events_of(_asset_events(event)), run="asset_1")
+    assert again == inc.id and len(c.fleet.alerts_of(inc.id)) == 1 and len(c.fleet.incidents("j")) == 1
 
-    def second_fault() -> None:
-        deadline = time.monotonic() + 15
-        while not c.fleet.incidents("j") and time.monotonic() < deadline:
-            time.sleep(0.02)  # polling for the condition: the first incident exists
-        bus.publish(Alert("gpu_lost", "m2"))
-        published = time.monotonic()
-        while time.monotonic() < deadline:
-            [inc] = c.fleet.incidents("j")
-            if any(a.kind == "gpu_lost" for a in c.fleet.alerts_of(inc.id)):
-                joined["s"] = time.monotonic() - published
-                return
-            time.sleep(0.02)
 
-    t = threading.Thread(target=second_fault)
-    began = time.monotonic()
+def test_a_batch_that_only_joined_an_open_incident_ends_its_run_at_the_triage(tmp_path: Path, monkeypatch):
+    """A second machine's fault after the first one's batch: its run records it into the open incident and skips
+    every task after the triage (the first run evicts both in one restart)."""
+    from airflow.sdk import DAG
+    from airflow.sdk.exceptions import DownstreamTasksSkipped
+
+    from tests.fakes import fleet_controller, use_controller
+    from trainguard.operators.operators.triage import TriageOperator
+
+    c, _fake = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    notes: list[str] = []
+    monkeypatch.setattr("trainguard.operators.tasks.common.note", notes.append)
+    bus = open_bus(c.inventory.bus_url)
+    with DAG("t", schedule=None):
+        op = TriageOperator(task_id="triage")
+        after = TriageOperator(task_id="after")  # anything downstream
+        op >> after
+
+    class TI:
+        map_index = -1
+
+        def __init__(self) -> None:
+            self.xcom: dict = {}
+
+        def xcom_push(self, key: str, value: object) -> None:
+            self.xcom[key] = value
+
+    def run(name: str, payload: dict) -> tuple[TI, object]:
+        ti = TI()
+        ctx = {"ti": ti, "run_id": name, "params": {}, "task": op, "triggering_asset_events": _asset_events(payload)}
+        try:
+            return ti, op.choose_branch(ctx)
+        except DownstreamTasksSkipped as skipped:
+            return ti, skipped
+
+    watcher = AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.1, poll_s=0.05, silent_s=0)
     bus.publish(Alert("disk_full", "m1"))
-    t.start()
-    event = first_event(trigger)
-    t.join()
-    [inc] = c.fleet.incidents("j")  # one incident: the second fault joined it
-    assert joined["s"] < 1.0, joined
-    assert sorted(a.kind for a in c.fleet.alerts_of(inc.id)) == ["disk_full", "gpu_lost"]
-    assert c.unhandled_faults(inc.id) == {"m1": "disk_full", "m2": "gpu_lost"}
-    assert event["alerts"] == 2 and event["kinds"] == ["m1:disk_full", "m2:gpu_lost"]
-    assert list(dag_runs.runs) == [f"incident__{inc.id}"]  # one run
-    assert time.monotonic() - began >= 3.0  # it followed
-
-
-def test_the_guardians_trigger_records_the_batch_and_starts_the_incidents_run_itself(tmp_path, monkeypatch, dag_runs):
-    """No task between an alert and its incident's run: the trigger records the batch (incident, cursor) and
-    starts the run; the sensor then only hands on what was started, and the start_incident task finds it."""
-    from trainguard.operators.sensors.alerts import IncidentSensor
-
-    c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
-    assert trigger.serialize()[1]["record"] is True
-    open_bus(c.inventory.bus_url).publish(Alert("gpu_lost", "m1"))
-    event = first_event(trigger)
+    ti, branch = run("asset_1", first_event(watcher))
     [inc] = c.fleet.incidents("j")
-    assert event["recorded"] and event["started"] == {f"incident__{inc.id}": "started"}
-    assert dag_runs.runs == {f"incident__{inc.id}": {"dag": "tg_incident", "conf": {
-        "incident_id": inc.id, "job": "j", "first_seen_ts": event["first_seen_ts"]}}}
-    assert c.fleet.cursor("guardian")  # committed with the incident, in the triggerer
-    starts = IncidentSensor(task_id="wait_for_alerts").execute_complete({}, event)
-    assert starts == [{"conf": dag_runs.runs[f"incident__{inc.id}"]["conf"], "trigger_run_id": f"incident__{inc.id}"}]
-    assert "alerts" not in event or isinstance(event["alerts"], int)  # the batch itself does not travel again
+    assert branch == "evict_now" and ti.xcom["incident"] == inc.id and ti.xcom["decision"]["machines"] == ["m1"]
+    bus.publish(Alert("gpu_lost", "m2"))
+    _commit_by = c.fleet.cursor("guardian")
+    assert _commit_by  # the first batch's names are recorded: the next watcher does not send them again
+    ti2, skipped = run("asset_2", first_event(AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.1,
+                                                           poll_s=0.05, silent_s=0)))
+    assert isinstance(skipped, DownstreamTasksSkipped) and list(skipped.tasks) == ["after"]
+    assert "incident" not in ti2.xcom and c.fleet.claimed_by("asset_2") == []
+    assert c.incidents.unhandled_faults(inc.id) == {"m1": "disk_full", "m2": "gpu_lost"}  # one incident, both
+    assert notes and f"joined incident(s) {inc.id}" in notes[-1]
 
 
-def test_without_the_rest_api_the_start_incident_task_starts_the_run(tmp_path, monkeypatch):
-    from trainguard.operators.sensors.alerts import IncidentSensor
-
-    c, trigger = _recording(tmp_path, monkeypatch, None)
-    open_bus(c.inventory.bus_url).publish(Alert("gpu_lost", "m1"))
-    event = first_event(trigger)
-    [inc] = c.fleet.incidents("j")
-    assert event["recorded"] and event["started"][f"incident__{inc.id}"].startswith("not started: ")
-    # the task after the sensor (start_incident) is handed the run to start
-    assert [s["trigger_run_id"] for s in IncidentSensor(task_id="w").execute_complete({}, event)] == [
-        f"incident__{inc.id}"]
-
-
-def test_a_batch_the_trigger_cannot_record_is_recorded_by_the_sensor(tmp_path, monkeypatch, dag_runs):
-    from trainguard.operators.sensors.alerts import IncidentSensor
+def test_a_batch_of_two_jobs_opens_two_incidents_this_run_handles_one_and_starts_the_other(tmp_path: Path,
+                                                                                         monkeypatch, dag_runs):
+    from tests.fakes import alert, fleet_controller
+    from trainguard.operators.hooks.airflow_api import AirflowApi, AirflowApiHook
     from trainguard.operators.tasks import guardian
 
-    c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
-    real = guardian.group_alerts
-
-    calls: list[str] = []
-
-    def locked(ctl, event):  # the fleet database does not answer in the triggerer (its first call)
-        calls.append("call")
-        if len(calls) == 1:
-            raise RuntimeError("database is locked")
-        return real(ctl, event)
-
-    monkeypatch.setattr(guardian, "group_alerts", locked)
-    open_bus(c.inventory.bus_url).publish(Alert("gpu_lost", "m1"))
-    event = first_event(trigger)
-    assert not event.get("recorded") and [a["kind"] for a in event["alerts"]] == ["gpu_lost"]
-    assert c.fleet.incidents("j") == [] and dag_runs.runs == {}  # nothing recorded, nothing started
-    [start] = IncidentSensor(task_id="w").execute_complete({}, event)
-    [inc] = c.fleet.incidents("j")
-    assert start["trigger_run_id"] == f"incident__{inc.id}" and c.fleet.cursor("guardian")
-
-
-def test_an_open_incident_whose_run_was_never_started_is_started_by_the_sweep_once(tmp_path, monkeypatch, dag_runs):
-    """The starter died between recording the incident and starting its run: the trigger's sweep starts it;
-    incidents whose runs exist, incidents opened by hand and young ones are left alone."""
-    from tests.fakes import alert
-    from trainguard.operators.tasks import guardian
-
-    c, trigger = _recording(tmp_path, monkeypatch, dag_runs.url)
-    [item] = c.ingest([alert("gpu_lost", "m1")])
-    c.fleet.upsert_job("k", tp=1, pp=1, dp=1, ranks_per_machine=1, machines=["m5"])
-    by_hand, _ = c.fleet.open_incident("k", [], category="manual")  # a diagnosis by hand: no alerts
-    assert guardian.orphans(c) == []  # too young: its start may be on its way
-    later = time.time() + guardian.ORPHAN_AFTER_S + 1
-    [orphan] = guardian.orphans(c, now=later)  # not the one by hand
-    assert orphan["trigger_run_id"] == f"incident__{item['incident']}" and by_hand.id != item["incident"]
-    monkeypatch.setattr(guardian, "ORPHAN_AFTER_S", 0.0)
-    monkeypatch.setattr(guardian, "orphans", lambda ctl: [orphan])
-    trigger._sweep()
-    trigger._sweep()  # again: the run exists
-    assert list(dag_runs.runs) == [f"incident__{item['incident']}"]
+    c, _fake = fleet_controller(tmp_path)
+    c.fleet.upsert_job("k", tp=1, pp=1, dp=1, ranks_per_machine=1, machines=["m4"])
+    monkeypatch.setattr(AirflowApiHook, "get_client",
+                        lambda self: AirflowApi(dag_runs.url, username="u", password="p", retry_s=1.0))
+    event = {"alerts": [alert("gpu_lost", "m1"), alert("gpu_lost", "m4", job="k")], "first_seen_ts": time.time(),
+             "fired_ts": time.time(), "reader": "guardian", "read": {}, "gone": [], "quarantined": []}
+    incident, starts, _ = guardian.incident_of_run(c, [event], run="asset_9")
+    [mine] = c.fleet.incidents("j")
+    [other] = c.fleet.incidents("k")
+    assert incident == mine.id and c.fleet.claimed_by("asset_9") == [mine.id]
+    assert [s["trigger_run_id"] for s in starts] == [f"incident__{other.id}"]
+    assert guardian.start_soon(starts) == {f"incident__{other.id}": "started"}
+    assert dag_runs.runs[f"incident__{other.id}"]["conf"]["incident_id"] == other.id
+    assert guardian.start_soon(starts) == {f"incident__{other.id}": "exists"}  # started once

@@ -198,3 +198,27 @@ def test_the_provider_keeps_operators_sensors_and_triggers_apart_and_its_sensors
 
     poking = [n for n, c in sensors.items() if "self.defer(" not in inspect.getsource(c.execute)]
     assert poking == []
+
+
+#: what a trigger may not call: the fleet database's writes, DAG runs started, the bus's objects moved or removed,
+#: machines acted on (the tasks do all of it; the triggers watch and emit events)
+NOT_FROM_A_TRIGGER = {"ingest", "advance_cursor", "beat", "record_liveness", "record_action", "finish_action",
+                      "update_incident", "transition", "take_over", "claim_watched", "claim_run", "wait_for_human",
+                      "swap", "retire", "quarantine", "archive", "publish", "start_runs", "start_soon",
+                      "trigger_run", "set_run_note", "replay_stop", "replay_launch", "launch", "stop", "evict",
+                      "recover", "group_alerts", "incident_of_run", "reconcile_act"}
+
+
+def test_the_triggers_only_watch_and_emit_events():
+    """Read from the code: no trigger module calls anything that writes the fleet database, starts a DAG run,
+    moves or removes a bus object or acts on a machine (tests/test_alert_trigger.py runs the alert watcher over a
+    real bus and database and finds both as they were)."""
+    called: dict[str, set[str]] = {}
+    for path in sorted((REPO / "operators" / "triggers").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+                called.setdefault(path.name, set()).add(name)
+    assert {"alerts.py", "reconcile.py", "resume.py", "vote.py", "replay.py"} <= set(called)
+    assert "observe" in called["alerts.py"] and "reconcile_pass" in called["reconcile.py"]  # the calls are read
+    assert {f: sorted(c & NOT_FROM_A_TRIGGER) for f, c in called.items() if c & NOT_FROM_A_TRIGGER} == {}

@@ -213,7 +213,7 @@ def test_upload_refuses_an_unverified_copy_and_the_remote_checksums_are_checked(
 
 
 # ---- the watcher ------------------------------------------------------------------------------------
-def test_the_notice_trigger_fires_once_per_batch_and_keeps_its_cursor(tmp_path: Path):
+def test_the_notice_watcher_emits_once_per_batch_writes_nothing_and_the_run_records_its_cursor(tmp_path: Path):
     from trainguard.node_tools.alerts import Alert
     from trainguard.operators.fleet import FleetStore
     from trainguard.operators.triggers.alerts import NOTICES_READER, CheckpointNoticeTrigger
@@ -234,8 +234,19 @@ def test_the_notice_trigger_fires_once_per_batch_and_keeps_its_cursor(tmp_path: 
     open_bus(str(tmp_path / "bus")).publish(Alert(kind="gpu_lost", machine="m1", job=JOB))  # an alert: not ours
     event = asyncio.run(first_event(10))
     assert [(n["job"], n["step"], n["machine"]) for n in event.payload["notices"]] == [(JOB, 19, "m0")]
-    assert len(fleet.cursor(NOTICES_READER)) == 1 and fleet.cursor("guardian") == {}  # committed as it fired
-    with pytest.raises(TimeoutError):  # nothing new: the restarted trigger waits
+    assert fleet.cursor(NOTICES_READER) == {}  # the watcher writes nothing
+    again = asyncio.run(first_event(10))  # not recorded: a watcher started again sends the same notice
+    assert again.payload["notices"] == event.payload["notices"]
+    # the verification run's first task records the names it was sent (and sends no notice again)
+    from tests.fakes import fleet_controller
+    from trainguard.operators.tasks import checkpoint_verify
+
+    c, _fake = fleet_controller(tmp_path / "fleet", fleet_url=fleet.url)
+    c.inventory.bus_url = str(tmp_path / "bus")
+
+    checkpoint_verify.record_notices(c, [event.payload])
+    assert list(fleet.cursor(NOTICES_READER)) == list(event.payload["read"]) and fleet.cursor("guardian") == {}
+    with pytest.raises(TimeoutError):  # nothing new: the watcher waits
         asyncio.run(first_event(0.5))
 
 

@@ -1,6 +1,6 @@
 """The control plane end to end: a real ``airflow standalone`` (scheduler, triggerer, dag processor, api-server)
-runs tg_guardian and tg_incident against a namespace cluster of its own, with a guarded reference job (TP=2
-PP=2 DP=2 on m0..m3, checkpoints every step, standbys m4 and m5 parked warm).
+runs tg_incident (its alert watcher) and tg_reconcile against a namespace cluster of its own, with a guarded
+reference job (TP=2 PP=2 DP=2 on m0..m3, checkpoints every step, standbys m4 and m5 parked warm).
 
 Faults are injected for real; the tests then read the fleet database the DAGs wrote: which branch ran, which
 machines were evicted, which standbys joined, from which step training resumed, and why.
@@ -289,8 +289,9 @@ def test_a_lost_gpu_evicts_its_machine_and_a_warm_standby_resumes_the_job_passin
     launch = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "launch")
     # the standby joined on its warm interpreters, and the survivors restarted on theirs (armed at launch)
     assert launch.evidence["warm"] == sorted(job.machine_list)
-    # the trigger recorded the alert and started the incident's run itself: its run id names the incident
-    assert run["dag_run_id"] == f"incident__{inc.id}"
+    # the alert watcher's event started the run (an asset-triggered one), whose triage recorded the alert and took
+    # the incident it opened as its own
+    assert run["run_type"] == "asset_triggered" and ctl.fleet.claimed_by(run["dag_run_id"]) == [inc.id]
     print(f"gpu_lost: alert {inc.first_alert_ts - t_fault:.1f}s after the fault, incident run's first task "
           f"{_first_task_s(airflow, inc):.1f}s after the alert, resumed {inc.resumed_ts - t_fault:.1f}s after the "
           f"fault, lost {inc.lost_steps} steps")
@@ -441,27 +442,30 @@ def test_a_diagnosis_by_hand_fans_out_one_task_per_machine_in_the_ssh_pool(contr
 
 
 def test_the_reconciler_looks_at_the_job_from_the_triggerer_and_status_says_when(control, cp_cluster):
-    """tg_reconcile's sensor is deferred (its look runs in the triggerer, no worker held) and records each pass;
-    ``trainguard status`` says when it last looked and finds nothing wrong with it."""
+    """tg_reconcile's look is its asset's watcher, in the triggerer (no task waits): each pass writes its beat into
+    the asset's state store (Airflow's) and nothing of trainguard's; ``trainguard status``, with the operator's
+    login, reads both watchers' beats through the REST API and finds nothing wrong with either."""
     import subprocess
     import sys
 
+    from trainguard.operators.triggers.alerts import ALERTS_ASSET
+    from trainguard.operators.triggers.reconcile import RECONCILE_ASSET
+
     ctl, airflow = control
-    run = wait_until(lambda: next((r for r in airflow.runs("tg_reconcile") if r["state"] == "running"), None),
-                     timeout=120, interval=1.0, what="tg_reconcile's run")
-    wait_until(lambda: airflow.task_states("tg_reconcile", run["dag_run_id"]).get("look") == "deferred",
-               timeout=120, interval=1.0, what="the reconciler's look to be deferred")
-    last = wait_until(lambda: ctl.fleet.components().get("reconciler"), timeout=120, interval=1.0,
+    beat = wait_until(lambda: airflow.api.watcher_beat(RECONCILE_ASSET), timeout=120, interval=1.0,
                       what="the reconciler's first pass")
-    assert time.time() - last.seen_ts < 3 * 30 and last.detail["passes"] >= 1, last.detail
-    assert last.detail["runs_known"], last.detail  # it reads the live incident runs through the REST API
+    assert time.time() - beat["ts"] < 3 * 30 and beat["passes"] >= 1, beat
+    assert beat["runs_known"], beat  # it reads the live incident runs through the REST API
+    assert time.time() - airflow.api.watcher_beat(ALERTS_ASSET)["ts"] < 30  # the alert watcher polls too
+    pw = json.loads((airflow.home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
     env = {**os.environ, "TG_FLEET_URL": ctl.cfg.fleet_url, "TG_INVENTORY": ctl.cfg.inventory,
-           "TG_RECONCILE_PERIOD_S": "30"}
+           "TG_RECONCILE_PERIOD_S": "30", "TG_AIRFLOW_URL": airflow.url, "TG_AIRFLOW_USER": "admin",
+           "TG_AIRFLOW_PASSWORD": pw}
     out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "--json", "status"], capture_output=True,
                          text=True, env=env, timeout=120, check=False)
     doc = json.loads(out.stdout)
-    assert doc["reconciler"]["last_pass_age_s"] < 90, doc["reconciler"]
-    assert not [p for p in doc["problems"] if "reconciler" in p], doc["problems"]
+    assert doc["reconciler"]["last_pass_age_s"] < 90 and doc["guardian"]["last_poll_age_s"] < 30, doc
+    assert not [p for p in doc["problems"] if "reconciler" in p or "watcher" in p], doc["problems"]
 
 
 def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_cluster):

@@ -23,8 +23,9 @@ def dagbag(tmp_path_factory: pytest.TempPathFactory):
 
 def test_dag_files_import_without_errors(dagbag):
     assert dagbag.import_errors == {}
-    assert {"tg_guardian", "tg_incident", "tg_diagnose", "tg_sdc_replay", "tg_ettr", "tg_standby_pool"} <= set(
+    assert {"tg_incident", "tg_reconcile", "tg_diagnose", "tg_sdc_replay", "tg_ettr", "tg_standby_pool"} <= set(
         dagbag.dag_ids)
+    assert "tg_guardian" not in dagbag.dag_ids  # the alert watcher is tg_incident's asset watcher
 
 
 def test_every_dag_is_created_unpaused_whatever_the_deployment_says(dagbag):
@@ -45,16 +46,20 @@ def test_replay_dag_runs_its_phases_in_turn_and_always_restarts_the_job(dagbag):
     assert dag.max_active_runs == 1 and set(dag.params.keys()) == {"job", "k", "evict"}
 
 
-def test_guardian_is_continuous_with_one_run_and_a_deferrable_sensor(dagbag):
-    dag = dagbag.get_dag("tg_guardian")
-    assert dag.max_active_runs == 1
-    assert type(dag.timetable).__name__ == "ContinuousTimetable"
-    sensor = dag.get_task("wait_for_alerts")
-    assert type(sensor).__name__ == "IncidentSensor"  # records the batch as it resumes
-    assert dag.get_task("start_incident").downstream_list == []
-    assert [t.task_id for t in sensor.downstream_list] == ["start_incident"]
-    # the trigger starts the runs; the task starts any it could not, by the same run id (never twice)
-    assert dag.get_task("start_incident").partial_kwargs["skip_when_already_exists"] is True
+def test_the_alert_bus_and_the_reconciler_are_watched_by_asset_watchers_whose_events_start_the_runs(dagbag):
+    """No task waits in a sensor for alerts or findings: tg_incident runs on the ``trainguard-alerts`` asset (its
+    watcher, the alert trigger, emits each batch), tg_reconcile on ``trainguard-reconcile``; each can be triggered
+    by hand too (tg_incident with the incident to handle)."""
+    incident = dagbag.get_dag("tg_incident")
+    (alerts,) = incident.timetable.asset_condition.objects
+    assert alerts.name == "trainguard-alerts"
+    assert [(w.name, type(w.trigger).__name__) for w in alerts.watchers] == [("alert_bus", "AlertTrigger")]
+    assert incident.max_active_runs >= 16 and incident.params["incident_id"] is None
+    reconcile = dagbag.get_dag("tg_reconcile")
+    (looks,) = reconcile.timetable.asset_condition.objects
+    assert looks.name == "trainguard-reconcile"
+    assert [type(w.trigger).__name__ for w in looks.watchers] == ["ReconcileTrigger"]
+    assert reconcile.max_active_runs == 1 and [t.task_id for t in reconcile.tasks] == ["act"]
 
 
 def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits_and_closes(dagbag):
@@ -62,10 +67,10 @@ def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits
     from trainguard.operators.tasks.rungs import RUNG_ACTIONS
 
     dag = dagbag.get_dag("tg_incident")
-    triage = dag.get_task("triage")  # triage is the branch (one task hop less before every rung)
-    assert type(triage).__name__ == "_BranchPythonDecoratedOperator"
+    triage = dag.get_task("triage")  # records the batch and is the branch (one task hop less before every rung)
+    assert type(triage).__name__ == "TriageOperator"
     rung_ids = {r.task_id for r in RUNGS}
-    assert {t.task_id for t in triage.downstream_list} == rung_ids | {"no_recovery"}
+    assert {t.task_id for t in triage.downstream_list} >= rung_ids | {"no_recovery"}
     # every rung of the registry has its function, and every function its rung
     assert set(RUNG_ACTIONS) == rung_ids and set(BRANCHES.values()) == rung_ids
     assert all(dag.get_task(r.task_id).doc_md == r.does for r in RUNGS)
@@ -75,8 +80,9 @@ def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits
     assert type(dag.get_task("silent_corruption")).__name__ == "SilentCorruptionOperator"
     # stop, swap and restart are tasks of their own after every rung, each from the XCom of the ones before
     stop, swap, restart = (dag.get_task(t) for t in ("stop_job", "swap_machines", "restart_job"))
-    assert stop.upstream_task_ids == rung_ids and swap.upstream_task_ids == rung_ids | {"stop_job"}
-    assert restart.upstream_task_ids == rung_ids | {"stop_job", "swap_machines"}
+    assert stop.upstream_task_ids == rung_ids | {"triage"}
+    assert swap.upstream_task_ids == rung_ids | {"stop_job", "triage"}
+    assert restart.upstream_task_ids == rung_ids | {"stop_job", "swap_machines", "triage"}
     assert {t.trigger_rule for t in (stop, swap, restart)} == {"none_failed_min_one_success"}
     # the deferred tasks are tried again when the scheduler fails a deferral it raced (see the DAG file)
     assert all(dag.get_task(t).retries == 2 for t in ("slow_vote", "silent_corruption", "wait_for_resume",
@@ -86,9 +92,10 @@ def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits
     assert [t.task_id for t in wait.downstream_list] == ["close_incident"]
     assert dag.get_task("close_incident").upstream_task_ids == {"no_recovery", "restart_job", "wait_for_resume"}
     rearm = dag.get_task("rearm_job")  # warm interpreters again, once the incident is closed, whatever happened
-    assert rearm.trigger_rule == "all_done" and rearm.upstream_task_ids == {"close_incident"}
+    assert rearm.trigger_rule == "all_done" and rearm.upstream_task_ids == {"close_incident", "triage"}
     last = dag.get_task("outcome")  # the run's colour: failed when the incident failed
-    assert last.trigger_rule == "all_done" and last.upstream_task_ids == {"rearm_job"} and last.downstream_list == []
+    assert last.trigger_rule == "all_done" and last.upstream_task_ids == {"rearm_job", "triage"}
+    assert last.downstream_list == []
 
 
 def test_the_diagnose_form_refuses_bad_input(dagbag):

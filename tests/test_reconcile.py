@@ -415,20 +415,25 @@ def test_findings_travel_as_json():
 
 
 def test_status_says_when_the_reconciler_has_not_looked(tmp_path):
+    """The reconciler's watcher writes its beat into its asset's state store in Airflow (read through the REST
+    API: ``beats``); without them the watchers' liveness is not judged."""
     from trainguard.operators import status
 
     c, _fleet = fleet_controller(tmp_path)
     now = time.time()
-    doc = status.collect(c.fleet, silent_s=15.0, now=now)
+    doc = status.collect(c.fleet, silent_s=15.0, now=now, beats={"guardian": {"ts": now}, "reconciler": None})
     assert any("the reconciler has never looked" in p for p in doc["problems"])
-    c.fleet.beat("reconciler", {"passes": 3, "period_s": 10.0})
-    doc = status.collect(c.fleet, silent_s=15.0, now=time.time() + 1)
+    beats = {"guardian": {"ts": now}, "reconciler": {"ts": now, "passes": 3, "period_s": 10.0}}
+    doc = status.collect(c.fleet, silent_s=15.0, now=now + 1, beats=beats)
     assert not any("reconciler" in p for p in doc["problems"])
     assert "reconciler looked" in status.render(doc)
-    doc = status.collect(c.fleet, silent_s=15.0, now=time.time() + 45)
+    doc = status.collect(c.fleet, silent_s=15.0, now=now + 45, beats=beats)
     assert any("the reconciler last looked at the jobs 4" in p for p in doc["problems"])
-    assert not any("reconciler" in p for p in status.collect(c.fleet, silent_s=15.0, now=time.time() + 45,
+    assert not any("reconciler" in p for p in status.collect(c.fleet, silent_s=15.0, now=now + 45, beats=beats,
                                                               reconcile_period_s=0)["problems"])
+    # Airflow not asked (no URL): nothing judged of the watchers, however old the tasks' records
+    assert not any("reconciler" in p or "watcher" in p
+                   for p in status.collect(c.fleet, silent_s=15.0, now=now + 4500)["problems"])
 
 
 # ---- fall-through at the speed of a probe ---------------------------------------------------------------------

@@ -3,6 +3,7 @@ and the guardian's trigger firing with the first full batch, on a spool and on S
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -268,63 +269,74 @@ def test_a_storm_fires_with_the_first_full_batch_and_the_next_runs_deliver_the_r
     assert sorted(a["id"] for a in got) == sorted(a.id for a in published)
 
 
-def test_the_recording_trigger_records_a_whole_storm_in_batches_in_one_run(tmp_path, monkeypatch):
-    from tests.fakes import fleet_controller, use_controller
+def test_one_watcher_emits_a_whole_storm_batch_after_batch_and_the_runs_record_it_into_one_incident(
+        tmp_path, monkeypatch):
+    """A storm of 100 hang alerts with batches of at most 40: the watcher emits batch after batch (no event grows
+    with the storm); the runs recording them open one incident and the later batches join it."""
+    from tests.fakes import fleet_controller
+    from trainguard.operators.tasks import guardian
 
     monkeypatch.setattr(trigger_module, "BATCH_ALERTS", 40)
     c, _ = fleet_controller(tmp_path)
-    use_controller(monkeypatch, c)
-    recorded: list[int] = []
-    real = AlertTrigger._record
-
-    def record(self, event):
-        recorded.append(len(event["alerts"]))
-        return real(self, event)
-
-    monkeypatch.setattr(AlertTrigger, "_record", record)
-    monkeypatch.setattr(AlertTrigger, "_api", lambda self: (_ for _ in ()).throw(LookupError("no connection")))
     bus = open_bus(c.inventory.bus_url)
     published = [hang(f"m{r % 4}", r % 4, ts=time.time() + r * 1e-3) for r in range(100)]
     for a in published:
         bus.publish(a)
-    event = first_event(AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.5, poll_s=0.05, record=True))
-    assert event["recorded"] and event["alerts"] == 100 and len(recorded) >= 3 and max(recorded) <= 40
+    got = []
+
+    async def batches():
+        agen = AlertTrigger(c.inventory.bus_url, c.cfg.fleet_url, settle_s=0.5, poll_s=0.05, silent_s=0).run()
+        try:
+            while sum(len(e["alerts"]) for e in got) < 100:
+                got.append((await asyncio.wait_for(agen.__anext__(), 10.0)).payload)
+        finally:
+            await agen.aclose()
+
+    asyncio.run(batches())
+    assert len(got) >= 3 and max(len(e["alerts"]) for e in got) <= 41
+    opened = [guardian.incident_of_run(c, [e], run=f"asset_{i}")[0] for i, e in enumerate(got)]
     [inc] = c.fleet.incidents("j")
-    assert len(c.fleet.alerts_of(inc.id)) == 100  # one incident: the later batches joined it
-    assert len(c.fleet.cursor("guardian")) == 100 and len(event["starts"]) == 1
+    assert opened[0] == inc.id and set(opened[1:]) == {None}  # one incident: the later batches joined it
+    assert len(c.fleet.alerts_of(inc.id)) == 100 and len(c.fleet.cursor("guardian")) == 100
 
 
 def test_retention_removes_recorded_names_by_the_readers_clock_and_commits_them_out(tmp_path, monkeypatch):
-    url = f"spool://{tmp_path / 'bus'}"
+    from tests.fakes import fleet_controller
+    from trainguard.operators.tasks import guardian
+
+    c, _ = fleet_controller(tmp_path)
+    url = c.inventory.bus_url
     bus = open_bus(url)
     storm(bus, machines=6, ranks=1, t0=time.time() + 3600)  # stamped an hour ahead: no matter
-    fleet = _fleet(tmp_path)
-    watch = _Watch(url, fleet.url, "guardian", folder="alerts", silent_s=0.0, skew_s=60.0, retain_s=30.0,
-                   commits=True)
-    got = watch.poll()
-    event = watch.event(got, time.time())
-    fleet.advance_cursor("guardian", event["read"], event["gone"])
-    watch.commit(event)
-    assert watch.retire() == 0  # recorded just now by the reader's clock: kept
+    watch = _Watch(url, c.cfg.fleet_url, "guardian", folder="alerts", silent_s=0.0, skew_s=60.0)
+    event = watch.event(watch.poll(), time.time())
+    c.fleet.advance_cursor("guardian", event["read"], event["gone"])  # what recording commits
+    watch.refresh()  # the watcher reads the cursor again every few seconds: recorded, so done
+    assert guardian.retire(c, retain_s=30.0) == 0  # recorded just now by the reader's clock: kept
     newer = hang("m9", 99)
     bus.publish(newer)
-    watch.retain_s = 0.0
-    assert watch.retire() == 6
+    assert guardian.retire(c, retain_s=0.0) == 6
     assert [e.name for e in bus.entries()] == [f"{int(newer.ts * 1e9):020d}-m9-{newer.id}.json"]  # the unread stays
-    assert fleet.cursor("guardian") == {} and watch.reader.gone == []  # committed out at once
-    assert [a["id"] for a in watch.poll()] == [newer.id]
+    assert c.fleet.cursor("guardian") == {}  # out of the cursor with them
+    watch.refresh()  # the watcher forgets what the recorder dropped, and reports nothing of it gone
+    assert [a["id"] for a in watch.poll()] == [newer.id] and watch.reader.gone == []
 
 
-def test_without_recording_an_event_reports_a_bounded_number_of_names_gone(tmp_path, monkeypatch):
+def test_an_event_reports_a_bounded_number_of_names_gone(tmp_path, monkeypatch):
+    """Names that left the folder by another hand (a tool archived them): each event carries at most
+    GONE_PER_EVENT of them, the rest the next."""
     monkeypatch.setattr(trigger_module, "GONE_PER_EVENT", 4)
     url = f"spool://{tmp_path / 'bus'}"
-    storm(open_bus(url), machines=10, ranks=1)
+    bus = open_bus(url)
+    storm(bus, machines=10, ranks=1)
     fleet = _fleet(tmp_path)
-    watch = _Watch(url, fleet.url, "guardian", folder="alerts", silent_s=0.0, skew_s=60.0, retain_s=0.0)
-    watch.commit(watch.event(watch.poll(), time.time()))
-    assert watch.retire() == 10
-    assert watch.retire() == 0  # the gone list is full until an event carries it
+    watch = _Watch(url, fleet.url, "guardian", folder="alerts", silent_s=0.0, skew_s=60.0)
+    first = watch.event(watch.poll(), time.time())
+    fleet.advance_cursor("guardian", first["read"], first["gone"])
+    bus.retire(list(first["read"]))  # out of the folder behind the watcher's back
+    watch.refresh()
+    watch.poll()  # the next pass lists the folder: all ten gone
     event = watch.event([], time.time())
-    assert len(event["gone"]) == 4 and len(watch.reader.gone) == 10
-    watch.commit(event)
-    assert len(watch.reader.gone) == 6
+    assert len(event["gone"]) == 4 and len(watch.reader.gone) == 6
+    fleet.advance_cursor("guardian", {}, event["gone"])
+    assert len(watch.event([], time.time())["gone"]) == 4

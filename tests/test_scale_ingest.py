@@ -20,7 +20,6 @@ from trainguard.operators.control import ControlConfig, Controller
 from trainguard.operators.control.incidents import LISTED_MACHINES
 from trainguard.operators.fleet import FleetStore
 from trainguard.operators.fleet.store import CHUNK
-from trainguard.operators.tasks.guardian import group_alerts
 
 RANKS_PER_MACHINE = 8
 BIG = 250  # machines of the large job: 2,000 ranks, two chunks of alerts
@@ -132,6 +131,15 @@ class _Statements:
         sa.event.remove(self.engine, "before_cursor_execute", self._execute)
 
 
+def group_alerts(c: Controller, event: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the recording of a batch does in the fleet database (the ingest of tg_incident's triage task,
+    :func:`trainguard.operators.tasks.guardian.record`): the incidents it opened or took over."""
+    items = c.incidents.ingest(event["alerts"], reader=event.get("reader") or "guardian", read=event.get("read"),
+                               gone=event.get("gone") or (), quarantined=event.get("quarantined") or (),
+                               liveness=event.get("liveness"))
+    return [i for i in items if i["opened"] or i["taken_over"]]
+
+
 def _recorded(c: Controller) -> dict[str, int | None]:
     """Every recorded alert -> its incident."""
     return {a.id: a.incident_id for i in c.fleet.incidents() for a in c.fleet.alerts_of(i.id)}
@@ -147,7 +155,7 @@ def test_a_burst_from_every_rank_is_one_incident_each_alert_once_in_one_transact
     finally:
         seen.close()
     [inc] = c.fleet.incidents("big")
-    assert start["conf"]["incident_id"] == inc.id and start["trigger_run_id"] == f"incident__{inc.id}"
+    assert start["incident"] == inc.id and start["opened"]
     ids = [a.id for a in c.fleet.alerts_of(inc.id)]
     assert sorted(ids) == sorted(a["id"] for a in burst)  # 2,000 alerts, each once
     assert [w for w in seen.writing if w] == [seen.writing[-1]]  # every write in one transaction

@@ -1,5 +1,5 @@
 """Scheduled operations end to end: a real ``airflow standalone`` runs tg_checkpoint_verify, tg_standby_pool
-and tg_code_update (with tg_guardian and tg_incident behind them) against a namespace cluster of its own: a
+and tg_code_update (with tg_incident and its alert watcher behind them) against a namespace cluster of its own: a
 guarded job (TP=2 DP=2) on m0 and m1, standby m2 parked warm, and m3, m4 free (unprovisioned) inventory; a
 real moto_server on the cluster's bridge is the S3 tier (the machines upload to it, the control plane
 checks it through its Airflow connection ``tg_s3``).

@@ -85,7 +85,8 @@ class Incidents(Part):
     def ingest(self, alerts: Sequence[Mapping[str, Any]], *, reader: str = "guardian",
                read: Mapping[str, float] | None = None, gone: Sequence[str] = (),
                quarantined: Sequence[Mapping[str, Any]] = (),
-               liveness: Mapping[str, Mapping[str, Any]] | None = None) -> list[dict[str, Any]]:
+               liveness: Mapping[str, Mapping[str, Any]] | None = None,
+               claim: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """Group a batch by job and attach it to the job's open incident (or open one), in one transaction
         with the bus cursor (``read``, ``gone``: see :meth:`trainguard.operators.fleet.store.FleetStore.ingest`), the
         documents the reader ``quarantined`` and the agents' ``liveness``. An alert naming a machine or a job
@@ -93,7 +94,8 @@ class Incidents(Part):
         quarantined with the reason and never acted on; one whose writer's clock is off (``clock_skew_s``)
         counts from when it arrived. Alerts about machines serving no job are recorded against nothing; an
         explicit fault on a standby sends it to repair. An alert recorded before, or delivered twice in the
-        batch, is recorded once. Returns ``[{incident, job, opened, taken_over, alerts}]`` for the incidents
+        batch, is recorded once. ``claim`` (``{"run", "first_seen_ts"}``): the tg_incident run recording the batch
+        handles the incidents it opens. Returns ``[{incident, job, opened, taken_over, alerts}]`` for the incidents
         to work on.
 
         The cost grows with the batch, not with the batch times the fleet: the inventory, the jobs and the
@@ -138,7 +140,7 @@ class Incidents(Part):
                                     quarantined=[*quarantined, *rejected],
                                     liveness={m: dict(v) for m, v in liveness.items()} if liveness else None,
                                     unattached=[{**a, "shared_slowdown": why} for why, batch in shared.values()
-                                                for a in batch])
+                                                for a in batch], claim=dict(claim) if claim else None)
         if rejected:
             # a bus object may hold a batch of one machine's alerts: it leaves the folder only when none of them
             # was trusted (the trusted ones are recorded; the untrusted ones are recorded as quarantined)

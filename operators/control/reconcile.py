@@ -92,9 +92,10 @@ class Reconciliation(Part):
         # incidents of the guardian's (they hold alerts): one opened by hand has a DAG of its own watching it
         open_ = [i for i in incidents if i.state == IncidentState.OPEN and self.fleet.alerts_of(i.id, limit=1)]
         if live_runs is not None and open_:
+            runs = self.fleet.runs_of([i.id for i in open_])
             findings += policy.stuck_incidents(
-                [{"id": i.id, "job": i.job, "opened_ts": i.opened_ts, "redrives": self._redrives(i.id)}
-                 for i in open_], live_runs, now, grace_s=cfg.reconcile_grace_s)
+                [{"id": i.id, "job": i.job, "opened_ts": i.opened_ts, "redrives": self._redrives(i.id),
+                  "runs": runs.get(i.id, [])} for i in open_], live_runs, now, grace_s=cfg.reconcile_grace_s)
         launching = [a for a in self.fleet.in_flight(f"launch:{j.name}:")
                      if now - (a.started_ts or 0.0) < LAUNCH_IN_FLIGHT_S]
         if any(i.state in (IncidentState.OPEN, IncidentState.WAITING_HUMAN) for i in incidents) or launching:

@@ -80,17 +80,22 @@ class IncidentRecords:
     def ingest(self, by_job: dict[str, list[dict[str, Any]]], *, escalation_window_s: float, reader: str = "",
                read: dict[str, float] | None = None, gone: Sequence[str] = (),
                quarantined: Sequence[dict[str, Any]] = (), liveness: dict[str, dict[str, Any]] | None = None,
-               unattached: Sequence[dict[str, Any]] = ()) -> list[tuple[Incident, bool]]:
+               unattached: Sequence[dict[str, Any]] = (), claim: dict[str, Any] | None = None
+               ) -> list[tuple[Incident, bool]]:
         """One batch of the bus in one transaction: each job's alerts attached to its open incident (or one
         opened; ``unattached``: alerts recorded without an incident), the ``reader``'s cursor advanced (the
         names ``read`` with the reader's time; ``gone``: names that left the bus), ``quarantined`` documents
-        recorded, the agents' ``liveness`` as the reader last saw
-        it. Returns (incident, opened) per job, in job order. Either all of it is recorded or none. Recording
-        the same batch again changes nothing. Every part is written in bulk (a statement per :data:`CHUNK`
-        rows), so a burst of 100,000 alerts and names costs about a hundred statements per part."""
+        recorded, the agents' ``liveness`` as the reader last saw it; ``claim`` (``{"run", "first_seen_ts"}``):
+        the tg_incident run recording the batch, which handles the first incident the batch opens (a ``run`` action
+        of it, :meth:`runs_of`). Returns (incident, opened) per job, in job order. Either all of it is recorded or
+        none. Recording the same batch again changes nothing. Every part is written in bulk (a statement per
+        :data:`CHUNK` rows), so a burst of 100,000 alerts and names costs about a hundred statements per part."""
         with self.tx() as s:
             out = [self._attach(s, job, list(alerts), escalation_window_s=escalation_window_s)
                    for job, alerts in sorted(by_job.items())]
+            opened_now = [inc.id for inc, opened in out if opened]
+            if claim and opened_now:  # the run handles the first; the others get runs of their own
+                self._insert_new(s, Action, [self._claim_row(opened_now[0], claim)], keys=("key",))
             # alerts recorded for the record only (a slowdown the whole job shares): no incident
             self._insert_new(s, Alert, [{"id": str(a["id"]), "ts": float(a.get("ts", 0.0)), "job": a.get("job") or "",
                                          "machine": a.get("machine") or "", "rank": a.get("rank"), "kind": a["kind"],
@@ -234,6 +239,51 @@ class IncidentRecords:
                 if key.endswith("_ts") and getattr(inc, key) is not None:
                     continue  # the first time a milestone is reached counts
                 setattr(inc, key, value)
+
+    def _claim_row(self, incident_id: int, claim: dict[str, Any]) -> dict[str, Any]:
+        now = self.clock()
+        return {"key": f"run:{incident_id}:{claim['run']}", "kind": "run", "incident_id": incident_id, "machines": [],
+                "evidence": {"run": str(claim["run"]), "first_seen_ts": claim.get("first_seen_ts")},
+                "outcome": "done", "detail": "", "dry_run": False, "started_ts": now, "finished_ts": now}
+
+    def claim_run(self, incident_id: int, run: str, *, first_seen_ts: float | None = None) -> None:
+        """Record that the tg_incident run ``run`` handles the incident now (a run started for it, or one that took it
+        over); claiming twice is a no-op."""
+        with self.tx() as s:
+            self._required(s, Incident, incident_id)
+            self._insert_new(s, Action, [self._claim_row(incident_id, {"run": run, "first_seen_ts": first_seen_ts})],
+                             keys=("key",))
+
+    def runs_of(self, incident_ids: Collection[int] | None = None) -> dict[int, list[str]]:
+        """The tg_incident runs that handled each incident (oldest first): incident -> run ids (every incident with a
+        run when ``incident_ids`` is None)."""
+        with self.tx() as s:
+            q = select(Action.incident_id, Action.evidence).where(Action.kind == "run").order_by(Action.id)
+            if incident_ids is not None:
+                q = q.where(Action.incident_id.in_(sorted(set(incident_ids))))
+            out: dict[int, list[str]] = {}
+            for incident_id, evidence in s.execute(q):
+                out.setdefault(int(incident_id), []).append(str((evidence or {}).get("run")))
+            return out
+
+    def claims_of(self, incident_id: int) -> list[dict[str, Any]]:
+        """The tg_incident runs that handled the incident, oldest first: ``{"run", "first_seen_ts"}`` each (when the
+        alert watcher first saw the batch that opened it, for the run that opened it)."""
+        with self.tx() as s:
+            rows = s.scalars(select(Action).where(Action.kind == "run", Action.incident_id == incident_id)
+                             .order_by(Action.id))
+            return [{"run": str((a.evidence or {}).get("run")),
+                     "first_seen_ts": (a.evidence or {}).get("first_seen_ts")} for a in rows]
+
+    def claimed_by(self, run: str) -> list[int]:
+        """The incidents the tg_incident run ``run`` handles (claimed when it recorded the batch that opened them, or
+        when it was started for them), oldest first."""
+        pattern = "run:%:" + str(run).replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        with self.tx() as s:
+            keys = s.scalars(select(Action.incident_id).where(Action.kind == "run",
+                                                              Action.key.like(pattern, escape="\\"))
+                             .order_by(Action.id))
+            return [int(k) for k in keys if k is not None]
 
     def wait_for_human(self, incident_id: int, reason: str) -> dict[str, Any]:
         """The incident waits for a human, and so does its job, in one transaction (``reason``: why, and what to

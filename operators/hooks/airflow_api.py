@@ -126,6 +126,24 @@ class AirflowApi:
             if len(runs) < page:
                 return out
 
+    def watcher_beat(self, asset: str, key: str = "watcher") -> dict[str, Any] | None:
+        """What the watcher of the asset called ``asset`` last wrote of itself in the asset's state store (its
+        ``key`` entry's value, with ``updated_at``), or None when the asset is not known or nothing was written."""
+        from urllib.parse import quote
+
+        doc = self.request("GET", f"/api/v2/assets?name_pattern={quote(asset)}&limit=20") or {}
+        ids = [a["id"] for a in doc.get("assets") or () if a.get("name") == asset]
+        if not ids:
+            return None
+        try:
+            entry = self.request("GET", f"/api/v2/assets/{ids[0]}/state-store/{quote(key)}") or {}
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        value = entry.get("value")
+        return {**value, "updated_at": entry.get("updated_at")} if isinstance(value, dict) else None
+
     def trigger_run(self, dag_id: str, conf: dict[str, Any], *, run_id: str = "") -> str:
         """Start a run of ``dag_id`` with ``conf`` (as the UI's trigger form does); its run id. The run id is
         chosen here, so a try whose answer was lost is repeated safely: a 409 says it landed."""

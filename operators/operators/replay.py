@@ -48,6 +48,7 @@ class SilentCorruptionOperator(RungOperator):
 
         results = dict((event or {}).get("results") or {})
         self.log.info("replay, %s phase: %s", phase, results)
+        self.controller.replay.replay_stop(dict(replay or {})["launched"])  # every group's sub-job ended
         return self._next(rungs.sdc_phase_done(self.controller, self.decision, dict(replay or {}), phase, results),
                           "vertical")
 
@@ -74,9 +75,15 @@ class ReplayPhaseOperator(BaseOperator):
         from trainguard.operators.triggers.replay import ReplayTrigger
 
         launched = sdc_replay.phase_launch(task_controller(), self.plan, self.phase)
-        self.defer(trigger=ReplayTrigger(launched), method_name="execute_complete", timeout=MAX_WAIT)
+        self.defer(trigger=ReplayTrigger(launched), method_name="execute_complete", kwargs={"launched": launched},
+                   timeout=MAX_WAIT)
 
-    def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> dict[str, str]:
+    def execute_complete(self, context: Any, event: dict[str, Any] | None = None,
+                         launched: dict[str, Any] | None = None) -> dict[str, str]:
+        from trainguard.operators.hooks.fleet import task_controller
+
         results = dict((event or {}).get("results") or {})
         self.log.info("replay, %s phase: %s", self.phase, results)
+        if launched:
+            task_controller().replay.replay_stop(launched)  # every group's sub-job ended
         return results

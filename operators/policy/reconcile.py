@@ -168,14 +168,16 @@ def judge_look(job: str, look: Look, memory: JobMemory, *, confirm_s: float, sta
 
 def stuck_incidents(incidents: Sequence[Mapping[str, Any]], live_runs: Collection[str], now: float, *,
                     grace_s: float) -> list[Finding]:
-    """Open incidents (``{"id", "job", "opened_ts", "redrives"}``) without a live tg_incident run for longer
-    than ``grace_s``. ``live_runs``: the run ids of the runs queued or running (an incident's runs are named
-    ``incident__<id>`` and ``incident__<id>__<more>``)."""
-    live = {r.split("__")[1] for r in live_runs if r.startswith("incident__") and len(r.split("__")) >= 2}
-    live |= {r.removeprefix("conf:") for r in live_runs if r.startswith("conf:")}  # a run started by hand
+    """Open incidents (``{"id", "job", "opened_ts", "redrives", "runs"}``) without a live tg_incident run for longer
+    than ``grace_s``. ``live_runs``: the run ids of the runs queued or running (the runs started for an incident are
+    named ``incident__<id>`` and ``incident__<id>__<more>``; a run started by hand for one says ``conf:<id>``); an
+    incident's ``runs``: the runs that took it as theirs (a run Airflow started for the batch that opened it)."""
+    running = set(live_runs)
+    live = {r.split("__")[1] for r in running if r.startswith("incident__") and len(r.split("__")) >= 2}
+    live |= {r.removeprefix("conf:") for r in running if r.startswith("conf:")}  # a run started by hand
     out = []
     for inc in incidents:
-        if str(inc["id"]) in live or now - float(inc["opened_ts"]) < grace_s:
+        if str(inc["id"]) in live or set(inc.get("runs") or ()) & running or now - float(inc["opened_ts"]) < grace_s:
             continue
         out.append(Finding(str(inc["job"]), "stuck_incident", incident=int(inc["id"]),
                            reason=f"incident {inc['id']} of job {inc['job']} is open and no run of it is live "

@@ -11,22 +11,43 @@ from trainguard.operators.control import Controller
 from trainguard.operators.tasks import common
 
 
-def _announced(asset_events: Any) -> list[dict[str, Any]]:
-    """The notices carried by the asset events that started the run (none for a scheduled or manual run)."""
+def _payloads(asset_events: Any) -> list[dict[str, Any]]:
+    """The watcher's payloads carried by the asset events that started the run (none for a scheduled or manual
+    run)."""
     out: list[dict[str, Any]] = []
     for events in (dict(asset_events) if asset_events else {}).values():
         for e in events:
             extra = getattr(e, "extra", None) if not isinstance(e, dict) else e.get("extra")
-            out += ((extra or {}).get("payload") or {}).get("notices", [])
+            payload = (extra or {}).get("payload")
+            if isinstance(payload, dict):
+                out.append(payload)
     return out
 
 
 def ckpt_targets(c: Controller, job: str, step: int | None, asset_events: Any = None) -> list[dict[str, Any]]:
-    """The (job, step) pairs this run verifies: the form's, the notices', or the schedule's sweep."""
+    """The (job, step) pairs this run verifies: the form's, the notices', or the schedule's sweep. The notices'
+    names are recorded as read (the watcher only reads: a notice it sent and nobody recorded is sent again), and
+    names recorded long ago leave the bus's notices folder."""
     from trainguard.operators import checkpoints
 
+    payloads = _payloads(asset_events)
+    record_notices(c, payloads)
     return checkpoints.targets(c, job=(job or "").strip(), step=step,
-                               announced=_announced(asset_events))
+                               announced=[n for p in payloads for n in p.get("notices", [])])
+
+
+def record_notices(c: Controller, payloads: list[dict[str, Any]]) -> None:
+    """The names of the notices the watcher sent (its events' payloads) recorded in its cursor, so it sends them no
+    more; names recorded long ago leave the bus's notices folder."""
+    from trainguard.node_tools.bus import NOTICES
+    from trainguard.operators.tasks.guardian import retire
+    from trainguard.operators.triggers.alerts import NOTICES_READER
+
+    for p in payloads:
+        if p.get("read") or p.get("gone"):
+            c.fleet.advance_cursor(NOTICES_READER, dict(p.get("read") or {}), list(p.get("gone") or ()))
+    if payloads:
+        retire(c, NOTICES_READER, folder=NOTICES)
 
 
 def ckpt_verify(c: Controller, target: dict[str, Any]) -> dict[str, Any]:

@@ -1,44 +1,35 @@
-"""Waiting for alerts without holding a worker: ``AlertTrigger`` (runs in the triggerer) and the
-deferrable ``AlertSensor`` (:mod:`trainguard.operators.sensors.alerts`).
+"""Watching the alert bus from the triggerer: ``AlertTrigger``, the watcher of the ``trainguard-alerts`` asset
+(tg_incident's schedule: each batch it emits becomes an asset event, and Airflow starts a tg_incident run for it),
+and the deferrable ``AlertSensor`` (:mod:`trainguard.operators.sensors.alerts`) for tools, which fires once.
 
-The trigger polls the alert bus (:class:`trainguard.node_tools.bus.BusReader`) every ``poll_s``, from the reader's
-cursor in the fleet database (every name it has read and recorded, whatever the writers' clocks say). On the first
-alert it keeps reading for ``settle_s`` more (default 1 s), so a burst from a thousand ranks timing out
-together becomes one batch, then fires (at once instead when the batch holds an alert the ladder acts on by
-itself, an explicit machine fault or a silent agent: waiting would only delay the eviction; or when the batch
-is full: what comes later joins the open incident) with every alert of the batch as JSON documents, the names
-it read, the documents it quarantined, and what it saw of the agents' heartbeats. With ``record`` (the
-guardian's), the trigger records the batch itself as it fires (:func:`trainguard.operators.tasks.guardian.group_alerts`:
-alerts into incidents, the bus cursor committed in the same transaction) and starts each new incident's
-tg_incident run through the REST API: an incident's run starts about a second after its alert, with no task to
-schedule in between; the event then carries what was started. When it cannot (the fleet database or the
-REST API does not answer there), the event carries the batch and the guardian's tasks record it and start
-the runs (recording a batch twice is a no-op: alerts are keyed by id; a run's id names its incident).
-Without ``record`` the trigger never writes the cursor.
+The trigger only watches: it reads the bus (:class:`trainguard.node_tools.bus.BusReader`, from the guardian's
+cursor in the fleet database: every name read and recorded, whatever the writers' clocks say) and the agents'
+heartbeats, and it reads the fleet database (the cursor, which machines serve running jobs, what was last recorded
+of the agents), and it writes none of them: it records nothing, starts no run and moves or removes nothing on the
+bus. What it saw goes out in its events; the run's first task (tg_incident's ``triage``:
+:func:`trainguard.operators.tasks.guardian.record`) records each batch (alerts into incidents and the bus cursor in
+one transaction), moves the documents it quarantined, retires old names from the bus and keeps what it saw of the
+agents.
 
-An alert storm (every rank of a 100,000-rank job at once) is cut into batches of at most
-:data:`BATCH_ALERTS` alerts and :data:`BATCH_BYTES` of documents, each read within about :data:`READ_S`: the
-first batch that is full (or that its reading time ended with documents still unread) fires at once, so the
-incident opens within a second or so of the storm's first alerts whatever its size and however slow the bus,
-and no event grows with the storm. Recording, the trigger then records the next batches one after the
-other (each joins the open incident; each commits the cursor) until the bus holds nothing unread or
-:attr:`AlertTrigger.drain_s` has passed, and fires once with what it recorded; a batch it cannot record is
-left unrecorded, and the next run reads it again. When it started incident runs, it then stays on the bus
-for :attr:`AlertTrigger.follow_s` more, recording each batch as it comes: a second machine's fault seconds
-after the first joins the open incident before its swap, rather than ~10 s later when the next guardian run
-is scheduled and deferred (on a loaded host), after the job was restarted onto that machine. Without
-``record``, each run fires with one batch and the next run reads the next.
+On the first alert it keeps reading for ``settle_s`` more (default 1 s, ``TG_ALERT_SETTLE_S``), so a burst from a
+thousand ranks timing out together becomes one batch, then emits it (at once instead when the batch holds an alert
+the ladder acts on by itself, an explicit machine fault or a silent agent: waiting would only delay the eviction; or
+when the batch is full; fail-slow alerts alone wait :data:`SLOW_SETTLE_S`, the whole job's reports judged together).
+An alert storm (every rank of a 100,000-rank job at once) is cut into batches of at most :data:`BATCH_ALERTS`
+alerts and :data:`BATCH_BYTES` of documents, each read within about :data:`READ_S`, one event each: no event grows
+with the storm, and the first one goes out within a second or so.
 
-While it waits the trigger also watches trainguard itself: every second it lists the agents' heartbeats
-(:class:`trainguard.operators.policy.liveness.AgentWatch`) and reports an agent silent past ``silent_s`` on a machine
-of a running job as an ``agent_silent`` alert of its own; every few seconds it records its own poll in the
-fleet database (component ``guardian``: ``trainguard status`` and the metrics say how old it is); every
-:data:`RETIRE_EVERY_S` it removes from the bus the names recorded longer than ``retain_s`` ago by its own
-clock (:meth:`trainguard.node_tools.bus.AlertBus.retire`, in bulk; the fleet database keeps every alert's document), so
-the folder it lists holds only what is unread or recent; recording, it drops them from the committed cursor
-at once, otherwise its event reports them ``gone``. And, recording, every ``ORPHAN_SWEEP_S`` it starts the run
-of any open incident whose start was lost (:func:`trainguard.operators.tasks.guardian.orphans`: starting one that exists
-changes nothing).
+A batch is emitted once; the names of what it carried become the cursor when a task records them. Level-triggered,
+not edge-triggered: every :data:`CURSOR_EVERY_S` the watcher reads the committed cursor again, and a batch emitted
+more than :data:`REEMIT_S` ago whose names are still not in it (its run failed, the database blinked, the event was
+lost) is read and emitted again; recording it twice is a no-op (alerts are keyed by id).
+
+While it waits the watcher also watches trainguard itself: every second it lists the agents' heartbeats
+(:class:`trainguard.operators.policy.liveness.AgentWatch`) and emits an agent silent past ``silent_s`` on a machine
+of a running job as an ``agent_silent`` alert of its own (and a batch with no alert when an agent reported silent
+talks again, so that its record is forgiven); every :data:`BEAT_EVERY_S` it writes its own beat into the asset's
+state store (Airflow's, not trainguard's: what ``trainguard status`` reads to say whether anything watches the
+bus).
 """
 
 from __future__ import annotations
@@ -50,39 +41,53 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from airflow.triggers.base import BaseEventTrigger, BaseTrigger, TriggerEvent
+from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
 from trainguard.operators.policy import ladder
-from trainguard.operators.settings import DEFAULT_SETTLE_S
 
 DEFAULT_POLL_S = 0.25
-#: a name recorded this long ago (by the reader's clock) leaves the bus's folder; other readers of the folder
-#: (tools, a demo's watchers) poll far more often than this
+#: a name recorded this long ago (by the reader's clock) leaves the bus's folder (the recording task retires it);
+#: other readers of the folder (tools, a demo's watchers) poll far more often than this
 DEFAULT_RETAIN_S = 30.0
-RETIRE_EVERY_S = 5.0
-#: names retired per round (S3: one DeleteObjects call per 1,000)
+#: names retired per recording (S3: one DeleteObjects call per 1,000)
 RETIRE_ROUND = 20_000
 #: one event holds at most this many alerts (quarantined documents count as alerts) ...
 BATCH_ALERTS = 5_000
 #: ... and this many bytes of documents read; the rest comes with the next batch
 BATCH_BYTES = 8 << 20
 #: a poll reads for at most this long (once it holds something): a bus slower than the storm it carries (S3 at
-#: one GET an alert) still fires the first batch within about this, the rest following batch by batch
+#: one GET an alert) still emits the first batch within about this, the rest following batch by batch
 READ_S = 1.0
 #: names an event reports gone, at most (each a cursor row to delete in the same transaction as the batch)
 GONE_PER_EVENT = 5_000
 GUARDIAN = "guardian"
 NOTICES_READER = "checkpoint-notices"
+#: the asset whose events are the batches (tg_incident's schedule)
+ALERTS_ASSET = "trainguard-alerts"
 LIVENESS_EVERY_S = 1.0
 BEAT_EVERY_S = 5.0
 WATCHED_EVERY_S = 5.0
-ORPHAN_SWEEP_S = 10.0
+#: how often the committed cursor is read again (what the recording tasks recorded)
+CURSOR_EVERY_S = 5.0
+#: a batch emitted this long ago whose names are not recorded yet is emitted again
+REEMIT_S = 60.0
 #: a batch holding only fail-slow alerts keeps collecting this long (the job's ranks report a shared slowdown
 #: within a step or two of each other)
 SLOW_SETTLE_S = 5.0
-# the REST API's clients of the triggerer's recording triggers, one per connection id (their tokens kept)
+# the REST API's clients of the triggerer's triggers, one per connection id (their tokens kept)
 _APIS: dict[str, Any] = {}
 _API_LOCK = threading.Lock()
+
+
+def alert_source() -> tuple[str, str]:
+    """The bus to watch (the inventory's) and the fleet database that keeps the readers' cursors."""
+    from pathlib import Path
+
+    from trainguard.node_tools.inventory import Inventory
+    from trainguard.operators.settings import ControlSettings
+
+    cfg = ControlSettings.from_env()
+    return Inventory.load(Path(cfg.inventory)).bus_url, cfg.fleet_url
 
 
 def _fleet(fleet_url: str) -> Any:
@@ -94,7 +99,8 @@ def _fleet(fleet_url: str) -> Any:
 
 def triggerer_api() -> Any:
     """The REST API's client of the triggerer's triggers, one per process and connection (its token kept): built on
-    first use, from the connection ``TG_AIRFLOW_API_CONN_ID`` (default ``tg_airflow_api``)."""
+    first use, from the connection ``TG_AIRFLOW_API_CONN_ID`` (default ``tg_airflow_api``). The triggers only read
+    through it (the runs that are live)."""
     from trainguard.operators.hooks.airflow_api import AirflowApiHook
 
     conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
@@ -113,67 +119,63 @@ def watched_machines(fleet: Any) -> dict[str, str]:
 
 
 class _Watch:
-    """The trigger's reading state: the bus reader over the committed cursor, the agent watch, clocks.
-    ``commits``: this watch may write the reader's cursor itself (a recording trigger's)."""
+    """The watcher's reading state: the bus reader over the committed cursor (read, never written), the names
+    emitted and not recorded yet, the agent watch, clocks."""
 
-    def __init__(self, bus_url: str, fleet_url: str, reader: str, *, folder: str, silent_s: float, skew_s: float,
-                 retain_s: float, commits: bool = False) -> None:
+    def __init__(self, bus_url: str, fleet_url: str, reader: str, *, folder: str, silent_s: float,
+                 skew_s: float, reemit_s: float = REEMIT_S) -> None:
         from trainguard.node_tools.bus import BusReader, open_bus
         from trainguard.operators.policy.liveness import AgentWatch
 
         self.bus = open_bus(bus_url, folder=folder)
         self.fleet = _fleet(fleet_url)
         self.reader_name = reader
-        self.commits = commits and self.fleet is not None
+        self.reemit_s = reemit_s
         self.committed = self.fleet.cursor(reader) if self.fleet else {}
-        self.reader = BusReader(self.bus, seen=dict(self.committed), skew_s=skew_s)
-        self.retain_s = retain_s
+        self.reader = BusReader(self.bus, seen=dict(self.committed), skew_s=skew_s, moves=False)
+        self.emitted: dict[str, float] = {}  # name -> when (monotonic) it went out in an event
         self.watch: AgentWatch | None = None
         if self.fleet is not None and silent_s > 0:
             self.watch = AgentWatch(silent_s=silent_s, state={
                 m: {"token": a.token, "changed_ts": a.changed_ts, "reported_ts": a.reported_ts}
                 for m, a in self.fleet.liveness().items()})
+        self.forgiven = False  # an agent reported silent talks again since the last event
         self.watched: dict[str, str] = {}
-        self.next = {"liveness": 0.0, "beat": 0.0, "watched": 0.0, "retire": 0.0}
+        self.next = {"liveness": 0.0, "watched": 0.0, "cursor": time.monotonic() + CURSOR_EVERY_S}
         self.polls = 0
+        self.reemitted = 0
 
-    def retire(self) -> int:
-        """Remove from the bus the names recorded more than ``retain_s`` ago (by this reader's clock), at most
-        :data:`RETIRE_ROUND` of them; returns how many left. They leave the cursor: committed at once when this
-        watch commits, else reported ``gone`` by the next event (none is retired while that list is full)."""
-        if not self.commits and len(self.reader.gone) >= GONE_PER_EVENT:
-            return 0
-        now = time.time()
-        old = [n for n, ts in self.committed.items() if now - ts > self.retain_s][:RETIRE_ROUND]
-        if not old:
-            return 0
-        try:
-            done = self.bus.retire(old)
-        except Exception:  # a bus error now: the next round tries again
-            return 0
-        for name in done:
-            self.committed.pop(name, None)
-        self.reader.forget(done)
-        if self.commits and self.fleet is not None:
-            for i in range(0, len(done), GONE_PER_EVENT):
-                try:
-                    self.fleet.advance_cursor(self.reader_name, {}, done[i:i + GONE_PER_EVENT])
-                except Exception:  # the next event reports the rest gone
-                    self.reader.gone += done[i:]
-                    break
-        else:
-            self.reader.gone += done
-        return len(done)
+    def refresh(self) -> None:
+        """The committed cursor read again: what was emitted and recorded since is done; what was emitted more than
+        ``reemit_s`` ago and is still not recorded is read again (and emitted again); names the recorder dropped from
+        the cursor (retired from the bus, gone) leave the reader too."""
+        if self.fleet is None:
+            return
+        self.committed = self.fleet.cursor(self.reader_name)
+        now = time.monotonic()
+        for name in [n for n in self.emitted if n in self.committed]:
+            del self.emitted[name]
+        late = [n for n, at in self.emitted.items() if now - at > self.reemit_s]
+        for name in late:
+            del self.emitted[name]
+        self.reader.forget(late)
+        self.reemitted += len(late)
+        gone = set(self.reader.gone)
+        for name, ts in self.committed.items():
+            if name not in gone:
+                self.reader.seen.setdefault(name, ts)
+        self.reader.forget([n for n in self.reader.seen if n not in self.committed and n not in self.emitted])
 
     def poll(self, room: int | None = None, *, tidy: bool = True, read_s: float = READ_S) -> list[dict[str, Any]]:
-        """One round: the new alerts read within ``read_s``, at most ``room`` (default :data:`BATCH_ALERTS`;
-        the last document read may hold a few more), and (when due) agents found silent, the guardian's own
-        beat and, with ``tidy`` (not while a batch is being gathered), the retirement of old names."""
+        """One round: the new alerts read within ``read_s``, at most ``room`` (default :data:`BATCH_ALERTS`; the
+        last document read may hold a few more), and (when due) agents found silent; with ``tidy`` (not while a
+        batch is being gathered), the committed cursor read again (:meth:`refresh`)."""
         room = BATCH_ALERTS if room is None else room
         self.polls += 1
-        if self.fleet is not None and tidy and time.monotonic() >= self.next["retire"]:
-            self.next["retire"] = time.monotonic() + RETIRE_EVERY_S
-            self.retire()
+        mono = time.monotonic()
+        if tidy and mono >= self.next["cursor"]:
+            self.next["cursor"] = mono + CURSOR_EVERY_S
+            self.refresh()
         out = [a.record() for a in self.reader.read(max(1, room), max_read_bytes=BATCH_BYTES, max_read_s=read_s)]
         now, mono = time.time(), time.monotonic()
         if self.fleet is not None:
@@ -182,54 +184,67 @@ class _Watch:
                 self.watched = watched_machines(self.fleet)
             if self.watch is not None and mono >= self.next["liveness"]:
                 self.next["liveness"] = mono + LIVENESS_EVERY_S
+                reported = {m for m, st in self.watch.state.items() if st.get("reported_ts") is not None}
                 for found in self.watch.observe(self.bus.heartbeats(), self.watched, now):
                     out.append(self.watch.silent_alert(found, now))
-            if mono >= self.next["beat"]:
-                self.next["beat"] = mono + BEAT_EVERY_S
-                self.fleet.beat(self.reader_name, {"polls": self.polls, "watched": len(self.watched),
-                                                   "pid": os.getpid()})
-                if self.watch is not None and self.commits:  # what it saw of the agents, kept as fresh as its beat
-                    self.fleet.record_liveness(self.watch.state)
+                self.forgiven |= any(self.watch.state.get(m, {}).get("reported_ts") is None for m in reported)
         return out
 
+    def pending(self) -> bool:
+        """Whether there is something to emit besides alerts: documents quarantined, an agent forgiven."""
+        return bool(self.reader.quarantined) or self.forgiven
+
     def event(self, batch: list[dict[str, Any]], first_seen: float) -> dict[str, Any]:
-        """The event of ``batch``: the names read and not committed, at most :data:`GONE_PER_EVENT` names gone,
-        what was quarantined, the agents' liveness; ``more``: unread documents wait on the bus."""
-        read = {n: ts for n, ts in self.reader.seen.items() if n not in self.committed}
+        """The event of ``batch``: the names read and not emitted yet, at most :data:`GONE_PER_EVENT` names gone,
+        what was quarantined (for the recording task to move out of the folder), the agents' liveness, the
+        watcher's own counters; ``more``: unread documents wait on the bus. The names become emitted."""
+        read = {n: ts for n, ts in self.reader.seen.items() if n not in self.committed and n not in self.emitted}
         now = time.time()
         quarantined = [{**q, "ts": now} for q in self.reader.quarantined]
-        return {"alerts": batch, "first_seen_ts": first_seen, "fired_ts": now, "reader": self.reader_name,
-                "read": read, "gone": self.reader.gone[:GONE_PER_EVENT], "quarantined": quarantined,
-                "liveness": self.watch.state if self.watch is not None else None, "more": self.reader.more}
+        gone = self.reader.gone[:GONE_PER_EVENT]
+        out = {"alerts": batch, "first_seen_ts": first_seen, "fired_ts": now, "reader": self.reader_name,
+               "read": read, "gone": gone, "quarantined": quarantined,
+               "liveness": self.watch.state if self.watch is not None else None, "more": self.reader.more,
+               "watcher": {"polls": self.polls, "watched": len(self.watched), "pid": os.getpid(),
+                           "reemitted": self.reemitted}}
+        mono = time.monotonic()
+        self.emitted.update((n, mono) for n in read)
+        del self.reader.gone[:len(gone)]
+        del self.reader.quarantined[:len(quarantined)]
+        self.forgiven = False
+        return out
 
-    def commit(self, event: dict[str, Any]) -> None:
-        """``event`` was recorded (its cursor committed): what it read is committed, what it reported is done."""
-        self.committed.update(event["read"])
-        for name in event["gone"]:
-            self.committed.pop(name, None)
-        del self.reader.gone[:len(event["gone"])]
-        del self.reader.quarantined[:len(event["quarantined"])]
+
+def _deadline(batch: list[dict[str, Any]], began: float, settle_s: float) -> float:
+    """When a batch begun at ``began`` (monotonic) goes out: after the settle window; a batch of fail-slow alerts
+    only waits longer, the whole job's reports judged together telling a straggler from a slowdown every rank
+    shares (nothing in it is urgent: a vote takes a minute)."""
+    slow_only = all(a.get("kind") in ladder.SLOW for a in batch)
+    return began + (max(settle_s, SLOW_SETTLE_S) if slow_only else settle_s)
 
 
-class AlertTrigger(BaseTrigger):
-    """Fires with a batch of alerts: the first one found plus all that arrive within ``settle_s`` (or the
-    batch so far, once it holds an alert the ladder acts on by itself). ``fleet_url``: the fleet database
-    holding the cursor of ``reader`` (empty: no cursor, no agent watch; for tools and tests);
-    ``silent_s``: an agent of a running job silent this long is reported (0: not watched)."""
+def _settings() -> tuple[float, float]:
+    """The batch window and the silence that makes an agent an incident (``TG_ALERT_SETTLE_S``,
+    ``TG_AGENT_SILENT_S``), as the triggerer's environment says."""
+    from trainguard.operators.settings import ControlSettings
 
-    #: how long a recording trigger goes on recording the batches of a storm before it fires
-    drain_s = 60.0
-    #: how long a recording trigger that started incident runs stays on the bus, recording each batch as it
-    #: comes: a second machine's fault a few seconds after the first joins the open incident before its swap
-    #: (the next guardian run would read it only once it is scheduled and deferred, ~10 s on a loaded host)
-    follow_s = 20.0
+    s = ControlSettings.from_env()
+    return s.alert_settle_s, s.agent_silent_s
 
-    def __init__(self, bus_url: str, fleet_url: str = "", *, reader: str = GUARDIAN,
-                 settle_s: float = DEFAULT_SETTLE_S, poll_s: float = DEFAULT_POLL_S, kinds: Sequence[str] = (),
-                 silent_s: float = 0.0, skew_s: float = 60.0, retain_s: float = DEFAULT_RETAIN_S,
-                 record: bool = False) -> None:
+
+class AlertTrigger(BaseEventTrigger):
+    """Emits the bus's alerts in batches: the first one found plus all that arrive within ``settle_s`` (or the batch
+    so far, once it holds an alert the ladder acts on by itself). Without ``bus_url``/``fleet_url``: the control
+    plane's (the inventory's bus, the fleet database; :func:`alert_source`);
+    ``fleet_url`` may be empty only with a bus given (then: no cursor, no agent watch; for tools and tests).
+    ``settle_s``/``silent_s`` None: the settings'; ``silent_s`` 0: the agents are not watched. ``once``: emit one
+    batch and end (a deferred task's trigger); else it watches for good (an asset's watcher)."""
+
+    def __init__(self, bus_url: str = "", fleet_url: str = "", *, reader: str = GUARDIAN,
+                 settle_s: float | None = None, poll_s: float = DEFAULT_POLL_S, kinds: Sequence[str] = (),
+                 silent_s: float | None = None, skew_s: float = 60.0, reemit_s: float = REEMIT_S,
+                 once: bool = False) -> None:
         super().__init__()
-        self.record = bool(record)
         self.bus_url = bus_url
         self.fleet_url = fleet_url
         self.reader = reader
@@ -238,156 +253,79 @@ class AlertTrigger(BaseTrigger):
         self.kinds = list(kinds)
         self.silent_s = silent_s
         self.skew_s = skew_s
-        self.retain_s = retain_s
+        self.reemit_s = reemit_s
+        self.once = bool(once)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
                 {"bus_url": self.bus_url, "fleet_url": self.fleet_url, "reader": self.reader,
                  "settle_s": self.settle_s, "poll_s": self.poll_s, "kinds": self.kinds, "silent_s": self.silent_s,
-                 "skew_s": self.skew_s, "retain_s": self.retain_s, "record": self.record})
+                 "skew_s": self.skew_s, "reemit_s": self.reemit_s, "once": self.once})
 
     def _keep(self, alerts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [a for a in alerts if not self.kinds or a["kind"] in self.kinds]
 
-    async def run(self) -> AsyncIterator[TriggerEvent]:
+    def _open(self) -> tuple[_Watch, float]:
+        """The watch over the bus and the fleet database, and the batch window."""
         from trainguard.node_tools.bus import ALERTS
 
-        watch = await asyncio.to_thread(_Watch, self.bus_url, self.fleet_url, self.reader, folder=ALERTS,
-                                        silent_s=self.silent_s, skew_s=self.skew_s, retain_s=self.retain_s,
-                                        commits=self.record)
-        if self.record:  # what recording needs, ready before the first alert (a fresh triggerer's first
-            # connection lookup takes seconds): the controller, the REST API's client and its token
-            await asyncio.to_thread(self._warm)
-        # a document quarantined on its own (oversized, not an alert) fires too: it has left the alerts folder,
-        # and only the task that records the batch records why; waiting for the next alert would lose it
-        sweep_at = time.monotonic() + ORPHAN_SWEEP_S
+        bus_url, fleet_url = self.bus_url, self.fleet_url
+        if not bus_url:
+            bus_url, default_fleet = alert_source()
+            fleet_url = fleet_url or default_fleet
+        settle_s, silent_s = self.settle_s, self.silent_s
+        if settle_s is None or silent_s is None:
+            from_env = _settings()
+            settle_s = from_env[0] if settle_s is None else settle_s
+            silent_s = from_env[1] if silent_s is None else silent_s
+        return _Watch(bus_url, fleet_url, self.reader, folder=ALERTS, silent_s=silent_s, skew_s=self.skew_s,
+                      reemit_s=self.reemit_s), settle_s
+
+    async def run(self) -> AsyncIterator[TriggerEvent]:
+        watch, settle_s = await asyncio.to_thread(self._open)
+        beat_at = 0.0
         while True:
-            batch = self._keep(await asyncio.to_thread(watch.poll))
-            if batch or watch.reader.quarantined:
-                break
-            if self.record and time.monotonic() >= sweep_at:
-                sweep_at = time.monotonic() + ORPHAN_SWEEP_S
-                await asyncio.to_thread(self._sweep)
-            await asyncio.sleep(self.poll_s)
-        first_seen = time.time()
-        began = time.monotonic()
+            # a document quarantined on its own (oversized, not an alert) is emitted too: only the task that records
+            # the batch records why and moves it; waiting for the next alert would leave it where it is
+            while True:
+                batch = self._keep(await asyncio.to_thread(watch.poll))
+                if time.monotonic() >= beat_at:
+                    beat_at = time.monotonic() + BEAT_EVERY_S
+                    await self._beat(watch)
+                if batch or watch.pending():
+                    break
+                await asyncio.sleep(self.poll_s)
+            first_seen = time.time()
+            began = time.monotonic()
+            while batch and time.monotonic() < _deadline(batch, began, settle_s) and not watch.reader.more \
+                    and len(batch) < BATCH_ALERTS and not any(ladder.decisive(a) for a in batch):
+                await asyncio.sleep(min(self.poll_s, max(0.0, _deadline(batch, began, settle_s) - time.monotonic())))
+                left = _deadline(batch, began, settle_s) - time.monotonic()
+                batch += self._keep(await asyncio.to_thread(watch.poll, BATCH_ALERTS - len(batch), tidy=False,
+                                                            read_s=max(0.1, left)))
+            batch.sort(key=lambda a: a["ts"])
+            event = watch.event(batch, first_seen)
+            self.log.info("emitting %d alerts (%s), %d names read, %d quarantined", len(batch),
+                          ", ".join(_summary({f"{a['machine']}:{a['kind']}" for a in batch})), len(event["read"]),
+                          len(event["quarantined"]))
+            yield TriggerEvent(event)
+            if self.once:
+                return
 
-        def deadline() -> float:
-            # a batch of fail-slow alerts only waits longer: the whole job's reports, judged together, tell a
-            # straggler from a slowdown every rank shares (nothing in it is urgent: a vote takes a minute)
-            slow_only = all(a.get("kind") in ladder.SLOW for a in batch)
-            return began + (max(self.settle_s, SLOW_SETTLE_S) if slow_only else self.settle_s)
-
-        while batch and time.monotonic() < deadline() and not watch.reader.more and len(batch) < BATCH_ALERTS \
-                and not any(ladder.decisive(a) for a in batch):
-            await asyncio.sleep(min(self.poll_s, max(0.0, deadline() - time.monotonic())))
-            batch += self._keep(await asyncio.to_thread(watch.poll, BATCH_ALERTS - len(batch), tidy=False,
-                                                        read_s=max(0.1, deadline() - time.monotonic())))
-        batch.sort(key=lambda a: a["ts"])
-        event = watch.event(batch, first_seen)
-        if self.record:
-            event = await asyncio.to_thread(self._record_all, watch, event)
-        yield TriggerEvent(event)
-
-    def _record_all(self, watch: _Watch, event: dict[str, Any]) -> dict[str, Any]:
-        """Record ``event``'s batch, then the batches still waiting on the bus one after the other (each joins
-        the incidents open by then) until none is left or :attr:`drain_s` has passed; returns what was recorded
-        (or, when the first batch could not be, that event itself for the guardian's task). A later batch that
-        cannot be recorded is left: its names are not committed, so the next run reads them again."""
-        out = self._record(event)
-        if not out.get("recorded"):
-            return out
-        watch.commit(event)
-        began = time.monotonic()
-        while (watch.reader.more or watch.reader.gone) and time.monotonic() - began < self.drain_s:
-            done = self._record_next(watch)
-            if not done:  # nothing left, or a batch that cannot be recorded (left for the next run)
-                break
-            out = _merged(out, done)
-        # a run it could not start is the guardian's task's to start: following would only delay that
-        follow = out.get("starts") and all(v == "started" for v in out["started"].values())
-        return self._follow(watch, out) if follow and self.follow_s > 0 else out
-
-    def _record_next(self, watch: _Watch) -> dict[str, Any] | None:
-        """Read the next batch and record it, its names committed: what was recorded, ``{}`` when the bus held
-        nothing new, None when the batch could not be recorded (its names are left for the next run)."""
-        batch = sorted(self._keep(watch.poll(tidy=False)), key=lambda a: a["ts"])
-        nxt = watch.event(batch, time.time())
-        if not (batch or nxt["read"] or nxt["gone"] or nxt["quarantined"]):
-            return {}
-        done = self._record(nxt)
-        if not done.get("recorded"):
-            return None
-        watch.commit(nxt)
-        return done
-
-    def _follow(self, watch: _Watch, out: dict[str, Any]) -> dict[str, Any]:
-        """Record each batch that reaches the bus within :attr:`follow_s` (every ``poll_s``), joining the
-        incidents just started; returns ``out`` with what was recorded merged in. A batch that cannot be
-        recorded ends the follow uncommitted: the next run reads it again."""
-        until = time.monotonic() + self.follow_s
-        while time.monotonic() < until:
-            done = self._record_next(watch)
-            if done is None:
-                break
-            if done:
-                out = _merged(out, done)
-            else:
-                time.sleep(min(self.poll_s, max(0.0, until - time.monotonic())))
-        return out
-
-    def _api(self) -> Any:
-        return triggerer_api()
-
-    def _warm(self) -> None:
-        from trainguard.operators.tasks import common
-
-        t0 = time.monotonic()
+    async def _beat(self, watch: _Watch) -> None:
+        """The watcher's beat in its asset's state store (Airflow's): only an asset's watcher has one."""
+        store = getattr(self, "asset_state_store", None)
+        if store is None:
+            return
         try:
-            common.shared_controller()
-            self._api().token()
-        except Exception as exc:  # recording falls back to the guardian's tasks for what it cannot do
-            self.log.warning("recording is not ready (%s): the guardian's tasks do what the trigger cannot", exc)
-        self.log.info("ready to record in %.2fs", time.monotonic() - t0)
-
-    def _record(self, event: dict[str, Any]) -> dict[str, Any]:
-        """Record the batch and start its incidents' runs; the event says what was done. Whatever fails here
-        is left to the guardian's tasks (the event then carries the batch itself)."""
-        from trainguard.operators.tasks import common, guardian
-
-        began = time.monotonic()
-        try:
-            starts = guardian.group_alerts(common.shared_controller(), event)
-        except Exception as exc:
-            self.log.warning("batch not recorded in the triggerer (the guardian's task records it): %s", exc)
-            return event
-        recorded = time.monotonic()
-        try:
-            started = guardian.start_runs(starts, self._api()) if starts else {}
-        except Exception as exc:  # no connection, the api-server down: the start_incident task starts them
-            started = {s["trigger_run_id"]: f"not started: {exc}"[:300] for s in starts}
-        summary = _summary({f"{a['machine']}:{a['kind']}" for a in event["alerts"]})
-        self.log.info("recorded %d alerts (%s) in %.2fs; runs: %s in %.2fs", len(event["alerts"]), ", ".join(summary),
-                      recorded - began, started, time.monotonic() - recorded)
-        return {"recorded": True, "starts": starts, "started": started, "alerts": len(event["alerts"]),
-                "kinds": summary, "first_seen_ts": event["first_seen_ts"], "fired_ts": time.time(),
-                "quarantined": [{k: q.get(k) for k in ("name", "reason")} for q in event["quarantined"]]}
-
-    def _sweep(self) -> None:
-        """Start the run of any open incident whose start was lost (a no-op for those that run)."""
-        from trainguard.operators.tasks import common, guardian
-
-        try:
-            starts = guardian.orphans(common.shared_controller())
-            if starts:
-                started = guardian.start_runs(starts, self._api())
-                if any(v == "started" for v in started.values()):
-                    self.log.warning("started the runs of incidents whose start was lost: %s", started)
-        except Exception as exc:  # the next sweep tries again
-            self.log.warning("orphan sweep: %s", exc)
+            await store.aset("watcher", {"ts": time.time(), "polls": watch.polls, "watched": len(watch.watched),
+                                         "pid": os.getpid(), "emitted": len(watch.emitted),
+                                         "reemitted": watch.reemitted})
+        except Exception as exc:  # the store away for a moment: the next beat tries again
+            self.log.warning("watcher beat not written: %s", exc)
 
 
-#: machine:kind pairs an event names, at most (a storm's are counted, not listed)
+#: machine:kind pairs an event's log line names, at most (a storm's are counted, not listed)
 SUMMARY_MAX = 50
 
 
@@ -399,56 +337,42 @@ def _summary(pairs: set[str]) -> list[str]:
     return [*ordered[:SUMMARY_MAX], f"... {len(ordered) - SUMMARY_MAX} more"]
 
 
-def _merged(out: dict[str, Any], done: dict[str, Any]) -> dict[str, Any]:
-    """Two recorded events as one: the runs started by either, the alerts of both counted, their
-    ``machine:kind`` pairs up to :data:`SUMMARY_MAX` (then "..." when either had more)."""
-    both = [*out["kinds"], *done["kinds"]]
-    kinds = sorted({k for k in both if not k.startswith("...")})
-    if len(kinds) > SUMMARY_MAX or any(k.startswith("...") for k in both):
-        kinds = [*kinds[:SUMMARY_MAX], "... more"]
-    starts = {s["trigger_run_id"]: s for s in [*out["starts"], *done["starts"]]}
-    return {**out, "starts": list(starts.values()), "started": {**out["started"], **done["started"]},
-            "alerts": out["alerts"] + done["alerts"], "kinds": kinds, "fired_ts": done["fired_ts"],
-            "quarantined": [*out["quarantined"], *done["quarantined"]][:BATCH_ALERTS]}
-
-
 class CheckpointNoticeTrigger(BaseEventTrigger):
-    """The watcher of the ``checkpoint_committed`` asset: fires once with the notices found on the bus's
-    notices folder (``{"notices": [{"job", "step", "machine", "ts"}]}``), then ends; the triggerer starts
-    it again for the next ones. Its cursor (reader ``checkpoint-notices`` in the fleet database) is committed
-    as it fires: a notice lost to a crash right then is covered by the verification DAG's schedule."""
+    """The watcher of the ``checkpoint_committed`` asset: emits the notices found on the bus's notices folder
+    (``{"notices": [{"job", "step", "machine", "ts"}], "read": names}``), one event per round that found some, and
+    watches on. It reads its cursor (reader ``checkpoint-notices`` in the fleet database) and writes nothing: the
+    verification run's first task records the names it was sent (:func:`trainguard.operators.tasks.checkpoint_verify
+    .ckpt_targets`); notices emitted and not recorded within ``reemit_s`` are emitted again, and the verification
+    DAG's schedule covers whatever a lost event missed."""
 
-    def __init__(self, bus_url: str = "", fleet_url: str = "", *, poll_s: float = 1.0) -> None:
+    def __init__(self, bus_url: str = "", fleet_url: str = "", *, poll_s: float = 1.0,
+                 reemit_s: float = REEMIT_S) -> None:
         super().__init__()
         self.bus_url = bus_url
         self.fleet_url = fleet_url
         self.poll_s = poll_s
+        self.reemit_s = reemit_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"bus_url": self.bus_url, "fleet_url": self.fleet_url, "poll_s": self.poll_s})
+                {"bus_url": self.bus_url, "fleet_url": self.fleet_url, "poll_s": self.poll_s,
+                 "reemit_s": self.reemit_s})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from trainguard.node_tools.bus import NOTICES
 
         bus_url, fleet_url = self.bus_url, self.fleet_url
         if not bus_url or not fleet_url:
-            from trainguard.operators.tasks.guardian import alert_source
-
             default_bus, default_fleet = await asyncio.to_thread(alert_source)
             bus_url, fleet_url = bus_url or default_bus, fleet_url or default_fleet
         watch = await asyncio.to_thread(_Watch, bus_url, fleet_url, NOTICES_READER, folder=NOTICES, silent_s=0.0,
-                                        skew_s=60.0, retain_s=DEFAULT_RETAIN_S, commits=True)
+                                        skew_s=60.0, reemit_s=self.reemit_s)
         while True:
-            docs = await asyncio.to_thread(lambda: [a.record() for a in watch.reader.read()])
+            docs = await asyncio.to_thread(watch.poll)
             notices = [{"job": d["job"], "step": d["evidence"].get("step"), "machine": d["machine"], "ts": d["ts"]}
                        for d in docs if d["kind"] == "checkpoint_committed"]
             if notices:
                 event = watch.event([], 0.0)
-                if watch.fleet is not None:
-                    await asyncio.to_thread(watch.fleet.advance_cursor, NOTICES_READER, event["read"], event["gone"])
-                    watch.commit(event)
-                    await asyncio.to_thread(watch.retire)
-                yield TriggerEvent({"notices": notices})
-                return
+                yield TriggerEvent({"notices": notices, "reader": NOTICES_READER, "read": event["read"],
+                                    "gone": event["gone"]})
             await asyncio.sleep(self.poll_s)

@@ -1,9 +1,10 @@
 """A dual-phase replay's groups, watched in the triggerer: ``ReplayTrigger`` asks every ``poll_s`` each
-launched group's result (:meth:`trainguard.operators.control.Controller.replay_poll`: its ranks' parameter digests
-once every part ended, or why it failed), with the triggerer's one controller (one held SSH connection
+launched group's result (:meth:`trainguard.operators.control.replay.Replay.replay_poll`: its ranks' parameter
+digests once every part ended, or why it failed), with the triggerer's one controller (one held SSH connection
 per machine for every trigger, its blocking reads in a thread); once every group has one (or ``timeout_s``
-passed) it ends the groups' sub-jobs and fires with the results. Its operators are in
-:mod:`trainguard.operators.operators.replay`: while the replicas compute, no worker slot is held.
+passed) it fires with the results. It only reads: the operator that resumes ends the groups' sub-jobs
+(:mod:`trainguard.operators.operators.replay`; a group killed with its task ends on its own after its few
+steps). While the replicas compute, no worker slot is held.
 """
 
 from __future__ import annotations
@@ -43,17 +44,12 @@ class ReplayTrigger(BaseTrigger):
         groups = list(self.launched["groups"])
         out: dict[str, str] = {}
         deadline = time.monotonic() + self.timeout_s
-        try:
-            while len(out) < len(groups) and time.monotonic() < deadline:
-                polled = await asyncio.to_thread(c.replay.replay_poll, self.launched)
-                out.update({t: r for t, r in polled.items() if r is not None})
-                if len(out) < len(groups):
-                    await asyncio.sleep(self.poll_s)
-        except asyncio.CancelledError:  # the task was killed: its groups do not run on
-            await asyncio.shield(asyncio.to_thread(c.replay.replay_stop, self.launched))
-            raise
+        while len(out) < len(groups) and time.monotonic() < deadline:
+            polled = await asyncio.to_thread(c.replay.replay_poll, self.launched)
+            out.update({t: r for t, r in polled.items() if r is not None})
+            if len(out) < len(groups):
+                await asyncio.sleep(self.poll_s)
         for tag in groups:
             out.setdefault(tag, f"failed: no result within {self.timeout_s:.0f}s")
-        await asyncio.to_thread(c.replay.replay_stop, self.launched)
         self.log.info("replay of %s: %s", self.launched.get("job"), out)
         yield TriggerEvent({"results": out})
