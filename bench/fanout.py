@@ -7,11 +7,11 @@ A thin machine runs what the control plane talks to and nothing else: sshd, the 
 (``examples/standin.py`` through ``tg-node job start --launcher direct``: the trainguard hook's heartbeats and
 a step record a second, no torch). Each round is the code the recovery runs (:mod:`trainguard.node_tools.launcher`'s
 ``launch``, ``stop`` and ``status``; ``tg-node diag --level 1`` in waves of ``TG_DIAG_CONCURRENCY`` machines)
-over the OpenSSH transport with strict host keys, at the default fan-out (``trainguard.node_tools.transport.FANOUT``
-sessions at once), one master connection per machine held across the rounds (``ControlPersist``: a
-trial's first round opens them). For each round and size: the wall time (median of ``--trials``), the
-control plane's own CPU (this process, its ssh clients and the masters) and peak memory, the host's CPU in
-all (every machine's side of the round runs on the same cores), and the sessions refused (sshd's
+over trainguard's SSH transport (:class:`trainguard.node_tools.transport.SshTransport`: paramiko, host keys pinned), at
+the default fan-out (``trainguard.node_tools.transport.FANOUT`` sessions at once), one connection per machine
+held across the rounds (the first trial's first round opens them). For each round and size: the wall time
+(median of ``--trials``), the control plane's own CPU (this process: the SSH clients run in it) and peak memory,
+the host's CPU in all (every machine's side of the round runs on the same cores), and the sessions refused (sshd's
 ``MaxStartups``, or a session that failed); for each size, the cores the idle machines keep busy
 (``idle_cores``: agents and stand-ins, no round).
 ``--max`` adds the largest cluster the host's free memory holds (measured per machine at the first size).
@@ -38,13 +38,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainguard.core import procs  # noqa: E402
 from trainguard.core.errors import ClusterError  # noqa: E402
 from trainguard.core.topology import Topology  # noqa: E402
 from trainguard.emulation import cluster  # noqa: E402
 from trainguard.node_tools import launcher  # noqa: E402
 from trainguard.node_tools.inventory import Inventory  # noqa: E402
-from trainguard.node_tools.transport import CONTROL_PERSIST_S, FANOUT, RunResult, control_dir, transport_for  # noqa: E402
+from trainguard.node_tools.transport import FANOUT, RunResult, transport_for  # noqa: E402
 
 JOB = "fanout"
 SUBNET = "10.214.0.0/22"  # room for 1,000 machines
@@ -61,17 +60,9 @@ def _host_cpu_s() -> float:
 
 
 def _own_cpu_s() -> float:
-    """This process's CPU, its ssh clients' and the OpenSSH master connections' (daemons: no child of ours)."""
+    """This process's CPU (its SSH connections are threads of it) and its children's."""
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime + _masters_cpu_s()
-
-
-def _masters_cpu_s() -> float:
-    """CPU seconds of the live OpenSSH masters in this user's control folder (``ssh: <folder>/... [mux]``)."""
-    folder = control_dir()
-    if folder is None:
-        return 0.0
-    return sum(procs.cpu_seconds(pid) or 0.0 for pid in procs.pids_with_cmdline(f"ssh: {folder}/"))
+    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
 
 
 def _mem_available_mb() -> float:
@@ -83,8 +74,8 @@ def _mem_available_mb() -> float:
 
 
 def _refused(results: dict[str, RunResult]) -> list[str]:
-    """Machines whose session did not run its command (refused, reset, timed out: OpenSSH's 255)."""
-    return sorted(name for name, r in results.items() if r.returncode == 255 or r.timed_out)
+    """Machines whose session did not run its command (refused, reset, timed out)."""
+    return sorted(name for name, r in results.items() if not r.reachable or r.timed_out)
 
 
 def _timed(fn: Callable[[], Any]) -> dict[str, Any]:
@@ -118,6 +109,7 @@ def measure(size: int, trials: int, *, l1: bool, log: Callable[[str], None], pat
     out: dict[str, Any] = {"machines": size, "rounds": {r: [] for r in ROUNDS}, "refused": 0, "failed": [],
                            "limits": "the recovery's" if patient == 1 else f"the recovery's x {patient:g}"}
     inv: Inventory | None = None
+    transport: Any = None
     try:
         inv = cluster.up(spec, state, log=lambda *_: None)
         out["up_s"] = round(time.monotonic() - t0, 2)
@@ -173,7 +165,9 @@ def measure(size: int, trials: int, *, l1: bool, log: Callable[[str], None], pat
     finally:
         if inv is not None:  # whatever still runs there ends with the cluster below anyway
             with contextlib.suppress(Exception):
-                launcher.stop(inv, JOB, inv.machines)
+                launcher.stop(inv, JOB, inv.machines, transport=transport)
+        if transport is not None:
+            transport.close()
         cluster.down(state, name=spec.name, log=lambda *_: None)
         import shutil
 
@@ -263,8 +257,9 @@ def main() -> int:
             print(f"{biggest} machines (the most {per:.0f} MB each fit) ...", file=sys.stderr, flush=True)
             results[biggest] = measure(biggest, 1, l1=False, log=lambda m: print(m, file=sys.stderr))
     setup = {"fanout_sessions": FANOUT, "diag_wave": DIAG_WAVE, "trials": args.trials, "cpus": os.cpu_count(),
-             "transport": "OpenSSH client, strict host keys, one master connection per machine (ControlPersist "
-                          f"{CONTROL_PERSIST_S} s)", "job": "examples/standin.py (direct launcher)"}
+             "transport": "paramiko (trainguard.node_tools.transport.SshTransport), host keys pinned, one "
+                          "connection per machine held across the rounds",
+             "job": "examples/standin.py (direct launcher)"}
     doc = merge(args.out, results, setup)
     for key, value in doc["metrics"].items():
         if key.startswith(("fanout_", "largest_fanout")):

@@ -331,12 +331,16 @@ def _wait_reachable(inv: Inventory, timeout_s: float | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     pending = list(inv.machines)
     last: dict[str, str] = {}
-    while pending and time.monotonic() < deadline:
-        results = transport.run_many(pending, lambda m: [inv.tg_node, "version"], timeout=10.0 + 0.1 * len(pending))
-        pending = [m for m in pending if not results[m.name].ok]
-        last = {m.name: results[m.name].describe() for m in pending}
-        if pending:
-            time.sleep(0.2)
+    try:
+        while pending and time.monotonic() < deadline:
+            results = transport.run_many(pending, lambda m: [inv.tg_node, "version"],
+                                         timeout=10.0 + 0.1 * len(pending))
+            pending = [m for m in pending if not results[m.name].ok]
+            last = {m.name: results[m.name].describe() for m in pending}
+            if pending:
+                time.sleep(0.2)
+    finally:
+        transport.close()
     if pending:
         shown = "; ".join(list(last.values())[:3]) + (f"; and {len(last) - 3} more" if len(last) > 3 else "")
         raise ClusterError(f"{len(pending)} of {n} machines not reachable after {timeout_s:.0f}s: {shown}")
@@ -497,6 +501,7 @@ def status(state_dir: Path | None = None) -> dict[str, Any]:
     inv = Inventory.load(state_dir / "inventory.json")
     transport = transport_for(inv)
     results = transport.run_many(inv.machines, lambda m: [inv.tg_node, "version"], timeout=10)
+    transport.close()
     machines = []
     for m in inv.machines:
         mdir = Path(m.extra.get("machine_dir", ""))

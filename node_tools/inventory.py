@@ -244,9 +244,6 @@ class Inventory:
         timeout = ssh.get("connect_timeout_s", 5)
         if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
             raise bad(f"ssh.connect_timeout_s {timeout!r} must be a number of seconds > 0")
-        persist = ssh.get("control_persist_s", 0)
-        if isinstance(persist, bool) or not isinstance(persist, int) or persist < 0:
-            raise bad(f"ssh.control_persist_s {persist!r} must be whole seconds >= 0 (0: no held connection)")
         tg_node = document.get("tg_node", "tg-node")
         if not isinstance(tg_node, str) or not tg_node:
             raise bad("'tg_node' must be the path of the tg-node command on the machines")

@@ -1,23 +1,42 @@
-"""How the host reaches a machine: over ssh (host keys verified), or locally.
+"""How the host reaches a machine: over SSH (:class:`SshTransport`), or locally (machines that are process groups on
+this host, :class:`LocalTransport`).
 
-A transport runs one command (an argument list, never a shell string) on one
-machine with a timeout, and always returns a :class:`RunResult`: an unreachable
-machine or a command that outlives its timeout is an explicit result, never a
-hang or an exception. Over ssh the argument list is quoted with ``shlex.join``
-before it reaches the remote shell, so no value is interpreted by it.
+A transport runs one command (an argument list, never a shell string) on one machine with a timeout, and always
+returns a :class:`RunResult`: an unreachable machine or a command that outlives its timeout is an explicit result,
+never a hang or an exception. The control plane's tasks (through :class:`trainguard.operators.hooks.node.NodeHook`,
+which hands the SSH transport the Airflow connection's login and key), its triggers, the command line, the
+provisioner and the emulated cluster all take the same path (:func:`transport_for`). Over SSH:
 
-The control plane in Airflow reaches machines through providers-ssh's SSHHook;
-this module serves the command line, the emulated cluster and the tests.
+- **host keys are verified**: each machine's key is the inventory's (``host_key``, else the inventory's
+  ``known_hosts`` file); a machine answering with another key, or one the inventory has no key for, is refused
+  (never trusted on first use), and the machine's result says ``host_key_mismatch``;
+- **one connection per machine** is held for the transport's life: every command after the first opens a channel
+  on it instead of a new TCP and SSH handshake; a connection that broke meanwhile (the machine rebooted, sshd
+  restarted) is opened again once, before the command runs; a first connection is tried ``connect_attempts``
+  times, 3 to 5 s apart;
+- **a dead peer is given up in seconds**: keepalives every :data:`KEEPALIVE_S` and the kernel's limit on
+  unacknowledged data (``TCP_USER_TIMEOUT``, :data:`DEAD_PEER_S`), so a command on a connection whose machine
+  vanished fails fast instead of waiting out its own timeout;
+- **no value reaches the remote shell unquoted**: commands are argument lists joined with :func:`shlex.join`;
+  ``env`` is sent inside the session (the node's sshd must accept the names: ``AcceptEnv``), never on a command
+  line.
+
+An SSH result that did not run says why in ``extra["status"]``: ``unreachable``, ``host_key_mismatch`` or
+``timeout``. paramiko is imported where a connection is made: a training machine, which never reaches another
+one, does not need it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
+import base64
+import io
 import json
+import logging
 import os
+import random
+import selectors
 import shlex
-import stat
+import socket
 import subprocess
 import tempfile
 import threading
@@ -25,12 +44,14 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainguard.node_tools.inventory import Inventory, Machine
 
-SSH_UNREACHABLE = 255
+if TYPE_CHECKING:
+    import paramiko
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +125,9 @@ class Transport:
 
     def command(self, machine: Machine, argv: Sequence[str]) -> tuple[list[str], dict[str, str] | None]:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """End what the transport holds (its connections); it opens them again when used."""
 
     def tg_node(self, machine: Machine, *args: str) -> list[str]:
         """The argument list that runs ``tg-node args...`` on ``machine``."""
@@ -260,90 +284,6 @@ class _ProcessSession:
         self.proc.kill()
 
 
-# seconds an OpenSSH master connection outlives its last session (the inventory's ``ssh.control_persist_s``;
-# 0: every session its own connection): an incident's rounds (stop, swap, restart, status) come within it
-CONTROL_PERSIST_S = 120
-
-
-def control_dir() -> Path | None:
-    """The private folder of this user's OpenSSH master sockets (``$XDG_RUNTIME_DIR`` or the temporary
-    folder, ``tg-ssh-<uid>``), made 0700; None when what is there is not a folder of this user's that
-    nobody else may enter (a link, another owner, wider modes): sessions then connect each on its own."""
-    base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir())
-    path = base / f"tg-ssh-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
-    try:
-        st = path.lstat()
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None
-    return path
-
-
-class SshTransport(Transport):
-    """OpenSSH client with strict host key checking against the inventory's keys.
-
-    Sessions to a machine share one connection (OpenSSH's ``ControlMaster``): the first opens it, and it
-    stays ``control_persist_s`` after the last; every later session is a channel on it, without a new
-    handshake on either side (the client's side of OpenSSH 9.2's default key exchange alone cost 70-80 ms
-    of CPU a session). The master sockets are in :func:`control_dir`. A machine that stops answering (its
-    network gone) would hold every session on its master until the session's own timeout, where a new
-    connection fails in ``connect_timeout_s``: the master ends after three missed keepalives 2 s apart, and
-    its sessions with it, as unreachable (exit 255); a session that finds no master connects on its own."""
-
-    def known_hosts_path(self) -> str:
-        return str(self.inventory.resolve(self.inventory.ssh.get("known_hosts", "known_hosts")))
-
-    def multiplex(self) -> list[str]:
-        """The options that share one connection per machine ([] when turned off or no private folder).
-        A master serves only sessions of the same trust: its socket's name carries a digest of the
-        known_hosts it verified the machine against and of the key it logged in with (a session checking
-        another host key, or logging in with another key, opens its own connection)."""
-        persist = int(self.inventory.ssh.get("control_persist_s", CONTROL_PERSIST_S))
-        folder = control_dir() if persist > 0 else None
-        if folder is None:
-            return []
-        trust = hashlib.sha256()
-        try:
-            trust.update(Path(self.known_hosts_path()).read_bytes())
-        except OSError:  # no known_hosts: the session fails its host key check on its own
-            return []
-        identity = self.inventory.ssh.get("identity_file")
-        trust.update(str(self.inventory.resolve(identity) if identity else "").encode())
-        return ["-o", "ControlMaster=auto", "-o", f"ControlPath={folder}/{trust.hexdigest()[:12]}-%C",
-                "-o", f"ControlPersist={persist}", "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3"]
-
-    def command(self, machine: Machine, argv: Sequence[str]) -> tuple[list[str], dict[str, str] | None]:
-        ssh = self.inventory.ssh
-        cmd = [
-            "ssh",
-            "-o", "BatchMode=yes",
-            "-o", "StrictHostKeyChecking=yes",
-            "-o", f"UserKnownHostsFile={self.known_hosts_path()}",
-            "-o", "GlobalKnownHostsFile=/dev/null",
-            "-o", f"ConnectTimeout={int(ssh.get('connect_timeout_s', 5))}",
-            "-o", "LogLevel=ERROR",
-            *self.multiplex(),
-            "-p", str(machine.port),
-        ]
-        identity = ssh.get("identity_file")
-        if identity:
-            cmd += ["-i", str(self.inventory.resolve(identity)), "-o", "IdentitiesOnly=yes"]
-        cmd += ["-l", str(ssh.get("user", "root")), machine.address, "--", shlex.join(argv)]
-        return cmd, None
-
-    def with_env(self, argv: list[str], env: dict[str, str] | None, extra: Mapping[str, str]
-                 ) -> tuple[list[str], dict[str, str]]:
-        at = argv.index("-l")  # options go before the destination
-        send = [o for name in sorted(extra) for o in ("-o", f"SendEnv={name}")]
-        return argv[:at] + send + argv[at:], {**(env if env is not None else os.environ), **extra}
-
-    def unreachable(self, returncode: int, stderr: str) -> bool:
-        return returncode == SSH_UNREACHABLE
-
-
 class LocalTransport(Transport):
     """Machines that are process groups on this host (the emulated cluster without root)."""
 
@@ -353,9 +293,288 @@ class LocalTransport(Transport):
         return list(argv), env
 
 
-def transport_for(inventory: Inventory, *, fanout: int = FANOUT) -> Transport:
-    cls = SshTransport if inventory.transport == "ssh" else LocalTransport
-    return cls(inventory, fanout=fanout)
+# ---- over SSH -----------------------------------------------------------------------------------------------
+
+#: a held connection whose machine stopped answering (its network gone, the machine down) is given up after this
+#: long: SSH keepalives every KEEPALIVE_S, and the kernel ends a connection whose data goes unacknowledged this
+#: long (TCP_USER_TIMEOUT), so a command on it fails in seconds instead of waiting out its own timeout
+DEAD_PEER_S = 10.0
+KEEPALIVE_S = 2
+#: seconds between two tries of a first connection (when ``connect_attempts`` > 1)
+RETRY_WAIT_S = (3.0, 5.0)
+
+
+@dataclass(frozen=True)
+class SshCredentials:
+    """Who logs in: the user and the private key (a file, or the key's text: an Airflow connection's
+    ``private_key`` extra, never written to disk)."""
+
+    user: str = "root"
+    key_file: str | None = None
+    key_text: str | None = None
+
+    @classmethod
+    def of(cls, inventory: Inventory) -> SshCredentials:
+        """The inventory's own (its ``ssh`` section's ``user`` and ``identity_file``)."""
+        identity = inventory.ssh.get("identity_file")
+        return cls(str(inventory.ssh.get("user", "root")), str(inventory.resolve(identity)) if identity else None)
+
+
+class Unreachable(Exception):
+    """No session to the machine: its result says why (``status``: ``unreachable`` or ``host_key_mismatch``)."""
+
+    def __init__(self, message: str, status: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _host_entry(machine: Machine) -> str:
+    return machine.address if machine.port == 22 else f"[{machine.address}]:{machine.port}"
+
+
+class SshTransport(Transport):
+    """Runs argument lists on the machines of an inventory over SSH (see the module). ``credentials``: the login
+    (default: the inventory's); ``connect_timeout_s``: seconds for the TCP connection, the SSH banner and the
+    authentication (default: the inventory's ``ssh.connect_timeout_s``, 5)."""
+
+    def __init__(self, inventory: Inventory, *, fanout: int = FANOUT, credentials: SshCredentials | None = None,
+                 connect_timeout_s: float | None = None, connect_attempts: int = 1) -> None:
+        super().__init__(inventory, fanout=fanout)
+        self.credentials = credentials or SshCredentials.of(inventory)
+        self.connect_timeout_s = float(connect_timeout_s if connect_timeout_s is not None
+                                       else inventory.ssh.get("connect_timeout_s", 5))
+        self.connect_attempts = max(1, int(connect_attempts))
+        self._held: dict[tuple[str, str, int], paramiko.SSHClient] = {}
+        self._lock = threading.Lock()
+        self._machine_locks: dict[str, threading.Lock] = {}
+
+    # ---- connections --------------------------------------------------------------------------------------
+    def _trusted(self, client: paramiko.SSHClient, machine: Machine) -> None:
+        """Pin the machine's host key on ``client`` (the inventory's, else its known_hosts file's)."""
+        import paramiko
+
+        entry = _host_entry(machine)
+        if machine.host_key:
+            kind, data = machine.host_key.split()[:2]
+            client.get_host_keys().add(entry, kind, paramiko.PKey.from_type_string(kind, base64.b64decode(data)))
+            return
+        path = self.inventory.resolve(self.inventory.ssh.get("known_hosts", "known_hosts"))
+        known = paramiko.HostKeys()
+        try:
+            known.load(str(path))
+        except OSError:
+            pass
+        if entry not in known:
+            raise Unreachable(f"machine {machine.name} has no host key in the inventory (nor in {path}); refused",
+                              "host_key_mismatch")
+        for kind, key in known[entry].items():
+            client.get_host_keys().add(entry, kind, key)
+
+    def _connect(self, machine: Machine) -> paramiko.SSHClient:
+        import paramiko
+
+        client = paramiko.SSHClient()
+        self._trusted(client, machine)
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())  # never trusted on first use
+        creds = self.credentials
+        pkey = paramiko.PKey.from_private_key(io.StringIO(creds.key_text)) if creds.key_text else None
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                client.connect(machine.address, port=machine.port, username=creds.user, pkey=pkey,
+                               key_filename=None if pkey else creds.key_file, timeout=self.connect_timeout_s,
+                               banner_timeout=self.connect_timeout_s, auth_timeout=self.connect_timeout_s,
+                               look_for_keys=False, allow_agent=False)
+                break
+            except paramiko.BadHostKeyException:
+                client.close()
+                raise Unreachable(f"machine {machine.name} ({machine.address}) presented another host key than the "
+                                  f"inventory's; refused", "host_key_mismatch") from None
+            except (OSError, paramiko.SSHException, EOFError) as exc:
+                if attempt >= self.connect_attempts:
+                    client.close()
+                    raise Unreachable(f"{machine.name} ({machine.address}:{machine.port}): {type(exc).__name__}: "
+                                      f"{exc}", "unreachable") from None
+                time.sleep(random.uniform(*RETRY_WAIT_S))  # noqa: S311 (a retry's jitter)
+        transport = client.get_transport()
+        if transport is not None:
+            transport.set_keepalive(KEEPALIVE_S)
+            sock = transport.sock
+            if hasattr(socket, "TCP_USER_TIMEOUT") and isinstance(sock, socket.socket):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(DEAD_PEER_S * 1000))
+        return client
+
+    def connection(self, machine: Machine, *, fresh: bool = False) -> paramiko.SSHClient:
+        """The held connection to ``machine`` (opened now if there is none, it broke, or ``fresh``). Raises
+        :class:`Unreachable` when no session comes."""
+        key = (machine.name, machine.address, machine.port)
+        with self._lock:
+            lock = self._machine_locks.setdefault(machine.name, threading.Lock())
+        with lock:  # one handshake per machine, whatever the number of threads asking
+            client = self._held.get(key)
+            transport = client.get_transport() if client is not None else None
+            if client is not None and not fresh and transport is not None and transport.is_active():
+                return client
+            if client is not None:
+                client.close()
+                self._held.pop(key, None)
+            client = self._held[key] = self._connect(machine)
+            return client
+
+    def close(self) -> None:
+        """End every held connection."""
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for client in held:
+            client.close()
+
+    def _channel(self, machine: Machine, *, fresh: bool = False) -> paramiko.Channel:
+        return self.connection(machine, fresh=fresh).get_transport().open_session(  # type: ignore[union-attr]
+            timeout=self.connect_timeout_s)
+
+    # ---- commands -----------------------------------------------------------------------------------------
+    def run(self, machine: Machine, argv: Sequence[str], *, timeout: float = 30.0, stdin: str | None = None,
+            env: Mapping[str, str] | None = None) -> RunResult:
+        """Run ``argv`` on ``machine`` (see the module); ``stdin``: text written to the command's input."""
+        import paramiko
+
+        argv = [str(a) for a in argv]
+        t0 = time.monotonic()
+        for attempt in (1, 2):
+            try:
+                channel = self._channel(machine, fresh=attempt > 1)
+            except Unreachable as exc:
+                return RunResult(machine.name, argv, None, "", str(exc), time.monotonic() - t0, reachable=False,
+                                 extra={"status": exc.status})
+            except (OSError, paramiko.SSHException, EOFError, AttributeError) as exc:
+                if attempt == 1:  # the held connection broke: once more on a new one (nothing ran yet)
+                    continue
+                return RunResult(machine.name, argv, None, "", f"{machine.name}: {type(exc).__name__}: {exc}",
+                                 time.monotonic() - t0, reachable=False, extra={"status": "unreachable"})
+            return self._run_on(channel, machine, argv, timeout, stdin, env, t0)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _run_on(self, channel: paramiko.Channel, machine: Machine, argv: list[str], timeout: float,
+                stdin: str | None, env: Mapping[str, str] | None, t0: float) -> RunResult:
+        """Run ``argv`` on an open channel, reading its output until it exits or ``timeout`` passes."""
+        import paramiko
+
+        def result(code: int | None, out: bytes | str = "", err: bytes | str = "", **kw: Any) -> RunResult:
+            text = out.decode("utf-8", "replace") if isinstance(out, bytes) else out
+            errs = err.decode("utf-8", "replace")[-8000:] if isinstance(err, bytes) else err
+            return RunResult(machine.name, argv, code, text, errs, time.monotonic() - t0, **kw)
+
+        deadline = t0 + timeout
+        out, err = bytearray(), bytearray()
+        try:
+            if env:
+                channel.update_environment(dict(env))
+            channel.exec_command(shlex.join(argv))
+            if stdin:
+                channel.sendall(stdin.encode())
+            channel.shutdown_write()
+            # the channel's pipe is readable when output, an end of output or the exit status arrives
+            # (a selector, not select(): a task process may hold descriptors above FD_SETSIZE)
+            with selectors.DefaultSelector() as selector:
+                selector.register(channel, selectors.EVENT_READ)
+                while True:
+                    while channel.recv_ready():
+                        out += channel.recv(65536)
+                    while channel.recv_stderr_ready():
+                        err += channel.recv_stderr(65536)
+                    if channel.exit_status_ready() and not channel.recv_ready() and not channel.recv_stderr_ready():
+                        break
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return result(None, bytes(out), f"{machine.name}: the command timed out after {timeout:.0f}s",
+                                      timed_out=True, extra={"status": "timeout"})
+                    selector.select(min(left, 1.0))
+            code = channel.recv_exit_status()
+            transport = channel.get_transport()
+            if code == -1 and (transport is None or not transport.is_active()):  # the connection died under it
+                return result(None, bytes(out), f"{machine.name}: the connection was lost while the command ran (no "
+                              f"answer for {DEAD_PEER_S:.0f}s)", reachable=False, extra={"status": "unreachable"})
+        except (OSError, paramiko.SSHException, EOFError) as exc:
+            return result(None, err=f"{machine.name}: {type(exc).__name__}: {str(exc)[:300]}", reachable=False,
+                          extra={"status": "unreachable"})
+        finally:
+            channel.close()
+        log.debug("%s: exit %s: %s", machine.name, code, shlex.join(argv))
+        return result(code, bytes(out), bytes(err))
+
+    def open_two_phase(self, machine: Machine, argv: Sequence[str], *, timeout: float) -> _ChannelSession:
+        """A channel on the machine's held connection with its stdin open. Raises OSError when no session comes:
+        the machine counts as unreachable."""
+        import paramiko
+
+        try:
+            try:
+                channel = self._channel(machine)
+            except (OSError, paramiko.SSHException, EOFError, AttributeError):
+                channel = self._channel(machine, fresh=True)  # it broke: once more on a new one
+        except Unreachable as exc:
+            raise OSError(str(exc)) from None
+        except (paramiko.SSHException, EOFError, AttributeError) as exc:
+            raise OSError(f"{machine.name} ({machine.address}:{machine.port}): {type(exc).__name__}: {exc}") from None
+        return _ChannelSession(channel, machine.name, [str(a) for a in argv], timeout)
+
+
+class _ChannelSession:
+    """A two-phase session over one channel of a held connection; what it runs and answers goes to the log."""
+
+    def __init__(self, channel: paramiko.Channel, machine: str, argv: list[str], timeout: float) -> None:
+        self.channel, self.machine, self.argv = channel, machine, argv
+        self.started = time.monotonic()
+        log.info("Running command (two phases) on %s: %s", machine, shlex.join(argv))
+        channel.settimeout(timeout)
+        channel.exec_command(shlex.join(argv))
+        self.stdin = channel.makefile_stdin("wb")
+        self.stdout = channel.makefile("rb")
+        self.stderr = channel.makefile_stderr("rb")
+
+    def first_line(self) -> str:
+        import paramiko
+
+        try:
+            line = self.stdout.readline()
+        except (OSError, paramiko.SSHException):
+            return ""
+        text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
+        log.info("%s, first phase: %s", self.machine, text.strip())
+        return text
+
+    def finish(self) -> RunResult:
+        import paramiko
+
+        try:
+            self.stdin.write(b"go\n")
+            self.stdin.flush()
+            self.channel.shutdown_write()
+            out = self.stdout.read().decode("utf-8", "replace")
+            err = self.stderr.read().decode("utf-8", "replace")[-8000:]
+            code = self.channel.recv_exit_status()
+        except (OSError, paramiko.SSHException) as exc:  # the channel timed out or was closed
+            return RunResult(self.machine, self.argv, None, "", f"{self.machine}: {type(exc).__name__}: {exc}",
+                             time.monotonic() - self.started, timed_out=True, extra={"status": "timeout"})
+        finally:
+            self.channel.close()
+        log.info("%s, exit %s: %s", self.machine, code, out.strip()[-2000:])
+        return RunResult(self.machine, self.argv, code, out, err, time.monotonic() - self.started)
+
+    def abort(self) -> None:
+        self.channel.close()
+
+
+def transport_for(inventory: Inventory, *, fanout: int = FANOUT, credentials: SshCredentials | None = None,
+                  connect_timeout_s: float | None = None, connect_attempts: int = 1) -> Transport:
+    """The inventory's transport: :class:`SshTransport` for an ``ssh`` inventory (with
+    ``credentials``, an :class:`SshCredentials`: another login than the inventory's;
+    ``connect_timeout_s`` None: the inventory's), :class:`LocalTransport` otherwise."""
+    if inventory.transport != "ssh":
+        return LocalTransport(inventory, fanout=fanout)
+    return SshTransport(inventory, fanout=fanout, credentials=credentials, connect_timeout_s=connect_timeout_s,
+                        connect_attempts=connect_attempts)
 
 
 def known_hosts_lines(inventory: Inventory) -> list[str]:

@@ -16,7 +16,7 @@ from trainguard.core import procs
 from trainguard.core.errors import ClusterError
 from trainguard.emulation import cluster
 from trainguard.node_tools.inventory import Inventory
-from trainguard.node_tools.transport import LocalTransport, SshTransport, control_dir, transport_for
+from trainguard.node_tools.transport import LocalTransport, SshTransport, transport_for
 
 pytestmark = pytest.mark.cluster
 
@@ -53,31 +53,37 @@ def test_each_machine_has_its_own_size_limited_disk(ns_cluster: Inventory):
 
 
 def test_an_unknown_or_wrong_host_key_is_refused(ns_cluster: Inventory, tmp_path: Path):
-    m0, m1 = ns_cluster.machines[:2]
-    wrong = tmp_path / "known_hosts"
-    wrong.write_text(f"{m0.address} {m1.host_key}\n")  # m1's key claimed for m0's address
-    inv = Inventory.from_dict(ns_cluster.to_dict())
+    doc = ns_cluster.to_dict()
+    m0, m1 = doc["machines"][:2]
+    m0["host_key"] = m1["host_key"]  # m1's key claimed for m0
+    inv = Inventory.from_dict(doc)
     inv.path = ns_cluster.path
-    inv.ssh = dict(inv.ssh, known_hosts=str(wrong))
-    res = SshTransport(inv).run(m0, ["true"], timeout=20)
-    assert not res.reachable and res.returncode == 255
-    assert "host key" in res.stderr.lower() or "identification has changed" in res.stderr.lower()
-    wrong.write_text("")
-    res = SshTransport(inv).run(m0, ["true"], timeout=20)
-    assert not res.reachable and "host key" in res.stderr.lower()
+    res = SshTransport(inv).run(inv.machine("m0"), ["true"], timeout=20)
+    assert not res.reachable and res.returncode is None and res.extra["status"] == "host_key_mismatch"
+    assert "another host key" in res.stderr, res.stderr
+    # no key for the machine anywhere: refused too, never trusted on first use
+    inv.machine("m0").host_key = ""
+    inv.ssh = dict(inv.ssh, known_hosts=str(tmp_path / "known_hosts"))
+    (tmp_path / "known_hosts").write_text("")
+    res = SshTransport(inv).run(inv.machine("m0"), ["true"], timeout=20)
+    assert not res.reachable and res.extra["status"] == "host_key_mismatch" and "no host key" in res.stderr
+    # with its own key it answers
+    assert SshTransport(ns_cluster).run(ns_cluster.machine("m0"), ["true"], timeout=20).ok
 
 
 def test_sessions_to_a_machine_share_one_connection(ns_cluster: Inventory):
     m = ns_cluster.machines[1]
     listener = psutil.Process(int((Path(m.extra["machine_dir"]) / "sshd.pid").read_text()))
+    before = {c.pid for c in listener.children()}  # each connection is a process under the machine's sshd
     transport = SshTransport(ns_cluster)
     assert transport.run(m, ["true"], timeout=20).ok
-    held = {c.pid for c in listener.children()}  # each connection is a process under the machine's sshd
-    assert held  # the session ended, its connection stays
+    held = {c.pid for c in listener.children()} - before
+    assert len(held) == 1  # the session ended, its connection stays
     for _ in range(3):
         assert transport.run(m, ["true"], timeout=20).ok
-    assert {c.pid for c in listener.children()} == held  # no new connection
-    assert procs.pids_with_cmdline(f"ssh: {control_dir()}/")  # the master, a process of the control host
+    assert {c.pid for c in listener.children()} - before == held  # no new connection
+    transport.close()
+    wait_until(lambda: not {c.pid for c in listener.children()} & held, timeout=10, what="the connection to end")
 
 
 def test_password_login_is_off(ns_cluster: Inventory):

@@ -1,10 +1,11 @@
-"""Inventory validation and the ssh command the transport builds."""
+"""Inventory validation, and what the SSH transport trusts and sends."""
 
 from __future__ import annotations
 
 import json
 import os
 import shlex
+import types
 
 import pytest
 
@@ -55,8 +56,6 @@ def test_round_trip(tmp_path):
         ({"machines": [{"name": "m0", "address": "a b", "host_key": KEY}]}, "neither an IP address"),
         ({"machines": [{"name": "m0; rm -rf /", "address": "10.0.0.1", "host_key": KEY}]}, "must be letters"),
         ({"machines": [{"name": "m0", "address": "10.0.0.1", "host_key": KEY, "port": 0}]}, "port 0"),
-        ({"ssh": {"control_persist_s": "2m"}}, "control_persist_s '2m' must be whole seconds"),
-        ({"ssh": {"control_persist_s": -1}}, "control_persist_s -1"),
         ({"ssh": {"connect_timeout_s": 0}}, "connect_timeout_s 0 must be a number of seconds > 0"),
     ],
 )
@@ -80,16 +79,94 @@ def test_unknown_machine_lists_known_ones():
         Inventory.from_dict(doc()).machine("m7")
 
 
-def test_ssh_command_verifies_host_keys_and_quotes_every_argument(tmp_path):
+class _Channel:
+    """What a paramiko channel is asked to run: the command line and the environment, nothing else."""
+
+    def __init__(self) -> None:
+        self.command: str | None = None
+        self.env: dict[str, str] | None = None
+        self._r, self._w = os.pipe()
+
+    def fileno(self) -> int:
+        return self._r
+
+    def update_environment(self, env: dict[str, str]) -> None:
+        self.env = env
+
+    def exec_command(self, command: str) -> None:
+        self.command = command
+
+    def shutdown_write(self) -> None:
+        pass
+
+    def recv_ready(self) -> bool:
+        return False
+
+    recv_stderr_ready = recv_ready
+
+    def exit_status_ready(self) -> bool:
+        return True
+
+    def recv_exit_status(self) -> int:
+        return 0
+
+    def get_transport(self):
+        return types.SimpleNamespace(is_active=lambda: True)
+
+    def close(self) -> None:
+        os.close(self._r)
+        os.close(self._w)
+
+
+def test_every_argument_reaches_the_remote_shell_quoted_and_secrets_go_in_the_session(tmp_path, monkeypatch):
     inv = Inventory.from_dict(doc())
     inv.path = tmp_path / "inventory.json"
+    transport = SshTransport(inv)
+    channel = _Channel()
+    monkeypatch.setattr(transport, "_channel", lambda machine, fresh=False: channel)
     nasty = "job; touch /tmp/pwned $(id)"
-    argv, _ = SshTransport(inv).command(inv.machine("m1"), ["tg-node", "job", "status", "--job", nasty])
-    assert "StrictHostKeyChecking=yes" in argv
-    assert f"UserKnownHostsFile={tmp_path / 'known_hosts'}" in argv
-    assert argv[argv.index("-p") + 1] == "2222"
-    remote = argv[-1]
-    assert shlex.split(remote) == ["tg-node", "job", "status", "--job", nasty]
+    argv = ["tg-node", "job", "status", "--job", nasty]
+    res = transport.run(inv.machine("m1"), argv, env={"AWS_SECRET_ACCESS_KEY": "s3cr3t"})
+    assert res.ok, res.describe()
+    assert shlex.split(channel.command) == argv  # one argument each, whatever the shell would make of it
+    assert "s3cr3t" not in channel.command and channel.env == {"AWS_SECRET_ACCESS_KEY": "s3cr3t"}
+
+
+def _host_key() -> tuple[str, object]:
+    import paramiko
+
+    key = paramiko.RSAKey.generate(1024)
+    return f"{key.get_name()} {key.get_base64()}", key
+
+
+def test_a_machine_is_trusted_only_with_its_own_key_never_on_first_use(tmp_path):
+    import paramiko
+
+    from trainguard.node_tools.transport import Unreachable
+
+    pinned, key = _host_key()
+    listed, other = _host_key()
+    inv = Inventory.from_dict(doc(machines=[
+        {"name": "m0", "address": "10.0.0.10", "role": "active", "host_key": pinned},
+        {"name": "m1", "address": "node-1.example", "port": 2222, "role": "standby", "host_key": KEY},
+    ]))
+    inv.path = tmp_path / "inventory.json"
+    transport = SshTransport(inv)
+    client = paramiko.SSHClient()
+    transport._trusted(client, inv.machine("m0"))  # the inventory's key for the machine
+    assert client.get_host_keys().lookup("10.0.0.10")[key.get_name()] == key
+    # a machine without a key of its own in the inventory: its entry in the inventory's known_hosts file
+    m1 = inv.machine("m1")
+    m1.host_key = ""
+    (tmp_path / "known_hosts").write_text(f"[node-1.example]:2222 {listed}\n")
+    client = paramiko.SSHClient()
+    transport._trusted(client, m1)
+    assert client.get_host_keys().lookup("[node-1.example]:2222")[other.get_name()] == other
+    # ... and none there: refused before a connection is made
+    (tmp_path / "known_hosts").write_text("10.0.0.10 " + listed + "\n")
+    with pytest.raises(Unreachable, match="no host key") as refused:
+        transport._trusted(paramiko.SSHClient(), m1)
+    assert refused.value.status == "host_key_mismatch"
 
 
 def test_known_hosts_lines_carry_ports():
@@ -102,49 +179,3 @@ def test_local_inventory_needs_no_host_keys(tmp_path):
     d = doc(transport="local", machines=[{"name": "m0", "address": "127.0.0.1"}])
     (tmp_path / "i.json").write_text(json.dumps(d))
     assert Inventory.load(tmp_path / "i.json").transport == "local"
-
-
-def _mux(argv: list[str]) -> dict[str, str]:
-    opts = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "-o"]
-    return dict(o.split("=", 1) for o in opts if o.startswith("Control"))
-
-
-def _inventory(tmp_path, known_hosts: str, **ssh):
-    inv = Inventory.from_dict(doc(ssh={**doc()["ssh"], **ssh}))
-    inv.path = tmp_path / "inventory.json"
-    (tmp_path / "known_hosts").write_text(known_hosts)
-    return inv
-
-
-def test_sessions_share_a_master_connection_only_with_the_same_trust(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    inv = _inventory(tmp_path, "\n".join(known_hosts_lines(Inventory.from_dict(doc()))))
-    mux = _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0])
-    folder = tmp_path / f"tg-ssh-{os.getuid()}"
-    assert mux["ControlMaster"] == "auto" and mux["ControlPath"].startswith(f"{folder}/")
-    assert folder.stat().st_mode & 0o777 == 0o700
-    assert int(mux["ControlPersist"]) > 0
-    # another host key for the machine (it was reinstalled): the old master is not used
-    (tmp_path / "known_hosts").write_text(f"10.0.0.10 {KEY[:-4]}AAAA\n")
-    other = _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0])
-    assert other["ControlPath"] != mux["ControlPath"]
-    # another key to log in with: neither
-    inv.ssh["identity_file"] = "keys/other"
-    assert _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0])["ControlPath"] != other["ControlPath"]
-
-
-def test_no_master_connection_when_turned_off_or_the_socket_folder_is_not_private(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    inv = _inventory(tmp_path, "", control_persist_s=0)
-    assert _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0]) == {}
-    inv.ssh["control_persist_s"] = 60
-    folder = tmp_path / f"tg-ssh-{os.getuid()}"
-    folder.mkdir(mode=0o755)
-    folder.chmod(0o755)  # others may enter: another user could stand a socket of theirs there
-    assert _mux(SshTransport(inv).command(inv.machine("m0"), ["true"])[0]) == {}
-    folder.rmdir()
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir(mode=0o700)
-    folder.symlink_to(elsewhere)  # a link planted in its place
-    argv, _ = SshTransport(inv).command(inv.machine("m0"), ["true"])
-    assert _mux(argv) == {} and "StrictHostKeyChecking=yes" in argv

@@ -1,5 +1,5 @@
-"""NodeHook (providers-ssh SSHHook, paramiko; one held connection per machine) against the namespace
-cluster's real sshd."""
+"""NodeHook (the Airflow face of trainguard.node_tools.transport.SshTransport: paramiko, host keys pinned, one held
+connection per machine) against the namespace cluster's real sshd."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from trainguard.emulation import inject
 from trainguard.node_tools.inventory import Inventory
+from trainguard.node_tools.transport import SshCredentials
 from trainguard.operators.hooks.node import NodeHook
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -31,7 +32,7 @@ def test_credentials_come_from_the_airflow_connection(ns_cluster: Inventory, mon
     monkeypatch.setenv("AIRFLOW_CONN_TG_SSH", json.dumps({"conn_type": "trainguard_ssh", "login": "root",
                                                            "extra": {"key_file": key}}))
     hook = NodeHook(ns_cluster)
-    assert hook.credentials() == ("root", key, None)
+    assert hook.credentials() == SshCredentials("root", key, None)
     assert hook.run("m0", ["info"]).status == "ok"
     monkeypatch.setenv("AIRFLOW_CONN_TG_SSH", json.dumps({"conn_type": "ssh", "login": "nobody-here",
                                                            "extra": {"key_file": key}}))
@@ -96,7 +97,7 @@ def test_a_machine_whose_network_dies_mid_command_is_given_up_in_seconds(ns_clus
     import time
 
     from tests.conftest import wait_until
-    from trainguard.operators.hooks.node import DEAD_PEER_S
+    from trainguard.node_tools.transport import DEAD_PEER_S
 
     hook = NodeHook(ns_cluster, ssh_conn_id=None, connect_timeout_s=2, connect_attempts=1)
     m5 = ns_cluster.machine("m5")

@@ -1,6 +1,6 @@
 """Commands of two phases across machines in one round of sessions (Transport.run_two_phase): the
-second phase runs nowhere before the first is done everywhere. Locally, over OpenSSH and over the
-NodeHook's paramiko sessions; then the two-phase stop of a real job."""
+second phase runs nowhere before the first is done everywhere. Locally, over the SSH transport (with the
+inventory's login, and with the NodeHook's); then the two-phase stop of a real job."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_wait_go_prints_the_mark_then_stops_once_stdin_ends(tmp_path: Path, monk
 
 @pytest.mark.cluster
 @pytest.mark.slow
-def test_two_phases_over_openssh_and_paramiko(ns_cluster: Inventory, tmp_path: Path, monkeypatch):
+def test_two_phases_over_the_ssh_transport_and_the_node_hooks(ns_cluster: Inventory, tmp_path: Path, monkeypatch):
     from trainguard.operators.hooks.node import NodeHook
 
     monkeypatch.delenv("AIRFLOW_CONN_TG_SSH", raising=False)

@@ -12,6 +12,8 @@ worker's own, loaded before any task.
 
 from __future__ import annotations
 
+import paramiko  # noqa: F401  (the SSH client the tasks' transport imports where it connects)
+
 import trainguard.operators.hooks.fleet
 import trainguard.operators.hooks.node  # noqa: F401
 from trainguard.operators.tasks import common, incident, rungs  # noqa: F401

@@ -94,12 +94,6 @@ def all_pids() -> list[int]:
     return psutil.pids()
 
 
-def pids_with_cmdline(prefix: str) -> list[int]:
-    """Live processes whose command line (its words joined by spaces) starts with ``prefix``; also a
-    process that rewrote its title (``ssh: <socket> [mux]``, an OpenSSH master)."""
-    return sorted(pid for pid in all_pids() if " ".join(cmdline(pid)).startswith(prefix))
-
-
 def pids_with_env(key: str, value: str | None = None, *, prefix: bool = False) -> list[int]:
     """Live processes whose environment has ``key`` (equal to ``value``, or starting with it)."""
     me = os.getpid()
