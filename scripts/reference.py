@@ -6,7 +6,7 @@ itself, scraped once from an empty fleet database) and the command line (every s
     python scripts/reference.py            print every table
     python scripts/reference.py --update   rewrite them between their markers in docs/reference/*.md
 
-``tests/test_docs.py`` keeps each page's table equal to what this makes.
+``tests/repo/test_docs.py`` keeps each page's table equal to what this makes.
 """
 
 from __future__ import annotations

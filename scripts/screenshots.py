@@ -1,5 +1,5 @@
 """Copy the Airflow UI screenshots the browser tests took (``artifacts/airflow-ui-*.png``, written by
-``tests/test_user_jobs.py`` and ``tests/test_control_plane.py`` in ``make test-all``) into the documentation
+``tests/e2e/test_user_jobs.py`` and ``tests/e2e/test_control_plane.py`` in ``make test-all``) into the documentation
 (``docs/assets/screenshots/``), so that the pages show the UI as the tests last saw it, never a picture made by hand.
 
     make test-all                      (or: pytest -m full -k browser)
@@ -20,7 +20,7 @@ SHOTS = ROOT / "docs" / "assets" / "screenshots"
 def taken_by_tests() -> set[str]:
     """The screenshot names the browser tests save (``airflow-ui-....png``)."""
     names: set[str] = set()
-    for path in (ROOT / "tests").glob("test_*.py"):
+    for path in (ROOT / "tests").rglob("test_*.py"):
         names |= set(re.findall(r"airflow-ui-[\w.-]+?\.png", path.read_text()))
     return names
 

@@ -1,0 +1,273 @@
+"""The public face of the training loop (trainguard.torch.Guard) on plain PyTorch: restore returns where to
+resume and the run goes on bit for bit, a non-finite step is neither applied nor kept, states are checked, and
+the names trainguard installs cannot collide with a training script's own modules."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.plain import train as plain
+from tests import REPO
+from trainguard.node_tools.monitor import read_heartbeat, read_steps
+from trainguard.torch import CheckpointConfig, Guard, GuardError
+
+PLAIN = REPO / "examples" / "plain" / "train.py"
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "run"
+    monkeypatch.setenv("TG_RUN_DIR", str(d))
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "TG_CHECKPOINT", "TG_FAULT_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    return d
+
+
+def _losses(run_dir: Path) -> dict[int, tuple[int, float | str]]:
+    """step -> (incarnation of the record, loss), the newest record of each step."""
+    return {r["step"]: (r["incarnation"], r["loss"]) for r in read_steps(run_dir, 0)}
+
+
+def _config(root: Path) -> CheckpointConfig:
+    return CheckpointConfig(root=root, saver="thread", fsync=False)
+
+
+def test_a_plain_script_stopped_and_started_again_resumes_after_its_last_step_bit_for_bit(run_dir, tmp_path,
+                                                                                          monkeypatch):
+    assert plain.main(["--steps", "12", "--checkpoint-dir", str(tmp_path / "whole")]) == 0
+    whole = {s: loss for s, (_, loss) in _losses(run_dir).items()}
+    assert sorted(whole) == list(range(12))
+    shutil.rmtree(run_dir)
+    ckpt = str(tmp_path / "split")
+    assert plain.main(["--steps", "7", "--checkpoint-dir", ckpt]) == 0
+    monkeypatch.setenv("TG_INCARNATION", "1")
+    assert plain.main(["--steps", "12", "--checkpoint-dir", ckpt]) == 0
+    records = read_steps(run_dir, 0)
+    second = [r for r in records if r["incarnation"] == 1]
+    assert [r["step"] for r in second] == list(range(7, 12))  # nothing repeated, nothing skipped
+    assert second[0]["ckpt_restored_step"] == 6 and "ckpt_restored_step" not in second[1]
+    # the scheduler's state came back too: StepLR halves at step 20 of its own count, so a lost count shows in lr
+    assert {s: loss for s, (_, loss) in _losses(run_dir).items()} == whole
+    assert read_heartbeat(run_dir, 0)["status"] == "finished"
+
+
+def test_a_launch_that_caps_the_restored_step_gets_no_newer_one(run_dir, tmp_path, monkeypatch):
+    """After a non-finite loss or silent corruption the control plane restarts the job with TG_RESTORE_MAX_STEP:
+    the guard restores that step, not the newest."""
+    ckpt = str(tmp_path / "c")
+    assert plain.main(["--steps", "7", "--checkpoint-dir", ckpt]) == 0
+    monkeypatch.setenv("TG_INCARNATION", "1")
+    monkeypatch.setenv("TG_RESTORE_MAX_STEP", "5")
+    assert plain.main(["--steps", "8", "--checkpoint-dir", ckpt]) == 0
+    second = [r for r in read_steps(run_dir, 0) if r["incarnation"] == 1]
+    assert second[0]["step"] == 6 and second[0]["ckpt_restored_step"] == 5
+
+
+def test_the_scheduler_and_other_states_are_restored_not_rebuilt(run_dir, tmp_path):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+    with Guard(model, opt, state={"scheduler": sched}, checkpoint=_config(tmp_path / "c"), log=lambda _: None) as g:
+        assert g.restore() == 0
+        for step in range(5):
+            with g.step(step) as s:
+                model(torch.ones(1, 4)).sum().backward()
+                assert s.ok()
+                opt.step()
+                sched.step()
+    assert sched.last_epoch == 5
+    model2 = torch.nn.Linear(4, 1)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=1.0)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.1)
+    with Guard(model2, opt2, state={"scheduler": sched2}, checkpoint=_config(tmp_path / "c"),
+               log=lambda _: None) as g2:
+        assert g2.restore() == 5
+    assert sched2.last_epoch == 5 and opt2.param_groups[0]["lr"] == pytest.approx(opt.param_groups[0]["lr"])
+    assert torch.equal(model2.weight, model.weight)
+
+
+def test_a_non_finite_step_is_not_applied_not_snapshotted_and_recorded(run_dir, tmp_path):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lines: list[str] = []
+    with Guard(model, opt, checkpoint=_config(tmp_path / "c"), nonfinite_hold_s=0, log=lines.append) as g:
+        g.restore()
+        with g.step(0) as s:
+            model(torch.ones(1, 4)).sum().backward()
+            assert s.ok(torch.tensor(1.0))
+            opt.step()
+        assert g.last_snapshot.taken
+        before = model.weight.detach().clone()
+        with g.step(1) as s:
+            out = model(torch.ones(1, 4)).sum()
+            out.backward()
+            assert not s.ok(out * float("nan"))  # what the loop would apply is refused
+        assert torch.equal(model.weight, before)
+        assert g.last_snapshot.refused and not g.last_snapshot.taken
+        with g.step(2) as s:  # finite loss, but a gradient that is not: refused as well
+            model(torch.ones(1, 4)).sum().backward()
+            model.weight.grad[0, 0] = float("inf")
+            assert not s.ok(torch.tensor(0.5))
+    recs = read_steps(run_dir, 0)
+    assert [r["loss"] for r in recs] == [1.0, "nan", 0.5] and recs[2]["grad_norm"] == "inf"
+    assert [r["ckpt_refused"] for r in recs] == [False, True, True]
+    assert any("step 1: loss nan" in line and "holding up to 0s" in line for line in lines)
+
+
+def test_a_state_that_is_not_json_or_not_stateful_is_refused_in_one_line(run_dir):
+    model = torch.nn.Linear(2, 1)
+
+    class Opaque:
+        def state_dict(self):
+            return {"buffer": torch.zeros(2)}
+
+        def load_state_dict(self, state):
+            pass
+
+    with pytest.raises(GuardError, match=r"state 'sampler' \(Opaque\): its state_dict\(\) is not JSON"):
+        Guard(model, None, state={"sampler": Opaque()}, checkpoint=False)
+    with pytest.raises(GuardError, match=r"state 'loader' \(list\) has no state_dict\(\)/load_state_dict\(\)"):
+        Guard(model, None, state={"loader": []}, checkpoint=False)
+    with pytest.raises(GuardError, match="nonfinite_hold_s=-1 must be >= 0"):
+        Guard(model, None, nonfinite_hold_s=-1, checkpoint=False)
+
+
+def test_steps_must_not_nest(run_dir):
+    g = Guard(torch.nn.Linear(2, 1), None, checkpoint=False)
+    with pytest.raises(GuardError, match="step 1 began inside step 0"), g.step(0), g.step(1):
+        pass
+    g.close()
+
+
+def _neutral_env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TG_", "WORLD_SIZE", "RANK", "LOCAL_"))}
+    env.pop("PYTHONPATH", None)  # trainguard comes from the installed package, as for a user's job
+    env["TG_RUN_DIR"] = str(tmp_path / "run")
+    return env
+
+
+def test_nothing_trainguard_installs_takes_a_common_top_level_name(tmp_path):
+    code = ("import importlib.util, json; "
+            "print(json.dumps({n: importlib.util.find_spec(n) is not None for n in "
+            "['checkpoint', 'operators', 'node_tools', 'emulation', 'trainguard', 'trainguard.checkpoint']}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_neutral_env(tmp_path),
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == {"checkpoint": False, "operators": False, "node_tools": False,
+                                      "emulation": False, "trainguard": True, "trainguard.checkpoint": True}
+
+
+def test_a_script_with_its_own_checkpoint_and_operators_modules_trains_and_restores(tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "checkpoint.py").write_text("OWNER = 'the user'\n\ndef save(path):\n    return path\n")
+    (job / "operators.py").write_text("OWNER = 'the user'\n")
+    script = PLAIN.read_text()
+    # the user's script uses its own modules of those names, beside trainguard's
+    script = script.replace("import torch\n", "import torch\n\nimport checkpoint\nimport operators\n\n"
+                            "assert checkpoint.OWNER == operators.OWNER == 'the user', checkpoint.__file__\n", 1)
+    (job / "train.py").write_text(script)
+    env = _neutral_env(tmp_path)
+    first = subprocess.run([sys.executable, "train.py", "--steps", "4", "--checkpoint-dir", str(tmp_path / "c")],
+                           cwd=job, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = subprocess.run([sys.executable, "train.py", "--steps", "6", "--checkpoint-dir", str(tmp_path / "c")],
+                           cwd=job, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "restored step 3" in again.stderr and "resuming at step 4" in again.stderr
+    assert [line.split()[1] for line in again.stdout.splitlines() if line.startswith("step ")] == ["4", "5"]
+
+
+def test_the_guards_lines_go_to_the_trainguard_logger(run_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="trainguard")
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model, opt, checkpoint=_config(tmp_path / "c")) as g:  # no log=: the logger
+        for step in range(g.restore(), 3):
+            with g.step(step) as s:
+                model(torch.ones(1, 4)).sum().backward()
+                assert s.ok()
+                opt.step()
+    with Guard(torch.nn.Linear(4, 1), None, checkpoint=_config(tmp_path / "c")) as g2:
+        assert g2.restore() == 3
+    said = [r.getMessage() for r in caplog.records if r.name == "trainguard"]
+    assert any(m.startswith("rank 0: restored step 2 ") and m.endswith("resuming at step 3") for m in said), said
+
+
+@pytest.mark.parametrize("configured", [False, True])
+def test_a_job_that_configured_logging_gets_the_lines_in_its_own_format(tmp_path, configured):
+    code = ("import logging\n"
+            + ("logging.basicConfig(format='JOB %(levelname)s %(name)s: %(message)s', level=logging.WARNING)\n"
+               if configured else "")
+            + "from trainguard.torch import logger\nlogger().info('restored step 7')\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_neutral_env(tmp_path),
+                         capture_output=True, text=True, timeout=60, check=True)
+    # the job's handler and format (its root level is the job's, the logger's own INFO lets the line through);
+    # with nothing configured, standard error with trainguard's prefix
+    want = "JOB INFO trainguard: restored step 7" if configured else "trainguard: restored step 7"
+    assert out.stderr.strip() == want
+
+
+class _NanFault:
+    """The emulated cluster's ``nan`` fault, active on this rank at every step."""
+
+    def corrupt_loss(self, loss):
+        return loss * float("nan")
+
+    def before_step(self, step):
+        pass
+
+    def before_collective(self, group, op):
+        pass
+
+    def clock_offset(self):
+        return 0.0
+
+
+def test_a_loop_that_decides_alone_is_never_made_to_disagree_by_a_fault_on_one_rank(run_dir):
+    """With sync=False the loop promises a loss that is the same on every rank already (the reference job's is a
+    job-wide mean): a NaN fault applied to one rank's copy in ok() would make that rank alone skip and hold while
+    the others went on into their next collective (a deadlock seen in the fault-injection tier). The fault then
+    belongs in the loop's own loss; with the guard's all-reduce (sync=True, the default) it shows in ok()."""
+    from trainguard.node_tools.monitor import JobMonitor
+
+    model = torch.nn.Linear(2, 1)
+    monitor = JobMonitor(run_dir=run_dir, rank=0, faults=_NanFault())
+    monitor.start()
+    with Guard(model, None, checkpoint=False, monitor=monitor, nonfinite_hold_s=0, log=lambda _: None) as g:
+        with g.step(0) as s:
+            model(torch.ones(1, 2)).sum().backward()
+            assert s.ok(torch.tensor(1.0), sync=False) and s.loss == 1.0
+        with g.step(1) as s:
+            model(torch.ones(1, 2)).sum().backward()
+            assert not s.ok(torch.tensor(1.0))
+    assert [r["loss"] for r in read_steps(run_dir, 0)] == [1.0, "nan"]
+
+
+def test_small_tensors_in_a_json_state_go_back_bit_for_bit_and_big_ones_are_refused():
+    """A data loader's state may hold its generator's state (a byte tensor): the Lightning adapter writes it as
+    JSON and reads it back exactly; a tensor too big for a JSON state is a one-line error."""
+    from trainguard.torch import json_tensors, tensors_from_json
+
+    g = torch.Generator().manual_seed(3)
+    state = {"generator": g.get_state(), "pos": [1, 2], "w": torch.tensor([[1.5, -0.0], [float("inf"), 2]]),
+             "empty": torch.zeros(0, 4, dtype=torch.int64), "bf": torch.tensor([1.25], dtype=torch.bfloat16)}
+    back = tensors_from_json(json.loads(json.dumps(json_tensors(state))))
+    assert back["pos"] == [1, 2]
+    for key in ("generator", "w", "empty", "bf"):
+        assert back[key].dtype == state[key].dtype and back[key].shape == state[key].shape
+        assert torch.equal(back[key].view(torch.uint8) if back[key].numel() else back[key],
+                           state[key].view(torch.uint8) if state[key].numel() else state[key])
+    g2 = torch.Generator()
+    g2.set_state(back["generator"])
+    assert torch.equal(torch.rand(4, generator=g2), torch.rand(4, generator=g))
+    with pytest.raises(GuardError, match="in the model or the optimizer"):
+        json_tensors({"big": torch.zeros(300_000)})
