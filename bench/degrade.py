@@ -2,7 +2,8 @@
 lost per fault.
 
 On an emulated cluster of its own (5 machines: a job on m0..m2, standbys m3 and m4 parked warm) with a real
-``airflow standalone`` running tg_guardian and tg_incident, and a torchft lighthouse on the cluster's bridge:
+``airflow standalone`` running tg_incident (on its alerts asset's watcher), and a torchft lighthouse on the cluster's
+bridge:
 
 * **degrade**: ``examples/replicas`` submitted with ``replicas:`` in its spec, three data-parallel replicas of one
   rank each (TP1 x PP1 x DP3, one machine each), every replica a ``torchrun`` group of its own
@@ -237,7 +238,7 @@ def main() -> int:
                    f"one",
         "stop_world": "examples/plain as one DDP job, checkpoint every step (trainguard.torch.Guard), today's ladder",
         "step_sleep_s": STEP_S, "window_s": args.window,
-        "control_plane": "airflow standalone (LocalExecutor), tg_guardian + tg_incident",
+        "control_plane": "airflow standalone (LocalExecutor), tg_incident on the alerts asset's watcher",
         "trials": trials})
     print(text)
     return 0 if trials and all(t.get("state") == "resolved" for t in trials) else 1

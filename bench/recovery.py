@@ -1,7 +1,8 @@
 """Recovery benchmark: from a fault to training resumed, through the real control plane.
 
 On an emulated cluster of its own (6 machines: the guarded job, TP=2 PP=2 DP=2, on m0..m3, standbys
-m4 and m5 parked warm) with a real ``airflow standalone`` running tg_guardian and tg_incident:
+m4 and m5 parked warm) with a real ``airflow standalone`` running tg_incident (the ``trainguard-alerts``
+asset's watcher reading the bus):
 
 * **warm path**, per fault kind (GPU lost, NIC flapping twice, disk full, crash, hang, user-code error,
   NaN, silent data corruption caught by the alignment test, a gradient bit flip caught only by
@@ -214,8 +215,9 @@ def main() -> int:
         "cluster": "6 emulated machines (network namespaces, real sshd), 4 active, 2 warm standbys",
         "job": f"reference GPT, {TOPO.tp}x{TOPO.pp}x{TOPO.dp} (TP x PP x DP), checkpoint every step, "
                f"step delay 0.2 s",
-        "control_plane": f"airflow standalone (LocalExecutor), tg_guardian + tg_incident + tg_sdc_replay; the "
-                         f"guardian's trigger records each batch and starts its incident's run; settle window "
+        "control_plane": f"airflow standalone (LocalExecutor), tg_incident + tg_sdc_replay; the "
+                         f"alerts asset's watcher emits each batch, tg_incident runs on its asset events and its "
+                         f"triage task records the batch; settle window "
                          f"{settings.alert_settle_s:g} s (none once a batch holds an explicit machine fault), "
                          f"fail-slow vote {settings.slow_rounds} rounds {settings.slow_interval_s:g} s apart",
         "warm_trials": {f: sum(1 for t in warm if t["fault"] == f) for f in dict.fromkeys(t["fault"] for t in warm)},

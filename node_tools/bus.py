@@ -517,6 +517,9 @@ class BusReader:
     _listed: set[str] = field(default_factory=set, init=False, repr=False)
     _pending: deque[Entry] = field(default_factory=deque, init=False, repr=False)
     _fetched: deque[tuple[Entry, bytes | Exception]] = field(default_factory=deque, init=False, repr=False)
+    # names forgotten to be read again (:meth:`forget` with ``again``) -> when they were first read: an alert read
+    # again arrived then, not now
+    _first_read: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.cursor_path and Path(self.cursor_path).exists():
@@ -624,9 +627,10 @@ class BusReader:
         except AlertError as exc:
             self._quarantine(name, str(exc), _machine_of(name))
             return 1, len(body)
+        arrived = self._first_read.pop(name, now)
         for alert in alerts:
-            alert.received_ts, alert.bus_name = now, name
-            skew = alert.ts - now
+            alert.received_ts, alert.bus_name = arrived, name
+            skew = alert.ts - arrived
             if abs(skew) > self.skew_s:
                 alert.clock_skew_s = round(skew, 3)
         fresh += alerts
@@ -641,10 +645,13 @@ class BusReader:
         self.gone += [n for n in gone if n not in known]
         self._pages, self._listed = None, set()
 
-    def forget(self, names: Sequence[str]) -> None:
-        """``names`` left the folder by this reader's own hand (retired): out of the cursor, not reported gone."""
+    def forget(self, names: Sequence[str], *, again: bool = False) -> None:
+        """``names`` out of the cursor, not reported gone: they left the folder by this reader's own hand (retired),
+        or, with ``again``, they are to be read again (their alerts keep the time they first arrived)."""
         for n in names:
-            self.seen.pop(n, None)
+            first = self.seen.pop(n, None)
+            if again and first is not None:
+                self._first_read.setdefault(n, first)
 
     def _quarantine(self, name: str, reason: str, machine: str) -> None:
         if self.moves:

@@ -239,7 +239,9 @@ class Incidents(Part):
             m = self.fleet.machine(alert["machine"])
         except TrainguardError:
             return
-        if m.state == states.STANDBY and not self.cfg.dry_run:
+        # an alert older than the standby's self-check (one delivered again after the machine was repaired and
+        # parked: a lost event's batch emitted a minute late) speaks of the machine it was, not of this standby
+        if m.state == states.STANDBY and not self.cfg.dry_run and float(alert.get("ts") or 0) >= m.state_since:
             self.fleet.transition(m.name, states.REPAIR, reason=f"{alert['kind']} while standby")
 
     def triage(self, incident_id: int) -> dict[str, Any]:

@@ -61,9 +61,9 @@ def replicas_of(topology: Topology, machines: Iterable[int]) -> tuple[int, ...]:
 
 def replica_machines(topology: Topology, replicas: Iterable[int]) -> tuple[int, ...]:
     """Every machine (node rank) holding a rank of ``replicas``."""
-    wanted = set(replicas)
-    return tuple(sorted({topology.machine_of(r) for r in range(topology.world_size)
-                         if topology.coords(r).dp in wanted}))
+    wanted = {d for d in replicas if 0 <= d < topology.dp}
+    return tuple(sorted({topology.machine_of(topology.rank_of(tp=t, pp=p, dp=d)) for d in wanted
+                         for p in range(topology.pp) for t in range(topology.tp)}))
 
 
 def plan(topology: Topology, *, category: str, action: str, machines: Iterable[int], level: int = 0,

@@ -158,7 +158,7 @@ class _Watch:
         late = [n for n, at in self.emitted.items() if now - at > self.reemit_s]
         for name in late:
             del self.emitted[name]
-        self.reader.forget(late)
+        self.reader.forget(late, again=True)  # read again, each alert with the time it first arrived
         self.reemitted += len(late)
         gone = set(self.reader.gone)
         for name, ts in self.committed.items():

@@ -152,3 +152,18 @@ def test_a_batch_object_with_one_untrusted_alert_stays_on_the_bus_for_the_alerts
     spool = Path(ctl.inventory.bus_url.removeprefix("spool://"))
     assert (spool / "alerts" / name).exists() and not (spool / "quarantine" / name).exists()
     assert (spool / "quarantine" / lone).exists()
+
+
+def test_an_explicit_fault_sends_a_standby_to_repair_unless_it_predates_the_standbys_self_check(ctl):
+    """An alert delivered again a minute late (its first event lost) about a machine that was evicted, repaired
+    and parked since speaks of the machine it was: the parked standby stays in the pool. A fresh one sends it to
+    repair."""
+    late = _read(ctl, Alert("gpu_lost", "m4"))  # read (its event then lost) before m4 was repaired and parked
+    ctl.fleet.transition("m4", "repair", reason="sent to repair")
+    ctl.fleet.transition("m4", "self_check", reason="repaired")
+    ctl.fleet.transition("m4", "standby", reason="self-check passed (parked warm)")
+    assert _ingest(ctl, late) == []
+    assert ctl.fleet.machine("m4").state == "standby"
+    assert _ingest(ctl, _read(ctl, Alert("gpu_lost", "m4"))) == []
+    m4 = ctl.fleet.machine("m4")
+    assert m4.state == "repair" and m4.reason == "gpu_lost while standby"

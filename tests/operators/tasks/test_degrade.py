@@ -232,9 +232,18 @@ def test_a_standby_that_fails_to_start_the_group_is_replaced_by_the_next_one(tmp
 def test_when_no_standby_starts_the_group_the_whole_job_goes_the_ladders_way(tmp_path, monkeypatch):
     c, fleet = fleet_controller(tmp_path, machines=6, topology=TOPO, spec=_spec())
     fleet.start_fails["m4"] = "machine m4: the warm interpreters are gone"
+    looked: list[bool] = []
+    trains = c.jobs.trains
+
+    def briefly(job: str, **kw) -> bool:  # the fake steps on each status round: 2 s tell as well as 15
+        looked.append(trains(job, **{**kw, "within_s": 2.0}))
+        return looked[-1]
+
+    monkeypatch.setattr(c.jobs, "trains", briefly)
     out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
     result = out["result"]
     assert result["path"] == "stop_world" and "did not start" in result["path_reason"], result
+    assert looked == [False]  # the close looked whether the half-stopped job trains: it does not
     assert [a.outcome for a in c.fleet.actions(out["incident"]) if a.kind == "degrade"] == ["stop_world"]
     assert {"m2", "m3"} <= set(fleet.sent("job", "stop"))  # the ladder's rung stopped everything
 

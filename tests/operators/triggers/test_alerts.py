@@ -343,6 +343,9 @@ def test_a_batch_nobody_recorded_is_emitted_again_and_a_recorded_one_never(tmp_p
     first, again, third = got
     assert [a["id"] for a in again["alerts"]] == [a["id"] for a in first["alerts"]]  # the same alert, once more
     assert again["watcher"]["reemitted"] >= 1 and again["fired_ts"] - first["fired_ts"] >= 0.5
+    # it arrived when first read: a late emission neither looks like a writer's skewed clock nor like news
+    assert [a["received_ts"] for a in again["alerts"]] == [a["received_ts"] for a in first["alerts"]]
+    assert not any(a.get("clock_skew_s") for a in again["alerts"])
     assert [a["kind"] for a in third["alerts"]] == ["gpu_lost"]  # recorded: never again
 
 
