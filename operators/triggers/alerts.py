@@ -69,8 +69,11 @@ BEAT_EVERY_S = 5.0
 WATCHED_EVERY_S = 5.0
 #: how often the committed cursor is read again (what the recording tasks recorded)
 CURSOR_EVERY_S = 5.0
-#: a batch emitted this long ago whose names are not recorded yet is emitted again
-REEMIT_S = 60.0
+#: a batch emitted this long ago whose names are not recorded yet is emitted again. Not only failed runs: the
+#: scheduler keeps one queue row per asset and DAG, so a second event of the asset that comes while the first's
+#: run is being made waits for the asset's next event (a lost GPU's kernel Xid and NVML loss, 0.5 s apart, are
+#: two batches); far above the 1-3 s a run takes to record its batch here
+REEMIT_S = 20.0
 #: a batch holding only fail-slow alerts keeps collecting this long (the job's ranks report a shared slowdown
 #: within a step or two of each other)
 SLOW_SETTLE_S = 5.0
