@@ -433,6 +433,16 @@ class SshTransport(Transport):
         return self.connection(machine, fresh=fresh).get_transport().open_session(  # type: ignore[union-attr]
             timeout=self.connect_timeout_s)
 
+    def _open_channel(self, machine: Machine) -> paramiko.Channel:
+        """A new channel on the machine's held connection, or, when that connection broke, on a new one (nothing
+        ran on it yet). Raises :class:`Unreachable` when no connection comes, else the second try's error."""
+        import paramiko
+
+        try:
+            return self._channel(machine)
+        except (OSError, paramiko.SSHException, EOFError, AttributeError):
+            return self._channel(machine, fresh=True)
+
     # ---- commands -----------------------------------------------------------------------------------------
     def run(self, machine: Machine, argv: Sequence[str], *, timeout: float = 30.0, stdin: str | None = None,
             env: Mapping[str, str] | None = None) -> RunResult:
@@ -441,19 +451,15 @@ class SshTransport(Transport):
 
         argv = [str(a) for a in argv]
         t0 = time.monotonic()
-        for attempt in (1, 2):
-            try:
-                channel = self._channel(machine, fresh=attempt > 1)
-            except Unreachable as exc:
-                return RunResult(machine.name, argv, None, "", str(exc), time.monotonic() - t0, reachable=False,
-                                 extra={"status": exc.status})
-            except (OSError, paramiko.SSHException, EOFError, AttributeError) as exc:
-                if attempt == 1:  # the held connection broke: once more on a new one (nothing ran yet)
-                    continue
-                return RunResult(machine.name, argv, None, "", f"{machine.name}: {type(exc).__name__}: {exc}",
-                                 time.monotonic() - t0, reachable=False, extra={"status": "unreachable"})
-            return self._run_on(channel, machine, argv, timeout, stdin, env, t0)
-        raise AssertionError("unreachable")  # pragma: no cover
+        try:
+            channel = self._open_channel(machine)
+        except Unreachable as exc:
+            return RunResult(machine.name, argv, None, "", str(exc), time.monotonic() - t0, reachable=False,
+                             extra={"status": exc.status})
+        except (OSError, paramiko.SSHException, EOFError, AttributeError) as exc:
+            return RunResult(machine.name, argv, None, "", f"{machine.name}: {type(exc).__name__}: {exc}",
+                             time.monotonic() - t0, reachable=False, extra={"status": "unreachable"})
+        return self._run_on(channel, machine, argv, timeout, stdin, env, t0)
 
     def _run_on(self, channel: paramiko.Channel, machine: Machine, argv: list[str], timeout: float,
                 stdin: str | None, env: Mapping[str, str] | None, t0: float) -> RunResult:
@@ -509,10 +515,7 @@ class SshTransport(Transport):
         import paramiko
 
         try:
-            try:
-                channel = self._channel(machine)
-            except (OSError, paramiko.SSHException, EOFError, AttributeError):
-                channel = self._channel(machine, fresh=True)  # it broke: once more on a new one
+            channel = self._open_channel(machine)
         except Unreachable as exc:
             raise OSError(str(exc)) from None
         except (paramiko.SSHException, EOFError, AttributeError) as exc:

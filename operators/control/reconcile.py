@@ -26,7 +26,7 @@ from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.policy import ladder
 from trainguard.operators.policy import reconcile as policy
 from trainguard.operators.policy.reconcile import Finding, JobMemory, Look
-from trainguard.operators.policy.rungs import run_id
+from trainguard.operators.policy.rungs import run_id, run_start
 
 if TYPE_CHECKING:
     from trainguard.operators.control.incidents import Incidents
@@ -166,9 +166,7 @@ class Reconciliation(Part):
             for item in self.incidents.ingest(alerts, reader="reconciler"):
                 if item["opened"] or item["taken_over"]:  # as the guardian starts them
                     taken = self.fleet.incident(item["incident"]).category if item["taken_over"] else ""
-                    starts.append({"conf": {"incident_id": item["incident"], "job": item["job"],
-                                            "first_seen_ts": None},
-                                   "trigger_run_id": run_id(item["incident"], taken)})
+                    starts.append(run_start(item["incident"], item["job"], run_id(item["incident"], taken)))
         return {"starts": starts, "done": done}
 
     def _redrive(self, incident_id: int, why: str, n: int) -> dict[str, Any]:
@@ -193,5 +191,4 @@ class Reconciliation(Part):
         self.fleet.update_incident(incident_id, summary=f"{inc.summary}; its run ended without closing it: "
                                                         f"run {rid} started"[-2000:])
         return {"line": f"incident {incident_id}: run {rid} started ({why})",
-                "starts": [{"conf": {"incident_id": incident_id, "job": inc.job, "first_seen_ts": None},
-                            "trigger_run_id": rid}]}
+                "starts": [run_start(incident_id, inc.job, rid)]}

@@ -14,6 +14,7 @@ caller's mistake, never worth repeating.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -24,6 +25,12 @@ import tenacity
 # hold their lock for well under a second each; a minute covers a queue of them on a loaded host)
 RETRY_S = 60.0
 DEFAULT_CONN_ID = "tg_airflow_api"
+
+
+def api_conn_id() -> str:
+    """The Airflow connection of the REST API the tasks and triggers use: ``TG_AIRFLOW_API_CONN_ID`` (default
+    ``tg_airflow_api``)."""
+    return os.environ.get("TG_AIRFLOW_API_CONN_ID", DEFAULT_CONN_ID)
 
 
 class ApiError(Exception):

@@ -6,6 +6,7 @@ finds the rung that ran. Adding a rung is one line here and its function in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from trainguard.operators.policy.ladder import Action
 
@@ -55,3 +56,9 @@ def run_id(incident_id: int, taken_over: str = "") -> str:
     time it is handed to a new run (``taken_over``: stronger alerts took a slow vote over, alerts that joined
     re-triaged it, the reconciler drove it again after its run failed)."""
     return f"incident__{int(incident_id)}" + (f"__{taken_over}" if taken_over else "")
+
+
+def run_start(incident_id: int, job: str, run: str) -> dict[str, Any]:
+    """What starts the tg_incident run ``run`` of an incident through the REST API (one item of
+    :func:`trainguard.operators.tasks.guardian.start_runs`): its conf names the incident and its job."""
+    return {"conf": {"incident_id": int(incident_id), "job": job, "first_seen_ts": None}, "trigger_run_id": run}

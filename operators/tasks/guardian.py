@@ -20,7 +20,7 @@ from typing import Any
 
 from trainguard.node_tools.bus import ALERTS
 from trainguard.operators.control import Controller
-from trainguard.operators.policy.rungs import run_id
+from trainguard.operators.policy.rungs import run_id, run_start
 from trainguard.operators.triggers.alerts import DEFAULT_RETAIN_S, GONE_PER_EVENT, GUARDIAN, RETIRE_ROUND
 
 INCIDENT_DAG = "tg_incident"
@@ -130,9 +130,8 @@ def incident_of_run(c: Controller, events: list[dict[str, Any]], *, run: str
     if first is not None and first not in mine:  # taken over: this run handles it from now on
         c.fleet.claim_run(first, run, first_seen_ts=events[0].get("first_seen_ts") if events else None)
     others = [n for n in new if n["incident"] != first]
-    starts = [{"conf": {"incident_id": n["incident"], "job": n["job"], "first_seen_ts": None},
-               "trigger_run_id": run_id(n["incident"], c.fleet.incident(n["incident"]).category
-                                        if n["taken_over"] else "")} for n in others]
+    starts = [run_start(n["incident"], n["job"], run_id(n["incident"], c.fleet.incident(n["incident"]).category
+                                                        if n["taken_over"] else "")) for n in others]
     joined = sorted({i["incident"] for i in items if not (i["opened"] or i["taken_over"])})
     alerts = sum(len(e.get("alerts") or ()) for e in events)
     line = (f"recorded {alerts} alert(s) of {len(events)} batch(es)"
@@ -162,13 +161,11 @@ def start_soon(starts: list[dict[str, Any]]) -> dict[str, str]:
     """Start the tg_incident runs ``starts`` names from inside a task, through the Airflow connection
     ``TG_AIRFLOW_API_CONN_ID`` (default ``tg_airflow_api``); each run id -> what happened. Never raises: a run that
     could not be started is started by the reconciler's next pass (an open incident without a live run)."""
-    import os
-
-    from trainguard.operators.hooks.airflow_api import AirflowApiHook
+    from trainguard.operators.hooks.airflow_api import AirflowApiHook, api_conn_id
 
     if not starts:
         return {}
-    conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
+    conn_id = api_conn_id()
     try:
         with AirflowApiHook(conn_id, retry_s=10.0).get_client() as api:
             return start_runs(starts, api)

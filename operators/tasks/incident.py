@@ -384,8 +384,7 @@ def _start_run(c: Controller, incident_id: int, job: str) -> dict[str, Any]:
     from trainguard.operators.tasks import guardian
 
     run = guardian.run_id(incident_id)
-    started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": job, "first_seen_ts": None},
-                                    "trigger_run_id": run}])
+    started = guardian.start_soon([rungs.run_start(incident_id, job, run)])
     return {"incident": incident_id, "run": run, "started": started.get(run)}
 
 
@@ -440,8 +439,7 @@ def _handed_to(c: Controller, incident_id: int, job: str, run: str, **note: Any)
     not repeated); this run ends without closing it."""
     from trainguard.operators.tasks import guardian
 
-    started = guardian.start_soon([{"conf": {"incident_id": incident_id, "job": job, "first_seen_ts": None},
-                                    "trigger_run_id": run}])
+    started = guardian.start_soon([rungs.run_start(incident_id, job, run)])
     return Escalation.done({**c.incidents.timeline(incident_id),
                             "triaged_again": {"run": run, "started": started.get(run), **note}})
 

@@ -44,6 +44,7 @@ from typing import Any
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
 from trainguard.operators.policy import ladder
+from trainguard.operators.triggers import write_beat
 
 DEFAULT_POLL_S = 0.25
 #: a name recorded this long ago (by the reader's clock) leaves the bus's folder (the recording task retires it);
@@ -104,9 +105,9 @@ def triggerer_api() -> Any:
     """The REST API's client of the triggerer's triggers, one per process and connection (its token kept): built on
     first use, from the connection ``TG_AIRFLOW_API_CONN_ID`` (default ``tg_airflow_api``). The triggers only read
     through it (the runs that are live)."""
-    from trainguard.operators.hooks.airflow_api import AirflowApiHook
+    from trainguard.operators.hooks.airflow_api import AirflowApiHook, api_conn_id
 
-    conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
+    conn_id = api_conn_id()
     with _API_LOCK:
         if conn_id not in _APIS:
             _APIS[conn_id] = AirflowApiHook(conn_id, retry_s=10.0).get_client()
@@ -316,16 +317,8 @@ class AlertTrigger(BaseEventTrigger):
                 return
 
     async def _beat(self, watch: _Watch) -> None:
-        """The watcher's beat in its asset's state store (Airflow's): only an asset's watcher has one."""
-        store = getattr(self, "asset_state_store", None)
-        if store is None:
-            return
-        try:
-            await store.aset("watcher", {"ts": time.time(), "polls": watch.polls, "watched": len(watch.watched),
-                                         "pid": os.getpid(), "emitted": len(watch.emitted),
-                                         "reemitted": watch.reemitted})
-        except Exception as exc:  # the store away for a moment: the next beat tries again
-            self.log.warning("watcher beat not written: %s", exc)
+        await write_beat(self, {"ts": time.time(), "polls": watch.polls, "watched": len(watch.watched),
+                                "pid": os.getpid(), "emitted": len(watch.emitted), "reemitted": watch.reemitted})
 
 
 #: machine:kind pairs an event's log line names, at most (a storm's are counted, not listed)

@@ -22,6 +22,8 @@ from typing import Any
 
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 
+from trainguard.operators.triggers import write_beat
+
 RECONCILER = "reconciler"
 INCIDENT_DAG = "tg_incident"
 #: the asset whose events are the findings (tg_reconcile's schedule)
@@ -63,7 +65,7 @@ class ReconcileTrigger(BaseEventTrigger):
                 self.log.warning("reconciler pass %d failed (the next one tries again): %s", passes, exc)
                 findings, beat = [], None
             if beat is not None:
-                await self._beat(beat)
+                await write_beat(self, beat)
             if findings:
                 self.log.info("reconciler pass %d found: %s", passes, "; ".join(f["reason"] for f in findings))
                 yield TriggerEvent({"findings": findings, "ts": time.time()})
@@ -84,15 +86,6 @@ class ReconcileTrigger(BaseEventTrigger):
                 "pass_s": round(time.monotonic() - began, 3), "runs_known": live is not None, "found": len(found)}
         return [f.dump() for f in found], beat
 
-    async def _beat(self, beat: dict[str, Any]) -> None:
-        """The pass's beat in the asset's state store (Airflow's): only an asset's watcher has one."""
-        store = getattr(self, "asset_state_store", None)
-        if store is None:
-            return
-        try:
-            await store.aset("watcher", beat)
-        except Exception as exc:  # the store away for a moment: the next pass writes again
-            self.log.warning("reconciler beat not written: %s", exc)
 
     def _guardian_seen(self, c: Any) -> float | None:
         """When the alert watcher last said it watches (its beat in Airflow's asset state store; without the REST

@@ -13,7 +13,6 @@ stays in the task's return value only; a failure to set it is logged and never f
 from __future__ import annotations
 
 import logging
-import os
 
 log = logging.getLogger(__name__)
 MAX_NOTE = 1000  # Airflow keeps at most 1000 characters of a note
@@ -25,7 +24,7 @@ def set_run_note(note: str) -> bool:
     """Set the running task's DAG run note to ``note`` (one line, at most 1000 characters). True when set."""
     from airflow.sdk import get_current_context
 
-    from trainguard.operators.hooks.airflow_api import AirflowApiHook
+    from trainguard.operators.hooks.airflow_api import AirflowApiHook, api_conn_id
 
     line = " ".join(note.split())[:MAX_NOTE]
     try:
@@ -33,7 +32,7 @@ def set_run_note(note: str) -> bool:
     except RuntimeError:  # not inside a task (a unit test, the command line): nothing to annotate
         return False
     dag_id, run_id = ctx["dag"].dag_id, ctx["run_id"]
-    conn_id = os.environ.get("TG_AIRFLOW_API_CONN_ID", "tg_airflow_api")
+    conn_id = api_conn_id()
     try:
         api = AirflowApiHook(conn_id, retry_s=NOTE_RETRY_S).get_client()
     except Exception:
