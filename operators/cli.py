@@ -289,8 +289,9 @@ def _airflow(args: argparse.Namespace) -> Any:
     if not url:
         raise TrainguardError("no Airflow api-server to submit to: pass --airflow-url or set TG_AIRFLOW_URL (and "
                               "TG_AIRFLOW_USER, TG_AIRFLOW_PASSWORD)", exit_code=2)
-    # a wrong address answers nothing: say so after a few tries, not after the tasks' minute of retries
-    return AirflowApi(url, username=user, password=password, timeout_s=30.0, retry_s=5.0)
+    # a wrong address answers nothing: say so after a few seconds; a busy api-server (a request of its own waits up
+    # to half a minute for a database lock) is waited for, and the launch run, named here, is asked for again
+    return AirflowApi(url, username=user, password=password, timeout_s=60.0, retry_s=120.0, connect_retry_s=5.0)
 
 
 def cmd_job(args: argparse.Namespace) -> int:

@@ -7,9 +7,11 @@ health) and the emulation harness that drives Airflow in the tests, the demo and
 A request that is safe to repeat (a read, a PATCH, a creation that names what it creates: a DAG run with
 its own id answers 409 when repeated) may ask for retries: it is sent again while the api-server answers
 5xx (with the SQLite metadata database of ``airflow standalone``, a request that meets another process's
-write lock answers 500 "database is locked" and wrote nothing) or refuses the connection (it is starting),
-for up to ``retry_s`` seconds, with exponential back-off. Anything else fails at once: a 4xx is the
-caller's mistake, never worth repeating.
+write lock answers 500 "database is locked" and wrote nothing) or takes longer than the client's timeout
+to answer (it is busy; the request may have landed, which repeating it tolerates), for up to ``retry_s``
+seconds, and while it refuses the connection (it is starting, or nothing is there) for up to
+``connect_retry_s``, with exponential back-off. Anything else fails at once: a 4xx is the caller's
+mistake, never worth repeating.
 """
 
 from __future__ import annotations
@@ -42,10 +44,16 @@ class ApiError(Exception):
         self.body = body
 
 
+# nothing accepted the connection: no api-server there (yet)
+_UNREACHED = (httpx.ConnectError, httpx.ConnectTimeout)
+# one accepted it and then failed, or was too slow to answer: a busy or restarting api-server
+_BUSY = (httpx.RemoteProtocolError, httpx.ReadError, httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout)
+
+
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, ApiError):
         return exc.status is not None and exc.status >= 500
-    return isinstance(exc, (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError))
+    return isinstance(exc, _UNREACHED + _BUSY)
 
 
 class AirflowApi:
@@ -56,14 +64,17 @@ class AirflowApi:
     :param password: its password
     :param timeout_s: seconds for one request
     :param retry_s: how long repeatable requests are retried (see the module)
+    :param connect_retry_s: how long while nothing accepts the connection (default ``retry_s``): a command
+        line that should say soon that an address is wrong waits less for it than for a busy api-server
     """
 
     def __init__(self, base_url: str, *, username: str = "", password: str = "", timeout_s: float = 30.0,
-                 retry_s: float = RETRY_S) -> None:
+                 retry_s: float = RETRY_S, connect_retry_s: float | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.username = username
         self.password = password
         self.retry_s = retry_s
+        self.connect_retry_s = retry_s if connect_retry_s is None else min(connect_retry_s, retry_s)
         self._client = httpx.Client(base_url=self.base_url, timeout=timeout_s,
                                     headers={"Content-Type": "application/json"})
         self._token = ""
@@ -104,11 +115,15 @@ class AirflowApi:
             repeatable = method in ("GET", "PATCH")
         if not repeatable or self.retry_s <= 0:
             return self._once(method, path, body, auth)
-        retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(_retryable),
-                                     stop=tenacity.stop_after_delay(self.retry_s),
+        retrying = tenacity.Retrying(retry=tenacity.retry_if_exception(_retryable), stop=self._stop,
                                      wait=tenacity.wait_exponential(multiplier=0.25, max=2.0),
                                      sleep=time.sleep, reraise=True)
         return retrying(self._once, method, path, body, auth)
+
+    def _stop(self, state: tenacity.RetryCallState) -> bool:
+        exc = state.outcome.exception() if state.outcome else None
+        limit = self.connect_retry_s if isinstance(exc, _UNREACHED) else self.retry_s
+        return (state.seconds_since_start or 0.0) >= limit
 
     # ---- the endpoints trainguard's product code uses ----------------------------------------------------
     def health(self) -> dict[str, Any]:

@@ -122,3 +122,66 @@ def test_an_expired_token_is_fetched_again_once(server):
     api._token = "expired"
     assert api.request("PATCH", "/api/v2/x", {"note": "n"}) == {"method": "PATCH", "body": {"note": "n"}}
     assert [h[2] for h in handler.seen] == ["Bearer expired", "notes", "Bearer jwt-of-notes"]
+
+
+def test_an_answer_slower_than_the_timeout_is_asked_for_again_and_a_repeated_run_creation_is_one_run():
+    """A busy api-server (a request of its own waits for a database lock) answers after the client gave up on it:
+    the repeatable request is sent again; a DAG run named by the client that landed the first time answers 409 the
+    second, which says it exists. One run, one id."""
+    release = threading.Event()
+    created: list[str] = []
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode())
+            if self.path == "/auth/token":
+                out, code = json.dumps({"access_token": "t"}).encode(), 200
+            elif body["dag_run_id"] in created:
+                out, code = b'{"detail": "exists"}', 409
+            else:
+                created.append(body["dag_run_id"])
+                release.wait(10)  # lands, and answers after the client's timeout
+                out, code = b"{}", 200
+            try:
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+            except OSError:
+                pass  # the client gave up on this answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with AirflowApi(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=0.5, retry_s=10,
+                        connect_retry_s=0.2) as api:
+            run_id = api.trigger_run("tg_job_launch", {"spec": {}})
+        assert created == [run_id]
+        with AirflowApi(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=0.5, retry_s=0) as api, \
+                pytest.raises(__import__("httpx").ReadTimeout):
+            api.trigger_run("tg_job_launch", {"spec": {}})  # without retries the slow answer is the caller's error
+    finally:
+        release.set()
+        srv.shutdown()
+        srv.server_close()
+        thread.join()
+
+
+def test_an_address_nothing_listens_on_is_given_up_on_after_the_connect_retry_not_the_busy_one():
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    api = AirflowApi(f"http://127.0.0.1:{port}", retry_s=60, connect_retry_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ConnectError):
+        api.request("GET", "/api/v2/monitor/health", auth=False)
+    assert time.monotonic() - t0 < 10  # the busy server's minute would still be waiting
