@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.errors import TrainguardError
+from trainguard.core.procs import group_alive
 from trainguard.emulation import cluster, scaleout
 from trainguard.emulation.standalone import Standalone
 
@@ -37,11 +38,7 @@ def _home(state: Path) -> Path:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-        return True
-    except (OSError, ValueError):
-        return False
+    return group_alive(pid)
 
 
 def status(state: Path) -> dict[str, Any]:

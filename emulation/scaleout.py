@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.errors import ClusterError
+from trainguard.core.procs import group_alive
 from trainguard.emulation import servers
 from trainguard.emulation.cluster import ClusterSpec, _netns_list, _network_up, _run, namespace_on_bridge
 from trainguard.emulation.standalone import Standalone, free_port
@@ -198,10 +199,8 @@ class ScaleOut(Standalone):
 
     def _alive(self, name: str) -> bool:
         """Whether the process this plane recorded as ``name`` still runs (a repair leaves it be)."""
-        with contextlib.suppress(OSError, KeyError):
-            os.killpg(self._pids()[name], 0)
-            return True
-        return False
+        pid = self._pids().get(name)
+        return pid is not None and group_alive(pid)  # a group of zombies died
 
     def launch(self) -> None:
         """Migrate Airflow's database, then start its components and the workers; returns at once

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.procs import group_alive
 from trainguard.operators.fleet.db import url_for
 from trainguard.operators.hooks.airflow_api import RETRY_S, AirflowApi, ApiError
 from trainguard.operators.provider_info import FLEET_CONN_TYPE
@@ -50,6 +51,11 @@ def poll(predicate: Callable[[], Any], *, timeout: float, what: str, interval: f
 # the lock, and its retry would meet the first one's work: a task that started twice fails).
 SQLITE_BUSY_S = 30
 SQLITE_CONNECT_ARGS = {"timeout": SQLITE_BUSY_S}
+
+# ending airflow standalone: its components end on SIGINT within seconds; the scheduler on SIGTERM; what is
+# left then (idle LocalExecutor workers, whose tasks ended) is killed
+STOP_TERM_S = 4.0
+STOP_GRACE_S = 6.0
 
 SSH_POOL = "tg_ssh"
 API_CONN = "tg_airflow_api"  # what the DAGs' tasks set their run's note through (trainguard.operators.utils.notes)
@@ -292,14 +298,16 @@ class Standalone:
         return next((run for run in self.runs("tg_incident")
                      if (run.get("conf") or {}).get("incident_id") == incident_id), None)
 
-    def stop(self, *, grace_s: float = 30.0) -> None:
-        """End airflow standalone and its components (SIGKILL for what is left after ``grace_s``)."""
+    def stop(self, *, grace_s: float = STOP_GRACE_S) -> None:
+        """End airflow standalone and its components: SIGINT, SIGTERM after ``STOP_TERM_S`` and SIGKILL after
+        ``grace_s`` for what is left (its LocalExecutor's idle workers heed neither of the first two, and its
+        scheduler waits for them: a stop that waited for it to end them took the whole grace every time)."""
         if self._api is not None:
             self._api.close()
             self._api = None
         if self.proc is None:
             return
-        stop_group(self.proc.pid, grace_s=grace_s)
+        stop_group(self.proc.pid, grace_s=grace_s, term_s=min(STOP_TERM_S, grace_s))
         self.proc.wait(timeout=10)
         self.proc = None
         (self.home / "standalone.pid").unlink(missing_ok=True)
@@ -313,31 +321,32 @@ class Standalone:
             pid = int(pid_file.read_text())
         except (OSError, ValueError):
             return False
-        running = stop_group(pid)
+        running = stop_group(pid, grace_s=STOP_GRACE_S, term_s=STOP_TERM_S)
         pid_file.unlink(missing_ok=True)
         return running
 
 
-def stop_group(pid: int, grace_s: float = 30.0, sig: int = signal.SIGINT) -> bool:
-    """End the process group ``pid`` leads: ``sig`` (SIGINT: airflow standalone ends its components), SIGKILL
-    after ``grace_s``. True when it was running."""
+def stop_group(pid: int, grace_s: float = 30.0, sig: int = signal.SIGINT, *, term_s: float | None = None) -> bool:
+    """End the process group ``pid`` leads: ``sig`` (SIGINT: airflow standalone ends its components), SIGTERM
+    after ``term_s`` to what is left (none by default), SIGKILL after ``grace_s``. True when it was running."""
     try:
         os.killpg(pid, sig)
     except ProcessLookupError:
         return False
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    steps = [(start + term_s, signal.SIGTERM)] if term_s is not None and term_s < grace_s else []
+    steps.append((start + grace_s, signal.SIGKILL))
+    for at, then in steps:
+        while time.monotonic() < at:
+            try:
+                os.waitpid(pid, os.WNOHANG)  # our own child: reap it
+            except ChildProcessError:
+                pass
+            if not group_alive(pid):  # gone, or only zombies left for init to reap
+                return True
+            time.sleep(0.2)
         try:
-            os.waitpid(pid, os.WNOHANG)  # our own child: reap it, or killpg(0) sees a zombie forever
-        except ChildProcessError:
-            pass
-        try:
-            os.killpg(pid, 0)
+            os.killpg(pid, then)
         except ProcessLookupError:
             return True
-        time.sleep(0.2)
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     return True

@@ -20,11 +20,11 @@ What it reads, and what it calls unhealthy (exit 1; 0 when all is well, 2 when i
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.procs import group_alive
 from trainguard.operators.fleet import FleetStore
 from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.fleet.store import OPEN_INCIDENT_STATES
@@ -36,7 +36,8 @@ def kept_airflow_url(home: Path) -> str:
     """The URL of an ``airflow standalone`` a demo left running in ``home`` (``--keep``): its process group in
     ``standalone.pid``, its URL in ``standalone.url``; "" when none runs there."""
     try:
-        os.killpg(int((home / "standalone.pid").read_text()), 0)
+        if not group_alive(int((home / "standalone.pid").read_text())):
+            return ""
         return (home / "standalone.url").read_text().strip()
     except (OSError, ValueError):
         return ""

@@ -90,6 +90,19 @@ def cmdline(pid: int) -> list[str]:
         return []
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether the process group ``pgid`` has a member that has not exited. A group of zombies has ended: its
+    members wait for a parent to reap them, which for children of an exited leader is the host's init, and an
+    init that reaps lazily would otherwise keep a stopped group "alive" for as long as it pleases."""
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (psutil.Error, OSError):
+            continue
+    return False
+
+
 def all_pids() -> list[int]:
     return psutil.pids()
 
