@@ -37,10 +37,6 @@ def _home(state: Path) -> Path:
     return state.parent / "control"
 
 
-def _alive(pid: int) -> bool:
-    return group_alive(pid)
-
-
 def status(state: Path) -> dict[str, Any]:
     """Which profile runs in ``state``'s control folder, its processes (running or not) and its UI."""
     home = _home(state)
@@ -51,10 +47,11 @@ def status(state: Path) -> dict[str, Any]:
     if doc["profile"] == "scaleout":
         with contextlib.suppress(OSError, ValueError):
             pids = json.loads((home / scaleout.STATE).read_text()).get("pids", {})
-            doc["processes"] = {name: _alive(int(pid)) for name, pid in pids.items()}
+            doc["processes"] = {name: group_alive(int(pid)) for name, pid in pids.items()}
     else:
         with contextlib.suppress(OSError, ValueError):
-            doc["processes"] = {"airflow standalone": _alive(int((home / "airflow" / "standalone.pid").read_text()))}
+            pid = int((home / "airflow" / "standalone.pid").read_text())
+            doc["processes"] = {"airflow standalone": group_alive(pid)}
     doc.setdefault("processes", {})
     return doc
 

@@ -307,7 +307,7 @@ class Standalone:
             self._api = None
         if self.proc is None:
             return
-        stop_group(self.proc.pid, grace_s=grace_s, term_s=min(STOP_TERM_S, grace_s))
+        stop_group(self.proc.pid, grace_s=grace_s, term_s=STOP_TERM_S)
         self.proc.wait(timeout=10)
         self.proc = None
         (self.home / "standalone.pid").unlink(missing_ok=True)

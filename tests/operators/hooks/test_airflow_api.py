@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
+import httpx
 import pytest
 
 from trainguard.operators.hooks.airflow_api import AirflowApi, ApiError
@@ -108,8 +109,6 @@ def test_a_server_that_is_not_there_yet_is_waited_for_then_refused():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     api = AirflowApi(f"http://127.0.0.1:{port}", retry_s=0.5)
-    import httpx
-
     with pytest.raises(httpx.ConnectError):
         api.request("GET", "/api/v2/monitor/health", auth=False)
 
@@ -162,7 +161,7 @@ def test_an_answer_slower_than_the_timeout_is_asked_for_again_and_a_repeated_run
             run_id = api.trigger_run("tg_job_launch", {"spec": {}})
         assert created == [run_id]
         with AirflowApi(f"http://127.0.0.1:{srv.server_address[1]}", timeout_s=0.5, retry_s=0) as api, \
-                pytest.raises(__import__("httpx").ReadTimeout):
+                pytest.raises(httpx.ReadTimeout):
             api.trigger_run("tg_job_launch", {"spec": {}})  # without retries the slow answer is the caller's error
     finally:
         release.set()
@@ -174,8 +173,6 @@ def test_an_answer_slower_than_the_timeout_is_asked_for_again_and_a_repeated_run
 def test_an_address_nothing_listens_on_is_given_up_on_after_the_connect_retry_not_the_busy_one():
     import socket
     import time
-
-    import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
