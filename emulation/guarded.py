@@ -238,8 +238,9 @@ class GuardedJob:
         self.armed()
         machine = machine or self.ctl.fleet.job(self.job).machine_list[fault.node]
         reader = BusReader.from_now(open_bus(self.inv.bus_url))
-        t_fault = time.time()
-        inject.inject(self.inv, machine, fault.kind, rank=fault.rank, params=dict(fault.params) or None)
+        sent = time.time()
+        done = inject.inject(self.inv, machine, fault.kind, rank=fault.rank, params=dict(fault.params) or None)
+        t_fault = fault_time(done, sent, time.time())
         if fault.flap:
             try:
                 poll(lambda: [a for a in reader.read() if a.machine == machine and a.kind in fault.flap],
@@ -317,6 +318,14 @@ class GuardedJob:
     def branch(self, tasks: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any]:
         """The handler task that decided the incident (from :meth:`incident_run`'s tasks)."""
         return next((t for t in tasks.values() if t["task_id"] in HANDLERS and t["state"] == "success"), {})
+
+
+def fault_time(done: Mapping[str, Any], sent: float, back: float) -> float:
+    """When an injected fault took effect: the time the machine recorded it (``done["ts"]``: the injection's
+    own clock, so not the SSH connection and the command's start before it), kept within ``sent`` .. ``back``
+    (when the host asked and when the answer came) should that clock be off or the answer lack it."""
+    ts = done.get("ts") if isinstance(done, Mapping) else None
+    return min(max(float(ts), sent), back) if isinstance(ts, (int, float)) else sent
 
 
 def action_swaps(action: Any) -> dict[str, str]:
