@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
 from trainguard.emulation import cluster, inject
-from trainguard.emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob
+from trainguard.emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob, fault_time
 from trainguard.emulation.standalone import poll
 from trainguard.node_tools.bus import BusReader, open_bus
 from trainguard.node_tools.inventory import Inventory
@@ -102,8 +102,8 @@ class Bench(GuardedJob):
         self.training()
         machine = self.ctl.fleet.job(JOB).machine_list[1]
         reader = BusReader.from_now(open_bus(self.inv.bus_url))
-        t_fault = time.time()
-        inject.inject(self.inv, machine, "gpu_lost")
+        sent = time.time()
+        t_fault = fault_time(inject.inject(self.inv, machine, "gpu_lost"), sent, time.time())
         try:
             alert = poll(lambda: next((a for a in reader.read() if a.machine == machine
                                        and a.kind in ladder.EXPLICIT | ladder.XID), None),
