@@ -320,6 +320,20 @@ class SshCredentials:
         return cls(str(inventory.ssh.get("user", "root")), str(inventory.resolve(identity)) if identity else None)
 
 
+def private_key(text: str) -> paramiko.PKey:
+    """The private key in ``text`` (OpenSSH or PEM; Ed25519, ECDSA or RSA), whatever its type: paramiko's base
+    ``PKey`` cannot load one itself. Raises ``ValueError`` naming what to fix when none of them reads it."""
+    import paramiko
+
+    for kind in (paramiko.Ed25519Key, paramiko.ECDSAKey, paramiko.RSAKey):
+        try:
+            return kind.from_private_key(io.StringIO(text))
+        except (paramiko.SSHException, ValueError):
+            continue
+    raise ValueError("the SSH connection's private_key extra is not an unencrypted Ed25519, ECDSA or RSA private "
+                     "key: paste the whole key file (BEGIN ... END lines included), or set key_file instead")
+
+
 class Unreachable(Exception):
     """No session to the machine: its result says why (``status``: ``unreachable`` or ``host_key_mismatch``)."""
 
@@ -377,7 +391,10 @@ class SshTransport(Transport):
         self._trusted(client, machine)
         client.set_missing_host_key_policy(paramiko.RejectPolicy())  # never trusted on first use
         creds = self.credentials
-        pkey = paramiko.PKey.from_private_key(io.StringIO(creds.key_text)) if creds.key_text else None
+        try:
+            pkey = private_key(creds.key_text) if creds.key_text else None
+        except ValueError as exc:
+            raise Unreachable(f"{machine.name}: {exc}", "unreachable") from None
         attempt = 0
         while True:
             attempt += 1

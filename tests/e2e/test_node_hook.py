@@ -38,6 +38,17 @@ def test_credentials_come_from_the_airflow_connection(ns_cluster: Inventory, mon
                                                            "extra": {"key_file": key}}))
     refused = NodeHook(ns_cluster).run("m0", ["info"])
     assert refused.status == "unreachable" and "Authentication" in refused.stderr
+    # the key's text in the connection (a secrets backend's way: nothing on disk), not a file
+    text = Path(key).read_text()
+    monkeypatch.setenv("AIRFLOW_CONN_TG_SSH", json.dumps({"conn_type": "trainguard_ssh", "login": "root",
+                                                           "extra": {"private_key": text}}))
+    hook = NodeHook(ns_cluster)
+    assert hook.credentials().key_text == text
+    assert hook.run("m0", ["info"]).status == "ok"
+    monkeypatch.setenv("AIRFLOW_CONN_TG_SSH", json.dumps({"conn_type": "trainguard_ssh", "login": "root",
+                                                           "extra": {"private_key": "not a key"}}))
+    bad = NodeHook(ns_cluster).run("m0", ["info"])
+    assert bad.status == "unreachable" and "private_key extra" in bad.stderr
 
 
 def test_a_machine_with_another_host_key_is_refused(ns_cluster: Inventory, tmp_path: Path):
