@@ -44,6 +44,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainguard.node_tools.inventory import Inventory, Machine
@@ -384,6 +385,11 @@ class SshTransport(Transport):
         for kind, key in known[entry].items():
             client.get_host_keys().add(entry, kind, key)
 
+    @cached_property
+    def _pkey(self) -> paramiko.PKey | None:
+        """The connection's key text, parsed once for every machine (None: the key file, or none)."""
+        return private_key(self.credentials.key_text) if self.credentials.key_text else None
+
     def _connect(self, machine: Machine) -> paramiko.SSHClient:
         import paramiko
 
@@ -392,7 +398,7 @@ class SshTransport(Transport):
         client.set_missing_host_key_policy(paramiko.RejectPolicy())  # never trusted on first use
         creds = self.credentials
         try:
-            pkey = private_key(creds.key_text) if creds.key_text else None
+            pkey = self._pkey
         except ValueError as exc:
             raise Unreachable(f"{machine.name}: {exc}", "unreachable") from None
         attempt = 0
