@@ -30,5 +30,5 @@ def test_an_openssh_ed25519_keys_text_loads(tmp_path):
 
 
 def test_text_that_is_no_key_is_refused_with_what_to_do():
-    with pytest.raises(ValueError, match="private_key extra .* paste the whole key file"):
+    with pytest.raises(ValueError, match=r"private_key extra .* paste the whole key file"):
         private_key("-----BEGIN NOTHING-----\nxx\n-----END NOTHING-----\n")
