@@ -82,7 +82,8 @@ def stop_on_sigterm() -> None:
 @contextlib.contextmanager
 def emulated_cluster(spec: Any, prefix: str) -> Iterator[tuple[Any, Path]]:
     """The benchmark's own namespace cluster and a control folder (fleet database, Airflow home) beside
-    it. Brought down at the end; the folder is removed after a complete run, kept after a failed one."""
+    it. Brought down at the end; the folder is removed after a complete run, kept after a failed one (and after
+    any run with ``TG_BENCH_KEEP`` set: the Airflow logs and database of every trial, to read where time went)."""
     import shutil
     import sys
     import tempfile
@@ -103,7 +104,7 @@ def emulated_cluster(spec: Any, prefix: str) -> Iterator[tuple[Any, Path]]:
         finally:
             cluster.down(state, name=spec.name, log=lambda *_: None)
     finally:
-        if ok:
+        if ok and not os.environ.get("TG_BENCH_KEEP"):
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             print(f"kept {tmp} for a post-mortem (control/: fleet database, Airflow logs)", file=sys.stderr)

@@ -89,8 +89,11 @@ class Bench(GuardedJob):
             "localization_s": handler["end"] - triage_start if handler.get("end") and triage_start else None,
             "fault_to_resumed_s": inc.resumed_ts - t_fault if inc.resumed_ts else None,
             "lost_steps": inc.lost_steps,
+            # where the time went: each task's start after the fault and how long it ran, in start order
+            "timeline": timeline(tasks, t_fault),
         }
         print(f"warm {fault}: {_fmt(trial)}", flush=True)
+        print("  tasks: " + ", ".join(f"{n} +{s} ({d} s)" for n, s, d in trial["timeline"]), flush=True)
         self.trials.append(trial)
         return trial
 
@@ -163,9 +166,16 @@ def metrics_of(trials: list[dict[str, Any]]) -> dict[str, Any]:
     return metrics
 
 
+def timeline(tasks: dict[str, dict[str, Any]], t0: float) -> list[list[Any]]:
+    """``[task_id, start - t0, duration]`` of each task that ran, in start order (seconds, 2 decimals)."""
+    ran = sorted((t for t in tasks.values() if t.get("start")), key=lambda t: t["start"])
+    return [[t["task_id"], round(t["start"] - t0, 2), round(t["end"] - t["start"], 2) if t.get("end") else None]
+            for t in ran]
+
+
 def _fmt(trial: dict[str, Any]) -> str:
     return ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in trial.items()
-                     if k not in ("path", "fault"))
+                     if k not in ("path", "fault", "timeline"))
 
 
 def main() -> int:
