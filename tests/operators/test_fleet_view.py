@@ -80,6 +80,28 @@ def test_loading_the_plugin_preloads_what_a_task_process_imports():
     assert out.stdout.splitlines()[-1].split() == wanted
 
 
+def test_a_task_process_parsing_its_dag_file_imports_nothing_the_plugin_did_not_preload():
+    """Each task process parses its DAG file again: what the DAG files build (trainguard's operators, sensors
+    and triggers, Airflow's ``@task`` and sensor bases) is in memory already, not imported in every task."""
+    import subprocess
+    import sys
+
+    from tests import REPO
+
+    code = ("import glob, importlib.util, sys\n"
+            "import trainguard.operators.plugins.fleet\n"
+            "before = set(sys.modules)\n"
+            "for f in sorted(glob.glob('dags/tg_*.py')):\n"
+            "    spec = importlib.util.spec_from_file_location(f.replace('/', '_'), f)\n"
+            "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+            "print('NEW', *sorted(set(sys.modules) - before))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    new = out.stdout.splitlines()[-1].split()[1:]
+    late = [m for m in new if m.startswith(("trainguard", "airflow.providers", "airflow.sdk.bases",
+                                            "airflow.sdk.definitions", "paramiko"))]
+    assert not late, late
+
+
 def test_the_job_forms_offer_the_fleets_jobs_and_prefill_the_first_without_creating_anything(tmp_path, monkeypatch):
     from trainguard.operators.utils.forms import fleet_jobs, job_param
 
