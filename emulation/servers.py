@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,11 +65,14 @@ def secret_file(path: Path, text: str) -> Path:
     return path
 
 
-def stop_pid(pid: int, *, grace_s: float = 10.0) -> bool:
-    """End the process group ``pid`` leads (SIGTERM, SIGKILL after ``grace_s``); True when it ran."""
-    from trainguard.emulation.standalone import stop_group
+def stop_pids(pids: Iterable[int], *, grace_s: float = 10.0) -> list[int]:
+    """End the process groups ``pids`` lead, all at once (SIGTERM, SIGKILL after ``grace_s``); the leaders of
+    those that ran, in the order given."""
+    from trainguard.emulation.standalone import stop_groups
 
-    return stop_group(pid, grace_s=grace_s, sig=signal.SIGTERM)
+    pids = list(pids)
+    ran = stop_groups(pids, grace_s=grace_s, sig=signal.SIGTERM)
+    return [pid for pid in pids if pid in ran]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -329,24 +329,39 @@ class Standalone:
 def stop_group(pid: int, grace_s: float = 30.0, sig: int = signal.SIGINT, *, term_s: float | None = None) -> bool:
     """End the process group ``pid`` leads: ``sig`` (SIGINT: airflow standalone ends its components), SIGTERM
     after ``term_s`` to what is left (none by default), SIGKILL after ``grace_s``. True when it was running."""
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        return False
+    return pid in stop_groups([pid], grace_s=grace_s, sig=sig, term_s=term_s)
+
+
+def stop_groups(pids: Iterable[int], grace_s: float = 30.0, sig: int = signal.SIGINT, *,
+                term_s: float | None = None) -> set[int]:
+    """End the process groups ``pids`` lead, all at once (one grace for all of them, not one after another):
+    ``sig``, SIGTERM after ``term_s`` to what is left, SIGKILL after ``grace_s``. Returns the leaders whose
+    group was running."""
+    running: set[int] = set()
+    for pid in dict.fromkeys(pids):
+        try:
+            os.killpg(pid, sig)
+            running.add(pid)
+        except ProcessLookupError:
+            pass
     start = time.monotonic()
     steps = [(start + term_s, signal.SIGTERM)] if term_s is not None and term_s < grace_s else []
     steps.append((start + grace_s, signal.SIGKILL))
+    left = set(running)
     for at, then in steps:
-        while time.monotonic() < at:
+        while left and time.monotonic() < at:
+            for pid in list(left):
+                try:
+                    os.waitpid(pid, os.WNOHANG)  # our own child: reap it
+                except ChildProcessError:
+                    pass
+                if not group_alive(pid):  # gone, or only zombies left for init to reap
+                    left.discard(pid)
+            if left:
+                time.sleep(0.2)
+        for pid in list(left):
             try:
-                os.waitpid(pid, os.WNOHANG)  # our own child: reap it
-            except ChildProcessError:
-                pass
-            if not group_alive(pid):  # gone, or only zombies left for init to reap
-                return True
-            time.sleep(0.2)
-        try:
-            os.killpg(pid, then)
-        except ProcessLookupError:
-            return True
-    return True
+                os.killpg(pid, then)
+            except ProcessLookupError:
+                left.discard(pid)
+    return running

@@ -63,3 +63,32 @@ def test_stopping_a_group_returns_when_its_members_exit_not_when_someone_reaps_t
     finally:
         init.kill()
         init.wait()
+
+
+def test_groups_that_ignore_sigterm_are_ended_within_one_grace_not_one_each():
+    """A plane's components are stopped together: three that ignore SIGTERM cost one grace (then SIGKILL), where
+    stopping them one after another cost three."""
+    import time
+
+    from trainguard.emulation.standalone import stop_groups
+
+    deaf = "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", deaf], start_new_session=True, stdout=subprocess.PIPE)
+             for _ in range(3)]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    gone.wait()
+    try:
+        for p in procs:  # each has set its handler
+            assert p.stdout is not None and p.stdout.readline() == b"\n"
+        grace = 3.0
+        t0 = time.monotonic()
+        ran = stop_groups([p.pid for p in procs] + [gone.pid], grace_s=grace, sig=signal.SIGTERM)
+        took = time.monotonic() - t0
+        assert ran == {p.pid for p in procs}  # the one that had exited is not counted
+        for p in procs:
+            assert p.wait(timeout=10) == -signal.SIGKILL  # SIGTERM was ignored: SIGKILL ended it
+        assert grace <= took < 2 * grace, took
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
