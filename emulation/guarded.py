@@ -135,7 +135,11 @@ class GuardedJob:
             f"on {self.airflow.url}")
         if launch_airflow:
             self.airflow.launch()  # it boots while the machines park
-        self.park(standbys + active)
+        # the job's machines park the interpreters of its launch and of its first restart at once: one import on
+        # each, before the job runs, instead of a second one at the lowest priority beside its ranks (on 2 busy
+        # cores that arming took 40-60 s, and the first fault waits for it)
+        # (a submission's own tg_job_launch run arms the job: there the machines park for its launch alone)
+        self.park(standbys, sets=dict.fromkeys(active, 1 if submit else 2))
         self.airflow.ready()
         log(f"airflow up: DAGs {', '.join(sorted(self.airflow.dag_ids()))}")
         own = self.spec.document() if self.spec is not None else None
@@ -175,12 +179,16 @@ class GuardedJob:
                 self.ctl.stop(self.job)
 
     # ---- chores between faults ---------------------------------------------------------------------
-    def park(self, names: Sequence[str]) -> None:
-        if not names:
+    def park(self, names: Sequence[str], *, sets: Mapping[str, int] | None = None) -> None:
+        """Park warm interpreters on ``names`` for one launch each (ranks + torchrun), and on each machine of
+        ``sets`` for that many launches (one interpreter imports, then forks one copy per slot)."""
+        want = {**dict.fromkeys(names, 1), **(sets or {})}
+        if not want:
             return
-        done = self.transport.run_many([self.inv.machine(n) for n in names],
+        rpm = self.topology.ranks_per_machine
+        done = self.transport.run_many([self.inv.machine(n) for n in want],
                                        lambda m: [self.inv.tg_node, "standby", "park", "--nproc",
-                                                  str(self.topology.ranks_per_machine)], timeout=240)
+                                                  str(want[m.name] * (rpm + 1) - 1)], timeout=240)
         bad = {n: r.describe() for n, r in done.items() if not r.ok}
         if bad:
             raise RuntimeError(f"parking standbys failed: {bad}")
