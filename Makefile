@@ -48,5 +48,5 @@ down: venv
 clean: down
 	rm -rf .tg artifacts
 
-test-scaleout: venv  # the scale-out control plane end to end alone (make test runs it too; 4 to 5 minutes)
+test-scaleout: venv  # the scale-out control plane end to end alone (make test runs it too; 3 to 4 minutes)
 	$(BIN)/pytest -m scaleout $(ARGS)
