@@ -88,6 +88,11 @@ class Standalone:
             "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            # a DAG file is parsed again when it changed (the processor compares its mtime on every refresh), not
+            # every 30 s (Airflow's default): ten files parsed again twice a minute, each a process importing the
+            # control plane and a write to the metadata database, took the CPU and SQLite's write lock from the
+            # scheduler when an incident's run was being made (asset event -> run up to 1.7 s here)
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "600",
             "AIRFLOW__SCHEDULER__SCHEDULER_IDLE_SLEEP_TIME": "0.25",
             "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
             "PYTHONPATH": str(REPO),
