@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.core.procs import group_alive
+from trainguard.emulation import airflow_sqlite
+from trainguard.emulation.airflow_sqlite import SQLITE_BUSY_S
 from trainguard.operators.fleet.db import url_for
 from trainguard.operators.hooks.airflow_api import RETRY_S, AirflowApi, ApiError
 from trainguard.operators.provider_info import FLEET_CONN_TYPE
@@ -43,14 +45,6 @@ def poll(predicate: Callable[[], Any], *, timeout: float, what: str, interval: f
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
 
-
-# SQLite connections of the standalone's components wait this long for another writer's lock (Python's
-# default is 5 s; on a loaded 2-core host the scheduler, dag processor, triggerer and api-server queue
-# longer than that, and a request that gives up answers 500). The tasks' calls to the execution API wait
-# longer than that for their answer (Airflow's default, 5 s, would give up on a request still waiting for
-# the lock, and its retry would meet the first one's work: a task that started twice fails).
-SQLITE_BUSY_S = 30
-SQLITE_CONNECT_ARGS = {"timeout": SQLITE_BUSY_S}
 
 # ending airflow standalone: its components end on SIGINT within seconds; the scheduler on SIGTERM; what is
 # left then (idle LocalExecutor workers, whose tasks ended) is killed
@@ -101,7 +95,7 @@ class Standalone:
         }
         if self.env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "sqlite").startswith("sqlite"):
             for key in ("SQL_ALCHEMY_CONNECT_ARGS", "SQL_ALCHEMY_CONNECT_ARGS_ASYNC"):
-                self.env.setdefault(f"AIRFLOW__DATABASE__{key}", f"{__name__}.SQLITE_CONNECT_ARGS")
+                self.env.setdefault(f"AIRFLOW__DATABASE__{key}", f"{airflow_sqlite.__name__}.CONNECT_ARGS")
             self.env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", str(2 * SQLITE_BUSY_S))
         self.env.pop("AIRFLOW_CONN_TG_SSH", None)
         # where the harness reads the incidents' runs (the fleet database)
