@@ -19,7 +19,6 @@ from typing import Any
 
 from trainguard.core.procs import group_alive
 from trainguard.emulation import airflow_sqlite
-from trainguard.emulation.airflow_sqlite import SQLITE_BUSY_S
 from trainguard.operators.fleet.db import url_for
 from trainguard.operators.hooks.airflow_api import RETRY_S, AirflowApi, ApiError
 from trainguard.operators.provider_info import FLEET_CONN_TYPE
@@ -96,7 +95,7 @@ class Standalone:
         if self.env.get("AIRFLOW__DATABASE__SQL_ALCHEMY_CONN", "sqlite").startswith("sqlite"):
             for key in ("SQL_ALCHEMY_CONNECT_ARGS", "SQL_ALCHEMY_CONNECT_ARGS_ASYNC"):
                 self.env.setdefault(f"AIRFLOW__DATABASE__{key}", f"{airflow_sqlite.__name__}.CONNECT_ARGS")
-            self.env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", str(2 * SQLITE_BUSY_S))
+            self.env.setdefault("AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", str(2 * airflow_sqlite.SQLITE_BUSY_S))
         self.env.pop("AIRFLOW_CONN_TG_SSH", None)
         # where the harness reads the incidents' runs (the fleet database)
         self.fleet_url = url_for(self.env["TG_FLEET_URL"]) if self.env.get("TG_FLEET_URL") else ""
@@ -194,7 +193,7 @@ class Standalone:
             pw_file = self.home / "simple_auth_manager_passwords.json.generated"
             poll(pw_file.exists, timeout=60, what="the admin password file")
             self._api = AirflowApi(self.url, username="admin", password=json.loads(pw_file.read_text())["admin"],
-                                   timeout_s=2 * SQLITE_BUSY_S, retry_s=RETRY_S)
+                                   timeout_s=2 * airflow_sqlite.SQLITE_BUSY_S, retry_s=RETRY_S)
         return self._api
 
     def request(self, method: str, path: str, body: Any = None, *, auth: bool = True,
