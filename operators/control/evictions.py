@@ -141,9 +141,15 @@ class Evictions(Part):
                 arrived.wait(left)
 
     def _breaker(self, job: Any, wanted: Sequence[str]) -> ladder.BreakerVerdict:
+        from trainguard.operators.jobspec import stored_spec
+
+        # the job's spares: the standbys its spec keeps for it, else those the pool holds now (a small job must be
+        # able to use them: its share alone may allow less than one eviction per standby)
+        spares = (stored_spec(job).standbys if job.spec else 0) or len(self.pool())
         return ladder.breaker(job_machines=len(job.machine_list),
                               evicted_recently=self.fleet.evicted_recently(job.name, self.cfg.breaker_window_s),
-                              to_evict=wanted, max_share=self.cfg.breaker_share, window_s=self.cfg.breaker_window_s)
+                              to_evict=wanted, max_share=self.cfg.breaker_share, window_s=self.cfg.breaker_window_s,
+                              spares=spares)
 
     def eviction_blocked(self, incident_id: int, machine_names: Sequence[str]) -> str:
         """Why evicting ``machine_names`` from the incident's job could not happen now (the breaker, fewer

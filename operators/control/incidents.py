@@ -12,6 +12,7 @@ from trainguard.core.errors import TrainguardError
 from trainguard.core.topology import Topology
 from trainguard.operators.control.base import Part, asdict_action
 from trainguard.operators.fleet import states
+from trainguard.operators.fleet.incidents import CLAIMS
 from trainguard.operators.fleet.states import OPEN_INCIDENT_STATES, IncidentState
 from trainguard.operators.policy import ladder
 
@@ -187,7 +188,8 @@ class Incidents(Part):
         something stronger gets the stronger category; its vote stops at its next round and a new
         tg_incident run handles it. Returns whether that happened."""
         inc = self.fleet.incident(incident_id)
-        if inc.state != IncidentState.OPEN or inc.category not in ladder.WATCHED or self.fleet.actions(incident_id):
+        if inc.state != IncidentState.OPEN or inc.category not in ladder.WATCHED or any(
+                a.kind not in CLAIMS for a in self.fleet.actions(incident_id)):
             return False
         t = self._triage(inc.job, incident_id)
         if not ladder.supersedes(inc.category, t):
@@ -317,12 +319,7 @@ class Incidents(Part):
         """Explicit machine faults among the incident's alerts (those that joined it after its triage too) on
         machines that still serve the job: machine -> the alerts' kinds. Every one is acted on before the
         incident closes."""
-        inc = self.fleet.incident(incident_id)
-        # only the kinds that can be explicit machine faults: the resume wait asks every second, and the
-        # incident may hold an alert storm of another kind (every rank's hang)
-        return ladder.explicit_faults([a.document for a in self.fleet.alerts_of(incident_id, kinds=ladder.EXPLICIT
-                                                                                 | ladder.XID)],
-                                      self.fleet.job(inc.job).machine_list)
+        return self.jobs.faults_left(incident_id)
 
     def recurred(self, incident_id: int, *, since: float) -> list[Any]:
         """The incident's alerts stamped at or after ``since`` (its restart) that say the job failed again the

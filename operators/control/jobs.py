@@ -13,6 +13,7 @@ from trainguard.node_tools import launcher
 from trainguard.node_tools.transport import RunResult
 from trainguard.operators.control.base import PORT_BASE, PORT_SPAN, ROLE_STATE, Part
 from trainguard.operators.fleet import states
+from trainguard.operators.policy import ladder
 
 if TYPE_CHECKING:
     from trainguard.operators.jobspec import JobSpec
@@ -126,12 +127,33 @@ class Jobs(Part):
                 raise TrainguardError(f"job {job} finished no step within {timeout_s:.0f} s of its start")
             time.sleep(poll_s)
 
-    def release(self, job: str, *, state: str = "stopped", reason: str = "") -> dict[str, Any]:
+    def release(self, job: str, *, state: str = "stopped", reason: str = "",
+                faulty: Mapping[str, str] | None = None) -> dict[str, Any]:
         """Stop the job on its machines and return them to the pool (``trainguard job stop``); repeating it is a
-        no-op."""
+        no-op. The job's incidents still open or waiting for a human are closed as superseded. ``faulty``
+        (machine -> why) and the machines whose explicit fault no incident acted on are evicted, not pooled."""
         stopped = self.stop(job) if self.fleet.job(job).state not in ("stopped", "failed") else {}
-        released = self.fleet.release_job(job, state=state, reason=reason)
-        return {"job": job, "state": state, "stopped": stopped, "released": released}
+        # a machine whose explicit fault no incident acted on (its eviction waited for a human) is no machine to
+        # hand to the next job: it goes to repair, not to the pool
+        faulty = dict(faulty or {})
+        for inc in self.fleet.incidents(job):
+            if inc.state in states.OPEN_INCIDENT_STATES:
+                faulty |= self.faults_left(inc.id)
+        released = self.fleet.release_job(job, state=state, reason=reason, faulty=faulty,
+                                          supersede=f"job {job} was {state}" + (f" ({reason})" if reason else ""))
+        return {"job": job, "state": state, "stopped": stopped, "released": released,
+                **({"evicted": sorted(faulty)} if faulty else {})}
+
+    def faults_left(self, incident_id: int) -> dict[str, str]:
+        """Explicit machine faults among the incident's alerts (those that joined it after its triage too) on
+        machines that still serve the job: machine -> the alerts' kinds. Every one is acted on before the
+        incident closes, and none goes back to the pool with its machine."""
+        inc = self.fleet.incident(incident_id)
+        # only the kinds that can be explicit machine faults: the resume wait asks every second, and the
+        # incident may hold an alert storm of another kind (every rank's hang)
+        return ladder.explicit_faults([a.document for a in self.fleet.alerts_of(incident_id, kinds=ladder.EXPLICIT
+                                                                                 | ladder.XID)],
+                                      self.fleet.job(inc.job).machine_list)
 
     def arm(self, job: str) -> dict[str, Any]:
         """Park warm interpreters (one per rank and one for torchrun) on every machine of the job that has

@@ -14,7 +14,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from trainguard.operators.fleet import states
-from trainguard.operators.fleet.db import INCIDENT_STATES, OPEN_INCIDENT_STATES, FleetError, chunks
+from trainguard.operators.fleet.db import INCIDENT_STATES, FleetError, chunks
 from trainguard.operators.fleet.models import (
     Action,
     Alert,
@@ -24,6 +24,10 @@ from trainguard.operators.fleet.models import (
     QuarantinedAlert,
 )
 from trainguard.operators.policy import ladder
+
+# actions that say who handles an incident (a tg_incident run's claim, the reconciler's redrive), not what was done
+# about it: a watched incident with only these may still be taken over by stronger alerts
+CLAIMS = ("run", "redrive")
 
 
 class IncidentRecords:
@@ -45,7 +49,9 @@ class IncidentRecords:
         # retried event) queue here, so the second sees the incident the first opened (Postgres runs them
         # concurrently at READ COMMITTED; SQLite's BEGIN IMMEDIATE had serialised them already)
         s.execute(select(Job.name).where(Job.name == job).with_for_update())
-        inc = s.scalar(select(Incident).where(Incident.job == job, Incident.state.in_(OPEN_INCIDENT_STATES))
+        # an incident that waits for a human takes no alert: a new fault (of a job restarted by hand, or one the
+        # waiting incident does not cover) opens an incident of its own, which the ladder acts on
+        inc = s.scalar(select(Incident).where(Incident.job == job, Incident.state == states.IncidentState.OPEN)
                        .order_by(Incident.id.desc()).with_for_update())
         opened = inc is None
         if inc is None:
@@ -320,7 +326,8 @@ class IncidentRecords:
             inc = self._required(s, Incident, incident_id, lock=True)
             if inc.state != states.IncidentState.OPEN or inc.category not in watched:
                 return False
-            if s.scalar(select(Action.id).where(Action.incident_id == incident_id).limit(1)) is not None:
+            if s.scalar(select(Action.id).where(Action.incident_id == incident_id, Action.kind.not_in(CLAIMS))
+                        .limit(1)) is not None:
                 return False
             inc.category, inc.summary = category, summary
             return True

@@ -10,10 +10,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from trainguard.operators.fleet import states
-from trainguard.operators.fleet.db import FREE, FleetError
+from trainguard.operators.fleet.db import FREE, OPEN_INCIDENT_STATES, FleetError
 from trainguard.operators.fleet.models import (
+    Incident,
     Job,
     Machine,
     Revision,
@@ -78,6 +80,7 @@ class JobRecords:
             else:  # a stopped or failed job of that name: the new spec replaces it (its history stays)
                 for key, value in {**fields, "created_ts": now}.items():
                     setattr(j, key, value)
+                self._supersede(s, name, f"job {name} was submitted again")
             s.flush()
             for mname in machines:
                 m = s.get(Machine, mname, with_for_update=True)
@@ -101,11 +104,16 @@ class JobRecords:
         with self.tx() as s:
             return list(s.scalars(FREE))
 
-    def release_job(self, name: str, *, state: str = "stopped", reason: str = "") -> list[str]:
+    def release_job(self, name: str, *, state: str = "stopped", reason: str = "",
+                    faulty: Mapping[str, str] | None = None, supersede: str = "") -> list[str]:
         """End a job in the fleet database: its state becomes ``state`` ("stopped" or "failed") and its machines
-        return to the pool (standby; one under suspicion is evicted), in one transaction. Returns the machines
-        released; a job already released releases nothing."""
+        return to the pool (standby), in one transaction. A machine under suspicion, or one in ``faulty``
+        (machine -> the fault no incident acted on yet: a lost GPU whose eviction waited for a human), is evicted
+        instead, never handed to the next job. ``supersede``: the job's incidents still open or waiting for a
+        human are closed (failed) with this note, so that the next fault of the job opens its own. Returns the
+        machines released; a job already released releases nothing."""
         released: list[str] = []
+        faulty = dict(faulty or {})
         with self.tx() as s:
             j = self._required(s, Job, name, lock=True)
             for mname in j.machine_list:
@@ -113,12 +121,30 @@ class JobRecords:
                 if m is None or m.job != name:
                     continue
                 why = f"released by job {name}" + (f": {reason}" if reason else "")
-                self._move(s, m, states.EVICTED if m.state == states.SUSPECT else states.STANDBY, why, None, job=name)
+                if mname in faulty:
+                    why = f"{why}; unhandled fault: {faulty[mname]}"
+                bad = m.state == states.SUSPECT or mname in faulty
+                self._move(s, m, states.EVICTED if bad else states.STANDBY, why, None, job=name)
                 m.job = None
                 released.append(mname)
             if j.state != state:
                 j.state, j.updated_ts = state, self.clock()
+            if supersede:
+                self._supersede(s, name, supersede)
         return released
+
+    def _supersede(self, s: Session, job: str, note: str) -> list[int]:
+        """Close the job's incidents still open or waiting for a human (failed, ``note`` added to the summary)
+        within ``s``; their ids."""
+        now = self.clock()
+        closed = []
+        for inc in s.scalars(select(Incident).where(Incident.job == job, Incident.state.in_(OPEN_INCIDENT_STATES))
+                             .with_for_update()):
+            inc.state = states.IncidentState.FAILED
+            inc.closed_ts = inc.closed_ts or now
+            inc.summary = f"superseded: {note}" + (f" (was: {inc.summary})" if inc.summary else "")
+            closed.append(inc.id)
+        return closed
 
     def jobs(self) -> list[Job]:
         with self.tx() as s:

@@ -414,16 +414,22 @@ class BreakerVerdict:
 
 
 def breaker(*, job_machines: int, evicted_recently: set[str], to_evict: Iterable[str], max_share: float,
-            window_s: float) -> BreakerVerdict:
-    """Whether evicting ``to_evict`` keeps the job's evictions within ``max_share`` of its machines per
-    ``window_s``. Over it, the incident waits for a human."""
+            window_s: float, spares: int = 0) -> BreakerVerdict:
+    """Whether evicting ``to_evict`` keeps the job's evictions within its allowance per ``window_s``: ``max_share``
+    of its machines, and never less than one machine, nor less than the ``spares`` kept for it (one eviction per
+    spare: a two-machine job with two standbys may use both, where half its machines would allow one). Over it,
+    the incident waits for a human; the reason says how to raise the allowance."""
     wanted = set(to_evict)
     total = evicted_recently | wanted
-    limit = max(1, int(max_share * job_machines + 1e-9))
+    share = int(max_share * job_machines + 1e-9)
+    limit = max(1, share, spares)
     if len(total) > limit:
+        why = (f"{max_share:.0%} of {job_machines} machines" if limit == share
+               else f"one per spare, {spares}" if limit == spares else "at least one")
         return BreakerVerdict(False, f"evicting {', '.join(sorted(wanted))} would make {len(total)} machines of "
-                                     f"{job_machines} evicted within {window_s:.0f}s (limit {limit}, "
-                                     f"{max_share:.0%}); waiting for a human")
+                                     f"{job_machines} evicted within {window_s:.0f}s (limit {limit}: {why}); "
+                                     f"waiting for a human: raise TG_BREAKER_SHARE (now {max_share:g}) or the job's "
+                                     f"standbys, or wait out TG_BREAKER_WINDOW_S, then retry the incident")
     return BreakerVerdict(True, f"{len(total)} of at most {limit} machines evicted in the window")
 
 

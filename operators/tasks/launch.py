@@ -38,13 +38,15 @@ def validate(conf: dict[str, Any]) -> dict[str, Any]:
 def reserve(c: Controller, spec_doc: dict[str, Any]) -> dict[str, Any]:
     """Reserve the machines and record the job (``launching``) with its spec."""
     from trainguard.operators.jobspec import parse_spec
-    out = c.jobs.submit(parse_spec(spec_doc))
+    spec = parse_spec(spec_doc)
+    out = c.jobs.submit(spec)
     common.note(f"job {out['job']}: machines {', '.join(out['machines'])} reserved")
-    return out
+    # a count of machines may take other free ones in place of a machine that fails its check; named ones may not
+    return {**out, "any_free": isinstance(spec.machines, int)}
 
 
-def _release(c: Any, job: str, what: str, exc: BaseException) -> None:
-    released = c.jobs.release(job, state="failed", reason=f"{what}: {exc}")
+def _release(c: Any, job: str, what: str, exc: BaseException, faulty: dict[str, str] | None = None) -> None:
+    released = c.jobs.release(job, state="failed", reason=f"{what}: {exc}", faulty=faulty)
     common.note(f"job {job}: {what} failed ({exc}); machines {', '.join(released['released']) or 'none'} released")
 
 
@@ -62,13 +64,29 @@ def check(c: Controller, reserved: dict[str, Any]) -> dict[str, Any]:
     skipped = _earlier(reserved, "the check")
     if skipped is not None:
         return skipped
-    job, machines = reserved["job"], list(reserved["machines"])
-    d = c.diagnosis.diagnose(job, machines, levels=(1,))
-    if d["failed"]:
-        err = TrainguardError("machines failed L1: " + "; ".join(f"{n}: {why}" for n, why in d["failed"].items()))
-        _release(c, job, "the machine check", err)
-        raise err
-    return {"job": job, "machines": machines, "checked": "L1", "seconds": d["seconds"], "submitted": True}
+    job = reserved["job"]
+    d = c.diagnosis.diagnose(job, list(reserved["machines"]), levels=(1,))
+    seconds, bad, replaced = float(d["seconds"]), dict(d["failed"]), {}
+    while bad:
+        # a job asked for a count of machines: each machine that failed goes to repair, a free one takes its place
+        # (checked in turn); a job that named its machines, or a pool with too few left, fails the launch
+        free = c.fleet.free_machines() if reserved.get("any_free") else []
+        if len(free) < len(bad):
+            err = TrainguardError("machines failed L1: " + "; ".join(f"{n}: {why}" for n, why in bad.items())
+                                  + ("" if not reserved.get("any_free") else
+                                     f"; {len(free)} free machines left to take their place"))
+            _release(c, job, "the machine check", err, faulty={n: f"failed L1: {why}" for n, why in bad.items()})
+            raise err
+        plan = dict(zip(sorted(bad), free, strict=False))
+        c.fleet.swap(job, plan, reason="failed L1 at launch: " + "; ".join(f"{n}: {bad[n]}" for n in plan))
+        common.note(f"job {job}: " + ", ".join(f"{old} failed L1 ({bad[old]}), {new} takes its place"
+                                                for old, new in plan.items()))
+        replaced |= plan
+        d = c.diagnosis.diagnose(job, list(plan.values()), levels=(1,))
+        seconds += float(d["seconds"])
+        bad = dict(d["failed"])
+    return {"job": job, "machines": list(c.fleet.job(job).machine_list), "checked": "L1",
+            "seconds": round(seconds, 3), "submitted": True, **({"replaced": replaced} if replaced else {})}
 
 
 def _run_releasing(c: Controller, step: dict[str, Any], what: str, act: Any) -> tuple[Any, dict[str, Any] | None]:

@@ -74,6 +74,29 @@ def test_a_nan_during_a_slow_vote_takes_the_incident_over_once(ctl: Controller):
     assert not again["taken_over"]  # handled as a NaN now: one new run, not one per batch
 
 
+def test_a_lost_gpu_takes_over_a_vote_whose_incident_a_run_claimed(ctl: Controller):
+    """In Airflow every incident carries the claim of the tg_incident run that opened it (and a redrive's, later):
+    the take-over once counted that claim as "acted on" and refused, so a lost GPU waited out the vote's rounds
+    and the incident was recorded as slow."""
+    [slow] = ctl.ingest([_alert("rank_slow", "m0", 0, 100.0), _alert("rank_slow", "m1", 1, 100.5)],
+                        claim={"run": "asset_triggered__1", "first_seen_ts": 100.0})
+    assert slow["opened"] and ctl.fleet.claims_of(slow["incident"])
+    ctl.fleet.record_action(f"redrive:{slow['incident']}:1", kind="redrive", incident_id=slow["incident"])
+    ctl.triage(slow["incident"])
+    [lost] = ctl.ingest([_alert("gpu_lost", "m2", 2, 101.0)], claim={"run": "asset_triggered__2"})
+    assert lost["incident"] == slow["incident"] and lost["taken_over"]
+    assert ctl.fleet.incident(slow["incident"]).category == "machine_fault"
+
+
+def test_an_incident_that_waits_for_a_human_takes_no_new_alert(ctl: Controller):
+    [hang] = ctl.ingest([_alert("rank_hang", "m0", 0, 100.0)])
+    ctl.fleet.wait_for_human(hang["incident"], "the breaker: raise TG_BREAKER_SHARE")
+    [crash] = ctl.ingest([_alert("rank_exit", "m1", 1, 200.0)])
+    assert crash["opened"] and crash["incident"] != hang["incident"]
+    assert ctl.fleet.incident(hang["incident"]).state == "waiting_human"
+    assert [a.kind for a in ctl.fleet.alerts_of(crash["incident"])] == ["rank_exit"]
+
+
 def test_a_claimed_vote_verdict_cannot_be_taken_over_and_a_taken_over_vote_claims_nothing(ctl: Controller):
     from trainguard.operators.policy import ladder
 

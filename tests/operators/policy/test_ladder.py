@@ -173,6 +173,20 @@ def test_the_breaker_caps_evictions_per_window():
                               window_s=600).allowed
 
 
+def test_a_small_job_may_use_every_spare_kept_for_it_and_the_refusal_says_how_to_raise_the_allowance():
+    """A two-machine job with two standbys could lose one machine an hour (half its machines): a lost GPU used
+    that, and a hang localised to the other machine waited for a human with a standby free."""
+    assert ladder.breaker(job_machines=2, evicted_recently={"m1"}, to_evict=["m0"], max_share=0.5, window_s=3600,
+                          spares=2).allowed
+    no = ladder.breaker(job_machines=2, evicted_recently={"m1", "m0"}, to_evict=["m4"], max_share=0.5,
+                        window_s=3600, spares=2)
+    assert not no.allowed and "limit 2: one per spare, 2" in no.reason
+    assert "raise TG_BREAKER_SHARE (now 0.5)" in no.reason and "retry the incident" in no.reason
+    # the share still rules a big job
+    assert not ladder.breaker(job_machines=100, evicted_recently={"a", "b", "c", "d", "e"}, to_evict=["f"],
+                              max_share=0.05, window_s=3600, spares=2).allowed
+
+
 # ---- runtime analysis ------------------------------------------------------------------------------
 WAIT = [{"name": "wait", "filename": "/x/torch/distributed/distributed_c10d.py"},
         {"name": "all_reduce", "filename": "/x/torch/distributed/distributed_c10d.py"},

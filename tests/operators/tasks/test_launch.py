@@ -40,22 +40,45 @@ def test_a_submitted_job_takes_free_machines_starts_there_and_is_running_after_i
     assert argv[argv.index("--") + 1:] == ["--epochs", "3"]
     # the same submission again is the same job: nothing reserved or started twice
     again = launch.reserve(c, launch.validate({"spec": SPEC}))
-    assert again == {"job": "team", "machines": ["m4", "m5"], "submitted": False}
+    assert again == {"job": "team", "machines": ["m4", "m5"], "submitted": False, "any_free": True}
 
 
-def test_a_machine_that_fails_its_check_ends_the_launch_and_releases_every_reserved_machine(tmp_path, monkeypatch):
+def test_a_machine_that_fails_its_check_ends_the_launch_when_no_free_one_can_take_its_place(tmp_path, monkeypatch):
     c, fleet = fleet_controller(tmp_path)
     use_controller(monkeypatch, c)
     fleet.l1 = {"m5": "GPU 3 lost"}
     reserved = launch.reserve(c, launch.validate({"spec": SPEC}))
-    with pytest.raises(Exception, match=r"machines failed L1: m5: .*GPU 3 lost"):
+    with pytest.raises(Exception, match=r"machines failed L1: m5: .*GPU 3 lost; 0 free machines left"):
         launch.check(c, reserved)
     assert c.fleet.job("team").state == "failed"
     assert c.fleet.machine("m4").state == states.STANDBY and c.fleet.machine("m4").job is None
     assert not fleet.sent("job", "start") or "m4" not in fleet.sent("job", "start")
-    # the machines are free again, and a corrected submission gets them
-    fleet.l1 = {}
-    assert _launch(c, SPEC)["job"] == "team" and c.fleet.job("team").state == "running"
+    # the machine that failed is not handed back to the pool, where the next submission would take it again
+    assert c.fleet.machine("m5").state == states.EVICTED and c.fleet.free_machines() == ["m4"]
+
+
+def test_a_machine_that_fails_its_check_is_replaced_by_a_free_one_and_the_launch_goes_on(tmp_path, monkeypatch):
+    """A resubmitted job once took the machine with the lost GPU (back in the pool after a stop), failed its
+    check on it, and ended there though other machines were free."""
+    c, fleet = fleet_controller(tmp_path, machines=7)  # m4, m5, m6 free
+    use_controller(monkeypatch, c)
+    fleet.l1 = {"m4": "7 of 8 GPUs visible"}
+    checked = launch.check(c, launch.reserve(c, launch.validate({"spec": SPEC})))
+    assert checked["replaced"] == {"m4": "m6"} and checked["machines"] == ["m6", "m5"]
+    assert c.fleet.machine("m4").state == states.EVICTED
+    out = launch.first_step(c, launch.start(c, checked), timeout_s=30)
+    assert out["step"] >= 0 and c.fleet.job("team").machine_list == ["m6", "m5"]
+    assert sorted(m for m, argv in fleet.commands if argv[:2] == ["job", "start"] and "team" in argv) == ["m5", "m6"]
+
+
+def test_a_job_that_named_its_machines_takes_no_other_when_one_fails_its_check(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path, machines=7)
+    use_controller(monkeypatch, c)
+    fleet.l1 = {"m4": "7 of 8 GPUs visible"}
+    reserved = launch.reserve(c, launch.validate({"spec": {**SPEC, "machines": ["m4", "m5"]}}))
+    with pytest.raises(Exception, match=r"machines failed L1: m4: .*7 of 8 GPUs visible$"):
+        launch.check(c, reserved)
+    assert c.fleet.free_machines() == ["m5", "m6"]
 
 
 def test_the_same_spec_submitted_again_never_touches_the_running_job_even_when_a_check_would_fail(
@@ -165,3 +188,43 @@ def test_a_job_stopped_from_the_command_line_gives_its_machines_back(tmp_path, m
 def test_a_spec_path_that_is_not_there(tmp_path: Path, capsys):
     assert main(["job", "submit", str(tmp_path / "x.yaml")]) == 2
     assert "cannot be read (No such file or directory)" in capsys.readouterr().err
+
+
+def _gpu_lost(machine: str, ts: float) -> dict:
+    return {"id": f"gpu_lost-{machine}-{ts}", "job": "team", "machine": machine, "rank": None, "kind": "gpu_lost",
+            "severity": "fault", "ts": ts, "evidence": {}}
+
+
+def test_stopping_a_job_closes_its_waiting_incident_and_sends_its_unhandled_faulty_machine_to_repair(
+        tmp_path, monkeypatch):
+    """A lost GPU's eviction was refused (the breaker) and its incident waited for a human; the job was stopped as
+    the docs said, and the machine went back to the pool, the incident stayed waiting, and the next fault of the
+    job submitted again joined it."""
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    _launch(c, SPEC)
+    [lost] = c.ingest([_gpu_lost("m5", 100.0)])
+    c.fleet.wait_for_human(lost["incident"], "evicting m5 would exceed the breaker")
+    out = c.jobs.release("team")
+    assert out["evicted"] == ["m5"] and sorted(out["released"]) == ["m4", "m5"]
+    assert c.fleet.machine("m5").state == states.EVICTED and c.fleet.free_machines() == ["m4"]
+    inc = c.fleet.incident(lost["incident"])
+    assert inc.state == "failed" and inc.summary.startswith("superseded: job team was stopped")
+    assert inc.closed_ts is not None
+    # stopping again changes nothing
+    assert c.jobs.release("team")["released"] == []
+
+
+def test_submitting_a_job_again_supersedes_its_incidents_and_its_next_fault_opens_its_own(tmp_path, monkeypatch):
+    c, _fleet = fleet_controller(tmp_path, machines=7)
+    use_controller(monkeypatch, c)
+    _launch(c, SPEC)
+    [hang] = c.ingest([{**_gpu_lost("m5", 100.0), "kind": "rank_hang", "rank": 1, "id": "hang-1"}])
+    c.fleet.wait_for_human(hang["incident"], "the breaker")
+    c.fleet.set_job_state("team", "failed")  # the job died meanwhile; nobody ran 'job stop'
+    c.fleet.release_job("team", state="failed")
+    _launch(c, SPEC)
+    assert c.fleet.incident(hang["incident"]).state == "failed"
+    assert "submitted again" in c.fleet.incident(hang["incident"]).summary
+    [crash] = c.ingest([{**_gpu_lost("m4", 300.0), "kind": "rank_exit", "rank": 0, "id": "crash-1"}])
+    assert crash["opened"] and crash["incident"] != hang["incident"]
