@@ -79,6 +79,21 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
         jsub.add_parser(action, help=text).add_argument("job")
     jsub.add_parser("list", help="every job of the fleet database")
 
+    ip = sub.add_parser("incident", help="incidents: list them, close one by hand, act on a waiting one again")
+    isub = ip.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
+    il = isub.add_parser("list", help="the incidents still open or waiting for a human (--all: every one)")
+    il.add_argument("--job", default="", help="of this job only")
+    il.add_argument("--all", action="store_true", help="closed ones too")
+    ic = isub.add_parser("close", help="close an incident that is open or waits for a human (its job is looked at "
+                                       "again by the reconciler)")
+    ic.add_argument("incident", type=int)
+    ic.add_argument("--note", default="", help="what was done about it (kept in its summary)")
+    ir = isub.add_parser("retry", help="act on an incident that waits for a human again, once its cause is put right "
+                                       "(its run's restart_job and the tasks after it are cleared)")
+    ir.add_argument("incident", type=int)
+    ir.add_argument("--airflow-url", default="", help="the api-server (default $TG_AIRFLOW_URL, else the demo's "
+                                                      "kept Airflow); login from $TG_AIRFLOW_USER/$TG_AIRFLOW_PASSWORD")
+
     rp = sub.add_parser("revision", help="a job's code revisions: record one (before tg_code_update may use it), list")
     rsub = rp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     ra = rsub.add_parser("add", help="record a revision of the job's code")
@@ -204,7 +219,14 @@ def cmd_status(args: argparse.Namespace) -> int:
                 beats = status.watcher_beats(api)
         except Exception:  # the api-server away or the login refused: its health below says which
             beats = None
-    doc = status.collect(fleet, silent_s=silent or 15.0, airflow_url=url, beats=beats,
+    observed = None
+    try:  # what the running jobs' machines say (the inventory may be out of reach: then the database alone)
+        from trainguard.operators.control import Controller
+
+        observed = status.observe(Controller(ControlConfig.from_env()), fleet.jobs())
+    except (TrainguardError, OSError):
+        observed = None
+    doc = status.collect(fleet, silent_s=silent or 15.0, airflow_url=url, beats=beats, observed=observed,
                          reconcile_period_s=ControlConfig.from_env().reconcile_period_s)
     print_result(args, doc, status.render(doc))
     return EXIT_OK if doc["healthy"] else 1
@@ -294,6 +316,46 @@ def _airflow(args: argparse.Namespace) -> Any:
     return AirflowApi(url, username=user, password=password, timeout_s=60.0, retry_s=120.0, connect_retry_s=5.0)
 
 
+def cmd_incident(args: argparse.Namespace) -> int:
+    from trainguard.operators.control import ControlConfig
+    from trainguard.operators.fleet import FleetStore
+    from trainguard.operators.fleet.states import OPEN_INCIDENT_STATES
+
+    fleet = FleetStore(ControlConfig.from_env().fleet_url)
+    if args.action == "list":
+        rows = [i for i in fleet.incidents(args.job or None) if args.all or i.state in OPEN_INCIDENT_STATES]
+        doc = [{"incident": i.id, "job": i.job, "state": i.state, "category": i.category, "level": i.level,
+                "opened_ts": i.opened_ts, "summary": i.summary} for i in rows]
+        print_result(args, doc, "\n".join(f"{d['incident']:6} {d['job']:16} {d['state']:14} {d['category'] or '-':13} "
+                                          f"{(d['summary'] or '')[:100]}" for d in doc) or "no incident")
+        return EXIT_OK
+    if args.action == "close":
+        out = fleet.close_by_hand(args.incident, args.note)
+        print_result(args, out, f"incident {args.incident} " + (
+            f"closed ({out['state']}); job {out['job']} is {out['job_state']}" if out["closed"]
+            else f"was closed already ({out['state']})"))
+        return EXIT_OK
+    inc = fleet.incident(args.incident)
+    if inc.state in ("resolved", "failed"):
+        raise TrainguardError(f"incident {inc.id} is {inc.state}; only one that is open or waits for a human can be "
+                              f"retried", exit_code=2)
+    runs = [c["run"] for c in fleet.claims_of(inc.id)]
+    if not runs:
+        raise TrainguardError(f"incident {inc.id} has no tg_incident run to act again; trigger tg_incident with "
+                              f"incident_id {inc.id}", exit_code=2)
+    api = _airflow(args)
+    try:
+        with api:
+            cleared = api.clear_tasks("tg_incident", runs[-1], ["restart_job"])
+    except Exception as exc:
+        raise TrainguardError(f"the api-server did not clear restart_job of run {runs[-1]}: {exc}",
+                              exit_code=2) from None
+    doc = {"incident": inc.id, "run": runs[-1], "cleared": cleared}
+    print_result(args, doc, f"incident {inc.id}: restart_job of tg_incident run {runs[-1]} cleared "
+                            f"({', '.join(cleared) or 'nothing'}); it acts on the incident again")
+    return EXIT_OK
+
+
 def cmd_job(args: argparse.Namespace) -> int:
     from trainguard.operators.control import ControlConfig, Controller
 
@@ -372,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_airflow(args)
         if args.command == "job":
             return cmd_job(args)
+        if args.command == "incident":
+            return cmd_incident(args)
         if args.command == "ettr":
             return cmd_ettr(args)
         if args.command == "revision":

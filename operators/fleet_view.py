@@ -29,6 +29,17 @@ def observed_state(progress: dict[str, Any]) -> str:
     return "stopped" if not running else "partly running"
 
 
+def job_problem(recorded: str, seen: str, held: list[int], waiting: list[Any]) -> str:
+    """What needs a look about a job, in one line ("" when nothing does): an incident that waits for a human, a job
+    the fleet database calls running that its machines say is not, ranks holding still on a non-finite step."""
+    out = [f"incident {i.id} waits for a human: {(i.summary or '')[:200]}" for i in waiting]
+    if recorded in ("running", "waiting_human") and seen not in ("running", "degraded"):
+        out.append(f"the fleet database says {recorded}, its machines say {seen}: the job is not training")
+    if held:
+        out.append(f"rank(s) {', '.join(map(str, held[:8]))} hold still on a non-finite step")
+    return "; ".join(out)
+
+
 def _rung(incident: Any) -> str:
     """The rung handling an open incident: its summary's ``next:`` (what triage decided), else its state."""
     for part in reversed((incident.summary or "").split("; ")):
@@ -89,9 +100,8 @@ def collect(c: Any, *, now: float | None = None) -> dict[str, Any]:
         if degraded is not None and seen == "partly running":
             seen = "degraded"  # some replica groups are down, enough of the others train on
         report = ettr.get(j.name)
-        problem = ""
-        if j.state == "running" and seen not in ("running", "degraded"):
-            problem = f"the fleet database says running, its machines say {seen}: the job is not training"
+        problem = job_problem(j.state, seen, progress.get("held") or [],
+                              [i for i in c.fleet.incidents(j.name) if i.state == states.IncidentState.WAITING_HUMAN])
         jobs.append({"job": j.name, "state": seen, "recorded_state": j.state, "revision": j.revision or "-",
                      "step": progress.get("step"), "machines": machines, "incidents": incidents,
                      "ettr": None if report is None else {"cumulative": report.evidence.get("cumulative"),

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainguard.core.errors import TrainguardError
 from trainguard.core.procs import group_alive
 from trainguard.operators.fleet import FleetStore
 from trainguard.operators.fleet.states import IncidentState
@@ -65,10 +66,13 @@ def watcher_beats(api: Any) -> dict[str, dict[str, Any] | None]:
 
 
 def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: float | None = None,
-            reconcile_period_s: float = 10.0, beats: dict[str, dict[str, Any] | None] | None = None) -> dict[str, Any]:
+            reconcile_period_s: float = 10.0, beats: dict[str, dict[str, Any] | None] | None = None,
+            observed: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The status document; ``problems`` lists every line that needs a human's attention.
     ``reconcile_period_s``: the reconciler's period (0: it is off and not checked); ``beats``: the watchers' beats
-    (:func:`watcher_beats`; None: Airflow's REST API was not asked, and the watchers' liveness is not judged)."""
+    (:func:`watcher_beats`; None: Airflow's REST API was not asked, and the watchers' liveness is not judged);
+    ``observed``: what each job's machines report now (job -> ``{"seen", "held"}``, :func:`observe`), so that a job
+    the fleet database calls running while its machines say exited is told apart."""
     now = time.time() if now is None else now
     problems: list[str] = []
     components = fleet.components()
@@ -125,6 +129,13 @@ def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: f
     for j in jobs:
         if j.state not in ("running", "stopped") and not any(i["job"] == j.name for i in incidents):
             problems.append(f"job {j.name} is {j.state} and no incident handles it")
+        seen = (observed or {}).get(j.name)
+        if seen is not None:
+            from trainguard.operators.fleet_view import job_problem
+
+            why = job_problem(j.state, seen["seen"], seen.get("held") or [], [])
+            if why:
+                problems.append(f"job {j.name}: {why}")
     quarantined = fleet.quarantined(since=now - 3600)
     return {
         "ts": now,
@@ -134,7 +145,8 @@ def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: f
                        **({"last_acted_age_s": round(now - reconciler.seen_ts, 1)} if reconciler else {})},
         "airflow": airflow,
         "agents": agents,
-        "jobs": [{"job": j.name, "state": j.state, "machines": j.machine_list, "revision": j.revision}
+        "jobs": [{"job": j.name, "state": j.state, "machines": j.machine_list, "revision": j.revision,
+                  **({"observed": (observed or {})[j.name]["seen"]} if j.name in (observed or {}) else {})}
                  for j in jobs],
         "incidents": incidents,
         "quarantined_last_hour": {"count": len(quarantined),
@@ -142,6 +154,23 @@ def collect(fleet: FleetStore, *, silent_s: float, airflow_url: str = "", now: f
         "problems": problems,
         "healthy": not problems,
     }
+
+
+def observe(c: Any, jobs: list[Any]) -> dict[str, dict[str, Any]]:
+    """What the machines of each job the fleet database calls running (or waiting for a human) report now: one
+    ``tg-node job status`` round per job (``{"seen": running|stopped|partly running|unreachable, "held": ranks}``)."""
+    from trainguard.operators.fleet_view import observed_state
+
+    out: dict[str, dict[str, Any]] = {}
+    for j in jobs:
+        if j.state not in ("running", "waiting_human"):
+            continue
+        try:
+            progress = c.jobs.progress(j.name)
+        except TrainguardError:
+            continue
+        out[j.name] = {"seen": observed_state(progress), "held": progress.get("held") or []}
+    return out
 
 
 def _age(beat: dict[str, Any] | None, now: float) -> float | None:
@@ -170,7 +199,9 @@ def render(doc: dict[str, Any]) -> str:
     lines.append(f"agents     {len(doc['agents'])} serving running jobs" + (f": {', '.join(beating)}" if beating
                                                                              else ""))
     for j in doc["jobs"]:
-        lines.append(f"job        {j['job']} {j['state']} on {', '.join(j['machines'])} "
+        seen = j.get("observed")
+        said = "" if seen is None or seen == j["state"] else f" (its machines say {seen})"
+        lines.append(f"job        {j['job']} {j['state']}{said} on {', '.join(j['machines'])} "
                      f"(revision {j['revision'] or '-'})")
     for i in doc["incidents"]:
         lines.append(f"incident   {i['incident']} of {i['job']}: {i['state'].replace('_', ' ')} "

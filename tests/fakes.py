@@ -96,12 +96,14 @@ class FakeFleet(Transport):
                                  "ckpt_restored_step": self.restored if len(self.records) == 0 else None})
 
     restored = 9
+    held: frozenset[int] = frozenset()  # ranks whose heartbeat says they hold still (a non-finite step)
 
     def _status(self, name: str) -> dict[str, Any]:
         ranks = self.running.get(name, [])
         return {"job": self.job, "machine": name, "state": "running" if ranks else "exited",
                 "incarnation": self.incarnation.get(name), "returncode": None if ranks else -9,
                 "ranks": [{"rank": r, "step": self.step, "process_state": "S" if ranks else "gone",
+                           "status": "held" if r in self.held else "running",
                            "last_step": {"step": self.step, "step_time_s": 0.6, "comm_s": 0.2,
                                          "incarnation": self.incarnation.get(name)},
                            "recent_compute_s": self.compute.get(r, 0.35), "progress_age_s": self.progress_age}

@@ -315,7 +315,10 @@ class Jobs(Part):
         st = launcher.status(self.inventory, job, self.inventory.named(names), transport=self.transport)
         return {"step": launcher.min_step(st),
                 "incarnations": {n: d.get("incarnation") for n, d in st.items()},
-                "states": {n: d.get("state", d.get("error")) for n, d in st.items()}}
+                "states": {n: d.get("state", d.get("error")) for n, d in st.items()},
+                # ranks that hold still on purpose (a non-finite step: they wait for the control plane)
+                "held": sorted(int(r["rank"]) for d in st.values() for r in d.get("ranks") or []
+                               if isinstance(r, dict) and r.get("status") == "held" and "rank" in r)}
 
     def trains(self, job: str, *, within_s: float = 15.0, poll_s: float = 1.0) -> bool:
         """Whether every rank of the job finishes a step within ``within_s`` (the job trains right now). A job run as

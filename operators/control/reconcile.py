@@ -74,7 +74,9 @@ class Reconciliation(Part):
         finds its agent silent."""
         now = time.time() if now is None else now
         findings: list[Finding] = []
-        running = [j for j in self.fleet.jobs() if j.state == "running"]
+        # a job whose incident waits for a human is looked at too: its next failure (its machines found down, a
+        # fault left on one) opens an incident of its own, once after each wait (policy.waiting_blocks)
+        running = [j for j in self.fleet.jobs() if j.state in ("running", "waiting_human")]
         for j in running:
             try:
                 findings += self._reconcile_job(j, memory, live_runs=live_runs, silent=silent, now=now)
@@ -98,7 +100,8 @@ class Reconciliation(Part):
                   "runs": runs.get(i.id, [])} for i in open_], live_runs, now, grace_s=cfg.reconcile_grace_s)
         launching = [a for a in self.fleet.in_flight(f"launch:{j.name}:")
                      if now - (a.started_ts or 0.0) < LAUNCH_IN_FLIGHT_S]
-        if any(i.state in (IncidentState.OPEN, IncidentState.WAITING_HUMAN) for i in incidents) or launching:
+        if any(i.state == IncidentState.OPEN for i in incidents) or launching or policy.waiting_blocks(
+                [(i.id, i.state) for i in incidents]):
             memory.pop(j.name, None)  # an incident (or a launch) handles the job: look afresh after it
             return findings
         try:

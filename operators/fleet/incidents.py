@@ -302,6 +302,27 @@ class IncidentRecords:
                 job.state, job.updated_ts = "waiting_human", self.clock()
         return {"swaps": {}, "waiting_human": True, "reason": reason}
 
+    def close_by_hand(self, incident_id: int, note: str = "") -> dict[str, Any]:
+        """A person closes an incident that is open or waits for a human (``trainguard incident close``), in one
+        transaction: it is failed (its summary keeps ``note`` and what it said), and a job that waited for it alone
+        is ``running`` again in the database, so the reconciler looks at its machines (a job found down opens an
+        incident of its own). Closing a closed incident changes nothing (``closed`` False)."""
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            job = self._required(s, Job, inc.job, lock=True)
+            if inc.state not in (states.IncidentState.OPEN, states.IncidentState.WAITING_HUMAN):
+                return {"incident": inc.id, "job": job.name, "closed": False, "state": inc.state,
+                        "job_state": job.state}
+            now = self.clock()
+            inc.state, inc.closed_ts = states.IncidentState.FAILED, inc.closed_ts or now
+            inc.summary = f"closed by hand: {note or 'no note'}" + (f" (was: {inc.summary})" if inc.summary else "")
+            waiting = s.scalar(select(Incident.id).where(Incident.job == job.name, Incident.id != inc.id,
+                                                         Incident.state == states.IncidentState.WAITING_HUMAN)
+                               .limit(1))
+            if job.state == "waiting_human" and waiting is None:
+                job.state, job.updated_ts = "running", now
+            return {"incident": inc.id, "job": job.name, "closed": True, "state": inc.state, "job_state": job.state}
+
     def claim_watched(self, incident_id: int, key: str, *, watched: Collection[str], kind: str,
                       machines: Sequence[str] = (), evidence: dict[str, Any] | None = None, detail: str = "") -> bool:
         """A watched incident's verdict (a fail-slow vote's), recorded as a done action in the same

@@ -187,6 +187,15 @@ class AirflowApi:
 
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}")["state"]
 
+    def clear_tasks(self, dag_id: str, run_id: str, task_ids: list[str], *, downstream: bool = True) -> list[str]:
+        """Clear ``task_ids`` of a run (and the tasks after them with ``downstream``), as the UI's Clear does: they
+        run again and the run with them. The task ids cleared."""
+        out = self.request("POST", f"/api/v2/dags/{dag_id}/clearTaskInstances",
+                           {"dry_run": False, "dag_run_id": run_id, "task_ids": list(task_ids),
+                            "include_downstream": downstream, "only_failed": False, "reset_dag_runs": True},
+                           repeatable=True)
+        return sorted({str(ti.get("task_id")) for ti in (out or {}).get("task_instances") or []})
+
     def set_run_note(self, dag_id: str, run_id: str, note: str) -> Any:
         """Set a DAG run's note (the simple auth manager's ``user`` role may)."""
         from urllib.parse import quote

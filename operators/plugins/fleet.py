@@ -77,7 +77,7 @@ def render(doc: dict[str, Any]) -> str:
                       + (f', for {float(d["for_s"]):.0f}s' if d.get("for_s") is not None else "") + "</span>")
         rows.append(
             f'<tr data-job="{e(j["job"])}"><td>{e(j["job"])}</td>'
-            f'<td class="state" data-state="{e(j["state"])}">{state}</td>'
+            f'<td class="state" data-state="{e(j["state"])}"{" data-problem" if j["problem"] else ""}>{state}</td>'
             f'<td>{e(j["recorded_state"])}</td><td>{e(j["revision"])}</td>'
             f'<td>{"-" if j["step"] is None else int(j["step"])}</td><td>{machines}</td><td>{incidents}</td>'
             f'<td>{_pct(ettr.get("cumulative"))} / {_pct(ettr.get("sliding"))}</td>'
@@ -91,8 +91,8 @@ def render(doc: dict[str, Any]) -> str:
 <style>
 body {{ font-family: sans-serif; margin: 1.5em; }}
 table {{ border-collapse: collapse; }} td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; }}
-td.state[data-state="running"] {{ color: #087f23; font-weight: bold; }}
-td.state:not([data-state="running"]) {{ color: #b00020; font-weight: bold; }}
+td.state[data-state="running"]:not([data-problem]) {{ color: #087f23; font-weight: bold; }}
+td.state:not([data-state="running"]), td.state[data-problem] {{ color: #b00020; font-weight: bold; }}
 td.state[data-state="degraded"], .degraded {{ color: #b26a00; }} .problem {{ color: #b00020; }}
 </style></head><body>
 <h1>trainguard fleet</h1>

@@ -20,7 +20,8 @@ handles:
 * ``stuck_incident``: an incident ``open`` with no live tg_incident run (its run failed, or was never
   started) for longer than ``grace_s``.
 
-A job with an incident being handled (open with a live run, or waiting for a human) is left to it. Each
+A job with an incident being handled (open) is left to it; one whose incident waits for a human is looked at,
+and its next failure opens an incident of its own, once after each wait (:func:`waiting_blocks`). Each
 finding becomes an incident through the same ladder (an alert of the kind above, ``source: reconciler``), or
 for a stuck incident a new run of it; after :data:`MAX_REDRIVES` runs that failed, it waits for a human.
 """
@@ -184,6 +185,15 @@ def stuck_incidents(incidents: Sequence[Mapping[str, Any]], live_runs: Collectio
                                   f"(its run failed or never started)",
                            evidence={"redrives": int(inc.get("redrives", 0))}))
     return out
+
+
+def waiting_blocks(incidents: Sequence[tuple[int, str]]) -> bool:
+    """Whether the job's incidents (``(id, state)`` each) keep the reconciler off it: an incident waits for a human
+    and the job already had its one incident after it (opened later, now closed: it acted on the job's next failure
+    and did not hold). A job whose incident waits is otherwise looked at as any running job, so that a dead job
+    behind a waiting incident is raised: once, not in a loop of restarts while nobody comes."""
+    waiting = [i for i, state in incidents if state == "waiting_human"]
+    return bool(waiting) and any(i > max(waiting) for i, _state in incidents)
 
 
 def unhandled_faults(job: str, faults: Sequence[Mapping[str, Any]], joined: Mapping[str, float]) -> list[Finding]:

@@ -76,8 +76,9 @@ def max_mapped_tasks() -> int:
 
 def incident_by_hand(c: Controller, job: str, summary: str) -> int:
     """An incident recording an operation run by hand (refused while the job has one open: alerts join
-    the open incident, and two hands on one job is one too many)."""
-    busy = open_incidents(c, job)
+    the open incident, and two hands on one job is one too many; one that waits for a human is no hand on the
+    job, and its reason may ask for this very operation)."""
+    busy = [i for i in open_incidents(c, job) if c.fleet.incident(i).state == IncidentState.OPEN]
     if busy:
         raise TrainguardError(f"job {job} has incident {busy[-1]} open; run this by hand once it is closed")
     inc, _ = c.fleet.open_incident(job, [], category="manual")

@@ -126,6 +126,23 @@ def restart_job(c: Controller, incident_id: int, results: list[dict[str, Any] | 
     limit = {"resume_timeout_s": resume_timeout_s}
     if _restarted(c, incident_id):
         return Restart.read({**restart_again(c, incident_id), **limit}).dump()
+    inc = c.fleet.incident(incident_id)
+    waited = inc.state == IncidentState.WAITING_HUMAN and (swapped.waiting_human or rung.waiting_human)
+    if waited and c.fleet.record_action(f"waited:{incident_id}", kind="waited", incident_id=incident_id)[1]:
+        pass  # this run's own pass: the incident waits for a human, and this task says so below
+    elif waited:
+        # run again (cleared by a person, or 'trainguard incident retry') once the cause was put right: the incident
+        # opens again and what stopped it (the breaker, no standby, the checkpoint's last copy) is judged again
+        if rung.waiting_human:
+            raise TrainguardError(f"incident {incident_id}: its rung decided to wait for a human ({inc.summary}); "
+                                  f"clear the rung's task to decide again")
+        busy = common.open_incidents(c, inc.job, other_than=incident_id)
+        if busy:
+            raise TrainguardError(f"incident {busy[0]} of job {inc.job} is open and its run acts on the job; "
+                                  f"clear this task again once it closed")
+        c.fleet.update_incident(incident_id, state=IncidentState.OPEN, summary=f"{inc.summary}; acted on again by hand")
+        c.fleet.set_job_state(inc.job, "running")
+        swapped = Swap.read(swap_machines(c, incident_id, results, stop))
     result = rung.dump()
     if swapped.joined and not swapped.waiting_human:  # a fault that joined forces the restart the rung spared
         result = {k: v for k, v in result.items() if k not in ("no_restart", "resolved")}

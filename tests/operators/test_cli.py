@@ -54,3 +54,28 @@ def test_the_emulation_commands_come_from_their_entry_point():
     _parser, handlers = build_parser()
     assert {"cluster", "inject", "demo", "controlplane"} <= set(handlers) and "job" not in handlers  # the product's
     assert all(h.__module__ == "trainguard.emulation.cli" for h in handlers.values())
+
+
+def test_incident_close_ends_a_waiting_incident_and_hands_its_job_back_to_the_reconciler(capsys, tmp_path,
+                                                                                         monkeypatch):
+    """No documented command closed an incident: one that waited for a human stayed waiting after the job was
+    put right, and 'trainguard status' said HUMAN NEEDED while the job trained."""
+    from tests.fakes import alert, fleet_controller
+
+    c, _fleet = fleet_controller(tmp_path)
+    monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
+    monkeypatch.setenv("TG_INVENTORY", c.cfg.inventory)
+    [item] = c.ingest([alert("rank_hang", "m1", rank=1)])
+    c.fleet.wait_for_human(item["incident"], "the breaker: raise TG_BREAKER_SHARE")
+    capsys.readouterr()
+    assert main(["incident", "list"]) == 0
+    assert f"{item['incident']}" in capsys.readouterr().out
+    assert main(["incident", "close", str(item["incident"]), "--note", "m1 reseated"]) == 0
+    assert f"incident {item['incident']} closed (failed); job j is running" in capsys.readouterr().out
+    inc = c.fleet.incident(item["incident"])
+    assert inc.state == "failed" and inc.summary.startswith("closed by hand: m1 reseated")
+    assert main(["incident", "close", str(item["incident"])]) == 0  # again: nothing to do
+    assert "was closed already" in capsys.readouterr().out
+    assert main(["incident", "retry", str(item["incident"])]) == 2  # a closed incident is not retried
+    assert "only one that is open or waits for a human" in capsys.readouterr().err
+    assert main(["incident", "close", "999"]) == 2

@@ -38,6 +38,35 @@ def test_an_open_incident_shows_with_the_rung_that_handles_it(tmp_path):
     assert inc["incident"] == item["incident"] and inc["category"] == "machine_fault" and inc["rung"] == "evict"
 
 
+def test_a_running_job_whose_incident_waits_for_a_human_or_whose_ranks_hold_still_is_a_problem(tmp_path):
+    """The Fleet page once showed a job green "running" with an empty problem column while both its ranks held
+    still on a NaN, and while its incident waited for a human."""
+    c, fleet = fleet_controller(tmp_path)
+    fleet.held = frozenset({0, 1})
+    [job] = fleet_view.collect(c)["jobs"]
+    assert job["state"] == "running" and "rank(s) 0, 1 hold still" in job["problem"]
+    fleet.held = frozenset()
+    [item] = c.ingest([alert("rank_hang", "m1")])
+    c.fleet.wait_for_human(item["incident"], "the breaker: raise TG_BREAKER_SHARE")
+    [job] = fleet_view.collect(c)["jobs"]
+    assert f"incident {item['incident']} waits for a human: the breaker" in job["problem"]
+    page = ui.render(fleet_view.collect(c))
+    assert 'data-state="running" data-problem>' in page
+
+
+def test_status_tells_a_job_the_database_calls_running_from_one_its_machines_say_exited(tmp_path):
+    from trainguard.operators import status
+
+    c, fleet = fleet_controller(tmp_path)
+    doc = status.collect(c.fleet, silent_s=15.0, reconcile_period_s=0, observed=status.observe(c, c.fleet.jobs()))
+    assert doc["healthy"] and doc["jobs"][0]["observed"] == "running"
+    fleet.running.clear()
+    doc = status.collect(c.fleet, silent_s=15.0, reconcile_period_s=0, observed=status.observe(c, c.fleet.jobs()))
+    assert not doc["healthy"] and doc["jobs"][0]["observed"] == "stopped"
+    assert any("says running, its machines say stopped" in p for p in doc["problems"])
+    assert "j running (its machines say stopped)" in status.render(doc)
+
+
 def test_the_observed_state_needs_every_machine_to_run_the_job():
     assert fleet_view.observed_state({"states": {"a": "running", "b": "running"}}) == "running"
     assert fleet_view.observed_state({"states": {"a": "exited", "b": "absent"}}) == "stopped"
@@ -54,7 +83,8 @@ def test_the_page_escapes_every_value_and_marks_each_jobs_state():
             "pool": {"standbys": [], "target": 2, "serving": 1, "short": 2}}
     page = ui.render(doc)
     assert "<b>j</b>" not in page and "&lt;b&gt;j&lt;/b&gt;" in page and "m&amp;0" in page
-    assert 'class="state" data-state="stopped">stopped<' in page and "95.1% / -" in page and "2 short" in page
+    assert 'class="state" data-state="stopped" data-problem>stopped<' in page
+    assert "95.1% / -" in page and "2 short" in page
 
 
 def test_the_plugin_registers_its_app_and_a_page_in_the_uis_navigation():

@@ -332,6 +332,28 @@ def test_a_job_down_behind_the_incidents_backs_is_an_incident_on_the_second_look
     assert len(c.fleet.incidents("j")) == 1
 
 
+def test_a_dead_job_behind_an_incident_that_waits_for_a_human_is_raised_once_after_each_wait(tmp_path, monkeypatch,
+                                                                                            started):
+    """The reconciler skipped every job with an incident waiting for a human: a job whose machines said "exited"
+    for minutes stayed "running" in the fleet database and nothing restarted it. Now the dead job opens an
+    incident of its own; if that one does not hold either, the reconciler leaves the job to the human."""
+    c, fleet = fleet_controller(tmp_path, reconcile_confirm_s=0.0)
+    use_controller(monkeypatch, c)
+    [hang] = c.ingest([alert("rank_hang", "m3", rank=3)])
+    c.fleet.wait_for_human(hang["incident"], "the breaker: raise TG_BREAKER_SHARE")
+    assert c.fleet.job("j").state == "waiting_human"
+    memory: dict = {}
+    fleet.running.pop("m3")
+    assert c.reconcile_pass(memory, live_runs=[]) == []  # seen once
+    [found] = c.reconcile_pass(memory, live_runs=[])
+    assert found.kind == "job_down" and found.machines == ("m3",)
+    [start] = c.reconcile_act([found])["starts"]
+    down = start["conf"]["incident_id"]
+    assert down != hang["incident"] and c.fleet.incident(hang["incident"]).state == "waiting_human"
+    c.close(down, outcome=IncidentState.FAILED, note="the restart did not hold")
+    assert c.reconcile_pass(memory, live_runs=[]) == [] and c.reconcile_pass(memory, live_runs=[]) == []
+
+
 def test_a_restart_between_two_looks_is_not_a_job_down(tmp_path):
     """A machine found down, then down again with another incarnation (it was started meanwhile, a code update
     in flight): the first look does not confirm the second."""

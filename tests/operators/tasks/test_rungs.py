@@ -531,3 +531,28 @@ def test_an_update_that_skipped_its_rearm_for_an_open_incident_is_rearmed_when_t
     # repeating it parks nothing more
     steps.rearm(c, second["incident"])
     assert len(fleet.sent("standby", "park")) == 4
+
+
+def test_clearing_restart_job_of_an_incident_the_breaker_stopped_judges_the_eviction_again_and_acts(
+        tmp_path, monkeypatch):
+    """Clearing restart_job of an incident that waited for a human (the docs' remedy once the breaker's share was
+    raised) only replayed the decision it had recorded: 'restarted: False, waiting_human: True'."""
+    from trainguard.operators.control import Controller
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path, breaker_share=0.25)  # one machine of four an hour, or one per spare
+    first = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    assert first["closed"]["state"] == "resolved" and c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]
+    out = run_incident(c, [alert("gpu_lost", "m2")], monkeypatch)  # one standby left: the breaker says no
+    inc = c.fleet.incident(out["incident"])
+    assert inc.state == "waiting_human" and "raise TG_BREAKER_SHARE" in inc.summary
+    assert c.fleet.job("j").machine_list == ["m0", "m4", "m2", "m3"]
+    # the operator raises the share and clears restart_job: the eviction is judged again, and the job restarts
+    raised = Controller(c.cfg.model_copy(update={"breaker_share": 1.0}), inventory=c.inventory, transport=fleet)
+    use_controller(monkeypatch, raised)
+    result = {k: v for k, v in out["result"].items() if k not in ("stop", "swap", "recovery")}
+    recovery = steps.restart_job(raised, out["incident"], [result], out["result"]["stop"], out["result"]["swap"])
+    assert recovery["restarted"] and raised.fleet.job("j").machine_list == ["m0", "m4", "m5", "m3"]
+    resumed = next(r for r in (steps.resumed(raised, out["incident"], recovery) for _ in range(20)) if r is not None)
+    closed = steps.close(raised, out["incident"], None, recovery, resumed)
+    assert closed["state"] == "resolved" and raised.fleet.job("j").state == "running"
