@@ -355,17 +355,32 @@ def _state(record: dict[str, Any] | None) -> str:
     return "exited"
 
 
-def _recent_compute(steps: list[dict[str, Any]], incarnation: Any, n: int = 5) -> float | None:
-    """The median compute time (step time less the wait in collectives) of the rank's last ``n`` steps of
-    this incarnation: what the fail-slow vote compares, steadier than one step's."""
-    values = []
+#: the fail-slow vote's look at a rank: its steps of the last RECENT_S seconds (at least RECENT_MIN_STEPS of them,
+#: at most RECENT_MAX_STEPS): a few 10 ms steps are one scheduling hiccup, a few seconds of them are the rank's pace
+RECENT_S, RECENT_MIN_STEPS, RECENT_MAX_STEPS = 3.0, 5, 2000
+
+
+def _recent_compute(steps: list[dict[str, Any]], incarnation: Any) -> dict[str, float | int] | None:
+    """The rank's recent compute time (step time less the wait in collectives) over its last steps of this
+    incarnation (:data:`RECENT_S` seconds of them): ``recent_compute_s`` (their median), ``recent_compute_spread_s``
+    (1.4826 x their median absolute deviation: the step-to-step noise) and ``recent_steps``; what the fail-slow
+    vote compares. None without such a step."""
+    values: list[float] = []
+    spent = 0.0
     for r in reversed(steps):
-        if r.get("incarnation") != incarnation or len(values) >= n:
+        if r.get("incarnation") != incarnation or len(values) >= RECENT_MAX_STEPS or (
+                len(values) >= RECENT_MIN_STEPS and spent >= RECENT_S):
             break
         t, comm = r.get("step_time_s"), r.get("comm_s")
         if isinstance(t, (int, float)) and isinstance(comm, (int, float)):
             values.append(max(0.0, float(t) - float(comm)))
-    return round(statistics.median(values), 6) if values else None
+            spent += max(0.0, float(t))
+    if not values:
+        return None
+    median = statistics.median(values)
+    spread = 1.4826 * statistics.median(abs(v - median) for v in values)
+    return {"recent_compute_s": round(median, 6), "recent_compute_spread_s": round(spread, 6),
+            "recent_steps": len(values)}
 
 
 def rank_status(rd: Path, rank: int, now: float, *, brief: bool = False) -> dict[str, Any]:
@@ -388,7 +403,8 @@ def rank_status(rd: Path, rank: int, now: float, *, brief: bool = False) -> dict
     steps = monitor.read_steps(rd, rank)
     return {**out, "collectives": hb.get("collectives", {}),
             "last_step": steps[-1] if steps else None,
-            "recent_compute_s": _recent_compute(steps, steps[-1].get("incarnation")) if steps else None}
+            **((_recent_compute(steps, steps[-1].get("incarnation")) if steps else None)
+               or {"recent_compute_s": None})}
 
 
 def status(cfg: NodeConfig, job: str, *, brief: bool = False) -> dict[str, Any]:

@@ -3,6 +3,7 @@ evict) and the fail-slow vote over rounds of compute times."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -47,34 +48,47 @@ class Analysis(Part):
                 "culprits": list(dict.fromkeys(machine_of[r] for r in sorted(a.outliers)))}
 
     def compute_times(self, job: str) -> dict[int, float]:
-        """Each rank's compute time in its last step (step time less the time spent in collectives),
-        from every machine's ``tg-node job status``: one round of the fail-slow vote."""
+        """Each rank's recent compute time (step time less the time spent in collectives), from every machine's
+        ``tg-node job status``: one round of the fail-slow vote."""
+        return self.compute_round(job)["times"]
+
+    def compute_round(self, job: str) -> dict[str, dict[int, float]]:
+        """One round of the fail-slow vote: ``times`` (rank -> its recent compute time, the median of its steps
+        of the last seconds, as its machine measured it; else its last step's) and ``noise`` (rank -> the standard
+        error of that median: its steps' spread over the root of their count; absent when the machine did not
+        say), from every machine's ``tg-node job status``."""
         j = self.fleet.job(job)
         st = launcher.status(self.inventory, job, self.inventory.named(j.machine_list), transport=self.transport)
-        out: dict[int, float] = {}
+        times: dict[int, float] = {}
+        noise: dict[int, float] = {}
         for doc in st.values():
             for r in doc.get("ranks", []):
                 recent = r.get("recent_compute_s")  # the median of its last steps, when the machine says it
                 if isinstance(recent, (int, float)):
-                    out[int(r["rank"])] = float(recent)
+                    times[int(r["rank"])] = float(recent)
+                    spread, n = r.get("recent_compute_spread_s"), r.get("recent_steps")
+                    if isinstance(spread, (int, float)) and isinstance(n, int) and n > 0:
+                        noise[int(r["rank"])] = float(spread) / math.sqrt(n)
                     continue
                 last = r.get("last_step") or {}
                 step_time, comm = last.get("step_time_s"), last.get("comm_s")
                 if isinstance(step_time, (int, float)) and isinstance(comm, (int, float)):
-                    out[int(r["rank"])] = max(0.0, float(step_time) - float(comm))
-        return out
+                    times[int(r["rank"])] = max(0.0, float(step_time) - float(comm))
+        return {"times": times, "noise": noise}
 
     def vote_round(self, incident_id: int) -> dict[str, Any]:
-        """One round of the fail-slow vote: each rank's recent compute time (``times``, rank -> seconds), or
-        ``superseded`` when stronger alerts took the incident over meanwhile (its category is no longer a
-        watched one). The rounds are taken ``slow_interval_s`` apart: by :meth:`vote_slow` here, by the
-        vote's trigger in Airflow (no worker held between them)."""
+        """One round of the fail-slow vote: each rank's recent compute time (``times``, rank -> seconds) and the
+        noise of that figure (``noise``), or ``superseded`` when stronger alerts took the incident over meanwhile
+        (its category is no longer a watched one). The rounds are taken ``slow_interval_s`` apart: by
+        :meth:`vote_slow` here, by the vote's trigger in Airflow (no worker held between them)."""
         inc = self.fleet.incident(incident_id)
         if inc.category not in ladder.WATCHED:
             return {"superseded": True}
-        return {"times": {str(r): t for r, t in self.compute_times(inc.job).items()}}
+        taken = self.compute_round(inc.job)
+        return {"times": {str(r): t for r, t in taken["times"].items()},
+                "noise": {str(r): round(n, 9) for r, n in taken["noise"].items()}}
 
-    def vote_verdict(self, incident_id: int, rounds: Sequence[Mapping[str, float]], *,
+    def vote_verdict(self, incident_id: int, rounds: Sequence[Mapping[str, Any]], *,
                      superseded: bool = False) -> dict[str, Any]:
         """The vote's verdict over its rounds (:class:`trainguard.operators.policy.runtime.SlowVoter`: the smallest
         group holding the ranks flagged in most rounds), claimed on the incident before anything is acted on, so
@@ -84,8 +98,11 @@ class Analysis(Part):
         inc = self.fleet.incident(incident_id)
         j = self.fleet.job(inc.job)
         voter = runtime.SlowVoter(j.topology, rounds=max(1, len(rounds)))
-        flagged = [voter.add_round({int(r): float(t) for r, t in times.items()}, factor=self.cfg.slow_factor)
-                   for times in rounds]
+        flagged = []
+        for one in rounds:  # a round: {"times", "noise"} (or, as recorded before, the times alone)
+            times, noise = (one["times"], one.get("noise") or {}) if "times" in one else (one, {})
+            flagged.append(voter.add_round({int(r): float(t) for r, t in times.items()}, factor=self.cfg.slow_factor,
+                                           noise={int(r): float(n) for r, n in noise.items()}))
         if superseded:
             return {"job": inc.job, "superseded": True, "rounds": flagged}
         verdict = voter.verdict()
@@ -100,12 +117,12 @@ class Analysis(Part):
         """The fail-slow vote in one call: ``slow_rounds`` rounds (:meth:`vote_round`), ``slow_interval_s``
         apart, while the job trains, then the verdict (:meth:`vote_verdict`); stops early, with
         ``superseded``, when stronger alerts took the incident over."""
-        rounds: list[dict[str, float]] = []
+        rounds: list[dict[str, Any]] = []
         while len(rounds) < self.cfg.slow_rounds:
             if rounds:
                 time.sleep(self.cfg.slow_interval_s)  # the sampling interval of the vote
             taken = self.vote_round(incident_id)
             if taken.get("superseded"):
                 return self.vote_verdict(incident_id, rounds, superseded=True)
-            rounds.append(taken["times"])
+            rounds.append({"times": taken["times"], "noise": taken.get("noise") or {}})
         return self.vote_verdict(incident_id, rounds)

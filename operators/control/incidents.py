@@ -13,7 +13,7 @@ from trainguard.core.topology import Topology
 from trainguard.operators.control.base import Part, asdict_action
 from trainguard.operators.fleet import states
 from trainguard.operators.fleet.incidents import CLAIMS
-from trainguard.operators.fleet.states import OPEN_INCIDENT_STATES, IncidentState
+from trainguard.operators.fleet.states import IncidentState
 from trainguard.operators.policy import ladder
 
 if TYPE_CHECKING:
@@ -164,11 +164,35 @@ class Incidents(Part):
             j = roster.jobs.get(job)
             if j is None or any(a.get("kind") not in ladder.SLOW for a in batch):
                 continue
-            why = ladder.shared_slowdown(batch, ranks=j.tp * j.pp * j.dp, factor=self.cfg.slow_factor,
-                                         topology=Topology(tp=j.tp, pp=j.pp, dp=j.dp))
-            if why and not any(i.state in OPEN_INCIDENT_STATES for i in self.fleet.incidents(job)):
-                out[job] = (why, batch)
+            if any(i.state == IncidentState.OPEN for i in self.fleet.incidents(job)):
+                continue  # they join the incident that handles the job
+            topo = Topology(tp=j.tp, pp=j.pp, dp=j.dp)
+            why = ladder.shared_slowdown(batch, ranks=j.tp * j.pp * j.dp, factor=self.cfg.slow_factor, topology=topo)
+            out_of_step = "" if why else self._confirm_straggler(job, topo)
+            if why or out_of_step:
+                out[job] = (why or out_of_step, batch)
         return out
+
+    def _confirm_straggler(self, job: str, topo: Topology) -> str:
+        """A fail-slow alert is a rank's claim about its own last steps; the job's machines are the evidence. One
+        look at every rank's compute over its last seconds (a round of the vote, :meth:`Analysis.compute_round`):
+        why no rank stands out against its stage's now, noise counted (no incident: a rank's scheduling hiccup,
+        an evaluation, a busy host), or "" when one does, or the look cannot say (a machine did not answer)."""
+        from trainguard.operators.control.analysis import Analysis
+        from trainguard.operators.policy.runtime import SlowVoter
+
+        try:
+            taken = Analysis.sharing(self).compute_round(job)
+        except TrainguardError:
+            return ""
+        times = {r: t for r, t in taken["times"].items() if 0 <= r < topo.world_size}
+        if len(times) < topo.world_size:
+            return ""
+        flagged = SlowVoter(topo, rounds=1).add_round(times, factor=self.cfg.slow_factor, noise=taken["noise"])
+        if flagged:
+            return ""
+        return (f"not confirmed: no rank of {len(times)} computes above {self.cfg.slow_factor:g}x its stage's median "
+                f"(beyond its steps' noise) over its last seconds; a passing slowdown, not a straggler")
 
     def _quarantine_on_bus(self, rejected: Sequence[Mapping[str, Any]]) -> None:
         """Move rejected alerts out of the bus's alerts folder, the reason beside them (best effort: they are

@@ -27,6 +27,7 @@ that passes within the rounds is transient: nothing is evicted.
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -224,6 +225,10 @@ def analyze(topo: Topology, stacks: Sequence[RankStack], *, named: Sequence[int]
     return Analysis(groups, outliers, reasons, kind, sorted(r for m in machines for r in topo.ranks_on(m)), machines)
 
 
+#: how many standard errors of a rank's recent compute time it must stand above its stage's median to be flagged
+NOISE_SIGMAS = 4.0
+
+
 def _median(values: Iterable[float]) -> float:
     """The lower median: with half the ranks slow (a whole machine of a small stage), still a normal one."""
     ordered = sorted(values)
@@ -243,13 +248,19 @@ class SlowVoter:
     seen: int = 0
     _stage: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)  # rank -> pp
 
-    def add_round(self, step_times: Mapping[int, float], *, factor: float = 1.5) -> list[int]:
+    def add_round(self, step_times: Mapping[int, float], *, factor: float = 1.5,
+                  noise: Mapping[int, float] | None = None) -> list[int]:
         """Vote with one round of per-rank recent compute times; returns the ranks flagged this round.
 
         A rank is compared with the ranks doing the same work, those of its pipeline stage (the last
         stage also computes the loss, the first the embeddings: stages differ by design); a stage with
-        fewer than three ranks reported is compared with the whole job. Time linear in the ranks (and a sort
-        per stage); each rank's stage is worked out once per voter."""
+        fewer than three ranks reported is compared with the whole job. It is flagged when its time is above
+        ``factor`` times that median and, where ``noise`` says how noisy each rank's figure is (the standard error
+        of its recent steps' median, seconds), also :data:`NOISE_SIGMAS` times that noise (its own, or its stage's
+        median noise if larger) above the median: on a busy host a healthy job's ranks differ by more than any
+        fixed factor from one round to the next (a vote named a healthy machine in 3 of 5 rounds at 1.25x), by
+        far less than a straggler over a few seconds of steps. Time linear in the ranks (and a sort per stage);
+        each rank's stage is worked out once per voter."""
         if not step_times:
             return []
         everyone = _median(step_times.values())
@@ -261,8 +272,24 @@ class SlowVoter:
         for r, t in step_times.items():
             stages.setdefault(stage_of[r], []).append(t)
         # one median per stage per round (a median per rank would be quadratic in the job's ranks)
-        limit = {pp: factor * (_median(peers) if len(peers) >= 3 else everyone) for pp, peers in stages.items()}
-        slow = [r for r, t in step_times.items() if t > limit[stage_of[r]]]
+        base = {pp: _median(peers) if len(peers) >= 3 else everyone for pp, peers in stages.items()}
+        noise = {r: n for r, n in (noise or {}).items() if r in step_times and n >= 0}
+        typical: dict[int, float] = {}
+        if noise:
+            by_stage: dict[int, list[float]] = {}
+            for r, n in noise.items():
+                by_stage.setdefault(stage_of[r], []).append(n)
+            overall = statistics.median(noise.values())
+            typical = {pp: statistics.median(by_stage[pp]) if len(by_stage.get(pp, [])) >= 3 else overall
+                       for pp in stages}
+        slow = []
+        for r, t in step_times.items():
+            pp = stage_of[r]
+            if t <= factor * base[pp]:
+                continue
+            if noise and t - base[pp] <= NOISE_SIGMAS * max(noise.get(r, 0.0), typical.get(pp, 0.0)):
+                continue  # above the factor, but within what this round's noise makes of a healthy rank
+            slow.append(r)
         self.seen += 1
         self.votes.update(slow)
         return sorted(slow)

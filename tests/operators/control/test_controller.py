@@ -23,7 +23,9 @@ def _controller(tmp_path: Path, **settings) -> Controller:
     """Job j (TP=1 PP=2 DP=2) on m0..m3, standbys m4 and m5: scripted machines (tests/fakes.py)."""
     from tests.fakes import fleet_controller
 
-    return fleet_controller(tmp_path, train_args=(), **settings)[0]
+    c, fleet = fleet_controller(tmp_path, train_args=(), **settings)
+    fleet.compute[1] = 0.9  # rank 1 computes slower than the others: a fail-slow alert here is confirmed
+    return c
 
 
 @pytest.fixture

@@ -71,7 +71,8 @@ def test_the_simulator_decides_what_the_control_planes_triage_task_decides(tmp_p
     from tests.fakes import fleet_controller, use_controller
     from trainguard.operators.tasks import incident as incident_tasks
 
-    c, _ = fleet_controller(tmp_path, train_args=())
+    c, fleet = fleet_controller(tmp_path, train_args=())
+    fleet.compute[1] = 0.9  # the rank the alert names does stand out (a fail-slow alert is confirmed first)
     use_controller(monkeypatch, c)
     [opened] = c.ingest([{"id": f"{alert_kind}-1", "job": "j", "machine": "m1", "rank": 1, "kind": alert_kind,
                           "severity": "fault", "ts": 100.0, "evidence": {}}])

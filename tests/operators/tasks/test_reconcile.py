@@ -46,7 +46,9 @@ def test_a_crash_that_joins_a_slow_vote_after_its_verdict_is_triaged_again_inste
 
     c, fleet = fleet_controller(tmp_path, slow_rounds=1)
     use_controller(monkeypatch, c)
+    fleet.compute[1] = 0.9  # a straggler as the alerts come, gone by the vote
     [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
+    fleet.compute.clear()
     inc = item["incident"]
     decision = steps.triage(c, inc)
     assert steps.choose(decision) == "slow_vote"
@@ -89,7 +91,9 @@ def _a_slow_vote_that_found_nothing(tmp_path: Path, monkeypatch: Any) -> tuple[A
 
     c, fleet = fleet_controller(tmp_path, slow_rounds=1)
     use_controller(monkeypatch, c)
+    fleet.compute[1] = 0.9  # rank 1 straggles as the alerts come (the look before the incident sees it) ...
     [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
+    fleet.compute.clear()  # ... and no longer when the vote looks
     inc = item["incident"]
     decision = steps.triage(c, inc)
     result = rungs.handle(c, steps.choose(decision), decision)
@@ -508,7 +512,8 @@ def test_a_slowdown_every_rank_shares_is_no_straggler_and_opens_no_incident(tmp_
     assert ladder.shared_slowdown([_decline(r, None) for r in range(4)], ranks=4, factor=1.25) == ""
     assert ladder.shared_slowdown([*load, alert("rank_exit", "m0", rank=0)], ranks=4, factor=1.25) == ""
 
-    c, _fleet = fleet_controller(tmp_path)  # 4 ranks (TP=1 PP=2 DP=2), slow factor 1.25
+    c, fleet = fleet_controller(tmp_path)  # 4 ranks (TP=1 PP=2 DP=2), slow factor 1.25
+    fleet.compute[0] = 0.9  # rank 0 does compute slower now: the look before an incident confirms its alerts
     assert c.ingest(load) == []
     recorded = c.fleet.alerts_on(["m0", "m1"], kinds={"throughput_decline"})
     assert len(recorded) == 4 and all(a.incident_id is None for a in recorded)
@@ -519,6 +524,20 @@ def test_a_slowdown_every_rank_shares_is_no_straggler_and_opens_no_incident(tmp_
     # with an incident open, a shared slowdown's alerts join it as before
     again = [_decline(r, x) for r, x in enumerate((1.5, 1.5, 1.5, 1.5))]
     assert [i["incident"] for i in c.ingest(again)] == [item["incident"]]
+
+
+def test_a_fail_slow_alert_no_rank_s_recent_compute_confirms_opens_no_incident(tmp_path):
+    """On a healthy third-party job (10-30 ms steps, its own evaluation, 2 shared cores) a rank's few slow steps
+    opened 15 fail-slow incidents in 33 minutes. An alert is the rank's word about its last steps; the look at
+    every rank's compute over its last seconds decides whether an incident opens."""
+    c, fleet = fleet_controller(tmp_path)
+    lone = [alert("rank_slow", "m1", rank=1, compute_ratio=2.6)]  # one rank: no quorum to call it shared
+    assert c.ingest(lone) == [] and c.fleet.incidents("j") == []
+    [recorded] = c.fleet.alerts_on(["m1"], kinds={"rank_slow"})
+    assert recorded.incident_id is None and recorded.document["shared_slowdown"].startswith("not confirmed")
+    fleet.compute[1] = 0.6  # now rank 1 does compute 1.7x its stage's: the same claim opens the incident
+    [item] = c.ingest([alert("rank_slow", "m1", rank=1, compute_ratio=2.6, ts=time.time() + 1)])
+    assert item["opened"] and c.triage(item["incident"])["action"] == "vote"
 
 
 def test_a_straggler_whose_history_learned_its_slowdown_still_stands_out_against_its_stage_now():
