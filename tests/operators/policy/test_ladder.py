@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -269,6 +270,24 @@ def test_fail_slow_votes_over_rounds():
         slow = {**base, 6: 0.9, 7: 0.9} if i != 2 else {**base, 1: 0.9}
         voter.add_round(slow)
     assert voter.done and voter.verdict() == ("tp", [3])  # ranks 6, 7 share machine m3
+
+
+def test_the_vote_counts_each_rank_s_noise_so_a_healthy_noisy_job_flags_nobody_and_a_straggler_still_stands_out():
+    """Two healthy ranks on two shared cores differed by over 25% from round to round, and the vote named a healthy
+    machine in 3 of 5 rounds. With each figure's standard error (its steps' spread over the root of their count),
+    that noise flags nobody; a rank 30% slower whose steps are steady does stand out."""
+    two = Topology(tp=1, pp=1, dp=2)
+    noisy = {r: 0.1 / math.sqrt(15) for r in range(2)}  # 15 steps of 0.2 s over 3 s, spread by half a step
+    healthy = runtime.SlowVoter(two, rounds=5)
+    for i in range(5):  # the slower rank changes from round to round, 30% behind the other
+        healthy.add_round({i % 2: 0.2, (i + 1) % 2: 0.26}, factor=1.25, noise=noisy)
+    assert healthy.verdict() is None and not healthy.votes
+    straggler = runtime.SlowVoter(two, rounds=5)
+    for _ in range(5):
+        straggler.add_round({0: 0.2, 1: 0.26}, factor=1.25, noise={r: 0.01 / math.sqrt(15) for r in range(2)})
+    assert straggler.verdict() == ("tp", [1])  # rank 1 alone on machine 1
+    # without a word on the noise, the factor alone decides (as before)
+    assert runtime.SlowVoter(two, rounds=1).add_round({0: 0.2, 1: 0.26}, factor=1.25) == [1]
 
 
 def test_a_slowdown_every_rank_shares_or_one_that_passes_evicts_nobody():
