@@ -51,20 +51,40 @@ class RankTimeouts:
             seconds.
         spike_factor: a loss / grad norm above this multiple of the recent median is a spike.
         spike_history: steps of history needed before spikes are judged.
-        slow_factor: a step time above this multiple of the recent median counts as slow.
+        slow_factor: a step time above this multiple of the recent median counts as slow ...
+        slow_spread: ... and above the median by this many robust spreads (1.4826 x the median absolute deviation)
+            of the rank's normal steps: a job whose steps swing by half on a busy host is judged on its own noise ...
+        slow_min_excess_s: ... and by at least this much, seconds (a 10 ms step at 30 ms is no straggler) ...
+        slow_min_s: ... for ``slow_steps`` steps in a row that took this long together, seconds (three slow 10 ms
+            steps are a scheduling hiccup; a few seconds of them are a rank's pace).
         slow_steps: consecutive slow steps that make a ``rank_slow`` finding.
         slow_history: normal steps of an incarnation needed before step times are judged (a rank slow
             from its first steps is learned as normal: keep this short).
         ignore_longest: longest step intervals left out of the calibration (see above).
-        decline: the job's throughput has declined when its throughput over the last ``decline_steps``
-            steps (their tokens over their time: the harmonic mean of their tokens/s) is below ``1 - decline``
-            of its throughput over the ``decline_history`` steps before them. One step's tokens/s is noise:
-            on a busy host it swings by a quarter from step to step.
-        decline_steps: the steps of that window; a ``throughput_decline`` finding needs the window below
-            for half as many steps in a row (a sudden 23% decline is reported on its 17th step).
-        decline_history: the steps of the baseline (at least ``decline_steps`` of them needed); a step enters
-            it as it leaves the window, unless the window was below by then.
-        decline_relearn: consecutive declined steps after which the lower throughput is the new normal.
+        recur_s: a long interval (over 3x the median: a program's own evaluation or checkpoint every N steps) seen
+            twice within this many seconds recurs: the calibration keeps the shorter of the two longest such
+            intervals of that time however many steps came between (an evaluation every 2,000 steps of 10 ms
+            falls out of a window of 100 steps, and the next one was called a hang).
+        decline: the job's throughput has declined when its throughput over its last steps (the window: their
+            tokens over their time, the harmonic mean of their tokens/s, leaving out steps over
+            ``decline_outlier`` times the window's median step: an evaluation, a checkpoint of the program's own)
+            is below ``1 - decline`` of its throughput over the steps before them, and below it by
+            ``decline_spread`` robust spreads of the windows' throughput seen so far (a job's own noise). One
+            step's tokens/s is noise: on a busy host it swings by a quarter from step to step.
+        decline_steps: the window holds at least this many steps ...
+        decline_window_s: ... and at least this many seconds of them (500 steps of a 10 ms job, not 16); a
+            ``throughput_decline`` finding needs the window below for half as many steps in a row (a sudden 23%
+            decline of 0.6 s steps is reported on its 17th step).
+        decline_history: the baseline holds at least this many steps (at least ``decline_steps`` of them needed) ...
+        decline_history_s: ... and at least this many seconds of them; a step enters it as it leaves the window,
+            unless the window was below by then.
+        decline_spread: see ``decline``; judged once ``decline_samples`` windows were seen.
+        decline_samples: windows (one per window's length of steps) whose throughput measures the job's noise.
+        decline_outlier: see ``decline``.
+        decline_persist_s: a ``throughput_decline`` also needs the window below for this long, seconds (a burst of
+            load on a shared host takes a window of 5 s below for about as long as the burst and the window).
+        decline_relearn: consecutive declined steps after which the lower throughput is the new normal ...
+        decline_relearn_s: ... and that took this long together, seconds.
     """
 
     floor_s: float = 5.0
@@ -76,17 +96,30 @@ class RankTimeouts:
     spike_factor: float = 5.0
     spike_history: int = 10
     slow_factor: float = 2.5
+    slow_spread: float = 6.0
+    slow_min_excess_s: float = 0.05
+    slow_min_s: float = 1.5
     slow_steps: int = 3
     slow_history: int = 5
     ignore_longest: int = 2
     confirm_s: float = 1.0
+    recur_s: float = 900.0
     decline: float = 0.15
     decline_steps: int = 16
+    decline_window_s: float = 5.0
     decline_history: int = 48
+    decline_history_s: float = 15.0
+    decline_spread: float = 4.0
+    decline_samples: int = 8
+    decline_outlier: float = 3.0
+    decline_persist_s: float = 10.0
     decline_relearn: int = 60
+    decline_relearn_s: float = 30.0
 
 
 LEARN_FACTOR = 1.5  # a step time above this multiple of the baseline does not teach the baseline
+RECENT_S = 2.0  # a rank's recent compute: its steps of the last seconds (at least five), as the vote's look takes them
+MAX_WINDOW_STEPS = 20000  # no window holds more steps than this, however short they are
 
 
 # the longest a rank's own word that it holds still on purpose is trusted: past it, no progress is a hang
@@ -122,8 +155,9 @@ class _RankState:
     offset: int = 0
     times: deque = field(default_factory=lambda: deque(maxlen=100))
     losses: deque = field(default_factory=lambda: deque(maxlen=20))
-    step_times: deque = field(default_factory=lambda: deque(maxlen=20))
+    step_times: deque = field(default_factory=lambda: deque(maxlen=64))
     slow_run: int = 0
+    slow_run_s: float = 0.0  # the current run of slow steps' time together
     slow: bool = False
     sdc: bool = False
     grads: deque = field(default_factory=lambda: deque(maxlen=20))
@@ -139,14 +173,21 @@ class _RankState:
     frozen: tuple[int, float] | None = None  # (CPU ticks, since) while a stale heartbeat is being confirmed
     held_seen: float | None = None  # when the rank was first seen holding still on purpose (status "held")
     traced_seen: float | None = None  # when the rank was first seen in a tracing stop ("t") in a row
-    tput: deque = field(default_factory=deque)  # the baseline's steps' tokens/s
-    tput_recent: deque = field(default_factory=deque)  # the last ``decline_steps`` steps' tokens/s
+    tput: deque = field(default_factory=deque)  # the baseline's steps: (tokens, seconds, kept, wall seconds)
+    tput_recent: deque = field(default_factory=deque)  # the window's steps, likewise
+    tput_win: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # the window's running sums (see _add)
+    tput_base: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # the baseline's
+    tput_windows: deque = field(default_factory=lambda: deque(maxlen=64))  # past windows' throughput (the noise)
+    tput_since: int = 0  # steps since the last window was sampled into ``tput_windows``
+    long_seen: deque = field(default_factory=lambda: deque(maxlen=16))  # (agent's clock, interval) of long ones
     decline: _Run = field(default_factory=_Run)  # the window's throughput below its baseline
     grew: _Run = field(default_factory=_Run)  # the rank's own compute grown (see RankCheck._grown)
     relearning: bool = False  # the decline's baseline refills after a relearn: no decline can be judged yet
-    compute_recent: deque = field(default_factory=lambda: deque(maxlen=5))  # every step's compute time
-    compute_window: deque = field(default_factory=deque)  # the last ``decline_steps`` steps' compute time
-    compute_base: deque = field(default_factory=lambda: deque(maxlen=48))  # normal steps' compute time
+    compute_recent: deque = field(default_factory=deque)  # (compute, step time) of the steps of the last RECENT_S
+    compute_window: deque = field(default_factory=deque)  # the decline window's steps' compute time
+    compute_base: deque = field(default_factory=lambda: deque(maxlen=512))  # normal steps' compute time
+    decline_run_s: float = 0.0  # the current run of declined steps' time together
+    compute_recent_s: float = 0.0  # the step time of the steps in ``compute_recent`` together
 
 
 class RankCheck(Check):
@@ -182,7 +223,12 @@ class RankCheck(Check):
         ordered = sorted(st.times)
         if len(ordered) >= 20:
             ordered = ordered[: len(ordered) - self.t.ignore_longest]
-        return max(self.t.floor_s, self.t.factor * ordered[-1])
+        longest = ordered[-1]
+        now = self.clock()
+        recurring = sorted(t for seen, t in st.long_seen if now - seen <= self.t.recur_s)
+        if len(recurring) >= 2:  # a long step that came back (the program's own evaluation): it counts
+            longest = max(longest, recurring[-2])
+        return max(self.t.floor_s, self.t.factor * longest)
 
     def _read_new_steps(self, run_dir: Path, rank: int, st: _RankState) -> list[dict[str, Any]]:
         path = monitor.steps_path(run_dir, rank)
@@ -236,7 +282,10 @@ class RankCheck(Check):
             # backlog read at once (the agent just started) counts each step's own duration (the rank's
             # monotonic timer) instead
             if st.records_seen is not None and st.steps_seen:
-                st.times.extend([(mono - st.records_seen) / len(fresh)] * len(fresh))
+                interval = (mono - st.records_seen) / len(fresh)
+                if len(st.times) >= 5 and interval > 3.0 * statistics.median(st.times):
+                    st.long_seen.append((mono, interval))
+                st.times.extend([interval] * len(fresh))
             else:
                 st.times.extend(t for t in (_num(r.get("step_time_s")) for r in fresh) if 0 < t < 3600)
             st.records_seen = mono
@@ -317,11 +366,19 @@ class RankCheck(Check):
         found = []
         loss, grad = _num(rec.get("loss")), _num(rec.get("grad_norm"))
         step = rec.get("step")
-        compute = _num(rec.get("step_time_s")) - _num(rec.get("comm_s"))  # the step less its wait on the others
+        step_time = _num(rec.get("step_time_s"))
+        compute = step_time - _num(rec.get("comm_s"))  # the step less its wait on the others
         leaving = None
         if math.isfinite(compute):
-            st.compute_recent.append(max(0.0, compute))
-            leaving = _slide(st.compute_window, max(0.0, compute), self.t.decline_steps)
+            # the recent compute: the last steps of RECENT_S seconds (at least 5), not five 10 ms steps
+            wall = step_time if math.isfinite(step_time) and step_time > 0 else 0.0
+            st.compute_recent.append((max(0.0, compute), wall))
+            st.compute_recent_s += wall
+            while len(st.compute_recent) > 5 and (
+                    st.compute_recent_s - st.compute_recent[0][1] >= RECENT_S or st.compute_recent[0][1] <= 0
+                    or len(st.compute_recent) > MAX_WINDOW_STEPS):
+                st.compute_recent_s -= st.compute_recent.popleft()[1]
+            leaving = _slide(st.compute_window, max(0.0, compute), max(self.t.decline_steps, len(st.tput_recent)))
         found += self._slow(job, rank, rec, st)
         found += self._decline(job, rank, rec, st)
         found += self._grown(job, rank, rec, st)
@@ -369,24 +426,30 @@ class RankCheck(Check):
             return []
         hist = st.step_times
         baseline = statistics.median(hist) if len(hist) >= self.t.slow_history else None
-        is_slow = baseline is not None and step_time > self.t.slow_factor * baseline
-        st.slow_run = st.slow_run + 1 if is_slow else 0
+        spread = _spread(hist, baseline) if baseline is not None else 0.0
+        limit = None if baseline is None else max(self.t.slow_factor * baseline, baseline + self.t.slow_spread * spread,
+                                                  baseline + self.t.slow_min_excess_s)
+        is_slow = limit is not None and step_time > limit
+        st.slow_run, st.slow_run_s = (st.slow_run + 1, st.slow_run_s + step_time) if is_slow else (0, 0.0)
         if not is_slow:
             # the baseline learns only from normal steps: not from elevated ones either, or a slowdown
             # that starts below the threshold would raise the baseline until it is never judged slow
-            if baseline is None or step_time <= LEARN_FACTOR * baseline:
+            if baseline is None or step_time <= max(LEARN_FACTOR * baseline, baseline + 3.0 * spread):
                 hist.append(step_time)
             st.slow = False
             return []
-        if st.slow_run < self.t.slow_steps or st.slow:
+        if st.slow_run < self.t.slow_steps or st.slow_run_s < self.t.slow_min_s or st.slow:
             return []
         st.slow = True
+        assert baseline is not None and limit is not None
         comm = _num(rec.get("comm_s"))
         return [Finding("rank_slow", f"slow:{job}:{rank}",
                         f"rank {rank} of job {job}: {st.slow_run} steps at {step_time:.3f}s, "
                         f"{step_time / baseline:.1f}x the median {baseline:.3f}s", severity="warning",
                         job=job, rank=rank,
                         evidence={"step": rec.get("step"), "step_time_s": step_time, "baseline_s": baseline,
+                                  "spread_s": round(spread, 6), "limit_s": round(limit, 6),
+                                  "slow_for_s": round(st.slow_run_s, 3),
                                   "comm_s": comm, "compute_s": step_time - comm if math.isfinite(comm) else None,
                                   **_compute_growth(st)})]
 
@@ -394,25 +457,68 @@ class RankCheck(Check):
         """A sustained decline of the job's throughput (over its last steps, against the steps before them):
         too small for ``rank_slow``, large enough that at scale the whole job runs at a straggler's pace.
         A window's throughput is judged, not each step's: under load one step's swings by a quarter, and a rule
-        of consecutive low steps is reset by every lucky one (a 30% slow rank went unreported for 15 minutes)."""
+        of consecutive low steps is reset by every lucky one (a 30% slow rank went unreported for 15 minutes).
+        The windows are measured in seconds as well as steps (16 steps of a 10 ms job are one scheduling hiccup),
+        a window's rare long step (the program's own evaluation or checkpoint) is left out of its throughput, and
+        a decline must stand out of the noise the job's own windows showed."""
         tput = _num(rec.get("tokens_per_s"))
         if not math.isfinite(tput) or tput <= 0:
             return []
-        hist, recent = st.tput, st.tput_recent
-        window = max(1, self.t.decline_steps)
-        leaving = _slide(recent, tput, window)
-        if leaving is not None and not st.decline.n:  # the baseline learns from steps no decline was seen in
-            _slide(hist, leaving, max(window, self.t.decline_history))
-        if len(hist) < window or len(recent) < window:
+        dt = _num(rec.get("step_time_s"))
+        dt = dt if math.isfinite(dt) and dt > 0 else 0.0
+        # a step as (tokens, seconds, kept, wall seconds): its time unknown, it counts as one token in 1/tput seconds
+        # (the windows are then the harmonic mean of their tokens/s, by steps alone); a step over decline_outlier
+        # times the rank's normal step is left out of the throughput (kept 0) but not out of the window's time
+        typical = statistics.median(st.step_times) if len(st.step_times) >= self.t.slow_history else 0.0
+        kept = 0.0 if dt > 0 and typical > 0 and dt > self.t.decline_outlier * typical else 1.0
+        one = (tput * dt, dt, kept, dt) if dt > 0 else (1.0, 1.0 / tput, kept, 0.0)
+        hist, recent, win, base = st.tput, st.tput_recent, st.tput_win, st.tput_base
+        recent.append(one)
+        _add(win, one, 1)
+        while len(recent) > max(1, self.t.decline_steps) and (
+                recent[0][3] <= 0 or win[2] - recent[0][3] >= self.t.decline_window_s
+                or len(recent) > MAX_WINDOW_STEPS):
+            leaving = recent.popleft()
+            _add(win, leaving, -1)
+            if st.decline.n:  # the baseline learns from steps no decline was seen in
+                continue
+            hist.append(leaving)
+            _add(base, leaving, 1)
+            while len(hist) > max(self.t.decline_steps, self.t.decline_history) and (
+                    hist[0][3] <= 0 or base[2] - hist[0][3] >= self.t.decline_history_s
+                    or len(hist) > MAX_WINDOW_STEPS):
+                _add(base, hist.popleft(), -1)
+        window = len(recent)
+        if len(hist) < max(1, self.t.decline_steps) or window < max(1, self.t.decline_steps):
             return []
         st.relearning = False
-        baseline, now = _throughput(hist), _throughput(recent)
-        if now >= (1.0 - self.t.decline) * baseline:
-            st.decline.end()
+        baseline, now = _throughput(base), _throughput(win)
+        if baseline <= 0 or now <= 0:
             return []
-        verdict = st.decline.step(needed=window // 2, relearn=self.t.decline_relearn)
+        st.tput_since += 1
+        if st.tput_since >= window and not st.decline.n:  # a whole window since the last sample: the job's noise
+            st.tput_windows.append(now)
+            st.tput_since = 0
+        needed = self.t.decline
+        if len(st.tput_windows) >= self.t.decline_samples:
+            samples = list(st.tput_windows)
+            middle = statistics.median(samples)
+            if middle > 0:
+                needed = max(needed, self.t.decline_spread * _spread(samples, middle) / middle)
+        if now >= (1.0 - needed) * baseline:
+            st.decline.end()
+            st.decline_run_s = 0.0
+            return []
+        st.decline_run_s += dt
+        relearn = self.t.decline_relearn if st.decline_run_s >= self.t.decline_relearn_s else MAX_WINDOW_STEPS ** 2
+        # below for half a window of steps, and for decline_persist_s: a burst of load on the host takes the window
+        # below for about as long as the burst and the window together, a straggler for good
+        needed_steps = window // 2 if st.decline_run_s >= self.t.decline_persist_s else st.decline.n + 2
+        verdict = st.decline.step(needed=needed_steps, relearn=relearn)
         if verdict == "relearn":  # lasting: the new normal (the vote had its chance)
             hist.clear()
+            base[:] = [0.0, 0.0, 0.0]
+            st.decline_run_s = 0.0
             st.relearning = True
         if verdict != "raise":
             return []
@@ -422,7 +528,8 @@ class RankCheck(Check):
                         job=job, rank=rank,
                         evidence={"step": rec.get("step"), "tokens_per_s": round(now, 1),
                                   "baseline_tokens_per_s": round(baseline, 1),
-                                  "decline": round(1 - now / baseline, 3), "window_steps": window,
+                                  "decline": round(1 - now / baseline, 3), "needed": round(needed, 3),
+                                  "window_steps": window, "window_s": round(win[2], 3),
                                   "steps": st.decline.n, **_compute_growth(st)})]
 
     def _grown(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
@@ -470,9 +577,25 @@ def _slide(window: deque, value: float, size: int) -> float | None:
     return window.popleft() if len(window) > max(1, size) else None
 
 
-def _throughput(tokens_per_s: Any) -> float:
-    """Steps' throughput together: their tokens over their time (steps of equal tokens: the harmonic mean)."""
-    return statistics.harmonic_mean(tokens_per_s)
+def _add(sums: list[float], step: tuple[float, float, float, float], sign: int) -> None:
+    """Add (``sign`` 1) or take out (-1) a step ``(tokens, seconds, kept, wall seconds)`` of a window's running sums
+    ``[tokens kept, seconds kept, wall seconds]``: a window's throughput in constant time per step."""
+    tokens, seconds, kept, wall = step
+    sums[0] += sign * tokens * kept
+    sums[1] += sign * seconds * kept
+    sums[2] += sign * wall
+
+
+def _throughput(sums: list[float]) -> float:
+    """A window's throughput from its running sums (:func:`_add`): its kept steps' tokens over their time (steps of
+    equal tokens: the harmonic mean of their tokens/s); 0 when none was kept."""
+    return sums[0] / sums[1] if sums[1] > 0 else 0.0
+
+
+def _spread(values: Any, center: float) -> float:
+    """A robust spread of ``values`` around ``center``: 1.4826 x their median absolute deviation (the standard
+    deviation of normal noise, unmoved by the odd outlier)."""
+    return 1.4826 * statistics.median(abs(v - center) for v in values)
 
 
 def _compute_growth(st: _RankState) -> dict[str, float]:
@@ -482,7 +605,7 @@ def _compute_growth(st: _RankState) -> dict[str, float]:
     shared_slowdown`); {} until both are known."""
     if len(st.compute_recent) < 3 or len(st.compute_base) < 5:
         return {}
-    recent, base = statistics.median(st.compute_recent), statistics.median(st.compute_base)
+    recent, base = statistics.median(c for c, _t in st.compute_recent), statistics.median(st.compute_base)
     if base <= 0:
         return {}
     return {"recent_compute_s": round(recent, 6), "baseline_compute_s": round(base, 6),

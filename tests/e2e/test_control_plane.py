@@ -81,12 +81,9 @@ def control(cp_cluster: Inventory) -> Iterator[tuple[Controller, Standalone]]:
                                             # 3 of the job's 4 machines per window; scenarios come quicker than
                                             # production's hour, so the window is short here
                                             "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "20",
+                                            # the vote's default factor (1.25): each round counts every rank's
+                                            # noise over its last seconds of steps
                                             "TG_SLOW_ROUNDS": "5", "TG_SLOW_INTERVAL_S": "2",
-                                            # the job's 8 ranks share 2 cores with Airflow: scheduling alone
-                                            # puts a rank 1.25x above its stage's median now and then (a vote
-                                            # on that noise evicted a healthy machine); the injected
-                                            # slowdown is 10x
-                                            "TG_SLOW_FACTOR": "2.0",
                                             # the scenarios' own repairs keep the pool; no scheduled pool job
                                             "TG_POOL_SCHEDULE": "", "TG_CODE_UPDATE_SCHEDULE": "",
                                             "TG_VERIFY_SCHEDULE": "", "TG_VERIFY_ON_COMMIT": "0",
