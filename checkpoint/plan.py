@@ -6,7 +6,8 @@ same list and computes the same :class:`RestorePlan`:
 
 * the newest step of the job's layout for which *every* rank's state can be
   had: from the saver's memory on the rank's machine, else its own local copy,
-  else the replica on its holder, else S3;
+  else the replica on its holder, else a copy left on a machine that now runs
+  other ranks (a job submitted again on its machines in another order), else S3;
 * all of a step's copies must come from one *segment* (the stretch of training
   between two restores; its id is in every manifest), so a step saved again
   after a restore from an older one is never mixed with the abandoned run's
@@ -21,8 +22,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-TIER_ORDER = {"memory": 0, "local": 1, "replica": 2, "s3": 3}
+TIER_ORDER = {"memory": 0, "local": 1, "replica": 2, "moved": 3, "s3": 4}
 OWN_TIERS = ("memory", "local")  # copies only the rank that saved them (on its machine) can use
+# copies a rank on another machine holds and sends over the job's own group: replicas, and "moved" copies (a rank's
+# copy left on a machine that now runs other ranks: the job submitted again on its machines in another order)
+PEER_TIERS = ("replica", "moved")
 S3_HOLDER = -1
 
 
@@ -65,8 +69,8 @@ class RestorePlan:
 
     def transfers(self) -> list[tuple[int, int]]:
         """``(holder, owner)`` of every peer transfer, in the order every rank performs them."""
-        return sorted(((h.holder, h.rank) for h in self.sources.values() if h.tier == "replica"),
-                      key=lambda t: (t[1], t[0]))
+        return sorted(((h.holder, h.rank) for h in self.sources.values() if h.tier in PEER_TIERS
+                       and h.holder != h.rank), key=lambda t: (t[1], t[0]))
 
     def counts(self) -> dict[str, int]:
         out: dict[str, int] = {}

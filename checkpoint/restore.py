@@ -15,7 +15,7 @@ from trainguard.checkpoint import layout, wire
 from trainguard.checkpoint import manifest as mf
 from trainguard.checkpoint.errors import RestoreError, S3TierError
 from trainguard.checkpoint.info import RestoreResult
-from trainguard.checkpoint.plan import S3_HOLDER, Holding, RestorePlan, explain, plan_restore
+from trainguard.checkpoint.plan import PEER_TIERS, S3_HOLDER, Holding, RestorePlan, explain, plan_restore
 from trainguard.checkpoint.shards import apply_state
 from trainguard.checkpoint.verify import CopyCheck, Problem, check_data, check_s3_copy, inspect_copy, verify_copy
 from trainguard.core.errors import UNRESTORABLE
@@ -25,22 +25,31 @@ class Restoring:
     """Restoring this rank's state from the newest step every rank can get.
     A part of :class:`~trainguard.checkpoint.engine.Checkpointer`."""
 
-    def _my_copies(self) -> list[tuple[int, Path, str]]:
+    def _my_copies(self, *, moved: bool = False) -> list[tuple[int, Path, str]]:
         """``(step, path, tier)`` of the copies this rank answers for: its local ones and the replicas
-        it holds for others."""
+        it holds for others; with ``moved``, also the copies on this machine that no rank of it answers for now
+        (a rank's copy, or a replica held for a rank, left by a launch of the job in which this machine ran other
+        ranks), which the machine's lowest rank reports and sends to their owners."""
         found = [(s, p, "local") for s, _r, p in layout.list_copies(self.root, "local", rank=self.rank)]
+        here = set(self.placement.ranks_on(self.machine_index))
+        report_moved = moved and self.rank == min(here)
         for s, owner, p in layout.list_copies(self.root, "replica"):
             info = layout.read_json(p / layout.REPLICA_INFO) or {}
             holder = info.get("holder")
             if holder == self.rank or (holder is None and self.replicate
                                        and self.placement.backup_rank(owner) == self.rank):
                 found.append((s, p, "replica"))
+            elif report_moved and holder not in here and not (
+                    holder is None and self.replicate and self.placement.backup_rank(owner) in here):
+                found.append((s, p, "moved"))
+        if report_moved:
+            found += [(s, p, "moved") for s, owner, p in layout.list_copies(self.root, "local") if owner not in here]
         return found
 
     def _scan(self) -> tuple[list[Holding], list[str]]:
         """The copies this rank holds that pass the cheap check; lines for those that do not."""
         holdings, problems = [], []
-        for _step, path, tier in self._my_copies():
+        for _step, path, tier in self._my_copies(moved=True):
             check = inspect_copy(path, machine=self.machine)
             if not check.ok or check.manifest is None:
                 problems += [p.line() for p in check.problems]
@@ -180,8 +189,7 @@ class Restoring:
         for holder, owner in plan.transfers():
             h = plan.sources[owner]
             if holder == self.rank:
-                check = verify_copy(layout.copy_dir(self.root, "replica", step, owner), machine=self.machine,
-                                    keep_files=True)
+                check = verify_copy(self._held_copy(h), machine=self.machine, keep_files=True)
                 if check.ok and not self._same_segment(check, plan):
                     check.problems.append(Problem(self.machine, owner, step, "replica", check.path,
                                                   "copy belongs to another training segment"))
@@ -208,6 +216,8 @@ class Restoring:
         if src.tier == "local":
             check = verify_copy(layout.copy_dir(self.root, "local", step, self.rank), machine=self.machine,
                                 keep_files=True)
+        elif src.tier in PEER_TIERS and src.holder == self.rank:  # a copy of its own this rank holds as a peer's
+            check = verify_copy(self._held_copy(src), machine=self.machine, keep_files=True)
         elif src.tier == "memory":
             fetched = self.link.fetch(step) if self.link is not None else None
             if fetched is None:
@@ -233,6 +243,16 @@ class Restoring:
             else:
                 fail(src, check)
         return got, failures, lines
+
+    def _held_copy(self, h: Holding) -> Path:
+        """Where this rank's machine keeps the copy ``h`` it holds for ``h.rank``: the replica folder, or for a moved
+        copy whichever of the owner's local and replica folders holds that step."""
+        replica = layout.copy_dir(self.root, "replica", h.step, h.rank)
+        if h.tier == "moved":
+            local = layout.copy_dir(self.root, "local", h.step, h.rank)
+            if (local / layout.MANIFEST).exists():
+                return local
+        return replica
 
     @staticmethod
     def _same_segment(check: CopyCheck, plan: RestorePlan) -> bool:

@@ -182,6 +182,13 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     pk = sbsub.add_parser("park")
     pk.add_argument("--nproc", type=int, required=True, help="ranks a job will start here")
     pk.add_argument("--timeout-s", type=float, default=180.0)
+    pk.add_argument("--workdir", default="", help="the working directory of the job these interpreters stand by")
+    pk.add_argument("--entry", default="", help="its training script (relative to --workdir), or with --module its "
+                                                "module: its imports and its own modules are loaded ahead")
+    pk.add_argument("--module", action="store_true", help="--entry names a module (python -m), not a script")
+    pk.add_argument("--also", action="append", default=[], metavar="SCRIPT",
+                    help="another program a standby may serve (a script's path): its third-party imports are loaded "
+                         "too (repeatable)")
     _job_start_args(sbsub.add_parser("activate"))
     sbsub.add_parser("status")
     sbsub.add_parser("unpark")
@@ -344,7 +351,8 @@ def run(argv: list[str]) -> tuple[int, Any]:
         from trainguard.node_tools import job, standby
 
         if ns.action == "park":
-            return EXIT_OK, standby.park(cfg, nproc=ns.nproc, timeout_s=ns.timeout_s)
+            return EXIT_OK, standby.park(cfg, nproc=ns.nproc, timeout_s=ns.timeout_s, workdir=ns.workdir,
+                                         entry=ns.entry, module=ns.module, also=tuple(ns.also))
         if ns.action == "activate":
             return EXIT_OK, job.start(cfg, _job_spec(ns, warm=True))
         if ns.action == "unpark":

@@ -99,15 +99,101 @@ def _recv(sock: socket.socket, *, with_fds: int = 0) -> tuple[dict[str, Any] | N
 # ---------------------------------------------------------------------------------------
 # The warm interpreter
 # ---------------------------------------------------------------------------------------
+# the job's own modules a parked interpreter imported from its working directory: name -> (file, mtime_ns), and the
+# directory; a job run on it from another directory, or after the file changed, imports its own afresh
+_LOCAL: dict[str, tuple[str, int]] = {}
+_LOCAL_DIR: list[str] = []
+
+
 def _preload(extra: list[str]) -> list[str]:
     import importlib
 
     loaded = []
+    here = os.path.realpath(os.getcwd())
     for name in (*PRELOAD, *extra):
         with contextlib.suppress(Exception):
-            importlib.import_module(name)
+            module = importlib.import_module(name)
             loaded.append(name)
+            path = os.path.realpath(getattr(module, "__file__", None) or "")
+            if path and path.startswith(here + os.sep):
+                _LOCAL[name] = (path, os.stat(path).st_mtime_ns)
+    _LOCAL_DIR[:] = [here]
     return loaded
+
+
+def _forget_stale_local_modules(cwd: str) -> list[str]:
+    """Before a job runs on this interpreter: the modules it imported from the parked program's directory are
+    dropped (``sys.modules``) when the job runs from another directory (its own ``model.py`` must not be the
+    other program's) or when their file changed since (the code was updated); the job imports them afresh."""
+    moved = os.path.realpath(cwd) != (_LOCAL_DIR or [""])[0]
+    stale = set()
+    for name, (path, mtime) in _LOCAL.items():
+        try:
+            changed = os.stat(path).st_mtime_ns != mtime
+        except OSError:
+            changed = True
+        if moved or changed:
+            stale.add(name.split(".")[0])
+    dropped = [m for m in list(sys.modules) if m.split(".")[0] in stale]
+    for m in dropped:
+        del sys.modules[m]
+    return dropped
+
+
+def program_imports(workdir: str | Path, entry: str, *, module: bool = False) -> tuple[list[str], list[str]]:
+    """The modules a job's program imports at its top level (its entry's own ``import`` statements, also inside a
+    top-level ``try`` or ``if``; read with ``ast``, never executed): ``(third-party, local)``, local ones being the
+    modules of its working directory. What a parked interpreter loads ahead of the job, so that a restart on it
+    pays neither ``import torch`` nor the job's own heavy imports (Lightning, transformers). ``entry``: the script
+    (relative to ``workdir``), or with ``module`` the module's dotted name. Empty lists for an entry that cannot
+    be read or parsed."""
+    import ast
+
+    base = Path(workdir)
+    if module:
+        parts = entry.split(".")
+        candidates = [base.joinpath(*parts).with_suffix(".py"), base.joinpath(*parts, "__init__.py"),
+                      base.joinpath(*parts, "__main__.py")]
+        path = next((c for c in candidates if c.is_file()), None)
+    else:
+        path = base / entry
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8")) if path is not None else None
+    except (OSError, SyntaxError, ValueError):
+        tree = None
+    if tree is None:
+        return [], []
+    names: list[str] = []
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.append(node.module)
+            elif isinstance(node, ast.Try):
+                for part in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                    visit(part)
+            elif isinstance(node, ast.If) and not _is_main_guard(node):
+                visit(node.body)
+                visit(node.orelse)
+
+    visit(tree.body)
+    third, local = [], []
+    for name in dict.fromkeys(n for n in names if n != "__future__"):
+        top = name.split(".")[0]
+        mine = (base / f"{top}.py").is_file() or (base / top / "__init__.py").is_file()
+        (local if mine else third).append(name)
+    return third, local
+
+
+def _is_main_guard(node: Any) -> bool:
+    """``if __name__ == "__main__":``: what runs the program, not what it imports to be ready."""
+    import ast
+
+    test = node.test
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+            and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators))
 
 
 AUTOGROUP = Path("/proc/self/autogroup")
@@ -205,6 +291,7 @@ def _run_work(work: dict[str, Any]) -> int:
     os.environ.clear()
     os.environ.update(work["env"])
     procs.nice_from_env()
+    _forget_stale_local_modules(work["cwd"])
     with contextlib.suppress(OSError):
         os.chdir(work["cwd"])
     # a fresh stdout/stderr on the received descriptors (line buffered, as python -u would)
@@ -217,6 +304,8 @@ def _run_work(work: dict[str, Any]) -> int:
         if work["kind"] == "module":
             import importlib
 
+            if work["cwd"] not in sys.path:  # as python -m from the job's directory would find its package
+                sys.path.insert(0, work["cwd"])
             module = importlib.import_module(work["target"])
             if callable(getattr(module, "main", None)):
                 module.main()  # preloaded: run its entry point instead of executing it a second time
@@ -344,8 +433,17 @@ def free_slots(workdir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: float = 180.0) -> dict[str, Any]:
-    """Start warm interpreters until ``nproc + 1`` are free (ranks + the torchrun agent). Idempotent."""
+DEMO_PRELOAD = ("examples.gpt3d.train", "trainguard.node_tools.monitor")  # the reference job's program
+
+
+def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: float = 180.0, workdir: str = "",
+         entry: str = "", module: bool = False, also: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Start warm interpreters until ``nproc + 1`` are free (ranks + the torchrun agent). Idempotent.
+
+    What they import ahead of the job: ``preload`` when given; else the program of the job they stand by
+    (``entry`` in ``workdir``: its imports and its own modules, :func:`program_imports`, imported from that
+    directory) and the third-party imports of the programs in ``also`` (script paths: other jobs a pool standby may
+    join); with none of these, the reference job's program (the demo)."""
     from trainguard.core import procs
     from trainguard.core.errors import TrainguardError
 
@@ -364,11 +462,33 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
             for suffix in (".sock", ".ready", ".claim"):
                 claim.with_suffix(suffix).unlink(missing_ok=True)
     next_slot = 1 + max([int(p.stem[4:]) for p in d.glob("slot*.*") if p.stem[4:].isdigit()] or [-1])
-    modules = list(preload if preload is not None else ["examples.gpt3d.train", "trainguard.node_tools.monitor"])
+    cwd = str(cfg.install_dir)
+    if preload is not None:
+        modules = list(preload)
+    elif entry or also:
+        modules = ["trainguard.node_tools.monitor"]
+        if entry:
+            third, local = program_imports(workdir or cfg.install_dir, entry, module=module)
+            modules += [*third, *local]
+            cwd = str(workdir or cfg.install_dir)
+        for path in also:
+            modules += program_imports(Path(path).parent, Path(path).name)[0]
+        modules = list(dict.fromkeys(modules))
+    else:
+        modules = list(DEMO_PRELOAD)
     env = dict(os.environ, TG_STANDBY_TOKEN=token, PYTHONPATH=os.pathsep.join(
         filter(None, [str(cfg.install_dir), os.environ.get("PYTHONPATH", "")])), OMP_NUM_THREADS="1")
     if cfg.job_nice:
         env[procs.NICE_ENV] = str(cfg.job_nice)
+    parked_for = state.get("program") or {"workdir": str(cfg.install_dir), "preload": list(DEMO_PRELOAD)}
+    if have and (parked_for.get("workdir"), list(parked_for.get("preload") or [])) != (cwd, modules):
+        # warmed for another program (a standby parked for the demo, or for the job it served before): those
+        # interpreters would start this job with the other program's imports, so they make way
+        procs.terminate([int(slot["pid"]) for slot in have], grace_s=3)
+        for slot in have:
+            for suffix in (".sock", ".ready"):
+                (d / f"{slot['slot']}{suffix}").unlink(missing_ok=True)
+        have = []
     new_slots = [next_slot + i for i in range(max(0, want - len(have)))]
     if new_slots:  # one interpreter imports, then forks one copy per slot
         with open(d / f"slot{new_slots[0]}.log", "ab") as log:
@@ -376,7 +496,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
                 [sys.executable, "-m", "trainguard.node_tools.standby", "serve", "--dir", str(d),
                  "--slot", ",".join(map(str, new_slots)), "--preload", ",".join(modules)],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                cwd=str(cfg.install_dir), env=env,
+                cwd=cwd, env=env,
             )
         new_pids.append(proc.pid)
     deadline = time.monotonic() + timeout_s
@@ -393,7 +513,8 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
         time.sleep(0.2)  # warming takes seconds; polling faster only takes CPU from the job beside it
     slots = free_slots(cfg.workdir)
     state = {"state": "parked", "token": token, "nproc": nproc, "parked_ts": time.time(),
-             "park_s": round(time.monotonic() - started, 3), "slots": slots}
+             "park_s": round(time.monotonic() - started, 3), "slots": slots,
+             "program": {"workdir": cwd, "entry": entry, "preload": modules}}
     _write_state(cfg.workdir, state)
     return {"machine": cfg.machine, **state, "started": len(new_slots)}
 

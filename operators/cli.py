@@ -324,10 +324,12 @@ def cmd_incident(args: argparse.Namespace) -> int:
     fleet = FleetStore(ControlConfig.from_env().fleet_url)
     if args.action == "list":
         rows = [i for i in fleet.incidents(args.job or None) if args.all or i.state in OPEN_INCIDENT_STATES]
+        runs = fleet.runs_of([i.id for i in rows]) if rows else {}
         doc = [{"incident": i.id, "job": i.job, "state": i.state, "category": i.category, "level": i.level,
-                "opened_ts": i.opened_ts, "summary": i.summary} for i in rows]
+                "opened_ts": i.opened_ts, "run": (runs.get(i.id) or [None])[-1], "summary": i.summary} for i in rows]
         print_result(args, doc, "\n".join(f"{d['incident']:6} {d['job']:16} {d['state']:14} {d['category'] or '-':13} "
-                                          f"{(d['summary'] or '')[:100]}" for d in doc) or "no incident")
+                                          f"{d['run'] or '-'}  {(d['summary'] or '')[:100]}" for d in doc)
+                     or "no incident")
         return EXIT_OK
     if args.action == "close":
         out = fleet.close_by_hand(args.incident, args.note)

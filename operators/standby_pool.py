@@ -44,6 +44,24 @@ def _ranks_per_machine(ctl: Controller) -> int:
     return max((j.ranks_per_machine for j in jobs), default=0) or 2
 
 
+def _standby_program(ctl: Controller) -> list[str]:
+    """What a parked standby pre-warms besides torch: ``tg-node standby park``'s arguments for the program of the
+    largest running job (its imports and its own modules), and the third-party imports of the other running
+    jobs' scripts (``--also``); none (the demo's program) when no job other than the reference job runs."""
+    from trainguard.operators.jobspec import stored_spec
+
+    running = sorted((j for j in ctl.fleet.jobs() if j.state == "running" and j.spec),
+                     key=lambda j: (-len(j.machine_list), j.name))
+    if not running:
+        return []
+    out = ctl.jobs.park_program(running[0])
+    for j in running[1:]:
+        spec = stored_spec(j)
+        if not spec.is_reference and not spec.module and spec.workdir:
+            out += ["--also", f"{spec.workdir.rstrip('/')}/{spec.entry}"]
+    return out
+
+
 def sizing(fleet: FleetStore, now: float) -> tuple[list[pool.Event], dict[str, float], int, int]:
     """The fleet's last window of machine state changes, the failure rate they give, the machines
     serving running jobs, and the pool target those make: the P99 of a day's failures, and never fewer
@@ -83,7 +101,7 @@ def plan(ctl: Controller, *, target: int | None = None, provider: Provider | Non
                        recheck_age_s=recheck_age_s, retire_after=retire_after)
     return {**p.as_dict(), "free": free, "computed_target": computed, "serving_machines": serving,
             "failure_rate": {k: round(v, 6) if isinstance(v, float) else v for k, v in rate.items()},
-            "nproc": _ranks_per_machine(ctl)}
+            "nproc": _ranks_per_machine(ctl), "program": _standby_program(ctl)}
 
 
 def claim(ctl: Controller, the_plan: dict[str, Any]) -> list[dict[str, Any]]:
@@ -95,7 +113,8 @@ def claim(ctl: Controller, the_plan: dict[str, Any]) -> list[dict[str, Any]]:
     for why, names in (("provision", the_plan["provision"]), ("recheck", the_plan["recheck"])):
         for name in names:
             ctl.fleet.transition(name, states.SELF_CHECK, reason=f"pool: {why}")
-            targets.append({"machine": name, "why": why, "nproc": int(the_plan["nproc"])})
+            targets.append({"machine": name, "why": why, "nproc": int(the_plan["nproc"]),
+                            "program": list(the_plan.get("program") or [])})
     return targets
 
 
@@ -109,7 +128,9 @@ def check(ctl: Controller, target: dict[str, Any]) -> dict[str, Any]:
     failed = diag["failed"].get(name)
     if not failed:
         parked = ctl.transport.run(ctl.inventory.machine(name), [ctl.inventory.tg_node, "standby", "park", "--nproc",
-                                                                 str(int(target["nproc"]))], timeout=PARK_TIMEOUT_S)
+                                                                 str(int(target["nproc"])),
+                                                                 *map(str, target.get("program") or [])],
+                                   timeout=PARK_TIMEOUT_S)
         if not parked.ok:
             failed = f"park: {parked.describe()}"[:300]
     if failed:

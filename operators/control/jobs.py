@@ -165,10 +165,26 @@ class Jobs(Part):
             return {"parked": [], "failed": {}, "dry_run": True}
         ready = self.parked(j.machine_list)
         todo = [n for n in j.machine_list if n not in ready]
+        program = self.park_program(j)
         results = self.transport.run_many(self.inventory.named(todo), lambda m: [
-            self.inventory.tg_node, "standby", "park", "--nproc", str(j.ranks_per_machine)], timeout=300)
+            self.inventory.tg_node, "standby", "park", "--nproc", str(j.ranks_per_machine), *program], timeout=300)
         return {"parked": sorted(ready | {n for n, r in results.items() if r.ok}),
                 "failed": {n: r.describe() for n, r in results.items() if not r.ok}}
+
+    @staticmethod
+    def park_program(j: Any) -> list[str]:
+        """``tg-node standby park``'s arguments naming the job's own program (its script or module in its
+        working directory: what its warm interpreters import ahead); none for the reference job (the demo's
+        program is the default)."""
+        from trainguard.operators.jobspec import stored_spec
+
+        if not j.spec:
+            return []
+        spec = stored_spec(j)
+        if spec.is_reference:
+            return []
+        return [*(["--workdir", spec.workdir] if spec.workdir else []), "--entry", spec.entry,
+                *(["--module"] if spec.module else [])]
 
     def plan_launch(self, job: str, warm: set[str], *, warm_if_parked: bool = False,
               restore_max_step: int | None = None) -> launcher.JobPlan:

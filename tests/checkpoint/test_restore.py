@@ -238,3 +238,19 @@ def test_retention_kept_the_verified_step_and_the_newest_committed(chain: Chain)
     assert step in local, local  # older than the newest three, kept because it is the newest verified
     assert len([s for s in local if s != step]) == 3, local
     assert step < min(s for s in local if s != step)
+
+
+def test_the_same_machines_in_another_order_restore_the_newest_step_from_each_other(chain: Chain):
+    """The job stopped and submitted again on its machines, which came back in another order: every rank looked
+    for its own rank's copies on a machine that had run another rank, found none, and the job fell back to the
+    program's own epoch snapshot (about 2,000 steps lost). Each machine's copies left by other ranks are sent to
+    their owners over the job's own group now."""
+    for m in range(WORLD):  # machine m runs what machine m-1 ran: each disk now serves the next rank
+        chain.machine(m).rename(chain.base / f"was{m}")
+    for m in range(WORLD):
+        (chain.base / f"was{m}").rename(chain.machine((m + 1) % WORLD))
+    newest = chain.newest
+    _, first, _ = restart(chain)
+    assert first[0]["ckpt_restored_step"] == newest  # nothing lost
+    assert sources(first) == ["moved"] * WORLD
+    assert newest_local(chain, 0) == chain.newest  # each rank's own copies are where it runs now

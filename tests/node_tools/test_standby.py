@@ -200,3 +200,50 @@ def test_the_autogroup_nice_is_read_and_the_root_autogroup_has_none(tmp_path, te
     path.write_text(text)
     assert standby.autogroup_nice(path) == nice
     assert standby.autogroup_nice(tmp_path / "missing") is None
+
+
+def test_a_program_s_imports_are_read_without_running_it(tmp_path):
+    (tmp_path / "teamlib").mkdir()
+    (tmp_path / "teamlib" / "__init__.py").write_text("")
+    (tmp_path / "model.py").write_text("")
+    (tmp_path / "train.py").write_text(
+        "from __future__ import annotations\nimport os, torch\nimport teamlib.data\nfrom model import GPT\n"
+        "from . import nothing\ntry:\n    import lightning as L\nexcept ImportError:\n    L = None\n"
+        "def main():\n    import transformers\nif __name__ == '__main__':\n    import sys\n    main()\n"
+        "raise SystemExit('never run')\n")
+    third, local = standby.program_imports(tmp_path, "train.py")
+    assert third == ["os", "torch", "lightning"] and local == ["teamlib.data", "model"]
+    assert standby.program_imports(tmp_path, "teamlib", module=True) == ([], [])  # an empty package's imports
+    assert standby.program_imports(tmp_path, "missing.py") == ([], [])
+
+
+def test_a_standby_parked_for_a_job_imports_its_program_and_a_changed_module_is_imported_afresh(node, tmp_path):
+    """Parked interpreters imported the demo's examples.gpt3d.train whatever job they stood by, so a user's job
+    swapped onto a standby started cold. They import the job's own program now; a module of its directory that
+    changed after they parked is imported again when the job runs (not the parked copy)."""
+    team = tmp_path / "team"
+    team.mkdir()
+    (team / "teamlib.py").write_text("VALUE = 'parked'\n")
+    (team / "train.py").write_text(
+        "import os\nimport torch\nimport teamlib\nif __name__ == '__main__':\n"
+        "    with open(os.path.join(os.environ['OUT_DIR'], 'rank' + os.environ['RANK']), 'w') as fh:\n"
+        "        fh.write(teamlib.VALUE)\n")
+    parked = standby.park(node, nproc=2, workdir=str(team), entry="train.py")
+    assert all({"torch", "teamlib"} <= set(s["preloaded"]) for s in parked["slots"])
+    assert "examples.gpt3d.train" not in parked["slots"][0]["preloaded"]
+    assert parked["program"]["entry"] == "train.py"
+    (team / "teamlib.py").write_text("VALUE = 'changed'\n")
+    st = (team / "teamlib.py").stat()
+    os.utime(team / "teamlib.py", ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+    out = tmp_path / "out"
+    out.mkdir()
+    started = job.start(node, dataclasses.replace(spec("warm"), entry="train.py", args=[], workdir=str(team),
+                                                   env={"OUT_DIR": str(out)}))
+    assert started["warm"] is True
+    rd = job.run_dir(node, "warm")
+    wait_until(lambda: (rd / "exit.json").exists(), timeout=120, what="the warm job to finish")
+    assert json.loads((rd / "exit.json").read_text())["returncode"] == 0
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"rank0": "changed", "rank1": "changed"}
+    # parked again for the demo's program, the interpreters warmed for the team's make way
+    again = standby.park(node, nproc=2)
+    assert again["started"] == 3 and "examples.gpt3d.train" in again["slots"][0]["preloaded"]
