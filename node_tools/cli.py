@@ -177,6 +177,13 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     jr.add_argument("--since-ts", type=float, help="only steps that ended after this time (epoch seconds); "
                                                    "reads only the tail of the rank's history")
 
+    jo = jsub.add_parser("output", help="the last lines a job's ranks wrote on this machine (stdout or stderr) "
+                                        "and where their files are")
+    jo.add_argument("--job", required=True)
+    jo.add_argument("--rank", type=int, default=None, help="this global rank only")
+    jo.add_argument("--stream", choices=("stdout", "stderr"), default="stdout")
+    jo.add_argument("--tail", type=int, default=50, help="lines per rank (0: only the paths)")
+
     sb = sub.add_parser("standby", help="warm standby: park pre-warmed interpreters, activate a job on them")
     sbsub = sb.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     pk = sbsub.add_parser("park")
@@ -346,6 +353,9 @@ def run(argv: list[str]) -> tuple[int, Any]:
         if ns.action == "steps":
             return EXIT_OK, job.steps(cfg, ns.job, ns.rank, since=ns.since, incarnation=ns.incarnation,
                                       since_ts=ns.since_ts)
+        if ns.action == "output":
+            return EXIT_OK, job.output(cfg, job.check_job_name(ns.job), rank=ns.rank, stream=ns.stream,
+                                       tail=max(0, ns.tail))
         return EXIT_OK, job.status(cfg, job.check_job_name(ns.job), brief=ns.brief)
     if ns.command == "standby":
         from trainguard.node_tools import job, standby

@@ -20,6 +20,7 @@ Layout of a job on a machine (``<workdir>/jobs/<job>/``)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -440,6 +441,40 @@ def steps(cfg: NodeConfig, job: str, rank: int, *, since: int = -1, incarnation:
         if r.get("step", -1) > since and (incarnation is None or r.get("incarnation") == incarnation)
     ]
     return {"job": job, "machine": cfg.machine, "rank": rank, "steps": records}
+
+
+def output(cfg: NodeConfig, job: str, *, rank: int | None = None, stream: str = "stdout",
+           tail: int = 50) -> dict[str, Any]:
+    """Where the newest incarnation of ``job`` on this machine writes, and its last lines: each rank's ``stream``
+    file (torchrun's per-rank ``stdout.log``/``stderr.log`` under the job's run directory) with its global rank
+    (from its heartbeat) and last ``tail`` lines, and the supervisor's log (torchrun's own lines); of one global
+    ``rank`` when given. Every line is the rank's own output, as the job printed it."""
+    rd = run_dir(cfg, job)
+    record = _read_json(rd / "job.json")
+    if not record:
+        raise TrainguardError(f"machine {cfg.machine} has no job {job}")
+    incarnation = record.get("incarnation")
+    global_of: dict[int, int] = {}
+    for path in (rd / "ranks").glob("rank*.json"):
+        hb = monitor.read_heartbeat(rd, int(path.stem[4:])) if path.stem[4:].isdigit() else None
+        if hb and hb.get("incarnation", incarnation) == incarnation and isinstance(hb.get("local_rank"), int):
+            global_of[int(hb["local_rank"])] = int(hb.get("rank", path.stem[4:]))
+    ranks = []
+    for local_rank, files in sorted(rank_logs(cfg, job).items()):
+        glob_rank = global_of.get(local_rank)
+        if rank is not None and glob_rank != rank:
+            continue
+        path = files.get(stream)
+        lines: list[str] = []
+        if path is not None and tail > 0:
+            with contextlib.suppress(OSError), open(path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - 256 * 1024))
+                lines = fh.read().decode(errors="replace").splitlines()[-tail:]
+        ranks.append({"local_rank": local_rank, "rank": glob_rank, "path": str(path) if path else None,
+                      "lines": lines})
+    return {"job": job, "machine": cfg.machine, "incarnation": incarnation, "stream": stream,
+            "supervisor_log": str(rd / "supervisor.log"), "ranks": ranks}
 
 
 def rank_logs(cfg: NodeConfig, job: str) -> dict[int, dict[str, Path]]:

@@ -77,6 +77,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     for action, text in (("stop", "stop the job and return its machines to the pool"),
                          ("status", "the job's state, machines, command and progress")):
         jsub.add_parser(action, help=text).add_argument("job")
+    jl = jsub.add_parser("logs", help="what the job's ranks printed (their stdout, or --stream stderr), read on its "
+                                      "machines, and where the files are")
+    jl.add_argument("job")
+    jl.add_argument("--rank", type=int, default=None, help="this global rank only (default: every rank)")
+    jl.add_argument("--stream", choices=("stdout", "stderr"), default="stdout")
+    jl.add_argument("--tail", type=int, default=50, help="lines per rank (default 50)")
     jsub.add_parser("list", help="every job of the fleet database")
 
     ip = sub.add_parser("incident", help="incidents: list them, close one by hand, act on a waiting one again")
@@ -358,6 +364,37 @@ def cmd_incident(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _job_logs(args: argparse.Namespace, c: Any, j: Any) -> int:
+    """``trainguard job logs``: each machine's ``tg-node job output`` (the machine holding ``--rank`` alone when it
+    is given), printed rank by rank."""
+    if args.tail < 0:
+        raise TrainguardError(f"--tail {args.tail} must be >= 0", exit_code=2)
+    names = list(j.machine_list)
+    if args.rank is not None:
+        topo = c.topology(j.name)
+        if not 0 <= args.rank < topo.world_size:
+            raise TrainguardError(f"--rank {args.rank}: job {j.name} has ranks 0..{topo.world_size - 1}", exit_code=2)
+        names = [names[topo.machine_of(args.rank)]]
+    extra = [*(["--rank", str(args.rank)] if args.rank is not None else []), "--stream", args.stream,
+             "--tail", str(args.tail)]
+    results = c.transport.run_many(c.inventory.named(names), lambda m: [
+        c.inventory.tg_node, "job", "output", "--job", j.name, *extra], timeout=30)
+    docs = {n: (r.json() if r.ok else {"error": r.describe()}) for n, r in results.items()}
+    lines: list[str] = []
+    for name in names:
+        doc = docs.get(name) or {"error": "no answer"}
+        if "error" in doc:
+            lines.append(f"== {name}: {doc['error']}")
+            continue
+        for r in doc.get("ranks", []):
+            lines.append(f"== rank {r['rank']} on {name} (local rank {r['local_rank']}, incarnation "
+                         f"{doc.get('incarnation')}): {r['path']}")
+            lines += r["lines"]
+    print_result(args, {"job": j.name, "stream": args.stream, "machines": docs},
+                 "\n".join(lines) or f"job {j.name}: no output yet")
+    return EXIT_OK if all("error" not in d for d in docs.values()) else 1
+
+
 def cmd_job(args: argparse.Namespace) -> int:
     from trainguard.operators.control import ControlConfig, Controller
 
@@ -395,6 +432,8 @@ def cmd_job(args: argparse.Namespace) -> int:
                                           f"{' '.join(d['command'])}" for d in doc) or "no job")
         return EXIT_OK
     j = c.fleet.job(args.job)  # an unknown job: a one-line error
+    if args.action == "logs":
+        return _job_logs(args, c, j)
     if args.action == "stop":
         out = c.jobs.release(args.job)
         print_result(args, out, f"job {args.job} stopped; machines {', '.join(out['released']) or 'none'} back "

@@ -102,7 +102,7 @@ class TrainguardCallback(Callback):
 
     def __init__(self, *, state: Mapping[str, Stateful] | None = None,
                  checkpoint: CheckpointConfig | bool | None = None, topology: Topology | None = None,
-                 nonfinite_hold_s: float = 300.0, sync: bool = True, collective_timeout_s: float = 1800.0,
+                 nonfinite_hold_s: float | None = None, sync: bool = True, collective_timeout_s: float = 1800.0,
                  tokens: float | Callable[[Any], float] | None = None) -> None:
         if state and "lightning" in state:
             raise GuardError("state name 'lightning' is the callback's own (the fit loop); name yours otherwise")

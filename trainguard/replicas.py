@@ -99,7 +99,8 @@ class Replicas:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, replica: str | None = None,
                  min_replicas: int | None = None, timeout_s: float = 30.0, quorum_timeout_s: float = 60.0,
-                 monitor: JobMonitor | None = None, checkpoint: Any = None, nonfinite_hold_s: float = 300.0) -> None:
+                 monitor: JobMonitor | None = None, checkpoint: Any = None,
+                 nonfinite_hold_s: float | None = None) -> None:
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -114,6 +115,8 @@ class Replicas:
             min_replicas = _env_int("TG_MIN_REPLICAS", 1)
         if min_replicas < 1:
             raise ReplicasError(f"min_replicas={min_replicas} must be at least 1")
+        if nonfinite_hold_s is None:  # as trainguard.torch.Guard: hold only when trainguard launched the job
+            nonfinite_hold_s = 300.0 if os.environ.get("TG_RUN_DIR") else 0.0
         if not nonfinite_hold_s >= 0:
             raise ReplicasError(f"nonfinite_hold_s={nonfinite_hold_s} must be >= 0 (seconds)")
         self.nonfinite_hold_s = float(nonfinite_hold_s)

@@ -61,15 +61,18 @@ from trainguard.checkpoint.config import CheckpointConfig, default_s3_url, expan
 from trainguard.checkpoint.errors import RestoreError
 from trainguard.checkpoint.info import RestoreResult, SnapshotInfo
 from trainguard.checkpoint.shards import local_part
-from trainguard.checkpoint.slots import ReferenceCopy
-from trainguard.core.errors import TopologyError, TrainguardError
-from trainguard.core.topology import GROUP_KINDS, RankCoords, Topology
+from trainguard.checkpoint.slots import ReferenceCopy  # noqa: F401 - importable from here, as before
+from trainguard.core.errors import TopologyError, TrainguardError  # noqa: F401
+from trainguard.core.topology import GROUP_KINDS, RankCoords, Topology  # noqa: F401
 from trainguard.node_tools.monitor import JobMonitor
 
-__all__ = ["GROUP_KINDS", "CheckpointConfig", "Guard", "GuardError", "GuardedStep", "JobMonitor", "RankCoords",
-           "ReferenceCopy", "RestoreError", "RestoreResult", "Stateful", "Topology", "TopologyError",
-           "TrainguardError", "checkpoint_config_from_env", "gradient_norm", "heartbeat", "json_tensors", "logger",
-           "rng_states", "set_rng_states", "tensors_from_json"]
+# the face: what a training loop uses (the module's other names serve the adapters and stay importable)
+__all__ = ["CheckpointConfig", "Guard", "GuardError", "GuardedStep", "RestoreError", "Topology", "TrainguardError",
+           "checkpoint_config_from_env", "heartbeat"]
+
+#: how long a rank holds still after a non-finite step when trainguard launched the job (``TG_RUN_DIR``): the
+#: control plane stops the job and restores the last finite step well within it
+LAUNCHED_HOLD_S = 300.0
 
 STATE_KEY = "state"  # where the ``state`` objects' states live in a checkpoint's data position
 
@@ -272,7 +275,20 @@ class GuardedStep:
         if grad_norm is None:
             grad_norm = gradient_norm(g.model.parameters()) if g.model is not None else 0.0
         self.grad_norm = float(grad_norm)
-        finite = _all_finite([self.loss if loss is not None else 0.0, self.grad_norm])
+        loss_ok = _all_finite([self.loss if loss is not None else 0.0])
+        finite = loss_ok and _all_finite([self.grad_norm])
+        if g.scaler is not None:
+            # mixed precision: gradients that overflowed are the scaler's to skip (it lowers its scale); only a
+            # loss that is not finite is a fault. The decision is taken on the loss alone, together
+            if together:
+                loss_ok = g.all_ranks(loss_ok)
+            self.finite = loss_ok
+            if not loss_ok:
+                self.refuse(f"loss {self.loss}, gradient norm {self.grad_norm}: update skipped")
+            elif not finite:
+                self.extra["scaler_skipped"] = True
+            self.update_wait_s = g.before_update()
+            return loss_ok  # the scaler's step skips the update itself when the gradients overflowed
         if together:
             finite = g.all_ranks(finite)
         self.finite = finite
@@ -324,6 +340,14 @@ class Guard:
         coords: the rank's coordinates to report (default: from ``topology``).
         nonfinite_hold_s: after a non-finite step, hold still this long for the control plane (which stops the
             job and restores the last finite step), then go on with the next batch; 0 = go on at once. Seconds.
+            None (the default): 300 s when trainguard launched the job (``TG_RUN_DIR``), 0 otherwise: a run by
+            hand has no control plane to wait for.
+        scaler: the loop's ``torch.amp.GradScaler`` (mixed precision): a step whose loss is finite but whose
+            gradients are not is the scaler's to skip (it lowers its scale and skips the optimizer's step), not a
+            fault: :meth:`GuardedStep.ok` judges the loss alone (call ``scaler.step(optimizer)`` when it says True:
+            the scaler skips the update itself), the rank is not held, and the step is snapshotted as the scaler
+            left it (recorded ``scaler_skipped``). Put the scaler in ``state`` too, so that its scale comes back
+            with a restore.
         sync: :meth:`GuardedStep.ok` decides on every rank together (default True).
         collective_timeout_s: timeout of the checkpoint's own collectives. Seconds.
         monitor: a :class:`JobMonitor` built already (default: one from the environment).
@@ -334,8 +358,11 @@ class Guard:
     def __init__(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer | None = None, *,
                  state: Mapping[str, Stateful] | None = None, checkpoint: CheckpointConfig | bool | None = None,
                  topology: Topology | None = None, coords: dict[str, int] | None = None,
-                 nonfinite_hold_s: float = 300.0, sync: bool = True, collective_timeout_s: float = 1800.0,
-                 monitor: JobMonitor | None = None, log: Callable[[str], None] | None = None) -> None:
+                 nonfinite_hold_s: float | None = None, sync: bool = True, collective_timeout_s: float = 1800.0,
+                 monitor: JobMonitor | None = None, log: Callable[[str], None] | None = None,
+                 scaler: Any = None) -> None:
+        if nonfinite_hold_s is None:
+            nonfinite_hold_s = LAUNCHED_HOLD_S if os.environ.get("TG_RUN_DIR") else 0.0
         if not nonfinite_hold_s >= 0:
             raise GuardError(f"nonfinite_hold_s={nonfinite_hold_s} must be >= 0 (seconds)")
         self.model = model
@@ -358,7 +385,11 @@ class Guard:
                              f"{self.world_size}; pass the layout the job runs")
         self.topology = topology
         self.nonfinite_hold_s = float(nonfinite_hold_s)
+        self.scaler = scaler
         self.sync = sync
+        self._stepped = False  # the first step began (checked: see _first_step)
+        self._restore_called = False
+        self._params_at_restore: tuple[int, ...] | None = None
         self._log_fn = log
         if coords is None:
             c = topology.coords(self.rank)
@@ -397,8 +428,10 @@ class Guard:
             return 0
         result = ck.restore()
         ck.start()
+        self._restore_called = True
         if result is None:
             return 0
+        self._params_at_restore = self._param_fingerprint()
         saved = result.data_position.get(STATE_KEY) or {}
         missing = sorted(set(self.state) - set(saved))
         if missing:
@@ -433,10 +466,40 @@ class Guard:
         :meth:`end_step` from the trainer's step-end hook)."""
         if self._current is not None:
             raise GuardError(f"step {step} began inside step {self._current.step}; end one step before the next")
+        if not self._stepped:
+            self._first_step(step)
         s = GuardedStep(self, step, tokens=tokens)
         self._current = s
         self.monitor.step_begin(step)
         return s
+
+    def _first_step(self, step: int) -> None:
+        """The first step of this process: checkpoints start even when :meth:`restore` was not called (they would
+        otherwise be off without a word), and a program that loaded its own checkpoint after :meth:`restore` is
+        stopped, in one line, before it trains on with a state older than trainguard's."""
+        self._stepped = True
+        ck = self.checkpointer
+        if ck is None:
+            return
+        if not self._restore_called:
+            self._log("guard.restore() was not called: checkpoints start now and nothing was restored; call "
+                      "step = guard.restore() before the loop to resume from trainguard's newest step")
+            ck.start()
+            return
+        if self.restored is not None and self._params_at_restore is not None \
+                and self._param_fingerprint() != self._params_at_restore:
+            raise GuardError(f"the model's parameters changed between guard.restore() (step {self.restored.step}) "
+                             f"and step {step}: the program loaded a checkpoint of its own over trainguard's newer "
+                             f"one; call guard.restore() after the program's own resume (it wins only where "
+                             f"trainguard has nothing), or skip the program's resume when guard.restore() > 0")
+
+    def _param_fingerprint(self) -> tuple[float, ...]:
+        """A cheap fingerprint of the model's values: each parameter's (local part's) sum. A wrapper that writes the
+        same values again (DDP broadcasting rank 0's restored state) leaves it; a program's own checkpoint does not."""
+        if self.model is None:
+            return ()
+        with torch.no_grad():
+            return tuple(float(local_part(p).detach().double().sum()) for p in self.model.parameters())
 
     def end_step(self, s: GuardedStep) -> None:
         """Snapshot and record a step begun with :meth:`begin` (what the end of :meth:`step`'s block does)."""

@@ -91,7 +91,7 @@ class TrainguardCallback(TrainerCallback):
 
     def __init__(self, *, state: Mapping[str, Stateful] | None = None,
                  checkpoint: CheckpointConfig | bool | None = None, topology: Topology | None = None,
-                 nonfinite_hold_s: float = 300.0, sync: bool = True, collective_timeout_s: float = 1800.0,
+                 nonfinite_hold_s: float | None = None, sync: bool = True, collective_timeout_s: float = 1800.0,
                  resume_dir: str | os.PathLike[str] | None = None,
                  tokens: Callable[[int], float] | None = None) -> None:
         if state and "transformers" in state:

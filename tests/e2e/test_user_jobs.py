@@ -402,6 +402,10 @@ def _campaign(ctl: Controller, airflow: Standalone, inv: Inventory, programs: di
         assert record["spec"]["args"][:2] == ["--steps", "0"] and record["spec"]["env"]["TEAM_SETTING"] == "kept"
         records = _rank0_records(inv, job, first)
         machines = list(ctl.fleet.job(job).machine_list)
+        # what the job printed, rank by rank, with one command
+        out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "logs", job, "--stream",
+                              "stderr", "--tail", "5"], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and f"== rank 0 on {first} (local rank 0" in out.stdout, out.stdout + out.stderr
         out = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", "job", "stop", job], env=env,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr

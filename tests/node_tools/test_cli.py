@@ -133,3 +133,29 @@ def test_ctrl_c_is_exit_130_with_a_one_line_error(node, capsys, monkeypatch):
 
     monkeypatch.setattr(job, "status", interrupted)
     assert run(capsys, "job", "status", "--job", "x") == (130, {"error": "interrupted"})
+
+
+def test_job_output_gives_each_rank_s_last_lines_and_where_its_file_is(node, capsys):
+    """Where a job's stdout went was written nowhere: 'tg-node job output' (and 'trainguard job logs' over it)
+    says, rank by rank."""
+    from trainguard.node_tools import monitor
+
+    rd = node.workdir / "jobs" / "team"
+    (rd / "ranks").mkdir(parents=True)
+    logs = rd / "logs" / "inc2"
+    for local, rank in ((0, 4), (1, 5)):
+        d = logs / "none_abc" / "attempt_0" / str(local)
+        d.mkdir(parents=True)
+        (d / "stdout.log").write_text("".join(f"rank {rank} line {i}\n" for i in range(80)))
+        (d / "stderr.log").write_text(f"rank {rank} warning\n")
+        monitor.write_json_atomic(monitor.heartbeat_path(rd, rank), {"rank": rank, "local_rank": local,
+                                                                     "incarnation": 2})
+    monitor.write_json_atomic(rd / "job.json", {"job": "team", "incarnation": 2, "log_dir": str(logs)})
+    code, doc = run(capsys, "job", "output", "--job", "team", "--tail", "3")
+    assert code == 0 and doc["incarnation"] == 2 and [r["rank"] for r in doc["ranks"]] == [4, 5]
+    assert doc["ranks"][1]["lines"] == ["rank 5 line 77", "rank 5 line 78", "rank 5 line 79"]
+    assert doc["ranks"][0]["path"].endswith("inc2/none_abc/attempt_0/0/stdout.log")
+    code, doc = run(capsys, "job", "output", "--job", "team", "--rank", "4", "--stream", "stderr")
+    assert [r["lines"] for r in doc["ranks"]] == [["rank 4 warning"]]
+    code, doc = run(capsys, "job", "output", "--job", "nosuch")
+    assert code == 2 and "has no job nosuch" in doc["error"]

@@ -271,3 +271,92 @@ def test_small_tensors_in_a_json_state_go_back_bit_for_bit_and_big_ones_are_refu
     assert torch.equal(torch.rand(4, generator=g2), torch.rand(4, generator=g))
     with pytest.raises(GuardError, match="in the model or the optimizer"):
         json_tensors({"big": torch.zeros(300_000)})
+
+
+def _train(guard: Guard, model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        with guard.step(step, tokens=4) as s:
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(step))
+            loss = (model(x) - 1).pow(2).mean()
+            loss.backward()
+            if s.ok(loss):
+                opt.step()
+            opt.zero_grad()
+
+
+def test_a_loop_that_never_calls_restore_still_takes_checkpoints_and_is_told_so(run_dir, tmp_path):
+    """restore() also started the checkpoint's background work: a loop that forgot it took no checkpoint, without
+    a word."""
+    lines: list[str] = []
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model, opt, checkpoint=_config(tmp_path / "c"), log=lines.append) as g:
+        _train(g, model, opt, range(3))
+    assert any("guard.restore() was not called: checkpoints start now" in line for line in lines)
+    assert [r["ckpt_saved"] for r in read_steps(run_dir, 0)] == [True, True, True]
+    again = Guard(torch.nn.Linear(4, 1), None, checkpoint=_config(tmp_path / "c"), log=lambda _: None)
+    assert again.restore() == 3  # they were committed: a later run resumes after them
+    again.close()
+
+
+def test_a_program_that_loads_its_own_checkpoint_after_restore_is_stopped_at_its_first_step(run_dir, tmp_path):
+    """A program's own resume (init_from='resume') after guard.restore() silently replaced trainguard's newer
+    state with its epoch snapshot: 2,000 steps trained again."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model, opt, checkpoint=_config(tmp_path / "c"), log=lambda _: None) as g:
+        g.restore()
+        _train(g, model, opt, range(2))
+        own = {k: v.clone() for k, v in model.state_dict().items()}  # the program's own (older) snapshot
+        _train(g, model, opt, range(2, 4))
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = Guard(model, opt, checkpoint=_config(tmp_path / "c"), log=lambda _: None)
+    assert g.restore() == 4
+    model.load_state_dict(own)  # the program's own resume, after trainguard's
+    with pytest.raises(GuardError, match=r"parameters changed between guard.restore\(\) \(step 3\) and step 4: "
+                                         r"the program loaded a checkpoint of its own"):
+        _train(g, model, opt, range(4, 5))
+    g.close("failed")
+
+
+def test_a_non_finite_step_holds_the_rank_only_when_trainguard_launched_the_job(monkeypatch, tmp_path):
+    monkeypatch.delenv("TG_RUN_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    by_hand = Guard(torch.nn.Linear(4, 1), checkpoint=False)
+    assert by_hand.nonfinite_hold_s == 0.0  # nobody to wait for: a NaN does not sleep five minutes
+    by_hand.close()
+    monkeypatch.setenv("TG_RUN_DIR", str(tmp_path / "run"))
+    launched = Guard(torch.nn.Linear(4, 1), checkpoint=False)
+    assert launched.nonfinite_hold_s == 300.0
+    launched.close()
+
+
+def test_with_a_grad_scaler_an_overflow_is_the_scaler_s_to_skip_not_a_held_rank(run_dir, tmp_path):
+    """Under mixed precision an fp16 overflow is routine: the scaler skips the step and lowers its scale. The guard
+    took it for a fault and would have held the rank for 300 s."""
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    held: list[str] = []
+    g = Guard(model, opt, state={"scaler": scaler}, checkpoint=_config(tmp_path / "c"), scaler=scaler,
+              nonfinite_hold_s=300.0, log=held.append)
+    g.restore()
+    for step in range(2):
+        with g.step(step, tokens=4) as s:
+            loss = model(torch.ones(2, 4)).pow(2).mean()
+            scaler.scale(loss).backward()
+            if step == 0:
+                model.weight.grad[0, 0] = float("inf")  # the scaled gradients overflowed
+            if s.ok(loss):
+                scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    records = read_steps(run_dir, 0)
+    assert records[0]["scaler_skipped"] is True and records[0]["ckpt_saved"] and "scaler_skipped" not in records[1]
+    assert scaler.get_scale() == 2.0**15 and not any("holding" in line for line in held)
+    with g.step(2) as s:  # a loss that is not finite is still a fault
+        s.ok(torch.tensor(float("nan")))
+        g.nonfinite_hold_s = 0.0
+    assert s.finite is False and read_steps(run_dir, 0)[-1]["ckpt_refused"]
+    g.close()
