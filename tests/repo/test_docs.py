@@ -66,7 +66,7 @@ def test_the_guard_snippets_are_lines_of_the_tested_examples(path):
     if path.startswith("docs/"):
         assert {b.splitlines()[0].split()[-1] for b in sourced} == {
             "examples/plain/train.py", "examples/lightning/train.py", "examples/hf/train.py",
-            "examples/replicas/train.py"}
+            "examples/replicas/train.py", "examples/recipes/train.py"}
     for block in sourced:
         head, *lines = block.splitlines()
         source = [line.strip() for line in (REPO / head.split()[-1]).read_text().splitlines()]
