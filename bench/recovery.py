@@ -11,6 +11,9 @@ asset's watcher reading the bus):
   the fleet database and Airflow's task instances: alert -> first tg_incident task (triage start),
   alert -> diagnosis start, localization (triage start -> the handler that named the culprit ends),
   fault -> training resumed, steps lost.
+* **a lost GPU while a fail-slow vote samples**: a rank slowed until its incident's vote runs, then a GPU lost on
+  another machine; the fault takes the incident over and is evicted at once. Its fault -> resumed against the
+  clean GPU losses of the same run: ``gpu_lost_during_vote_over_clean`` (target: within 2x).
 * **cold requeue**, in the same run, after Airflow is stopped: the same GPU fault handled the way a
   requeue does it: the alert is seen on the bus, the whole job is stopped, the replacement is a machine
   that was not pre-warmed (its parked interpreters are ended first), every machine of the new allocation
@@ -52,7 +55,7 @@ JOB = "bench"
 SCENARIOS = FAULTS
 # alert -> first task; fault -> resumed for explicit faults with a warm standby; cold requeue over warm path
 TARGETS = {"alert_to_task_s": 2.0, "resume_s.gpu_lost": 30.0, "resume_s.disk_full": 30.0, "resume_s.nic_down": 30.0,
-           "warm_vs_cold_speedup": 10.0}
+           "warm_vs_cold_speedup": 10.0, "gpu_lost_during_vote_over_clean": 2.0}
 
 
 class Bench(GuardedJob):
@@ -94,6 +97,47 @@ class Bench(GuardedJob):
         }
         print(f"warm {fault}: {_fmt(trial)}", flush=True)
         print("  tasks: " + ", ".join(f"{n} +{s} ({d} s)" for n, s, d in trial["timeline"]), flush=True)
+        self.trials.append(trial)
+        return trial
+
+    # ---- a lost GPU while a fail-slow vote samples ---------------------------------------------------------
+    def during_vote(self, slow_s: float = 1.0) -> dict[str, Any]:
+        """One rank slowed (``slow_s`` a step) until its incident's vote samples, then a GPU lost on another machine:
+        the explicit fault takes the incident over (its category becomes machine_fault, the vote stops at its next
+        round) and the machine is evicted at once. Measured as the GPU fault alone: fault -> training resumed."""
+        self.settled()
+        self.repair()
+        self.training()
+        machines = list(self.ctl.fleet.job(JOB).machine_list)
+        slow_machine, lost_machine = machines[1], machines[2]
+        last = self.last_incident()
+        inject.inject(self.inv, slow_machine, "slow", rank=TOPO.ranks_on(1)[0], params={"seconds": f"{slow_s:g}"})
+        try:
+            def voting() -> Any:
+                inc = next((i for i in self.ctl.fleet.incidents(JOB) if i.id > last and i.category == "slow"), None)
+                if inc is None:
+                    return None
+                _conf, tasks = self.incident_run(inc.id)
+                return inc if tasks.get("slow_vote", {}).get("state") in ("running", "deferred") else None
+
+            inc = poll(voting, timeout=240, interval=0.5, what="the slow rank's vote to sample")
+            sent = time.time()
+            t_fault = fault_time(inject.inject(self.inv, lost_machine, "gpu_lost"), sent, time.time())
+        finally:
+            inject.clear(self.inv, slow_machine, "slow")
+        try:
+            done = poll(lambda: (lambda i: i if i.state != "open" else None)(self.ctl.fleet.incident(inc.id)),
+                        timeout=300, interval=0.5, what="the incident the lost GPU took over to close")
+        finally:
+            inject.clear(self.inv, lost_machine, "gpu_lost")
+        evicted = sorted({m for a in self.ctl.fleet.actions(done.id) if a.kind == "evict" for m in a.machines})
+        trial = {"path": "warm", "fault": "gpu_lost_during_vote", "machine": lost_machine, "incident": done.id,
+                 "state": done.state, "category": done.category, "evicted": evicted,
+                 "slow_machine": slow_machine, "fault_to_resumed_s": done.resumed_ts - t_fault if done.resumed_ts
+                 else None, "lost_steps": done.lost_steps, "alert_s": None, "alert_to_trigger_s": None,
+                 "alert_to_incident_s": None, "alert_to_first_task_s": None, "alert_to_diagnosis_s": None,
+                 "localization_s": None}
+        print(f"warm gpu_lost during a vote: {_fmt(trial)} (category {done.category}, evicted {evicted})", flush=True)
         self.trials.append(trial)
         return trial
 
@@ -159,6 +203,11 @@ def metrics_of(trials: list[dict[str, Any]]) -> dict[str, Any]:
     add("cold_requeue_s", [t["fault_to_resumed_s"] for t in cold])
     add("cold_requeue.self_check_s", [t["self_check_s"] for t in cold])
     warm_gpu = [t["fault_to_resumed_s"] for t in warm if t["fault"] == "gpu_lost" and t["fault_to_resumed_s"]]
+    voted = [t["fault_to_resumed_s"] for t in warm if t["fault"] == "gpu_lost_during_vote" and t["fault_to_resumed_s"]]
+    if warm_gpu and voted:  # a lost GPU during a vote, against a clean one of the same run
+        metrics["gpu_lost_during_vote_over_clean"] = {
+            "median": round(statistics.median(voted) / statistics.median(warm_gpu), 2), "p90": None, "n": len(voted),
+            "unit": "x", "target": TARGETS["gpu_lost_during_vote_over_clean"]}
     if warm_gpu and cold:
         ratio = statistics.median(t["fault_to_resumed_s"] for t in cold) / statistics.median(warm_gpu)
         metrics["warm_vs_cold_speedup"] = {"median": round(ratio, 2), "p90": None, "n": 1, "unit": "x",
@@ -186,6 +235,8 @@ def main() -> int:
                     help="the other fault kinds, one warm trial each, comma-separated (default: all of "
                          f"{', '.join(SCENARIOS)}; empty for none)")
     ap.add_argument("--cold-trials", type=int, default=2)
+    ap.add_argument("--vote-trials", type=int, default=1,
+                    help="trials of a GPU lost while a fail-slow vote samples (default 1; --quick: 1)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     stop_on_sigterm()
@@ -204,9 +255,9 @@ def main() -> int:
         try:
             b.start()
             b.training(2)
-            for fault in ["gpu_lost"] * gpu_trials + extra:
+            for fault in ["gpu_lost"] * gpu_trials + extra + ["gpu_lost_during_vote"] * max(0, args.vote_trials):
                 try:
-                    b.warm(fault)
+                    b.during_vote() if fault == "gpu_lost_during_vote" else b.warm(fault)
                 except (RuntimeError, TimeoutError) as exc:  # recorded as a failed trial; the next kind runs
                     print(f"warm {fault}: failed: {exc}", file=sys.stderr, flush=True)
                     b.trials.append({"path": "warm", "fault": fault, "state": "error", "error": str(exc)[:500]})
