@@ -203,8 +203,9 @@ class Snapshotting:
                 self._board.mark(BUSY)
         if free:
             self._log(f"step {step}: both snapshot buffers were still being persisted; waited {waited:.3f}s for "
-                      f"one (the {self.cfg.saver} persists slower than the job steps; if this repeats, raise "
-                      f"--checkpoint-every)", kind="backpressure")
+                      f"one (the {self.cfg.saver} persists slower than the job steps; if this repeats, take a "
+                      f"snapshot every few steps: CheckpointConfig(every_steps=N), or the reference job's "
+                      f"--checkpoint-every N)", kind="backpressure")
         else:
             self._error(f"step {step}: snapshot skipped: no buffer was freed within {limit:g}s; due steps skip "
                         f"without waiting until the {self.cfg.saver} persister frees one", kind="stalled")

@@ -101,10 +101,12 @@ def register(sub: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     pu.add_argument("--workers", type=int, default=2, help="scaleout: Celery workers (each a namespace)")
     pu.add_argument("--schedulers", type=int, default=2, help="scaleout: schedulers")
     pu.add_argument("--concurrency", type=int, default=4, help="scaleout: task slots of each worker")
-    pu.add_argument("--machines", type=int, default=d.machines)
-    pu.add_argument("--standbys", type=int, default=d.standbys)
-    pu.add_argument("--name", default=d.name)
-    pu.add_argument("--subnet", default=d.subnet)
+    pu.add_argument("--machines", type=int, default=d.machines,
+                    help=f"emulated machines, standbys included (default {d.machines})")
+    pu.add_argument("--standbys", type=int, default=d.standbys,
+                    help=f"of them, parked warm as standbys (default {d.standbys})")
+    pu.add_argument("--name", default=d.name, help=f"cluster name, the prefix of its namespaces (default {d.name})")
+    pu.add_argument("--subnet", default=d.subnet, help=f"the machines' private /24 (default {d.subnet})")
     pu.add_argument("--port", type=int, default=8080, help="the api-server's port (default 8080; 0: any free one)")
     psub.add_parser("down", help="stop the control plane and its servers, then bring the cluster down")
     psub.add_parser("status", help="the control plane's processes and where its UI is")
