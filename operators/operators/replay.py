@@ -38,7 +38,8 @@ class SilentCorruptionOperator(RungOperator):
         replay = step["replay"]
         self.log.info("replay, %s phase: groups %s launched; watched in the triggerer", phase,
                       {t: g["machines"] for t, g in replay["launched"]["groups"].items()})
-        self.defer(trigger=ReplayTrigger(replay["launched"]), method_name="phase_done",
+        incident = (self.decision or {}).get("incident") if isinstance(self.decision, dict) else None
+        self.defer(trigger=ReplayTrigger(replay["launched"], incident_id=incident), method_name="phase_done",
                    kwargs={"replay": replay, "phase": phase}, timeout=MAX_WAIT)
         return None
 
@@ -49,6 +50,9 @@ class SilentCorruptionOperator(RungOperator):
         results = dict((event or {}).get("results") or {})
         self.log.info("replay, %s phase: %s", phase, results)
         self.controller.replay.replay_stop(dict(replay or {})["launched"])  # every group's sub-job ended
+        if (event or {}).get("preempted"):  # an explicit machine fault joined: it decides the incident now
+            self.log.info("replay preempted by %s", event["preempted"])
+            return rungs.sdc_preempted(self.controller, self.decision, dict(replay or {}))["result"]
         return self._next(rungs.sdc_phase_done(self.controller, self.decision, dict(replay or {}), phase, results),
                           "vertical")
 

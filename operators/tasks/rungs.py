@@ -350,6 +350,21 @@ def sdc_begin(c: Controller, decision: Mapping[str, Any]) -> dict[str, Any]:
     return {"replay": {**replay, "stopped": result.get("stopped")}}
 
 
+def sdc_preempted(c: Controller, decision: Mapping[str, Any], replay: Mapping[str, Any]) -> dict[str, Any]:
+    """An explicit machine fault joined the incident while its replay ran: the replay's groups were ended and the
+    fault decides the incident (the first rung: evict that machine), as it would have before the replay began.
+    ``{"result": RungResult}``, with ``instead_of`` the silent-corruption rung."""
+    name, d, redirected = _redirected(c, "silent_corruption", IncidentDecision.model_validate(decision))
+    if name == "silent_corruption":  # the trigger saw a fault no longer there (evicted meanwhile): the rung climbs
+        return {"result": RungResult(rung=name, restart=False, no_restart=True,
+                                     error="silent_corruption: replay preempted, but no explicit fault is left to "
+                                           "act on").model_dump(mode="json")}
+    result = _result(c, name, d, lambda: RUNG_ACTIONS[name](c, d), {**redirected, "replay_preempted": True})
+    if replay.get("stopped") and not result.get("stopped"):  # what the rung's own stop found, before the replay
+        result = RungResult.model_validate({**result, "stopped": replay["stopped"]}).model_dump(mode="json")
+    return {"result": result}
+
+
 def sdc_phase_done(c: Controller, decision: Mapping[str, Any], replay: Mapping[str, Any], phase: str,
                    results: Mapping[str, str]) -> dict[str, Any]:
     """A replay phase's results are in: after the horizontal one, the vertical one is launched (``{"replay": ...}``

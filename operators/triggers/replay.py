@@ -25,17 +25,23 @@ class ReplayTrigger(BaseTrigger):
     :param launched: what :meth:`trainguard.operators.control.Controller.replay_launch` started (JSON)
     :param timeout_s: seconds after which a group without a result counts as failed
     :param poll_s: seconds between two rounds of status reads
+    :param incident_id: the incident whose rung replays (None: a replay by hand): an explicit machine fault that
+        joins it meanwhile (a lost GPU, a fatal Xid) fires the trigger at once with ``preempted`` (the machines
+        and their faults): the fault is acted on now, not after the replay's minutes
     """
 
-    def __init__(self, launched: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S, poll_s: float = 1.0) -> None:
+    def __init__(self, launched: dict[str, Any], *, timeout_s: float = DEFAULT_TIMEOUT_S, poll_s: float = 1.0,
+                 incident_id: int | None = None) -> None:
         super().__init__()
         self.launched = dict(launched)
         self.timeout_s = float(timeout_s)
         self.poll_s = float(poll_s)
+        self.incident_id = None if incident_id is None else int(incident_id)
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (f"{type(self).__module__}.{type(self).__qualname__}",
-                {"launched": self.launched, "timeout_s": self.timeout_s, "poll_s": self.poll_s})
+                {"launched": self.launched, "timeout_s": self.timeout_s, "poll_s": self.poll_s,
+                 "incident_id": self.incident_id})
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from trainguard.operators.tasks import common
@@ -45,6 +51,12 @@ class ReplayTrigger(BaseTrigger):
         out: dict[str, str] = {}
         deadline = time.monotonic() + self.timeout_s
         while len(out) < len(groups) and time.monotonic() < deadline:
+            if self.incident_id is not None:
+                faults = await asyncio.to_thread(c.incidents.unhandled_faults, self.incident_id)
+                if faults:
+                    self.log.info("replay of %s: preempted by %s", self.launched.get("job"), faults)
+                    yield TriggerEvent({"results": out, "preempted": faults})
+                    return
             polled = await asyncio.to_thread(c.replay.replay_poll, self.launched)
             out.update({t: r for t, r in polled.items() if r is not None})
             if len(out) < len(groups):

@@ -447,6 +447,46 @@ def test_silent_corruption_watches_both_replay_phases_in_the_triggerer_then_evic
     assert result.model_extra["replay"]["culprits"] == ["m2"]
 
 
+def test_a_lost_gpu_during_a_replay_stops_it_and_decides_the_incident_at_once(tmp_path, monkeypatch):
+    """A GPU lost while the dual-phase replay ran waited out the replay's minutes (and its groups computed on the
+    machine that lost it). The explicit fault takes the incident over: the replay's groups end and the machine is
+    evicted at once."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from trainguard.operators.operators.replay import SilentCorruptionOperator
+    from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.triggers.replay import ReplayTrigger
+
+    c, _fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    stopped: list[list[str]] = []
+    monkeypatch.setattr(c.replay, "replay_launch", lambda job, groups, *, k, steps=2: {
+        "job": job, "k": k, "steps": steps, "world_size": 4,
+        "groups": {t: {"job": f"{job}-replay-{t}", "machines": list(m), "failed": None} for t, m in groups.items()}})
+    monkeypatch.setattr(c.replay, "replay_poll", lambda launched: {t: None for t in launched["groups"]})  # computing
+    monkeypatch.setattr(c.replay, "replay_stop", lambda launched: stopped.append(sorted(launched["groups"])))
+    [item] = c.ingest([alert("sdc_suspect", "m0", rank=0, step=7), alert("sdc_suspect", "m2", rank=2, step=7)])
+    decision = steps.triage(c, item["incident"])
+    op = SilentCorruptionOperator(task_id="silent_corruption", decision=decision)
+    with pytest.raises(TaskDeferred) as h:
+        op.execute({})
+    _path, kwargs = h.value.trigger.serialize()
+    assert kwargs["incident_id"] == item["incident"]
+    c.ingest([alert("gpu_lost", "m3")])  # joins while the replicas compute
+
+    async def fire(t):
+        async for event in t.run():
+            return event.payload
+
+    event = asyncio.run(fire(ReplayTrigger(**{**kwargs, "poll_s": 0.01, "timeout_s": 60})))
+    assert event["preempted"] == {"m3": "gpu_lost"}
+    result = RungResult.read(op.phase_done({}, event=event, **h.value.kwargs))
+    assert stopped == [["h0", "h1", "ref"]]  # the replay's groups ended
+    assert result.rung == "evict_now" and result.evict.machines == ["m3"] and result.restart
+    assert result.model_extra["instead_of"] == "silent_corruption"
+    assert c.fleet.incident(item["incident"]).category == "machine_fault"
+
+
 def test_a_replay_group_without_a_result_in_time_counts_as_failed_and_the_trigger_stops_nothing(tmp_path,
                                                                                                 monkeypatch):
     from trainguard.operators.triggers.replay import ReplayTrigger
