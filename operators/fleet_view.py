@@ -33,7 +33,7 @@ def job_problem(recorded: str, seen: str, held: list[int], waiting: list[Any]) -
     """What needs a look about a job, in one line ("" when nothing does): an incident that waits for a human, a job
     the fleet database calls running that its machines say is not, ranks holding still on a non-finite step."""
     out = [f"incident {i.id} waits for a human: {(i.summary or '')[:200]}" for i in waiting]
-    if recorded in ("running", "waiting_human") and seen not in ("running", "degraded"):
+    if recorded in ("running", "waiting_human") and seen not in ("running", "degraded", "unknown"):
         out.append(f"the fleet database says {recorded}, its machines say {seen}: the job is not training")
     if held:
         out.append(f"rank(s) {', '.join(map(str, held[:8]))} hold still on a non-finite step")

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.errors import TrainguardError
 from trainguard.core.procs import group_alive
 from trainguard.operators.fleet import FleetStore
 from trainguard.operators.fleet.states import IncidentState
@@ -167,7 +166,8 @@ def observe(c: Any, jobs: list[Any]) -> dict[str, dict[str, Any]]:
             continue
         try:
             progress = c.jobs.progress(j.name)
-        except TrainguardError:
+        except Exception as exc:  # a machine that cannot be asked leaves the job to the database's word
+            out[j.name] = {"seen": "unknown", "held": [], "error": f"{type(exc).__name__}: {exc}"[:200]}
             continue
         out[j.name] = {"seen": observed_state(progress), "held": progress.get("held") or []}
     return out
