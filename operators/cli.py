@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     # a command's output is its result (one JSON document with --json): the SSH library's connection lines, which
     # the logging Airflow sets up would print on stdout, stay out of it
-    logging.getLogger("paramiko").setLevel(logging.WARNING)
+    logging.getLogger("paramiko").setLevel(logging.ERROR)
     try:
         parser, handlers = build_parser()
         args = parser.parse_args(args_list)
