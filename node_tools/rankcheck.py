@@ -109,7 +109,7 @@ class RankTimeouts:
     decline_window_s: float = 5.0
     decline_history: int = 48
     decline_history_s: float = 15.0
-    decline_spread: float = 4.0
+    decline_spread: float = 2.0
     decline_samples: int = 8
     decline_outlier: float = 3.0
     decline_persist_s: float = 10.0
