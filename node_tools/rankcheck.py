@@ -179,6 +179,7 @@ class _RankState:
     tput_base: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # the baseline's
     tput_windows: deque = field(default_factory=lambda: deque(maxlen=64))  # past windows' throughput (the noise)
     tput_since: int = 0  # steps since the last window was sampled into ``tput_windows``
+    tput_needed: float = 0.15  # the decline the last step needed (the threshold, noise counted)
     long_seen: deque = field(default_factory=lambda: deque(maxlen=16))  # (agent's clock, interval) of long ones
     decline: _Run = field(default_factory=_Run)  # the window's throughput below its baseline
     grew: _Run = field(default_factory=_Run)  # the rank's own compute grown (see RankCheck._grown)
@@ -473,6 +474,11 @@ class RankCheck(Check):
         kept = 0.0 if dt > 0 and typical > 0 and dt > self.t.decline_outlier * typical else 1.0
         one = (tput * dt, dt, kept, dt) if dt > 0 else (1.0, 1.0 / tput, kept, 0.0)
         hist, recent, win, base = st.tput, st.tput_recent, st.tput_win, st.tput_base
+        # a window already half a decline below its baseline teaches the baseline nothing: a slowdown that creeps up
+        # by steps each under the threshold must not become the normal one step at a time (a straggler whose sleep
+        # grew 15%, 14%, 24%, then 36% was never reported)
+        ready = len(hist) >= max(1, self.t.decline_steps) and len(recent) >= max(1, self.t.decline_steps)
+        sinking = ready and _throughput(win) < (1.0 - st.tput_needed / 2) * _throughput(base)
         recent.append(one)
         _add(win, one, 1)
         while len(recent) > max(1, self.t.decline_steps) and (
@@ -480,7 +486,7 @@ class RankCheck(Check):
                 or len(recent) > MAX_WINDOW_STEPS):
             leaving = recent.popleft()
             _add(win, leaving, -1)
-            if st.decline.n:  # the baseline learns from steps no decline was seen in
+            if st.decline.n or sinking:  # the baseline learns from steps no decline was seen in
                 continue
             hist.append(leaving)
             _add(base, leaving, 1)
@@ -496,7 +502,7 @@ class RankCheck(Check):
         if baseline <= 0 or now <= 0:
             return []
         st.tput_since += 1
-        if st.tput_since >= window and not st.decline.n:  # a whole window since the last sample: the job's noise
+        if st.tput_since >= window and not st.decline.n and not sinking:  # a whole window since the last sample
             st.tput_windows.append(now)
             st.tput_since = 0
         needed = self.t.decline
@@ -505,6 +511,7 @@ class RankCheck(Check):
             middle = statistics.median(samples)
             if middle > 0:
                 needed = max(needed, self.t.decline_spread * _spread(samples, middle) / middle)
+        st.tput_needed = needed
         if now >= (1.0 - needed) * baseline:
             st.decline.end()
             st.decline_run_s = 0.0

@@ -793,3 +793,22 @@ def test_an_evaluation_that_recurs_raises_the_hang_timeout_however_many_steps_co
     clock.t += 8.0  # the third evaluation takes longer: still no hang
     fake_job.rank(0)
     assert check.run(time.time()) == []
+
+
+def test_a_straggler_that_creeps_up_by_steps_under_the_threshold_is_still_a_decline(tmp_path, fake_job):
+    """Measured beside two CPU hogs: a rank's sleep grew in steps (the job's step 15%, 14%, 24%, 52%, then 36% longer,
+    each for about 15 steps); each step under the threshold taught the baseline its pace, and the straggler was never
+    reported. A window half a decline below its baseline teaches it nothing."""
+    rng = np.random.default_rng(5)
+    fake_job.rank(0)
+    check = RankCheck(tmp_path)
+    found: list[Finding] = []
+    step = 0
+    for growth, n in ((1.0, 120), (1.14, 15), (1.14, 15), (1.24, 15), (1.36, 120)):
+        for _ in range(n):
+            t = 0.42 * growth * float(rng.uniform(0.95, 1.05))
+            fake_job.step(0, step, 2.0, step_time_s=t, tokens_per_s=4096.0 / t)
+            step += 1
+        found += check.run(time.time())
+    assert [f.kind for f in found] == ["throughput_decline"], [f.message for f in found]
+    assert found[0].evidence["decline"] >= 0.2
