@@ -118,7 +118,9 @@ class RankTimeouts:
 
 
 LEARN_FACTOR = 1.5  # a step time above this multiple of the baseline does not teach the baseline
-RECENT_S = 2.0  # a rank's recent compute: its steps of the last seconds (at least five), as the vote's look takes them
+# a rank's recent compute in its alerts' evidence: its steps of the last seconds (at least five); the vote's look
+# (tg-node job status) takes 3 s of them (trainguard.node_tools.job.RECENT_S)
+RECENT_S = 2.0
 MAX_WINDOW_STEPS = 20000  # no window holds more steps than this, however short they are
 
 

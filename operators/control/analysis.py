@@ -124,5 +124,5 @@ class Analysis(Part):
             taken = self.vote_round(incident_id)
             if taken.get("superseded"):
                 return self.vote_verdict(incident_id, rounds, superseded=True)
-            rounds.append({"times": taken["times"], "noise": taken.get("noise") or {}})
+            rounds.append(taken)
         return self.vote_verdict(incident_id, rounds)

@@ -136,11 +136,7 @@ def restart_job(c: Controller, incident_id: int, results: list[dict[str, Any] | 
         if rung.waiting_human:
             raise TrainguardError(f"incident {incident_id}: its rung decided to wait for a human ({inc.summary}); "
                                   f"clear the rung's task to decide again")
-        busy = common.open_incidents(c, inc.job, other_than=incident_id)
-        if busy:
-            raise TrainguardError(f"incident {busy[0]} of job {inc.job} is open and its run acts on the job; "
-                                  f"clear this task again once it closed")
-        c.fleet.update_incident(incident_id, state=IncidentState.OPEN, summary=f"{inc.summary}; acted on again by hand")
+        _reopen(c, inc, "acted on again by hand")
         c.fleet.set_job_state(inc.job, "running")
         swapped = Swap.read(swap_machines(c, incident_id, results, stop))
     result = rung.dump()
@@ -181,15 +177,20 @@ def restart_again(c: Controller, incident_id: int) -> dict[str, Any]:
     the tasks after it check the resume and close the incident again."""
     inc = c.fleet.incident(incident_id)
     if inc.state != IncidentState.OPEN:  # closed, or waiting for a human who now asks for the restart
-        busy = common.open_incidents(c, inc.job, other_than=incident_id)
-        if busy:
-            raise TrainguardError(f"incident {busy[0]} of job {inc.job} is open and its run acts on the job; "
-                                  f"clear this task again once it closed")
-        c.fleet.update_incident(incident_id, state=IncidentState.OPEN,
-                                summary=f"{inc.summary}; restarted again (its run's restart_job ran again)")
+        _reopen(c, inc, "restarted again (its run's restart_job ran again)")
     begun = time.time()
     out = c.recovery.recover(incident_id)
     return Restart.read({**out, "restarted": True, "again": True, "again_ts": begun}).dump()
+
+
+def _reopen(c: Controller, inc: Any, why: str) -> None:
+    """Open the incident again for its run's ``restart_job`` run again (``why`` added to its summary); refused while
+    another incident of the job is open (its run acts on the job)."""
+    busy = common.open_incidents(c, inc.job, other_than=inc.id)
+    if busy:
+        raise TrainguardError(f"incident {busy[0]} of job {inc.job} is open and its run acts on the job; "
+                              f"clear this task again once it closed")
+    c.fleet.update_incident(inc.id, state=IncidentState.OPEN, summary=f"{inc.summary}; {why}")
 
 
 def resumed(c: Controller, incident_id: int, recovery: dict[str, Any]) -> dict[str, Any] | None:

@@ -297,10 +297,9 @@ def vote_begin(c: Controller, decision: Mapping[str, Any]) -> dict[str, Any]:
     first = c.analysis.vote_round(d.incident)
     if first.get("superseded"):
         return {"result": _vote_end(c, d, [], superseded=True)}
-    taken = {"times": first["times"], "noise": first.get("noise") or {}}
     if c.cfg.slow_rounds <= 1:
-        return {"result": _vote_end(c, d, [taken])}
-    return {"first": taken, "started": started}
+        return {"result": _vote_end(c, d, [first])}
+    return {"first": first, "started": started}
 
 
 def vote_end(c: Controller, decision: Mapping[str, Any], rounds: list[dict[str, float]], *,

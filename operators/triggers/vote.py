@@ -56,6 +56,6 @@ class SlowVoteTrigger(BaseTrigger):
                               len(taken))
                 yield TriggerEvent({"rounds": taken, "superseded": True})
                 return
-            taken.append({"times": one["times"], "noise": one.get("noise") or {}})
+            taken.append(one)
             self.log.info("incident %s: round %d of %d: %s", self.incident_id, len(taken), self.rounds, one["times"])
         yield TriggerEvent({"rounds": taken})
