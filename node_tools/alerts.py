@@ -68,8 +68,8 @@ ALERT_KINDS: dict[str, str] = {
     "rank_stopped": "a rank's heartbeat stopped although its process exists (stopped or frozen)",
     "rank_hang": "a live rank made no progress (step or collective) for longer than its calibrated timeout",
     "nan_loss": "a rank reported a NaN or infinite loss or gradient norm",
-    "loss_spike": "a rank's loss jumped to more than 5x its recent median",
-    "grad_spike": "a rank's gradient norm jumped to more than 5x its recent median",
+    "loss_spike": "a rank's loss jumped to more than 5x its recent median and twice its recent largest",
+    "grad_spike": "a rank's gradient norm jumped to more than 5x its recent median and twice its recent largest",
     "rank_slow": "a rank's steps take several times their recent median (throughput decline)",
     "sdc_suspect": "a rank's parameters differ from its data-parallel peers' (silent data corruption)",
     # GPU (NVML)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import re
 import signal
@@ -39,6 +40,7 @@ from trainguard.core import procs
 from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import monitor
 from trainguard.node_tools.config import NodeConfig
+from trainguard.node_tools.rankcheck import step_compute
 
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -367,21 +369,23 @@ def _recent_compute(steps: list[dict[str, Any]], incarnation: Any) -> dict[str, 
     (1.4826 x their median absolute deviation: the step-to-step noise) and ``recent_steps``; what the fail-slow
     vote compares. None without such a step."""
     values: list[float] = []
+    walls: list[float] = []
     spent = 0.0
     for r in reversed(steps):
         if r.get("incarnation") != incarnation or len(values) >= RECENT_MAX_STEPS or (
                 len(values) >= RECENT_MIN_STEPS and spent >= RECENT_S):
             break
-        t, comm = r.get("step_time_s"), r.get("comm_s")
-        if isinstance(t, (int, float)) and isinstance(comm, (int, float)):
-            values.append(max(0.0, float(t) - float(comm)))
+        t, compute = r.get("step_time_s"), step_compute(r)
+        if isinstance(t, (int, float)) and math.isfinite(compute):
+            values.append(max(0.0, compute))
+            walls.append(max(0.0, float(t)))
             spent += max(0.0, float(t))
     if not values:
         return None
     median = statistics.median(values)
     spread = 1.4826 * statistics.median(abs(v - median) for v in values)
     return {"recent_compute_s": round(median, 6), "recent_compute_spread_s": round(spread, 6),
-            "recent_steps": len(values)}
+            "recent_steps": len(values), "recent_step_s": round(statistics.median(walls), 6)}
 
 
 def rank_status(rd: Path, rank: int, now: float, *, brief: bool = False) -> dict[str, Any]:

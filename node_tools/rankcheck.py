@@ -51,6 +51,11 @@ class RankTimeouts:
             seconds.
         spike_factor: a loss / grad norm above this multiple of the recent median is a spike.
         spike_history: steps of history needed before spikes are judged.
+        spike_over_max: ... and above this multiple of the largest of its recent values (a loss on noisy data, a
+            small model's on random batches, swings past 5x its median every few steps and past 15x now and then:
+            a spike is what the recent history never came near).
+        spike_quiet_s: a rank reports a spike of one kind at most once in this many seconds (its steps' clock):
+            a spike is an observation recorded without an incident, and a noisy loss must not flood the bus.
         slow_factor: a step time above this multiple of the recent median counts as slow ...
         slow_spread: ... and above the median by this many robust spreads (1.4826 x the median absolute deviation)
             of the rank's normal steps: a job whose steps swing by half on a busy host is judged on its own noise ...
@@ -69,7 +74,8 @@ class RankTimeouts:
             tokens over their time, the harmonic mean of their tokens/s, leaving out steps over
             ``decline_outlier`` times the window's median step: an evaluation, a checkpoint of the program's own)
             is below ``1 - decline`` of its throughput over the steps before them, and below it by
-            ``decline_spread`` robust spreads of the windows' throughput seen so far (a job's own noise). One
+            ``decline_spread`` robust spreads of the windows' throughput seen so far (a job's own noise); long
+            steps are left out while rare (at most a quarter of the last 32), counted once they are the pace. One
             step's tokens/s is noise: on a busy host it swings by a quarter from step to step.
         decline_steps: the window holds at least this many steps ...
         decline_window_s: ... and at least this many seconds of them (500 steps of a 10 ms job, not 16); a
@@ -94,7 +100,9 @@ class RankTimeouts:
     window: int = 100
     stale_heartbeat_s: float = 2.5
     spike_factor: float = 5.0
-    spike_history: int = 10
+    spike_history: int = 50
+    spike_over_max: float = 2.0
+    spike_quiet_s: float = 300.0
     slow_factor: float = 2.5
     slow_spread: float = 6.0
     slow_min_excess_s: float = 0.05
@@ -122,6 +130,7 @@ LEARN_FACTOR = 1.5  # a step time above this multiple of the baseline does not t
 # (tg-node job status) takes 3 s of them (trainguard.node_tools.job.RECENT_S)
 RECENT_S = 2.0
 MAX_WINDOW_STEPS = 20000  # no window holds more steps than this, however short they are
+SPIKE_HISTORY = 100  # the recent values a loss or gradient norm spike is judged against
 
 
 # the longest a rank's own word that it holds still on purpose is trusted: past it, no progress is a hang
@@ -156,16 +165,17 @@ class _RankState:
     key: tuple[str, int, int] = ("", 0, 0)  # (job, incarnation, rank)
     offset: int = 0
     times: deque = field(default_factory=lambda: deque(maxlen=100))
-    losses: deque = field(default_factory=lambda: deque(maxlen=20))
+    losses: deque = field(default_factory=lambda: deque(maxlen=SPIKE_HISTORY))
     step_times: deque = field(default_factory=lambda: deque(maxlen=64))
     slow_run: int = 0
     slow_run_s: float = 0.0  # the current run of slow steps' time together
     slow: bool = False
     sdc: bool = False
-    grads: deque = field(default_factory=lambda: deque(maxlen=20))
+    grads: deque = field(default_factory=lambda: deque(maxlen=SPIKE_HISTORY))
     steps_seen: int = 0
     nan: bool = False
     spike: dict[str, bool] = field(default_factory=dict)
+    spike_said: dict[str, float] = field(default_factory=dict)  # kind -> its last spike's time (the steps' clock)
     # what the agent observed, on its own monotonic clock
     records_seen: float | None = None  # when the last step record was read
     beat: Any = None  # the heartbeat's content that changes with every flush
@@ -183,6 +193,7 @@ class _RankState:
     tput_since: int = 0  # steps since the last window was sampled into ``tput_windows``
     tput_needed: float = 0.15  # the decline the last step needed (the threshold, noise counted)
     long_seen: deque = field(default_factory=lambda: deque(maxlen=16))  # (agent's clock, interval) of long ones
+    long_recent: deque = field(default_factory=lambda: deque(maxlen=32))  # whether each of the last steps was long
     decline: _Run = field(default_factory=_Run)  # the window's throughput below its baseline
     grew: _Run = field(default_factory=_Run)  # the rank's own compute grown (see RankCheck._grown)
     relearning: bool = False  # the decline's baseline refills after a relearn: no decline can be judged yet
@@ -370,7 +381,7 @@ class RankCheck(Check):
         loss, grad = _num(rec.get("loss")), _num(rec.get("grad_norm"))
         step = rec.get("step")
         step_time = _num(rec.get("step_time_s"))
-        compute = step_time - _num(rec.get("comm_s"))  # the step less its wait on the others
+        compute = step_compute(rec)
         leaving = None
         if math.isfinite(compute):
             # the recent compute: the last steps of RECENT_S seconds (at least 5), not five 10 ms steps
@@ -412,8 +423,12 @@ class RankCheck(Check):
         for kind, value, hist in (("loss_spike", loss, st.losses), ("grad_spike", grad, st.grads)):
             if len(hist) >= self.t.spike_history:
                 median = statistics.median(hist)
-                spiking = median > 0 and value > self.t.spike_factor * median
-                if spiking and not st.spike.get(kind):
+                spiking = median > 0 and value > max(self.t.spike_factor * median, self.t.spike_over_max * max(hist))
+                when = _num(rec.get("ts"))
+                quiet = math.isfinite(when) and when - st.spike_said.get(kind, -math.inf) < self.t.spike_quiet_s
+                if spiking and not st.spike.get(kind) and not quiet:
+                    if math.isfinite(when):
+                        st.spike_said[kind] = when
                     found.append(Finding(kind, f"{kind}:{job}:{rank}:{step}",
                                          f"rank {rank} of job {job}: {kind.split('_')[0]} {value:.4g} at step {step} "
                                          f"is {value / median:.1f}x the recent median {median:.4g}",
@@ -473,7 +488,11 @@ class RankCheck(Check):
         # (the windows are then the harmonic mean of their tokens/s, by steps alone); a step over decline_outlier
         # times the rank's normal step is left out of the throughput (kept 0) but not out of the window's time
         typical = statistics.median(st.step_times) if len(st.step_times) >= self.t.slow_history else 0.0
-        kept = 0.0 if dt > 0 and typical > 0 and dt > self.t.decline_outlier * typical else 1.0
+        long = dt > 0 and typical > 0 and dt > self.t.decline_outlier * typical
+        st.long_recent.append(long)
+        # ... while long steps are rare: when a quarter of the last steps are long, they are the job's pace now (a
+        # straggler that makes 7 ms steps 33 ms long), not its evaluation
+        kept = 0.0 if long and 4 * sum(st.long_recent) <= len(st.long_recent) else 1.0
         one = (tput * dt, dt, kept, dt) if dt > 0 else (1.0, 1.0 / tput, kept, 0.0)
         hist, recent, win, base = st.tput, st.tput_recent, st.tput_win, st.tput_base
         # a window already half a decline below its baseline teaches the baseline nothing: a slowdown that creeps up
@@ -599,6 +618,17 @@ def _throughput(sums: list[float]) -> float:
     """A window's throughput from its running sums (:func:`_add`): its kept steps' tokens over their time (steps of
     equal tokens: the harmonic mean of their tokens/s); 0 when none was kept."""
     return sums[0] / sums[1] if sums[1] > 0 else 0.0
+
+
+def step_compute(rec: dict[str, Any]) -> float:
+    """A step record's compute time, the part of the step that is the rank's own: its local part (``local_s``: up
+    to the first wait inside the framework's collectives, DDP's gradient all-reduce, which ``comm_s`` does not
+    see) when the guard measured it, else the step less its counted wait in collectives (``comm_s``); NaN when
+    the record says neither. A straggler's grew; its peers', who wait for it, did not."""
+    local = _num(rec.get("local_s"))
+    if math.isfinite(local) and local >= 0:
+        return local
+    return _num(rec.get("step_time_s")) - _num(rec.get("comm_s"))
 
 
 def _spread(values: Any, center: float) -> float:

@@ -307,18 +307,21 @@ def _airflow(args: argparse.Namespace) -> Any:
 
     url = args.airflow_url or os.environ.get("TG_AIRFLOW_URL", "")
     user, password = os.environ.get("TG_AIRFLOW_USER", ""), os.environ.get("TG_AIRFLOW_PASSWORD", "")
-    if not url:
-        home = _kept_airflow_home(args)
-        url = status.kept_airflow_url(home)
-        if url and not user:
-            try:
-                user, password = "admin", json.loads(
-                    (home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
-            except (OSError, ValueError, KeyError):
-                pass
+    home = _kept_airflow_home(args)
+    kept = status.kept_airflow_url(home)
+    url = url or kept
+    if url and url.rstrip("/") == kept.rstrip("/") and not user:
+        try:
+            user, password = "admin", json.loads(
+                (home / "simple_auth_manager_passwords.json.generated").read_text())["admin"]
+        except (OSError, ValueError, KeyError):
+            pass
     if not url:
         raise TrainguardError("no Airflow api-server to submit to: pass --airflow-url or set TG_AIRFLOW_URL (and "
                               "TG_AIRFLOW_USER, TG_AIRFLOW_PASSWORD)", exit_code=2)
+    if not user:
+        raise TrainguardError(f"no login for the api-server at {url}: set TG_AIRFLOW_USER and TG_AIRFLOW_PASSWORD "
+                              f"(an Airflow user allowed to trigger DAG runs)", exit_code=2)
     # a wrong address answers nothing: say so after a few seconds; a busy api-server (a request of its own waits up
     # to half a minute for a database lock) is waited for, and the launch run, named here, is asked for again
     return AirflowApi(url, username=user, password=password, timeout_s=60.0, retry_s=120.0, connect_retry_s=5.0)

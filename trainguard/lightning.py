@@ -156,6 +156,9 @@ class TrainguardCallback(Callback):
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         self._loss = loss.detach()
+        if self._step is not None:  # the step's local work ends here, if its forward did not say so (a module
+            # whose training_step calls an inner module, never its own forward)
+            self._step.mark_local()
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: torch.optim.Optimizer) -> None:

@@ -250,6 +250,21 @@ class GuardedStep:
     extra: dict[str, Any] = field(default_factory=dict)
     update_wait_s: float = 0.0
     unsaved: str = ""  # why the step is not snapshotted though its state is sound (see skip_snapshot)
+    local_end: float | None = None  # when the step's first forward ended (see mark_local)
+
+    def mark_local(self) -> None:
+        """The step's first forward pass ended: what came before is the rank's own work, and a wait for the other
+        ranks can come next (DDP's gradient all-reduce in backward, the first micro-batch's too when the framework
+        does not hold it back). The guard marks it when the model's forward returns; an adapter that sees the
+        backward begin marks it there; the first mark of a step counts. Recorded as the step's ``local_s``: the
+        compute the fail-slow rules compare across ranks, since a wait inside the framework's own collectives is
+        invisible to ``comm_s`` (a straggler's peers wait there, and read as slow as it)."""
+        if self.local_end is not None:
+            return
+        self.local_end = time.perf_counter()
+        timer = self.guard._local_timer
+        if timer is not None:
+            timer[1].record()
 
     def ok(self, loss: float | torch.Tensor | None = None, *, grad_norm: float | None = None,
            sync: bool | None = None) -> bool:
@@ -367,6 +382,11 @@ class Guard:
             raise GuardError(f"nonfinite_hold_s={nonfinite_hold_s} must be >= 0 (seconds)")
         self.model = model
         self.optimizer = optimizer
+        # the step's local part ends when the model's first forward returns (see GuardedStep.mark_local); on a GPU
+        # it is timed by a pair of CUDA events (the host returns from forward before the device computed it)
+        self._local_timer: tuple[Any, Any] | None = None
+        if model is not None:
+            model.register_forward_hook(self._forward_returned)
         self.state: dict[str, Stateful] = dict(state or {})
         for name, obj in self.state.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -470,8 +490,30 @@ class Guard:
             self._first_step(step)
         s = GuardedStep(self, step, tokens=tokens)
         self._current = s
+        if self._local_timer is None and self.model is not None and torch.cuda.is_available():
+            device = next((p.device for p in self.model.parameters()), None)
+            if device is not None and device.type == "cuda":
+                self._local_timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        if self._local_timer is not None:
+            self._local_timer[0].record()
         self.monitor.step_begin(step)
         return s
+
+    def _forward_returned(self, _module: Any, _inputs: Any, _output: Any) -> None:
+        s = self._current
+        if s is not None:
+            s.mark_local()
+
+    def _local_s(self, s: GuardedStep) -> float | None:
+        """The step's local part (seconds): from its beginning to :meth:`GuardedStep.mark_local`'s mark, on the
+        device's clock when it is a GPU; None when nothing marked it."""
+        if s.local_end is None:
+            return None
+        if self._local_timer is not None:
+            start, end = self._local_timer
+            end.synchronize()
+            return start.elapsed_time(end) / 1000.0
+        return s.local_end - s.began
 
     def _first_step(self, step: int) -> None:
         """The first step of this process: checkpoints start even when :meth:`restore` was not called (they would
@@ -527,6 +569,9 @@ class Guard:
             extra |= {"ckpt_restored_step": r.step, "ckpt_restore_s": round(r.seconds, 4),
                       "ckpt_restore_source": r.tier}
             self._report_restore = False
+        local = self._local_s(s)
+        if local is not None:
+            extra["local_s"] = round(local, 6)
         step_time = time.perf_counter() - s.began
         self.monitor.step_end(s.step, loss=s.loss, grad_norm=s.grad_norm, step_time_s=step_time,
                               tokens_per_s=s.tokens / step_time if step_time > 0 else 0.0,

@@ -54,18 +54,23 @@ class Analysis(Part):
 
     def compute_round(self, job: str) -> dict[str, dict[int, float]]:
         """One round of the fail-slow vote: ``times`` (rank -> its recent compute time, the median of its steps
-        of the last seconds, as its machine measured it; else its last step's) and ``noise`` (rank -> the standard
-        error of that median: its steps' spread over the root of their count; absent when the machine did not
-        say), from every machine's ``tg-node job status``."""
+        of the last seconds, as its machine measured it; else its last step's), ``noise`` (rank -> the standard
+        error of that median: its steps' spread over the root of their count) and ``walls`` (rank -> the median
+        of those steps' own times; both absent when the machine did not say), from every machine's
+        ``tg-node job status``."""
         j = self.fleet.job(job)
         st = launcher.status(self.inventory, job, self.inventory.named(j.machine_list), transport=self.transport)
         times: dict[int, float] = {}
         noise: dict[int, float] = {}
+        walls: dict[int, float] = {}
         for doc in st.values():
             for r in doc.get("ranks", []):
                 recent = r.get("recent_compute_s")  # the median of its last steps, when the machine says it
                 if isinstance(recent, (int, float)):
                     times[int(r["rank"])] = float(recent)
+                    wall = r.get("recent_step_s")
+                    if isinstance(wall, (int, float)):
+                        walls[int(r["rank"])] = float(wall)
                     spread, n = r.get("recent_compute_spread_s"), r.get("recent_steps")
                     if isinstance(spread, (int, float)) and isinstance(n, int) and n > 0:
                         noise[int(r["rank"])] = float(spread) / math.sqrt(n)
@@ -74,7 +79,7 @@ class Analysis(Part):
                 step_time, comm = last.get("step_time_s"), last.get("comm_s")
                 if isinstance(step_time, (int, float)) and isinstance(comm, (int, float)):
                     times[int(r["rank"])] = max(0.0, float(step_time) - float(comm))
-        return {"times": times, "noise": noise}
+        return {"times": times, "noise": noise, "walls": walls}
 
     def vote_round(self, incident_id: int) -> dict[str, Any]:
         """One round of the fail-slow vote: each rank's recent compute time (``times``, rank -> seconds) and the
@@ -86,7 +91,8 @@ class Analysis(Part):
             return {"superseded": True}
         taken = self.compute_round(inc.job)
         return {"times": {str(r): t for r, t in taken["times"].items()},
-                "noise": {str(r): round(n, 9) for r, n in taken["noise"].items()}}
+                "noise": {str(r): round(n, 9) for r, n in taken["noise"].items()},
+                "walls": {str(r): w for r, w in taken["walls"].items()}}
 
     def vote_verdict(self, incident_id: int, rounds: Sequence[Mapping[str, Any]], *,
                      superseded: bool = False) -> dict[str, Any]:
@@ -99,10 +105,12 @@ class Analysis(Part):
         j = self.fleet.job(inc.job)
         voter = runtime.SlowVoter(j.topology, rounds=max(1, len(rounds)))
         flagged = []
-        for one in rounds:  # a round: {"times", "noise"} (or, as recorded before, the times alone)
+        for one in rounds:  # a round: {"times", "noise", "walls"} (or, as recorded before, the times alone)
             times, noise = (one["times"], one.get("noise") or {}) if "times" in one else (one, {})
+            walls = one.get("walls") or {} if "times" in one else {}
             flagged.append(voter.add_round({int(r): float(t) for r, t in times.items()}, factor=self.cfg.slow_factor,
-                                           noise={int(r): float(n) for r, n in noise.items()}))
+                                           noise={int(r): float(n) for r, n in noise.items()},
+                                           walls={int(r): float(w) for r, w in walls.items()}))
         if superseded:
             return {"job": inc.job, "superseded": True, "rounds": flagged}
         verdict = voter.verdict()

@@ -134,14 +134,17 @@ class Incidents(Part):
             elif ladder.triage("", [doc]).category == "machine_fault":
                 self._standby_fault(doc)
         shared = self._shared_slowdowns(by_job, roster)
-        for job in shared:
+        observed = self._observed_only(by_job)
+        for job in (*shared, *observed):
             by_job.pop(job)
         results = self.fleet.ingest(by_job, escalation_window_s=self.cfg.escalation_window_s, reader=reader,
                                     read=dict(read or {}), gone=list(gone),
                                     quarantined=[*quarantined, *rejected],
                                     liveness={m: dict(v) for m, v in liveness.items()} if liveness else None,
-                                    unattached=[{**a, "shared_slowdown": why} for why, batch in shared.values()
-                                                for a in batch], claim=dict(claim) if claim else None)
+                                    unattached=[*({**a, "shared_slowdown": why} for why, batch in shared.values()
+                                                  for a in batch),
+                                                *({**a, "observed_only": why} for why, batch in observed.values()
+                                                  for a in batch)], claim=dict(claim) if claim else None)
         if rejected:
             # a bus object may hold a batch of one machine's alerts: it leaves the folder only when none of them
             # was trusted (the trusted ones are recorded; the untrusted ones are recorded as quarantined)
@@ -173,6 +176,16 @@ class Incidents(Part):
                 out[job] = (why or out_of_step, batch)
         return out
 
+    def _observed_only(self, by_job: Mapping[str, list[dict[str, Any]]]) -> dict[str, tuple[str, list[dict[str, Any]]]]:
+        """The jobs whose batch holds observations only (:func:`ladder.observed_only`) and that no incident handles:
+        job -> (why, its alerts), recorded without an incident. With an incident open they join it as evidence."""
+        out: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+        for job, batch in by_job.items():
+            why = ladder.observed_only(batch)
+            if why and not any(i.state == IncidentState.OPEN for i in self.fleet.incidents(job)):
+                out[job] = (why, batch)
+        return out
+
     def _confirm_straggler(self, job: str, topo: Topology) -> str:
         """A fail-slow alert is a rank's claim about its own last steps; the job's machines are the evidence. One
         look at every rank's compute over its last seconds (a round of the vote, :meth:`Analysis.compute_round`):
@@ -188,7 +201,8 @@ class Incidents(Part):
         times = {r: t for r, t in taken["times"].items() if 0 <= r < topo.world_size}
         if len(times) < topo.world_size:
             return ""
-        flagged = SlowVoter(topo, rounds=1).add_round(times, factor=self.cfg.slow_factor, noise=taken["noise"])
+        flagged = SlowVoter(topo, rounds=1).add_round(times, factor=self.cfg.slow_factor, noise=taken["noise"],
+                                                      walls=taken["walls"])
         if flagged:
             return ""
         return (f"not confirmed: no rank of {len(times)} computes above {self.cfg.slow_factor:g}x its stage's median "

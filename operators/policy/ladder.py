@@ -353,6 +353,18 @@ def supersedes(current: str, t: Triage) -> bool:
 SHARED_QUORUM = 0.5
 
 
+def observed_only(alerts: Sequence[Mapping[str, Any]]) -> str:
+    """Why a batch needs no incident because every alert in it is an observation the ladder records and never
+    acts on (a loss or gradient spike, a hot or throttled GPU, a non-fatal Xid); "" when one alert is more. On a
+    stranger's job such signals come from the program's own noise (a loss on random data is above 5x its median
+    every few steps): an incident per spike is a ``tg_incident`` run per batch, and an incident open for nothing
+    is one a real fault would join."""
+    if not alerts or any(_category(a) != "observe" for a in alerts):
+        return ""
+    kinds = sorted({str(a.get("kind", "")) for a in alerts})
+    return f"observed only ({', '.join(kinds)}): recorded, nothing to recover"
+
+
 def shared_slowdown(alerts: Sequence[Mapping[str, Any]], *, ranks: int, factor: float,
                     topology: Topology | None = None) -> str:
     """Why a batch of fail-slow alerts (``rank_slow``, ``throughput_decline``) is a slowdown the whole job shares

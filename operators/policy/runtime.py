@@ -227,6 +227,10 @@ def analyze(topo: Topology, stacks: Sequence[RankStack], *, named: Sequence[int]
 
 #: how many standard errors of a rank's recent compute time it must stand above its stage's median to be flagged
 NOISE_SIGMAS = 4.0
+#: a rank is a straggler only when its excess compute would cost the job at least this share of its step (what a
+#: rank computes beyond its peers, they wait for): a 1 ms difference in a 7 ms step's forward pass (rank 0's own
+#: logging, a busy core) is no straggler to evict; a 30% straggler costs 30%
+MIN_STEP_SHARE = 0.1
 
 
 def _median(values: Iterable[float]) -> float:
@@ -249,7 +253,7 @@ class SlowVoter:
     _stage: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)  # rank -> pp
 
     def add_round(self, step_times: Mapping[int, float], *, factor: float = 1.5,
-                  noise: Mapping[int, float] | None = None) -> list[int]:
+                  noise: Mapping[int, float] | None = None, walls: Mapping[int, float] | None = None) -> list[int]:
         """Vote with one round of per-rank recent compute times; returns the ranks flagged this round.
 
         A rank is compared with the ranks doing the same work, those of its pipeline stage (the last
@@ -259,8 +263,9 @@ class SlowVoter:
         of its recent steps' median, seconds), also :data:`NOISE_SIGMAS` times that noise (its own, or its stage's
         median noise if larger) above the median: on a busy host a healthy job's ranks differ by more than any
         fixed factor from one round to the next (a vote named a healthy machine in 3 of 5 rounds at 1.25x), by
-        far less than a straggler over a few seconds of steps. Time linear in the ranks (and a sort per stage);
-        each rank's stage is worked out once per voter."""
+        far less than a straggler over a few seconds of steps. Where ``walls`` gives the ranks' recent step times
+        (seconds, their median), the excess must also reach :data:`MIN_STEP_SHARE` of the job's step (their
+        median). Time linear in the ranks (and a sort per stage); each rank's stage is worked out once per voter."""
         if not step_times:
             return []
         everyone = _median(step_times.values())
@@ -282,10 +287,12 @@ class SlowVoter:
             overall = statistics.median(noise.values())
             typical = {pp: statistics.median(by_stage[pp]) if len(by_stage.get(pp, [])) >= 3 else overall
                        for pp in stages}
+        step = [w for w in (walls or {}).values() if w > 0]
+        least = MIN_STEP_SHARE * _median(step) if step else 0.0
         slow = []
         for r, t in step_times.items():
             pp = stage_of[r]
-            if t <= factor * base[pp]:
+            if t <= factor * base[pp] or t - base[pp] < least:
                 continue
             if noise and t - base[pp] <= NOISE_SIGMAS * max(noise.get(r, 0.0), typical.get(pp, 0.0)):
                 continue  # above the factor, but within what this round's noise makes of a healthy rank

@@ -360,3 +360,40 @@ def test_with_a_grad_scaler_an_overflow_is_the_scaler_s_to_skip_not_a_held_rank(
         g.nonfinite_hold_s = 0.0
     assert s.finite is False and read_steps(run_dir, 0)[-1]["ckpt_refused"]
     g.close()
+
+
+class _Slow(torch.nn.Module):
+    """A forward pass that takes ``seconds`` of the host's time (a bigger model's compute)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.lin, self.seconds = torch.nn.Linear(4, 1), seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(self.seconds)
+        return self.lin(x)
+
+
+def test_each_step_records_its_local_part_up_to_the_models_first_forward(run_dir):
+    """A rank's own compute is the step up to its first wait for the others; DDP's all-reduce inside backward is a
+    wait ``comm_s`` cannot see (the first micro-batch's too, unless the framework holds it back). The guard marks
+    the model's first forward of the step returning and records ``local_s``; a step whose model never ran forward
+    records none."""
+    import time
+
+    model = _Slow(0.02)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with Guard(model, opt, checkpoint=False) as g:
+        with g.step(0) as s:
+            for _ in range(2):  # two micro-batches
+                model(torch.ones(1, 4)).sum().backward()
+            time.sleep(0.05)  # what waits for the others would take (DDP's gradient all-reduce of the last one)
+            s.ok(torch.tensor(1.0))
+            opt.step()
+        with g.step(1) as s:
+            s.ok(torch.tensor(1.0))
+    first, second = read_steps(run_dir, 0)
+    assert 0.02 <= first["local_s"] < 0.035 and first["step_time_s"] >= first["local_s"] + 0.065, first
+    assert "local_s" not in second

@@ -167,3 +167,24 @@ def test_an_explicit_fault_sends_a_standby_to_repair_unless_it_predates_the_stan
     assert _ingest(ctl, _read(ctl, Alert("gpu_lost", "m4"))) == []
     m4 = ctl.fleet.machine("m4")
     assert m4.state == "repair" and m4.reason == "gpu_lost while standby"
+
+
+def test_observations_alone_open_no_incident_and_are_recorded_and_join_one_that_is_open(ctl):
+    """A stranger's loss on random data is above 5x its median every few steps: a spike, a hot GPU or a non-fatal
+    Xid is recorded without an incident (nothing to recover, and an incident open for nothing is one a real fault
+    would join); beside an explicit fault, or while an incident is open, it is that incident's evidence."""
+    spikes = [Alert("loss_spike", "m1", job="j", rank=1, severity="warning"),
+              Alert("gpu_thermal", "m2", severity="warning"),
+              Alert("gpu_xid", "m2", severity="warning", evidence={"xid": 13})]
+    assert _ingest(ctl, _read(ctl, *spikes)) == []
+    assert ctl.fleet.incidents("j") == []
+    recorded = ctl.fleet.alerts_on(["m1", "m2"], kinds=["loss_spike", "gpu_thermal", "gpu_xid"])
+    assert sorted(a.id for a in recorded) == sorted(a.id for a in spikes)
+    assert all(a.incident_id is None and "observed only" in a.document["observed_only"] for a in recorded)
+    crash = Alert("rank_exit", "m1", job="j", rank=1)
+    later = Alert("loss_spike", "m0", job="j", rank=0, severity="warning")
+    [item] = _ingest(ctl, _read(ctl, crash))
+    assert item["opened"]
+    [joined] = _ingest(ctl, _read(ctl, later))
+    assert joined["incident"] == item["incident"] and not joined["opened"]
+    assert {a.kind for a in ctl.fleet.alerts_of(item["incident"])} == {"rank_exit", "loss_spike"}

@@ -157,8 +157,7 @@ def test_an_observation_closed_while_a_replica_group_is_down_leaves_the_group_to
 
     c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec())
     use_controller(monkeypatch, c)
-    [item] = c.ingest([alert("loss_spike", "m0", rank=0)])
-    inc = item["incident"]
+    inc = c.fleet.open_incident("j", [alert("loss_spike", "m0", rank=0)])[0].id  # (a spike alone opens none)
     decision = steps.triage(c, inc)
     idle = steps.no_recovery(c, decision)
     recovery = steps.restart_job(c, inc, [])
@@ -169,8 +168,7 @@ def test_an_observation_closed_while_a_replica_group_is_down_leaves_the_group_to
     assert step.state == "done" and c.fleet.incident(inc).state == "resolved", step
     assert not _starts(fleet) and not fleet.sent("job", "stop")
     fleet.running.pop("m1")  # both groups down: the job does not train, and the climb restarts it
-    [item] = c.ingest([alert("loss_spike", "m0", rank=0)])
-    inc = item["incident"]
+    inc = c.fleet.open_incident("j", [alert("loss_spike", "m0", rank=0)])[0].id  # (a spike alone opens none)
     decision = steps.triage(c, inc)
     step = steps.close_step(c, inc, steps.no_recovery(c, decision), steps.restart_job(c, inc, []), None)
     assert step.state == "watching" and "does not train" in step.watch.why, step

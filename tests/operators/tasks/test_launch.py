@@ -5,6 +5,7 @@ releases them; the same submission twice is one job; stopping returns the machin
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,14 @@ def test_the_job_commands_of_the_command_line(tmp_path, monkeypatch, capsys):
     from tests.conftest import free_port
 
     monkeypatch.setenv("TG_AIRFLOW_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.delenv("TG_AIRFLOW_USER", raising=False)
+    assert main(["job", "submit", str(spec)]) == 2  # and no login for it: said before anything is tried
+    url = os.environ["TG_AIRFLOW_URL"]
+    assert capsys.readouterr().err.strip() == (f"trainguard: no login for the api-server at {url}: set "
+                                               f"TG_AIRFLOW_USER and TG_AIRFLOW_PASSWORD (an Airflow user allowed to "
+                                               f"trigger DAG runs)")
+    monkeypatch.setenv("TG_AIRFLOW_USER", "admin")
+    monkeypatch.setenv("TG_AIRFLOW_PASSWORD", "x")
     assert main(["job", "submit", str(spec)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("trainguard: no api-server answered at http://127.0.0.1:") and err.count("\n") == 1, err

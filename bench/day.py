@@ -1,0 +1,345 @@
+"""A day in the life of a job trainguard's authors did not write, through ``trainguard controlplane up``'s defaults
+and the command line alone, as its docs tell a new user.
+
+The program is ``bench/stranger/train.py``: Lightning's own ``BoringModel`` fitted by Lightning's own loop with
+DDP on 2 machines (1 rank each), gradient accumulation over 2 micro-batches, its own validation every 200 batches,
+steps of a few milliseconds, a resumable loader, and one ``TrainguardCallback``. Its spec asks for one standby, so
+the circuit breaker allows the job one eviction an hour.
+
+The day, each step by a ``trainguard`` command as a person would type it:
+
+1. ``--healthy-s`` seconds of healthy training: every incident that opens is a false alarm;
+2. a rank crashes: back without a human;
+3. a straggler (one rank sleeping 30 ms before each step) opens a fail-slow vote, and while it votes, a GPU of the
+   straggler's machine is lost: the fault takes the incident over, the machine is swapped for the standby;
+4. a rank hangs once the breaker's allowance is used up: its eviction is refused and the incident waits for a
+   human, who closes it with ``trainguard incident close N``;
+5. the job is stopped (``trainguard job stop``) and submitted again (``trainguard job submit``);
+6. a rank crashes again: back without a human.
+
+Then the job's ETTR (``trainguard ettr``) and every sample it trained, by index: across every restore, the
+resubmit's included, no sample of a finished epoch is trained twice or skipped, and no step is lost but the ones
+after the newest checkpoint.
+
+    python bench/day.py --out bench/results/day.json        # 30 min healthy, then the faults
+    python bench/day.py --quick                             # 90 s healthy (what CI runs, tests/e2e/test_day.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import stop_on_sigterm, write_result
+
+REPO = Path(__file__).resolve().parent.parent
+JOB = "boring"
+NAME, SUBNET = "tgday", "10.213.46.0/24"
+SAMPLES = 4096  # the data set (one epoch: 512 optimizer steps of 2 micro-batches of 2 samples on each of 2 ranks)
+STRAGGLE_S = 0.03  # the straggler's sleep before each step: several times the job's step
+FINAL = ("resolved", "failed", "waiting_human")
+
+
+class DayError(AssertionError):
+    """A step of the day did not go as a person would expect (the message says which and what was seen)."""
+
+
+class Day:
+    """The control plane of ``trainguard controlplane up`` in ``home`` (``$TG_HOME``) and the stranger's job."""
+
+    def __init__(self, home: Path, *, log: Callable[[str], None] = print) -> None:
+        self.home, self.log = home, log
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("TG_") or k == "TG_TEST_SESSION"}
+        self.env["TG_HOME"] = str(home)
+        self.workdir = home / "program"
+        self.samples = home / "program" / "samples"
+        self.fleet: Any = None
+        self.timeline: list[dict[str, Any]] = []
+
+    # ---- the command line -----------------------------------------------------------------------------
+    def cli(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([sys.executable, "-m", "trainguard.operators.cli", *args], env=self.env, cwd=self.home,
+                              capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode:
+            raise DayError(f"'trainguard {' '.join(args)}' exited {proc.returncode}: "
+                           f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
+        return proc
+
+    def up(self) -> None:
+        self.cli("controlplane", "up", "--port", "0", "--name", NAME, "--subnet", SUBNET, timeout=900)
+        doc = json.loads((self.home / "control" / "profile.json").read_text())
+        self.env.update(doc["env"])  # TG_FLEET_URL, TG_INVENTORY: what `controlplane up` tells the user to set
+        from trainguard.operators.fleet import FleetStore
+
+        self.fleet = FleetStore(doc["fleet_url"])
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / "bench" / "stranger" / "train.py", self.workdir / "train.py")
+
+    def down(self) -> None:
+        self.cli("controlplane", "down", timeout=300, check=False)
+
+    def submit(self) -> float:
+        spec = self.workdir / "boring.yaml"
+        spec.write_text(f"name: {JOB}\n"
+                        f"command: [train.py, --samples, '{SAMPLES}', --record, {self.samples}]\n"
+                        f"workdir: {self.workdir}\n"
+                        "machines: 2\n"
+                        "standbys: 1\n")
+        t = time.time()
+        out = self.cli("job", "submit", str(spec), "--wait", "420", timeout=480)
+        if "(success)" not in out.stdout:
+            raise DayError(f"the submission did not launch the job: {out.stdout.strip()}")
+        self.wait(lambda: self.step() >= 20, 180, "the job to train after its submission")
+        return t
+
+    # ---- what the fleet and the job say -----------------------------------------------------------------
+    def machines(self) -> list[str]:
+        return list(self.fleet.job(JOB).machine_list)
+
+    def incidents(self) -> list[Any]:
+        return self.fleet.incidents(JOB)
+
+    def last(self) -> int:
+        return max((i.id for i in self.incidents()), default=0)
+
+    def step(self) -> int:
+        """The newest optimizer step rank 0 recorded (its newest process's samples file)."""
+        files = sorted(self.samples.glob("samples-0-*.jsonl"), key=lambda p: p.stat().st_mtime)
+        if not files:
+            return -1
+        with open(files[-1], "rb") as fh:
+            fh.seek(max(0, fh.seek(0, 2) - 4096))
+            lines = fh.read().decode(errors="replace").strip().splitlines()
+        for line in reversed(lines):
+            try:
+                return int(json.loads(line)["step"])
+            except (ValueError, KeyError):
+                continue
+        return -1
+
+    def wait(self, predicate: Callable[[], Any], timeout: float, what: str, interval: float = 1.0) -> Any:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            got = predicate()
+            if got:
+                return got
+            time.sleep(interval)
+        raise DayError(f"timed out after {timeout:.0f}s waiting for {what}; incidents: "
+                       + "; ".join(f"{i.id} {i.state} {i.category}: {i.summary[:200]}" for i in self.incidents()[-3:]))
+
+    def closed_after(self, last: int, timeout: float = 300) -> Any:
+        return self.wait(lambda: next((i for i in self.incidents() if i.id > last and i.state in FINAL), None),
+                         timeout, f"an incident of job {JOB} after {last} to close")
+
+    def trains_past(self, step: int, timeout: float = 240) -> float:
+        """When rank 0 recorded a step past ``step`` (the job is back)."""
+        self.wait(lambda: self.step() > step + 2, timeout, f"the job to train past step {step}", interval=0.5)
+        return time.time()
+
+    def inject(self, machine: str, fault: str, *, rank: int | None = None, **params: Any) -> float:
+        argv = ["inject", "--machine", machine, "--fault", fault]
+        if rank is not None:
+            argv += ["--rank", str(rank)]
+        for k, v in params.items():
+            argv += ["--param", f"{k}={v}"]
+        t = time.time()
+        self.cli(*argv)
+        return t
+
+    def record(self, what: str, **fields: Any) -> None:
+        self.timeline.append({"what": what, **fields})
+        self.log(f"{what}: {json.dumps(fields)}")
+
+    # ---- the day --------------------------------------------------------------------------------------
+    def healthy(self, seconds: float) -> dict[str, Any]:
+        last, first = self.last(), self.step()
+        t0 = time.time()
+        while time.time() - t0 < seconds:
+            time.sleep(min(5.0, max(0.1, seconds - (time.time() - t0))))
+        opened = [i for i in self.incidents() if i.id > last]
+        steps = self.step() - first
+        out = {"seconds": round(time.time() - t0, 1), "steps": steps,
+               "step_s": round((time.time() - t0) / max(steps, 1), 4), "incidents": len(opened),
+               "opened": [f"{i.id} {i.category}: {i.summary[:300]}" for i in opened]}
+        self.record("healthy", **out)
+        return out
+
+    def crash(self, label: str) -> dict[str, Any]:
+        m = self.machines()[1]
+        last, step = self.last(), self.step()
+        t = self.inject(m, "crash", rank=1)
+        inc = self.closed_after(last)
+        back = self.trains_past(step)
+        out = {"incident": inc.id, "state": inc.state, "category": inc.category, "back_s": round(back - t, 2),
+               "human": False}
+        self.record(label, **out)
+        if inc.state != "resolved":
+            raise DayError(f"{label}: incident {inc.id} {inc.state}: {inc.summary}")
+        return out
+
+    def gpu_lost_during_vote(self) -> dict[str, Any]:
+        first, straggler = self.machines()
+        last = self.last()
+        t_slow = self.inject(straggler, "slow", rank=1, seconds=STRAGGLE_S)
+        voting = self.wait(lambda: next((i for i in self.incidents() if i.id > last and i.state == "open"
+                                         and i.category == "slow" and "vote" in i.summary), None),
+                           240, "a fail-slow vote on the straggler")
+        t = self.inject(straggler, "gpu_lost")
+        inc = self.closed_after(last)
+        self.cli("inject", "--machine", straggler, "--clear")
+        back = self.trains_past(self.step())
+        now = self.machines()
+        out = {"incident": inc.id, "vote_opened_after_s": round(voting.opened_ts - t_slow, 2),
+               "state": inc.state, "category": inc.category, "back_s": round(back - t, 2),
+               "machines": now, "evicted": straggler not in now and first in now, "human": False}
+        self.record("gpu_lost during a fail-slow vote", **out)
+        if inc.id != voting.id or inc.state != "resolved" or inc.category != "machine_fault" or not out["evicted"]:
+            raise DayError(f"the lost GPU did not take the vote over: incident {inc.id} (the vote's {voting.id}) "
+                           f"{inc.state} {inc.category}, machines {now}: {inc.summary}")
+        return out
+
+    def refused_hang(self) -> dict[str, Any]:
+        machine = self.machines()[1]
+        last = self.last()
+        t = self.inject(machine, "hang", rank=1)
+        inc = self.closed_after(last)
+        if inc.state != "waiting_human" or "breaker" not in inc.summary.lower():
+            raise DayError(f"the hang's eviction was not refused by the breaker: incident {inc.id} {inc.state}: "
+                           f"{inc.summary}")
+        waited = time.time()
+        self.cli("incident", "close", str(inc.id), "--note", "the hung machine is pulled for a look; job resubmitted")
+        out = {"incident": inc.id, "state": "waiting_human", "waiting_after_s": round(waited - t, 2),
+               "closed_by": f"trainguard incident close {inc.id}", "machine": machine, "human": True,
+               "reason": inc.summary[-300:]}
+        self.record("hang with the breaker's allowance used up", **out)
+        return out
+
+    def stop_and_resubmit(self, hung: str) -> dict[str, Any]:
+        step = self.step()
+        t = time.time()
+        self.cli("job", "stop", JOB, timeout=240)
+        self.cli("inject", "--machine", hung, "--clear")
+        self.submit()
+        back = self.trains_past(step - 1)
+        waiting = [i.id for i in self.incidents() if i.state == "waiting_human"]
+        out = {"stopped_at_step": step, "back_s": round(back - t, 2), "machines": self.machines(),
+               "incidents_waiting": waiting, "human": True}
+        self.record("stop and resubmit", **out)
+        if waiting:
+            raise DayError(f"incidents still wait after the resubmit: {waiting}")
+        return out
+
+    def ettr(self) -> dict[str, Any]:
+        doc = json.loads(self.cli("--json", "ettr", "--job", JOB).stdout)
+        return {"cumulative": doc["cumulative"]["ettr"], "by_cause": doc["by_cause"]}
+
+
+def exact_once(folder: Path, samples: int, world: int = 2) -> dict[str, Any]:
+    """Every sample the job trained, read back by index from its records (``samples-<rank>-<incarnation>-<pid>
+    .jsonl``): per rank, each process's steps replace the steps from its first one on (a restore went back to the
+    step before it); the steps kept must run 0..N without a gap, each of 2 micro-batches, and across the ranks each
+    finished epoch must hold every sample exactly once (the last, unfinished one none twice)."""
+    history: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    restores = 0
+    for rank in range(world):
+        procs = []
+        for f in folder.glob(f"samples-{rank}-*.jsonl"):
+            recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+            if recs:
+                procs.append((recs[0]["ts"], recs))
+        kept: dict[int, list[dict[str, Any]]] = {}
+        for _started, recs in sorted(procs, key=lambda p: p[0]):
+            first = recs[0]["step"]
+            if kept:
+                restores += rank == 0
+            kept = {s: v for s, v in kept.items() if s < first}
+            for r in recs:
+                kept.setdefault(r["step"], []).append(r)
+        history[rank] = kept
+    problems: list[str] = []
+    last = min(max(h, default=-1) for h in history.values())
+    for rank, kept in history.items():
+        gaps = sorted(set(range(last + 1)) - set(kept))
+        if gaps:
+            problems.append(f"rank {rank}: steps missing {gaps[:10]}")
+        short = [s for s in range(last) if len(kept.get(s, [])) != 2]  # the newest may be mid-step
+        if short:
+            problems.append(f"rank {rank}: steps without exactly 2 micro-batches: {short[:10]}")
+    epochs: dict[int, list[int]] = {}
+    for kept in history.values():
+        for s in range(last + 1):
+            for r in kept.get(s, []):
+                epochs.setdefault(r["epoch"], []).extend(r["idx"])
+    finished = sorted(epochs)[:-1]
+    for e in finished:
+        seen = epochs[e]
+        if sorted(seen) != list(range(samples)):
+            twice = len(seen) - len(set(seen))
+            problems.append(f"epoch {e}: {len(set(seen))} of {samples} samples, {twice} trained twice")
+    newest = epochs.get(max(epochs, default=-1), [])
+    if len(newest) != len(set(newest)):
+        problems.append(f"the unfinished epoch trained {len(newest) - len(set(newest))} samples twice")
+    return {"steps": last + 1, "epochs_finished": len(finished), "restores": restores, "problems": problems}
+
+
+def run(home: Path, *, healthy_s: float, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The whole day in ``home``; the control plane brought down at the end whatever happened."""
+    day = Day(home, log=log)
+    result: dict[str, Any] = {"healthy_s": healthy_s}
+    try:
+        day.up()
+        t0 = day.submit()
+        result["healthy"] = day.healthy(healthy_s)
+        result["crash"] = day.crash("crash")
+        result["gpu_lost_during_vote"] = day.gpu_lost_during_vote()
+        hang = day.refused_hang()
+        result["hang_refused"] = hang
+        result["resubmit"] = day.stop_and_resubmit(hang["machine"])
+        result["crash_again"] = day.crash("crash again")
+        day.trains_past(day.step() + 20)
+        result["wall_s"] = round(time.time() - t0, 1)
+        result["ettr"] = day.ettr()
+        result["samples"] = exact_once(day.samples, SAMPLES)
+        result["incidents"] = [{"id": i.id, "state": i.state, "category": i.category, "summary": i.summary[:300]}
+                               for i in day.incidents()]
+    finally:
+        result["timeline"] = day.timeline
+        day.down()
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--healthy-s", type=float, default=1800.0,
+                   help="healthy training before the faults (default 30 min)")
+    p.add_argument("--quick", action="store_true", help="90 s healthy")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    stop_on_sigterm()
+    healthy_s = 90.0 if args.quick else args.healthy_s
+    home = Path(tempfile.mkdtemp(prefix="tg-bench-day-"))
+    try:
+        result = run(home, healthy_s=healthy_s, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except BaseException:
+        print(f"kept {home} for a post-mortem (control/: the fleet database, Airflow's logs)", file=sys.stderr)
+        raise
+    shutil.rmtree(home, ignore_errors=True)
+    print(write_result("day", quick=args.quick, setup={"program": "bench/stranger/train.py", "machines": 2,
+                                                       "standbys": 1, "healthy_s": healthy_s},
+                       metrics=result, out=args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

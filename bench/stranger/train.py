@@ -1,0 +1,84 @@
+"""A program trainguard's authors did not write, guarded as its docs say: Lightning's own ``BoringModel`` (from
+``lightning.pytorch.demos.boring_classes``, installed with Lightning) fitted by Lightning's own loop with DDP,
+gradient accumulation over 2 micro-batches and its own validation every 200 batches. Its steps take a few
+milliseconds. The lines marked ``# trainguard`` are the guard; the loader is a resumable one, as the guide asks of
+a loop that restores mid-epoch (docs/guard-your-job.md).
+
+``--record DIR``: each rank writes the indexes of the samples each micro-batch trained, by optimizer step, to
+``DIR/samples-<rank>-<incarnation>-<pid>.jsonl`` (what a check that no sample is trained twice or skipped reads).
+The indexes are found by value (``RandomDataset``'s rows are distinct), so the model and the loop stay Lightning's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+from torch.utils.data import DataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+from trainguard.lightning import TrainguardCallback  # trainguard
+from trainguard.torch import TrainguardError  # trainguard
+
+
+class Record(L.Callback):
+    """The samples each micro-batch holds (by value: ``RandomDataset``'s rows are distinct), by optimizer step."""
+
+    def __init__(self, folder: Path, data: RandomDataset) -> None:
+        self.index = {tuple(row[:4].tolist()): i for i, row in enumerate(data.data)}
+        rank, inc = os.environ.get("RANK", "0"), os.environ.get("TG_INCARNATION", "0")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.out = open(folder / f"samples-{rank}-{inc}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.step = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.step = trainer.global_step  # the optimizer step this micro-batch belongs to
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        idx = [self.index[tuple(row[:4].tolist())] for row in batch]
+        self.out.write(json.dumps({"step": self.step, "epoch": trainer.current_epoch, "idx": idx,
+                                   "ts": time.time()}) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="boring")
+    p.add_argument("--samples", type=int, default=4096)
+    p.add_argument("--record", default="", help="write each micro-batch's sample indexes under this folder")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    data = RandomDataset(32, args.samples)
+    sampler = StatefulDistributedSampler(data, num_replicas=world, rank=int(os.environ.get("RANK", "0")), seed=0)
+    train = StatefulDataLoader(data, batch_size=2, sampler=sampler, generator=torch.Generator().manual_seed(0))
+    val = DataLoader(RandomDataset(32, 64), batch_size=2)
+    callbacks: list[L.Callback] = [TrainguardCallback()]  # trainguard
+    if args.record:
+        callbacks.append(Record(Path(args.record), data))
+    trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local,
+                        strategy="ddp" if world > 1 else "auto", max_epochs=-1, accumulate_grad_batches=2,
+                        val_check_interval=200, limit_val_batches=8, num_sanity_val_steps=0,
+                        callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    try:
+        trainer.fit(BoringModel(), train, val)
+    except TrainguardError as exc:  # trainguard
+        print(f"boring: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
