@@ -124,6 +124,11 @@ def restart_job(c: Controller, incident_id: int, results: list[dict[str, Any] | 
     stopped = Stop.read(stop) if stop else Stop(stopped=False, skipped=True)
     incident_id = int(incident_id)
     limit = {"resume_timeout_s": resume_timeout_s}
+    if (getattr(rung, "vote", None) or {}).get("superseded"):
+        # stronger alerts took the incident over while this run's vote sampled: the run they started handles it
+        # (its restart is not this run's to repeat, though the incident's launch action is recorded)
+        return Restart.read({**rung.dump(), "restart": False, "restarted": False,
+                             "reason": "taken over by stronger alerts: their run restarts the job"}).dump()
     if _restarted(c, incident_id):
         return Restart.read({**restart_again(c, incident_id), **limit}).dump()
     inc = c.fleet.incident(incident_id)

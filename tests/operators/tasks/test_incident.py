@@ -505,3 +505,35 @@ def test_a_replay_group_without_a_result_in_time_counts_as_failed_and_the_trigge
 
     assert asyncio.run(fire()) == {"results": {"h0": "0:aa", "h1": "failed: no result within 0s"}}
     assert stopped == []  # the task that resumes ends the groups (SilentCorruptionOperator.phase_done)
+
+
+def test_a_vote_taken_over_by_a_lost_gpu_leaves_the_restart_to_the_run_that_took_it_over(tmp_path, monkeypatch):
+    """A GPU lost while the vote sampled: the take-over run evicts the machine and restarts the job. The vote's own
+    run, superseded, goes on through stop_job, swap_machines and restart_job: it must restart nothing (it once
+    read the incident's launch action as its own task run again and restarted the job a second time, opening the
+    incident again, 3 s after the job came back)."""
+    from trainguard.operators.tasks import incident as steps
+    from trainguard.operators.tasks import rungs as handlers
+
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    fleet.compute[1] = 0.9
+    [item] = c.ingest([alert("throughput_decline", f"m{r}", rank=r) for r in range(4)])
+    inc = item["incident"]
+    vote_decision = steps.triage(c, inc)
+    assert steps.choose(vote_decision) == "slow_vote"
+    [lost] = c.ingest([alert("gpu_lost", "m1")])
+    assert lost["incident"] == inc and lost["taken_over"]
+    takeover = steps.triage(c, inc)
+    result = handlers.handle(c, steps.choose(takeover), takeover)
+    restart, _stop, _swap = recover(c, inc, result)
+    assert restart["restarted"]
+    starts = len(fleet.sent("job", "start"))
+    from trainguard.operators.operators.vote import SlowVoteOperator
+
+    superseded = SlowVoteOperator(task_id="slow_vote", decision=vote_decision).execute_complete(
+        {}, {"rounds": [], "superseded": True})
+    again, stop, swap = recover(c, inc, superseded)
+    assert stop["skipped"] and swap["skipped"] and not again["restarted"], again
+    assert "taken over" in again["reason"] and len(fleet.sent("job", "start")) == starts
+    assert c.fleet.incident(inc).state == "open"  # the take-over run's resume check closes it
