@@ -336,9 +336,33 @@ def main() -> int:
         raise
     shutil.rmtree(home, ignore_errors=True)
     print(write_result("day", quick=args.quick, setup={"program": "bench/stranger/train.py", "machines": 2,
-                                                       "standbys": 1, "healthy_s": healthy_s},
-                       metrics=result, out=args.out))
+                                                       "standbys": 1, "healthy_s": healthy_s,
+                                                       "timeline": result["timeline"],
+                                                       "incidents": result["incidents"]},
+                       metrics=metrics(result), out=args.out))
     return 0
+
+
+def metrics(result: dict[str, Any]) -> dict[str, Any]:
+    """The day's figures in the benchmark tables' form (one value each: the day runs once)."""
+    def one(value: Any, unit: str, target: Any = None, **more: Any) -> dict[str, Any]:
+        return {"value": value, "n": 1, "unit": unit, **({} if target is None else {"target": target}), **more}
+
+    healthy = result["healthy"]
+    out = {"incidents_healthy": one(healthy["incidents"], "incidents", 0, window_s=healthy["seconds"]),
+           "step_s_healthy": one(healthy["step_s"], "s", "< 0.02")}
+    for key in ("crash", "gpu_lost_during_vote", "crash_again"):
+        out[f"back_s.{key}"] = one(result[key]["back_s"], "s")
+    out["back_s.stop_and_resubmit"] = one(result["resubmit"]["back_s"], "s")
+    out["faults_needing_a_human"] = one(sum(1 for k in ("crash", "gpu_lost_during_vote", "crash_again",
+                                                        "hang_refused") if result[k]["human"]), "faults", 1)
+    out["ettr"] = one(round(result["ettr"]["cumulative"], 4), "ratio", ">= 0.95")
+    out["samples_twice_or_skipped"] = one(len(result["samples"]["problems"]), "problems", 0,
+                                          restores=result["samples"]["restores"],
+                                          epochs=result["samples"]["epochs_finished"])
+    out["incidents_left_open"] = one(sum(1 for i in result["incidents"] if i["state"] in ("open", "waiting_human")),
+                                     "incidents", 0)
+    return out
 
 
 if __name__ == "__main__":
