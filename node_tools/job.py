@@ -40,7 +40,6 @@ from trainguard.core import procs
 from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import monitor
 from trainguard.node_tools.config import NodeConfig
-from trainguard.node_tools.rankcheck import step_compute
 
 JOB_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -375,7 +374,7 @@ def _recent_compute(steps: list[dict[str, Any]], incarnation: Any) -> dict[str, 
         if r.get("incarnation") != incarnation or len(values) >= RECENT_MAX_STEPS or (
                 len(values) >= RECENT_MIN_STEPS and spent >= RECENT_S):
             break
-        t, compute = r.get("step_time_s"), step_compute(r)
+        t, compute = r.get("step_time_s"), monitor.step_compute(r)
         if isinstance(t, (int, float)) and math.isfinite(compute):
             values.append(max(0.0, compute))
             walls.append(max(0.0, float(t)))

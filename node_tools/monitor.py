@@ -41,7 +41,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -268,6 +268,24 @@ def _finite_or_str(value: float) -> float | str:
     """JSON has no NaN/Inf; write them as strings ("nan", "inf") so readers see them."""
     value = float(value)
     return value if math.isfinite(value) else str(value)
+
+
+def step_compute(rec: Mapping[str, Any]) -> float:
+    """A step record's compute time, the part of the step that is the rank's own: its local part (``local_s``: up
+    to the first wait inside the framework's collectives, DDP's gradient all-reduce, which ``comm_s`` does not
+    see) when the guard measured it, else the step less its counted wait in collectives (``comm_s``); NaN when
+    the record says neither. A straggler's grew; its peers', who wait for it, did not."""
+    local = _number(rec.get("local_s"))
+    if math.isfinite(local) and local >= 0:
+        return local
+    return _number(rec.get("step_time_s")) - _number(rec.get("comm_s"))
+
+
+def _number(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return float("nan")
 
 
 def read_heartbeat(run_dir: Path, rank: int) -> dict[str, Any] | None:

@@ -381,7 +381,7 @@ class RankCheck(Check):
         loss, grad = _num(rec.get("loss")), _num(rec.get("grad_norm"))
         step = rec.get("step")
         step_time = _num(rec.get("step_time_s"))
-        compute = step_compute(rec)
+        compute = monitor.step_compute(rec)
         leaving = None
         if math.isfinite(compute):
             # the recent compute: the last steps of RECENT_S seconds (at least 5), not five 10 ms steps
@@ -618,17 +618,6 @@ def _throughput(sums: list[float]) -> float:
     """A window's throughput from its running sums (:func:`_add`): its kept steps' tokens over their time (steps of
     equal tokens: the harmonic mean of their tokens/s); 0 when none was kept."""
     return sums[0] / sums[1] if sums[1] > 0 else 0.0
-
-
-def step_compute(rec: dict[str, Any]) -> float:
-    """A step record's compute time, the part of the step that is the rank's own: its local part (``local_s``: up
-    to the first wait inside the framework's collectives, DDP's gradient all-reduce, which ``comm_s`` does not
-    see) when the guard measured it, else the step less its counted wait in collectives (``comm_s``); NaN when
-    the record says neither. A straggler's grew; its peers', who wait for it, did not."""
-    local = _num(rec.get("local_s"))
-    if math.isfinite(local) and local >= 0:
-        return local
-    return _num(rec.get("step_time_s")) - _num(rec.get("comm_s"))
 
 
 def _spread(values: Any, center: float) -> float:

@@ -826,7 +826,7 @@ def test_a_straggler_that_makes_short_steps_several_times_longer_is_a_decline_no
 def test_a_steps_compute_is_its_local_part_when_the_guard_measured_it():
     """DDP's gradient all-reduce waits inside backward, where ``comm_s`` cannot see it: a rank waiting for a
     straggler there reads as computing as long. The guard's ``local_s`` (up to the first wait) is the compute."""
-    from trainguard.node_tools.rankcheck import step_compute
+    from trainguard.node_tools.monitor import step_compute
 
     assert step_compute({"step_time_s": 0.033, "comm_s": 0.0002, "local_s": 0.001}) == 0.001
     assert step_compute({"step_time_s": 0.033, "comm_s": 0.003}) == pytest.approx(0.030)
