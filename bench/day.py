@@ -100,7 +100,7 @@ class Day:
         out = self.cli("job", "submit", str(spec), "--wait", "420", timeout=480)
         if "(success)" not in out.stdout:
             raise DayError(f"the submission did not launch the job: {out.stdout.strip()}")
-        self.wait(lambda: self.step() >= 20, 180, "the job to train after its submission")
+        self.back(t, timeout=180)
         return t
 
     # ---- what the fleet and the job say -----------------------------------------------------------------
@@ -113,12 +113,26 @@ class Day:
     def last(self) -> int:
         return max((i.id for i in self.incidents()), default=0)
 
-    def step(self) -> int:
-        """The newest optimizer step rank 0 recorded (its newest process's samples file)."""
-        files = sorted(self.samples.glob("samples-0-*.jsonl"), key=lambda p: p.stat().st_mtime)
-        if not files:
+    def processes(self, rank: int = 0, *, after: float = 0.0) -> list[tuple[float, Path]]:
+        """The rank's processes that began training at ``after`` or later: (their first record's time, its file),
+        oldest first."""
+        out = []
+        for f in self.samples.glob(f"samples-{rank}-*.jsonl"):
+            try:
+                with open(f) as fh:
+                    first = json.loads(fh.readline())
+            except (OSError, ValueError):
+                continue  # a file not written yet
+            if first["ts"] >= after:
+                out.append((float(first["ts"]), f))
+        return sorted(out)
+
+    def step(self, *, after: float = 0.0) -> int:
+        """The newest optimizer step rank 0's newest process (begun at ``after`` or later) recorded; -1: none."""
+        procs = self.processes(after=after)
+        if not procs:
             return -1
-        with open(files[-1], "rb") as fh:
+        with open(procs[-1][1], "rb") as fh:
             fh.seek(max(0, fh.seek(0, 2) - 4096))
             lines = fh.read().decode(errors="replace").strip().splitlines()
         for line in reversed(lines):
@@ -142,10 +156,18 @@ class Day:
         return self.wait(lambda: next((i for i in self.incidents() if i.id > last and i.state in FINAL), None),
                          timeout, f"an incident of job {JOB} after {last} to close")
 
-    def trains_past(self, step: int, timeout: float = 240) -> float:
-        """When rank 0 recorded a step past ``step`` (the job is back)."""
-        self.wait(lambda: self.step() > step + 2, timeout, f"the job to train past step {step}", interval=0.5)
-        return time.time()
+    def back(self, fault_ts: float, timeout: float = 240) -> float:
+        """Seconds from ``fault_ts`` to the first step of a rank 0 process begun after it (the job training again),
+        once that process trained a few steps (the old process's records, still written while a fault takes
+        effect, never count)."""
+        self.wait(lambda: self.step(after=fault_ts) >= 0 and len(self.processes(after=fault_ts)) > 0
+                  and self._steps_in(self.processes(after=fault_ts)[-1][1]) >= 3, timeout,
+                  "the job to train again after the fault", interval=0.5)
+        return self.processes(after=fault_ts)[0][0] - fault_ts
+
+    @staticmethod
+    def _steps_in(path: Path) -> int:
+        return len({json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()})
 
     def inject(self, machine: str, fault: str, *, rank: int | None = None, **params: Any) -> float:
         argv = ["inject", "--machine", machine, "--fault", fault]
@@ -177,11 +199,11 @@ class Day:
 
     def crash(self, label: str) -> dict[str, Any]:
         m = self.machines()[1]
-        last, step = self.last(), self.step()
+        last = self.last()
         t = self.inject(m, "crash", rank=1)
         inc = self.closed_after(last)
-        back = self.trains_past(step)
-        out = {"incident": inc.id, "state": inc.state, "category": inc.category, "back_s": round(back - t, 2),
+        back = self.back(t)
+        out = {"incident": inc.id, "state": inc.state, "category": inc.category, "back_s": round(back, 2),
                "human": False}
         self.record(label, **out)
         if inc.state != "resolved":
@@ -196,12 +218,13 @@ class Day:
                                          and i.category == "slow" and "vote" in i.summary), None),
                            240, "a fail-slow vote on the straggler")
         t = self.inject(straggler, "gpu_lost")
-        inc = self.closed_after(last)
+        inc = self.wait(lambda: next((i for i in self.incidents() if i.id == voting.id and i.state in FINAL), None),
+                        300, f"incident {voting.id} (the vote's) to close")
         self.cli("inject", "--machine", straggler, "--clear")
-        back = self.trains_past(self.step())
+        back = self.back(t)
         now = self.machines()
         out = {"incident": inc.id, "vote_opened_after_s": round(voting.opened_ts - t_slow, 2),
-               "state": inc.state, "category": inc.category, "back_s": round(back - t, 2),
+               "state": inc.state, "category": inc.category, "back_s": round(back, 2),
                "machines": now, "evicted": straggler not in now and first in now, "human": False}
         self.record("gpu_lost during a fail-slow vote", **out)
         if inc.id != voting.id or inc.state != "resolved" or inc.category != "machine_fault" or not out["evicted"]:
@@ -231,9 +254,9 @@ class Day:
         self.cli("job", "stop", JOB, timeout=240)
         self.cli("inject", "--machine", hung, "--clear")
         self.submit()
-        back = self.trains_past(step - 1)
+        back = self.back(t)
         waiting = [i.id for i in self.incidents() if i.state == "waiting_human"]
-        out = {"stopped_at_step": step, "back_s": round(back - t, 2), "machines": self.machines(),
+        out = {"stopped_at_step": step, "back_s": round(back, 2), "machines": self.machines(),
                "incidents_waiting": waiting, "human": True}
         self.record("stop and resubmit", **out)
         if waiting:
@@ -246,12 +269,13 @@ class Day:
 
 
 def exact_once(folder: Path, samples: int, world: int = 2) -> dict[str, Any]:
-    """Every sample the job trained, read back by index from its records (``samples-<rank>-<incarnation>-<pid>
-    .jsonl``): per rank, each process's steps replace the steps from its first one on (a restore went back to the
-    step before it); the steps kept must run 0..N without a gap, each of 2 micro-batches, and across the ranks each
-    finished epoch must hold every sample exactly once (the last, unfinished one none twice)."""
+    """Every sample the job trained, read back by index from its records (a file per process): per rank, each
+    process's steps replace the steps from its first one on (a restore went back to the step before it); the steps
+    kept must run 0..N without a gap, each of 2 micro-batches, and across the ranks each finished epoch must hold
+    every sample exactly once (the last, unfinished one none twice). ``most_steps_redone``: the most steps a
+    restore trained again that a process had finished before it (the steps lost to a fault)."""
     history: dict[int, dict[int, list[dict[str, Any]]]] = {}
-    restores = 0
+    restores = redone = 0
     for rank in range(world):
         procs = []
         for f in folder.glob(f"samples-{rank}-*.jsonl"):
@@ -263,6 +287,8 @@ def exact_once(folder: Path, samples: int, world: int = 2) -> dict[str, Any]:
             first = recs[0]["step"]
             if kept:
                 restores += rank == 0
+                finished = max((s for s, v in kept.items() if len(v) == 2), default=-1)
+                redone = max(redone, finished - (first - 1))  # steps finished before, trained again after
             kept = {s: v for s, v in kept.items() if s < first}
             for r in recs:
                 kept.setdefault(r["step"], []).append(r)
@@ -290,7 +316,8 @@ def exact_once(folder: Path, samples: int, world: int = 2) -> dict[str, Any]:
     newest = epochs.get(max(epochs, default=-1), [])
     if len(newest) != len(set(newest)):
         problems.append(f"the unfinished epoch trained {len(newest) - len(set(newest))} samples twice")
-    return {"steps": last + 1, "epochs_finished": len(finished), "restores": restores, "problems": problems}
+    return {"steps": last + 1, "epochs_finished": len(finished), "restores": restores,
+            "most_steps_redone": redone, "problems": problems}
 
 
 def run(home: Path, *, healthy_s: float, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -307,7 +334,6 @@ def run(home: Path, *, healthy_s: float, log: Callable[[str], None] = print) -> 
         result["hang_refused"] = hang
         result["resubmit"] = day.stop_and_resubmit(hang["machine"])
         result["crash_again"] = day.crash("crash again")
-        day.trains_past(day.step() + 20)
         result["wall_s"] = round(time.time() - t0, 1)
         result["ettr"] = day.ettr()
         result["samples"] = exact_once(day.samples, SAMPLES)
@@ -357,6 +383,7 @@ def metrics(result: dict[str, Any]) -> dict[str, Any]:
     out["faults_needing_a_human"] = one(sum(1 for k in ("crash", "gpu_lost_during_vote", "crash_again",
                                                         "hang_refused") if result[k]["human"]), "faults", 1)
     out["ettr"] = one(round(result["ettr"]["cumulative"], 4), "ratio", ">= 0.95")
+    out["steps_redone_max"] = one(result["samples"]["most_steps_redone"], "steps", "<= 1")
     out["samples_twice_or_skipped"] = one(len(result["samples"]["problems"]), "problems", 0,
                                           restores=result["samples"]["restores"],
                                           epochs=result["samples"]["epochs_finished"])

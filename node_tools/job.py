@@ -363,10 +363,11 @@ RECENT_S, RECENT_MIN_STEPS, RECENT_MAX_STEPS = 3.0, 5, 2000
 
 
 def _recent_compute(steps: list[dict[str, Any]], incarnation: Any) -> dict[str, float | int] | None:
-    """The rank's recent compute time (step time less the wait in collectives) over its last steps of this
-    incarnation (:data:`RECENT_S` seconds of them): ``recent_compute_s`` (their median), ``recent_compute_spread_s``
-    (1.4826 x their median absolute deviation: the step-to-step noise) and ``recent_steps``; what the fail-slow
-    vote compares. None without such a step."""
+    """The rank's recent compute time (each step's :func:`~trainguard.node_tools.monitor.step_compute`: its local
+    part, else the step less its wait in counted collectives) over its last steps of this incarnation
+    (:data:`RECENT_S` seconds of them): ``recent_compute_s`` (their median), ``recent_compute_spread_s`` (1.4826 x
+    their median absolute deviation: the step-to-step noise), ``recent_steps`` and ``recent_step_s`` (the median of
+    the steps' own times); what the fail-slow vote compares. None without such a step."""
     values: list[float] = []
     walls: list[float] = []
     spent = 0.0

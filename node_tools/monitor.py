@@ -210,6 +210,12 @@ class JobMonitor:
             self._hold = None
         self.flush()
 
+    def comm_s(self) -> float:
+        """Seconds spent inside counted collectives since the last step ended (what the step's ``comm_s`` holds
+        so far)."""
+        with self._lock:
+            return self._comm_s
+
     def step_begin(self, step: int) -> None:
         """Called before each step; the fault points' (a harness's slow rank or exit)."""
         self.faults.before_step(step)

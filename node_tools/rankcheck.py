@@ -54,7 +54,8 @@ class RankTimeouts:
         spike_over_max: ... and above this multiple of the largest of its recent values (a loss on noisy data, a
             small model's on random batches, swings past 5x its median every few steps and past 15x now and then:
             a spike is what the recent history never came near).
-        spike_quiet_s: a rank reports a spike of one kind at most once in this many seconds (its steps' clock):
+        spike_quiet_s: a rank reports a spike of one kind at most once in this many seconds (its steps' clock, the
+            agent's for a record without its time):
             a spike is an observation recorded without an incident, and a noisy loss must not flood the bus.
         slow_factor: a step time above this multiple of the recent median counts as slow ...
         slow_spread: ... and above the median by this many robust spreads (1.4826 x the median absolute deviation)
@@ -425,10 +426,10 @@ class RankCheck(Check):
                 median = statistics.median(hist)
                 spiking = median > 0 and value > max(self.t.spike_factor * median, self.t.spike_over_max * max(hist))
                 when = _num(rec.get("ts"))
-                quiet = math.isfinite(when) and when - st.spike_said.get(kind, -math.inf) < self.t.spike_quiet_s
+                when = when if math.isfinite(when) else self.clock()  # a record without its time: the agent's
+                quiet = when - st.spike_said.get(kind, -math.inf) < self.t.spike_quiet_s
                 if spiking and not st.spike.get(kind) and not quiet:
-                    if math.isfinite(when):
-                        st.spike_said[kind] = when
+                    st.spike_said[kind] = when
                     found.append(Finding(kind, f"{kind}:{job}:{rank}:{step}",
                                          f"rank {rank} of job {job}: {kind.split('_')[0]} {value:.4g} at step {step} "
                                          f"is {value / median:.1f}x the recent median {median:.4g}",
@@ -468,7 +469,7 @@ class RankCheck(Check):
                         evidence={"step": rec.get("step"), "step_time_s": step_time, "baseline_s": baseline,
                                   "spread_s": round(spread, 6), "limit_s": round(limit, 6),
                                   "slow_for_s": round(st.slow_run_s, 3),
-                                  "comm_s": comm, "compute_s": step_time - comm if math.isfinite(comm) else None,
+                                  "comm_s": comm, "compute_s": _finite(monitor.step_compute(rec)),
                                   **_compute_growth(st)})]
 
     def _decline(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
@@ -564,7 +565,8 @@ class RankCheck(Check):
         """While the throughput decline cannot speak for a straggler (a decline every rank shared, a busy host,
         was raised and still stands, so a rank that starts to straggle raises nothing new; or its baseline
         refills after a relearn, which would take a straggler's pace for the job's normal): the rank's own
-        compute per step (the step less its wait in collectives) stayed ``1 + 2 * decline`` times its normal
+        compute per step (its local part, else the step less its wait in collectives) stayed ``1 + 2 * decline``
+        times its normal
         one, and ``1 + decline`` times the median growth of the job's other ranks on this machine, for
         ``decline_steps`` steps: a ``throughput_decline`` of its own, raised once. Its peers' compute does not
         grow (they wait), a host's load grows every rank of the machine alike, and one slow device grows one
@@ -638,6 +640,10 @@ def _compute_growth(st: _RankState) -> dict[str, float]:
         return {}
     return {"recent_compute_s": round(recent, 6), "baseline_compute_s": round(base, 6),
             "compute_ratio": round(recent / base, 4)}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _num(value: Any) -> float:

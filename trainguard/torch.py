@@ -234,6 +234,12 @@ def gradient_norm(parameters: Iterator[torch.nn.Parameter] | list[torch.nn.Param
     return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
 
 
+def _compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` left out of ``torch.compile``'s graphs (a forward hook that reads the host's clock runs as Python)."""
+    disable = getattr(getattr(torch, "compiler", None), "disable", None)
+    return disable(fn) if disable is not None else fn
+
+
 @dataclass
 class GuardedStep:
     """One step under guard, from :meth:`Guard.step`. Call :meth:`ok` before the optimizer's step; the step is
@@ -251,6 +257,10 @@ class GuardedStep:
     update_wait_s: float = 0.0
     unsaved: str = ""  # why the step is not snapshotted though its state is sound (see skip_snapshot)
     local_end: float | None = None  # when the step's first forward ended (see mark_local)
+    local_comm_s: float = 0.0  # the step's time in counted collectives by then
+    comm_at_begin: float = 0.0  # the monitor's counted collective time when the step began
+    device_began: bool = False  # the device timer's start was recorded for this step
+    device_marked: bool = False  # ... and its end, at the mark
 
     def mark_local(self) -> None:
         """The step's first forward pass ended: what came before is the rank's own work, and a wait for the other
@@ -258,13 +268,16 @@ class GuardedStep:
         does not hold it back). The guard marks it when the model's forward returns; an adapter that sees the
         backward begin marks it there; the first mark of a step counts. Recorded as the step's ``local_s``: the
         compute the fail-slow rules compare across ranks, since a wait inside the framework's own collectives is
-        invisible to ``comm_s`` (a straggler's peers wait there, and read as slow as it)."""
+        invisible to ``comm_s`` (a straggler's peers wait there, and read as slow as it). Timed on the host, the
+        forward's own counted collectives (a pipeline's receive, a tensor-parallel all-reduce) are taken out of it,
+        as from the step; timed on a GPU, it is the device's time up to the mark, its collectives' kernels
+        included."""
         if self.local_end is not None:
             return
         self.local_end = time.perf_counter()
-        timer = self.guard._local_timer
-        if timer is not None:
-            timer[1].record()
+        # a pipeline's or tensor-parallel forward's own waits
+        self.local_comm_s = self.guard.monitor.comm_s() - self.comm_at_begin
+        self.device_marked = self.device_began and self.guard._record_device(1)
 
     def ok(self, loss: float | torch.Tensor | None = None, *, grad_norm: float | None = None,
            sync: bool | None = None) -> bool:
@@ -384,9 +397,10 @@ class Guard:
         self.optimizer = optimizer
         # the step's local part ends when the model's first forward returns (see GuardedStep.mark_local); on a GPU
         # it is timed by a pair of CUDA events (the host returns from forward before the device computed it)
-        self._local_timer: tuple[Any, Any] | None = None
-        if model is not None:
-            model.register_forward_hook(self._forward_returned)
+        self._local_timer: tuple[Any, Any, Any] | None = None  # (start, end, device), made at the first step
+        self._device_timing = True  # False once the device timer failed: the host's clock from then on
+        self._hook = model.register_forward_hook(_compiler_disabled(self._forward_returned)) if model is not None \
+            else None
         self.state: dict[str, Stateful] = dict(state or {})
         for name, obj in self.state.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -488,16 +502,38 @@ class Guard:
             raise GuardError(f"step {step} began inside step {self._current.step}; end one step before the next")
         if not self._stepped:
             self._first_step(step)
-        s = GuardedStep(self, step, tokens=tokens)
+        s = GuardedStep(self, step, tokens=tokens, comm_at_begin=self.monitor.comm_s())
         self._current = s
-        if self._local_timer is None and self.model is not None and torch.cuda.is_available():
+        if self._local_timer is None and self._device_timing and self.model is not None \
+                and torch.cuda.is_available():
             device = next((p.device for p in self.model.parameters()), None)
             if device is not None and device.type == "cuda":
-                self._local_timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        if self._local_timer is not None:
-            self._local_timer[0].record()
+                self._local_timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+                                     device)
+            else:
+                self._device_timing = False
+        s.device_began = self._record_device(0)
         self.monitor.step_begin(step)
         return s
+
+    def _record_device(self, which: int) -> bool:
+        """Record the device timer's start (0) or end (1) on the model's device's current stream; False when there
+        is no device timer, or it cannot record now (a CUDA graph being captured), or it failed (then the host's
+        clock times every step from here on: timing never stops a step)."""
+        timer = self._local_timer
+        if timer is None:
+            return False
+        try:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            with torch.cuda.device(timer[2]):
+                timer[which].record(torch.cuda.current_stream(timer[2]))
+            return True
+        except Exception as exc:  # a hook fired on another device's thread (DataParallel), a driver error
+            self._local_timer, self._device_timing = None, False
+            self._log(f"the device timer of a step's local part failed ({type(exc).__name__}: {exc}); timing it on "
+                      f"the host from here on")
+            return False
 
     def _forward_returned(self, _module: Any, _inputs: Any, _output: Any) -> None:
         s = self._current
@@ -509,11 +545,14 @@ class Guard:
         device's clock when it is a GPU; None when nothing marked it."""
         if s.local_end is None:
             return None
-        if self._local_timer is not None:
-            start, end = self._local_timer
-            end.synchronize()
-            return start.elapsed_time(end) / 1000.0
-        return s.local_end - s.began
+        if s.device_marked and self._local_timer is not None:
+            start, end, _device = self._local_timer
+            try:
+                end.synchronize()
+                return start.elapsed_time(end) / 1000.0
+            except Exception:  # timing never stops a step: the host's clock instead
+                self._local_timer, self._device_timing = None, False
+        return max(0.0, s.local_end - s.began - s.local_comm_s)
 
     def _first_step(self, step: int) -> None:
         """The first step of this process: checkpoints start even when :meth:`restore` was not called (they would
@@ -632,6 +671,9 @@ class Guard:
         if self._closed:
             return
         self._closed = True
+        if self._hook is not None:  # a fit run again builds a guard of its own: this one's hook leaves the model
+            self._hook.remove()
+            self._hook = None
         if self.checkpointer is not None:
             self.checkpointer.close(flush=status == "finished" if flush is None else flush)
         self.monitor.close(status)

@@ -5,7 +5,8 @@ milliseconds. The lines marked ``# trainguard`` are the guard; the loader is a r
 a loop that restores mid-epoch (docs/guard-your-job.md).
 
 ``--record DIR``: each rank writes the indexes of the samples each micro-batch trained, by optimizer step, to
-``DIR/samples-<rank>-<incarnation>-<pid>.jsonl`` (what a check that no sample is trained twice or skipped reads).
+``DIR/samples-<rank>-<incarnation>-<pid>-<ns>.jsonl``, one file per process (what a check that no sample is
+trained twice or skipped reads).
 The indexes are found by value (``RandomDataset``'s rows are distinct), so the model and the loop stay Lightning's.
 """
 
@@ -37,7 +38,8 @@ class Record(L.Callback):
         self.index = {tuple(row[:4].tolist()): i for i, row in enumerate(data.data)}
         rank, inc = os.environ.get("RANK", "0"), os.environ.get("TG_INCARNATION", "0")
         folder.mkdir(parents=True, exist_ok=True)
-        self.out = open(folder / f"samples-{rank}-{inc}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+        name = f"samples-{rank}-{inc}-{os.getpid()}-{time.time_ns()}.jsonl"  # one file per process, never reused
+        self.out = open(folder / name, "x", buffering=1)  # noqa: SIM115
         self.step = 0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,

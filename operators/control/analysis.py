@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trainguard.node_tools import launcher
+from trainguard.node_tools import launcher, monitor
 from trainguard.operators.control.base import Part
 from trainguard.operators.policy import ladder, runtime
 
@@ -76,9 +76,9 @@ class Analysis(Part):
                         noise[int(r["rank"])] = float(spread) / math.sqrt(n)
                     continue
                 last = r.get("last_step") or {}
-                step_time, comm = last.get("step_time_s"), last.get("comm_s")
-                if isinstance(step_time, (int, float)) and isinstance(comm, (int, float)):
-                    times[int(r["rank"])] = max(0.0, float(step_time) - float(comm))
+                compute = monitor.step_compute(last)  # its local part, as the recent figures of the others
+                if math.isfinite(compute):
+                    times[int(r["rank"])] = max(0.0, compute)
         return {"times": times, "noise": noise, "walls": walls}
 
     def vote_round(self, incident_id: int) -> dict[str, Any]:

@@ -359,8 +359,8 @@ def observed_only(alerts: Sequence[Mapping[str, Any]]) -> str:
     stranger's job such signals come from the program's own noise (a loss on random data is above 5x its median
     every few steps): an incident per spike is a ``tg_incident`` run per batch, and an incident open for nothing
     is one a real fault would join."""
-    if not alerts or any(_category(a) != "observe" for a in alerts):
-        return ""
+    if not alerts or any(_category(a) != "observe" or a.get("kind") not in OBSERVE | XID for a in alerts):
+        return ""  # (a kind the ladder does not know is no observation: it opens an incident, as before)
     kinds = sorted({str(a.get("kind", "")) for a in alerts})
     return f"observed only ({', '.join(kinds)}): recorded, nothing to recover"
 

@@ -227,10 +227,11 @@ def analyze(topo: Topology, stacks: Sequence[RankStack], *, named: Sequence[int]
 
 #: how many standard errors of a rank's recent compute time it must stand above its stage's median to be flagged
 NOISE_SIGMAS = 4.0
-#: a rank is a straggler only when its excess compute would cost the job at least this share of its step (what a
-#: rank computes beyond its peers, they wait for): a 1 ms difference in a 7 ms step's forward pass (rank 0's own
-#: logging, a busy core) is no straggler to evict; a 30% straggler costs 30%
-MIN_STEP_SHARE = 0.1
+#: the least excess that flags a rank, as a share of the job's step (the median of its ranks' recent step times): a
+#: floor under the factor and the noise rules for differences below the timers' and the scheduler's grain (a tenth
+#: of a millisecond in a 7 ms step). Kept small because the compared figure is a rank's local part of its step (up
+#: to its first forward's end), a fraction of the step: a 30% straggler's excess there is 30% of that fraction
+MIN_STEP_SHARE = 0.02
 
 
 def _median(values: Iterable[float]) -> float:

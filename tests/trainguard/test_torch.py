@@ -397,3 +397,29 @@ def test_each_step_records_its_local_part_up_to_the_models_first_forward(run_dir
     first, second = read_steps(run_dir, 0)
     assert 0.02 <= first["local_s"] < 0.035 and first["step_time_s"] >= first["local_s"] + 0.065, first
     assert "local_s" not in second
+
+
+def test_a_forwards_own_counted_collectives_are_not_its_local_part(run_dir):
+    """A pipeline's receive or a tensor-parallel all-reduce inside forward, counted with ``guard.collective``: the
+    wait is in ``comm_s``, and taken out of ``local_s`` as out of the step's compute."""
+    import time
+
+    class Waits(torch.nn.Module):
+        def __init__(self, guard_of: list) -> None:
+            super().__init__()
+            self.lin, self.guard_of = torch.nn.Linear(4, 1), guard_of
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with self.guard_of[0].collective("pp", "recv"):
+                time.sleep(0.04)  # waiting for the previous stage's activations
+            return self.lin(x)
+
+    holder: list = []
+    model = Waits(holder)
+    with Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), checkpoint=False) as g:
+        holder.append(g)
+        with g.step(0) as s:
+            model(torch.ones(1, 4)).sum().backward()
+            s.ok(torch.tensor(1.0))
+    (rec,) = read_steps(run_dir, 0)
+    assert rec["comm_s"] >= 0.04 and rec["local_s"] < 0.03, rec
