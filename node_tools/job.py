@@ -405,7 +405,9 @@ def rank_status(rd: Path, rank: int, now: float, *, brief: bool = False) -> dict
     }
     if brief:
         return out
-    steps = monitor.read_steps(rd, rank)
+    # the file's tail only: a job of 7 ms steps writes 200,000 records in half an hour, and a stop, a vote's round
+    # or the Fleet page asks for this
+    steps = monitor.read_steps_since(rd, rank, -math.inf, limit=RECENT_MAX_STEPS + 1)
     return {**out, "collectives": hb.get("collectives", {}),
             "last_step": steps[-1] if steps else None,
             **((_recent_compute(steps, steps[-1].get("incarnation")) if steps else None)

@@ -302,11 +302,13 @@ def read_heartbeat(run_dir: Path, rank: int) -> dict[str, Any] | None:
         return None
 
 
-def read_steps_since(run_dir: Path, rank: int, since_ts: float, *, block: int = 1 << 16) -> list[dict[str, Any]]:
+def read_steps_since(run_dir: Path, rank: int, since_ts: float, *, block: int = 1 << 16,
+                     limit: int | None = None) -> list[dict[str, Any]]:
     """The complete step records of a rank that ended after ``since_ts`` (their ``ts``, this machine's clock),
     oldest first, read from the end of its file backwards: the records are appended as steps end, so the
     first record at or before ``since_ts`` ends the search, and what is read is what is new, however long
-    the job's history (three months of steps are millions of records). A torn last line is ignored."""
+    the job's history (three months of steps are millions of records). A torn last line is ignored.
+    ``limit``: at most this many, the newest (``since_ts`` -inf and a limit: the file's last records)."""
     out: list[dict[str, Any]] = []
     try:
         fh = open(steps_path(run_dir, rank), "rb")  # noqa: SIM115 - closed below
@@ -338,7 +340,10 @@ def read_steps_since(run_dir: Path, rank: int, since_ts: float, *, block: int = 
                     out.reverse()
                     return out
                 out.append(record)
-        if tail.strip():
+                if limit is not None and len(out) >= limit:
+                    out.reverse()
+                    return out
+        if tail.strip() and (limit is None or len(out) < limit):
             try:
                 record = json.loads(tail)
                 if isinstance(record.get("ts"), int | float) and record["ts"] > since_ts:

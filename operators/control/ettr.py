@@ -65,10 +65,10 @@ class Ettr(Part):
         if not records:
             raise TrainguardError(f"job {job} has no step records on any machine of the inventory; has it run?")
         # a job run as replica groups: every replica's first rank (each group's records are its own replica's)
-        others = [ettr.StepHistory(self.step_history(job, rank=q, unanswered=unanswered))
+        others = [ettr.StepHistory(ettr.continued(self.step_history(job, rank=q, unanswered=unanswered)))
                   for q in self._replica_first_ranks(job)[1:]]
         first = min(float(r["ts"]) - float(r.get("step_time_s") or 0.0) for r in records)
-        steps = ettr.StepHistory(records)
+        steps = ettr.StepHistory(ettr.continued(records))  # the program's own pauses between its steps count
         job_incidents = self.fleet.incidents(job)
         # an incident handled by the degrade path: the job trained on at reduced width, its stretches count for the
         # share of replicas that were out

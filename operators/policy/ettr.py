@@ -2,10 +2,11 @@
 
 A step is *kept* when no later incarnation of the job ran it again: after a restore from step ``s``,
 steps ``s+1 ..`` that the failed incarnation had finished are recomputed, and their first execution is
-lost work. ``productive = sum of step times of kept executions``; ``ETTR = productive / wall time``
-over the job's life (cumulative) or over a trailing window (sliding). Per incident, the time is split
-into detection (first alert -> incident opened), diagnosis (-> decision), recovery (-> training resumed)
-and lost work (step time of executions that were recomputed).
+lost work. ``productive = sum of step times of kept executions``, a step's time counting the program's own
+pause before it when it continues the step before (:func:`continued`, which a report applies first);
+``ETTR = productive / wall time`` over the job's life (cumulative) or over a trailing window (sliding). Per
+incident, the time is split into detection (first alert -> incident opened), diagnosis (-> decision),
+recovery (-> training resumed) and lost work (step time of executions that were recomputed).
 
 A report reads one :class:`StepHistory`: the executions in compact columns, ordered and marked kept or lost
 once, so that every window (each incident's, the sliding one) is found by bisection on the end times and
@@ -45,6 +46,35 @@ def executions(records: Iterable[Mapping[str, Any]]) -> list[Execution]:
     out = [Execution(int(r["step"]), int(r.get("incarnation", 0)), float(r["ts"]), float(r["step_time_s"]))
            for r in records if isinstance(r.get("step_time_s"), int | float)]
     return sorted(out, key=lambda e: (e.end_ts, e.incarnation))
+
+
+#: the longest pause between two consecutive steps of one process that still counts as training: the program's
+#: own work between its guarded steps (loading the next batch, its framework's hooks, its evaluation every N steps)
+CONTINUED_GAP_S = 60.0
+
+
+def continued(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The step records (those with a step time) as the ETTR counts them: a step that continues the one before it
+    (the same incarnation, the next step, at most :data:`CONTINUED_GAP_S` after it ended) covers the wall time
+    since that one ended, not only its own guarded time. A program's own work between its steps is training: on a
+    job of 7 ms steps, Lightning's loop and data loading between them take a fifth of the wall time, and an ETTR of
+    guarded step time alone read 75% for a job that lost 3 minutes in 35. A pause longer than that (a rank held
+    still for the control plane), or a restart, counts as before: only the step's own time."""
+    rows = [(r, t) for r in records for t in (r.get("step_time_s"),) if isinstance(t, int | float)]
+    order = sorted(range(len(rows)), key=lambda i: (float(rows[i][0]["ts"]), int(rows[i][0].get("incarnation", 0))))
+    out: list[dict[str, Any]] = [{}] * len(rows)
+    prev: Mapping[str, Any] | None = None
+    for i in order:
+        r, t = rows[i]
+        ts = float(r["ts"])
+        covered = float(t)
+        if prev is not None and int(r.get("incarnation", 0)) == int(prev.get("incarnation", 0)) \
+                and int(r["step"]) == int(prev["step"]) + 1 and 0.0 <= ts - covered - float(prev["ts"]) \
+                <= CONTINUED_GAP_S:
+            covered = ts - float(prev["ts"])
+        out[i] = {**r, "step_time_s": covered}
+        prev = r
+    return out
 
 
 def kept(execs: Iterable[Execution]) -> tuple[list[Execution], list[Execution]]:

@@ -892,3 +892,18 @@ def test_the_votes_look_at_a_rank_is_its_local_compute_and_its_step(tmp_path, fa
     st = rank_status(fake_job.dir, 0, time.time())
     assert st["recent_compute_s"] == pytest.approx(0.0011) and st["recent_step_s"] == pytest.approx(0.033)
     assert st["recent_steps"] >= 90  # 3 s of 33 ms steps
+
+
+def test_the_last_records_of_a_long_history_are_read_from_its_end(tmp_path, fake_job):
+    """A job of 7 ms steps writes 200,000 records in half an hour: a rank's status (asked by a stop, a vote's round,
+    the Fleet page) reads the newest records from the file's end, never the whole history."""
+    from trainguard.node_tools.monitor import read_steps_since
+
+    fake_job.rank(0)
+    with open(monitor.steps_path(fake_job.dir, 0), "a") as fh:
+        for s in range(5000):
+            fh.write(json.dumps({"step": s, "ts": 1000.0 + s, "incarnation": fake_job.inc}) + "\n")
+        fh.write('{"step": 5000, "ts": 60')  # a torn line being written
+    last = read_steps_since(fake_job.dir, 0, -math.inf, limit=3, block=256)
+    assert [r["step"] for r in last] == [4997, 4998, 4999]
+    assert len(read_steps_since(fake_job.dir, 0, -math.inf, limit=10_000)) == 5000

@@ -88,6 +88,7 @@ def ref_report(fleet: FleetStore, job: str, records: list[dict[str, Any]], as_of
     """Ettr.ettr_report as it was: every incident's split re-reads the whole history."""
     now = as_of
     first = min(float(r["ts"]) - float(r.get("step_time_s") or 0.0) for r in records)
+    records = ettr.continued(records)  # the definition counts a program's own pauses between its steps
     incidents, by_cause = [], {}
     since = first
     for inc in fleet.incidents(job):
@@ -297,3 +298,22 @@ def test_a_report_says_which_machines_did_not_answer_for_their_step_records(tmp_
     assert notes[0].endswith("(partial: m3 did not answer)"), notes
     fake.unreachable = set()
     assert ettr_task.ettr_reports(c, "j", 3600.0)["j"]["unanswered"] == []
+
+
+def test_a_programs_own_pauses_between_its_steps_are_training_and_a_restart_or_a_hold_is_not():
+    """Lightning's loop and its data loading take 1.5 ms between guarded steps of 7 ms: counted as the training it
+    is (the job's ETTR was read as 82% while it trained untouched). A pause of 300 s (a rank held still for the
+    control plane) and the gap before a restarted incarnation's first step are not."""
+    records, ts = [], 1000.0
+    for step in range(1000):
+        ts += 0.0015 + 0.007
+        records.append({"step": step, "incarnation": 0, "ts": ts, "step_time_s": 0.007})
+    plain = ettr.ettr(records, start_ts=1000.0, end_ts=ts)
+    assert plain.ratio == pytest.approx(0.007 / 0.0085, abs=1e-3)
+    assert ettr.ettr(ettr.continued(records), start_ts=1000.0, end_ts=ts).ratio == pytest.approx(1.0, abs=1e-3)
+    held = ts + 300.0 + 0.007  # held still 300 s after step 999, then step 1000 in the same process
+    restarted = held + 20.0  # a restart: incarnation 1 goes on from step 1001
+    more = [{"step": 1000, "incarnation": 0, "ts": held, "step_time_s": 0.007},
+            {"step": 1001, "incarnation": 1, "ts": restarted, "step_time_s": 0.007}]
+    got = {r["step"]: r["step_time_s"] for r in ettr.continued(records + more)}
+    assert got[1] == pytest.approx(0.0085) and got[1000] == 0.007 and got[1001] == 0.007 and got[0] == 0.007
