@@ -322,6 +322,7 @@ def exact_once(folder: Path, samples: int, world: int = 2) -> dict[str, Any]:
 
 def run(home: Path, *, healthy_s: float, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole day in ``home``; the control plane brought down at the end whatever happened."""
+    home.mkdir(parents=True, exist_ok=True)
     day = Day(home, log=log)
     result: dict[str, Any] = {"healthy_s": healthy_s}
     try:

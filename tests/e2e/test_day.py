@@ -11,6 +11,10 @@ trained twice or skipped. ``python bench/day.py`` runs the whole day (30 healthy
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from bench import day
@@ -18,9 +22,12 @@ from bench import day
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.airflow, pytest.mark.timeout(1500)]
 
 
-def test_a_strangers_lightning_job_through_a_day_of_faults_needs_a_human_only_for_the_refused_eviction(tmp_path):
+def test_a_strangers_lightning_job_through_a_day_of_faults_needs_a_human_only_for_the_refused_eviction():
+    # the cluster's state outside pytest's basetemp, which a concurrent pytest run may prune (tests/conftest.py)
+    home = Path(tempfile.mkdtemp(prefix="tg-test-day-"))
     lines: list[str] = []
-    result = day.run(tmp_path / "home", healthy_s=60.0, log=lines.append)
+    result = day.run(home, healthy_s=60.0, log=lines.append)
+    shutil.rmtree(home, ignore_errors=True)  # kept after a failure, for a post-mortem
     story = "\n".join(lines)
     healthy = result["healthy"]
     assert healthy["incidents"] == 0, f"false alarms on a healthy job: {healthy['opened']}\n{story}"
