@@ -35,6 +35,8 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("chaos", "trials", "chaos campaign: trials (two faults at once, outages, forged input)"),
     ("chaos", "jobs_dead", "chaos campaign: jobs left dead"),
     ("campaign", "ettr", "random faults every few minutes: effective training time"),
+    ("day", "incidents_healthy", "a stranger's Lightning job (8.7 ms steps) trained healthy: incidents"),
+    ("day", "samples_twice_or_skipped", "the same through 5 faults and a resubmit: samples trained twice or skipped"),
     ("simulate", "ettr.measured", "9,600 GPUs for 90 days (simulated): effective training time"),
     ("simulate", "ettr.measured_degrade", "the same, training through a lost replica on the others"),
     ("replicas", "survivor_stall_s", "a replica group dies: the other's stall (trainguard.replicas)"),
