@@ -160,10 +160,12 @@ class Day:
         """Seconds from ``fault_ts`` to the first step of a rank 0 process begun after it (the job training again),
         once that process trained a few steps (the old process's records, still written while a fault takes
         effect, never count)."""
-        self.wait(lambda: self.step(after=fault_ts) >= 0 and len(self.processes(after=fault_ts)) > 0
-                  and self._steps_in(self.processes(after=fault_ts)[-1][1]) >= 3, timeout,
-                  "the job to train again after the fault", interval=0.5)
-        return self.processes(after=fault_ts)[0][0] - fault_ts
+        def begun() -> list[tuple[float, Path]] | None:
+            procs = self.processes(after=fault_ts)
+            return procs if procs and self._steps_in(procs[-1][1]) >= 3 else None
+
+        procs = self.wait(begun, timeout, "the job to train again after the fault", interval=0.5)
+        return procs[0][0] - fault_ts
 
     @staticmethod
     def _steps_in(path: Path) -> int:

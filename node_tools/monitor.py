@@ -281,13 +281,14 @@ def step_compute(rec: Mapping[str, Any]) -> float:
     to the first wait inside the framework's collectives, DDP's gradient all-reduce, which ``comm_s`` does not
     see) when the guard measured it, else the step less its counted wait in collectives (``comm_s``); NaN when
     the record says neither. A straggler's grew; its peers', who wait for it, did not."""
-    local = _number(rec.get("local_s"))
+    local = number(rec.get("local_s"))
     if math.isfinite(local) and local >= 0:
         return local
-    return _number(rec.get("step_time_s")) - _number(rec.get("comm_s"))
+    return number(rec.get("step_time_s")) - number(rec.get("comm_s"))
 
 
-def _number(value: Any) -> float:
+def number(value: Any) -> float:
+    """``value`` as a float; NaN when a record holds something else there (or nothing)."""
     try:
         return float(value)
     except (TypeError, ValueError):

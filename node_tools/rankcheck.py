@@ -461,7 +461,7 @@ class RankCheck(Check):
             return []
         st.slow = True
         assert baseline is not None and limit is not None
-        comm = _num(rec.get("comm_s"))
+        comm, compute = _num(rec.get("comm_s")), monitor.step_compute(rec)
         return [Finding("rank_slow", f"slow:{job}:{rank}",
                         f"rank {rank} of job {job}: {st.slow_run} steps at {step_time:.3f}s, "
                         f"{step_time / baseline:.1f}x the median {baseline:.3f}s", severity="warning",
@@ -469,7 +469,7 @@ class RankCheck(Check):
                         evidence={"step": rec.get("step"), "step_time_s": step_time, "baseline_s": baseline,
                                   "spread_s": round(spread, 6), "limit_s": round(limit, 6),
                                   "slow_for_s": round(st.slow_run_s, 3),
-                                  "comm_s": comm, "compute_s": _finite(monitor.step_compute(rec)),
+                                  "comm_s": comm, "compute_s": compute if math.isfinite(compute) else None,
                                   **_compute_growth(st)})]
 
     def _decline(self, job: str, rank: int, rec: dict[str, Any], st: _RankState) -> list[Finding]:
@@ -566,8 +566,7 @@ class RankCheck(Check):
         was raised and still stands, so a rank that starts to straggle raises nothing new; or its baseline
         refills after a relearn, which would take a straggler's pace for the job's normal): the rank's own
         compute per step (its local part, else the step less its wait in collectives) stayed ``1 + 2 * decline``
-        times its normal
-        one, and ``1 + decline`` times the median growth of the job's other ranks on this machine, for
+        times its normal one, and ``1 + decline`` times the median growth of the job's other ranks on this machine, for
         ``decline_steps`` steps: a ``throughput_decline`` of its own, raised once. Its peers' compute does not
         grow (they wait), a host's load grows every rank of the machine alike, and one slow device grows one
         rank: so this is the straggler's own word. It is not asked otherwise: on the busy 2-core host one rank's
@@ -642,16 +641,7 @@ def _compute_growth(st: _RankState) -> dict[str, float]:
             "compute_ratio": round(recent / base, 4)}
 
 
-def _finite(value: float) -> float | None:
-    return value if math.isfinite(value) else None
-
-
-def _num(value: Any) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return float("nan")
-
+_num = monitor.number  # a record's number, NaN for anything else
 
 
 

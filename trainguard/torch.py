@@ -234,12 +234,6 @@ def gradient_norm(parameters: Iterator[torch.nn.Parameter] | list[torch.nn.Param
     return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
 
 
-def _compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` left out of ``torch.compile``'s graphs (a forward hook that reads the host's clock runs as Python)."""
-    disable = getattr(getattr(torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
-
-
 @dataclass
 class GuardedStep:
     """One step under guard, from :meth:`Guard.step`. Call :meth:`ok` before the optimizer's step; the step is
@@ -396,10 +390,11 @@ class Guard:
         self.model = model
         self.optimizer = optimizer
         # the step's local part ends when the model's first forward returns (see GuardedStep.mark_local); on a GPU
-        # it is timed by a pair of CUDA events (the host returns from forward before the device computed it)
+        # it is timed by a pair of CUDA events (the host returns from forward before the device computed it); the hook
+        # stays out of torch.compile's graphs (it reads the host's clock)
         self._local_timer: tuple[Any, Any, Any] | None = None  # (start, end, device), made at the first step
         self._device_timing = True  # False once the device timer failed: the host's clock from then on
-        self._hook = model.register_forward_hook(_compiler_disabled(self._forward_returned)) if model is not None \
+        self._hook = model.register_forward_hook(torch.compiler.disable(self._forward_returned)) if model is not None \
             else None
         self.state: dict[str, Stateful] = dict(state or {})
         for name, obj in self.state.items():

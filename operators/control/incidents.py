@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainguard.core.errors import TrainguardError
@@ -133,8 +133,17 @@ class Incidents(Part):
                 by_job.setdefault(job, []).append(doc)
             elif ladder.triage("", [doc]).category == "machine_fault":
                 self._standby_fault(doc)
-        shared = self._shared_slowdowns(by_job, roster)
-        observed = self._observed_only(by_job)
+        # whether an open incident handles a job (its alerts join it whatever they are): read once per job, and only
+        # for a batch that could be recorded without one
+        handling: dict[str, bool] = {}
+
+        def handled(job: str) -> bool:
+            if job not in handling:
+                handling[job] = any(i.state == IncidentState.OPEN for i in self.fleet.incidents(job))
+            return handling[job]
+
+        shared = self._shared_slowdowns(by_job, roster, handled)
+        observed = self._observed_only(by_job, handled)
         for job in (*shared, *observed):
             by_job.pop(job)
         results = self.fleet.ingest(by_job, escalation_window_s=self.cfg.escalation_window_s, reader=reader,
@@ -157,8 +166,8 @@ class Incidents(Part):
                         "alerts": len(batch)})
         return out
 
-    def _shared_slowdowns(self, by_job: Mapping[str, list[dict[str, Any]]], roster: Roster
-                          ) -> dict[str, tuple[str, list[dict[str, Any]]]]:
+    def _shared_slowdowns(self, by_job: Mapping[str, list[dict[str, Any]]], roster: Roster,
+                          handled: Callable[[str], bool]) -> dict[str, tuple[str, list[dict[str, Any]]]]:
         """The jobs whose batch is a slowdown every rank shares (:func:`ladder.shared_slowdown`) and that no incident
         handles: job -> (why, its alerts). Those alerts are recorded without an incident: a busy host or a slower
         input is not a straggler, and a fail-slow vote on it is an incident that could absorb a real fault."""
@@ -167,7 +176,7 @@ class Incidents(Part):
             j = roster.jobs.get(job)
             if j is None or any(a.get("kind") not in ladder.SLOW for a in batch):
                 continue
-            if any(i.state == IncidentState.OPEN for i in self.fleet.incidents(job)):
+            if handled(job):
                 continue  # they join the incident that handles the job
             topo = Topology(tp=j.tp, pp=j.pp, dp=j.dp)
             why = ladder.shared_slowdown(batch, ranks=j.tp * j.pp * j.dp, factor=self.cfg.slow_factor, topology=topo)
@@ -176,13 +185,16 @@ class Incidents(Part):
                 out[job] = (why or out_of_step, batch)
         return out
 
-    def _observed_only(self, by_job: Mapping[str, list[dict[str, Any]]]) -> dict[str, tuple[str, list[dict[str, Any]]]]:
-        """The jobs whose batch holds observations only (:func:`ladder.observed_only`) and that no incident handles:
-        job -> (why, its alerts), recorded without an incident. With an incident open they join it as evidence."""
+    @staticmethod
+    def _observed_only(by_job: Mapping[str, list[dict[str, Any]]], handled: Callable[[str], bool]
+                       ) -> dict[str, tuple[str, list[dict[str, Any]]]]:
+        """The jobs whose batch holds observations only (:func:`ladder.observed_only`) and that no incident handles
+        (``handled``): job -> (why, its alerts), recorded without an incident. With an incident open they join it as
+        evidence."""
         out: dict[str, tuple[str, list[dict[str, Any]]]] = {}
         for job, batch in by_job.items():
             why = ladder.observed_only(batch)
-            if why and not any(i.state == IncidentState.OPEN for i in self.fleet.incidents(job)):
+            if why and not handled(job):
                 out[job] = (why, batch)
         return out
 
