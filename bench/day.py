@@ -181,6 +181,12 @@ class Day:
         self.cli(*argv)
         return t
 
+    def phases(self, incident: int) -> list[str]:
+        """Where the incident's seconds went (``trainguard incident show N --tasks``), a line per event."""
+        doc = json.loads(self.cli("--json", "incident", "show", str(incident), "--tasks").stdout)
+        return [f"{e['t']:+.2f}s {e['what']}" + ("" if e["took_s"] is None else f" ({e['took_s']:.2f}s)")
+                for e in doc["events"]]
+
     def record(self, what: str, **fields: Any) -> None:
         self.timeline.append({"what": what, **fields})
         self.log(f"{what}: {json.dumps(fields)}")
@@ -206,7 +212,7 @@ class Day:
         inc = self.closed_after(last)
         back = self.back(t)
         out = {"incident": inc.id, "state": inc.state, "category": inc.category, "back_s": round(back, 2),
-               "human": False}
+               "human": False, "phases": self.phases(inc.id)}
         self.record(label, **out)
         if inc.state != "resolved":
             raise DayError(f"{label}: incident {inc.id} {inc.state}: {inc.summary}")
@@ -227,7 +233,8 @@ class Day:
         now = self.machines()
         out = {"incident": inc.id, "vote_opened_after_s": round(voting.opened_ts - t_slow, 2),
                "state": inc.state, "category": inc.category, "back_s": round(back, 2),
-               "machines": now, "evicted": straggler not in now and first in now, "human": False}
+               "machines": now, "evicted": straggler not in now and first in now, "human": False,
+               "phases": self.phases(inc.id)}
         self.record("gpu_lost during a fail-slow vote", **out)
         if inc.id != voting.id or inc.state != "resolved" or inc.category != "machine_fault" or not out["evicted"]:
             raise DayError(f"the lost GPU did not take the vote over: incident {inc.id} (the vote's {voting.id}) "
@@ -246,7 +253,7 @@ class Day:
         self.cli("incident", "close", str(inc.id), "--note", "the hung machine is pulled for a look; job resubmitted")
         out = {"incident": inc.id, "state": "waiting_human", "waiting_after_s": round(waited - t, 2),
                "closed_by": f"trainguard incident close {inc.id}", "machine": machine, "human": True,
-               "reason": inc.summary[-300:]}
+               "reason": inc.summary[-300:], "phases": self.phases(inc.id)}
         self.record("hang with the breaker's allowance used up", **out)
         return out
 
@@ -254,11 +261,14 @@ class Day:
         step = self.step()
         t = time.time()
         self.cli("job", "stop", JOB, timeout=240)
+        stopped = time.time()
         self.cli("inject", "--machine", hung, "--clear")
-        self.submit()
+        submitted = self.submit()
+        launched = time.time()
         back = self.back(t)
         waiting = [i.id for i in self.incidents() if i.state == "waiting_human"]
-        out = {"stopped_at_step": step, "back_s": round(back, 2), "machines": self.machines(),
+        out = {"stopped_at_step": step, "back_s": round(back, 2), "stop_s": round(stopped - t, 2),
+               "submit_s": round(launched - submitted, 2), "machines": self.machines(),
                "incidents_waiting": waiting, "human": True}
         self.record("stop and resubmit", **out)
         if waiting:
@@ -354,6 +364,8 @@ def main() -> int:
                    help="healthy training before the faults (default 30 min)")
     p.add_argument("--quick", action="store_true", help="90 s healthy")
     p.add_argument("--out", type=Path)
+    p.add_argument("--keep", action="store_true", help="keep the day's folder (fleet database, Airflow's and the "
+                                                        "machines' logs) after a run that passed too")
     args = p.parse_args()
     stop_on_sigterm()
     healthy_s = 90.0 if args.quick else args.healthy_s
@@ -363,7 +375,10 @@ def main() -> int:
     except BaseException:
         print(f"kept {home} for a post-mortem (control/: the fleet database, Airflow's logs)", file=sys.stderr)
         raise
-    shutil.rmtree(home, ignore_errors=True)
+    if args.keep:
+        print(f"kept {home}", file=sys.stderr)
+    else:
+        shutil.rmtree(home, ignore_errors=True)
     print(write_result("day", quick=args.quick, setup={"program": "bench/stranger/train.py", "machines": 2,
                                                        "standbys": 1, "healthy_s": healthy_s,
                                                        "timeline": result["timeline"],

@@ -172,7 +172,8 @@ def build_parser(*, plugins: bool = True) -> argparse.ArgumentParser:
     jr = jsub.add_parser("steps", help="a rank's step records")
     jr.add_argument("--job", required=True)
     jr.add_argument("--rank", type=int, required=True)
-    jr.add_argument("--since", type=int, default=-1, help="only steps after this one")
+    jr.add_argument("--since", type=int, default=-1,
+                    help="only the newest stretch of steps after this one (read from the history's end)")
     jr.add_argument("--incarnation", type=int, help="only steps of this incarnation of the job")
     jr.add_argument("--since-ts", type=float, help="only steps that ended after this time (epoch seconds); "
                                                    "reads only the tail of the rank's history")

@@ -437,11 +437,19 @@ def status(cfg: NodeConfig, job: str, *, brief: bool = False) -> dict[str, Any]:
 def steps(cfg: NodeConfig, job: str, rank: int, *, since: int = -1, incarnation: int | None = None,
           since_ts: float | None = None) -> dict[str, Any]:
     """The step records of ``rank`` on this machine after step ``since`` (of one incarnation, if given;
-    ended after ``since_ts``, if given: then only the file's tail is read)."""
+    ended after ``since_ts``, if given). Either bound reads the history from its end: ``since`` (0 or more) gives
+    the newest stretch of records after that step, back to the last record of step ``since`` or before (a
+    restore that went back before it ends the stretch), ``since_ts`` the records ended after that time. With
+    neither, the whole history."""
     rd = run_dir(cfg, job)
     if not (rd / "ranks" / f"rank{rank}.json").exists() and not monitor.steps_path(rd, rank).exists():
         raise TrainguardError(f"machine {cfg.machine} has no rank {rank} of job {job}")
-    read = monitor.read_steps(rd, rank) if since_ts is None else monitor.read_steps_since(rd, rank, since_ts)
+    if since_ts is not None:
+        read = monitor.read_steps_since(rd, rank, since_ts)
+    elif since >= 0:
+        read = monitor.read_steps_after(rd, rank, since)
+    else:
+        read = monitor.read_steps(rd, rank)
     records = [
         r for r in read
         if r.get("step", -1) > since and (incarnation is None or r.get("incarnation") == incarnation)

@@ -44,7 +44,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from trainguard.core import procs
 from trainguard.core.files import write_json_atomic as _write_json_atomic
@@ -303,12 +303,38 @@ def read_heartbeat(run_dir: Path, rank: int) -> dict[str, Any] | None:
         return None
 
 
+def lines_back(fh: BinaryIO, *, block: int = 1 << 16) -> Iterator[tuple[int, bytes]]:
+    """The complete lines of an open binary file, newest first, each with the offset where it begins, read from
+    the end in blocks: what a reader of the file's last stretch reads, however long its history. A torn last
+    line (one being written) is skipped."""
+    pos = fh.seek(0, os.SEEK_END)
+    carry, torn_dropped = b"", False
+    while pos > 0:
+        start = max(0, pos - block)
+        fh.seek(start)
+        parts = (fh.read(pos - start) + carry).split(b"\n")
+        pos = start
+        if not torn_dropped:
+            if len(parts) == 1:  # no newline read yet: all of it belongs to the torn last line
+                carry = parts[0]
+                continue
+            parts.pop()  # after the last newline: empty, or a torn line being written
+            torn_dropped = True
+        carry = parts.pop(0) if start > 0 else b""  # possibly cut: completed by the next block read
+        offset = start + len(carry) + 1 if start > 0 else 0
+        offsets = []
+        for line in parts:
+            offsets.append(offset)
+            offset += len(line) + 1
+        yield from zip(reversed(offsets), reversed(parts), strict=True)
+
+
 def read_steps_since(run_dir: Path, rank: int, since_ts: float, *, block: int = 1 << 16,
                      limit: int | None = None) -> list[dict[str, Any]]:
     """The complete step records of a rank that ended after ``since_ts`` (their ``ts``, this machine's clock),
-    oldest first, read from the end of its file backwards: the records are appended as steps end, so the
-    first record at or before ``since_ts`` ends the search, and what is read is what is new, however long
-    the job's history (three months of steps are millions of records). A torn last line is ignored.
+    oldest first, read from the end of its file backwards (:func:`lines_back`): the records are appended as steps
+    end, so the first record at or before ``since_ts`` ends the search, and what is read is what is new, however
+    long the job's history (three months of steps are millions of records). A torn last line is ignored.
     ``limit``: at most this many, the newest (``since_ts`` -inf and a limit: the file's last records)."""
     out: list[dict[str, Any]] = []
     try:
@@ -316,41 +342,40 @@ def read_steps_since(run_dir: Path, rank: int, since_ts: float, *, block: int = 
     except OSError:
         return []
     with fh:
-        end = fh.seek(0, os.SEEK_END)
-        tail = b""
-        pos = end
-        first_block = True
-        while pos > 0:
-            start = max(0, pos - block)
-            fh.seek(start)
-            chunk = fh.read(pos - start) + tail
-            pos = start
-            lines = chunk.split(b"\n")
-            tail = lines.pop(0) if pos > 0 else b""  # possibly cut: completed by the next block read
-            if first_block:
-                lines.pop()  # after the last newline: empty, or a torn line being written
-                first_block = False
-            for line in reversed(lines):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if not isinstance(record.get("ts"), int | float) or record["ts"] <= since_ts:
-                    out.reverse()
-                    return out
-                out.append(record)
-                if limit is not None and len(out) >= limit:
-                    out.reverse()
-                    return out
-        if tail.strip() and (limit is None or len(out) < limit):
+        for _offset, line in lines_back(fh, block=block):
+            if not line.strip():
+                continue
             try:
-                record = json.loads(tail)
-                if isinstance(record.get("ts"), int | float) and record["ts"] > since_ts:
-                    out.append(record)
+                record = json.loads(line)
             except ValueError:
-                pass
+                continue
+            if not isinstance(record.get("ts"), int | float) or record["ts"] <= since_ts:
+                break
+            out.append(record)
+            if limit is not None and len(out) >= limit:
+                break
+    out.reverse()
+    return out
+
+
+def read_steps_after(run_dir: Path, rank: int, step: int, *, block: int = 1 << 16) -> list[dict[str, Any]]:
+    """The newest stretch of a rank's step records after ``step``, oldest first, read from the end of its file
+    backwards (:func:`lines_back`) up to the last record of ``step`` or an earlier one: the steps around a
+    checkpoint that was just committed, not the months before it."""
+    out: list[dict[str, Any]] = []
+    try:
+        fh = open(steps_path(run_dir, rank), "rb")  # noqa: SIM115 - closed below
+    except OSError:
+        return []
+    with fh:
+        for _offset, line in lines_back(fh, block=block):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record.get("step"), int) and record["step"] <= step:
+                break
+            out.append(record)
     out.reverse()
     return out
 

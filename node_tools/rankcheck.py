@@ -645,23 +645,28 @@ _num = monitor.number  # a record's number, NaN for anything else
 
 
 
-def _offset_of_incarnation(path: Path, incarnation: int) -> int:
-    """Byte offset of the first step record of ``incarnation`` (the file's end if it has none yet)."""
+def _offset_of_incarnation(path: Path, incarnation: int, *, block: int = 1 << 16) -> int:
+    """Byte offset of the first step record of ``incarnation`` (after the last complete record if it has none
+    yet), found from the file's end backwards: its records are the newest, so what is read is that incarnation's
+    (an agent restarted into a job of months reads its last stretch, not millions of records)."""
     try:
-        with open(path, "rb") as fh:
-            offset = 0
-            for line in fh:
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    if json.loads(line).get("incarnation", 0) == incarnation:
-                        return offset
-                except ValueError:
-                    pass
-                offset += len(line)
-            return offset
+        fh = open(path, "rb")  # noqa: SIM115 - closed below
     except OSError:
         return 0
+    with fh:
+        found = None
+        for offset, line in monitor.lines_back(fh, block=block):
+            if found is None and not line.strip():
+                continue
+            if found is None:
+                found = offset + len(line) + 1  # the end of the last complete record: where new ones start
+            try:
+                if json.loads(line).get("incarnation", 0) != incarnation:
+                    return found
+            except ValueError:
+                continue
+            found = offset
+        return found or 0
 
 
 def _log_tail(record: dict[str, Any], local_rank: int, lines: int = 20) -> list[str]:

@@ -85,11 +85,19 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     jl.add_argument("--tail", type=int, default=50, help="lines per rank (default 50)")
     jsub.add_parser("list", help="every job of the fleet database")
 
-    ip = sub.add_parser("incident", help="incidents: list them, close one by hand, act on a waiting one again")
+    ip = sub.add_parser("incident", help="incidents: list them, show one's timeline, close one by hand, act on a "
+                                         "waiting one again")
     isub = ip.add_subparsers(dest="action", required=True, parser_class=OneLineParser)
     il = isub.add_parser("list", help="the incidents still open or waiting for a human (--all: every one)")
     il.add_argument("--job", default="", help="of this job only")
     il.add_argument("--all", action="store_true", help="closed ones too")
+    ish = isub.add_parser("show", help="an incident's timeline: its alerts, the run that took it, each action and how "
+                                       "long it took, and when it was decided, trained again and closed")
+    ish.add_argument("incident", type=int)
+    ish.add_argument("--tasks", action="store_true", help="with the task instances of its tg_incident runs (how long "
+                                                           "each waited in the queue and ran), read from the api-server")
+    ish.add_argument("--airflow-url", default="", help="the api-server (default $TG_AIRFLOW_URL, else the demo's "
+                                                       "kept Airflow); login from $TG_AIRFLOW_USER/$TG_AIRFLOW_PASSWORD")
     ic = isub.add_parser("close", help="close an incident that is open or waits for a human (its job is looked at "
                                        "again by the reconciler)")
     ic.add_argument("incident", type=int)
@@ -341,6 +349,25 @@ def cmd_incident(args: argparse.Namespace) -> int:
         print_result(args, doc, "\n".join(f"{d['incident']:6} {d['job']:16} {d['state']:14} {d['category'] or '-':13} "
                                           f"{d['run'] or '-'}  {(d['summary'] or '')[:100]}" for d in doc)
                      or "no incident")
+        return EXIT_OK
+    if args.action == "show":
+        from trainguard.operators.control.timeline import format_timeline, incident_timeline
+
+        fleet.incident(args.incident)  # one that does not exist: said before the api-server is asked
+        tasks: dict[str, Any] = {}
+        if args.tasks:
+            runs = [c["run"] for c in fleet.claims_of(args.incident)]
+            try:
+                with _airflow(args) as api:
+                    tasks = {run: api.task_instances("tg_incident", run) for run in runs}
+            except TrainguardError:
+                raise
+            except Exception as exc:
+                raise TrainguardError(f"the api-server did not list the task instances of run(s) {', '.join(runs)}: "
+                                      f"{exc}; leave out --tasks for the fleet database's timeline alone",
+                                      exit_code=2) from None
+        doc = incident_timeline(fleet, args.incident, tasks)
+        print_result(args, doc, format_timeline(doc))
         return EXIT_OK
     if args.action == "close":
         out = fleet.close_by_hand(args.incident, args.note)

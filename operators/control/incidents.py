@@ -326,7 +326,7 @@ class Incidents(Part):
         """Close the incident with its timeline; ETTR events for its stretches."""
         inc = self.fleet.incident(incident_id)
         now = time.time()
-        fields: dict[str, Any] = {"state": outcome, "closed_ts": now}
+        fields: dict[str, Any] = {"closed_ts": now}
         if resumed:
             fields["resumed_ts"] = resumed["ts"]
             restored = resumed.get("restored_step")
@@ -334,7 +334,8 @@ class Incidents(Part):
                 fields["lost_steps"] = max(0, steps_before - restored)
         if note:
             fields["summary"] = f"{inc.summary}; {note}" if inc.summary else note
-        self.fleet.update_incident(incident_id, **fields)
+        # closed by a person or superseded by a stop or a resubmit meanwhile: theirs stands, and so do its stretches
+        self.fleet.close_open(incident_id, outcome, **fields)
         inc = self.fleet.incident(incident_id)
         # a degrade path: the job trained on at reduced width through every stretch (the ledger weighs them by the
         # share of replicas that left), not stopped

@@ -246,6 +246,24 @@ class IncidentRecords:
                     continue  # the first time a milestone is reached counts
                 setattr(inc, key, value)
 
+    def close_open(self, incident_id: int, outcome: str, **fields: Any) -> bool:
+        """Close an incident that is still open with ``outcome`` (and ``fields``: milestones, lost steps, summary), in
+        one transaction. One that a person closed, or a stop or a resubmit superseded, or that waits for a human,
+        while its run was still acting keeps its state and summary: the run's late close changes nothing (False)."""
+        if outcome not in (states.IncidentState.RESOLVED, states.IncidentState.FAILED):
+            raise FleetError(f"an incident closes resolved or failed, not {outcome!r}")
+        with self.tx() as s:
+            inc = self._required(s, Incident, incident_id, lock=True)
+            if inc.state != states.IncidentState.OPEN:
+                return False
+            inc.state = outcome
+            for key, value in fields.items():
+                if key not in ("resumed_ts", "closed_ts", "summary", "lost_steps"):
+                    raise FleetError(f"incident field {key!r} is not set on close")
+                if not (key.endswith("_ts") and getattr(inc, key) is not None):
+                    setattr(inc, key, value)
+            return True
+
     def _claim_row(self, incident_id: int, claim: dict[str, Any]) -> dict[str, Any]:
         now = self.clock()
         return {"key": f"run:{incident_id}:{claim['run']}", "kind": "run", "incident_id": incident_id, "machines": [],
@@ -296,6 +314,10 @@ class IncidentRecords:
         do). Returns what the action that stopped there answers (``waiting_human`` with the reason)."""
         with self.tx() as s:
             inc = self._required(s, Incident, incident_id, lock=True)
+            if inc.state not in states.OPEN_INCIDENT_STATES:
+                # a person closed it, or a stop or a resubmit superseded it, while its run still acted: theirs stands
+                return {"swaps": {}, "waiting_human": True, "reason": f"incident {inc.id} was closed ({inc.state}) "
+                                                                      f"while its run acted: {inc.summary[:300]}"}
             inc.state, inc.summary = states.IncidentState.WAITING_HUMAN, reason
             job = self._required(s, Job, inc.job, lock=True)
             if job.state != "waiting_human":

@@ -187,6 +187,21 @@ class AirflowApi:
 
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}")["state"]
 
+    def task_instances(self, dag_id: str, run_id: str) -> list[dict[str, Any]]:
+        """A run's task instances: ``task_id``, ``map_index``, ``state``, ``try_number`` and the epoch seconds it was
+        ``queued``, ``started`` and ``ended`` (None where it has not)."""
+        from datetime import datetime
+        from urllib.parse import quote
+
+        def epoch(value: Any) -> float | None:
+            return datetime.fromisoformat(value).timestamp() if isinstance(value, str) and value else None
+
+        doc = self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{quote(run_id, safe='')}/taskInstances")
+        return [{"task_id": str(ti.get("task_id")), "map_index": ti.get("map_index", -1), "state": ti.get("state"),
+                 "try_number": ti.get("try_number"), "queued": epoch(ti.get("queued_when")),
+                 "started": epoch(ti.get("start_date")), "ended": epoch(ti.get("end_date"))}
+                for ti in (doc or {}).get("task_instances") or []]
+
     def clear_tasks(self, dag_id: str, run_id: str, task_ids: list[str], *, downstream: bool = True) -> list[str]:
         """Clear ``task_ids`` of a run (and the tasks after them with ``downstream``), as the UI's Clear does: they
         run again and the run with them. The task ids cleared."""

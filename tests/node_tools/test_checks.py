@@ -907,3 +907,25 @@ def test_the_last_records_of_a_long_history_are_read_from_its_end(tmp_path, fake
     last = read_steps_since(fake_job.dir, 0, -math.inf, limit=3, block=256)
     assert [r["step"] for r in last] == [4997, 4998, 4999]
     assert len(read_steps_since(fake_job.dir, 0, -math.inf, limit=10_000)) == 5000
+
+
+def test_the_steps_after_a_checkpoint_are_its_newest_stretch_read_from_the_end(tmp_path, fake_job):
+    """A checkpoint's verification asked each machine for the steps around it, and the machine parsed the rank's
+    whole history (200,000 records after half an hour of 8 ms steps) to send back a hundred."""
+    from trainguard.node_tools.monitor import read_steps_after
+
+    fake_job.rank(0)
+    with open(monitor.steps_path(fake_job.dir, 0), "a") as fh:
+        for s in range(0, 100):
+            fh.write(json.dumps({"step": s, "ts": 1000.0 + s, "incarnation": 0}) + "\n")
+        fh.write("\n")
+        for s in range(90, 151):  # restored to step 90
+            fh.write(json.dumps({"step": s, "ts": 2000.0 + s, "incarnation": 1}) + "\n")
+        fh.write('{"step": 151, "ts": 30')  # a torn line being written
+    for block in (40, 1 << 16):
+        after = read_steps_after(fake_job.dir, 0, 95, block=block)
+        assert [(r["step"], r["incarnation"]) for r in after] == [(s, 1) for s in range(96, 151)]
+        assert [r["step"] for r in read_steps_after(fake_job.dir, 0, 140, block=block)] == list(range(141, 151))
+        assert read_steps_after(fake_job.dir, 0, 150, block=block) == []
+        before = read_steps_after(fake_job.dir, 0, 85, block=block)  # before the restore's step: both stretches
+        assert [r["step"] for r in before] == [*range(86, 100), *range(90, 151)]

@@ -79,3 +79,58 @@ def test_incident_close_ends_a_waiting_incident_and_hands_its_job_back_to_the_re
     assert main(["incident", "retry", str(item["incident"])]) == 2  # a closed incident is not retried
     assert "only one that is open or waits for a human" in capsys.readouterr().err
     assert main(["incident", "close", "999"]) == 2
+
+
+def test_incident_show_prints_where_an_incidents_seconds_went(capsys, tmp_path, monkeypatch):
+    """A recovery that took 29 s where the same fault took 11 s earlier left no trace of which step took the
+    time: ``incident show`` prints the timeline the fleet database recorded, on the first alert's clock."""
+    from tests.fakes import alert, fleet_controller, run_incident
+
+    c, _fleet = fleet_controller(tmp_path)
+    monkeypatch.setenv("TG_FLEET_URL", c.cfg.fleet_url)
+    monkeypatch.setenv("TG_INVENTORY", c.cfg.inventory)
+    out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
+    capsys.readouterr()
+    assert main(["--json", "incident", "show", str(out["incident"])]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    whats = [e["what"] for e in doc["events"]]
+    assert doc["state"] == "resolved" and whats[0] == "alert gpu_lost on m1"
+    assert [e["t"] for e in doc["events"]] == sorted(e["t"] for e in doc["events"])
+    for milestone in ("incident opened", "decided", "job trained again", "incident closed"):
+        assert milestone in whats
+    evict = next(e for e in doc["events"] if e["what"].startswith("evict m1"))
+    assert evict["took_s"] is not None and evict["took_s"] >= 0
+    inc = c.fleet.incident(out["incident"])
+    closed = next(e for e in doc["events"] if e["what"] == "incident closed")
+    assert closed["t"] == round(inc.closed_ts - inc.first_alert_ts, 3)
+    assert main(["incident", "show", str(out["incident"])]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"incident {out['incident']} of job j: resolved") and "evict m1" in text
+    assert main(["incident", "show", "999"]) == 2
+    assert "incident 999 does not exist" in capsys.readouterr().err
+
+
+def test_an_incidents_timeline_places_its_runs_tasks_with_their_queue_wait():
+    from types import SimpleNamespace
+
+    from trainguard.operators.control.timeline import format_timeline, incident_timeline
+
+    inc = SimpleNamespace(id=3, job="j", state="resolved", category="crash", level=0, summary="", lost_steps=None,
+                          first_alert_ts=100.0, opened_ts=100.5, diagnosis_start_ts=None, decided_ts=103.0,
+                          resumed_ts=110.0, closed_ts=111.0)
+    fleet = SimpleNamespace(incident=lambda _i: inc, alerts_of=lambda _i: [], actions=lambda _i: [],
+                            claims_of=lambda _i: [{"run": "r1", "first_seen_ts": 100.2}])
+    tasks = {"r1": [{"task_id": "triage", "map_index": -1, "state": "success", "queued": 100.6, "started": 101.6,
+                     "ended": 102.0},
+                    {"task_id": "stop_job", "map_index": -1, "state": "skipped", "queued": None, "started": None,
+                     "ended": None},
+                    {"task_id": "restart_job", "map_index": -1, "state": "running", "queued": 103.0,
+                     "started": 103.1, "ended": None}]}
+    doc = incident_timeline(fleet, 3, tasks)
+    rows = {e["what"]: e for e in doc["events"]}
+    assert rows["task triage success (run r1, queued 1.00s)"] == {"t": 1.6, "what": "task triage success (run r1, "
+                                                                              "queued 1.00s)", "took_s": 0.4}
+    assert rows["task restart_job running (run r1, queued 0.10s)"]["took_s"] is None  # still running
+    assert not any("stop_job" in w for w in rows)  # never started: no time to place
+    assert [e["t"] for e in doc["events"]] == [0.2, 0.5, 1.6, 3.0, 3.1, 10.0, 11.0]
+    assert "+1.60s  task triage success (run r1, queued 1.00s)  (0.40s)" in format_timeline(doc)

@@ -67,6 +67,39 @@ def test_the_tail_read_of_a_long_history_reads_only_its_end(tmp_path, monkeypatc
     assert read["bytes"] <= 1 << 16 < path.stat().st_size // 20  # one block of a 3 MB history
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_agent_finds_an_incarnations_first_record_from_the_end_as_a_whole_scan_would(tmp_path, seed):
+    """The agent's rank check scanned a rank's whole history for the start of a new incarnation, on every restart:
+    200,000 records at 8 ms steps after half an hour, parsed on the machine while the job restarted."""
+    from trainguard.node_tools.rankcheck import _offset_of_incarnation
+
+    rng = random.Random(seed)
+    records: list = []
+    for step in range(rng.randint(0, 2000)):
+        records.append({"step": step, "incarnation": step // 600, "ts": 1000.0 + step, "pad": "x" * rng.randint(0, 90)})
+        if rng.random() < 0.01:
+            records.append("")  # a blank line
+    torn = '{"step": 99999, "incarnation": 9, "ts' if seed % 2 else ""
+    path = _write(tmp_path, records, torn=torn)
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    newest = max((r["incarnation"] for r in records if isinstance(r, dict)), default=0)
+    for inc in (newest, newest + 1):  # the agent asks for the job's current one: the newest, or one not begun yet
+        offset, want = 0, None
+        for line in complete.splitlines(keepends=True):  # the whole scan, from the start
+            if line.strip() and json.loads(line).get("incarnation") == inc:
+                want = offset
+                break
+            offset += len(line)
+        want = len(complete) if want is None else want  # none yet: where its first record will begin
+        for block in (16, 300, 1 << 16):
+            got = _offset_of_incarnation(path, inc, block=block)
+            assert got == want, (inc, block)
+            if want < len(complete):
+                assert json.loads(complete[got:].split(b"\n")[0])["incarnation"] == inc
+    assert _offset_of_incarnation(tmp_path / "none.jsonl", 0) == 0
+
+
 def test_a_restart_wait_asks_every_machine_at_most_every_exited_check_s(tmp_path, monkeypatch):
     c, fake = fleet_controller(tmp_path)
     clock = {"now": 5000.0}

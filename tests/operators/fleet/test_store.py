@@ -213,6 +213,28 @@ def test_an_incident_closed_without_a_recovery_does_not_escalate_the_next(tmp_pa
     assert c.level == 1
 
 
+def test_a_run_that_closes_late_leaves_what_a_person_or_a_resubmit_decided(store: FleetStore):
+    """An incident closed by hand (``trainguard incident close``) while its tg_incident run still acted was closed
+    again ``resolved`` by that run, over the person's verdict; a late wait for a human set the resubmitted job to
+    ``waiting_human``."""
+    a, _ = store.open_incident("j", [{"id": "h1", "kind": "rank_hang", "machine": "m1", "ts": 1.0}])
+    store.close_by_hand(a.id, "m1 pulled for a look")
+    assert store.close_open(a.id, "resolved", summary="resumed at step 9", closed_ts=5.0) is False
+    inc = store.incident(a.id)
+    assert inc.state == "failed" and inc.summary == "closed by hand: m1 pulled for a look"
+    out = store.wait_for_human(a.id, "the breaker refused the eviction")
+    assert out["waiting_human"] and "was closed (failed)" in out["reason"]
+    assert store.incident(a.id).state == "failed" and store.job("j").state == "running"
+    b, _ = store.open_incident("j", [{"id": "c1", "kind": "rank_exit", "machine": "m1", "ts": 9.0}])
+    assert b.id != a.id
+    assert store.close_open(b.id, "resolved", resumed_ts=12.0, closed_ts=13.0, lost_steps=1) is True
+    inc = store.incident(b.id)
+    assert (inc.state, inc.resumed_ts, inc.lost_steps) == ("resolved", 12.0, 1)
+    assert store.close_open(b.id, "failed") is False and store.incident(b.id).state == "resolved"  # a repeat: no-op
+    with pytest.raises(FleetError, match="resolved or failed"):
+        store.close_open(b.id, "open")
+
+
 def test_actions_are_recorded_once_per_key(store: FleetStore):
     act, created = store.record_action("inc1:evict:m1", kind="evict", machines=["m1"], evidence={"xid": 79})
     again, created2 = store.record_action("inc1:evict:m1", kind="evict", machines=["m1"])
