@@ -94,10 +94,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     ish = isub.add_parser("show", help="an incident's timeline: its alerts, the run that took it, each action and how "
                                        "long it took, and when it was decided, trained again and closed")
     ish.add_argument("incident", type=int)
-    ish.add_argument("--tasks", action="store_true", help="with the task instances of its tg_incident runs (how long "
-                                                           "each waited in the queue and ran), read from the api-server")
-    ish.add_argument("--airflow-url", default="", help="the api-server (default $TG_AIRFLOW_URL, else the demo's "
-                                                       "kept Airflow); login from $TG_AIRFLOW_USER/$TG_AIRFLOW_PASSWORD")
+    ish.add_argument("--tasks", action="store_true",
+                     help="with the task instances of its tg_incident runs (how long each waited in the queue and "
+                          "ran), read from the api-server")
+    ish.add_argument("--airflow-url", default="",
+                     help="the api-server (default $TG_AIRFLOW_URL, else the demo's kept Airflow); login from "
+                          "$TG_AIRFLOW_USER/$TG_AIRFLOW_PASSWORD")
     ic = isub.add_parser("close", help="close an incident that is open or waits for a human (its job is looked at "
                                        "again by the reconciler)")
     ic.add_argument("incident", type=int)

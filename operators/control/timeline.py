@@ -61,8 +61,9 @@ def incident_timeline(fleet: FleetStore, incident_id: int,
 
 
 def format_timeline(doc: dict[str, Any]) -> str:
-    head = (f"incident {doc['incident']} of job {doc['job']}: {doc['state']}, {doc['category'] or '-'}, "
-            f"level {doc['level']}" + (f", {doc['lost_steps']} steps lost" if doc.get("lost_steps") is not None else ""))
+    lost = f", {doc['lost_steps']} steps lost" if doc.get("lost_steps") is not None else ""
+    head = f"incident {doc['incident']} of job {doc['job']}: {doc['state']}, {doc['category'] or '-'}, " \
+           f"level {doc['level']}{lost}"
     lines = [head, f"  {doc['summary'][:400]}"] if doc.get("summary") else [head]
     for e in doc["events"]:
         took = "" if e["took_s"] is None else f"  ({e['took_s']:.2f}s)"
