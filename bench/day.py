@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +58,10 @@ class DayError(AssertionError):
 class Day:
     """The control plane of ``trainguard controlplane up`` in ``home`` (``$TG_HOME``) and the stranger's job."""
 
-    def __init__(self, home: Path, *, log: Callable[[str], None] = print) -> None:
+    def __init__(self, home: Path, *, log: Callable[[str], None] = print, program_args: Sequence[str] = (),
+                 name: str = NAME, subnet: str = SUBNET) -> None:
         self.home, self.log = home, log
+        self.program_args, self.name, self.subnet = list(program_args), name, subnet
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("TG_") or k == "TG_TEST_SESSION"}
         self.env["TG_HOME"] = str(home)
         self.workdir = home / "program"
@@ -77,7 +79,7 @@ class Day:
         return proc
 
     def up(self) -> None:
-        self.cli("controlplane", "up", "--port", "0", "--name", NAME, "--subnet", SUBNET, timeout=900)
+        self.cli("controlplane", "up", "--port", "0", "--name", self.name, "--subnet", self.subnet, timeout=900)
         doc = json.loads((self.home / "control" / "profile.json").read_text())
         self.env.update(doc["env"])  # TG_FLEET_URL, TG_INVENTORY: what `controlplane up` tells the user to set
         from trainguard.operators.fleet import FleetStore
@@ -91,8 +93,9 @@ class Day:
 
     def submit(self) -> float:
         spec = self.workdir / "boring.yaml"
+        command = ["train.py", "--samples", str(SAMPLES), "--record", str(self.samples), *self.program_args]
         spec.write_text(f"name: {JOB}\n"
-                        f"command: [train.py, --samples, '{SAMPLES}', --record, {self.samples}]\n"
+                        f"command: {json.dumps(command)}\n"  # a JSON list is a YAML flow sequence
                         f"workdir: {self.workdir}\n"
                         "machines: 2\n"
                         "standbys: 1\n")

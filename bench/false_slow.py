@@ -1,12 +1,17 @@
-"""False fail-slow alarms on healthy jobs of different step times, beside two CPU hogs, and a 30% straggler still
-voted out: the fail-slow rules judged on each job's own noise (docs/operate.md, "Fail-slow on the job's own noise").
+"""False fail-slow alarms on healthy jobs whose steps take 10 ms, 50 ms and 200 ms, beside two CPU hogs, and a 30%
+straggler still voted out: the fail-slow rules judged on each job's own noise (docs/operate.md, "Fail-slow on the
+job's own noise"), through ``trainguard controlplane up``'s defaults and ``trainguard job submit``.
 
-For each step time (``--step-s``, the reference job's emulated accelerator time a step: 10 ms, 50 ms, 200 ms), on
-an emulated cluster of its own (the job TP=2 PP=2 DP=2 on 4 machines, 4 warm standbys, the control plane's default
-fail-slow settings), the same measurement as ``bench/chaos.py``'s healthy-under-load scenario: ``--healthy-s``
-seconds of healthy training with two CPU hogs beside the job, counting the incidents that open (the fail-slow ones
-above all) and the slow alerts recorded without one; then one rank slowed by 30% of the job's step under the same
-load, and whether its machine is voted out.
+The job is the day's program (``bench/stranger/train.py``, see ``bench/day.py``): Lightning's own ``BoringModel``
+and fit loop with DDP on 2 machines, gradient accumulation over 2 micro-batches, its own validation every 200
+batches, one standby. Its native step takes about 9 ms here; for the longer step times each micro-batch also waits
+(``--pace-s``: a third in its forward, the rest in its backward), as a bigger model's device would keep the host
+waiting. For each step time, on a control plane of its own:
+
+1. ``--healthy-s`` seconds of healthy training with two CPU hogs on the host (the two cores the machines share):
+   every incident that opens is a false alarm; the slow alerts recorded without an incident are counted beside;
+2. then, under the same load, one rank sleeps 30% of the job's measured step before each of its steps: its
+   incident, the vote's verdict, and whether its machine was swapped for the standby.
 
     python bench/false_slow.py --out bench/results/false_slow.json           # 30 min a step time
     python bench/false_slow.py --quick                                       # 2 min a step time
@@ -15,93 +20,145 @@ load, and whether its machine is voted out.
 from __future__ import annotations
 
 import argparse
-import random
+import itertools
+import json
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.chaos import JOB, SPEC, Chaos, healthy_under_load
-from bench.common import emulated_cluster, stop_on_sigterm, write_result
-from trainguard.emulation.guarded import NO_SCHEDULES, GuardedJob
+from bench.common import stop_on_sigterm, write_result
+from bench.day import FINAL, Day
 
-#: the control plane's defaults for everything fail-slow (TG_SLOW_FACTOR 1.25, 5 rounds 10 s apart), the
-#: harness's own for the rest (its scenarios come quicker than production's hour)
-SETTINGS = {"TG_ESCALATION_WINDOW_S": "1", "TG_BREAKER_SHARE": "0.75", "TG_BREAKER_WINDOW_S": "1",
-            "TG_AGENT_SILENT_S": "10", "TG_RESUME_TIMEOUT_S": "120", "TG_STOP_GRACE_S": "2", **NO_SCHEDULES}
-
-
-class Paced(Chaos):
-    """The chaos harness's job, at another emulated accelerator time a step."""
-
-    def __init__(self, inv: Any, home: Path, *, step_s: float) -> None:
-        GuardedJob.__init__(self, inv, home, job=JOB, settings=SETTINGS,
-                            train_args=("--checkpoint", "--emulate-device-s", f"{step_s:g}"))
-        self.rng = random.Random(0)
-        self.trials: list[dict[str, Any]] = []
-        self.killed: list[int] = []
-        self.compound: dict[str, Any] = {}
+#: the micro-batch's wait for each step time (2 micro-batches a step; the native step is about 9 ms)
+PACE_S = {0.01: 0.0, 0.05: 0.02, 0.2: 0.095}
+NAME, SUBNET = "tgfs", "10.213.47.0/24"
+SLOW_KINDS = {"throughput_decline", "rank_slow"}
 
 
-def measured_step_s(c: Chaos) -> float | None:
-    """The job's median step time as rank 0 recorded it (its last 200 steps)."""
-    recs = [float(r["step_time_s"]) for r in c.ctl.step_history(JOB, rank=0)[-200:]
-            if isinstance(r.get("step_time_s"), float)]
-    return round(statistics.median(recs), 4) if recs else None
-
-
-def one(step_s: float, seconds: float) -> dict[str, Any]:
-    with emulated_cluster(SPEC, "tg-bench-slow-") as (inv, home):
-        c = Paced(inv, home, step_s=step_s)
+def step_s_measured(day: Day, *, last: int = 400) -> float | None:
+    """The job's step as its rank 0 trained it: the median gap between its last optimizer steps' first micro-batches
+    (its own evaluation's pauses included, as a person timing the job would see them)."""
+    procs = day.processes()
+    if not procs:
+        return None
+    firsts: dict[int, float] = {}
+    for line in procs[-1][1].read_text().splitlines()[-4 * last:]:
         try:
-            c.start()
-            out = healthy_under_load(c, seconds)
-            out["step_s_measured"] = measured_step_s(c)
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        firsts.setdefault(int(rec["step"]), float(rec["ts"]))
+    ts = [firsts[s] for s in sorted(firsts)][-last:]
+    gaps = [b - a for a, b in itertools.pairwise(ts)]
+    return round(statistics.median(gaps), 5) if gaps else None
+
+
+def one(step_s: float, seconds: float, log: Any) -> dict[str, Any]:
+    home = Path(tempfile.mkdtemp(prefix="tg-bench-slow-"))
+    pace = PACE_S.get(step_s, max(0.0, (step_s - 0.01) / 2))
+    day = Day(home, log=log, program_args=["--pace-s", f"{pace:g}"] if pace else [], name=NAME, subnet=SUBNET)
+    out: dict[str, Any] = {"step_s_target": step_s, "pace_s": pace, "seconds": seconds, "hogs": 2}
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        day.up()
+        day.submit()
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(2)]
+        t0 = time.time()
+        healthy = day.healthy(seconds)
+        machines = day.machines()
+        shared = day.fleet.alerts_on(machines, kinds=SLOW_KINDS, since=t0)
+        step = step_s_measured(day)
+        out.update(healthy=healthy, step_s_measured=step, slow_alerts=len(shared),
+                   slow_alerts_without_incident=sum(1 for a in shared if a.incident_id is None),
+                   slow_incidents=sum(1 for line in healthy["opened"] if " slow:" in line))
+        # a straggler: one rank sleeps 30% of the job's step before each of its steps, under the same load
+        first, straggler = machines
+        added = round(0.3 * (step or step_s), 4)
+        last = day.last()
+        t1 = day.inject(straggler, "slow", rank=1, seconds=added)
+        try:
+            inc = day.wait(lambda: next((i for i in day.incidents() if i.id > last and i.state in FINAL), None),
+                           600, "the straggler's incident to close", interval=2.0)
+        except AssertionError as exc:
+            inc = None
+            out["straggler_error"] = str(exc)[:500]
         finally:
-            c.stop()
-    out["step_s_emulated"] = step_s
+            day.cli("inject", "--machine", straggler, "--clear", check=False)
+        now = day.machines()
+        out["straggler"] = {
+            "machine": straggler, "added_s": added, "incident": inc.id if inc else None,
+            "category": inc.category if inc else None, "state": inc.state if inc else None,
+            "detected_s": round(inc.opened_ts - t1, 2) if inc else None,
+            "closed_s": round(inc.closed_ts - t1, 2) if inc and inc.closed_ts else None,
+            "summary": inc.summary[:400] if inc else None, "machines": now,
+            "voted_out": bool(inc and inc.category == "slow" and inc.state == "resolved" and straggler not in now
+                              and first in now),
+            "phases": day.phases(inc.id) if inc else []}
+        log(f"straggler: {out['straggler']}")
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+        day.down()
+        shutil.rmtree(home, ignore_errors=True)
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 minutes of healthy training a step time")
-    ap.add_argument("--step-s", default="0.01,0.05,0.2", help="emulated accelerator seconds a step, comma-separated")
-    ap.add_argument("--healthy-s", type=float, default=1800.0, help="healthy seconds a step time (default 1800)")
+    ap.add_argument("--step-s", default="0.01,0.05,0.2", help="the job's step times, seconds, comma-separated")
+    ap.add_argument("--healthy-s", default="1800",
+                    help="healthy seconds a step time (default 1800), or one figure per step time, comma-separated")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     stop_on_sigterm()
     try:
         steps = [float(x) for x in args.step_s.split(",") if x]
+        windows = [float(x) for x in args.healthy_s.split(",") if x]
     except ValueError:
-        print(f"--step-s {args.step_s!r}: write seconds separated by commas, e.g. 0.01,0.05,0.2", file=sys.stderr)
+        print(f"--step-s {args.step_s!r} --healthy-s {args.healthy_s!r}: write seconds separated by commas, e.g. "
+              f"--step-s 0.01,0.05,0.2 --healthy-s 1800", file=sys.stderr)
         return 2
-    if not steps or any(s <= 0 for s in steps):
-        print(f"--step-s {args.step_s!r}: every step time must be above 0", file=sys.stderr)
+    if not steps or any(s <= 0 for s in steps) or not windows or any(w <= 0 for w in windows):
+        print(f"--step-s {args.step_s!r} --healthy-s {args.healthy_s!r}: every figure must be above 0",
+              file=sys.stderr)
         return 2
-    seconds = 120.0 if args.quick else args.healthy_s
+    if len(windows) not in (1, len(steps)):
+        print(f"--healthy-s {args.healthy_s!r}: give one window, or one per step time ({len(steps)})",
+              file=sys.stderr)
+        return 2
+    windows = [120.0] * len(steps) if args.quick else windows * (len(steps) // len(windows))
     t0 = time.time()
-    runs = [one(s, seconds) for s in steps]
+    runs = [one(s, w, lambda m: print(m, file=sys.stderr, flush=True)) for s, w in zip(steps, windows, strict=True)]
     metrics: dict[str, Any] = {}
     for run in runs:
-        key = f"{run['step_s_emulated'] * 1000:g}ms"
+        key = f"{run['step_s_target'] * 1000:g}ms"
+        window = run["healthy"]["seconds"]
         metrics[f"false_slow_incidents_30min.{key}"] = {
-            "value": round(run["slow_incidents"] * 1800.0 / run["seconds"], 2), "n": 1, "unit": "incidents",
-            "target": 0, "window_s": run["seconds"]}
-        metrics[f"incidents_healthy.{key}"] = {"value": len(run["incidents"]), "n": 1, "unit": "incidents",
-                                               "target": 0, "window_s": run["seconds"]}
-        metrics[f"slow_rank_30pct_voted_out.{key}"] = {"value": int(bool(run["slow_rank"]["voted_out"])), "n": 1,
+            "value": round(run["slow_incidents"] * 1800.0 / window, 2), "n": 1, "unit": "incidents", "target": 0,
+            "window_s": window}
+        metrics[f"incidents_healthy.{key}"] = {"value": run["healthy"]["incidents"], "n": 1, "unit": "incidents",
+                                               "target": 0, "window_s": window}
+        metrics[f"step_s_measured.{key}"] = {"value": run["step_s_measured"], "n": 1, "unit": "s"}
+        metrics[f"slow_rank_30pct_voted_out.{key}"] = {"value": int(run["straggler"]["voted_out"]), "n": 1,
                                                        "unit": "bool", "target": 1}
+        if run["straggler"]["detected_s"] is not None:
+            metrics[f"slow_rank_detected_s.{key}"] = {"value": run["straggler"]["detected_s"], "n": 1, "unit": "s"}
     text = write_result("false_slow", quick=bool(args.quick), out=args.out, metrics=metrics, setup={
-        "cluster": f"{SPEC.machines} emulated machines (network namespaces, real sshd): the job's 4, "
-                   f"{SPEC.standbys} warm standbys; two CPU hogs on the host during the whole measurement",
-        "job": "reference GPT 2x2x2 (TP x PP x DP), checkpoint every step, the emulated accelerator time a step "
-               "given per run (the measured step time beside it)",
-        "control_plane": "airflow standalone; fail-slow settings at their defaults (TG_SLOW_FACTOR 1.25, 5 rounds "
-                         "10 s apart)",
+        "program": "bench/stranger/train.py (Lightning BoringModel, DDP on 2 machines, accumulate_grad_batches=2, "
+                   "its own validation every 200 batches), --pace-s per micro-batch for the longer steps",
+        "control_plane": "trainguard controlplane up, its defaults; trainguard job submit with standbys: 1",
+        "load": "two CPU hogs (busy loops) on the host, which the emulated machines share, during the healthy "
+                "window and the straggler",
         "wall_s": round(time.time() - t0, 1), "runs": runs})
     print(text)
     return 0

@@ -53,10 +53,28 @@ class Record(L.Callback):
                                    "ts": time.time()}) + "\n")
 
 
+class Paced(BoringModel):
+    """``BoringModel`` whose micro-batch also waits ``pace_s`` as a bigger model's device would keep the host
+    waiting: a third in its forward, the rest in its backward (a hook on the output's gradient)."""
+
+    def __init__(self, pace_s: float) -> None:
+        super().__init__()
+        self.pace_s = pace_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.pace_s / 3)
+        out = super().forward(x)
+        if out.requires_grad:
+            out.register_hook(lambda grad: time.sleep(2 * self.pace_s / 3))
+        return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="boring")
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--record", default="", help="write each micro-batch's sample indexes under this folder")
+    p.add_argument("--pace-s", type=float, default=0.0,
+                   help="each micro-batch also waits this long, as a bigger model's device compute would")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     L.seed_everything(0, verbose=False)
@@ -75,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                         callbacks=callbacks, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     try:
-        trainer.fit(BoringModel(), train, val)
+        trainer.fit(Paced(args.pace_s) if args.pace_s > 0 else BoringModel(), train, val)
     except TrainguardError as exc:  # trainguard
         print(f"boring: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
