@@ -1,6 +1,6 @@
 """The trainers' adapters' cost: the same Lightning fit and the same HF Trainer run, with and without trainguard.
 
-    python bench/adapters.py [--trials 5] [--steps 60] [--out bench/results/adapters.json]
+    python bench/adapters.py [--trials 9] [--steps 80] [--out bench/results/adapters.json]
 
 Each trial runs the examples' programs (``examples/lightning``: Lightning's demo transformer; ``examples/hf``:
 GPT-2 with 2 layers from a configuration) in this process, one rank, on synthetic data, four ways side by side
@@ -10,7 +10,9 @@ local folder by the saver process, as in a launch), each in two settings:
 * **host**: the step is all host compute (CPU training): the snapshot's copy and the background persist compete
   with the training for the same two cores;
 * **device**: each step also waits ``--device-ms`` with the host idle after the update, as a GPU step's compute
-  would keep it (the guard's background work runs in that wait, as it does on a GPU machine).
+  would keep it. The wait tells the guard that the host idles (``guard.host_idle()``) and the snapshot's copy is
+  taken then (``CheckpointConfig(copy_at_idle=True)``): the CPU counterpart of the copy on a side CUDA stream that
+  a GPU job gets without asking, so the guard's background work runs in that wait, as it does on a GPU machine.
 
 A step's time is the time from one batch's start to the next's; a run's figure is the median over the steps after
 ``--warmup``; the overhead of a trial is guarded / plain - 1 of the same setting, and the result is its median over
@@ -36,14 +38,33 @@ if str(ROOT) not in sys.path:
 from bench.common import summarize, write_result  # noqa: E402
 
 
+def checkpoint(root: Path, device_s: float) -> Any:
+    """The guard's checkpoint settings of a launch (every step, the saver process); in the device setting the
+    snapshot's copy waits for the host's idle moment, as a GPU's side-stream copy runs beside the device's work."""
+    import dataclasses
+
+    from trainguard.torch import checkpoint_config_from_env
+
+    cfg = checkpoint_config_from_env(root=str(root))
+    return dataclasses.replace(cfg, copy_at_idle=True) if device_s > 0 else cfg
+
+
+def device_wait(guard: Any, seconds: float) -> None:
+    """The host waits ``seconds`` for the emulated device, and says so to the guard (when there is one)."""
+    if guard is not None:
+        guard.host_idle()
+    time.sleep(seconds)
+    if guard is not None:
+        guard.host_busy()
+
+
 def _lightning(steps: int, device_s: float, guarded: bool, root: Path) -> list[float]:
     import lightning as L
     import torch
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from examples.lightning.train import BigramTokens, Demo, Pace
+    from examples.lightning.train import BigramTokens, Demo
     from trainguard.lightning import TrainguardCallback
-    from trainguard.torch import checkpoint_config_from_env
 
     starts: list[float] = []
 
@@ -51,15 +72,20 @@ def _lightning(steps: int, device_s: float, guarded: bool, root: Path) -> list[f
         def on_train_batch_start(self, *_args: Any) -> None:
             starts.append(time.perf_counter())
 
+    class Device(L.Callback):
+        """The device's part of the step: the host idles ``device_s`` after the update."""
+
+        def on_train_batch_end(self, *_args: Any) -> None:
+            device_wait(guard.guard if guard else None, device_s)
+
     L.seed_everything(0, verbose=False)
     model = Demo(vocab_size=128)
     data = BigramTokens(4096, 32, 128, 0)
     loader = StatefulDataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0))
-    callbacks: list[L.Callback] = [Clock()]
-    if guarded:
-        callbacks.append(TrainguardCallback(checkpoint=checkpoint_config_from_env(root=str(root))))
+    guard = TrainguardCallback(checkpoint=checkpoint(root, device_s)) if guarded else None
+    callbacks: list[L.Callback] = [Clock(), *([guard] if guard else [])]
     if device_s > 0:
-        callbacks.append(Pace(device_s))
+        callbacks.append(Device())
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, loader)
@@ -70,8 +96,7 @@ def _hf(steps: int, device_s: float, guarded: bool, root: Path) -> list[float]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-    from examples.hf.train import BigramTokens, Report
-    from trainguard.torch import checkpoint_config_from_env
+    from examples.hf.train import BigramTokens
     from trainguard.transformers import TrainguardCallback
 
     starts: list[float] = []
@@ -80,13 +105,19 @@ def _hf(steps: int, device_s: float, guarded: bool, root: Path) -> list[float]:
         def on_step_begin(self, *_args: Any, **_kwargs: Any) -> None:
             starts.append(time.perf_counter())
 
+    class Device(TrainerCallback):
+        """The device's part of the step: the host idles ``device_s`` after the update."""
+
+        def on_step_end(self, *_args: Any, **_kwargs: Any) -> None:
+            device_wait(guard.guard if guard else None, device_s)
+
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=64, n_layer=2, n_head=4))
     args = TrainingArguments(output_dir=str(root / "out"), max_steps=steps, per_device_train_batch_size=8,
                              learning_rate=1e-3, logging_steps=10**6, save_strategy="no", report_to=[], seed=0,
                              use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
-    guard = TrainguardCallback(checkpoint=checkpoint_config_from_env(root=str(root))) if guarded else None
-    callbacks: list[TrainerCallback] = [Clock(), *([guard] if guard else []), Report(device_s)]
+    guard = TrainguardCallback(checkpoint=checkpoint(root, device_s)) if guarded else None
+    callbacks: list[TrainerCallback] = [Clock(), *([guard] if guard else []), *([Device()] if device_s > 0 else [])]
     trainer = Trainer(model=model, args=args, train_dataset=BigramTokens(4096, 32, 256, 0), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=guard.restore(trainer) if guard else None)
     return [b - a for a, b in itertools.pairwise(starts)]
@@ -94,8 +125,8 @@ def _hf(steps: int, device_s: float, guarded: bool, root: Path) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trials", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=60, help="optimizer steps per run")
+    ap.add_argument("--trials", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=80, help="optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=10, help="steps not counted at the start of a run")
     ap.add_argument("--device-ms", type=float, default=50.0, help="the device setting's idle wait per step")
     ap.add_argument("--quick", action="store_true", help="one trial of 25 steps")
@@ -138,7 +169,8 @@ def main() -> int:
 
     text = write_result("adapters", quick=bool(args.quick), out=args.out, metrics=metrics, setup={
         "trials": trials, "steps": steps, "warmup_steps": warmup, "device_wait_s": args.device_ms / 1000,
-        "ranks": 1, "checkpoint": "every step, saver process, local folder (tmp), no replica (one rank), no S3",
+        "ranks": 1, "checkpoint": "every step, saver process, local folder (tmp), no replica (one rank), no S3; "
+                                 "device setting: copy_at_idle, the device wait says host_idle",
         "lightning": lightning.__version__, "transformers": transformers.__version__,
         "torch": torch.__version__, "models": {"lightning": "lightning.pytorch.demos LightningTransformer, "
                                                "vocab 128, batch 8 x 32 tokens",
