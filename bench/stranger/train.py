@@ -84,9 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     sampler = StatefulDistributedSampler(data, num_replicas=world, rank=int(os.environ.get("RANK", "0")), seed=0)
     train = StatefulDataLoader(data, batch_size=2, sampler=sampler, generator=torch.Generator().manual_seed(0))
     val = DataLoader(RandomDataset(32, 64), batch_size=2)
-    callbacks: list[L.Callback] = [TrainguardCallback()]  # trainguard
-    if args.record:
-        callbacks.append(Record(Path(args.record), data))
+    # the record of a micro-batch is written before the guard's snapshot of its step: a process killed between the
+    # two then trained the step again from the snapshot before (recorded twice, the later kept), never trained a
+    # step whose record it did not write
+    callbacks: list[L.Callback] = [Record(Path(args.record), data)] if args.record else []
+    callbacks.append(TrainguardCallback())  # trainguard
     trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local,
                         strategy="ddp" if world > 1 else "auto", max_epochs=-1, accumulate_grad_batches=2,
                         val_check_interval=200, limit_val_batches=8, num_sanity_val_steps=0,
