@@ -329,53 +329,50 @@ def lines_back(fh: BinaryIO, *, block: int = 1 << 16) -> Iterator[tuple[int, byt
         yield from zip(reversed(offsets), reversed(parts), strict=True)
 
 
-def read_steps_since(run_dir: Path, rank: int, since_ts: float, *, block: int = 1 << 16,
-                     limit: int | None = None) -> list[dict[str, Any]]:
-    """The complete step records of a rank that ended after ``since_ts`` (their ``ts``, this machine's clock),
-    oldest first, read from the end of its file backwards (:func:`lines_back`): the records are appended as steps
-    end, so the first record at or before ``since_ts`` ends the search, and what is read is what is new, however
-    long the job's history (three months of steps are millions of records). A torn last line is ignored.
-    ``limit``: at most this many, the newest (``since_ts`` -inf and a limit: the file's last records)."""
-    out: list[dict[str, Any]] = []
+def records_back(run_dir: Path, rank: int, *, block: int = 1 << 16) -> Iterator[dict[str, Any]]:
+    """A rank's complete step records, newest first, read from the end of its file backwards (:func:`lines_back`;
+    a blank or unreadable line is passed over): a reader that stops early reads only the file's end."""
     try:
         fh = open(steps_path(run_dir, rank), "rb")  # noqa: SIM115 - closed below
     except OSError:
-        return []
+        return
     with fh:
         for _offset, line in lines_back(fh, block=block):
-            if not line.strip():
-                continue
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if not isinstance(record.get("ts"), int | float) or record["ts"] <= since_ts:
-                break
-            out.append(record)
-            if limit is not None and len(out) >= limit:
-                break
+            if isinstance(record, dict):
+                yield record
+
+
+def read_steps_since(run_dir: Path, rank: int, since_ts: float, *, block: int = 1 << 16,
+                     limit: int | None = None) -> list[dict[str, Any]]:
+    """The complete step records of a rank that ended after ``since_ts`` (their ``ts``, this machine's clock),
+    oldest first, read from the end of its file backwards (:func:`records_back`): the records are appended as steps
+    end, so the first record at or before ``since_ts`` ends the search, and what is read is what is new, however
+    long the job's history (three months of steps are millions of records). A torn last line is ignored.
+    ``limit``: at most this many, the newest (``since_ts`` -inf and a limit: the file's last records)."""
+    out: list[dict[str, Any]] = []
+    for record in records_back(run_dir, rank, block=block):
+        if not isinstance(record.get("ts"), int | float) or record["ts"] <= since_ts:
+            break
+        out.append(record)
+        if limit is not None and len(out) >= limit:
+            break
     out.reverse()
     return out
 
 
 def read_steps_after(run_dir: Path, rank: int, step: int, *, block: int = 1 << 16) -> list[dict[str, Any]]:
     """The newest stretch of a rank's step records after ``step``, oldest first, read from the end of its file
-    backwards (:func:`lines_back`) up to the last record of ``step`` or an earlier one: the steps around a
+    backwards (:func:`records_back`) up to the last record of ``step`` or an earlier one: the steps around a
     checkpoint that was just committed, not the months before it."""
     out: list[dict[str, Any]] = []
-    try:
-        fh = open(steps_path(run_dir, rank), "rb")  # noqa: SIM115 - closed below
-    except OSError:
-        return []
-    with fh:
-        for _offset, line in lines_back(fh, block=block):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record.get("step"), int) and record["step"] <= step:
-                break
-            out.append(record)
+    for record in records_back(run_dir, rank, block=block):
+        if isinstance(record.get("step"), int) and record["step"] <= step:
+            break
+        out.append(record)
     out.reverse()
     return out
 
