@@ -50,8 +50,9 @@ def incident_timeline(fleet: FleetStore, incident_id: int,
         for ti in instances:
             if ti.get("started") is None:
                 continue
-            queued = ti.get("queued")
-            waited = f", queued {ti['started'] - queued:.2f}s" if queued is not None else ""
+            queued = ti.get("queued")  # a deferred task is queued again when its trigger fires: after its start
+            waited = f", queued {ti['started'] - queued:.2f}s" if queued is not None and queued <= ti["started"] \
+                else ""
             index = f"[{ti['map_index']}]" if (ti.get("map_index") or -1) >= 0 else ""
             ran = None if ti.get("ended") is None else ti["ended"] - ti["started"]
             add(ti["started"], f"task {ti['task_id']}{index} {ti.get('state') or '-'} (run {run}{waited})", ran)
