@@ -36,10 +36,9 @@ HEADLINE: tuple[tuple[str, str, str], ...] = (
     ("chaos", "jobs_dead", "chaos campaign: jobs left dead"),
     ("campaign", "ettr", "random faults every few minutes: effective training time"),
     ("day", "incidents_healthy", "a stranger's Lightning job (8 ms steps) trained healthy for 30 min: incidents"),
-    ("day", "ettr", "the same through 5 faults and a resubmit: effective training time"),
-    ("day", "samples_twice_or_skipped", "the same: samples trained twice or skipped (see docs/benchmarks.md)"),
-    ("false_slow", "incidents_healthy.10ms", "the same job beside two CPU hogs for 30 min: incidents"),
-    ("false_slow", "slow_rank_30pct_voted_out.10ms", "the same: a 30% straggler voted out and swapped"),
+    ("day", "ettr", "the same through 5 faults and a resubmit: effective training time (samples: docs/benchmarks.md)"),
+    ("false_slow", "incidents_healthy.10ms", "the same job beside two CPU hogs for 30 min: incidents (a 30% straggler "
+                                             "voted out)"),
     ("simulate", "ettr.measured", "9,600 GPUs for 90 days (simulated): effective training time"),
     ("simulate", "ettr.measured_degrade", "the same, training through a lost replica on the others"),
     ("replicas", "survivor_stall_s", "a replica group dies: the other's stall (trainguard.replicas)"),
