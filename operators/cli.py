@@ -41,6 +41,13 @@ Handler = Callable[[argparse.Namespace], int]
 COMMANDS_GROUP = "trainguard.commands"
 
 
+def _airflow_url_option(parser: argparse.ArgumentParser) -> None:
+    """``--airflow-url`` of a command that talks to the api-server with the operator's login (:func:`_airflow`)."""
+    parser.add_argument("--airflow-url", default="", help="the api-server (default $TG_AIRFLOW_URL, else the demo's "
+                                                          "kept Airflow); login from "
+                                                          "$TG_AIRFLOW_USER/$TG_AIRFLOW_PASSWORD")
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     """The parser and the handlers of the commands other packages register (entry point group
     ``trainguard.commands``: a function that adds its subparsers and returns their handlers)."""
@@ -72,8 +79,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     js.add_argument("spec", type=Path, help="the job spec file")
     js.add_argument("--wait", type=float, default=0.0, metavar="S",
                     help="wait up to S seconds for the launch run to end (exit 1 if it failed); 0: do not wait")
-    js.add_argument("--airflow-url", default="", help="the api-server (default $TG_AIRFLOW_URL, else the demo's "
-                                                      "kept Airflow); login from $TG_AIRFLOW_USER/$TG_AIRFLOW_PASSWORD")
+    _airflow_url_option(js)
     for action, text in (("stop", "stop the job and return its machines to the pool"),
                          ("status", "the job's state, machines, command and progress")):
         jsub.add_parser(action, help=text).add_argument("job")
@@ -97,9 +103,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     ish.add_argument("--tasks", action="store_true",
                      help="with the task instances of its tg_incident runs (how long each waited in the queue and "
                           "ran), read from the api-server")
-    ish.add_argument("--airflow-url", default="",
-                     help="the api-server (default $TG_AIRFLOW_URL, else the demo's kept Airflow); login from "
-                          "$TG_AIRFLOW_USER/$TG_AIRFLOW_PASSWORD")
+    _airflow_url_option(ish)
     ic = isub.add_parser("close", help="close an incident that is open or waits for a human (its job is looked at "
                                        "again by the reconciler)")
     ic.add_argument("incident", type=int)
@@ -107,8 +111,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Handler]]:
     ir = isub.add_parser("retry", help="act on an incident that waits for a human again, once its cause is put right "
                                        "(its run's restart_job and the tasks after it are cleared)")
     ir.add_argument("incident", type=int)
-    ir.add_argument("--airflow-url", default="", help="the api-server (default $TG_AIRFLOW_URL, else the demo's "
-                                                      "kept Airflow); login from $TG_AIRFLOW_USER/$TG_AIRFLOW_PASSWORD")
+    _airflow_url_option(ir)
 
     rp = sub.add_parser("revision", help="a job's code revisions: record one (before tg_code_update may use it), list")
     rsub = rp.add_subparsers(dest="action", required=True, parser_class=OneLineParser)

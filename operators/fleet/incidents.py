@@ -6,7 +6,7 @@ transactions and retries."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -240,11 +240,7 @@ class IncidentRecords:
         if "state" in fields and fields["state"] not in INCIDENT_STATES:
             raise FleetError(f"incident state {fields['state']!r} is not one of {', '.join(INCIDENT_STATES)}")
         with self.tx() as s:
-            inc = self._required(s, Incident, incident_id, lock=True)
-            for key, value in fields.items():
-                if key.endswith("_ts") and getattr(inc, key) is not None:
-                    continue  # the first time a milestone is reached counts
-                setattr(inc, key, value)
+            _set_fields(self._required(s, Incident, incident_id, lock=True), fields)
 
     def close_open(self, incident_id: int, outcome: str, **fields: Any) -> bool:
         """Close an incident that is still open with ``outcome`` (and ``fields``: milestones, lost steps, summary), in
@@ -256,12 +252,11 @@ class IncidentRecords:
             inc = self._required(s, Incident, incident_id, lock=True)
             if inc.state != states.IncidentState.OPEN:
                 return False
+            unknown = set(fields) - {"resumed_ts", "closed_ts", "summary", "lost_steps"}
+            if unknown:
+                raise FleetError(f"incident fields {sorted(unknown)} are not set on close")
             inc.state = outcome
-            for key, value in fields.items():
-                if key not in ("resumed_ts", "closed_ts", "summary", "lost_steps"):
-                    raise FleetError(f"incident field {key!r} is not set on close")
-                if not (key.endswith("_ts") and getattr(inc, key) is not None):
-                    setattr(inc, key, value)
+            _set_fields(inc, fields)
             return True
 
     def _claim_row(self, incident_id: int, claim: dict[str, Any]) -> dict[str, Any]:
@@ -374,3 +369,10 @@ class IncidentRecords:
                 return False
             inc.category, inc.summary = category, summary
             return True
+
+
+def _set_fields(inc: Incident, fields: Mapping[str, Any]) -> None:
+    """Set an incident's ``fields``; a milestone (``*_ts``) already reached keeps its first time."""
+    for key, value in fields.items():
+        if not (key.endswith("_ts") and getattr(inc, key) is not None):
+            setattr(inc, key, value)
