@@ -44,7 +44,7 @@ def incident_timeline(fleet: FleetStore, incident_id: int,
         took = None if a.finished_ts is None else a.finished_ts - a.started_ts
         on = f" {','.join(a.machines)}" if a.machines else ""
         run = f" {(a.evidence or {}).get('run')}" if a.kind == "run" else ""
-        detail = f": {a.detail[:120]}" if a.detail and a.outcome not in ("done",) else ""
+        detail = f": {a.detail[:120]}" if a.detail and a.outcome != "done" else ""
         add(a.started_ts, f"{a.kind}{on}{run} {a.outcome}{detail}", took)
     for run, instances in (tasks or {}).items():
         for ti in instances:
@@ -53,7 +53,7 @@ def incident_timeline(fleet: FleetStore, incident_id: int,
             queued = ti.get("queued")  # a deferred task is queued again when its trigger fires: after its start
             waited = f", queued {ti['started'] - queued:.2f}s" if queued is not None and queued <= ti["started"] \
                 else ""
-            index = f"[{ti['map_index']}]" if (ti.get("map_index") or -1) >= 0 else ""
+            index = f"[{ti['map_index']}]" if isinstance(ti.get("map_index"), int) and ti["map_index"] >= 0 else ""
             ran = None if ti.get("ended") is None else ti["ended"] - ti["started"]
             add(ti["started"], f"task {ti['task_id']}{index} {ti.get('state') or '-'} (run {run}{waited})", ran)
     events.sort(key=lambda e: e["t"])

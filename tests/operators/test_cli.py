@@ -127,7 +127,9 @@ def test_an_incidents_timeline_places_its_runs_tasks_with_their_queue_wait():
                     {"task_id": "restart_job", "map_index": -1, "state": "running", "queued": 103.0,
                      "started": 103.1, "ended": None},
                     {"task_id": "wait_for_resume", "map_index": -1, "state": "success", "queued": 109.0,
-                     "started": 104.0, "ended": 110.5}]}  # deferred: queued again when its trigger fired
+                     "started": 104.0, "ended": 110.5},  # deferred: queued again when its trigger fired
+                    {"task_id": "probe", "map_index": 0, "state": "success", "queued": 103.9, "started": 104.0,
+                     "ended": 104.5}]}
     doc = incident_timeline(fleet, 3, tasks)
     rows = {e["what"]: e for e in doc["events"]}
     assert rows["task triage success (run r1, queued 1.00s)"] == {"t": 1.6, "what": "task triage success (run r1, "
@@ -135,5 +137,6 @@ def test_an_incidents_timeline_places_its_runs_tasks_with_their_queue_wait():
     assert rows["task restart_job running (run r1, queued 0.10s)"]["took_s"] is None  # still running
     assert not any("stop_job" in w for w in rows)  # never started: no time to place
     assert rows["task wait_for_resume success (run r1)"]["took_s"] == 6.5  # no negative queue wait
-    assert [e["t"] for e in doc["events"]] == [0.2, 0.5, 1.6, 3.0, 3.1, 4.0, 10.0, 11.0]
+    assert "task probe[0] success (run r1, queued 0.10s)" in rows  # a mapped task's first index is shown too
+    assert [e["t"] for e in doc["events"]] == [0.2, 0.5, 1.6, 3.0, 3.1, 4.0, 4.0, 10.0, 11.0]
     assert "+1.60s  task triage success (run r1, queued 1.00s)  (0.40s)" in format_timeline(doc)
