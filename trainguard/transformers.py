@@ -59,10 +59,15 @@ class _TrainerSide:
     def state_dict(self) -> dict[str, Any]:
         t = self.trainer
         scheduler = t.lr_scheduler.state_dict() if t.lr_scheduler is not None else None
-        state = dataclasses.asdict(t.state)
         # the log grows by an entry a logging step: a snapshot every step keeps its end only, so its cost stays
-        # the same over a long run (the Trainer reads the log back for its reports, not to train)
-        state["log_history"] = state.get("log_history", [])[-LOG_KEPT:]
+        # the same over a long run (the Trainer reads the log back for its reports, not to train); the whole log
+        # is not even copied (asdict copies deeply), it is set aside while the rest is
+        log = t.state.log_history
+        t.state.log_history = log[-LOG_KEPT:]
+        try:
+            state = dataclasses.asdict(t.state)
+        finally:
+            t.state.log_history = log
         return {"trainer_state": state, "scheduler": scheduler}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
