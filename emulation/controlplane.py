@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from trainguard.core.errors import TrainguardError
+from trainguard.core.errors import EXIT_UNHEALTHY, TrainguardError
 from trainguard.core.procs import group_alive
 from trainguard.emulation import cluster, scaleout
 from trainguard.emulation.standalone import Standalone
@@ -96,7 +96,16 @@ def up(args: argparse.Namespace, state: Path, *, log: Callable[[str], None]) -> 
 
     Controller(ControlConfig.from_env(env)).sync_inventory()
     log(f"starting the {args.profile} control plane")
-    plane.start()
+    try:
+        plane.start()
+    except TimeoutError as exc:  # a host short of CPU, most often: nothing is left half-started
+        if args.profile == "scaleout":
+            scaleout.down(home)
+        else:
+            Standalone.stop_kept(home / "airflow")
+        raise TrainguardError(f"the {args.profile} control plane did not come up: {exc} (its logs: {home}); "
+                              "it was stopped and the cluster left up: run 'trainguard controlplane up' again, "
+                              "with less else running on this host", exit_code=EXIT_UNHEALTHY) from None
     doc = {"profile": args.profile, "url": plane.url, "fleet_url": fleet_url, "bus_url": inv.bus_url,
            "passwords": str(plane.home / "simple_auth_manager_passwords.json.generated"), "env": env}
     (home / PROFILE_FILE).write_text(json.dumps(doc, indent=1))

@@ -132,7 +132,7 @@ class Standalone:
             return
         slots = int(self.env.get("TG_SSH_POOL_SLOTS", "16"))
         # the metadata database is busy while the scheduler starts (SQLite): a write may fail once
-        poll(lambda: self._try(lambda: self.ensure_pool(SSH_POOL, slots)), timeout=60, interval=1.0,
+        poll(lambda: self._try(lambda: self.ensure_pool(SSH_POOL, slots)), timeout=120, interval=1.0,
              what=f"the {SSH_POOL} pool to be created")
         poll(lambda: self._try(self.ensure_api_connection), timeout=60, interval=1.0,
              what=f"the {API_CONN} connection to be created")
