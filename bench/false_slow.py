@@ -34,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import stop_on_sigterm, write_result
-from bench.day import FINAL, Day
+from bench.day import FINAL, Day, Plane
 
 #: the micro-batch's wait for each step time (2 micro-batches a step; the native step is about 9 ms)
 PACE_S = {0.01: 0.0, 0.05: 0.02, 0.2: 0.095}
@@ -63,7 +63,7 @@ def step_s_measured(day: Day, *, last: int = 400) -> float | None:
 def one(step_s: float, seconds: float, log: Any) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="tg-bench-slow-"))
     pace = PACE_S.get(step_s, max(0.0, (step_s - 0.01) / 2))
-    day = Day(home, log=log, program_args=["--pace-s", f"{pace:g}"] if pace else [], name=NAME, subnet=SUBNET)
+    day = Day(Plane(home, log=log, name=NAME, subnet=SUBNET), program_args=["--pace-s", f"{pace:g}"] if pace else [])
     out: dict[str, Any] = {"step_s_target": step_s, "pace_s": pace, "seconds": seconds, "hogs": 2}
     hogs: list[subprocess.Popen[bytes]] = []
     try:

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from bench.day import exact_once
+import pytest
+
+from bench.day import REPO, exact_once
 
 SAMPLES = 16  # 2 ranks x 2 micro-batches x 2 samples: 2 steps an epoch
 
@@ -41,3 +47,39 @@ def test_a_sample_trained_twice_or_a_step_skipped_is_reported(tmp_path):
     problems = exact_once(tmp_path, SAMPLES)["problems"]
     assert any("steps missing [4]" in p for p in problems), problems
     assert any(p.startswith("epoch 1:") and "trained twice" in p for p in problems), problems
+
+
+def test_a_step_recorded_twice_by_one_process_is_reported_when_a_step_is_one_micro_batch(tmp_path):
+    lines = [json.dumps({"step": s, "epoch": 0, "idx": [s], "ts": 1.0 + s}) for s in (0, 1, 1, 2, 3)]
+    (tmp_path / "samples-0-0-1-1.jsonl").write_text("\n".join(lines) + "\n")
+    out = exact_once(tmp_path, 4, world=1, micro=1)
+    assert "rank 0: steps without exactly 1 micro-batch(es): [1]" in out["problems"], out
+
+
+@pytest.mark.parametrize("program", ["lightning", "hf"])
+def test_the_examples_recorder_names_the_samples_the_model_trained_across_a_restore(tmp_path, program):
+    """``bench/record_samples.py`` around an example, stopped after 5 steps and restored from its checkpoint for 7
+    more: every sample of the finished epoch once (checked by value against what the model was given), and the
+    resumed process's indexes are the uninterrupted run's."""
+    work = tmp_path / "job"
+    work.mkdir()
+    shutil.copy(REPO / "examples" / program / "train.py", work / "train.py")
+    shutil.copy(REPO / "bench" / "record_samples.py", work / "record_samples.py")
+    small = ["--samples", "32", "--batch", "4", "--checkpoint-dir", str(tmp_path / "ckpt")]  # 8 steps an epoch
+
+    def run(steps: int, folder: Path) -> None:
+        proc = subprocess.run([sys.executable, "record_samples.py", "--program", program, "--record", str(folder),
+                               "--", "--steps", str(steps), *small], cwd=work, capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    run(5, tmp_path / "rec")
+    run(12, tmp_path / "rec")
+    out = exact_once(tmp_path / "rec", 32, world=1, micro=1)
+    assert out["problems"] == [] and out["steps"] == 12 and out["restores"] == 1 and out["epochs_finished"] == 1, out
+    small[-1] = str(tmp_path / "ckpt-once")
+    run(12, tmp_path / "once")
+    resumed = sorted((tmp_path / "rec").glob("*.jsonl"), key=lambda f: f.stat().st_mtime)[-1]
+    once = next((tmp_path / "once").glob("*.jsonl"))
+    assert [json.loads(x)["idx"] for x in resumed.read_text().splitlines()] == \
+        [json.loads(x)["idx"] for x in once.read_text().splitlines()][5:]

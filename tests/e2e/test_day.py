@@ -26,11 +26,12 @@ def test_a_strangers_lightning_job_through_a_day_of_faults_needs_a_human_only_fo
     # the cluster's state outside pytest's basetemp, which a concurrent pytest run may prune (tests/conftest.py)
     home = Path(tempfile.mkdtemp(prefix="tg-test-day-"))
     lines: list[str] = []
-    result = day.run(home, healthy_s=60.0, log=lines.append)
+    result = day.run(home, healthy_s=30.0, log=lines.append)["programs"]["stranger"]
     shutil.rmtree(home, ignore_errors=True)  # kept after a failure, for a post-mortem
     story = "\n".join(lines)
     healthy = result["healthy"]
     assert healthy["incidents"] == 0, f"false alarms on a healthy job: {healthy['opened']}\n{story}"
+    assert result["not_caused"] == [], f"incidents no fault of the day opened: {result['not_caused']}\n{story}"
     assert healthy["steps"] > 1000 and healthy["step_s"] < 0.02, healthy  # steps under 20 ms
     for what in ("crash", "gpu_lost_during_vote", "crash_again"):
         assert result[what]["state"] == "resolved" and not result[what]["human"], (what, story)
