@@ -338,7 +338,8 @@ class Day:
         self.cli("job", "stop", self.job, timeout=240)
         stopped = time.time()
         self.cli("inject", "--machine", hang["machine"], "--clear")
-        again = [i.id for i in self.incidents() if i.id > hang["incident"] and i.opened_ts <= stopped
+        cleared = time.time()  # until now the machine hung: a hang incident opened before is this fault's
+        again = [i.id for i in self.incidents() if i.id > hang["incident"] and i.opened_ts <= cleared
                  and i.category == "hang"]
         self.caused.extend(again)
         submitted = self.submit()

@@ -86,6 +86,9 @@ def main() -> int:
     rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
     own = train.parse_args(rest)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.program != "plain" and own.samples % (own.batch * world):  # a sampler pads: epochs would drift
+        raise SystemExit(f"record_samples: --samples {own.samples} is not a multiple of --batch x ranks "
+                         f"({own.batch} x {world}); the records need whole epochs")
     if args.program == "plain":
         recorder = Recorder(args.record, steps_per_epoch=64)
         drawn = train.batch
