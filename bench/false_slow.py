@@ -8,18 +8,23 @@ batches, one standby. Its native step takes about 9 ms here; for the longer step
 (``--pace-s``: a third in its forward, the rest in its backward), as a bigger model's device would keep the host
 waiting. For each step time, on a control plane of its own:
 
-1. ``--healthy-s`` seconds of healthy training with two CPU hogs on the host (the two cores the machines share):
-   every incident that opens is a false alarm; the slow alerts recorded without an incident are counted beside;
+1. ``--healthy-s`` seconds of healthy training with two CPU hogs on the host (the two cores the machines share;
+   the hogs run for the whole benchmark): every incident that opens is a false alarm; the slow alerts recorded
+   without an incident are counted beside;
 2. then, under the same load, one rank sleeps 30% of the job's measured step before each of its steps: its
    incident, the vote's verdict, and whether its machine was swapped for the standby.
 
     python bench/false_slow.py --out bench/results/false_slow.json           # 30 min a step time
     python bench/false_slow.py --quick                                       # 2 min a step time
+    python bench/false_slow.py --step-s 0.05,0.2 --parallel --out bench/results/false_slow_parallel.json
+                                         # both at once, a control plane each, beside the same two hogs
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import itertools
 import json
 import shutil
@@ -28,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,17 +66,14 @@ def step_s_measured(day: Day, *, last: int = 400) -> float | None:
     return round(statistics.median(gaps), 5) if gaps else None
 
 
-def one(step_s: float, seconds: float, log: Any) -> dict[str, Any]:
+def one(step_s: float, seconds: float, log: Any, *, name: str = NAME, subnet: str = SUBNET) -> dict[str, Any]:
     home = Path(tempfile.mkdtemp(prefix="tg-bench-slow-"))
     pace = PACE_S.get(step_s, max(0.0, (step_s - 0.01) / 2))
-    day = Day(Plane(home, log=log, name=NAME, subnet=SUBNET), program_args=["--pace-s", f"{pace:g}"] if pace else [])
+    day = Day(Plane(home, log=log, name=name, subnet=subnet), program_args=["--pace-s", f"{pace:g}"] if pace else [])
     out: dict[str, Any] = {"step_s_target": step_s, "pace_s": pace, "seconds": seconds, "hogs": 2}
-    hogs: list[subprocess.Popen[bytes]] = []
     try:
         day.up()
         day.submit()
-        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(2)]
         t0 = time.time()
         healthy = day.healthy(seconds)
         machines = day.machines()
@@ -104,12 +107,22 @@ def one(step_s: float, seconds: float, log: Any) -> dict[str, Any]:
             "phases": day.phases(inc.id) if inc else []}
         log(f"straggler: {out['straggler']}")
     finally:
-        for h in hogs:
-            h.kill()
-            h.wait()
         day.down()
         shutil.rmtree(home, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def hogs(n: int = 2) -> Iterator[None]:
+    """``n`` busy loops on the host (the cores the emulated machines share) while the block runs."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for h in procs:
+            h.kill()
+            h.wait()
 
 
 def main() -> int:
@@ -118,6 +131,8 @@ def main() -> int:
     ap.add_argument("--step-s", default="0.01,0.05,0.2", help="the job's step times, seconds, comma-separated")
     ap.add_argument("--healthy-s", default="1800",
                     help="healthy seconds a step time (default 1800), or one figure per step time, comma-separated")
+    ap.add_argument("--parallel", action="store_true",
+                    help="all step times at once, each on a control plane of its own, beside the same two hogs")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     stop_on_sigterm()
@@ -138,7 +153,20 @@ def main() -> int:
         return 2
     windows = [120.0] * len(steps) if args.quick else windows * (len(steps) // len(windows))
     t0 = time.time()
-    runs = [one(s, w, lambda m: print(m, file=sys.stderr, flush=True)) for s, w in zip(steps, windows, strict=True)]
+    planes = [(f"{NAME}{i}" if args.parallel else NAME, f"10.213.{47 + i}.0/24" if args.parallel else SUBNET)
+              for i in range(len(steps))]
+
+    def run(i: int) -> dict[str, Any]:
+        label = f"{steps[i] * 1000:g}ms: " if args.parallel else ""
+        return one(steps[i], windows[i], lambda m: print(label + m, file=sys.stderr, flush=True),
+                   name=planes[i][0], subnet=planes[i][1])
+
+    with hogs(2):
+        if args.parallel:
+            with concurrent.futures.ThreadPoolExecutor(len(steps)) as pool:
+                runs = list(pool.map(run, range(len(steps))))
+        else:
+            runs = [run(i) for i in range(len(steps))]
     metrics: dict[str, Any] = {}
     for run in runs:
         key = f"{run['step_s_target'] * 1000:g}ms"
@@ -157,8 +185,8 @@ def main() -> int:
         "program": "bench/stranger/train.py (Lightning BoringModel, DDP on 2 machines, accumulate_grad_batches=2, "
                    "its own validation every 200 batches), --pace-s per micro-batch for the longer steps",
         "control_plane": "trainguard controlplane up, its defaults; trainguard job submit with standbys: 1",
-        "load": "two CPU hogs (busy loops) on the host, which the emulated machines share, during the healthy "
-                "window and the straggler",
+        "load": "two CPU hogs (busy loops) on the host, which the emulated machines share, for the whole run"
+                + ("; the step times ran at once, each on a control plane of its own" if args.parallel else ""),
         "wall_s": round(time.time() - t0, 1), "runs": runs})
     print(text)
     return 0
