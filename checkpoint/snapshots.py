@@ -135,15 +135,9 @@ class Snapshotting:
             with self._lock:
                 self.skipped += 1
             return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy, waited_s=waited)
-        if self.link is not None:
-            try:
-                self.link.send({"op": "fill", "slot": slot.index})  # its memory snapshot is no more
-            except OSError as exc:  # the saver is gone (killed, out of memory): training goes on without
-                with self._lock:
-                    slot.busy = False
-                    self.skipped += 1
-                self._saver_gone(str(exc))
-                return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
+        # the saver forgets the buffer's snapshot before it is overwritten: now, or (copy_at_idle) by the copier
+        if self.link is not None and not self._defers and not self._tell_filling(slot):
+            return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
         slot.step = step
         slot.meta = meta
         slot.data_position = dict(data_position or {"next_step": step + 1})
@@ -165,6 +159,21 @@ class Snapshotting:
         if self.cfg.measure_memcpy and memcpy is None:
             memcpy = self._measure_memcpy(tensors, identity)
         return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy, waited_s=waited)
+
+    def _tell_filling(self, slot: Slot) -> bool:
+        """Tell the saver that ``slot``'s snapshot in its memory is about to be overwritten; False (the buffer
+        freed, the snapshot counted skipped) when the saver is gone (killed, out of memory): training goes on
+        without it."""
+        assert self.link is not None
+        try:
+            self.link.send({"op": "fill", "slot": slot.index})
+            return True
+        except OSError as exc:
+            with self._lock:
+                slot.busy = False
+                self.skipped += 1
+            self._saver_gone(str(exc))
+            return False
 
     def _await_free_slot(self, step: int) -> float | None:
         """Back-pressure: both buffers are still being persisted. Wait until the persister frees one, at most
@@ -261,6 +270,13 @@ class Snapshotting:
                     return  # closing, nothing left to copy
                 slot, tensors, identity = self._deferred
             published = False
+            if self.link is not None and not self._tell_filling(slot):
+                with self._lock:
+                    self.snapshots -= 1  # never to be processed: drain() must not wait for it
+                    self._deferred = None
+                    self._copy_go = False
+                    self._copied.notify_all()
+                continue
             try:
                 filled = self._fill(slot, tensors, identity)
                 if filled is not None:

@@ -237,6 +237,34 @@ def test_a_failing_rank_hands_its_deferred_snapshot_to_the_saver_on_its_way_out(
     ck2.close(flush=False)
 
 
+def test_a_saver_killed_before_the_idle_moments_copy_costs_that_snapshot_and_never_the_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """copy_at_idle with the saver process: the saver is told a buffer is being overwritten by the copier, at the
+    idle moment. A saver killed before then costs the deferred snapshot (skipped, said once); the copier frees the
+    training thread, which goes on without snapshots."""
+    import signal
+
+    monkeypatch.setattr(timing, "COPY_LATEST_S", 600.0)
+    lines: list[str] = []
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, lines, saver="process", copy_at_idle=True, fsync=False)
+    assert ck.restore() is None
+    ck.start()
+    run_steps(ck, model, opt, range(2))
+    train_step(model, opt, 2)
+    assert ck.after_step(2).taken and ck._deferred is not None
+    pid = ck.status()["saver_pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: ck.link.lost.is_set(), timeout=10, what="the link to see the saver gone")
+    ck.host_idle()
+    waited = ck.before_update()  # the copier told a dead saver: the snapshot is dropped, nobody waits on it
+    assert waited < 10 and ck._deferred is None
+    train_step(model, opt, 3)
+    assert ck.after_step(3).skipped  # no saver: training goes on without snapshots
+    ck.close(flush=False)
+    assert ck.skipped >= 2 and sum("checkpoint saver is gone" in line for line in lines) == 1, lines
+
+
 def test_files_are_plain_safetensors_with_the_manifests_tensors(tmp_path: Path):
     from safetensors.torch import load_file
 
