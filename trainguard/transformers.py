@@ -177,11 +177,13 @@ class TrainguardCallback(TrainerCallback):
     def _keep_norm(self, trainer: Trainer) -> None:
         """The Trainer measures the gradients' norm every step (to clip them, or with an infinite bound only to
         report it) through its accelerator's ``clip_grad_norm_``: the guard's finite check takes that figure
-        instead of measuring the gradients a second time. A Trainer that measures otherwise (DeepSpeed) leaves
-        it unset, and the guard measures them itself."""
+        instead of measuring the gradients a second time. Not under DeepSpeed, whose engine reports a norm of its
+        own (the last one it took, after an overflow) and updates in its backward; a step with no figure of the
+        Trainer's (a second guard's wrapper, another engine) measures the gradients itself."""
         accelerator = getattr(trainer, "accelerator", None)
         clip = getattr(accelerator, "clip_grad_norm_", None)
-        if not callable(clip) or getattr(clip, "trainguard_keeps", False):
+        if not callable(clip) or getattr(clip, "trainguard_keeps", False) \
+                or str(getattr(accelerator, "distributed_type", "")).upper().endswith("DEEPSPEED"):
             return
 
         def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
