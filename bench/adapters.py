@@ -17,17 +17,29 @@ local folder by the saver process, as in a launch), each in two settings:
 A step's time is the time from one batch's start to the next's; a run's figure is the median over the steps after
 ``--warmup``; the overhead of a trial is guarded / plain - 1 of the same setting, and the result is its median over
 the trials.
+
+Where the guard's time goes: each trial also runs each trainer once more, guarded in the device setting, with the
+guard's parts timed on the training thread (``guard_ms.<part>``: milliseconds a step, over the whole run):
+``hooks`` (everything the adapter's callback does in a step; the HF adapter's forward hook, which keeps the loss,
+aside), of which ``gradient_norm`` (the finite check's measurement of
+the gradients, when the trainer gave none), ``state`` (the trainer's and loader's state as JSON), ``snapshot`` (the
+checkpoint's part at the step's end) and ``record`` (the step's line for the agent). These runs are not among the
+timed ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +68,51 @@ def device_wait(guard: Any, seconds: float) -> None:
     time.sleep(seconds)
     if guard is not None:
         guard.host_busy()
+
+
+PARTS = ("hooks", "gradient_norm", "state", "snapshot", "record")
+
+
+@contextlib.contextmanager
+def timed_parts(trainer: str) -> Iterator[dict[str, float]]:
+    """Seconds the training thread spends in each of ``PARTS`` while the block runs (the functions wrapped for
+    it, and put back after)."""
+    import trainguard.lightning
+    import trainguard.torch
+    import trainguard.transformers
+    from trainguard.checkpoint.snapshots import Snapshotting
+    from trainguard.node_tools.monitor import JobMonitor
+
+    spent = dict.fromkeys(PARTS, 0.0)
+    callback = (trainguard.lightning if trainer == "lightning" else trainguard.transformers).TrainguardCallback
+    hooks = ["on_train_batch_start", "on_before_backward", "on_before_optimizer_step", "on_train_batch_end"] \
+        if trainer == "lightning" else ["on_step_begin", "on_pre_optimizer_step", "on_step_end"]  # each step's
+    targets = [(callback, n, "hooks") for n in hooks] + [
+        (trainguard.torch, "gradient_norm", "gradient_norm"), (trainguard.torch, "_json_state", "state"),
+        (Snapshotting, "after_step", "snapshot"), (JobMonitor, "step_end", "record")]
+    saved = [(owner, name, getattr(owner, name) if owner is not callback else vars(owner)[name])
+             for owner, name, _part in targets]
+    main = threading.main_thread()
+
+    def timed(fn: Callable[..., Any], part: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not main:
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - t0
+        return inner
+
+    for (owner, name, part), (_o, _n, fn) in zip(targets, saved, strict=True):
+        setattr(owner, name, timed(fn, part))
+    try:
+        yield spent
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def _lightning(steps: int, device_s: float, guarded: bool, root: Path) -> list[float]:
@@ -142,6 +199,7 @@ def main() -> int:
     settings = {"host": 0.0, "device": args.device_ms / 1000}
     step_s: dict[str, list[float]] = {}
     overhead: dict[str, list[float]] = {}
+    parts: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="tg-bench-adapters-") as tmp:
         os.environ["TG_RUN_DIR"] = str(Path(tmp) / "run")  # the guard's records: not ./tg-run of the checkout
         for trial in range(trials):
@@ -159,11 +217,17 @@ def main() -> int:
                     overhead.setdefault(f"{trainer}.{setting}.overhead_pct", []).append(100 * ratio)
                     print(f"trial {trial} {trainer} {setting}: plain {figures[False] * 1e3:.1f} ms, guarded "
                           f"{figures[True] * 1e3:.1f} ms, overhead {100 * ratio:+.2f}%", flush=True)
+                with timed_parts(trainer) as spent:  # where the guard's time goes (a run not timed above)
+                    run(steps, settings["device"], True, Path(tmp) / f"{trainer}-parts-{trial}")
+                for part, seconds in spent.items():
+                    parts.setdefault(f"{trainer}.device.guard_ms.{part}", []).append(1000 * seconds / steps)
     metrics: dict[str, Any] = {}
     for key, values in overhead.items():
         metrics[key] = summarize(values, "%", 1.0 if ".device." in key else None)
     for key, values in step_s.items():
         metrics[key] = summarize(values, "s")
+    for key, values in parts.items():
+        metrics[key] = summarize(values, "ms")
     import lightning
     import transformers
 

@@ -137,7 +137,9 @@ class Checkpointer(Snapshotting, Persisting, Replicating, Committing, Restoring)
         self._pending_event: Any = None
         # copy_at_idle: the snapshot taken by after_step whose copy waits for the host to idle, and whether
         # the copier may start it (host_idle or before_update said so)
-        self._deferred: tuple[Slot, dict[str, dict[str, torch.Tensor]], tuple[Any, ...]] | None = None
+        # copy_at_idle: (buffer, tensors, their identity, (step, meta, data position)) left to the copier
+        self._deferred: tuple[Slot, dict[str, dict[str, torch.Tensor]], tuple[Any, ...],
+                              tuple[int, dict[str, Any], dict[str, Any]]] | None = None
         self._copy_go = False
         self._copied = threading.Condition(self._lock)
         self._deferred_at = 0.0  # when after_step deferred it (monotonic)

@@ -135,26 +135,20 @@ class Snapshotting:
             with self._lock:
                 self.skipped += 1
             return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy, waited_s=waited)
-        if self.link is not None:
-            try:
-                self.link.send({"op": "fill", "slot": slot.index})  # its memory snapshot is no more
-            except OSError as exc:  # the saver is gone (killed, out of memory): training goes on without
-                with self._lock:
-                    slot.busy = False
-                    self.skipped += 1
-                self._saver_gone(str(exc))
-                return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
-        slot.step = step
-        slot.meta = meta
-        slot.data_position = dict(data_position or {"next_step": step + 1})
-        if self._defers:  # copied while the host idles, before the next update (the copier thread)
+        # the saver forgets the buffer's snapshot before it is overwritten: now, or (copy_at_idle) by the copier
+        if self.link is not None and not self._defers and not self._tell_filling(slot):
+            return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
+        what = (step, meta, dict(data_position or {"next_step": step + 1}))
+        if self._defers:  # copied while the host idles, before the next update (the copier thread), which
+            # labels the buffer: one dropped before its copy still holds (and is labelled) the step it held
             with self._lock:
-                self._deferred = (slot, tensors, identity)
+                self._deferred = (slot, tensors, identity, what)
                 self._deferred_at = time.monotonic()
                 self.snapshots += 1
                 self._copied.notify_all()  # the copier's deadline starts now
             blocking = time.perf_counter() - t0
         else:
+            slot.step, slot.meta, slot.data_position = what
             filled = self._fill(slot, tensors, identity)
             if filled is None:
                 return SnapshotInfo(blocking_s=time.perf_counter() - t0, skipped=True, memcpy_s=memcpy)
@@ -165,6 +159,21 @@ class Snapshotting:
         if self.cfg.measure_memcpy and memcpy is None:
             memcpy = self._measure_memcpy(tensors, identity)
         return SnapshotInfo(blocking_s=blocking, taken=True, memcpy_s=memcpy, waited_s=waited)
+
+    def _tell_filling(self, slot: Slot) -> bool:
+        """Tell the saver that ``slot``'s snapshot in its memory is about to be overwritten; False (the buffer
+        freed, the snapshot counted skipped) when the saver is gone (killed, out of memory): training goes on
+        without it."""
+        assert self.link is not None
+        try:
+            self.link.send({"op": "fill", "slot": slot.index})
+            return True
+        except OSError as exc:
+            with self._lock:
+                slot.busy = False
+                self.skipped += 1
+            self._saver_gone(str(exc))
+            return False
 
     def _await_free_slot(self, step: int) -> float | None:
         """Back-pressure: both buffers are still being persisted. Wait until the persister frees one, at most
@@ -259,18 +268,22 @@ class Snapshotting:
                         self._copied.wait()
                 if self._deferred is None or not self._copy_go:
                     return  # closing, nothing left to copy
-                slot, tensors, identity = self._deferred
+                slot, tensors, identity, (step, meta, position) = self._deferred
             published = False
             try:
-                filled = self._fill(slot, tensors, identity)
-                if filled is not None:
-                    self._publish(filled)
-                    published = True
+                # the saver forgets the buffer's snapshot before it is overwritten (False: the saver is gone)
+                if self.link is None or self._tell_filling(slot):
+                    with self._lock:
+                        slot.step, slot.meta, slot.data_position = step, meta, position
+                    filled = self._fill(slot, tensors, identity)
+                    if filled is not None:
+                        self._publish(filled)
+                        published = True
             except Exception as exc:  # report it; the training thread must never wait for a dead copier
-                self._error(f"step {slot.step}: snapshot copy failed: {type(exc).__name__}: {exc}", kind="copy")
                 with self._lock:
                     slot.busy = False
                     self.skipped += 1
+                self._error(f"step {step}: snapshot copy failed: {type(exc).__name__}: {exc}", kind="copy")
             finally:
                 with self._lock:
                     if not published:  # never to be processed: drain() must not wait for it
@@ -295,7 +308,7 @@ class Snapshotting:
             self.skipped += 1
             self._copied.notify_all()
         if why:
-            self._error(f"step {pending[0].step}: snapshot dropped: {why}", kind="deferred")
+            self._error(f"step {pending[3][0]}: snapshot dropped: {why}", kind="deferred")
 
     def _copy_into(self, slot: Slot, tensors: dict[str, dict[str, torch.Tensor]], identity: tuple[Any, ...],
                    ) -> None:

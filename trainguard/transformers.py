@@ -115,6 +115,7 @@ class TrainguardCallback(TrainerCallback):
         self._losses: list[torch.Tensor] = []
         self._seen_tokens = 0
         self._hook: Any = None
+        self._norm: Any = None  # the gradient norm the Trainer measured in this step (its clipping's)
 
     # ---- before train(): the guard, and the restore ---------------------------------------------------
     def restore(self, trainer: Trainer) -> str | None:
@@ -129,6 +130,7 @@ class TrainguardCallback(TrainerCallback):
         self.guard = Guard(trainer.model, trainer.optimizer, state={"transformers": self._side, **self._state},
                            **self._options)
         self._hook = trainer.model.register_forward_hook(self._record, with_kwargs=True)
+        self._keep_norm(trainer)
         nxt = self.guard.restore()
         self.resumed_at = nxt
         if not nxt:
@@ -172,6 +174,26 @@ class TrainguardCallback(TrainerCallback):
             self._losses.append(loss.detach())
         self._seen_tokens += _batch_tokens(kwargs) or _batch_tokens(args[0] if args else None)
 
+    def _keep_norm(self, trainer: Trainer) -> None:
+        """The Trainer measures the gradients' norm every step (to clip them, or with an infinite bound only to
+        report it) through its accelerator's ``clip_grad_norm_``: the guard's finite check takes that figure
+        instead of measuring the gradients a second time. Not under DeepSpeed, whose engine reports a norm of its
+        own (the last one it took, after an overflow) and updates in its backward; a step with no figure of the
+        Trainer's (a second guard's wrapper, another engine) measures the gradients itself."""
+        accelerator = getattr(trainer, "accelerator", None)
+        clip = getattr(accelerator, "clip_grad_norm_", None)
+        if not callable(clip) or getattr(clip, "trainguard_keeps", False) \
+                or str(getattr(accelerator, "distributed_type", "")).upper().endswith("DEEPSPEED"):
+            return
+
+        def clip_grad_norm_(*args: Any, **kwargs: Any) -> Any:
+            norm = clip(*args, **kwargs)
+            self._norm = norm
+            return norm
+
+        clip_grad_norm_.trainguard_keeps = True  # type: ignore[attr-defined]
+        accelerator.clip_grad_norm_ = clip_grad_norm_  # type: ignore[union-attr]
+
     # ---- training ------------------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
@@ -193,6 +215,7 @@ class TrainguardCallback(TrainerCallback):
         assert self.guard is not None
         self._losses = []
         self._seen_tokens = 0
+        self._norm = None
         tokens = float(self._tokens(state.global_step)) if self._tokens is not None else 0.0
         self._step = self.guard.begin(state.global_step, tokens=tokens)
 
@@ -203,7 +226,8 @@ class TrainguardCallback(TrainerCallback):
             return
         loss = torch.stack([x.float().mean() for x in self._losses]).mean() if self._losses else None
         model = kwargs.get("model")
-        if not s.ok(loss):
+        norm, self._norm = self._norm, None
+        if not s.ok(loss, grad_norm=None if norm is None else float(norm)):
             for p in (model or self.guard.model).parameters():  # the optimizer then leaves every parameter as is
                 p.grad = None
 

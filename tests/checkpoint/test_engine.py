@@ -237,6 +237,56 @@ def test_a_failing_rank_hands_its_deferred_snapshot_to_the_saver_on_its_way_out(
     ck2.close(flush=False)
 
 
+def test_a_snapshot_dropped_before_its_copy_leaves_the_saver_its_newest_memory_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """copy_at_idle with the saver process: a deferred snapshot dropped before its copy (the loop changed the state
+    without an idle moment) never touched its buffer, which still holds, and is labelled with, the older step it
+    held; the next snapshot takes that buffer, not the one with the saver's newest step."""
+    monkeypatch.setattr(timing, "COPY_LATEST_S", 600.0)
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, saver="process", copy_at_idle=True, fsync=False, keep=5)
+    assert ck.restore() is None
+    ck.start()
+    run_steps(ck, model, opt, range(2))
+    assert sorted(s.step for s in ck._slots) == [0, 1]
+    train_step(model, opt, 2)
+    assert ck.after_step(2).taken  # left to the idle moment, in the buffer of step 0
+    train_step(model, opt, 3)  # no idle moment: step 2's copy never ran
+    assert ck.after_step(3).taken and ck.skipped == 1
+    ck.host_idle()
+    ck.before_update()
+    assert sorted(s.step for s in ck._slots) == [1, 3]  # step 1, the newest before, is kept
+    ck.close()
+
+
+def test_a_saver_killed_before_the_idle_moments_copy_costs_that_snapshot_and_never_the_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """copy_at_idle with the saver process: the saver is told a buffer is being overwritten by the copier, at the
+    idle moment. A saver killed before then costs the deferred snapshot (skipped, said once); the copier frees the
+    training thread, which goes on without snapshots."""
+    import signal
+
+    monkeypatch.setattr(timing, "COPY_LATEST_S", 600.0)
+    lines: list[str] = []
+    model, opt = make_model()
+    ck = checkpointer(tmp_path, model, opt, lines, saver="process", copy_at_idle=True, fsync=False)
+    assert ck.restore() is None
+    ck.start()
+    run_steps(ck, model, opt, range(2))
+    train_step(model, opt, 2)
+    assert ck.after_step(2).taken and ck._deferred is not None
+    pid = ck.status()["saver_pid"]
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: ck.link.lost.is_set(), timeout=10, what="the link to see the saver gone")
+    ck.host_idle()
+    waited = ck.before_update()  # the copier told a dead saver: the snapshot is dropped, nobody waits on it
+    assert waited < 10 and ck._deferred is None
+    train_step(model, opt, 3)
+    assert ck.after_step(3).skipped  # no saver: training goes on without snapshots
+    ck.close(flush=False)
+    assert ck.skipped >= 2 and sum("checkpoint saver is gone" in line for line in lines) == 1, lines
+
+
 def test_files_are_plain_safetensors_with_the_manifests_tensors(tmp_path: Path):
     from safetensors.torch import load_file
 

@@ -125,3 +125,34 @@ def test_the_hf_trainer_state_snapshot_copies_the_end_of_its_log_only():
     assert doc["trainer_state"]["global_step"] == 7200 and state.log_history is log and len(log) == 7200
     doc["trainer_state"]["log_history"][-1]["loss"] = 2.0
     assert log[-1]["loss"] == 1.0  # a copy: the snapshot does not change with the Trainer
+
+
+def test_the_hf_guard_takes_the_gradient_norm_the_trainer_measured_instead_of_measuring_it_again(tmp_path,
+                                                                                                  monkeypatch):
+    """The Trainer measures the gradients' norm every step (its clipping); the guard's finite check and the step's
+    record take that figure, so the gradients are read once a step, not twice."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    import trainguard.torch as guard_module
+    from examples.hf.train import BigramTokens
+    from trainguard.transformers import TrainguardCallback
+
+    def measured_again(*_args: Any) -> float:
+        raise AssertionError("the guard measured the gradients itself")
+
+    monkeypatch.setattr(guard_module, "gradient_norm", measured_again)
+    for key in [k for k in os.environ if k.startswith("TG_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("TG_RUN_DIR", str(tmp_path / "run"))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                             logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    guard = TrainguardCallback(checkpoint=False)
+    trainer = Trainer(model=model, args=args, train_dataset=BigramTokens(16, 16, 64, 0), callbacks=[guard])
+    trainer.train(resume_from_checkpoint=guard.restore(trainer))
+    logged = [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
+    recorded = [r["grad_norm"] for r in read_steps(tmp_path / "run", 0)]
+    assert len(recorded) == 3 and recorded == pytest.approx(logged, rel=1e-6), (recorded, logged)
