@@ -230,8 +230,10 @@ def gradient_norm(parameters: Iterator[torch.nn.Parameter] | list[torch.nn.Param
     grads = [local_part(p.grad) for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
-    norms = [torch.linalg.vector_norm(g.float()) for g in grads]
-    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
+    # half-precision gradients are measured in float32: a norm above 65,504 is not an fp16 overflow of the job's
+    grads = [g.float() if g.dtype in (torch.float16, torch.bfloat16) else g for g in grads]
+    # torch's own total norm (clip_grad_norm_'s): one fused kernel per device and dtype instead of one per tensor
+    return float(torch.nn.utils.get_total_norm(grads, 2.0))
 
 
 @dataclass

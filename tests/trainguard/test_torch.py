@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ import torch
 from examples.plain import train as plain
 from tests import REPO
 from trainguard.node_tools.monitor import read_heartbeat, read_steps
-from trainguard.torch import CheckpointConfig, Guard, GuardError
+from trainguard.torch import CheckpointConfig, Guard, GuardError, gradient_norm
 
 PLAIN = REPO / "examples" / "plain" / "train.py"
 
@@ -423,3 +424,20 @@ def test_a_forwards_own_counted_collectives_are_not_its_local_part(run_dir):
             s.ok(torch.tensor(1.0))
     (rec,) = read_steps(run_dir, 0)
     assert rec["comm_s"] >= 0.04 and rec["local_s"] < 0.03, rec
+
+
+def test_the_gradient_norm_is_the_norm_of_all_gradients_measured_in_float32_for_half_precision() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (7, 300, 1)] + [torch.nn.Parameter(torch.zeros(3))]
+    for p in params[:3]:
+        p.grad = torch.randn_like(p)  # the last one has no gradient
+    whole = torch.cat([p.grad.double() for p in params[:3]])
+    assert gradient_norm(params) == pytest.approx(float(whole.norm()), rel=1e-6)
+    assert gradient_norm([params[3]]) == 0.0
+    # fp16 gradients whose norm is above fp16's largest value: a finite norm, not an overflow of the measurement
+    big = [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16)) for _ in range(2)]
+    for p in big:
+        p.grad = torch.full((4,), 60000.0, dtype=torch.float16)
+    assert gradient_norm(big) == pytest.approx(60000.0 * 8 ** 0.5, rel=1e-3)
+    params[1].grad[5] = float("nan")
+    assert not math.isfinite(gradient_norm(params))
