@@ -217,13 +217,14 @@ class Day:
         return self.wait(lambda: next((i for i in self.incidents() if i.id > last and i.state in FINAL), None),
                          timeout, f"an incident of job {self.job} after {last} to close")
 
-    def back(self, fault_ts: float, timeout: float = 240) -> float:
-        """Seconds from ``fault_ts`` to the first step of a rank 0 process begun after it (the job training again),
-        once that process trained a few steps (the old process's records, still written while a fault takes
-        effect, never count)."""
+    def back(self, fault_ts: float, timeout: float = 240, *, begun_after: float | None = None) -> float:
+        """Seconds from ``fault_ts`` to the first step of a rank 0 process begun after it (or after
+        ``begun_after``: a process begun before then is not the one that came back) that trained a few steps (the
+        old process's records, still written while a fault takes effect, never count)."""
         def begun() -> list[tuple[float, Path]] | None:
-            procs = self.processes(after=fault_ts)
-            return procs if procs and self._steps_in(procs[-1][1]) >= 3 else None
+            procs = [p for p in self.processes(after=fault_ts if begun_after is None else begun_after)
+                     if self._steps_in(p[1]) >= 3]
+            return procs or None
 
         procs = self.wait(begun, timeout, "the job to train again after the fault", interval=0.5)
         return procs[0][0] - fault_ts
@@ -344,7 +345,9 @@ class Day:
         self.caused.extend(again)
         submitted = self.submit()
         launched = time.time()
-        back = self.back(t)
+        # the job trains again in a process the submit began: one begun before the stop ended (a restart in place
+        # of the refused hang's incident, blocked on the hung rank) is not it
+        back = self.back(t, begun_after=stopped)
         waiting = [i.id for i in self.incidents() if i.state == "waiting_human"]
         out = {"stopped_at_step": step, "back_s": round(back, 2), "stop_s": round(stopped - t, 2),
                "submit_s": round(launched - submitted, 2), "machines": self.machines(),

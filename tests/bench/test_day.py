@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.day import REPO, exact_once
+from bench.day import REPO, Day, Plane, exact_once
 
 SAMPLES = 16  # 2 ranks x 2 micro-batches x 2 samples: 2 steps an epoch
 
@@ -83,3 +83,16 @@ def test_the_examples_recorder_names_the_samples_the_model_trained_across_a_rest
     once = next((tmp_path / "once").glob("*.jsonl"))
     assert [json.loads(x)["idx"] for x in resumed.read_text().splitlines()] == \
         [json.loads(x)["idx"] for x in once.read_text().splitlines()][5:]
+
+
+def test_the_job_is_back_with_the_first_process_that_trains_not_one_begun_before_the_stop_ended(tmp_path):
+    day = Day(Plane(tmp_path))
+    day.samples.mkdir(parents=True)
+    _process(day.samples, 0, 1000.0, range(0, 50))  # the job before the fault
+    _process(day.samples, 0, 1100.0, range(0, 1))  # a restart in place, blocked on a hung rank after one record
+    _process(day.samples, 0, 1150.0, range(0, 5))  # the resubmit's process, training
+    assert day.back(1099.0, timeout=1) == pytest.approx(1150.0 - 1099.0)  # a process that trained 3 steps
+    assert day.back(1099.0, timeout=1, begun_after=1120.0) == pytest.approx(1150.0 - 1099.0)
+    _process(day.samples, 0, 1101.0, range(0, 4))  # this one trained, and began before the stop ended
+    assert day.back(1099.0, timeout=1) == pytest.approx(1101.0 - 1099.0)
+    assert day.back(1099.0, timeout=1, begun_after=1120.0) == pytest.approx(1150.0 - 1099.0)
