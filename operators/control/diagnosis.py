@@ -99,6 +99,16 @@ def neighbour_groups(names: Sequence[str]) -> list[list[str]]:
     return groups
 
 
+def _seconds(docs: Mapping[str, Any], results: Mapping[str, RunResult]) -> dict[str, dict[str, float]]:
+    """Where a round's time went on each machine: the whole session (``session``) and each test the machine ran."""
+    out: dict[str, dict[str, float]] = {}
+    for n, r in results.items():
+        tests = (docs.get(n) or {}).get("tests") or []
+        out[n] = {"session": round(r.duration_s, 3),
+                  **{t["name"]: t["duration_s"] for t in tests if isinstance(t.get("duration_s"), int | float)}}
+    return out
+
+
 class Diagnosis(Part):
     """Tests on the job's machines while it is stopped."""
 
@@ -219,6 +229,7 @@ class Diagnosis(Part):
         carry the alignment digests."""
         results = self._l3(names, align=align, level=2)
         docs = {n: r.answer() for n, r in results.items()}
+        report["seconds"] = _seconds(docs, results)
         first_bad, forgiven = self._l2_bad(docs, results)
         report["L2"] = {n: {"healthy": True, "reasons": [], "forgiven": why} for n, why in forgiven.items()}
         report["L3"] = {}

@@ -216,7 +216,8 @@ def _diag_run(machine: str, *, l2_ok: bool = True, l3_ok: bool = True, digest: s
 
     from trainguard.node_tools.transport import RunResult
 
-    tests = [{"name": "compute", "ok": l2_ok, "reason": "" if l2_ok else "3 wrong results"}] if level == 2 else []
+    tests = [{"name": "compute", "ok": l2_ok, "reason": "" if l2_ok else "3 wrong results", "duration_s": 0.25}] \
+        if level == 2 else []
     tests.append({"name": "collective_neighbours", "ok": l3_ok, "reason": "" if l3_ok else "peer never came"})
     doc = {"machine": machine, "healthy": l2_ok and l3_ok, "tests": tests,
            "reasons": [f"{t['name']}: {t['reason']}" for t in tests if not t["ok"]],
@@ -247,6 +248,8 @@ def test_l2_and_l3_in_one_round_blame_l2_failures_and_retest_the_partners_they_l
     assert out["failed"]["m3"].startswith("align: digest d1 differs")
     assert out["report"]["L3"]["m0"] == {"healthy": True, "reasons": [], "again": True}
     assert "L1" not in out["report"] and out["report"]["align"] == {"m0": "d0", "m2": "d0", "m3": "d1"}
+    # where the combined round's time went on each machine: its session, and each test that said how long it took
+    assert out["report"]["seconds"] == {n: {"session": 1.0, "compute": 0.25} for n in ("m0", "m1", "m2", "m3")}
 
 
 def test_l2_and_l3_in_one_round_a_failed_collective_between_l2_healthy_machines_fails_both(ctl, monkeypatch):
