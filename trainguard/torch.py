@@ -230,10 +230,11 @@ def gradient_norm(parameters: Iterator[torch.nn.Parameter] | list[torch.nn.Param
     grads = [local_part(p.grad) for p in parameters if p.grad is not None]
     if not grads:
         return 0.0
-    # half-precision gradients are measured in float32: a norm above 65,504 is not an fp16 overflow of the job's
-    grads = [g.float() if g.dtype in (torch.float16, torch.bfloat16) else g for g in grads]
-    # torch's own total norm (clip_grad_norm_'s): one fused kernel per device and dtype instead of one per tensor
-    return float(torch.nn.utils.get_total_norm(grads, 2.0))
+    # one tensor at a time, half precision measured in float32 (a norm above 65,504 is no overflow of the job's):
+    # converting every half-precision gradient first would hold a float32 copy of all of them at once (torch's
+    # get_total_norm was no faster here: 0.225 against 0.229 ms on 1.3 M parameters, one CPU thread)
+    norms = [torch.linalg.vector_norm(g.float()) for g in grads]
+    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
 
 
 @dataclass
