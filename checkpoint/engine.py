@@ -135,9 +135,9 @@ class Checkpointer(Snapshotting, Persisting, Replicating, Committing, Restoring)
         self._reader = StateReader(model, optimizer)
         self._spare: Slot | None = None
         self._pending_event: Any = None
-        # copy_at_idle: the snapshot taken by after_step whose copy waits for the host to idle, and whether
-        # the copier may start it (host_idle or before_update said so)
-        # copy_at_idle: (buffer, tensors, their identity, (step, meta, data position)) left to the copier
+        # copy_at_idle: the snapshot taken by after_step whose copy waits for the host to idle (its buffer,
+        # tensors, their identity, and (step, meta, data position), which the copier labels the buffer with),
+        # and whether the copier may start it (host_idle or before_update said so)
         self._deferred: tuple[Slot, dict[str, dict[str, torch.Tensor]], tuple[Any, ...],
                               tuple[int, dict[str, Any], dict[str, Any]]] | None = None
         self._copy_go = False
