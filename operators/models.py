@@ -130,6 +130,9 @@ class RungResult(_Payload):
     resolved: str | None = None
     # a group the rung would evict but could not (breaker, pool short) while the job trains on: why
     not_evicted: str | None = None
+    # the rung restarted the job itself (the restart at once): what the restart said (``restart_job`` adopts it)
+    relaunched: dict[str, Any] | None = None
+    rung_launched_ts: float | None = None  # when the rung's own launches ended (they are not restart_job's)
 
 
 class Stop(_Payload):

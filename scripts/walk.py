@@ -1,10 +1,11 @@
 """How far one decision walks: the rooms (source files of the decision's layers) a rung's task passes through
 from its entry to its result, counted from a trace of a real run.
 
-The run: a rank of a four-machine job exits (``rank_exit`` on m1), the guardian records it, ``triage`` decides
-the stop-time diagnosis, and its task (``tasks/rungs.py:handle``, what the DAG's rung task calls) runs it against
-the fake fleet of the unit tests (``tests/fakes.py``: real controller, policy and fleet database; the machines'
-answers scripted), with m3's level-2 diagnosis failing so that the ladder evicts.
+The run: a rank of a four-machine job exits again soon after its first crash was restarted (``rank_exit`` on m1),
+the guardian records it, ``triage`` decides the stop-time diagnosis, and its task (``tasks/rungs.py:handle``, what
+the DAG's rung task calls) runs it against the fake fleet of the unit tests (``tests/fakes.py``: real controller,
+policy and fleet database; the machines' answers scripted), with m3's level-2 diagnosis failing so that the ladder
+evicts.
 
 Only the decision's own layers count as rooms: ``operators/tasks``, ``operators/control``, ``operators/policy``,
 ``operators/models.py``; what they stand on (the fleet database, hooks, transports, settings, the node tools, the
@@ -22,6 +23,7 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -96,6 +98,9 @@ def trace_decision() -> tuple[list[str], list[tuple[str, str]]]:
         c, fleet = fleet_controller(Path(tmp))
         fleet.l2 = {"m3": "3 wrong results"}
         use_controller(mp, c)
+        # a rank exits again soon after its first crash's restart: the crash's second rung, the stop-time diagnosis
+        [first] = c.ingest([alert("rank_exit", "m1", rank=2)])
+        c.fleet.update_incident(first["incident"], state="resolved", resumed_ts=time.time(), closed_ts=time.time())
         [item] = c.ingest([alert("rank_exit", "m1", rank=2)])
         decision = steps.triage(c, item["incident"])
         branch = steps.choose(decision)

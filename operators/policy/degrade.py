@@ -37,7 +37,7 @@ DEGRADE, STOP_WORLD, NONE = "degrade", "stop_world", "none"
 #: categories a replica can be taken out for: the fault is in machines, not in the state every replica shares
 REPLICA_FAULTS = frozenset({"machine_fault", "network", "crash", "hang", "slow"})
 #: ladder actions that take machines out or restart them: the ones a degraded replica can carry out alone
-REPLICA_ACTIONS = frozenset({"evict", "diagnose", "analyze", "vote", "reattempt"})
+REPLICA_ACTIONS = frozenset({"evict", "restart", "diagnose", "analyze", "vote", "reattempt"})
 NOTHING_STOPS = frozenset({"tolerate", "observe", "probe"})
 
 

@@ -11,9 +11,13 @@ The ladder::
     silent data corruption suspected -> find the machine that computes wrong (alignment test; dual-phase
                                         replay) -> evict it; none -> restart; again -> wait for a human
     user-code error (from the logs)  -> roll back to the last known-good revision, restart in place
+    a first crash naming its ranks   -> restart in place at once (logs read as the job stops: a repeat
+                                        offender is evicted, user code rolled back); L1 of the crashed
+                                        machine beside the restore; it fails -> stop-time diagnosis
     crash / NaN without a culprit    -> stop-time diagnosis (logs -> L1 -> L2 -> L3; NaN adds the
                                         alignment test) -> evict what fails; all pass -> reattempt
-                                        again (level 1) -> roll back; again (level 2) -> replay
+                                        again (level 1) -> roll back (a crash: stop-time diagnosis first,
+                                        all pass -> roll back); again (level 2) -> replay
                                         ("again": the same category soon after the last recovery, see
                                         :func:`escalation_level`)
     hang                             -> runtime analysis (stacks) -> over-evict the parallel group
@@ -86,6 +90,7 @@ class Action(StrEnum):
     ROLLBACK = "rollback"
     REATTEMPT = "reattempt"
     PROBE = "probe"
+    RESTART = "restart"
     WAIT_HUMAN = "wait_human"
 
 
@@ -266,6 +271,15 @@ def decide(t: Triage, *, level: int = 0, log_verdict: str = "", rollback_to: str
                             f"stop-time diagnosis failed on {', '.join(sorted(diagnosis_failed))}")
         if level == 0:
             return Decision("reattempt", (), "every machine passed diagnosis: restart in place")
+    if t.category == "crash" and not diagnosis_done:
+        # a crash's level 0 is the restart at once; the stop-time diagnosis comes when it fails again (level 1,
+        # before the rollback) or when the check beside the restore failed (the rung asks for it itself)
+        if level == 0 and t.machines:
+            return Decision("restart", t.machines, f"first crash on {', '.join(t.machines)}: restart in place at "
+                                                   f"once; L1 of {', '.join(t.machines)} beside the restore")
+        if level == 1:
+            return Decision("diagnose", (), "crash again after its restart: stop-time diagnosis",
+                            diagnose={"levels": ["L1", "L2", "L3"], "align": False})
     if level == 0:
         return Decision("diagnose", (), f"{t.category} without a culprit: stop-time diagnosis",
                         diagnose={"levels": ["L1", "L2", "L3"], "align": t.category == "nan"})

@@ -22,6 +22,9 @@ class Rung:
 RUNGS: tuple[Rung, ...] = (
     Rung(Action.EVICT, "evict_now", "An explicit machine fault: stop the job and swap the named machines for "
                                     "standbys."),
+    Rung(Action.RESTART, "restart_at_once", "A first crash: stop (logs read: a repeat offender evicted, user code "
+                                            "rolled back) and restart in place at once; L1 of the crashed machine "
+                                            "beside the restore, the stop-time diagnosis only if it fails."),
     Rung(Action.DIAGNOSE, "stop_time_diagnosis", "Stop the job and read its logs; then L1 -> L2 -> L3 and act on the "
                                                  "verdict (evict what failed, roll back, or restart in place)."),
     Rung(Action.ANALYZE, "runtime_analysis", "A hang: every rank's stack while it hangs; stop and over-evict the "

@@ -367,15 +367,17 @@ class Simulation:
             cost["diagnosis"] += diag["vote"]
             evict = [self.names[i] for i in self._vote(slot)]
             restart = bool(evict)
-        elif action in (ladder.Action.DIAGNOSE, ladder.Action.REPLAY):
-            if action == ladder.Action.DIAGNOSE:
-                cost["diagnosis"] += diag["diagnose"] + (diag["align"] if t.category == "nan" else 0.0)
+        elif action in (ladder.Action.DIAGNOSE, ladder.Action.REPLAY, ladder.Action.RESTART):
+            if action in (ladder.Action.DIAGNOSE, ladder.Action.RESTART):
                 if kind.log_verdict == "user_code":
                     d = ladder.decide(t, level=level, log_verdict="user_code", rollback_to="known-good")
                 else:
                     seen = faulty is not None and kind.machine_fault and self.rng.random() < kind.recall
                     d = ladder.decide(t, level=level, rollback_to="known-good", diagnosis_done=True,
                                       diagnosis_failed=[machine] if seen else [])
+                # the restart at once diagnoses only when L1 beside the restore saw the machine (then all of it)
+                if action == ladder.Action.DIAGNOSE or d.action == ladder.Action.EVICT:
+                    cost["diagnosis"] += diag["diagnose"] + (diag["align"] if t.category == "nan" else 0.0)
             else:
                 cost["diagnosis"] += diag["replay"]
                 found = self._replay(faulty)
@@ -441,8 +443,9 @@ class Simulation:
         """Degrade or stop the world (:func:`trainguard.operators.policy.degrade.plan`) for this incident: the
         machines it takes out (what the rung evicts, and where the failure showed) and its first decision."""
         machines = {slot, *(self.slot[n] for n in evict if n in self.slot)}
-        verdict = kind.log_verdict if action == ladder.Action.DIAGNOSE else ""
-        final = d.action.value if action in (ladder.Action.DIAGNOSE, ladder.Action.REPLAY) else action.value
+        verdict = kind.log_verdict if action in (ladder.Action.DIAGNOSE, ladder.Action.RESTART) else ""
+        final = d.action.value if action in (ladder.Action.DIAGNOSE, ladder.Action.REPLAY, ladder.Action.RESTART) \
+            else action.value
         return degrade.plan(self.topo, category=t.category.value, action=final, machines=sorted(machines),
                             level=level, min_replicas=self.knobs.min_replicas, log_verdict=verdict)
 

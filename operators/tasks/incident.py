@@ -56,16 +56,22 @@ def stop_job(c: Controller, incident_id: int, results: list[dict[str, Any] | Non
     joined = not (rung.waiting_human or rung.dry_run) and c.incidents.unhandled_faults(int(incident_id))
     if not (rung.restart or joined):
         return Stop(stopped=False, skipped=True).dump()
-    if rung.stopped is not None and not _restarted(c, int(incident_id)):
+    if rung.relaunched is not None and not joined and not _restarted(c, int(incident_id), rung):
+        return Stop(stopped=False, skipped=True, by_rung=True).dump()  # stopped and started again by the rung
+    if rung.stopped is not None and not _restarted(c, int(incident_id), rung):
         return Stop(stopped=True, found=rung.stopped, by_rung=True).dump()
     said = c.jobs.stop(job)
     found = c.jobs.stop_found(job)
     return Stop(stopped=True, found=StopFound.read(found) if found else None, said=said).dump()
 
 
-def _restarted(c: Controller, incident_id: int) -> bool:
-    """Whether this incident restarted its job already (its ``restart_job`` ran, and now runs again)."""
-    return any(a.kind == "launch" and a.outcome == "done" for a in c.fleet.actions(incident_id))
+def _restarted(c: Controller, incident_id: int, rung: RungResult | None = None) -> bool:
+    """Whether this incident restarted its job already (its ``restart_job`` ran, and now runs again); the launches
+    of a rung that restarts the job itself (``rung.rung_launched_ts``: when they ended) are the rung's, not a run
+    of ``restart_job``."""
+    after = rung.rung_launched_ts if rung is not None else None
+    return any(a.kind == "launch" and a.outcome == "done" and (after is None or (a.started_ts or 0) > after)
+               for a in c.fleet.actions(incident_id))
 
 
 def swap_machines(c: Controller, incident_id: int, results: list[dict[str, Any] | None], stop: dict[str, Any] | None
@@ -129,8 +135,16 @@ def restart_job(c: Controller, incident_id: int, results: list[dict[str, Any] | 
         # (its restart is not this run's to repeat, though the incident's launch action is recorded)
         return Restart.read({**rung.dump(), "restart": False, "restarted": False,
                              "reason": "taken over by stronger alerts: their run restarts the job"}).dump()
-    if _restarted(c, incident_id):
+    if _restarted(c, incident_id, rung):
         return Restart.read({**restart_again(c, incident_id), **limit}).dump()
+    if rung.relaunched is not None and not swapped.joined and not c.incidents.unhandled_faults(incident_id):
+        # the rung restarted the job itself (the restart at once): that restart is this task's; run again (cleared,
+        # retried) it restarts the job again like any restart_job run again
+        action, first = c.fleet.record_action(f"adopted:{incident_id}", kind="adopted", incident_id=incident_id)
+        if not first:
+            return Restart.read({**restart_again(c, incident_id), **limit}).dump()
+        c.fleet.finish_action(action.id, "done", f"the restart {rung.rung} made")
+        return Restart.read({**rung.relaunched, "restarted": True, "by_rung": rung.rung, **limit}).dump()
     inc = c.fleet.incident(incident_id)
     waited = inc.state == IncidentState.WAITING_HUMAN and (swapped.waiting_human or rung.waiting_human)
     if waited and c.fleet.record_action(f"waited:{incident_id}", kind="waited", incident_id=incident_id)[1]:

@@ -153,6 +153,36 @@ def evict_now(c: Controller, d: IncidentDecision) -> dict[str, Any]:
     return _acted(c, d, v, Evidence())
 
 
+def restart_at_once(c: Controller, d: IncidentDecision) -> dict[str, Any]:
+    """A first crash naming its machines, with no machine alert: stop the job reading its logs (a repeat offender is
+    evicted, logs that blame the job's own code roll it back, as on the stop-time diagnosis' rung), then restart it
+    in place at once, from what the stop found; then L1 of the machine where the crash started, while the job
+    restores. The check failed: the stop-time diagnosis decides instead (it stops the restarted job, L1 -> L2 -> L3
+    on every machine, evicts what fails). ``restart_job`` adopts the rung's restart."""
+    logs, offender = _stop_and_implicate(c, d)
+    v = ladder.after_stop(d.job, d.category, d.machines, level=d.level, rollback_to=d.rollback_to,
+                          log_verdict=logs.verdict, offender=offender)
+    if v.kind != "diagnose":
+        return _acted(c, d, v, Evidence(logs=logs, repeat_offender=offender.machines[0] if offender else None))
+    serving = c.fleet.job(d.job).machine_list
+    suspects = [logs.culprit] if logs.culprit in serving else [m for m in d.machines if m in serving]
+    relaunched = c.recovery.recover(d.incident, found=c.memory.stopped.get(d.job))
+    if relaunched.get("waiting_human"):  # the restart itself failed on every try: recover() says why
+        return {"relaunched": relaunched, "waiting_human": True, "reason": relaunched.get("reason", ""),
+                **Evidence(logs=logs).model_dump(mode="json", exclude_none=True)}
+    check = DiagnosisReport.model_validate(c.diagnosis.diagnose(d.job, suspects, levels=(1,))) if suspects else None
+    if check is not None and check.failed:
+        what = "; ".join(f"{m}: {why}" for m, why in sorted(check.failed.items()))[:300]
+        c.fleet.update_incident(d.incident, summary=f"{c.fleet.incident(d.incident).summary}; but L1 beside the "
+                                                    f"restore failed ({what}): stop-time diagnosis",
+                                diagnosis_start_ts=time.time())
+        return {**stop_time_diagnosis(c, d), "check": check.model_dump(mode="json"),
+                "rung_launched_ts": relaunched["restart_ts"]}
+    return {"swaps": {}, "reattempt": True, "relaunched": relaunched, "rung_launched_ts": relaunched["restart_ts"],
+            **({"check": check.model_dump(mode="json")} if check is not None else {}),
+            **Evidence(logs=logs).model_dump(mode="json", exclude_none=True)}
+
+
 def stop_time_diagnosis(c: Controller, d: IncidentDecision) -> dict[str, Any]:
     """Stop the job and read its logs (the machine where the failure started recorded; a repeat offender evicted at
     once); logs that blame the job's own code roll it back; else L1 -> L2 -> L3 (+ alignment for NaN), and the
@@ -279,9 +309,9 @@ def probe_machine(c: Controller, d: IncidentDecision) -> dict[str, Any]:
 
 
 RUNG_ACTIONS: dict[str, Callable[[Controller, IncidentDecision], dict[str, Any]]] = {
-    "evict_now": evict_now, "stop_time_diagnosis": stop_time_diagnosis, "runtime_analysis": runtime_analysis,
-    "slow_vote": slow_vote, "silent_corruption": silent_corruption, "roll_back": roll_back, "no_culprit": no_culprit,
-    "probe_machine": probe_machine}
+    "evict_now": evict_now, "restart_at_once": restart_at_once, "stop_time_diagnosis": stop_time_diagnosis,
+    "runtime_analysis": runtime_analysis, "slow_vote": slow_vote, "silent_corruption": silent_corruption,
+    "roll_back": roll_back, "no_culprit": no_culprit, "probe_machine": probe_machine}
 
 
 # ---- the rungs that wait in the triggerer ------------------------------------------------------------------------

@@ -325,20 +325,20 @@ def test_a_restart_right_after_the_stop_starts_at_once_from_what_the_stop_found(
 
 def test_a_crash_after_an_eviction_is_diagnosed_and_the_triage_sets_the_level_from_what_it_found(ctl: Controller):
     """The level an incident opens with comes from its first alerts; the triage judges it again on all of them.
-    A crash soon after a GPU eviction is not that eviction failing again (level 0: diagnose); a crash soon after
-    that crash's restart is (level 1: no other known-good revision, so replay), though its first alert alone
-    (a slowdown) did not look like one."""
+    A crash soon after a GPU eviction is not that eviction failing again (level 0: restarted at once); a crash
+    soon after that crash's restart is (level 1: the stop-time diagnosis), though its first alert alone (a
+    slowdown) did not look like one."""
     [lost] = ctl.ingest([_alert("gpu_lost", "m1", 1, 100.0)])
     assert ctl.triage(lost["incident"])["action"] == "evict"
     ctl.fleet.update_incident(lost["incident"], state="resolved", resumed_ts=200.0, closed_ts=201.0)
     [crash] = ctl.ingest([_alert("rank_exit", "m2", 2, 300.0)])
     first = ctl.triage(crash["incident"])
-    assert (first["level"], first["action"]) == (0, "diagnose")
+    assert (first["level"], first["action"]) == (0, "restart")
     ctl.fleet.update_incident(crash["incident"], state="resolved", resumed_ts=400.0, closed_ts=401.0)
     [again] = ctl.ingest([_alert("rank_slow", "m0", 0, 500.0)])
     assert ctl.fleet.incident(again["incident"]).level == 0  # a slowdown does not repeat a crash
     ctl.ingest([_alert("rank_exit", "m3", 3, 501.0)])  # joins it before its triage
     second = ctl.triage(again["incident"])
     inc = ctl.fleet.incident(again["incident"])
-    assert (second["category"], second["level"], second["action"]) == ("crash", 1, "replay")
+    assert (second["category"], second["level"], second["action"]) == ("crash", 1, "diagnose")
     assert (inc.level, inc.category, inc.machines) == (1, "crash", ["m3"])

@@ -26,7 +26,7 @@ def alert(kind: str, machine: str = "m1", rank: int | None = None, ts: float = 1
     ([alert("kernel_xid", "m1", line="NVRM: Xid (PCI:0000:3b:00): 79", xid="79")], "machine_fault", ("m1",), "evict"),
     ([alert("gpu_xid", "m1", xid=13)], "observe", ("m1",), "observe"),  # a graphics-engine exception: not fatal
     ([alert("nic_down", "m0")], "network", ("m0",), "tolerate"),
-    ([alert("rank_exit", "m0", 1), alert("rank_exit", "m2", 4, ts=101)], "crash", ("m0", "m2"), "diagnose"),
+    ([alert("rank_exit", "m0", 1), alert("rank_exit", "m2", 4, ts=101)], "crash", ("m0", "m2"), "restart"),
     ([alert("nan_loss", "m1", 2)], "nan", ("m1",), "diagnose"),
     ([alert("rank_hang", "m3", 6)], "hang", ("m3",), "analyze"),
     ([alert("rank_slow", "m2", 5)], "slow", ("m2",), "vote"),
@@ -81,12 +81,20 @@ def test_the_network_decision_reads_the_triages_finding_not_its_wording():
 
 def test_the_crash_ladder_escalates_with_each_failed_recovery():
     t = ladder.triage("j", [alert("rank_exit", "m0", 0)], job_machines=JOB)
-    d = ladder.decide(t, level=0)
-    assert d.action == "diagnose" and d.diagnose["levels"] == ["L1", "L2", "L3"] and not d.diagnose["align"]
+    first = ladder.decide(t, level=0)  # a first crash: restarted at once, L1 of its machine beside the restore
+    assert first.action == "restart" and first.machines == ("m0",) and "L1 of m0" in first.reason
+    # the check failed: the rung diagnoses; what the diagnosis finds decides as on level 0
     assert ladder.decide(t, level=0, diagnosis_done=True, diagnosis_failed=["m3"]).machines == ("m3",)
     assert ladder.decide(t, level=0, diagnosis_done=True).action == "reattempt"
-    assert ladder.decide(t, level=1, rollback_to="r1").action == "rollback"
-    assert ladder.decide(t, level=1).action == "replay"  # nothing to roll back to
+    # the crash came back after its restart: now the stop-time diagnosis, then the rollback when all pass
+    d = ladder.decide(t, level=1, rollback_to="r1")
+    assert d.action == "diagnose" and d.diagnose["levels"] == ["L1", "L2", "L3"] and not d.diagnose["align"]
+    assert ladder.decide(t, level=1, diagnosis_done=True, diagnosis_failed=["m2"]).machines == ("m2",)
+    assert ladder.decide(t, level=1, rollback_to="r1", diagnosis_done=True).action == "rollback"
+    assert ladder.decide(t, level=1, diagnosis_done=True).action == "replay"  # nothing to roll back to
+    # a crash naming no machine has nothing to check beside a restore: diagnosed at once
+    nameless = ladder.triage("j", [alert("job_down", "", None)], job_machines=())
+    assert ladder.decide(nameless, level=0).action == "diagnose"
     assert ladder.decide(t, level=2, rollback_to="r1").action == "replay"
     assert ladder.decide(t, level=3).action == "wait_human"
     nan = ladder.triage("j", [alert("nan_loss", "m1", 2)], job_machines=JOB)
@@ -109,7 +117,8 @@ def test_a_crash_that_comes_back_after_its_recovery_climbs_to_rollback_then_repl
     again = ladder.triage("j", [alert("rank_exit", "m3", 6)], job_machines=JOB)
     assert _level(None, crash) == 0
     level = _level(crash, again)
-    assert level == 1 and ladder.decide(again, level=level, rollback_to="r1").action == "rollback"
+    assert level == 1 and ladder.decide(again, level=level, rollback_to="r1").action == "diagnose"
+    assert ladder.decide(again, level=level, rollback_to="r1", diagnosis_done=True).action == "rollback"
     level = _level(again, again, last_level=level)
     assert level == 2 and ladder.decide(again, level=level, rollback_to="r0").action == "replay"
     assert _level(crash, again, gap_s=1801.0) == 0  # long after the recovery: the recovery held
@@ -121,7 +130,7 @@ def test_an_unrelated_crash_right_after_a_gpu_eviction_starts_at_the_bottom_of_t
     evicted = ladder.triage("j", [alert("gpu_lost", "m2")], job_machines=JOB)
     crash = ladder.triage("j", [alert("rank_exit", "m0", 0)], job_machines=JOB)
     level = _level(evicted, crash, gap_s=120.0)
-    assert level == 0 and ladder.decide(crash, level=level, rollback_to="r1").action == "diagnose"
+    assert level == 0 and ladder.decide(crash, level=level, rollback_to="r1").action == "restart"
     nan = ladder.triage("j", [alert("nan_loss", "m1", 2)], job_machines=JOB)
     assert _level(crash, nan, last_level=1) == 0  # another category: another failure
 

@@ -100,10 +100,12 @@ def test_the_simulator_and_the_control_plane_share_one_ladder_and_one_escalation
     assert db_level == sim_level == 1
     sim = engine.Simulation(model.load_model(), profiles.byterobust(1200), gpus=9600, days=1)
     plane = c.triage(second["incident"])
-    _, d = sim.decide(sim.kinds["crash_transient"], 5, 900.0, level=sim_level, rollback_to=plane["rollback_to"])
-    assert d.action.value == plane["action"] == "replay"  # level 1 with no other known-good revision
-    _, d = sim.decide(sim.kinds["crash_transient"], 5, 900.0, level=sim_level, rollback_to="r0")
-    assert d.action.value == "rollback"
+    t, d = sim.decide(sim.kinds["crash_transient"], 5, 900.0, level=sim_level, rollback_to=plane["rollback_to"])
+    assert d.action.value == plane["action"] == "diagnose"  # a crash again after its restart at once
+    # all pass: no other known-good revision, so replay; with one, roll back
+    assert ladder.decide(t, level=sim_level, diagnosis_done=True).action == "replay"
+    assert ladder.decide(t, level=sim_level, rollback_to="r0", diagnosis_done=True).action == "rollback"
+    assert sim.decide(sim.kinds["crash_transient"], 5, 900.0, level=0)[1].action == "restart"
     monkeypatch.setattr(ladder, "decide", lambda t, **kw: ladder.Decision("wait_human", (), "changed ladder"))
     assert sim.decide(sim.kinds["crash_transient"], 5, 900.0, level=0)[1].action == "wait_human"
     assert c.triage(second["incident"])["action"] == "wait_human"

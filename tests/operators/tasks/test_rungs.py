@@ -87,7 +87,7 @@ def test_a_machine_whose_rank_keeps_crashing_with_clean_diagnoses_is_swapped_at_
     for n in range(2):
         _crashed_first_on(fleet, "m2")
         out = run_incident(c, [alert("rank_exit", "m2", rank=2), alert("rank_exit", "m0", rank=0)], monkeypatch)
-        assert out["decision"]["action"] == "diagnose" and out["closed"]["state"] == "resolved", n
+        assert out["decision"]["action"] == "restart" and out["closed"]["state"] == "resolved", n
         assert c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]  # every machine passed: in place
         assert [a.machines for a in c.fleet.actions(out["incident"]) if a.kind == "implicate"] == [["m2"]]
     _crashed_first_on(fleet, "m2")
@@ -96,6 +96,72 @@ def test_a_machine_whose_rank_keeps_crashing_with_clean_diagnoses_is_swapped_at_
     assert out["result"]["repeat_offender"] == "m2" and "repeat offender" in out["result"]["evict"]["reason"]
     assert not fleet.sent("diag")  # swapped at once, no third diagnosis
     assert c.fleet.job("j").machine_list == ["m0", "m1", "m4", "m3"] and out["closed"]["state"] == "resolved"
+
+
+# ---- the restart at once ---------------------------------------------------------------------------------------
+def _launches(c, incident: int) -> list:
+    return [a for a in c.fleet.actions(incident) if a.kind == "launch" and a.outcome == "done"]
+
+
+def test_a_first_crash_is_restarted_at_once_by_its_rung_with_only_the_crashed_machines_l1_beside_it(
+        tmp_path, monkeypatch):
+    """Every crash paid a stop-time diagnosis of every machine (L2 and L3 on all of them, 7.5 s of an 11.5 s
+    recovery) before a restart in place that changed nothing."""
+    c, fleet = fleet_controller(tmp_path)
+    _crashed_first_on(fleet, "m2")
+    out = run_incident(c, [alert("rank_exit", "m2", rank=2)], monkeypatch)
+    assert out["decision"]["action"] == "restart" and out["result"]["rung"] == "restart_at_once"
+    assert out["result"]["check"]["machines"] == ["m2"] and not out["result"]["check"]["failed"]
+    assert fleet.sent("diag") == ["m2"]  # L1 of the crashed machine, nothing of the others
+    diag = [argv for m, argv in fleet.commands if argv[:1] == ["diag"]]
+    assert diag == [["diag", "--level", "1"]]
+    # the rung stopped and started the job itself: stop_job left it, restart_job took the rung's restart as its own
+    assert out["result"]["stop"]["by_rung"] and out["result"]["stop"]["skipped"]
+    assert out["result"]["recovery"]["by_rung"] == "restart_at_once" and len(_launches(c, out["incident"])) == 1
+    start_at = next(i for i, (_m, argv) in enumerate(fleet.commands) if argv[:2] == ["job", "start"])
+    diag_at = next(i for i, (_m, argv) in enumerate(fleet.commands) if argv[:1] == ["diag"])
+    assert start_at < diag_at  # the check runs beside the restore, not before it
+    assert out["closed"]["state"] == "resolved" and c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
+
+
+def test_a_failed_check_beside_the_restore_takes_the_stop_time_diagnosis_which_evicts(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path)
+    _crashed_first_on(fleet, "m2")
+    fleet.l1["m2"] = "gpu: 1 of 1 GPUs answer no query"
+    out = run_incident(c, [alert("rank_exit", "m2", rank=2)], monkeypatch)
+    assert out["result"]["check"]["failed"].keys() == {"m2"}
+    assert out["result"]["diagnosis"]["failed"].keys() == {"m2"}  # every machine diagnosed, m2 failed
+    assert set(fleet.sent("diag", "--level", "2")) == {"m0", "m1", "m2", "m3"}
+    assert out["result"]["evict"]["machines"] == ["m2"] and out["result"]["relaunched"] is None
+    # two launches: the rung's, which the diagnosis stopped, and restart_job's with the standby (not a re-run of it)
+    assert len(_launches(c, out["incident"])) == 2 and not out["result"]["recovery"].get("again")
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m4", "m3"] and out["closed"]["state"] == "resolved"
+
+
+def test_a_crash_again_after_its_restart_at_once_reaches_the_stop_time_diagnosis(tmp_path, monkeypatch):
+    c, fleet = fleet_controller(tmp_path, escalation_window_s=600.0)
+    _crashed_first_on(fleet, "m1")
+    first = run_incident(c, [alert("rank_exit", "m1", rank=1)], monkeypatch)
+    assert first["decision"]["action"] == "restart" and first["closed"]["state"] == "resolved"
+    fleet.commands.clear()
+    _crashed_first_on(fleet, "m3")  # the same crash again, first on another rank
+    again = run_incident(c, [alert("rank_exit", "m3", rank=3)], monkeypatch)
+    assert (again["decision"]["level"], again["decision"]["action"]) == (1, "diagnose")
+    assert again["result"]["rung"] == "stop_time_diagnosis"
+    assert set(fleet.sent("diag", "--level", "2")) == {"m0", "m1", "m2", "m3"}
+
+
+def test_restart_job_run_again_after_it_took_the_rungs_restart_restarts_the_job_again(tmp_path, monkeypatch):
+    """Cleared in the UI, restart_job does what it says: it starts the job again, not hands back the rung's
+    restart a second time."""
+    from trainguard.operators.tasks import incident as steps
+
+    c, fleet = fleet_controller(tmp_path)
+    _crashed_first_on(fleet, "m2")
+    out = run_incident(c, [alert("rank_exit", "m2", rank=2)], monkeypatch)
+    result = {k: v for k, v in out["result"].items() if k not in ("stop", "swap", "recovery")}
+    again = steps.restart_job(c, out["incident"], [result], out["result"]["stop"], out["result"]["swap"])
+    assert again["again"] and again["restarted"] and len(_launches(c, out["incident"])) == 2
 
 
 def test_crashes_that_start_on_different_machines_make_no_repeat_offender(tmp_path, monkeypatch):
@@ -182,7 +248,7 @@ def test_an_eviction_that_would_take_every_copy_of_a_rank_rescues_them_to_the_re
     from trainguard.checkpoint.s3 import open_tier
 
     c, fleet, url = _two_fail_l2(tmp_path)
-    out = run_incident(c, [alert("rank_exit", "m1", rank=2)], monkeypatch)
+    out = run_incident(c, [alert("nan_loss", "m1", rank=2)], monkeypatch)  # diagnosed at once
     evict = next(a for a in c.fleet.actions(out["incident"]) if a.kind == "evict")
     kept = evict.evidence["checkpoint"]
     assert evict.outcome == "done" and sorted(evict.machines) == ["m0", "m3"]
@@ -218,7 +284,7 @@ def test_the_eviction_reads_and_rescues_to_s3_through_the_s3_connection_not_the_
     c, fleet = fleet_controller(tmp_path, topology=DEMO, train_args=["--checkpoint", "--checkpoint-remote", url])
     fleet.copies = replicated_copies(DEMO, ["m0", "m1", "m2", "m3"], [237, 238])
     fleet.l2 = {"m0": "3 wrong results", "m3": "3 wrong results"}
-    out = run_incident(c, [alert("rank_exit", "m1", rank=2)], monkeypatch)
+    out = run_incident(c, [alert("nan_loss", "m1", rank=2)], monkeypatch)  # diagnosed at once
     kept = next(a for a in c.fleet.actions(out["incident"]) if a.kind == "evict").evidence["checkpoint"]
     assert kept["safe"] and kept["rescued"] == {"m0": [0, 1, 6, 7]}, kept
     [(_m, argv, env)] = [e for e in fleet.envs if e[1][:2] == ["ckpt", "rescue"]]
@@ -232,7 +298,7 @@ def test_an_eviction_that_cannot_rescue_falls_back_to_the_newest_step_complete_w
         tmp_path, monkeypatch):
     c, fleet, _url = _two_fail_l2(tmp_path, older_in_remote=230)
     fleet.rescue_fails = True
-    out = run_incident(c, [alert("rank_exit", "m1", rank=2)], monkeypatch)
+    out = run_incident(c, [alert("nan_loss", "m1", rank=2)], monkeypatch)  # diagnosed at once
     kept = next(a for a in c.fleet.actions(out["incident"]) if a.kind == "evict").evidence["checkpoint"]
     assert not kept["safe"] and kept["fallback"] == 230 and "restarts from step 230" in kept["reason"]
     assert c.fleet.job("j").machine_list == ["m4", "m1", "m2", "m5"]
@@ -240,7 +306,7 @@ def test_an_eviction_that_cannot_rescue_falls_back_to_the_newest_step_complete_w
 
 def test_an_eviction_that_would_destroy_the_jobs_progress_is_refused_and_waits_for_a_human(tmp_path, monkeypatch):
     c, _fleet, _url = _two_fail_l2(tmp_path, remote=False)
-    out = run_incident(c, [alert("rank_exit", "m1", rank=2)], monkeypatch)
+    out = run_incident(c, [alert("nan_loss", "m1", rank=2)], monkeypatch)  # diagnosed at once
     inc = c.fleet.incident(out["incident"])
     assert inc.state == "waiting_human" and "would destroy the job's progress" in inc.summary
     assert "rank(s) [0, 1, 6, 7] have copies only on m0, m3" in inc.summary
@@ -375,9 +441,12 @@ def test_a_benign_alert_while_the_job_is_down_is_handled_as_the_crash_it_is(tmp_
     incident closed resolved while the job was not running."""
     c, fleet = fleet_controller(tmp_path)
     fleet.running.pop("m2")  # its part of the job is gone
-    fleet.l2["m2"] = "collective: eth0 has no carrier"
+    fleet.l1["m2"] = "nic_down: eth0 has no carrier"  # L1 runs the real-time checks: the link among them
     out = run_incident(c, [alert("nic_down", "m2", rank=None, job="j", iface="eth0")], monkeypatch)
-    assert (out["decision"]["category"], out["decision"]["action"]) == ("crash", "diagnose")
+    # a first crash: restarted at once, but L1 of m2 beside the restore failed, so the stop-time diagnosis decided
+    assert (out["decision"]["category"], out["decision"]["action"]) == ("crash", "restart")
+    assert out["result"]["check"]["failed"] == {"m2": "L1: quick: nic_down: eth0 has no carrier"}
+    assert out["result"]["diagnosis"]["failed"].keys() == {"m2"}
     assert "but the job does not run on m2" in c.fleet.incident(out["incident"]).summary
     assert out["closed"]["state"] == "resolved" and c.fleet.job("j").machine_list == ["m0", "m1", "m4", "m3"]
 
