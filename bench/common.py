@@ -108,3 +108,12 @@ def emulated_cluster(spec: Any, prefix: str) -> Iterator[tuple[Any, Path]]:
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             print(f"kept {tmp} for a post-mortem (control/: fleet database, Airflow logs)", file=sys.stderr)
+
+
+def timeline(tasks: dict[str, dict[str, Any]], t0: float) -> list[list[Any]]:
+    """``[task_id, start - t0, duration]`` of each task of an incident's run that ran (``tasks``: as
+    :meth:`~trainguard.emulation.guarded.GuardedJob.incident_run` lists them), in start order (seconds, 2
+    decimals): where a recovery's seconds went."""
+    ran = sorted((t for t in tasks.values() if t.get("start")), key=lambda t: t["start"])
+    return [[t["task_id"], round(t["start"] - t0, 2), round(t["end"] - t["start"], 2) if t.get("end") else None]
+            for t in ran]

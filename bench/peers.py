@@ -53,7 +53,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from bench.common import emulated_cluster, stop_on_sigterm, summarize, timeline, write_result
 from trainguard.emulation import cluster, inject
 from trainguard.emulation.guarded import NO_SCHEDULES, GuardedJob
 from trainguard.emulation.standalone import poll
@@ -211,8 +211,20 @@ def trainguard_record(g: GuardedJob, t_fault: float) -> dict[str, Any]:
     its swaps) and the machines it evicted."""
     incidents = [(i, g.swaps(i.id)) for i in g.ctl.fleet.incidents(g.job) if i.opened_ts >= t_fault - 1.0]
     evicted = sorted({old for _, swaps in incidents for old in swaps})
-    return {"incidents": [{"id": i.id, "category": i.category, "state": i.state, "swaps": swaps}
-                          for i, swaps in incidents],
+
+    def tasks(incident_id: int) -> list[list[Any]]:
+        with contextlib.suppress(Exception):  # (the api-server is still up: the record is read before it stops)
+            return timeline(g.incident_run(incident_id)[1], t_fault)
+        return []
+
+    def actions(incident_id: int) -> list[list[Any]]:
+        return [[a.kind, ",".join(a.machines), a.outcome, round(a.started_ts - t_fault, 2),
+                 round(a.finished_ts - a.started_ts, 2) if a.finished_ts else None]
+                for a in g.ctl.fleet.actions(incident_id)]
+
+    return {"incidents": [{"id": i.id, "category": i.category, "state": i.state, "swaps": swaps,
+                           "alert_s": round(i.first_alert_ts - t_fault, 2), "summary": i.summary,
+                           "tasks": tasks(i.id), "actions": actions(i.id)} for i, swaps in incidents],
             "evicted": evicted, "healthy_taken_out": [m for m in evicted if m != VICTIM]}
 
 

@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import emulated_cluster, stop_on_sigterm, summarize, write_result
+from bench.common import emulated_cluster, stop_on_sigterm, summarize, timeline, write_result
 from trainguard.emulation import cluster, inject
 from trainguard.emulation.guarded import FAULTS, NO_SCHEDULES, TOPOLOGY, GuardedJob, fault_time
 from trainguard.emulation.standalone import poll
@@ -213,13 +213,6 @@ def metrics_of(trials: list[dict[str, Any]]) -> dict[str, Any]:
         metrics["warm_vs_cold_speedup"] = {"median": round(ratio, 2), "p90": None, "n": 1, "unit": "x",
                                            "target": TARGETS["warm_vs_cold_speedup"]}
     return metrics
-
-
-def timeline(tasks: dict[str, dict[str, Any]], t0: float) -> list[list[Any]]:
-    """``[task_id, start - t0, duration]`` of each task that ran, in start order (seconds, 2 decimals)."""
-    ran = sorted((t for t in tasks.values() if t.get("start")), key=lambda t: t["start"])
-    return [[t["task_id"], round(t["start"] - t0, 2), round(t["end"] - t["start"], 2) if t.get("end") else None]
-            for t in ran]
 
 
 def _fmt(trial: dict[str, Any]) -> str:

@@ -13,7 +13,8 @@ provisioner and the emulated cluster all take the same path (:func:`transport_fo
 - **one connection per machine** is held for the transport's life: every command after the first opens a channel
   on it instead of a new TCP and SSH handshake; a connection that broke meanwhile (the machine rebooted, sshd
   restarted) is opened again once, before the command runs; a first connection is tried ``connect_attempts``
-  times, 3 to 5 s apart;
+  times, 3 to 5 s apart, except when its TCP handshake got no answer within :data:`TCP_CONNECT_S` (a machine
+  powered off or cut off, which another try would only wait out again);
 - **a dead peer is given up in seconds**: keepalives every :data:`KEEPALIVE_S` and the kernel's limit on
   unacknowledged data (``TCP_USER_TIMEOUT``, :data:`DEAD_PEER_S`), so a command on a connection whose machine
   vanished fails fast instead of waiting out its own timeout;
@@ -303,6 +304,9 @@ DEAD_PEER_S = 10.0
 KEEPALIVE_S = 2
 #: seconds between two tries of a first connection (when ``connect_attempts`` > 1)
 RETRY_WAIT_S = (3.0, 5.0)
+#: seconds for the TCP handshake of a connection (the SSH banner and the login get ``connect_timeout_s``): long
+#: enough for a lost SYN to be sent again once (Linux's first retransmission comes after 1 s)
+TCP_CONNECT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -405,16 +409,34 @@ class SshTransport(Transport):
         while True:
             attempt += 1
             try:
+                # the TCP handshake alone gets TCP_CONNECT_S: on a data-center network it takes milliseconds, and
+                # the kernel answers it however loaded the machine is; no answer at all is a machine gone (powered
+                # off, its link down), which a second try would only wait out again
+                sock = socket.create_connection((machine.address, machine.port),
+                                                timeout=min(TCP_CONNECT_S, self.connect_timeout_s))
+            except TimeoutError:
+                client.close()
+                raise Unreachable(f"{machine.name} ({machine.address}:{machine.port}): no answer to a TCP connection "
+                                  f"within {min(TCP_CONNECT_S, self.connect_timeout_s):g}s", "unreachable") from None
+            except OSError as exc:  # refused, reset, no route: sshd restarting, a link coming back; tried again
+                if attempt >= self.connect_attempts:
+                    client.close()
+                    raise Unreachable(f"{machine.name} ({machine.address}:{machine.port}): {type(exc).__name__}: "
+                                      f"{exc}", "unreachable") from None
+                time.sleep(random.uniform(*RETRY_WAIT_S))  # noqa: S311 (a retry's jitter)
+                continue
+            try:
                 client.connect(machine.address, port=machine.port, username=creds.user, pkey=pkey,
                                key_filename=None if pkey else creds.key_file, timeout=self.connect_timeout_s,
                                banner_timeout=self.connect_timeout_s, auth_timeout=self.connect_timeout_s,
-                               look_for_keys=False, allow_agent=False)
+                               look_for_keys=False, allow_agent=False, sock=sock)
                 break
             except paramiko.BadHostKeyException:
                 client.close()
                 raise Unreachable(f"machine {machine.name} ({machine.address}) presented another host key than the "
                                   f"inventory's; refused", "host_key_mismatch") from None
             except (OSError, paramiko.SSHException, EOFError) as exc:
+                sock.close()
                 if attempt >= self.connect_attempts:
                     client.close()
                     raise Unreachable(f"{machine.name} ({machine.address}:{machine.port}): {type(exc).__name__}: "

@@ -43,6 +43,7 @@ from trainguard.operators.control.ettr import Ettr
 from trainguard.operators.control.evictions import Evictions
 from trainguard.operators.control.incidents import Incidents
 from trainguard.operators.control.jobs import Jobs
+from trainguard.operators.control.reach import IncidentReach
 from trainguard.operators.control.reconcile import Reconciliation
 from trainguard.operators.control.recovery import Recovery
 from trainguard.operators.control.replay import Replay
@@ -95,7 +96,7 @@ class Controller:
         self.inventory = inventory or Inventory.load(Path(config.inventory))
         self.fleet = fleet if fleet is not None else FleetStore(config.fleet_url, migrate=True)
         self.memory = StopMemory()
-        self._transport = transport or transport_for(self.inventory, fanout=config.ssh_fanout)
+        self._transport = IncidentReach(transport or transport_for(self.inventory, fanout=config.ssh_fanout))
         self._make_services()
 
     def _make_services(self) -> None:
@@ -119,8 +120,30 @@ class Controller:
     @transport.setter
     def transport(self, transport: Transport) -> None:
         """Another way to the machines (a test's scripted fleet): every service is made again over it."""
-        self._transport = transport
+        self._transport = IncidentReach(transport)
         self._make_services()
+
+    def handling(self, incident_id: int) -> None:
+        """The sessions from now on are incident ``incident_id``'s: a machine it found unreachable before (in any
+        task) is not contacted again, and one found so now is recorded against it
+        (:class:`~trainguard.operators.control.reach.IncidentReach`)."""
+        incident_id = int(incident_id)
+        gone = {a.machines[0]: str((a.evidence or {}).get("why") or "") for a in self.fleet.actions(incident_id)
+                if a.kind == "unreachable" and a.machines}
+
+        def record(machine: str, why: str) -> None:
+            action, new = self.fleet.record_action(f"unreachable:{incident_id}:{machine}", kind="unreachable",
+                                                   incident_id=incident_id, machines=[machine],
+                                                   evidence={"why": why[:300]})
+            if new:
+                self.fleet.finish_action(action.id, "done", why[:200])
+
+        self._transport.enter(incident_id, gone, record)
+
+    def unreachable(self, job: str) -> dict[str, str]:
+        """The machines of ``job`` the incident being handled found unreachable: machine -> why."""
+        serving = set(self.fleet.job(job).machine_list)
+        return {m: why for m, why in self._transport.gone.items() if m in serving}
 
     # ---- for scripts, the command line and the harness -------------------------------------------------------
     def machines(self, names: Any) -> list[Any]:

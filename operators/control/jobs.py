@@ -279,6 +279,9 @@ class Jobs(Part):
         # marked everywhere before anything is stopped: ranks ended by a peer's stop are then not reported
         # as new failures (both phases in one round of sessions)
         names = self.fleet.job(job).machine_list
+        if grace_s is None and set(names) & set(getattr(self.transport, "gone", ())):
+            # a machine of the job is gone: the survivors hang in a collective with it and cannot act on a SIGTERM
+            grace_s = 0.0
         results = launcher.stop_sessions(self.inventory, job, self.inventory.named(names),
                                          grace_s=self.cfg.stop_grace_s if grace_s is None else grace_s,
                                          transport=self.transport, logs_since=logs_since, status=True, copies=True)

@@ -172,6 +172,12 @@ def decisive(alert: Mapping[str, Any]) -> bool:
     return _category(alert) in ("machine_fault", "agent")
 
 
+def urgent(alert: Mapping[str, Any]) -> bool:
+    """An alert whose batch goes out at once, without the settle window: a decisive one, or a crash that names its
+    machine (its rung, the restart at once, needs nothing more; the ranks that die after it join its incident)."""
+    return decisive(alert) or (_category(alert) == "crash" and bool(alert.get("machine")))
+
+
 def network_repeats(alerts: Iterable[Mapping[str, Any]], now: float, *, window_s: float = NETWORK_REPEAT_WINDOW_S,
                     count: int = NETWORK_REPEAT_COUNT) -> set[str]:
     """Machines with at least ``count`` network episodes in the last ``window_s``. One link event raises
@@ -510,6 +516,13 @@ def evict_named(job: str, machines: Sequence[str], serving: Iterable[str], reaso
         why = f"nothing to evict: {', '.join(machines) or 'no machine'} does not serve job {job}"
         return Verdict("leave", reason=why, resolved=why)
     return Verdict("evict", tuple(machines), reason)
+
+
+def evict_unreachable(gone: Mapping[str, str]) -> Verdict:
+    """Machines of the job that did not answer a session of the incident are evicted: a restart would wait on them
+    and fail."""
+    return Verdict("evict", tuple(sorted(gone)), "unreachable: " + "; ".join(f"{m}: {why[-120:]}"
+                                                                             for m, why in sorted(gone.items())))
 
 
 def repeat_offender(culprit: str | None, before: Sequence[int] | None, *, count: int, window_s: float

@@ -51,9 +51,11 @@ def stop_job(c: Controller, incident_id: int, results: list[dict[str, Any] | Non
     machine fault joined the incident meanwhile; the rung's own stop stands when it stopped the job for
     its evidence. Cleared and run again, it stops the job again (the tasks after it start it again).
     Returns a :class:`~trainguard.operators.models.Stop`."""
+    c.handling(int(incident_id))
     rung = _rung(results)
     job = c.fleet.incident(int(incident_id)).job
-    joined = not (rung.waiting_human or rung.dry_run) and c.incidents.unhandled_faults(int(incident_id))
+    joined = not (rung.waiting_human or rung.dry_run) and (c.incidents.unhandled_faults(int(incident_id))
+                                                           or c.unreachable(job))
     if not (rung.restart or joined):
         return Stop(stopped=False, skipped=True).dump()
     if rung.relaunched is not None and not joined and not _restarted(c, int(incident_id), rung):
@@ -81,6 +83,7 @@ def swap_machines(c: Controller, incident_id: int, results: list[dict[str, Any] 
     machine fault that joined the incident meanwhile (a second GPU lost 0.2 s after the first, a lost GPU
     during a hang's analysis), in the same restart. Each eviction is an action of the incident, done once:
     cleared and run again, it answers what was done. Returns a :class:`~trainguard.operators.models.Swap`."""
+    c.handling(int(incident_id))
     rung = _rung(results)
     if rung.waiting_human or rung.dry_run:
         return Swap(skipped=True, waiting_human=rung.waiting_human, dry_run=rung.dry_run).dump()
@@ -99,9 +102,10 @@ def swap_machines(c: Controller, incident_id: int, results: list[dict[str, Any] 
 
 
 def _evict_joined(c: Controller, incident_id: int, copies: Any, swaps: dict[str, str]) -> dict[str, Any]:
-    """Explicit machine faults that joined the incident and still serve its job, evicted (their standbys added to
-    ``swaps``); {} when there are none."""
-    extra = c.incidents.unhandled_faults(incident_id)
+    """Explicit machine faults that joined the incident and still serve its job, and its machines that did not answer
+    a session of it, evicted (their standbys added to ``swaps``); {} when there are none."""
+    extra = {**{m: "unreachable" for m in c.unreachable(c.fleet.incident(incident_id).job)},
+             **c.incidents.unhandled_faults(incident_id)}
     if not extra:
         return {}
     ev = c.evictions.evict(incident_id, sorted(extra), copies=copies,
@@ -125,6 +129,7 @@ def restart_job(c: Controller, incident_id: int, results: list[dict[str, Any] | 
     (:func:`restart_again`). Returns a :class:`~trainguard.operators.models.Restart` (with the rung's result when
     nothing was restarted). ``resume_timeout_s``: the run's own limit on the resume wait (None: the
     setting's)."""
+    c.handling(int(incident_id))
     rung = _rung(results)
     swapped = Swap.read(swap) if swap else Swap(skipped=True)
     stopped = Stop.read(stop) if stop else Stop(stopped=False, skipped=True)
@@ -327,6 +332,7 @@ def close_step(c: Controller, incident_id: int, decision: dict[str, Any] | None,
     it (a try of its close that comes again after it triaged the incident again hands the incident to that run once
     more)."""
     incident_id = int(incident_id)
+    c.handling(incident_id)
     c.evictions.judge_passed_over(incident_id)  # standbys its evictions passed over, silent when called: judged now
     inc = c.fleet.incident(incident_id)
 

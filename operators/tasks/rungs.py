@@ -38,6 +38,7 @@ def handle(c: Controller, name: str, decision: Mapping[str, Any]) -> dict[str, A
     its evidence and its verdict, as a :class:`~trainguard.operators.models.RungResult` (whether the job is to
     restart, what to evict, what the rung's own stop found). A rung that fails returns its error (the incident's close
     escalates from there)."""
+    c.handling(int(decision["incident"]))
     name, d, redirected = _redirected(c, name, IncidentDecision.model_validate(decision))
     return _result(c, name, d, lambda: _degraded_or(c, name, d), redirected)
 
@@ -164,6 +165,9 @@ def restart_at_once(c: Controller, d: IncidentDecision) -> dict[str, Any]:
                           log_verdict=logs.verdict, offender=offender)
     if v.kind != "diagnose":
         return _acted(c, d, v, Evidence(logs=logs, repeat_offender=offender.machines[0] if offender else None))
+    gone = c.unreachable(d.job)
+    if gone:  # a machine the stop could not reach is not restarted onto: it is evicted
+        return _acted(c, d, ladder.evict_unreachable(gone), Evidence(logs=logs))
     serving = c.fleet.job(d.job).machine_list
     suspects = [logs.culprit] if logs.culprit in serving else [m for m in d.machines if m in serving]
     relaunched = c.recovery.recover(d.incident, found=c.memory.stopped.get(d.job))
@@ -320,6 +324,7 @@ def vote_begin(c: Controller, decision: Mapping[str, Any]) -> dict[str, Any]:
     explicit fault joined: evict_now decides; stronger alerts took the incident over; a vote of one round), else
     ``{"first": one round's compute times, "started": when it began}``: the other rounds are the triggerer's, on
     that round's clock."""
+    c.handling(int(decision["incident"]))
     name, d, redirected = _redirected(c, "slow_vote", IncidentDecision.model_validate(decision))
     if name != "slow_vote":
         return {"result": _result(c, name, d, lambda: RUNG_ACTIONS[name](c, d), redirected)}
@@ -336,6 +341,7 @@ def vote_end(c: Controller, decision: Mapping[str, Any], rounds: list[dict[str, 
              superseded: bool = False) -> dict[str, Any]:
     """The slow vote's rung after its rounds (each rank's compute times, per round): the verdict, claimed on the
     incident, and what it asks (:func:`slow_vote_decide`)."""
+    c.handling(int(decision["incident"]))
     return _vote_end(c, IncidentDecision.model_validate(decision), rounds, superseded=superseded)
 
 
@@ -353,6 +359,7 @@ def sdc_begin(c: Controller, decision: Mapping[str, Any]) -> dict[str, Any]:
     (a repeat offender, the alignment test found the machine, a layout the replay cannot split, an explicit fault
     that joined), else ``{"replay": ...}``: the horizontal phase launched, its groups to be watched in the triggerer
     (then :func:`sdc_phase_done`)."""
+    c.handling(int(decision["incident"]))
     name, d, redirected = _redirected(c, "silent_corruption", IncidentDecision.model_validate(decision))
     if name != "silent_corruption":
         return {"result": _result(c, name, d, lambda: RUNG_ACTIONS[name](c, d), redirected)}
@@ -383,6 +390,7 @@ def sdc_preempted(c: Controller, decision: Mapping[str, Any], replay: Mapping[st
     """An explicit machine fault joined the incident while its replay ran: the replay's groups were ended and the
     fault decides the incident (the first rung: evict that machine), as it would have before the replay began.
     ``{"result": RungResult}``, with ``instead_of`` the silent-corruption rung."""
+    c.handling(int(decision["incident"]))
     name, d, redirected = _redirected(c, "silent_corruption", IncidentDecision.model_validate(decision))
     if name == "silent_corruption":  # the trigger saw a fault no longer there (evicted meanwhile): the rung climbs
         return {"result": RungResult(rung=name, restart=False, no_restart=True,
@@ -398,6 +406,7 @@ def sdc_phase_done(c: Controller, decision: Mapping[str, Any], replay: Mapping[s
                    results: Mapping[str, str]) -> dict[str, Any]:
     """A replay phase's results are in: after the horizontal one, the vertical one is launched (``{"replay": ...}``
     again); after both, the verdict and the rung's result (``{"result": RungResult}``)."""
+    c.handling(int(decision["incident"]))
     d = IncidentDecision.model_validate(decision)
     replay = {**replay, phase: dict(results)}
     plan = replay["plan"]

@@ -7,7 +7,7 @@ machines were evicted, which standbys joined, from which step training resumed, 
 
 This module is the suite's shared end-to-end tier (one Airflow, one cluster, one job): ``make test`` (CI) runs
 the scenarios that prove the ladder's paths (explicit eviction onto a warm standby, passing over a dead one;
-the graph as what runs; stop-time diagnosis, reached through a crash during a fail-slow vote; the reconciler's
+the graph as what runs; the restart at once, reached through a crash during a fail-slow vote; the reconciler's
 look; the ETTR ledger; over-eviction without losing a checkpoint), ordered so that the scenarios that need no
 fresh failure run while the last recovery's escalation window passes; the scenarios marked ``full`` (a
 diagnosis by hand, the escalation, one per further fault kind, code rollback, forged and clock-skewed alerts,
@@ -372,8 +372,10 @@ def _crash_restarted_in_place(ctl: Controller, airflow: Standalone, inv: Invento
     machines = list(ctl.fleet.job(JOB).machine_list)
     first = _fault_and_recovery(ctl, airflow, inv, machines[2], "crash", rank=4)
     assert first.state == "resolved" and first.category == "crash" and first.level == 0, _why(ctl, airflow, first.id)
-    assert _branch(airflow, first.id) == "stop_time_diagnosis"
-    assert not [a for a in ctl.fleet.actions(first.id) if a.kind == "evict"]  # every machine passed L1-L3
+    assert _branch(airflow, first.id) == "restart_at_once"
+    check = _handler_output(airflow, first.id, "restart_at_once")["check"]
+    assert check["machines"] == [machines[2]] and not check["failed"]  # L1 of it passed beside the restore
+    assert not [a for a in ctl.fleet.actions(first.id) if a.kind == "evict"]
     assert ctl.fleet.job(JOB).machine_list == machines  # restarted in place
     assert first.lost_steps is not None and first.lost_steps <= 1
     return first, machines
@@ -410,8 +412,8 @@ def test_a_crash_during_a_slow_vote_that_found_nothing_is_triaged_again_and_rest
     assert inc.state == "resolved" and inc.category == "crash", _why(ctl, airflow, inc.id)
     [again] = [a for a in ctl.fleet.actions(inc.id) if a.kind == "retriage"]
     assert again.evidence["from"] == "slow" and again.evidence["to"] == "crash"
-    assert _branch(airflow, inc.id) == "stop_time_diagnosis"  # the run that took it over
-    assert not [a for a in ctl.fleet.actions(inc.id) if a.kind == "evict"]  # every machine passed L1-L3
+    assert _branch(airflow, inc.id) == "restart_at_once"  # the run that took it over
+    assert not [a for a in ctl.fleet.actions(inc.id) if a.kind == "evict"]  # L1 of the crashed machine passed
     assert ctl.fleet.job(JOB).machine_list == machines  # restarted in place
     assert inc.lost_steps is not None and inc.lost_steps <= 1, _why(ctl, airflow, inc.id)
     step = ctl.progress(JOB)["step"]
@@ -539,7 +541,7 @@ def test_a_user_code_error_rolls_back_to_the_last_known_good_revision(control, c
     machines = list(ctl.fleet.job(JOB).machine_list)
     inc = _fault_and_recovery(ctl, airflow, cp_cluster, machines[0], "user_error", rank=0)
     assert inc.state == "resolved", _why(ctl, airflow, inc.id)
-    assert _branch(airflow, inc.id) == "stop_time_diagnosis"
+    assert _branch(airflow, inc.id) == "restart_at_once"  # the logs read as it stopped blame the code
     rollback = next(a for a in ctl.fleet.actions(inc.id) if a.kind == "rollback")
     assert rollback.evidence == {"to": "r0", "from": "r1"}
     assert ctl.fleet.job(JOB).revision == "r0" and ctl.fleet.job(JOB).machine_list == machines
@@ -560,11 +562,12 @@ def test_a_full_disk_gets_its_machine_evicted(control, cp_cluster):
     assert machines[1] in evicted and machines[1] not in ctl.fleet.job(JOB).machine_list
     # the disk check (every 10 s) says disk_full; the ranks' heartbeat writes may fail first and
     # make it look like a hang: then the machine's whole pipeline goes, which still holds the culprit;
-    # or a rank dies of a failed write first: the crash's stop-time diagnosis (L1 disk check) finds it
+    # or a rank dies of a failed write first: L1 of its machine beside the restart (the disk check) fails, and
+    # the stop-time diagnosis that follows finds it
     if inc.category == "machine_fault":  # (also when its alert joined a hang's incident before that acted)
         assert evicted == [machines[1]]
     elif inc.category == "crash":
-        assert _branch(airflow, inc.id) == "stop_time_diagnosis" and evicted == [machines[1]]
+        assert _branch(airflow, inc.id) == "restart_at_once" and evicted == [machines[1]]
     else:
         assert inc.category == "hang" and _branch(airflow, inc.id) == "runtime_analysis"
         groups = [{machines[i] for i in TOPO.machines_of_group(kind, TOPO.ranks_on(1)[0])} for kind in ("pp", "dp")]

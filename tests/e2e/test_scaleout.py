@@ -8,8 +8,8 @@ Three of the shared tier's scenarios run under it (the crash and the hang in the
 the bus on one of the guarded job's machines: the machine is evicted and a warm standby takes its place, while one
 of the two schedulers is killed (SIGKILL, as a host that dies) as soon as the incident's run is under way: the
 other one carries the run to its end, and the fleet database holds each of the recovery's actions exactly once.
-Then a rank crashes: stop-time diagnosis runs on the workers (L1 to L3 over SSH from their namespaces), every
-machine passes, and the job restarts in place, on the one scheduler left. Last a rank hangs in a collective: the
+Then a rank crashes: the workers restart it at once in place, L1 of its machine passing over SSH from their
+namespaces beside the restore, on the one scheduler left. Last a rank hangs in a collective: the
 workers take every rank's stacks (py-spy over SSH), and the stuck rank's whole pipeline is evicted onto warm
 standbys.
 """
@@ -145,15 +145,15 @@ def test_an_explicit_fault_evicts_onto_a_warm_standby_while_a_scheduler_dies_mid
 
 
 @pytest.mark.full  # (the CI tier's budget: the workers' diagnosis runs in the hang's scenario too)
-def test_a_crash_is_diagnosed_by_the_workers_and_restarted_in_place_on_the_surviving_scheduler(plane):
+def test_a_crash_is_restarted_at_once_by_the_workers_in_place_on_the_surviving_scheduler(plane):
     job, so = plane
     machines = list(job.ctl.fleet.job(JOB).machine_list)
     job.settled()
     inc, _machine, _t = job.fault_and_incident(FAULTS["crash"])
     assert inc.state == "resolved" and inc.category == "crash", (inc.state, inc.category, inc.summary)
     _conf, tasks = job.incident_run(inc.id)
-    assert job.branch(tasks)["task_id"] == "stop_time_diagnosis"
-    assert not [a for a in job.ctl.fleet.actions(inc.id) if a.kind == "evict"]  # every machine passed
+    assert job.branch(tasks)["task_id"] == "restart_at_once"
+    assert not [a for a in job.ctl.fleet.actions(inc.id) if a.kind == "evict"]  # L1 of its machine passed
     assert job.ctl.fleet.job(JOB).machine_list == machines  # restarted in place
     assert inc.lost_steps is not None and inc.lost_steps <= 1
     run = so.incident_run(inc.id)

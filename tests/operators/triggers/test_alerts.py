@@ -136,6 +136,19 @@ def test_an_explicit_machine_fault_fires_without_waiting_out_the_settle_window(t
     assert slow["fired_ts"] - slow["first_seen_ts"] >= 1.0
 
 
+def test_a_crash_that_names_its_machine_fires_without_waiting_out_the_settle_window(tmp_path: Path):
+    """Its rung restarts the job at once: a second of settling was a quarter of the whole recovery."""
+    url = f"spool://{tmp_path / 'bus'}"
+    open_bus(url).publish(Alert("rank_exit", "m2", job="j", rank=2, evidence={"exit_code": -9}))
+    event = first_event(AlertTrigger(url, settle_s=10.0, poll_s=0.05), timeout=5.0)
+    assert [a["kind"] for a in event["alerts"]] == ["rank_exit"] and event["fired_ts"] - event["first_seen_ts"] < 1.0
+    # a hang's reports gather for the window: the runtime analysis wants every rank's
+    other = f"spool://{tmp_path / 'bus2'}"
+    open_bus(other).publish(Alert("rank_hang", "m2", job="j", rank=2))
+    hang = first_event(AlertTrigger(other, settle_s=1.0, poll_s=0.05))
+    assert hang["fired_ts"] - hang["first_seen_ts"] >= 1.0
+
+
 def test_the_settle_window_and_the_silence_threshold_come_from_the_environment_and_bad_values_are_named():
     from trainguard.operators.sensors.alerts import settle_from_env, silent_from_env
     from trainguard.operators.settings import DEFAULT_SETTLE_S
