@@ -172,10 +172,18 @@ def decisive(alert: Mapping[str, Any]) -> bool:
     return _category(alert) in ("machine_fault", "agent")
 
 
+#: categories whose alert, naming its machine, is acted on without waiting for more of the burst: the rung gathers
+#: what it needs itself (the logs as the job stops, every machine's digest), and what arrives later joins the
+#: incident. A hang waits: thousands of ranks time out together, one batch and one run; a fail-slow report waits
+#: for the job's others (a shared slowdown is told from a straggler on all of them), a network alert for the
+#: episode (its repeat rule counts episodes)
+UNSETTLED = frozenset({"crash", "nan", "sdc"})
+
+
 def urgent(alert: Mapping[str, Any]) -> bool:
-    """An alert whose batch goes out at once, without the settle window: a decisive one, or a crash that names its
-    machine (its rung, the restart at once, needs nothing more; the ranks that die after it join its incident)."""
-    return decisive(alert) or (_category(alert) == "crash" and bool(alert.get("machine")))
+    """An alert whose batch goes out at once, without the settle window: a decisive one, or one of
+    :data:`UNSETTLED` that names its machine."""
+    return decisive(alert) or (_category(alert) in UNSETTLED and bool(alert.get("machine")))
 
 
 def network_repeats(alerts: Iterable[Mapping[str, Any]], now: float, *, window_s: float = NETWORK_REPEAT_WINDOW_S,

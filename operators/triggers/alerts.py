@@ -13,12 +13,12 @@ agents.
 
 On the first alert it keeps reading for ``settle_s`` more (default 1 s, ``TG_ALERT_SETTLE_S``), so a burst from a
 thousand ranks timing out together becomes one batch, then emits it (at once instead when the batch holds an alert
-the ladder acts on by itself, an explicit machine fault or a silent agent, or a crash that names its machine:
-waiting would only delay the eviction or the restart at once; or when the batch is full; fail-slow alerts alone wait
-:data:`SLOW_SETTLE_S`, the whole job's reports judged together). An alert storm (every rank of a 100,000-rank job at
-once) is cut into batches of at most :data:`BATCH_ALERTS` alerts and :data:`BATCH_BYTES` of documents, each read
-within about :data:`READ_S`, one event each: no event grows with the storm, and the first one goes out within a
-second or so.
+the ladder acts on by itself, an explicit machine fault or a silent agent, or a crash or NaN that names its machine
+(:func:`~trainguard.operators.policy.ladder.urgent`): waiting would only delay the rung; or when the batch is full;
+fail-slow alerts alone wait :data:`SLOW_SETTLE_S`, the whole job's reports judged together). An alert storm (every
+rank of a 100,000-rank job at once) is cut into batches of at most :data:`BATCH_ALERTS` alerts and
+:data:`BATCH_BYTES` of documents, each read within about :data:`READ_S`, one event each: no event grows with the
+storm, and the first one goes out within a second or so.
 
 A batch is emitted once; the names of what it carried become the cursor when a task records them. Level-triggered,
 not edge-triggered: every :data:`CURSOR_EVERY_S` the watcher reads the committed cursor again, and a batch emitted

@@ -142,11 +142,16 @@ def test_a_crash_that_names_its_machine_fires_without_waiting_out_the_settle_win
     open_bus(url).publish(Alert("rank_exit", "m2", job="j", rank=2, evidence={"exit_code": -9}))
     event = first_event(AlertTrigger(url, settle_s=10.0, poll_s=0.05), timeout=5.0)
     assert [a["kind"] for a in event["alerts"]] == ["rank_exit"] and event["fired_ts"] - event["first_seen_ts"] < 1.0
-    # a hang's reports gather for the window: the runtime analysis wants every rank's
+    # a hang's reports gather for the window (thousands of ranks time out together: one batch, one run), and so
+    # do fail-slow reports (a shared slowdown is told from a straggler on the job's reports together)
     other = f"spool://{tmp_path / 'bus2'}"
     open_bus(other).publish(Alert("rank_hang", "m2", job="j", rank=2))
     hang = first_event(AlertTrigger(other, settle_s=1.0, poll_s=0.05))
     assert hang["fired_ts"] - hang["first_seen_ts"] >= 1.0
+    third = f"spool://{tmp_path / 'bus3'}"
+    open_bus(third).publish(Alert("throughput_decline", "m2", job="j", rank=2, severity="warning"))
+    slow = first_event(AlertTrigger(third, settle_s=1.0, poll_s=0.05))
+    assert slow["fired_ts"] - slow["first_seen_ts"] >= 1.0
 
 
 def test_the_settle_window_and_the_silence_threshold_come_from_the_environment_and_bad_values_are_named():
