@@ -43,6 +43,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,7 +71,43 @@ RDZV_PORT = 29500
 WARMUP_STEPS = 15  # steps every replica finishes before a fault
 WATCH_S = 90.0  # how long after a fault the trial watches, at most
 SETTLED_STEPS = 5  # steps at full width after recovery before a trial may end early
-HEARTBEAT_S = 5.0  # NVRx's rank heartbeat timeout; torchft's lighthouse heartbeat timeout
+HEARTBEAT_S = 5.0  # NVRx's first rank heartbeat timeout, until the job calculates its own (below)
+MONITOR_S = 0.1  # the launchers' worker monitor interval (torchrun's and ft_launcher's default)
+# every peer setting that is not the default, with where it comes from (recorded in the result's setup)
+TUNING: dict[str, dict[str, Any]] = {
+    "nvrx": {
+        "spare": {"value": "a fifth ft_launcher on the standby machine, started once the job trains: it waits on the "
+                           "rendezvous' redundancy list and takes a lost node's place",
+                  "source": "nvidia_resiliency_ext 0.4.1 fault_tolerance/_ft_rendezvous.py: nodes past max_nodes "
+                            "join the redundancy list and are migrated into the next round"},
+        "nnodes": {"value": "4:4", "source": "the job's fixed width: max_nodes participants, the rest spares "
+                                             "(_ft_rendezvous.py, as above)"},
+        "last_call_timeout": {"value": 1, "source": "torch.distributed.elastic rendezvous --rdzv-conf "
+                                                    "last_call_timeout (default 30 s); ft_launcher passes it on"},
+        "monitor_interval": {"value": MONITOR_S, "source": "torchrun --monitor-interval default (0.1 s)"},
+        "heartbeat_timeouts": {"value": "calculated by the job after 10 steps (RankMonitorClient."
+                                        "calculate_and_set_hb_timeouts), from 5 s before",
+                               "source": "NVRx fault-tolerance usage guide: timeouts calculated from the observed "
+                                         "heartbeat intervals (safety_factor 5)"},
+        "workload_check_interval": {"value": 1, "source": "FaultToleranceConfig (default 5 s): the rank monitor's "
+                                                          "check period"},
+        "in_process_restart": {"value": "not run here", "source": "nvidia_resiliency_ext.inprocess needs NCCL "
+                                                                  "(kept for bench/gpu.py)"}},
+    "torchft": {
+        "heartbeat_timeout_ms": {"value": 1000, "source": "meta-pytorch/torchft#35: replicas heartbeat every 100 ms, "
+                                                          "so a 1 s timeout"},
+        "heartbeat_interval_ms": {"value": 100, "source": "torchft Manager(heartbeat_interval=100 ms), its default"},
+        "join_timeout_ms": {"value": 100, "source": "meta-pytorch/torchft#61: the Python lighthouse's default "
+                                                    "join timeout"},
+        "quorum_tick_ms": {"value": 100, "source": "torchft_lighthouse --quorum_tick_ms default"},
+        "collective_timeout_s": {"value": 2, "source": "the collective timeout trainguard's replica job uses "
+                                                       "(bench/degrade.py --collective-timeout-s)"},
+        "checkpoint": {"value": "every step, each replica group its own (model, optimizer, manager)",
+                       "source": "torchft train_ddp.py: the user checkpoints model, optimizer and manager "
+                                 "periodically"},
+        "monitor_interval": {"value": MONITOR_S, "source": "torchrun --monitor-interval default (0.1 s)"}},
+    "trainguard": {"settings": {"value": "defaults", "source": "operators/settings.py"}},
+}
 RESUMED_STEPS = 5  # steps begun after the fault that must finish before training counts as resumed
 SLOW_S = 3.0  # the slow fault's extra seconds a step
 SLOW_FACTOR = 1.5  # a step this many times the median step before the fault is a slow one
@@ -149,38 +186,43 @@ def job_argv(mode: str, state_dir: Path) -> list[str]:
     return [str(ROOT / "bench" / "peers_job.py"), "--mode", mode, "--state-dir", str(state_dir)]
 
 
-def start_nvrx(ms: Machines, trial_dir: Path) -> None:
-    """``ft_launcher`` on every machine: one c10d rendezvous on m0, in-job restarts, a rank monitor per rank whose
-    heartbeat timeout is :data:`HEARTBEAT_S`; 3 to 4 machines (a lost one leaves the job at 3, torchelastic's
-    documented elastic range)."""
+def start_nvrx(ms: Machines, trial_dir: Path, names: list[str] = MACHINES) -> None:
+    """``ft_launcher`` on ``names``: one c10d rendezvous on m0, in-job restarts, a rank monitor per rank (its
+    heartbeat timeouts :data:`HEARTBEAT_S` until the job calculates its own), the job 4 nodes wide (``--nnodes
+    4:4``): a launcher started once the job trains (:data:`SPARE`, see :func:`run_trial`) is a hot spare on the
+    rendezvous' redundancy list. Every setting that is not a default: :data:`TUNING`."""
     state = trial_dir / "nvrx-state"
     state.mkdir(parents=True, exist_ok=True)
-    for name in MACHINES:
-        argv = [venv_bin("ft_launcher"), "--nnodes", "3:4", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    for name in names:
+        argv = [venv_bin("ft_launcher"), "--nnodes", "4:4", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{ms.address('m0')}:{RDZV_PORT}", "--rdzv-id", trial_dir.name,
-                "--local-addr", ms.address(name), "--max-restarts", "20", "--monitor-interval", "1",
+                "--local-addr", ms.address(name), "--max-restarts", "20", "--monitor-interval", str(MONITOR_S),
                 # the rendezvous store lives in m0's agent: it cannot tell from its host name (every namespace of
                 # this host shares one) that the endpoint is its own address
-                "--rdzv-conf", f"is_host={'true' if name == 'm0' else 'false'}",
-                "--ft-param-initial_rank_heartbeat_timeout", "120",
-                "--ft-param-rank_heartbeat_timeout", str(HEARTBEAT_S), "--ft-param-workload_check_interval", "1",
+                "--rdzv-conf", f"is_host={'true' if name == 'm0' else 'false'},last_call_timeout="
+                               f"{TUNING['nvrx']['last_call_timeout']['value']}",
+                "--ft-param-initial_rank_heartbeat_timeout", str(HEARTBEAT_S),
+                "--ft-param-rank_heartbeat_timeout", str(HEARTBEAT_S), "--ft-param-workload_check_interval",
+                str(TUNING["nvrx"]["workload_check_interval"]["value"]),
                 "--ft-param-rank_termination_signal", "SIGKILL", *job_argv("nvrx", state)]
-        ms.spawn(name, argv,
-                 {"PEERS_LOG": str(trial_dir / "steps")}, "nvrx")
+        ms.spawn(name, argv, {"PEERS_LOG": str(trial_dir / "steps")}, "nvrx")
 
 
 def start_torchft(ms: Machines, trial_dir: Path) -> subprocess.Popen[bytes]:
     """The lighthouse on the host's bridge address, then one replica group per machine: ``torchrun`` of one rank
     with restarts (a crashed group comes back and heals from a live peer), ``min_replicas`` 1."""
     host = SPEC.host_address
+    tf = {k: str(v["value"]) for k, v in TUNING["torchft"].items()}
     lighthouse = subprocess.Popen(
-        [venv_bin("torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms",
-         "10000", "--heartbeat_timeout_ms", str(int(HEARTBEAT_S * 1000)), "--bind", f"{host}:{LIGHTHOUSE_PORT}"],
+        [venv_bin("torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", tf["quorum_tick_ms"],
+         "--join_timeout_ms", tf["join_timeout_ms"], "--heartbeat_timeout_ms", tf["heartbeat_timeout_ms"],
+         "--bind", f"{host}:{LIGHTHOUSE_PORT}"],
         stdout=open(trial_dir / "lighthouse.out", "ab"), stderr=subprocess.STDOUT, start_new_session=True)  # noqa: SIM115
     for i, name in enumerate(MACHINES):
         ms.spawn(name, [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1",
-                        "--max-restarts", "20", "--monitor-interval", "1", "--master-addr", ms.address(name),
-                        "--master-port", str(RDZV_PORT), *job_argv("torchft", trial_dir)],
+                        "--max-restarts", "20", "--monitor-interval", str(MONITOR_S), "--master-addr",
+                        ms.address(name), "--master-port", str(RDZV_PORT), *job_argv("torchft", trial_dir),
+                        "--collective-timeout-s", tf["collective_timeout_s"]],
                  {"PEERS_LOG": str(trial_dir / "steps"), "REPLICA_GROUP_ID": str(i),
                   "TORCHFT_LIGHTHOUSE": f"http://{host}:{LIGHTHOUSE_PORT}"}, "torchft")
     return lighthouse
@@ -307,6 +349,40 @@ def judge(lines: list[dict[str, Any]], t_fault: float, width: int) -> dict[str, 
     return out
 
 
+def gpu_seconds_lost(lines: list[dict[str, Any]], t_fault: float, until: float, *, by_replica: bool,
+                     window_s: float = WATCH_S, slots: int = len(MACHINES)) -> dict[str, Any]:
+    """The job's GPU-seconds lost to the fault at ``t_fault`` over the window of ``window_s`` after it (the
+    degrade benchmark's accounting, one GPU a rank): per slot of the job (a rank; a replica group for torchft,
+    ``by_replica``), the window less its kept steps, each worth the job's median step before the fault, plus the
+    steps it had done before the fault and did again after (a restore went back past them). A step is kept when
+    its loss is finite and no later run of it followed. Stopped time, narrower steps and steps done again all
+    count. The trial watches until ``until``: a job that settled before the window ended trains at full width
+    after it (nothing more lost); one that did not is charged up to ``until``. Returns the total, per slot, and
+    the step time it used."""
+    def slot(d: dict[str, Any]) -> str:
+        return str(d["replica"] if by_replica else d["rank"])
+
+    first = sorted({slot(d) for d in lines})[:1]
+    before = sorted(d["ts"] for d in lines if d["ts"] < t_fault and slot(d) in first)[-20:]
+    gaps = sorted(b - a for a, b in itertools.pairwise(before))
+    if not gaps:
+        return {"gpu_s_lost": None, "step_s": None, "by_slot": {}}
+    step_s = gaps[len(gaps) // 2]
+    end = min(t_fault + window_s, until)
+    by_slot: dict[str, float] = {}
+    for s in sorted({slot(d) for d in lines})[:slots]:
+        mine = sorted((d for d in lines if slot(d) == s), key=lambda d: d["ts"])
+        last_run = {d["step"]: d["ts"] for d in mine}  # the latest run of each step
+        kept = sum(1 for d in mine if t_fault < d["ts"] <= end and math.isfinite(d["loss"])
+                   and last_run[d["step"]] == d["ts"])
+        done_before = {d["step"] for d in mine if d["ts"] <= t_fault}
+        redone = len({d["step"] for d in mine if d["ts"] > t_fault and d["step"] in done_before})
+        by_slot[s] = round(max(0.0, (end - t_fault) - kept * step_s) + redone * step_s, 2)
+    missing = slots - len(by_slot)  # a slot that never logged a step lost all of it
+    total = sum(by_slot.values()) + missing * (end - t_fault)
+    return {"gpu_s_lost": round(total, 2), "step_s": round(step_s, 4), "by_slot": by_slot}
+
+
 def judge_slow(lines: list[dict[str, Any]], t_fault: float, replica: str) -> dict[str, Any]:
     """The pace of ``replica``'s rank 0 around a slow fault at ``t_fault``: its median step before (the last 20),
     whether steps slowed (one over :data:`SLOW_FACTOR` x that), and fault -> the first of :data:`RESUMED_STEPS`
@@ -393,7 +469,8 @@ def _cont(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
-def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s: float = WATCH_S) -> dict[str, Any]:
+def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s: float = WATCH_S,
+              logs: Path | None = None) -> dict[str, Any]:
     trial_dir = work / f"{peer}-{fault}-{n}"
     (trial_dir / "steps").mkdir(parents=True)
     ms = Machines(inv, trial_dir)
@@ -415,6 +492,14 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
             return {"peer": peer, "fault": fault, "error": "the job did not reach its warm-up steps",
                     "output": {f.name: f.read_text(errors="replace").splitlines()[-12:]
                                for f in sorted(trial_dir.glob("*.out"))}}
+        if peer == "nvrx":  # the hot spare joins the trained job: the rendezvous' redundancy list
+            start_nvrx(ms, trial_dir, [SPARE])
+            spare = trial_dir / f"nvrx-{SPARE}.out"
+            poll(lambda: spare.exists() and "Starting elastic_operator" in spare.read_text(errors="replace"),
+                 timeout=60.0, interval=0.5, what="the spare launcher to start")
+            # it joined without a new round: the job trains on, as wide as before, with no restart
+            poll(lambda: warmed_up(trial_dir, len(MACHINES), WARMUP_STEPS + 10), timeout=120.0, interval=1.0,
+                 what="the job to train on beside its spare")
         t_fault = time.time()
         undo = inflict(ms, trial_dir, fault)
         # the trial's observation window: the peers act on their own in it; it ends early once training is
@@ -422,8 +507,11 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
         with contextlib.suppress(TimeoutError):
             poll(lambda: settled(step_lines(trial_dir), t_fault, fault, peer, guarded), timeout=watch_s,
                  interval=2.0, what="the fault's recovery")
+        until = time.time()
         lines = step_lines(trial_dir)
         verdict = judge(lines, t_fault, len(MACHINES))
+        lost = gpu_seconds_lost(lines, t_fault, until, by_replica=peer == "torchft")
+        verdict.update(gpu_s_lost=lost["gpu_s_lost"], gpu_s_lost_by_slot=lost["by_slot"], step_s=lost["step_s"])
         if fault == "slow":  # training never stopped: back at its pace is what counts
             verdict.update(judge_slow(lines, t_fault, "0" if peer == "torchft" else MACHINES[0]))
         record = trainguard_record(guarded, t_fault) if guarded is not None else {"healthy_taken_out": []}
@@ -448,6 +536,11 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
         if lighthouse is not None:
             lighthouse.kill()
             lighthouse.wait(10)
+        if logs is not None:  # every launcher's and lighthouse's output, kept with the result
+            keep = logs / trial_dir.name
+            keep.mkdir(parents=True, exist_ok=True)
+            for f in trial_dir.glob("*.out"):
+                shutil.copy2(f, keep / f.name)
 
 
 def remove_ft_sockets(tmp: Path | None = None) -> list[str]:
@@ -483,7 +576,8 @@ def metrics_of(trials: list[dict[str, Any]], peers: list[str], faults: list[str]
                                                  "unit": "share"}
             metrics[f"{key}.healthy_taken_out"] = {"value": sum(len(t["healthy_taken_out"]) for t in ts), "n": n,
                                                    "unit": "machines"}
-            for field, unit in (("resume_s", "s"), ("full_width_s", "s"), ("steps_lost", "steps")):
+            for field, unit in (("gpu_s_lost", "GPU-s"), ("resume_s", "s"), ("full_width_s", "s"),
+                                ("steps_lost", "steps")):
                 values = [float(t[field]) for t in ts if t.get(field) is not None]
                 if values:
                     metrics[f"{key}.{field}"] = summarize(values, unit)
@@ -498,6 +592,7 @@ def main() -> int:
     ap.add_argument("--faults", default=",".join(FAULTS))
     ap.add_argument("--watch-s", type=float, default=WATCH_S, help="how long each trial watches after its fault")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--logs", type=Path, help="a folder for every trial's launcher and lighthouse output")
     ap.add_argument("--into", type=Path, help="an earlier result of this script: the trials run now replace its "
                                               "trials of the same system and fault, the rest are kept, and the rerun "
                                               "is listed in its setup's reruns")
@@ -511,13 +606,14 @@ def main() -> int:
             for peer in peers:
                 for fault in faults:
                     try:
-                        t = run_trial(inv, home, peer, fault, n, args.watch_s)
+                        t = run_trial(inv, home, peer, fault, n, args.watch_s, args.logs)
                     except Exception as exc:  # one trial's harness failure is reported, the others still run
                         t = {"peer": peer, "fault": fault, "error": f"{type(exc).__name__}: {exc}"[:500]}
                     print(json.dumps(t), flush=True)
                     trials.append(t)
-    setup: dict[str, Any] = {"spec": SPEC.__dict__, "machines": MACHINES, "versions": versions(),
-                             "watch_s": args.watch_s, "heartbeat_s": HEARTBEAT_S, "slow_s": SLOW_S,
+    setup: dict[str, Any] = {"spec": SPEC.__dict__, "machines": MACHINES, "spare": SPARE, "versions": versions(),
+                             "watch_s": args.watch_s, "window_s": WATCH_S, "heartbeat_s": HEARTBEAT_S,
+                             "slow_s": SLOW_S, "tuning": TUNING, "logs": str(args.logs) if args.logs else None,
                              "commit": _commit(), "reruns": []}
     if args.into:
         setup, trials = merged(json.loads(args.into.read_text())["setup"], trials, peers, faults)

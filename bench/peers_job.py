@@ -7,12 +7,14 @@ integration each system documents:
 
 - ``trainguard``: the :class:`trainguard.torch.Guard` lines of ``examples/plain`` (checkpoints every step,
   restored by trainguard's restart);
-- ``nvrx``: plain DDP launched by ``ft_launcher``, a heartbeat to its rank monitor every step, and the job's own
+- ``nvrx``: plain DDP launched by ``ft_launcher``, a heartbeat to its rank monitor every step (its timeouts
+  calculated from the intervals observed, once ``--calc-timeouts-after`` steps ran), and the job's own
   ``torch.save`` of its state every ``--save-every`` steps (NVRx restarts the workers; what they resume from is
   the job's business);
 - ``torchft``: one replica group per machine, ``torchft.Manager`` with ``DistributedDataParallel`` and
   ``Optimizer`` wrappers over ``ProcessGroupGloo``; a group that restarts heals from a live peer
-  (``PGTransport``), the others train on.
+  (``PGTransport``), the others train on; each group saves its own checkpoint every ``--save-every`` steps (what
+  it resumes from when no live replica is left).
 
 Every rank appends one JSON line per finished step to ``$PEERS_LOG/<mode>-<replica>-<rank>.jsonl``
 (``step``, ``ts``, ``participants``, ``loss``): the harness reads detection, resume and steps lost from them.
@@ -48,8 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-time-s", type=float, default=0.2, help="compute time of one step (slept)")
-    p.add_argument("--save-every", type=int, default=1, help="nvrx: steps between the job's own checkpoints")
-    p.add_argument("--state-dir", default="", help="nvrx: where the job's own checkpoint goes")
+    p.add_argument("--save-every", type=int, default=1, help="nvrx, torchft: steps between the job's own checkpoints")
+    p.add_argument("--state-dir", default="", help="nvrx, torchft: where the job's own checkpoint goes")
+    p.add_argument("--collective-timeout-s", type=float, default=5.0, help="torchft: the collectives' timeout")
+    p.add_argument("--calc-timeouts-after", type=int, default=10,
+                   help="nvrx: steps after which the heartbeat timeouts are calculated from those observed")
     return p.parse_args(argv)
 
 
@@ -118,6 +123,7 @@ def run_nvrx(args: argparse.Namespace) -> int:
         optimizer.load_state_dict(saved["optimizer"])
         step = int(saved["step"]) + 1
     log = StepLog("nvrx", machine(), rank)
+    calc_at = step + args.calc_timeouts_after  # (every rank restarts at the same step: the call is collective)
     while args.steps == 0 or step < args.steps:
         optimizer.zero_grad(set_to_none=True)
         loss = compute(args, ddp, step, rank)
@@ -125,6 +131,8 @@ def run_nvrx(args: argparse.Namespace) -> int:
             raise FloatingPointError(f"step {step}: loss is {loss.item()}")
         optimizer.step()
         monitor.send_heartbeat()
+        if step == calc_at:  # NVRx's own timeouts, from the heartbeat intervals it observed
+            monitor.calculate_and_set_hb_timeouts(skip_if_not_ready=True)
         if rank == 0 and step % args.save_every == 0:
             tmp = state.with_suffix(".tmp")
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
@@ -142,13 +150,21 @@ def run_torchft(args: argparse.Namespace) -> int:
 
     replica = os.environ.get("REPLICA_GROUP_ID", "0")
     model, inner = model_and_optimizer(args)
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    timeout = timedelta(seconds=args.collective_timeout_s)
+    pg = ProcessGroupGloo(timeout=timeout)
     manager = Manager(
         pg=pg, min_replica_size=1, replica_id=f"peers_{replica}",
         load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
         state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
-        timeout=timedelta(seconds=30), hostname=os.environ.get("PEERS_ADDRESS", "localhost"),
+        timeout=timeout, hostname=os.environ.get("PEERS_ADDRESS", "localhost"),
         checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=10), device=torch.device("cpu")))
+    # the group's own checkpoint, as torchft's example asks: what a restart resumes from when no live replica is left
+    state = Path(args.state_dir or ".") / f"torchft-{replica}.pt"
+    if state.exists():
+        saved: dict[str, Any] = torch.load(state, weights_only=True)
+        model.load_state_dict(saved["model"])
+        inner.load_state_dict(saved["optim"])
+        manager.load_state_dict(saved["manager"])
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner)
     log = StepLog("torchft", replica, int(os.environ.get("RANK", "0")))
@@ -159,6 +175,11 @@ def run_torchft(args: argparse.Namespace) -> int:
         optimizer.step()  # steps the optimizer if every participant commits (the manager's step then advances)
         if manager.current_step() > before:  # (a replica that healed meanwhile jumped to the live peers' step)
             log.step(manager.current_step() - 1, float(loss.item()), manager.num_participants())
+            if manager.current_step() % args.save_every == 0:
+                tmp = state.with_suffix(".tmp")
+                torch.save({"model": model.state_dict(), "optim": inner.state_dict(),
+                            "manager": manager.state_dict()}, tmp)
+                os.replace(tmp, state)
     return 0
 
 

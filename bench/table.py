@@ -85,8 +85,9 @@ def headline() -> list[str]:
 
 def peers_rows(doc: dict[str, Any] | None = None, *, detail: bool = True) -> list[str]:
     """The side-by-side table of ``bench/results/peers.json``: a row per fault, a column per system, each cell
-    the trials resumed, the median fault -> training again (and -> full width, steps done again) and, with
-    ``detail``, what a human had to do."""
+    the median GPU-seconds lost in the window after the fault (when the result has them), the trials resumed, the
+    median fault -> training again (and -> full width, steps done again) and, with ``detail``, what a human had
+    to do."""
     doc = doc or _documents().get("peers")
     if doc is None:
         return ["(no bench/results/peers.json yet: `python bench/peers.py --out bench/results/peers.json`)"]
@@ -104,10 +105,12 @@ def peers_rows(doc: dict[str, Any] | None = None, *, detail: bool = True) -> lis
                 continue
             n = rate["n"]
             ok = round(rate["value"] * n)
+            lost = m.get(f"{key}.gpu_s_lost")
+            cell = f"**{lost['median']:g} GPU-s lost**; " if lost else ""
             if ok == 0:
-                cell = f"not resumed (0/{n})"
+                cell += f"not resumed (0/{n})"
             else:
-                cell = f"{ok}/{n} resumed, {m[f'{key}.resume_s']['median']:g} s"
+                cell += f"{ok}/{n} resumed, {m[f'{key}.resume_s']['median']:g} s"
                 if f"{key}.full_width_s" in m and fault != "slow":
                     cell += f"; full width {m[f'{key}.full_width_s']['median']:g} s"
                 if f"{key}.steps_lost" in m:
