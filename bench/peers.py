@@ -11,7 +11,7 @@ install them first (versions that install on CPU-only Python 3.11: ``bench/requi
     uv pip install --python .venv/bin/python --no-deps -r bench/requirements-peers.txt
     python bench/peers.py [--trials 3] [--peers trainguard,nvrx,torchft]
                           [--faults crash,hang,hang_collective,machine_lost,nan,slow]
-                          [--out bench/results/peers.json]
+                          [--out bench/results/peers.json] [--logs DIR]
 
 Faults (the machine it hits is never the rendezvous host m0):
 
@@ -23,8 +23,13 @@ Faults (the machine it hits is never the rendezvous host m0):
 - ``nan``: the job's loss is NaN on one machine from the next step on (until the harness clears it);
 - ``slow``: every step of one machine takes 3 s longer from the next step on (a throttled GPU, fail-slow).
 
-Per trial, read from the ranks' step lines: whether training went on (``resumed``), fault -> the first step
-finished after it (``resume_s``), fault -> training at its full width again (``full_width_s``: every replica back,
+Each peer runs tuned as its own documentation and maintainers say (:data:`TUNING`: every setting that is not a
+default, with its source, recorded in the result's setup; ``--logs`` keeps every launcher's and lighthouse's output).
+
+Per trial, read from the ranks' step lines: the GPU-seconds lost over the :data:`WATCH_S` window after the fault
+(:func:`gpu_seconds_lost`: stopped time, a slot left out, slower steps and steps done again all count; the figure
+the tables lead with), whether training went on (``resumed``), fault -> the first step finished after it
+(``resume_s``), fault -> training at its full width again (``full_width_s``: every replica back,
 for torchft its throughput before the fault), steps done again (``steps_lost``), healthy machines taken out, and
 what a human had to do. For ``slow``, training never stops: ``resume_s`` is fault -> the first of
 :data:`RESUMED_STEPS` steps in a row at the pace before the fault. Metric names carry the system
@@ -68,7 +73,7 @@ SPARE = "m4"
 VICTIM = "m2"
 LIGHTHOUSE_PORT = 29510
 RDZV_PORT = 29500
-WARMUP_STEPS = 15  # steps every replica finishes before a fault
+WARMUP_STEPS = 25  # steps every replica finishes before a fault (the last 10 set the pace)
 WATCH_S = 90.0  # how long after a fault the trial watches, at most
 SETTLED_STEPS = 5  # steps at full width after recovery before a trial may end early
 HEARTBEAT_S = 5.0  # NVRx's first rank heartbeat timeout, until the job calculates its own (below)
@@ -351,19 +356,20 @@ def judge(lines: list[dict[str, Any]], t_fault: float, width: int) -> dict[str, 
 
 def gpu_seconds_lost(lines: list[dict[str, Any]], t_fault: float, until: float, *, by_replica: bool,
                      window_s: float = WATCH_S, slots: int = len(MACHINES)) -> dict[str, Any]:
-    """The job's GPU-seconds lost to the fault at ``t_fault`` over the window of ``window_s`` after it (the
-    degrade benchmark's accounting, one GPU a rank): per slot of the job (a rank; a replica group for torchft,
-    ``by_replica``), the window less its kept steps, each worth the job's median step before the fault, plus the
-    steps it had done before the fault and did again after (a restore went back past them). A step is kept when
-    its loss is finite and no later run of it followed. Stopped time, narrower steps and steps done again all
-    count. The trial watches until ``until``: a job that settled before the window ended trains at full width
-    after it (nothing more lost); one that did not is charged up to ``until``. Returns the total, per slot, and
-    the step time it used."""
+    """The job's GPU-seconds lost to the fault at ``t_fault`` over the window of ``window_s`` after it, one GPU a
+    slot of the job (a rank; a replica group for torchft, ``by_replica``): per slot, the time in the window it
+    spent on no kept step (every interval between two kept steps beyond one step of the job's pace before the
+    fault, the median of its last intervals), plus the steps it had done before the fault and did again after (a
+    restore went back past them). A step is kept when its loss is finite and no later run of it followed. Stopped
+    time, a slot left out (narrower steps), slower steps and steps done again all count; a pace faster than before
+    the fault (fewer processes on the emulation's two cores) earns nothing back. The trial watches until
+    ``until``: a job back at its pace before the window ended is charged nothing after it. Returns the total, per
+    slot, and the step time it used."""
     def slot(d: dict[str, Any]) -> str:
         return str(d["replica"] if by_replica else d["rank"])
 
     first = sorted({slot(d) for d in lines})[:1]
-    before = sorted(d["ts"] for d in lines if d["ts"] < t_fault and slot(d) in first)[-20:]
+    before = sorted(d["ts"] for d in lines if d["ts"] < t_fault and slot(d) in first)[-11:]
     gaps = sorted(b - a for a, b in itertools.pairwise(before))
     if not gaps:
         return {"gpu_s_lost": None, "step_s": None, "by_slot": {}}
@@ -373,11 +379,14 @@ def gpu_seconds_lost(lines: list[dict[str, Any]], t_fault: float, until: float, 
     for s in sorted({slot(d) for d in lines})[:slots]:
         mine = sorted((d for d in lines if slot(d) == s), key=lambda d: d["ts"])
         last_run = {d["step"]: d["ts"] for d in mine}  # the latest run of each step
-        kept = sum(1 for d in mine if t_fault < d["ts"] <= end and math.isfinite(d["loss"])
-                   and last_run[d["step"]] == d["ts"])
+        kept = [d["ts"] for d in mine if t_fault < d["ts"] <= end and math.isfinite(d["loss"])
+                and last_run[d["step"]] == d["ts"]]
+        prior = [d["ts"] for d in mine if d["ts"] <= t_fault]
+        points = [prior[-1] if prior else t_fault, *kept, end]
+        stalled = sum(max(0.0, min(b - a - step_s, b - t_fault)) for a, b in itertools.pairwise(points))
         done_before = {d["step"] for d in mine if d["ts"] <= t_fault}
         redone = len({d["step"] for d in mine if d["ts"] > t_fault and d["step"] in done_before})
-        by_slot[s] = round(max(0.0, (end - t_fault) - kept * step_s) + redone * step_s, 2)
+        by_slot[s] = round(stalled + redone * step_s, 2)
     missing = slots - len(by_slot)  # a slot that never logged a step lost all of it
     total = sum(by_slot.values()) + missing * (end - t_fault)
     return {"gpu_s_lost": round(total, 2), "step_s": round(step_s, 4), "by_slot": by_slot}

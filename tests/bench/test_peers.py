@@ -41,21 +41,23 @@ def test_gpu_seconds_lost_count_stopped_time_narrower_steps_and_steps_done_again
     before = [line(s, 100.0 + s, r, pid) for s in range(10) for r, pid in (("a", 1), ("b", 2))]
     for d in before:
         d["rank"] = 0 if d["replica"] == "a" else 1
-    # stop the world at 110 (after step 9), back at 115 from step 8: steps 8 and 9 again, 5 s stopped
+    # stop the world at 110 (after step 9), back at 115 from step 8: steps 8 and 9 again
     after = [{**line(s, 115.0 + (s - 8), r, pid), "rank": rank} for s in range(8, 20)
              for r, pid, rank in (("a", 3, 0), ("b", 4, 1))]
     got = lost(before + after, 110.0, 130.0, by_replica=False, window_s=20.0, slots=2)
-    # per rank: 20 s window, 12 steps kept at 1 s (115..126; 127..129 not logged: the trial watched to 130, so
-    # 16 steps would have fit), plus 2 steps done before and again: 20 - 12 + 2 = 10
+    # per rank: 109 -> 115 is 5 s beyond a 1 s step, 126 -> 130 (the trial watched on, nothing more came) 3 s,
+    # and 2 steps done before and again: 10
     assert got["step_s"] == 1.0 and got["by_slot"] == {"0": 10.0, "1": 10.0} and got["gpu_s_lost"] == 20.0
-    # replicas that train on narrower lose only the one that stopped: by replica group, not by rank
-    narrow = [line(s, 100.5 + s, r, pid, 2) for s in range(10, 30) for r, pid in (("a", 1),)]
+    # replicas that train on narrower lose only the one that stopped: by replica group, not by rank; a pace faster
+    # than before the fault (fewer processes on the cores) earns nothing back
+    narrow = [line(s, 100.0 + s * 0.9 + 1.0, r, pid, 2) for s in range(10, 33) for r, pid in (("a", 1),)]
     got = lost(before + narrow, 110.0, 130.0, by_replica=True, window_s=20.0, slots=2)
     assert got["by_slot"] == {"a": 0.0, "b": 20.0} and got["gpu_s_lost"] == 20.0
-    # a job that settled before the window ended is charged only to then; a NaN step is not kept
-    nan = [{**line(s, 100.0 + s, "a", 1), "rank": 0, "loss": float("nan")} for s in range(10, 13)]
-    got = lost(before + nan, 110.0, 113.0, by_replica=False, window_s=20.0, slots=2)
-    assert got["by_slot"] == {"0": 3.0, "1": 3.0}
+    # steps with a NaN loss are not kept; a trial that ended early is charged up to its end
+    nan = [{**line(s, 100.0 + s, "a", 1), "rank": 0, "loss": float("nan")} for s in range(11, 14)]
+    got = lost(before + nan, 110.0, 113.5, by_replica=False, window_s=20.0, slots=2)
+    assert got["by_slot"] == {"0": 3.5, "1": 3.5}
+    assert lost(before, 110.0, 130.0, by_replica=False, window_s=20.0, slots=3)["gpu_s_lost"] == 60.0
 
 
 def test_a_job_that_never_trains_again_did_not_resume():
