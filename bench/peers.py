@@ -102,8 +102,9 @@ TUNING: dict[str, dict[str, Any]] = {
         "heartbeat_timeout_ms": {"value": 1000, "source": "meta-pytorch/torchft#35: replicas heartbeat every 100 ms, "
                                                           "so a 1 s timeout"},
         "heartbeat_interval_ms": {"value": 100, "source": "torchft Manager(heartbeat_interval=100 ms), its default"},
-        "join_timeout_ms": {"value": 100, "source": "meta-pytorch/torchft#61: the Python lighthouse's default "
-                                                    "join timeout"},
+        "join_timeout_ms": {"value": 300, "source": "bench/degrade.py's lighthouse (the Python lighthouse's default, "
+                                                    "100 ms, meta-pytorch/torchft#61, left a restarted group a step "
+                                                    "behind and healing at every other step on these two cores)"},
         "quorum_tick_ms": {"value": 100, "source": "torchft_lighthouse --quorum_tick_ms default"},
         "collective_timeout_s": {"value": 2, "source": "the collective timeout trainguard's replica job uses "
                                                        "(bench/degrade.py --collective-timeout-s)"},

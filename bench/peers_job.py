@@ -95,13 +95,17 @@ def model_and_optimizer(args: argparse.Namespace) -> tuple[torch.nn.Module, torc
 def compute(args: argparse.Namespace, model: torch.nn.Module, step: int, rank: int) -> torch.Tensor:
     """One step's forward and backward (the gradients all-reduced by whichever DDP wraps ``model``)."""
     x, y = batch(args, step, rank)
+    # a throttled device is slower in all of its compute: a third of the slow fault's extra time in the forward
+    # pass, the rest with the backward (a forward is about a third of a step's compute)
+    slow = float(fault("slow") or 0.0)
+    time.sleep(slow / 3)
     loss = torch.nn.functional.mse_loss(model(x), y)
     if fault("nan"):
         loss = loss * float("nan")
     while fault("stall"):  # alive, threads running, never at the all-reduce: every other rank waits inside it
         time.sleep(0.2)
     loss.backward()
-    time.sleep(args.step_time_s + float(fault("slow") or 0.0))
+    time.sleep(args.step_time_s + slow * 2 / 3)
     return loss
 
 

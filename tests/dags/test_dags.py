@@ -72,6 +72,8 @@ def test_incident_dag_branches_to_every_rung_of_the_registry_then_restarts_waits
     # every rung of the registry has its function, and every function its rung
     assert set(RUNG_ACTIONS) == rung_ids and set(BRANCHES.values()) == rung_ids
     assert all(dag.get_task(r.task_id).doc_md == r.does for r in RUNGS)
+    # the fast path is a rung of the graph like the others, not a side door: a first crash's branch
+    assert BRANCHES["restart"] == "restart_at_once" and dag.get_task("restart_at_once") in triage.downstream_list
     # a rung whose wait runs in the triggerer is a deferrable operator (the slow vote's rounds)
     assert {r.task_id for r in RUNGS if r.deferred} == {"slow_vote", "silent_corruption"}
     assert type(dag.get_task("slow_vote")).__name__ == "SlowVoteOperator"
