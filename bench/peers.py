@@ -423,11 +423,26 @@ def judge_slow(lines: list[dict[str, Any]], t_fault: float, replica: str) -> dic
     return out
 
 
+def judge_slow_job(lines: list[dict[str, Any]], t_fault: float, peer: str) -> dict[str, Any]:
+    """:func:`judge_slow` of the job: its first rank's pace for a job whose ranks step together (trainguard's,
+    NVRx's), every replica group's for torchft's, whose groups step apart (a slow group left out of some quorums
+    is slow still): resumed when all of them are, at the latest of their times, with the slowest slow step."""
+    if peer != "torchft":
+        return judge_slow(lines, t_fault, MACHINES[0])
+    each = [judge_slow(lines, t_fault, str(i)) for i in range(len(MACHINES))]
+    slowed = [v for v in each if v["slowed"]]  # (a group that never slowed has nothing to be back from)
+    resumed = bool(slowed) and all(v["resumed"] for v in slowed)
+    slow = [v["slow_step_s"] for v in slowed if v["slow_step_s"] is not None]
+    return {**each[0], "resumed": resumed, "slowed": bool(slowed),
+            "resume_s": max(v["resume_s"] for v in slowed) if resumed else None,
+            "slow_step_s": max(slow) if slow else None}
+
+
 def settled(lines: list[dict[str, Any]], t_fault: float, fault: str, peer: str, g: GuardedJob | None) -> bool:
     """Nothing more for the trial to see: training resumed, at its full width again (for ``slow``: back at its
     pace) :data:`SETTLED_STEPS` steps ago, and no incident of trainguard's open."""
     if fault == "slow":
-        verdict = judge_slow(lines, t_fault, "0" if peer == "torchft" else MACHINES[0])
+        verdict = judge_slow_job(lines, t_fault, peer)
         done = verdict["resumed"] and max(d["ts"] for d in lines) >= t_fault + verdict["resume_s"] + SLOW_S
     else:
         verdict = judge(lines, t_fault, len(MACHINES))
@@ -523,7 +538,7 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
         lost = gpu_seconds_lost(lines, t_fault, until, by_replica=peer == "torchft")
         verdict.update(gpu_s_lost=lost["gpu_s_lost"], gpu_s_lost_by_slot=lost["by_slot"], step_s=lost["step_s"])
         if fault == "slow":  # training never stopped: back at its pace is what counts
-            verdict.update(judge_slow(lines, t_fault, "0" if peer == "torchft" else MACHINES[0]))
+            verdict.update(judge_slow_job(lines, t_fault, peer))
         record = trainguard_record(guarded, t_fault) if guarded is not None else {"healthy_taken_out": []}
         detected = bool(record.get("incidents")) if guarded is not None else (
             verdict["resumed"] if fault == "slow" else verdict["restarted"] or verdict["narrowed"])
@@ -603,6 +618,7 @@ def main() -> int:
     ap.add_argument("--watch-s", type=float, default=WATCH_S, help="how long each trial watches after its fault")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--logs", type=Path, help="a folder for every trial's launcher and lighthouse output")
+    ap.add_argument("--why", default="", help="with --into: why these trials ran again (recorded with the rerun)")
     ap.add_argument("--into", type=Path, help="an earlier result of this script: the trials run now replace its "
                                               "trials of the same system and fault, the rest are kept, and the rerun "
                                               "is listed in its setup's reruns")
@@ -626,7 +642,7 @@ def main() -> int:
                              "slow_s": SLOW_S, "tuning": TUNING, "logs": str(args.logs) if args.logs else None,
                              "commit": _commit(), "reruns": []}
     if args.into:
-        setup, trials = merged(json.loads(args.into.read_text())["setup"], trials, peers, faults)
+        setup, trials = merged(json.loads(args.into.read_text())["setup"], trials, peers, faults, why=args.why)
     peers = [p for p in PEERS if any(t["peer"] == p for t in trials)]
     faults = [f for f in FAULTS if any(t["fault"] == f for t in trials)]
     metrics, human = metrics_of(trials, peers, faults)
@@ -635,15 +651,15 @@ def main() -> int:
     return 0
 
 
-def merged(setup: dict[str, Any], trials: list[dict[str, Any]], peers: list[str], faults: list[str]
-           ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def merged(setup: dict[str, Any], trials: list[dict[str, Any]], peers: list[str], faults: list[str], *,
+           why: str = "") -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """An earlier run's setup and trials with ``trials`` (of ``peers`` x ``faults``) in place of its own of the
     same system and fault; the rerun listed (when, at which commit, what, why: the trials it replaced)."""
     redo = {(p, f) for p in peers for f in faults}
     kept = [t for t in setup["trials"] if (t["peer"], t["fault"]) not in redo]
     rerun = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": _commit(),
              "peers": peers, "faults": faults, "trials": len(trials),
-             "replaced": len(setup["trials"]) - len(kept)}
+             "replaced": len(setup["trials"]) - len(kept), **({"why": why} if why else {})}
     return ({**setup, "reruns": [*setup.get("reruns", []), rerun]}, kept + trials)
 
 

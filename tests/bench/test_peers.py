@@ -88,6 +88,22 @@ def test_a_slow_rank_voted_out_is_back_at_pace_after_its_restart():
     assert peers.human_work("slow", got) == "nothing"
 
 
+def test_replica_groups_are_back_at_pace_only_when_every_group_is():
+    """torchft's trials ended 5 s after a slow fault: the first group was back at its pace (the slow one left out of
+    its quorums), while the slow group itself stepped on at 3.2 s a step."""
+    peers = _peers()
+    fast = [line(s, 100.0 + 0.2 * s, r, 1) for s in range(60) for r in ("0", "1")]
+    slow = [line(s, 100.0 + 0.2 * s if s < 30 else 106.0 + 3.2 * (s - 29), "2", 2) for s in range(40)]
+    assert peers.judge_slow(fast + slow, 106.0, "0")["resumed"] is False  # never slowed: nothing to be back from
+    got = peers.judge_slow_job(fast + slow, 106.0, "torchft")
+    assert not got["resumed"] and got["slowed"] and got["slow_step_s"] == 3.2
+    assert peers.judge_slow_job(fast + slow, 106.0, "nvrx") == peers.judge_slow(fast + slow, 106.0, "m0")
+    # the slow group voted out and back at pace: the job is back, when its slow group is
+    healed = [line(s, 106.0 + 3.2 * 4 + 0.2 * (s - 33), "2", 3) for s in range(34, 60)]
+    got = peers.judge_slow_job(fast + slow[:34] + healed, 106.0, "torchft")
+    assert got["resumed"] and got["resume_s"] == peers.judge_slow(fast + slow[:34] + healed, 106.0, "2")["resume_s"]
+
+
 def test_a_slow_rank_nothing_noticed_never_counts_as_back():
     peers = _peers()
     lines = [line(s, 100.0 + 0.2 * s, "0", 1) for s in range(30)] + \
