@@ -497,13 +497,16 @@ def test_the_ettr_ledger_accounts_every_closed_incident_by_cause(control, cp_clu
 
 @pytest.mark.full
 def test_a_second_crash_right_after_a_recovery_escalates_one_rung(control, cp_cluster):
-    """The same job fails again right after a recovery: the ladder goes one rung up (no other known-good
-    revision: the silent-corruption check instead of the same diagnosis again)."""
+    """The same job fails again right after a recovery: the ladder goes one rung up (the first crash was
+    restarted at once; now the stop-time diagnosis of every machine, and with every machine passing and no other
+    known-good revision, a restart)."""
     ctl, airflow = control
     _first, machines = _crash_restarted_in_place(ctl, airflow, cp_cluster)
     second = _fault_and_recovery(ctl, airflow, cp_cluster, machines[2], "crash", rank=5, fresh=False)
     assert second.level == 1 and second.state == "resolved", _why(ctl, airflow, second.id)
-    assert _branch(airflow, second.id) == "silent_corruption"
+    assert _branch(airflow, second.id) == "stop_time_diagnosis"
+    out = _handler_output(airflow, second.id, "stop_time_diagnosis")
+    assert sorted(out["diagnosis"]["machines"]) == sorted(machines) and not out["diagnosis"]["failed"]
     assert ctl.fleet.job(JOB).machine_list == machines
 
 
