@@ -434,7 +434,7 @@ def scenarios(topo: Topology) -> dict[str, Scenario]:
                                                                                           frozenset({0})),
             "nan": (frozenset(), frozenset()), "agent_stopped": (frozenset(), frozenset({0})),
             "standby_nic_down": (frozenset(), frozenset())}
-    for first, task, second in (("crash", "triage", "gpu_lost"), ("crash", "stop_time_diagnosis", "hang"),
+    for first, task, second in (("crash", "triage", "gpu_lost"), ("crash", "restart_at_once", "hang"),
                                 ("crash", "stop_job", "nan"), ("crash", "swap_machines", "agent_stopped"),
                                 ("crash", "restart_job", "crash"), ("crash", "wait_for_resume", "gpu_lost"),
                                 ("slow", "slow_vote", "crash"), ("slow", "slow_vote", "agent_stopped"),
@@ -446,7 +446,7 @@ def scenarios(topo: Topology) -> dict[str, Scenario]:
                               f"a {first.replace('_', ' ')}, and a {second.replace('_', ' ')} on another machine "
                               f"while its incident's {task} runs", compound(first, task, second), must,
                               must | both[first][1] | then[second][1], kind="compound"))
-    outages = (("gpu_lost", "opened", "fleet", 25.0), ("crash", "stop_time_diagnosis", "fleet", 60.0),
+    outages = (("gpu_lost", "opened", "fleet", 25.0), ("crash", "restart_at_once", "fleet", 60.0),
                ("gpu_lost", "wait_for_resume", "fleet", 10.0), ("gpu_lost", "", "bus", 30.0))
     for first, when, part, secs in outages:
         what = "its incident opens" if when == "opened" else f"its incident's {when} runs" if when else "it happens"
