@@ -639,7 +639,7 @@ def main() -> int:
                     trials.append(t)
     setup: dict[str, Any] = {"spec": SPEC.__dict__, "machines": MACHINES, "spare": SPARE, "versions": versions(),
                              "watch_s": args.watch_s, "window_s": WATCH_S, "heartbeat_s": HEARTBEAT_S,
-                             "slow_s": SLOW_S, "tuning": TUNING, "logs": str(args.logs) if args.logs else None,
+                             "slow_s": SLOW_S, "tuning": TUNING, "logs": args.logs.name if args.logs else None,
                              "commit": _commit(), "reruns": []}
     if args.into:
         setup, trials = merged(json.loads(args.into.read_text())["setup"], trials, peers, faults, why=args.why)
