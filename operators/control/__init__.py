@@ -43,11 +43,11 @@ from trainguard.operators.control.ettr import Ettr
 from trainguard.operators.control.evictions import Evictions
 from trainguard.operators.control.incidents import Incidents
 from trainguard.operators.control.jobs import Jobs
-from trainguard.operators.control.reach import IncidentReach
 from trainguard.operators.control.reconcile import Reconciliation
 from trainguard.operators.control.recovery import Recovery
 from trainguard.operators.control.replay import Replay
 from trainguard.operators.fleet import FleetStore
+from trainguard.operators.hooks.reach import IncidentReach
 
 __all__ = ["FLAT", "SERVICES", "ControlConfig", "Controller", "asdict_action", "neighbour_groups"]
 
@@ -126,7 +126,7 @@ class Controller:
     def handling(self, incident_id: int) -> None:
         """The sessions from now on are incident ``incident_id``'s: a machine it found unreachable before (in any
         task) is not contacted again, and one found so now is recorded against it
-        (:class:`~trainguard.operators.control.reach.IncidentReach`)."""
+        (:class:`~trainguard.operators.hooks.reach.IncidentReach`)."""
         incident_id = int(incident_id)
         gone = {a.machines[0]: str((a.evidence or {}).get("why") or "") for a in self.fleet.actions(incident_id)
                 if a.kind == "unreachable" and a.machines}

@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import launcher
 from trainguard.operators.control.base import Part
 
@@ -35,6 +36,9 @@ class Recovery(Part):
         of reads before the launch."""
         inc = self.fleet.incident(incident_id)
         job = inc.job
+        if self.fleet.job(job).state == "stopped":  # a person's stop wins over an incident still recovering the job
+            raise TrainguardError(f"job {job} was stopped by hand while incident {incident_id} recovered it; not "
+                                  f"restarted (start it again with 'trainguard job start {job}')")
         self.memory.stopped.pop(job, None)
         before: dict[str, Any] | None = dict(found) if found else None
         if before is not None:

@@ -37,7 +37,9 @@ def test_one_replica_dies_the_other_trains_on_and_the_restarted_one_heals_from_i
     # the survivor's process lived through it (it never healed after the kill: a restart of its own would)
     assert not [r for r in survivor if r["ts"] > killed_at and r.get("healed_from_step") is not None]
     steps = [r["step"] for r in survivor]  # (the group that joined second healed from the other at the start)
-    assert steps == list(range(steps[0], STEPS)) and steps[0] < 10  # every step once: none lost, none redone
+    # every step once: none lost, none redone (the first a few steps in: the group that joined second healed at a
+    # step the first had reached alone, later under load)
+    assert steps == list(range(steps[0], STEPS)) and steps[0] < 40
     # the survivor never stood still longer than the quorum change (the lighthouse's 2 s heartbeat timeout and
     # a failed step), far from a restart of the whole job
     gaps = [b["ts"] - a["ts"] for a, b in itertools.pairwise(survivor) if a["ts"] >= killed_at - 5]

@@ -96,7 +96,7 @@ def test_a_tcp_handshake_without_an_answer_is_given_up_after_two_seconds_and_not
 def test_a_machine_that_answered_is_not_gone(tmp_path, status):
     """A host key that does not match and a command past its timeout are answers: the machine is asked again."""
     from trainguard.node_tools.transport import RunResult
-    from trainguard.operators.control.reach import IncidentReach
+    from trainguard.operators.hooks.reach import IncidentReach
 
     class Answers:
         calls = 0
