@@ -532,7 +532,7 @@ def test_a_job_of_replica_groups_trains_through_a_lost_gpu_on_its_other_replica_
                    what="both replica groups to train together")
         last = _last(ctl, job)
         at = time.time()
-        inject.inject(user_cluster, second, "gpu_lost")
+        inject.inject(user_cluster, second, "gpu_lost", job_name=job)  # (its machine may hold another job's leftovers)
         # the machine's incident: opened by its first explicit alert (the NVML loss or the kernel's Xid, whichever
         # the guardian reads first; the other, from a machine no longer in the job, joins nothing)
         inc = wait_until(lambda: next((i for i in ctl.fleet.incidents(job) if i.id > last and i.state in (
