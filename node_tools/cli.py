@@ -65,6 +65,9 @@ def _job_start_args(js: argparse.ArgumentParser) -> None:
                     help="an environment variable for every rank (repeat it)")
     js.add_argument("--restore-max-step", type=int, default=None, metavar="N",
                     help="the job restores no checkpoint step newer than N (TG_RESTORE_MAX_STEP)")
+    js.add_argument("--hang-floor-s", type=float, default=None, metavar="S",
+                    help="the least time without progress this machine's agent calls a hang of the job's ranks "
+                         "(default: the agent's own)")
     js.add_argument("--revision", default="")
     js.add_argument("--checkpoint", default="", help="checkpoint location for the job (TG_CHECKPOINT)")
     js.add_argument("--launcher", default="torchrun", help="torchrun, or direct: one process, no torchrun "
@@ -89,8 +92,8 @@ def _job_spec(ns: argparse.Namespace, *, warm: bool) -> Any:
         revision=ns.revision, checkpoint=ns.checkpoint, warm=warm,
         warm_if_parked=bool(getattr(ns, "warm_if_parked", False)), launcher=ns.launcher,
         module=ns.module, workdir=ns.workdir, env=job.parse_env(ns.env), restore_max_step=ns.restore_max_step,
-        replica=ns.replica, replicas=ns.replicas, lighthouse=ns.lighthouse, replica_host=ns.replica_host,
-        min_replicas=ns.min_replicas,
+        hang_floor_s=ns.hang_floor_s, replica=ns.replica, replicas=ns.replicas, lighthouse=ns.lighthouse,
+        replica_host=ns.replica_host, min_replicas=ns.min_replicas,
     )
 
 

@@ -79,6 +79,9 @@ class JobSpec:
             directory).
         env: environment variables for every rank (a launch's own variables win over them).
         restore_max_step: restore no checkpoint step newer than this (``TG_RESTORE_MAX_STEP``; None: the newest).
+        hang_floor_s: the least time without progress that this machine's agent calls a hang of the job's ranks
+            (recorded in ``job.json``, read by :class:`trainguard.node_tools.rankcheck.RankCheck`; None: the
+            agent's own floor).
         replica: this machine's part belongs to data-parallel replica group ``replica`` of ``replicas`` (a job
             whose replicas train on when one is lost: :mod:`trainguard.replicas`); ``nnodes`` and ``node_rank``
             are then the group's. None: the job is one group.
@@ -105,6 +108,7 @@ class JobSpec:
     workdir: str = ""
     env: dict[str, str] = field(default_factory=dict)
     restore_max_step: int | None = None
+    hang_floor_s: float | None = None
     replica: int | None = None
     replicas: int = 0
     lighthouse: str = ""
@@ -128,6 +132,9 @@ class JobSpec:
             check_env_name(key)
         if self.restore_max_step is not None and self.restore_max_step < 0:
             raise TrainguardError(f"job {self.job}: --restore-max-step {self.restore_max_step} must be >= 0")
+        if self.hang_floor_s is not None and not HANG_FLOOR_RANGE[0] <= self.hang_floor_s <= HANG_FLOOR_RANGE[1]:
+            raise TrainguardError(f"job {self.job}: --hang-floor-s {self.hang_floor_s:g} must be "
+                                  f"{HANG_FLOOR_RANGE[0]:g}..{HANG_FLOOR_RANGE[1]:g} seconds")
         if self.module and not re.fullmatch(r"[A-Za-z_][\w.]*", self.entry):
             raise TrainguardError(f"job {self.job}: --module {self.entry!r} is not a module name (pkg.train)")
         if self.nnodes < 1 or self.nproc_per_node < 1:
@@ -144,6 +151,9 @@ class JobSpec:
 
 
 LAUNCHERS = ("torchrun", "direct")
+#: the hang floor a job may ask for (``--hang-floor-s``), seconds: not below the agent's check of a rank (0.25 s) by
+#: much, not above an hour (past that, a rank without progress is not a job's own pause)
+HANG_FLOOR_RANGE = (0.5, 3600.0)
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: what a launch sets itself: a job's own environment may not set these
 RESERVED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",

@@ -58,6 +58,7 @@ class JobPlan:
         restore_max_step: restore no checkpoint step newer than this (``TG_RESTORE_MAX_STEP`` for the job's
             guard; None: the newest).
         replicas: run each data-parallel replica as a group of its own (None: the job is one ``torchrun``).
+        hang_floor_s: the least time without progress the agents call a hang of the job's ranks (None: theirs).
     """
 
     job: str
@@ -77,6 +78,7 @@ class JobPlan:
     pass_layout: bool = False
     restore_max_step: int | None = None
     replicas: ReplicaGroups | None = None
+    hang_floor_s: float | None = None
 
     def validate(self) -> None:
         """Refuse a plan whose machines do not fit its topology or name a machine twice (linear in the
@@ -161,6 +163,7 @@ class JobPlan:
             *(["--workdir", self.workdir] if self.workdir else []),
             *[f"--env={k}={v}" for k, v in sorted(self.env.items())],
             *(["--restore-max-step", str(self.restore_max_step)] if self.restore_max_step is not None else []),
+            *(["--hang-floor-s", f"{self.hang_floor_s:g}"] if self.hang_floor_s is not None else []),
             "--",
             *(["--tp", str(t.tp), "--pp", str(t.pp), "--dp", str(t.dp)] if self.pass_layout else []),
             *self.train_args,

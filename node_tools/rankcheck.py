@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from typing import Any
 from trainguard.core import procs
 from trainguard.node_tools import monitor
 from trainguard.node_tools.checks import Check, Finding, read_json
+from trainguard.node_tools.job import HANG_FLOOR_RANGE
 
 
 @dataclass
@@ -31,14 +33,20 @@ class RankTimeouts:
     """How long a rank may go without progress before it counts as hung.
 
     The timeout is calibrated from what the rank has shown (as NVRx does):
-    ``max(floor_s, factor x the longest step interval seen recently)``, where the
+    ``max(floor_s, factor x the longest step interval seen recently)`` (a job's spec may set its own floor:
+    ``hang_floor_s``, recorded in its ``job.json``), where the
     ``ignore_longest`` longest intervals of the window are left out once it holds
     20 or more, so a one-off stall (an earlier fault, a restore) does not inflate
     it while step kinds that recur (an evaluation every N steps) still count.
     Before ``min_steps`` steps it is ``startup_s`` (imports, rendezvous, first step).
 
     Attributes:
-        floor_s: lower bound of the calibrated timeout, seconds.
+        floor_s: lower bound of the calibrated timeout, seconds. 3 s: NVRx calibrates its heartbeat timeout with no
+            floor (1.1 s on 0.2 s steps), and a lost machine or a rank stalled in a collective costs every GPU of
+            the job each second of it; the floor is there for a job's own first pause that its steps never showed
+            (a first evaluation outside a step, a first save of its own), which should stay under it, come in a
+            step, or raise the job's ``hang_floor_s``; a pause that passed before the runtime analysis looked is
+            left alone there (:func:`trainguard.operators.tasks.rungs.runtime_analysis`).
         factor: safety factor on the longest observed step interval.
         startup_s: timeout before the rank has shown ``min_steps`` steps, seconds.
         min_steps: steps needed before calibration applies.
@@ -92,9 +100,12 @@ class RankTimeouts:
             load on a shared host takes a window of 5 s below for about as long as the burst and the window).
         decline_relearn: consecutive declined steps after which the lower throughput is the new normal ...
         decline_relearn_s: ... and that took this long together, seconds.
+        release_replicas: kill a rank proven stopped (not one a debugger holds) when it belongs to a replica group
+            (:meth:`RankCheck._release`): the other groups then train on without waiting out their collective's
+            timeout.
     """
 
-    floor_s: float = 5.0
+    floor_s: float = 3.0
     factor: float = 5.0
     startup_s: float = 600.0
     min_steps: int = 3
@@ -124,6 +135,7 @@ class RankTimeouts:
     decline_persist_s: float = 10.0
     decline_relearn: int = 60
     decline_relearn_s: float = 30.0
+    release_replicas: bool = True
 
 
 LEARN_FACTOR = 1.5  # a step time above this multiple of the baseline does not teach the baseline
@@ -184,6 +196,7 @@ class _RankState:
     progress: Any = None  # the heartbeat's progress (step, collectives completed)
     progress_seen: float = 0.0
     frozen: tuple[int, float] | None = None  # (CPU ticks, since) while a stale heartbeat is being confirmed
+    released: bool = False  # the rank was killed for its replica group (RankCheck._release)
     held_seen: float | None = None  # when the rank was first seen holding still on purpose (status "held")
     traced_seen: float | None = None  # when the rank was first seen in a tracing stop ("t") in a row
     tput: deque = field(default_factory=deque)  # the baseline's steps: (tokens, seconds, kept, wall seconds)
@@ -232,7 +245,8 @@ class RankCheck(Check):
             out.append((d.name, d, record))
         return out
 
-    def timeout_for(self, st: _RankState) -> float:
+    def timeout_for(self, st: _RankState, floor_s: float | None = None) -> float:
+        """The rank's hang timeout now, seconds (``floor_s``: its job's own floor, else the agent's)."""
         if st.steps_seen < self.t.min_steps or not st.times:
             return self.t.startup_s
         ordered = sorted(st.times)
@@ -243,7 +257,28 @@ class RankCheck(Check):
         recurring = sorted(t for seen, t in st.long_seen if now - seen <= self.t.recur_s)
         if len(recurring) >= 2:  # a long step that came back (the program's own evaluation): it counts
             longest = max(longest, recurring[-2])
-        return max(self.t.floor_s, self.t.factor * longest)
+        return max(self.t.floor_s if floor_s is None else floor_s, self.t.factor * longest)
+
+    def _release(self, record: dict[str, Any], pid: Any, pid_start: Any, state: str | None, traced: bool
+                 ) -> str | None:
+        """A stopped rank of a replica group (its launch recorded ``replica``) holds every other group inside the
+        collective it never joins, until the collective's timeout; its group is taken out and its machine swapped
+        anyway (the degrade path). Killed now (SIGKILL: the kernel closes its connections, so the others' collective
+        fails at once and their next quorum leaves the group out): returns what was done, else None. A rank a
+        debugger holds (a tracing stop) is left to the person at the debugger; a job that is one group is left to
+        the control plane's stop."""
+        spec = record.get("spec")
+        if not self.t.release_replicas or traced or state == "t" or not isinstance(spec, dict) \
+                or spec.get("replica") is None or not isinstance(pid, int):
+            return None
+        if procs.proc_state(pid, pid_start) in (None, "Z", "X"):  # gone, or its pid another process's now
+            return None
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            return None
+        return (f"killed (SIGKILL) so that replica group {spec.get('replica')}'s peers leave it out of their next "
+                f"quorum at once instead of at their collective's timeout")
 
     def _read_new_steps(self, run_dir: Path, rank: int, st: _RankState) -> list[dict[str, Any]]:
         path = monitor.steps_path(run_dir, rank)
@@ -346,6 +381,8 @@ class RankCheck(Check):
         else:
             st.frozen = None
         if stopped:
+            released = self._release(record, pid, hb.get("pid_start"), state, traced) if not st.released else None
+            st.released = st.released or released is not None
             found.append(Finding("rank_stopped", f"stopped:{job}:{rank}",
                                  f"rank {rank} of job {job}: heartbeat unchanged for {unchanged:.1f}s, process "
                                  f"state {state}", job=job, rank=rank,
@@ -353,10 +390,11 @@ class RankCheck(Check):
                                                confirmed="process stopped" if state == "T"
                                                else "process traced (a debugger holds it) for "
                                                     f"{mono - st.traced_seen:.1f}s" if traced
-                                               else "no CPU time used")))
+                                               else "no CPU time used",
+                                               **({"released": released} if released else {}))))
             return found
         progress_age = mono - st.progress_seen
-        timeout = self.timeout_for(st)
+        timeout = self.timeout_for(st, _job_floor(record))
         hold = hb.get("hold") if status == "held" else None
         if isinstance(hold, dict):
             # the rank stopped stepping on purpose (a non-finite loss: it waits for the control plane); trusted
@@ -667,6 +705,14 @@ def _offset_of_incarnation(path: Path, incarnation: int, *, block: int = 1 << 16
                 continue
             found = offset
         return found or 0
+
+
+def _job_floor(record: dict[str, Any]) -> float | None:
+    """The hang floor the job's launch recorded (``hang_floor_s`` of its spec), or None: a record that holds
+    anything else there is not trusted with it."""
+    spec = record.get("spec")
+    value = _num(spec.get("hang_floor_s")) if isinstance(spec, dict) else math.nan
+    return value if math.isfinite(value) and HANG_FLOOR_RANGE[0] <= value <= HANG_FLOOR_RANGE[1] else None
 
 
 def _log_tail(record: dict[str, Any], local_rank: int, lines: int = 20) -> list[str]:

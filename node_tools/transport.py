@@ -30,6 +30,7 @@ one, does not need it.
 from __future__ import annotations
 
 import base64
+import errno
 import io
 import json
 import logging
@@ -134,6 +135,11 @@ class Transport:
     def tg_node(self, machine: Machine, *args: str) -> list[str]:
         """The argument list that runs ``tg-node args...`` on ``machine``."""
         return [self.inventory.tg_node, *args]
+
+    def answers(self, machine: Machine, timeout_s: float) -> bool | None:
+        """Whether ``machine`` answers a connection within ``timeout_s`` (None: this transport cannot tell without
+        running a command: its machines are processes of this host)."""
+        return None
 
     def run(
         self, machine: Machine, argv: Sequence[str], *, timeout: float = 30.0, stdin: str | None = None,
@@ -393,6 +399,17 @@ class SshTransport(Transport):
     def _pkey(self) -> paramiko.PKey | None:
         """The connection's key text, parsed once for every machine (None: the key file, or none)."""
         return private_key(self.credentials.key_text) if self.credentials.key_text else None
+
+    def answers(self, machine: Machine, timeout_s: float) -> bool | None:
+        """Whether ``machine``'s kernel answers a TCP connection to its SSH port within ``timeout_s``: False only
+        when nothing answered at all (no SYN-ACK, no RST); refused or reset means a machine that is there."""
+        try:
+            socket.create_connection((machine.address, machine.port), timeout=timeout_s).close()
+        except TimeoutError:
+            return False
+        except OSError as exc:  # refused (sshd restarting) is an answer; no route to the host is not
+            return exc.errno not in (errno.EHOSTUNREACH, errno.ENETUNREACH)
+        return True
 
     def _connect(self, machine: Machine) -> paramiko.SSHClient:
         import paramiko

@@ -13,6 +13,7 @@ control plane performs: the first, and each restart after a recovery, a code upd
     checkpoint: s3://ckpt/llm-7b                      # handed to the job as TG_CHECKPOINT
     env: {NCCL_DEBUG: WARN}
     revision: v1.4.2
+    hang_floor_s: 10                                  # its first evaluation pauses 8 s outside a step (default 3)
 
 A job whose data-parallel replicas train on when one is lost (its script uses :class:`trainguard.replicas.Replicas`)
 says so with ``replicas``: each replica then runs as a ``torchrun`` group of its own, the groups meet at a torchft
@@ -41,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainguard.core.errors import TrainguardError
 from trainguard.core.topology import Topology
-from trainguard.node_tools.job import ENV_NAME_RE, JOB_NAME_RE, RESERVED_ENV
+from trainguard.node_tools.job import ENV_NAME_RE, HANG_FLOOR_RANGE, JOB_NAME_RE, RESERVED_ENV
 
 REVISION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,127}\Z")
 MAX_SPEC_BYTES = 64 * 1024
@@ -101,6 +102,10 @@ class JobSpec(BaseModel):
         env: environment variables for every rank (names torchrun sets and ``TG_*`` are refused).
         revision: the code revision the job runs (recorded; a code update or rollback changes it).
         replicas: run each data-parallel replica as a group of its own (:class:`Replicas`; None: one group).
+        hang_floor_s: the least time without progress that the agents call a hang of the job's ranks, seconds
+            (None: the agents' own, 3 s). The timeout is calibrated from the steps each rank showed (five times the
+            longest recent one); the floor covers a pause the steps never showed, such as a first evaluation or
+            save outside a step: raise it when the job's first one takes longer.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -118,6 +123,7 @@ class JobSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     revision: str = "r0"
     replicas: Replicas | None = None
+    hang_floor_s: float | None = Field(None, ge=HANG_FLOOR_RANGE[0], le=HANG_FLOOR_RANGE[1])
 
     @field_validator("name")
     @classmethod
@@ -278,7 +284,7 @@ class JobSpec(BaseModel):
         return JobPlan(job=job, topology=topology, machines=machines, train_args=list(train_args),
                        entry=self.entry, module=bool(self.module), workdir=self.workdir, env=dict(self.env),
                        launcher=self.launcher, pass_layout=self.pass_layout, checkpoint=self.checkpoint,
-                       revision=revision, replicas=groups, **plan_fields)
+                       revision=revision, replicas=groups, hang_floor_s=self.hang_floor_s, **plan_fields)
 
 
 def _one_line(exc: ValidationError, source: str) -> str:

@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "for a restart there (default), or in background threads of the training process")
     c.add_argument("--checkpoint-wait-s", type=float, default=2.0,
                    help="when both snapshot buffers are still being persisted, a step waits at most this long for "
-                        "one (0 = skip the snapshot at once; default 2, below the node agent's 5 s floor for a hang)")
+                        "one (0 = skip the snapshot at once; default 2, below the node agent's 3 s floor for a hang)")
     c.add_argument("--checkpoint-saver-idle-s", type=float, default=600.0,
                    help="a saver process ends this long after the last rank left (default 600)")
     c.add_argument("--checkpoint-measure-memcpy", action="store_true",

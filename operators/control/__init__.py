@@ -30,6 +30,8 @@ without acting.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +48,8 @@ from trainguard.operators.control.jobs import Jobs
 from trainguard.operators.control.reconcile import Reconciliation
 from trainguard.operators.control.recovery import Recovery
 from trainguard.operators.control.replay import Replay
-from trainguard.operators.fleet import FleetStore
-from trainguard.operators.hooks.reach import IncidentReach
+from trainguard.operators.fleet import FleetError, FleetStore
+from trainguard.operators.hooks.reach import QUIET_S, IncidentReach
 
 __all__ = ["FLAT", "SERVICES", "ControlConfig", "Controller", "asdict_action", "neighbour_groups"]
 
@@ -139,6 +141,19 @@ class Controller:
                 self.fleet.finish_action(action.id, "done", why[:200])
 
         self._transport.enter(incident_id, gone, record)
+        self._transport.probe(*self._quiet(incident_id, gone))
+
+    def _quiet(self, incident_id: int, gone: Mapping[str, str]) -> tuple[list[Any], dict[str, float]]:
+        """The machines of the incident's job whose agents the guardian last saw quiet (:data:`QUIET_S`), not yet
+        gone, and for how long each."""
+        try:
+            job = self.fleet.job(self.fleet.incident(incident_id).job)
+        except FleetError:  # an incident of machines alone, or of a job since removed
+            return [], {}
+        live, now = self.fleet.liveness(), time.time()
+        quiet = {m: now - live[m].changed_ts for m in job.machine_list
+                 if m not in gone and m in live and now - live[m].changed_ts > QUIET_S}
+        return self.inventory.named(sorted(quiet)), quiet
 
     def unreachable(self, job: str) -> dict[str, str]:
         """The machines of ``job`` the incident being handled found unreachable: machine -> why."""

@@ -39,7 +39,12 @@ class Analysis(Part):
         machine_of = {r: j.machine_list[topo.machine_of(r)] for r in range(topo.world_size)}
         a = runtime.analyze(topo, runtime.rank_stacks(docs, topo.world_size, machine_of), named=named,
                             kinds=("pp", "dp"), stopped=stopped)
-        return {"job": job, "outliers": a.outliers, "named": named, "claimed_stopped": claimed,
+        # the steps the stall was reported at, against the steps the ranks are at now
+        passed = runtime.stall_passed({k: v for doc in docs.values() for k, v in (doc.get("steps") or {}).items()},
+                                      [ev.get("step") for a in firsts if a.kind == "rank_hang"
+                                       for ev in [(a.document or {}).get("evidence")] if isinstance(ev, dict)],
+                                      topo.world_size)
+        return {"job": job, "outliers": a.outliers, "named": named, "claimed_stopped": claimed, "passed": passed,
                 "refuted": sorted(set(claimed) - set(stopped)),
                 "reasons": {str(k): v for k, v in a.reasons.items()},
                 "group_kind": a.group_kind, "groups": [len(g) for g in a.groups],

@@ -13,17 +13,28 @@ out the grace of a SIGTERM they cannot act on while they hang in a collective wi
 
 Outside an incident (the reconciler's look, the Fleet page, a script) the proxy passes every call through: a machine
 that did not answer once is tried again next time. A host key that does not match and a command that outlived its
-timeout are not "unreachable": the machine answered."""
+timeout are not "unreachable": the machine answered.
+
+A machine whose agent has gone quiet (its heartbeat unchanged for :data:`QUIET_S`, as the guardian last saw it) is
+asked first, when a task of the incident begins, whether it answers a TCP connection at all within
+:data:`QUIET_PROBE_S` (:meth:`IncidentReach.probe`): a live machine's kernel answers in milliseconds however loaded
+it is; a lost one would otherwise cost the first session its whole handshake timeout (2 s, there so that one lost
+SYN does not evict a healthy machine; with a quiet agent too, two signs agree)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from trainguard.node_tools.inventory import Machine
 from trainguard.node_tools.transport import RunResult, Transport
 
 GONE = "gone"  # the RunResult.extra key of a session not opened: why the machine counts as gone
+#: an agent whose heartbeat did not change for this long is quiet (it rewrites it every 2 s: one missed and a half)
+QUIET_S = 3.0
+#: ... and its machine is given this long to answer a TCP connection when a task of the incident begins
+QUIET_PROBE_S = 0.5
 
 
 class IncidentReach:
@@ -43,6 +54,26 @@ class IncidentReach:
         """Handle ``incident`` from now on: ``gone`` its machines recorded unreachable so far, ``record(machine, why)``
         what keeps a new one."""
         self.incident, self.gone, self._record = int(incident), dict(gone), record
+
+    def probe(self, machines: Sequence[Machine], quiet_s: Mapping[str, float]) -> dict[str, str]:
+        """Ask each of ``machines`` (their agents quiet for ``quiet_s[name]`` seconds) whether it answers a TCP
+        connection within :data:`QUIET_PROBE_S`, all at once; one that does not is gone for the incident (recorded
+        as any unreachable one). Returns those found gone now: machine -> why."""
+        asked = [m for m in machines if m.name not in self.gone]
+        if self.incident is None or not asked:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(len(asked), 64)) as pool:
+            answers = dict(zip([m.name for m in asked],
+                               pool.map(lambda m: self.inner.answers(m, QUIET_PROBE_S), asked), strict=True))
+        found = {}
+        for name, answered in answers.items():
+            if answered is False:
+                found[name] = (f"{name}: its agent quiet for {quiet_s.get(name, 0.0):.1f}s and no answer to a TCP "
+                               f"connection within {QUIET_PROBE_S:g}s")
+                self.gone[name] = found[name]
+                if self._record is not None:
+                    self._record(name, found[name])
+        return found
 
     def leave(self) -> None:
         self.incident, self.gone, self._record = None, {}, None

@@ -583,7 +583,12 @@ def after_diagnosis(job: str, category: str, machines: Sequence[str], *, level: 
 
 def after_analysis(category: str, analysis: Mapping[str, Any]) -> Verdict:
     """A hang's stacks: over-evict the outliers' parallel group (the outliers' own machines first when the pool is
-    short); ``diagnose`` when nothing stands out."""
+    short); ``diagnose`` when nothing stands out; left alone when every rank has stepped past the stall the alerts
+    reported (``passed``: a pause of the program's own, not a hang)."""
+    passed = analysis.get("passed")
+    if isinstance(passed, int) and not isinstance(passed, bool):
+        return Verdict("leave", resolved=f"{category}: every rank stepped on past the stall (at step {passed} by the "
+                                         f"stacks): a pause of the job's own, no hang")
     if not analysis.get("machines"):
         return Verdict("diagnose")
     group = analysis.get("group_kind") or "machine"

@@ -234,6 +234,24 @@ NOISE_SIGMAS = 4.0
 MIN_STEP_SHARE = 0.02
 
 
+def stall_passed(steps: Mapping[str, Any], alerted: Iterable[Any], world_size: int) -> int | None:
+    """The step every rank of the job has finished past the stall its hang alerts reported (``steps``: each rank's
+    step as the stacks' documents read it, ``{"rank": step}``; ``alerted``: the steps the alerts' evidence gave),
+    or None while any rank was not seen or has not moved past it: a pause of the program's own (a first evaluation
+    or save outside a step, a data loader starting its workers) that outlasted the agents' floor and passed before
+    the analysis looked. A hang never passes: its stalled rank stays on its step."""
+    stalled = [int(s) for s in alerted if isinstance(s, int) and not isinstance(s, bool)]
+    if not stalled or world_size < 1:
+        return None
+    now = []
+    for r in range(world_size):
+        s = steps.get(str(r))
+        if not isinstance(s, int) or isinstance(s, bool):
+            return None
+        now.append(s)
+    return min(now) if min(now) > max(stalled) else None
+
+
 def _median(values: Iterable[float]) -> float:
     """The lower median: with half the ranks slow (a whole machine of a small stage), still a normal one."""
     ordered = sorted(values)

@@ -216,10 +216,11 @@ def _stop_and_implicate(c: Controller, d: IncidentDecision) -> tuple[Logs, Verdi
 
 def runtime_analysis(c: Controller, d: IncidentDecision) -> dict[str, Any]:
     """Stacks of every rank while the job still hangs; over-evict the outliers' parallel group. Nothing stands out:
-    the stop-time diagnosis, unless the ranks reported stopped were seen running and the job trains."""
+    the stop-time diagnosis, unless the ranks reported stopped were seen running and the job trains. Every rank past
+    the stall: nothing to do (a pause of the job's own)."""
     a = c.analysis.analyze(d.job, d.incident)
     v = ladder.after_analysis(str(d.category), a)
-    if v.kind == "evict":
+    if v.kind in ("evict", "leave"):
         return _acted(c, d, v, Evidence(analysis=a))
     if a["refuted"] and c.jobs.trains(d.job):  # the alerts' claim is refuted and the job trains on
         why = (f"rank(s) {', '.join(map(str, a['refuted']))} reported stopped were seen running and the job trains: "

@@ -232,6 +232,46 @@ def test_a_stopped_process_is_proof_and_a_stale_heartbeat_needs_a_frozen_process
     assert check.run(time.time()) == []
 
 
+@pytest.mark.parametrize("replica", [1, None])
+def test_a_stopped_rank_of_a_replica_group_is_killed_so_the_other_groups_train_on(tmp_path, fake_job, replica):
+    """A SIGSTOPped rank of one replica group held the other two inside their all-reduce for the collective's 2 s
+    timeout (1.6 to 1.9 GPU-s each of the degrade path's 6.4 for a hang). Its group leaves anyway: killed at once,
+    the kernel closes its connections and the others' collective fails now. A job that is one group is left to the
+    control plane's stop (its stacks are evidence)."""
+    record = json.loads((fake_job.dir / "job.json").read_text())
+    monitor.write_json_atomic(fake_job.dir / "job.json", record | {"spec": {"replica": replica, "replicas": 3}})
+    fake_job.rank(0)
+    proc = fake_job.procs[0]
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: procs.proc_state(proc.pid) == "T", timeout=5, what="the process to stop")
+        (f,) = RankCheck(tmp_path).run(time.time())
+        assert f.kind == "rank_stopped" and f.evidence["process_state"] == "T"
+        if replica is None:
+            assert "released" not in f.evidence and proc.poll() is None
+        else:
+            assert "replica group 1" in f.evidence["released"]
+            assert proc.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+
+
+def test_a_rank_a_debugger_holds_is_not_killed_for_its_replica_group(tmp_path, fake_job, monkeypatch):
+    record = json.loads((fake_job.dir / "job.json").read_text())
+    monitor.write_json_atomic(fake_job.dir / "job.json", record | {"spec": {"replica": 0, "replicas": 2}})
+    fake_job.rank(0)
+    pid = fake_job.procs[0].pid
+    real = procs.proc_state
+    monkeypatch.setattr(procs, "proc_state", lambda p, started_at=None: "t" if p == pid else real(p, started_at))
+    clock = Clock()
+    check = RankCheck(tmp_path, clock=clock)
+    assert check.run(time.time()) == []
+    clock.t += 1.0
+    (f,) = check.run(time.time())
+    assert f.kind == "rank_stopped" and "released" not in f.evidence and fake_job.procs[0].poll() is None
+
+
 def test_a_tracing_stop_is_proof_only_once_it_lasts(tmp_path, fake_job, monkeypatch):
     """py-spy pauses a rank (state "t") for the moment it takes its stacks, as the runtime analysis does on
     every rank: an agent that took that for a stopped rank opened a hang incident of the control plane's own
@@ -325,6 +365,28 @@ def test_hang_timeout_is_calibrated_from_observed_steps(tmp_path, fake_job):
     other.run(time.time())
     clock.t += 60.0
     assert [x.rank for x in other.run(time.time())] == [0]
+
+
+@pytest.mark.parametrize("recorded, floor", [(8.0, 8.0), ("eight", 3.0), (0.01, 3.0), (None, 3.0)])
+def test_a_job_may_raise_its_own_hang_floor(tmp_path, fake_job, recorded, floor):
+    """A job whose first evaluation pauses 6 s outside a step raises ``hang_floor_s`` in its spec (recorded in its
+    job.json by the launch): no hang until that floor; a record that holds anything else gets the agent's floor."""
+    record = json.loads((fake_job.dir / "job.json").read_text())
+    monitor.write_json_atomic(fake_job.dir / "job.json", record | {"spec": {"hang_floor_s": recorded}})
+    clock = Clock()
+    check = RankCheck(tmp_path, clock=clock)
+    assert check.t.floor_s == 3.0
+    fake_job.rank(0)
+    for s in range(5):  # 0.2 s steps: the calibrated part (5 x 0.2 s) is under any floor
+        fake_job.step(0, s, 2.0, step_time_s=0.2)
+        fake_job.rank(0)
+        assert check.run(time.time()) == []
+        clock.t += 0.2
+    clock.t += floor - 0.3
+    assert check.run(time.time()) == []
+    clock.t += 0.5
+    (f,) = check.run(time.time())
+    assert f.kind == "rank_hang" and f.evidence["timeout_s"] == pytest.approx(floor)
 
 
 def test_a_rank_holding_still_after_a_nan_is_not_a_hang_until_its_hold_runs_out(tmp_path, fake_job):

@@ -44,6 +44,9 @@ def test_info_and_gpu(node, capsys):
         (["fault", "inject", "--kind", "xid", "--param", "gpu=5"], "has GPUs 0..1; there is no GPU 5"),
         (["fault", "inject", "--kind", "disk_full", "--rank", "1"], "acts on a whole machine"),
         (["bogus"], "invalid choice"),
+        (["job", "start", "--job", "x", "--nnodes", "1", "--node-rank", "0", "--nproc-per-node", "1", "--master-addr",
+          "127.0.0.1", "--master-port", "29500", "--entry", "t.py", "--hang-floor-s", "0.1"],
+         "--hang-floor-s 0.1 must be 0.5..3600 seconds"),
     ],
 )
 def test_bad_input_is_a_one_line_json_error_with_exit_2(node, capsys, argv, match):

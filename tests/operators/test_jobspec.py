@@ -50,6 +50,7 @@ def test_a_module_and_a_command_string():
     ({"launcher": "direct", "processes_per_machine": 2}, r"^job spec: launcher direct starts one process a machine"),
     ({"launcher": "mpirun"}, r"^job spec: launcher: Input should be 'torchrun' or 'direct'"),
     ({"revision": "a b"}, r"^job spec: revision: must be 1-128 letters"),
+    ({"hang_floor_s": 0.1}, r"^job spec: hang_floor_s: Input should be greater than or equal to 0\.5$"),
     ({"gpus": 8}, r"^job spec: gpus is not a field of a job spec; remove it \(fields: name, command, "),
 ])
 def test_a_bad_spec_is_one_line_naming_the_field(change, message):
@@ -92,7 +93,8 @@ def test_the_reference_job_is_a_spec_like_any_other():
 def test_a_restart_after_a_fault_runs_the_users_own_command_arguments_and_environment(tmp_path, monkeypatch):
     spec = parse_spec({"name": "j", "command": ["-m", "team.train", "--data", "shards/*.bin", "--lr", "0.1"],
                        "workdir": "/srv/team", "machines": ["m0", "m1", "m2", "m3"], "processes_per_machine": 2,
-                       "env": {"NCCL_DEBUG": "WARN", "HF_HOME": "/srv/cache dir"}, "checkpoint": "s3://ckpt/j"})
+                       "env": {"NCCL_DEBUG": "WARN", "HF_HOME": "/srv/cache dir"}, "checkpoint": "s3://ckpt/j",
+                       "hang_floor_s": 8})
     c, fleet = fleet_controller(tmp_path, topology=spec.topology(), train_args=spec.args, spec=spec.document())
     assert c.fleet.job("j").spec == spec.document()
     out = run_incident(c, [alert("gpu_lost", "m1")], monkeypatch)
@@ -104,6 +106,7 @@ def test_a_restart_after_a_fault_runs_the_users_own_command_arguments_and_enviro
         assert head[head.index("--entry") + 1] == "team.train" and "--module" in head
         assert head[head.index("--workdir") + 1] == "/srv/team"
         assert head[head.index("--checkpoint") + 1] == "s3://ckpt/j"
+        assert head[head.index("--hang-floor-s") + 1] == "8"  # the agents' floor the job asked for
         assert sorted(a for a in head if a.startswith("--env=")) == ["--env=HF_HOME=/srv/cache dir",
                                                                       "--env=NCCL_DEBUG=WARN"]
         assert tail == ["--data", "shards/*.bin", "--lr", "0.1"]  # the user's arguments, nothing of the example's

@@ -115,3 +115,57 @@ def test_a_machine_that_answered_is_not_gone(tmp_path, status):
     reach.run(M(), ["x"])
     reach.run(M(), ["x"])
     assert Answers.calls == 2 and not recorded and not reach.gone
+
+
+def test_a_machine_whose_agent_went_quiet_is_asked_once_for_a_handshake_and_a_silent_one_is_gone(tmp_path):
+    """A lost machine cost the hang's stacks their 2 s handshake timeout (2.2 of a 13.5 s recovery); its agent's
+    heartbeat had stopped seconds before. Quiet agents' machines are asked for a short handshake when a task begins:
+    the silent one is gone before any session waits on it, the one that answers is left to its sessions."""
+    c, fleet = fleet_controller(tmp_path)
+    now = time.time()
+    c.fleet.record_liveness({"m0": {"token": "a", "changed_ts": now - 0.5},  # beating
+                             "m1": {"token": "b", "changed_ts": now - 4.0},  # quiet, but its machine answers
+                             "m2": {"token": "c", "changed_ts": now - 6.0},  # quiet, its machine lost
+                             "m4": {"token": "d", "changed_ts": now - 60.0}})  # quiet, but no machine of the job
+    [item] = c.ingest([alert("rank_hang", "m1", rank=1)])
+    fleet.unreachable = {"m2"}
+    c.handling(item["incident"])
+    assert sorted(fleet.probed) == ["m1", "m2"] and not fleet.commands
+    [gone] = [a for a in c.fleet.actions(item["incident"]) if a.kind == "unreachable"]
+    assert gone.machines == ["m2"] and "agent quiet for 6." in gone.evidence["why"]
+    c.analysis.analyze("j", item["incident"])
+    assert not _sent_to(fleet, "m2") and _sent_to(fleet, "m1")  # the stacks asked the one that answered
+    c.handling(item["incident"])  # the next task: m2 is gone already, m1 asked again
+    assert sorted(fleet.probed) == ["m1", "m1", "m2"]
+
+
+def test_the_handshake_probe_tells_silence_from_an_answer(tmp_path):
+    """No SYN-ACK within the probe's time is silence; a refused connection (sshd restarting) is an answer."""
+    from trainguard.node_tools.inventory import Inventory, Machine
+    from trainguard.node_tools.transport import SshTransport
+    from trainguard.operators.hooks.reach import QUIET_PROBE_S
+
+    listener, closed = socket.socket(), socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: the kernel refuses
+    fillers = []
+    try:
+        inv = Inventory(cluster="t", transport="ssh", machines=[
+            Machine(name=n, address="127.0.0.1", port=s.getsockname()[1], host_key="ssh-rsa AAAA")
+            for n, s in (("open", listener), ("refused", closed))])
+        t = SshTransport(inv)
+        assert t.answers(inv.machine("open"), QUIET_PROBE_S) is True
+        assert t.answers(inv.machine("refused"), QUIET_PROBE_S) is True
+        while True:  # the listener's accept queue full: its SYNs dropped, as a dead link's
+            try:
+                fillers.append(socket.create_connection(listener.getsockname(), timeout=0.5))
+            except TimeoutError:
+                break
+            assert len(fillers) < 64, "the listener's queue never filled"
+        t0 = time.monotonic()
+        assert t.answers(inv.machine("open"), QUIET_PROBE_S) is False
+        assert QUIET_PROBE_S <= time.monotonic() - t0 < QUIET_PROBE_S + 1.0
+    finally:
+        for s in (*fillers, listener, closed):
+            s.close()

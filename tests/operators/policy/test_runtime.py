@@ -207,3 +207,16 @@ def test_a_rank_whose_excess_is_below_the_timers_grain_is_no_straggler_and_a_30_
     slow = runtime.SlowVoter(topo, rounds=1)
     assert slow.add_round({0: 0.0010, 1: 0.0013}, factor=1.25, noise={0: 1e-6, 1: 1e-6},
                           walls={0: 0.0073, 1: 0.0073}) == [1]
+
+
+@pytest.mark.parametrize(("steps", "alerted", "passed"), [
+    ({"0": 12, "1": 13, "2": 12, "3": 12}, [10, 10, 11], 12),  # every rank past the newest reported step
+    ({"0": 12, "1": 11, "2": 12, "3": 12}, [10, 11], None),  # rank 1 still on the step it stalled at
+    ({"0": 12, "1": 12, "2": 12}, [10], None),  # rank 3 not seen (its machine did not answer)
+    ({"0": 12, "1": 12, "2": 12, "3": "12"}, [10], None),  # a step that is not a number is not seen
+    ({"0": 12, "1": 12, "2": 12, "3": 12}, [], None),  # no step reported: nothing to be past
+    ({"0": 12, "1": 12, "2": 12, "3": 12}, [True, "9"], None),  # nor when what was reported is not a step
+    ({"0": 3, "1": 3, "2": 3, "3": 3}, [10], None),  # restarted from an older step: not past the stall
+])
+def test_a_stall_has_passed_only_when_every_rank_stepped_past_it(steps, alerted, passed):
+    assert runtime.stall_passed(steps, alerted, 4) == passed

@@ -638,3 +638,33 @@ def test_clearing_restart_job_of_an_incident_the_breaker_stopped_judges_the_evic
     resumed = next(r for r in (steps.resumed(raised, out["incident"], recovery) for _ in range(20)) if r is not None)
     closed = steps.close(raised, out["incident"], None, recovery, resumed)
     assert closed["state"] == "resolved" and raised.fleet.job("j").state == "running"
+
+
+def test_a_pause_of_the_jobs_own_that_passed_before_the_stacks_is_left_alone(tmp_path, monkeypatch):
+    """A job's first evaluation on rank 1, outside a step, outlasted the agents' 3 s floor: every rank reported a hang
+    at step 10, rank 1's stack stood out (the others waited in the all-reduce). By the time the stacks were taken,
+    every rank had stepped on: no eviction, no stop, the incident resolved."""
+    c, fleet = fleet_controller(tmp_path)
+    fleet.frames[1] = ["evaluate", "main"]
+    fleet.step = 12
+    out = run_incident(c, [alert("rank_hang", f"m{r}", rank=r, step=10) for r in range(4)], monkeypatch)
+    assert out["decision"]["action"] == "analyze" and fleet.sent("stacks")
+    assert out["result"]["analysis"]["passed"] == 12 and "at step 12" in out["result"]["resolved"]
+    assert out["result"]["no_restart"] and out["result"]["evict"] is None
+    assert not fleet.sent("job", "stop") and c.fleet.job("j").machine_list == ["m0", "m1", "m2", "m3"]
+    assert c.fleet.incident(out["incident"]).state == "resolved"
+
+
+def test_a_stall_still_on_its_step_or_with_a_rank_unseen_is_a_hang(tmp_path):
+    """The same stacks with the ranks still on the reported step (a hang), or with every seen rank past it but one
+    machine not answering (a lost machine): the standing-out rank's group is evicted, as before."""
+    from trainguard.operators.policy import ladder
+
+    for step, unreachable in ((10, set()), (12, {"m3"})):
+        c, fleet = fleet_controller(tmp_path / f"{step}")
+        fleet.frames[1] = ["evaluate", "main"]
+        fleet.step = step
+        fleet.unreachable |= unreachable
+        [item] = c.ingest([alert("rank_hang", f"m{r}", rank=r, step=10) for r in range(3)])
+        a = c.analysis.analyze("j", item["incident"])
+        assert a["passed"] is None and ladder.after_analysis("hang", a).kind == "evict", (step, a)
