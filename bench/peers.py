@@ -1,15 +1,16 @@
 """Side by side with the peers on one emulated cluster: the same small job (``bench/peers_job.py``), the same
 machines, the same faults, under trainguard (the job's spec submitted to its control plane in a real ``airflow
-standalone``, with one warm standby), NVIDIA's nvidia-resiliency-ext (``ft_launcher``, rank monitors, in-job
-restart) and torchft (replica groups and a lighthouse; the survivors train on, a restarted group heals from a
-live peer).
+standalone``, with one warm standby: as one DDP job, ``trainguard``, and as replica groups meeting at a lighthouse,
+``trainguard_replicas``), NVIDIA's nvidia-resiliency-ext (``ft_launcher``, rank monitors, in-job restart) and
+torchft (replica groups and a lighthouse; the survivors train on, a restarted group heals from a live peer).
+A plain DDP job is compared with NVRx, a replica-group job with torchft.
 
 Each peer is run the way its documentation integrates it, with its real launcher on the emulated machines
 (network namespaces of this host, gloo): nothing is imitated. The peers are not trainguard's dependencies;
 install them first (versions that install on CPU-only Python 3.11: ``bench/requirements-peers.txt``)::
 
     uv pip install --python .venv/bin/python --no-deps -r bench/requirements-peers.txt
-    python bench/peers.py [--trials 3] [--peers trainguard,nvrx,torchft]
+    python bench/peers.py [--trials 3] [--peers trainguard,trainguard_replicas,nvrx,torchft]
                           [--faults crash,hang,hang_collective,machine_lost,nan,slow]
                           [--out bench/results/peers.json] [--logs DIR]
 
@@ -62,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import emulated_cluster, stop_on_sigterm, summarize, timeline, write_result
 from trainguard.emulation import cluster, inject
 from trainguard.emulation.guarded import NO_SCHEDULES, GuardedJob
+from trainguard.emulation.replicas import Lighthouse
 from trainguard.emulation.standalone import poll
 from trainguard.node_tools.inventory import Inventory
 from trainguard.operators.jobspec import JobSpec
@@ -113,13 +115,21 @@ TUNING: dict[str, dict[str, Any]] = {
                                  "periodically"},
         "monitor_interval": {"value": MONITOR_S, "source": "torchrun --monitor-interval default (0.1 s)"}},
     "trainguard": {"settings": {"value": "defaults", "source": "operators/settings.py"}},
+    "trainguard_replicas": {
+        "settings": {"value": "defaults", "source": "operators/settings.py"},
+        "replicas": {"value": "one replica group a machine, min_replicas 1", "source": "the job's spec (replicas:)"},
+        "lighthouse": {"value": "heartbeat timeout 1000 ms, join timeout 300 ms, quorum tick 100 ms",
+                       "source": "the same lighthouse settings as torchft's above"},
+        "collective_timeout_s": {"value": 2, "source": "as torchft's above (bench/degrade.py --collective-timeout-s)"}},
 }
 RESUMED_STEPS = 5  # steps begun after the fault that must finish before training counts as resumed
 SLOW_S = 3.0  # the slow fault's extra seconds a step
 SLOW_FACTOR = 1.5  # a step this many times the median step before the fault is a slow one
 
 FAULTS = ("crash", "hang", "hang_collective", "machine_lost", "nan", "slow")
-PEERS = ("trainguard", "nvrx", "torchft")
+PEERS = ("trainguard", "trainguard_replicas", "nvrx", "torchft")
+#: the systems whose job is replica groups: a slot of the job is a group, and the groups step apart
+GROUPS = ("trainguard_replicas", "torchft")
 
 
 def venv_bin(name: str) -> str:
@@ -234,14 +244,19 @@ def start_torchft(ms: Machines, trial_dir: Path) -> subprocess.Popen[bytes]:
     return lighthouse
 
 
-def start_trainguard(inv: Inventory, trial_dir: Path, job: str) -> GuardedJob:
-    """The job's spec (``-m bench.peers_job --mode trainguard``, one rank a machine on :data:`MACHINES`) launched
-    by a control plane of its own: a fleet database and ``airflow standalone`` with trainguard's DAGs, the
-    standby parked warm, its settings the defaults (the harness repairs machines and deploys no code: no
-    scheduled pool, code or checkpoint runs)."""
-    spec = JobSpec(name=job, command=["-m", "bench.peers_job", "--mode", "trainguard"], workdir=str(ROOT),
-                   machines=MACHINES, processes_per_machine=1,
-                   env={"PEERS_LOG": str(trial_dir / "steps"), "PEERS_FAULTS": str(trial_dir / "faults" / "{machine}")})
+def start_trainguard(inv: Inventory, trial_dir: Path, job: str, *, lighthouse: str = "") -> GuardedJob:
+    """The job's spec (``-m bench.peers_job --mode trainguard``, one rank a machine on :data:`MACHINES`; with a
+    ``lighthouse`` URL, ``--mode trainguard_replicas`` as one replica group a machine meeting there) launched by a
+    control plane of its own: a fleet database and ``airflow standalone`` with trainguard's DAGs, the standby
+    parked warm, its settings the defaults (the harness repairs machines and deploys no code: no scheduled pool,
+    code or checkpoint runs)."""
+    mode = "trainguard_replicas" if lighthouse else "trainguard"
+    timeout = str(TUNING["trainguard_replicas"]["collective_timeout_s"]["value"])
+    spec = JobSpec(name=job, command=["-m", "bench.peers_job", "--mode", mode,
+                                      *(["--collective-timeout-s", timeout] if lighthouse else [])],
+                   workdir=str(ROOT), machines=MACHINES, processes_per_machine=1,
+                   env={"PEERS_LOG": str(trial_dir / "steps"), "PEERS_FAULTS": str(trial_dir / "faults" / "{machine}")},
+                   replicas={"lighthouse": lighthouse, "min_replicas": 1} if lighthouse else None)
     home = trial_dir / "control"
     home.mkdir()
     g = GuardedJob(inv, home, job=job, topology=spec.topology(), settings=NO_SCHEDULES, spec=spec)
@@ -427,7 +442,7 @@ def judge_slow_job(lines: list[dict[str, Any]], t_fault: float, peer: str) -> di
     """:func:`judge_slow` of the job: its first rank's pace for a job whose ranks step together (trainguard's,
     NVRx's), every replica group's for torchft's, whose groups step apart (a slow group left out of some quorums
     is slow still): resumed when all of them are, at the latest of their times, with the slowest slow step."""
-    if peer != "torchft":
+    if peer not in GROUPS:
         return judge_slow(lines, t_fault, MACHINES[0])
     each = [judge_slow(lines, t_fault, str(i)) for i in range(len(MACHINES))]
     slowed = [v for v in each if v["slowed"]]  # (a group that never slowed has nothing to be back from)
@@ -503,9 +518,13 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
     guarded: GuardedJob | None = None
     undo: Any = None
     try:
-        if peer == "trainguard":
+        if peer in ("trainguard", "trainguard_replicas"):
             reset_cluster(inv)  # a machine another system's trial lost comes back first (trainguard needs its sshd)
-            guarded = start_trainguard(inv, trial_dir, f"peers-{fault}-{n}")
+            if peer == "trainguard_replicas":  # the deployment's lighthouse, outside the job's machines
+                lh = {k: int(TUNING["torchft"][k]["value"]) for k in ("heartbeat_timeout_ms", "join_timeout_ms")}
+                lighthouse = Lighthouse(SPEC.host_address, trial_dir / "lighthouse.out", **lh).start()
+            guarded = start_trainguard(inv, trial_dir, f"peers-{fault}-{n}",
+                                       lighthouse=lighthouse.url if lighthouse is not None else "")
         elif peer == "nvrx":
             start_nvrx(ms, trial_dir)
         else:
@@ -535,7 +554,7 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
         until = time.time()
         lines = step_lines(trial_dir)
         verdict = judge(lines, t_fault, len(MACHINES))
-        lost = gpu_seconds_lost(lines, t_fault, until, by_replica=peer == "torchft")
+        lost = gpu_seconds_lost(lines, t_fault, until, by_replica=peer in GROUPS)
         verdict.update(gpu_s_lost=lost["gpu_s_lost"], gpu_s_lost_by_slot=lost["by_slot"], step_s=lost["step_s"])
         if fault == "slow":  # training never stopped: back at its pace is what counts
             verdict.update(judge_slow_job(lines, t_fault, peer))
@@ -558,7 +577,9 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
         ms.stop_all()
         if peer == "nvrx":
             remove_ft_sockets()
-        if lighthouse is not None:
+        if isinstance(lighthouse, Lighthouse):
+            lighthouse.stop()
+        elif lighthouse is not None:
             lighthouse.kill()
             lighthouse.wait(10)
         if logs is not None:  # every launcher's and lighthouse's output, kept with the result
@@ -660,7 +681,7 @@ def merged(setup: dict[str, Any], trials: list[dict[str, Any]], peers: list[str]
     rerun = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": _commit(),
              "peers": peers, "faults": faults, "trials": len(trials),
              "replaced": len(setup["trials"]) - len(kept), **({"why": why} if why else {})}
-    return ({**setup, "reruns": [*setup.get("reruns", []), rerun]}, kept + trials)
+    return ({**setup, "tuning": TUNING, "reruns": [*setup.get("reruns", []), rerun]}, kept + trials)
 
 
 def _commit() -> str:

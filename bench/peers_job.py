@@ -1,5 +1,6 @@
-"""The one small training job ``bench/peers.py`` runs three ways: under trainguard, under NVIDIA's
-nvidia-resiliency-ext (``ft_launcher`` and its rank monitor), and with torchft (replica groups, a lighthouse).
+"""The one small training job ``bench/peers.py`` runs four ways: under trainguard (as one DDP job, and as replica
+groups), under NVIDIA's nvidia-resiliency-ext (``ft_launcher`` and its rank monitor), and with torchft (replica
+groups, a lighthouse).
 
 The model, the data and the step are the same in every mode (``examples/plain``'s MLP on a fixed random
 teacher, each step's batch drawn from a generator seeded by (seed, step, rank)); what differs is only the
@@ -7,6 +8,10 @@ integration each system documents:
 
 - ``trainguard``: the :class:`trainguard.torch.Guard` lines of ``examples/plain`` (checkpoints every step,
   restored by trainguard's restart);
+- ``trainguard_replicas``: the lines of ``examples/replicas``: one replica group per machine
+  (:class:`trainguard.replicas.Replicas` over torchft's manager and lighthouse), launched by trainguard from a
+  spec with ``replicas:``; a failure confined to one group takes it out while the others train on (the degrade
+  path), and its replacement heals from a live group;
 - ``nvrx``: plain DDP launched by ``ft_launcher``, a heartbeat to its rank monitor every step (its timeouts
   calculated from the intervals observed, once ``--calc-timeouts-after`` steps ran), and the job's own
   ``torch.save`` of its state every ``--save-every`` steps (NVRx restarts the workers; what they resume from is
@@ -43,7 +48,7 @@ from examples.plain.train import batch
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="peers_job", description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=("trainguard", "nvrx", "torchft"), required=True)
+    p.add_argument("--mode", choices=("trainguard", "trainguard_replicas", "nvrx", "torchft"), required=True)
     p.add_argument("--steps", type=int, default=0, help="steps to run; 0 = until stopped")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--width", type=int, default=64)
@@ -52,7 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-time-s", type=float, default=0.2, help="compute time of one step (slept)")
     p.add_argument("--save-every", type=int, default=1, help="nvrx, torchft: steps between the job's own checkpoints")
     p.add_argument("--state-dir", default="", help="nvrx, torchft: where the job's own checkpoint goes")
-    p.add_argument("--collective-timeout-s", type=float, default=5.0, help="torchft: the collectives' timeout")
+    p.add_argument("--collective-timeout-s", type=float, default=5.0,
+                   help="torchft, trainguard_replicas: the collectives' timeout")
     p.add_argument("--calc-timeouts-after", type=int, default=10,
                    help="nvrx: steps after which the heartbeat timeouts are calculated from those observed")
     return p.parse_args(argv)
@@ -220,10 +226,38 @@ def run_trainguard(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_trainguard_replicas(args: argparse.Namespace) -> int:
+    from trainguard.replicas import Replicas, ReplicasError
+
+    model, optimizer = model_and_optimizer(args)
+    try:
+        rep = Replicas(model, optimizer, timeout_s=args.collective_timeout_s)
+    except ReplicasError as exc:
+        print(f"peers_job: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    model, optimizer = rep.model, rep.optimizer
+    # the group's number names it, as torchft's do: a group started on a swapped-in machine is the same group
+    log = StepLog("trainguard_replicas", str(rep.index), 0)
+    try:
+        while args.steps == 0 or rep.step < args.steps:
+            rep.begin()
+            optimizer.zero_grad()  # joins this step's quorum
+            loss = compute(args, model, rep.step, rep.index)
+            optimizer.step()  # averaged over the groups that train this step; applied if every one commits
+            if rep.end(loss):
+                log.step(rep.step - 1, float(loss.item()), rep.participants)
+    except BaseException:
+        rep.close("failed")
+        raise
+    rep.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    return {"nvrx": run_nvrx, "torchft": run_torchft, "trainguard": run_trainguard}[args.mode](args)
+    return {"nvrx": run_nvrx, "torchft": run_torchft, "trainguard": run_trainguard,
+            "trainguard_replicas": run_trainguard_replicas}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ BEGIN, END = "<!-- bench-table:begin -->", "<!-- bench-table:end -->"
 HEAD_BEGIN, HEAD_END = "<!-- bench-headline:begin -->", "<!-- bench-headline:end -->"
 PEERS_BEGIN, PEERS_END = "<!-- bench-peers:begin -->", "<!-- bench-peers:end -->"
 # bench/peers.py's systems: (metric prefix, distribution, name for people)
-SYSTEMS = (("trainguard", "trainguard", "trainguard"), ("nvrx", "nvidia-resiliency-ext", "NVRx"),
-           ("torchft", "torchft", "torchft"))
+SYSTEMS = (("trainguard", "trainguard", "trainguard"),
+           ("trainguard_replicas", "trainguard", "trainguard, replica groups"),
+           ("nvrx", "nvidia-resiliency-ext", "NVRx"), ("torchft", "torchft", "torchft"))
 PAGE = ROOT / "docs" / "benchmarks.md"
 README = ROOT / "README.md"
 
@@ -93,11 +94,12 @@ def peers_rows(doc: dict[str, Any] | None = None, *, detail: bool = True) -> lis
         return ["(no bench/results/peers.json yet: `python bench/peers.py --out bench/results/peers.json`)"]
     m, setup = doc["metrics"], doc["setup"]
     faults = list(dict.fromkeys(t["fault"] for t in setup["trials"]))
-    names = [f"{label} {setup['versions'].get(dist, '?')}" for _, dist, label in SYSTEMS]
-    out = [f"| fault | {' | '.join(names)} |", "|---" * (len(SYSTEMS) + 1) + "|"]
+    systems = [s for s in SYSTEMS if any(t["peer"] == s[0] for t in setup["trials"])]  # a system run at all
+    names = [f"{label} {setup['versions'].get(dist, '?')}" for _, dist, label in systems]
+    out = [f"| fault | {' | '.join(names)} |", "|---" * (len(systems) + 1) + "|"]
     for fault in faults:
         cells = []
-        for prefix, _, _ in SYSTEMS:
+        for prefix, _, _ in systems:
             key = f"{prefix}.{fault}"
             rate = m.get(f"{key}.resumed_rate")
             if rate is None:

@@ -49,7 +49,8 @@ from trainguard.operators.control.reconcile import Reconciliation
 from trainguard.operators.control.recovery import Recovery
 from trainguard.operators.control.replay import Replay
 from trainguard.operators.fleet import FleetError, FleetStore
-from trainguard.operators.hooks.reach import QUIET_S, IncidentReach
+from trainguard.operators.hooks.reach import IncidentReach
+from trainguard.operators.policy.liveness import QUIET_S
 
 __all__ = ["FLAT", "SERVICES", "ControlConfig", "Controller", "asdict_action", "neighbour_groups"]
 
@@ -150,9 +151,9 @@ class Controller:
             job = self.fleet.job(self.fleet.incident(incident_id).job)
         except FleetError:  # an incident of machines alone, or of a job since removed
             return [], {}
-        live, now = self.fleet.liveness(), time.time()
+        now, live = time.time(), self.fleet.liveness()  # (the guardian's clock, as the rows are)
         quiet = {m: now - live[m].changed_ts for m in job.machine_list
-                 if m not in gone and m in live and now - live[m].changed_ts > QUIET_S}
+                 if m not in gone and m in live and now - live[m].changed_ts >= QUIET_S}
         return self.inventory.named(sorted(quiet)), quiet
 
     def unreachable(self, job: str) -> dict[str, str]:

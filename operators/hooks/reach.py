@@ -15,11 +15,12 @@ Outside an incident (the reconciler's look, the Fleet page, a script) the proxy 
 that did not answer once is tried again next time. A host key that does not match and a command that outlived its
 timeout are not "unreachable": the machine answered.
 
-A machine whose agent has gone quiet (its heartbeat unchanged for :data:`QUIET_S`, as the guardian last saw it) is
-asked first, when a task of the incident begins, whether it answers a TCP connection at all within
-:data:`QUIET_PROBE_S` (:meth:`IncidentReach.probe`): a live machine's kernel answers in milliseconds however loaded
-it is; a lost one would otherwise cost the first session its whole handshake timeout (2 s, there so that one lost
-SYN does not evict a healthy machine; with a quiet agent too, two signs agree)."""
+A machine whose agent has gone quiet (its heartbeat unchanged for
+:data:`~trainguard.operators.policy.liveness.QUIET_S`, as the guardian last saw it) is asked first, when a task of
+the incident begins, whether it answers a TCP connection at all within :data:`QUIET_PROBE_S`
+(:meth:`IncidentReach.probe`): a live machine's kernel answers in milliseconds however loaded it is; a lost one
+would otherwise cost the first session its whole handshake timeout (2 s, there so that one lost SYN does not evict a
+healthy machine; with a quiet agent too, two signs agree)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,8 @@ from trainguard.node_tools.inventory import Machine
 from trainguard.node_tools.transport import RunResult, Transport
 
 GONE = "gone"  # the RunResult.extra key of a session not opened: why the machine counts as gone
-#: an agent whose heartbeat did not change for this long is quiet (it rewrites it every 2 s: one missed and a half)
-QUIET_S = 3.0
-#: ... and its machine is given this long to answer a TCP connection when a task of the incident begins
+#: a machine whose agent is quiet (:data:`~trainguard.operators.policy.liveness.QUIET_S`) is given this long to
+#: answer a TCP connection when a task of the incident begins
 QUIET_PROBE_S = 0.5
 
 

@@ -11,7 +11,7 @@ again: its alert may have joined an incident about something else that closed wi
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,34 @@ from typing import Any
 DEFAULT_SILENT_S = 15.0
 #: an agent still silent this long after it was reported is reported again
 DEFAULT_REPEAT_S = 60.0
+#: an agent whose heartbeat did not change for this long is quiet (one missed beat and a half): not yet silent, but
+#: not to be waited for: a batch of alerts need not wait for it (:func:`heard_from_all`), and an incident's task asks
+#: its machine for a short handshake first (:class:`trainguard.operators.hooks.reach.IncidentReach`)
+QUIET_S = 3.0
+
+
+def quiet_for(state: Mapping[str, Mapping[str, Any]], machine: str, now: float) -> float:
+    """How long ``machine``'s agent has been quiet by ``state`` (an :class:`AgentWatch`'s), seconds; 0.0 when it
+    was never seen (nothing to say it stopped)."""
+    st = state.get(machine)
+    try:
+        return max(0.0, now - float(st["changed_ts"])) if st else 0.0
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+
+
+def heard_from_all(batch: Sequence[Mapping[str, Any]], watched: Mapping[str, str],
+                   state: Mapping[str, Mapping[str, Any]], now: float, *, quiet_s: float = QUIET_S) -> bool:
+    """Whether every machine serving a job that ``batch``'s alerts name (``watched``: machine -> its job) said
+    something in it, or has an agent quiet for ``quiet_s`` (``state``: the agents as the guardian saw them): then
+    nothing more is on its way for the batch's settle window to gather (a hang in a collective: every survivor's
+    ranks time out together, and a lost machine's agent has stopped beating)."""
+    jobs = {a.get("job") for a in batch if a.get("job")}
+    if not jobs:
+        return False
+    said = {a.get("machine") for a in batch}
+    serving = [m for m, job in watched.items() if job in jobs]
+    return bool(serving) and all(m in said or quiet_for(state, m, now) >= quiet_s for m in serving)
 
 
 @dataclass

@@ -14,7 +14,9 @@ agents.
 On the first alert it keeps reading for ``settle_s`` more (default 1 s, ``TG_ALERT_SETTLE_S``), so a burst from a
 thousand ranks timing out together becomes one batch, then emits it (at once instead when the batch holds an alert
 the ladder acts on by itself, an explicit machine fault or a silent agent, or a crash or NaN that names its machine
-(:func:`~trainguard.operators.policy.ladder.urgent`): waiting would only delay the rung; or when the batch is full;
+(:func:`~trainguard.operators.policy.ladder.urgent`): waiting would only delay the rung; or when every machine of
+the jobs it names has spoken in it or has an agent gone quiet (a hang in a collective: every survivor times out
+together, and a lost machine's agent stopped beating with it); or when the batch is full;
 fail-slow alerts alone wait :data:`SLOW_SETTLE_S`, the whole job's reports judged together). An alert storm (every
 rank of a 100,000-rank job at once) is cut into batches of at most :data:`BATCH_ALERTS` alerts and
 :data:`BATCH_BYTES` of documents, each read within about :data:`READ_S`, one event each: no event grows with the
@@ -195,6 +197,16 @@ class _Watch:
                 self.forgiven |= any(self.watch.state.get(m, {}).get("reported_ts") is None for m in reported)
         return out
 
+    def heard_from_all(self, batch: list[dict[str, Any]]) -> bool:
+        """Whether the batch holds a word from every machine of the jobs it names but those whose agents are quiet
+        (:func:`~trainguard.operators.policy.liveness.heard_from_all`); never for fail-slow alerts alone, which wait
+        to be judged together."""
+        from trainguard.operators.policy.liveness import heard_from_all
+
+        if self.watch is None or all(a.get("kind") in ladder.SLOW for a in batch):
+            return False
+        return heard_from_all(batch, self.watched, self.watch.state, time.time())
+
     def pending(self) -> bool:
         """Whether there is something to emit besides alerts: documents quarantined, an agent forgiven."""
         return bool(self.reader.quarantined) or self.forgiven
@@ -303,7 +315,8 @@ class AlertTrigger(BaseEventTrigger):
             first_seen = time.time()
             began = time.monotonic()
             while batch and time.monotonic() < _deadline(batch, began, settle_s) and not watch.reader.more \
-                    and len(batch) < BATCH_ALERTS and not any(ladder.urgent(a) for a in batch):
+                    and len(batch) < BATCH_ALERTS and not any(ladder.urgent(a) for a in batch) \
+                    and not watch.heard_from_all(batch):
                 await asyncio.sleep(min(self.poll_s, max(0.0, _deadline(batch, began, settle_s) - time.monotonic())))
                 left = _deadline(batch, began, settle_s) - time.monotonic()
                 batch += self._keep(await asyncio.to_thread(watch.poll, BATCH_ALERTS - len(batch), tidy=False,

@@ -68,8 +68,8 @@ def test_a_burst_within_the_settle_window_is_one_batch_and_later_alerts_the_next
 
     def publish() -> None:
         started.wait()
-        for r in range(8):  # eight ranks time out within 0.4 s
-            bus.publish(Alert("rank_hang", f"m{r // 4}", job="j", rank=r))
+        for r in range(8):  # eight ranks of m0 time out within 0.4 s (m1, whose agent was never seen, says nothing)
+            bus.publish(Alert("rank_hang", "m0", job="j", rank=r))
             time.sleep(0.05)
         time.sleep(2.0)  # well after the settle window: the next batch
         bus.publish(Alert("gpu_lost", "m1", job="j"))
@@ -466,3 +466,41 @@ def test_a_batch_of_two_jobs_opens_two_incidents_this_run_handles_one_and_starts
     assert guardian.start_soon(starts) == {f"incident__{other.id}": "started"}
     assert dag_runs.runs[f"incident__{other.id}"]["conf"]["incident_id"] == other.id
     assert guardian.start_soon(starts) == {f"incident__{other.id}": "exists"}  # started once
+
+
+def test_a_hang_batch_goes_out_once_every_machine_of_its_job_spoke_or_went_quiet(tmp_path: Path):
+    """A lost machine: the survivors' ranks time out together and its agent stopped beating with it; the settle
+    window had nothing more to gather, and cost a second of every GPU of the job."""
+    url = f"spool://{tmp_path / 'bus'}"
+    bus = open_bus(url)
+    fleet = _fleet(tmp_path)
+    now = time.time()
+    fleet.record_liveness({"m0": {"token": "", "changed_ts": now}, "m1": {"token": "", "changed_ts": now - 10.0}})
+    bus.publish(Alert("rank_hang", "m0", job="j", rank=0))  # m1 says nothing: its agent quiet for 10 s
+    event = first_event(AlertTrigger(url, fleet.url, settle_s=10.0, poll_s=0.05, silent_s=60.0), timeout=8.0)
+    assert [a["machine"] for a in event["alerts"]] == ["m0"] and event["fired_ts"] - event["first_seen_ts"] < 1.0
+    # m1's agent beating (recorded a moment ago): the window is waited out for its word
+    other = tmp_path / "other"
+    other.mkdir()
+    fleet2 = _fleet(other)
+    fleet2.record_liveness({"m0": {"token": "", "changed_ts": time.time()},
+                            "m1": {"token": "", "changed_ts": time.time()}})
+    url2 = f"spool://{other / 'bus'}"
+    open_bus(url2).publish(Alert("rank_hang", "m0", job="j", rank=0))
+    waited = first_event(AlertTrigger(url2, fleet2.url, settle_s=1.5, poll_s=0.05, silent_s=60.0))
+    assert waited["fired_ts"] - waited["first_seen_ts"] >= 1.5
+
+
+def test_heard_from_all_counts_a_word_or_a_quiet_agent_from_every_machine_of_the_named_jobs():
+    from trainguard.operators.policy.liveness import QUIET_S, heard_from_all
+
+    watched = {"m0": "j", "m1": "j", "m2": "k"}
+    state = {"m0": {"changed_ts": 100.0}, "m1": {"changed_ts": 100.0}, "m2": {"changed_ts": 0.0}}
+    hang = [{"kind": "rank_hang", "machine": "m0", "job": "j"}]
+    assert not heard_from_all(hang, watched, state, 101.0)  # m1's agent beat a second ago: its word may come
+    assert heard_from_all(hang, watched, state, 100.0 + QUIET_S)  # quiet for QUIET_S: nothing will come from it
+    assert heard_from_all([*hang, {"kind": "rank_hang", "machine": "m1", "job": "j"}], watched, state, 101.0)
+    assert not heard_from_all(hang, watched, {"m0": {"changed_ts": 100.0}}, 200.0)  # m1 never seen: wait for it
+    assert not heard_from_all([{"kind": "gpu_lost", "machine": "m0", "job": ""}], watched, state, 500.0)  # no job
+    assert not heard_from_all([{"kind": "rank_hang", "machine": "x", "job": "gone"}], watched, state, 500.0)
+    assert not heard_from_all(hang, watched, {**state, "m1": {"changed_ts": "soon"}}, 500.0)  # a lying record
