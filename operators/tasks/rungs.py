@@ -100,9 +100,12 @@ def _degraded_or(c: Controller, name: str, d: IncidentDecision) -> dict[str, Any
     out, their machines swapped, healed from a live replica while the others train on:
     :meth:`~trainguard.operators.control.degrade.Degrade.take_out`); anything else, or groups whose logs blame the
     job's own code, goes to the rung ``name``, which stops the whole job. For a replica job the result says which
-    ``path`` it took and why. A slow vote decides its path once it named the slow group (:func:`_after_vote`)."""
+    ``path`` it took and why. A slow vote decides its path once it named the slow group, a silent agent's probe once
+    it found its machine unreachable or unhealthy (:func:`_after_vote`)."""
     if d.action == ladder.Action.VOTE:
         return _after_vote(c, d, RUNG_ACTIONS[name](c, d))
+    if d.action == ladder.Action.PROBE:  # a machine fault once the probe says so: its groups alone leave
+        return _after_vote(c, d, RUNG_ACTIONS[name](c, d), category=ladder.Category.MACHINE_FAULT, key="probe")
     replicated = replica_groups(c.fleet.job(d.job), degrading=True) is not None
     degraded, why, p = _degrade_first(c, d) if replicated else (None, "", None)
     if degraded is not None:
@@ -112,16 +115,19 @@ def _degraded_or(c: Controller, name: str, d: IncidentDecision) -> dict[str, Any
                                      "path_reason": why}
 
 
-def _after_vote(c: Controller, d: IncidentDecision, result: dict[str, Any]) -> dict[str, Any]:
-    """The slow vote's result, or, when the slow group it would evict lies in replicas a replica job may lose, the
-    degrade path for those machines instead (the vote's rounds kept in the result)."""
+def _after_vote(c: Controller, d: IncidentDecision, result: dict[str, Any], *, category: str | None = None,
+                key: str = "vote") -> dict[str, Any]:
+    """The slow vote's result (or a probe's, ``key``), or, when the group it would evict lies in replicas a replica
+    job may lose, the degrade path for those machines instead, as an incident of ``category`` (None: its own) that
+    evicts them (the evidence kept in the result)."""
     machines = (result.get("evict") or {}).get("machines")
     if not machines or replica_groups(c.fleet.job(d.job), degrading=True) is None:
         return result
+    as_fault = {"category": str(category), "action": ladder.Action.EVICT.value} if category else {}
     degraded, why, p = _degrade_first(c, IncidentDecision.model_validate({**d.model_dump(mode="json"),
-                                                                          "machines": list(machines)}))
+                                                                          "machines": list(machines), **as_fault}))
     if degraded is not None:
-        return {**degraded, "vote": result.get("vote")}
+        return {**degraded, key: result.get(key)}
     return result if p is None else {**result, "path": degrade.STOP_WORLD, "path_reason": why}
 
 

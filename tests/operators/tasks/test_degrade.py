@@ -259,3 +259,20 @@ def test_a_slow_group_the_vote_finds_in_one_replica_takes_the_degrade_path(tmp_p
     assert "m1" in result["vote"]["machines"]
     assert sorted(set(fleet.sent("job", "stop"))) == ["m0", "m1"] and result["stop"]["skipped"]
     assert c.fleet.job("j").machine_list == ["m4", "m5", "m2", "m3"] and out["closed"]["state"] == "resolved"
+
+
+def test_a_lost_machine_found_by_its_silent_agent_takes_the_degrade_path(tmp_path, monkeypatch):
+    """A lost machine of a replica job: the other groups' collective failed and their next quorum left its group out,
+    so nothing hung; its silent agent was the only word, and the probe that found the machine unreachable stopped
+    every group for a whole-job restart (5 GPU-s of each group that trained on, in bench/peers.py)."""
+    c, fleet = fleet_controller(tmp_path, topology=TOPO, spec=_spec())
+    fleet.unreachable = {"m3"}
+    fleet.running.pop("m3")
+    out = run_incident(c, [alert("agent_silent", "m3", job="j")], monkeypatch)
+    result = out["result"]
+    assert out["decision"]["action"] == "probe" and result["probe"]["faulty"].keys() == {"m3"}
+    assert result["path"] == "degrade" and result["degraded"]["replicas"] == [1], result
+    assert sorted(fleet.sent("job", "stop")) == ["m2"]  # replica 1's reachable machine; replica 0 never stopped
+    assert c.fleet.job("j").machine_list == ["m0", "m1", "m4", "m5"]
+    assert sorted(_starts(fleet)) == ["m4", "m5"]
+    assert out["closed"]["state"] == "resolved" and "path degrade" in c.fleet.incident(out["incident"]).summary
