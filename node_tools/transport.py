@@ -30,7 +30,6 @@ one, does not need it.
 from __future__ import annotations
 
 import base64
-import errno
 import io
 import json
 import logging
@@ -125,6 +124,9 @@ class Transport:
     def __init__(self, inventory: Inventory, *, fanout: int = FANOUT) -> None:
         self.inventory = inventory
         self.fanout = max(1, int(fanout))
+        #: machines whose TCP handshake gets less than :data:`TCP_CONNECT_S`: name -> seconds (an incident's machines
+        #: whose agents went quiet: :class:`trainguard.operators.hooks.reach.IncidentReach`)
+        self.quick: dict[str, float] = {}
 
     def command(self, machine: Machine, argv: Sequence[str]) -> tuple[list[str], dict[str, str] | None]:
         raise NotImplementedError
@@ -135,11 +137,6 @@ class Transport:
     def tg_node(self, machine: Machine, *args: str) -> list[str]:
         """The argument list that runs ``tg-node args...`` on ``machine``."""
         return [self.inventory.tg_node, *args]
-
-    def answers(self, machine: Machine, timeout_s: float) -> bool | None:
-        """Whether ``machine`` answers a connection within ``timeout_s`` (None: this transport cannot tell without
-        running a command: its machines are processes of this host)."""
-        return None
 
     def run(
         self, machine: Machine, argv: Sequence[str], *, timeout: float = 30.0, stdin: str | None = None,
@@ -400,17 +397,6 @@ class SshTransport(Transport):
         """The connection's key text, parsed once for every machine (None: the key file, or none)."""
         return private_key(self.credentials.key_text) if self.credentials.key_text else None
 
-    def answers(self, machine: Machine, timeout_s: float) -> bool | None:
-        """Whether ``machine``'s kernel answers a TCP connection to its SSH port within ``timeout_s``: False only
-        when nothing answered at all (no SYN-ACK, no RST); refused or reset means a machine that is there."""
-        try:
-            socket.create_connection((machine.address, machine.port), timeout=timeout_s).close()
-        except TimeoutError:
-            return False
-        except OSError as exc:  # refused (sshd restarting) is an answer; no route to the host is not
-            return exc.errno not in (errno.EHOSTUNREACH, errno.ENETUNREACH)
-        return True
-
     def _connect(self, machine: Machine) -> paramiko.SSHClient:
         import paramiko
 
@@ -423,18 +409,18 @@ class SshTransport(Transport):
         except ValueError as exc:
             raise Unreachable(f"{machine.name}: {exc}", "unreachable") from None
         attempt = 0
+        # the TCP handshake alone gets TCP_CONNECT_S: on a data-center network it takes milliseconds, and the kernel
+        # answers it however loaded the machine is; no answer at all is a machine gone (powered off, its link
+        # down), which a second try would only wait out again. A machine in ``quick`` gets less (its agent is quiet)
+        handshake = min(TCP_CONNECT_S, self.connect_timeout_s, self.quick.get(machine.name, TCP_CONNECT_S))
         while True:
             attempt += 1
             try:
-                # the TCP handshake alone gets TCP_CONNECT_S: on a data-center network it takes milliseconds, and
-                # the kernel answers it however loaded the machine is; no answer at all is a machine gone (powered
-                # off, its link down), which a second try would only wait out again
-                sock = socket.create_connection((machine.address, machine.port),
-                                                timeout=min(TCP_CONNECT_S, self.connect_timeout_s))
+                sock = socket.create_connection((machine.address, machine.port), timeout=handshake)
             except TimeoutError:
                 client.close()
                 raise Unreachable(f"{machine.name} ({machine.address}:{machine.port}): no answer to a TCP connection "
-                                  f"within {min(TCP_CONNECT_S, self.connect_timeout_s):g}s", "unreachable") from None
+                                  f"within {handshake:g}s", "unreachable") from None
             except OSError as exc:  # refused, reset, no route: sshd restarting, a link coming back; tried again
                 if attempt >= self.connect_attempts:
                     client.close()

@@ -50,7 +50,6 @@ class FakeFleet(Transport):
         self.topo, self.job = topology, job
         self.commands: list[tuple[str, list[str]]] = []
         self.unreachable: set[str] = set()
-        self.probed: list[str] = []  # the machines asked whether they answer a connection (no command)
         self.start_fails: dict[str, str] = {}
         self.parked: set[str] = set()
         self.l1: dict[str, str] = {}
@@ -111,10 +110,6 @@ class FakeFleet(Transport):
                           for r in ranks]}
 
     # ---- the transport -----------------------------------------------------------------------------------
-    def answers(self, machine: Machine, timeout_s: float) -> bool | None:
-        self.probed.append(machine.name)
-        return machine.name not in self.unreachable
-
     def _ok(self, machine: str, argv: list[str], doc: Any, code: int = 0) -> RunResult:
         return RunResult(machine, argv, code, json.dumps(doc), "", 0.01)
 

@@ -142,19 +142,19 @@ class Controller:
                 self.fleet.finish_action(action.id, "done", why[:200])
 
         self._transport.enter(incident_id, gone, record)
-        self._transport.probe(*self._quiet(incident_id, gone))
+        self._transport.hurry(self._quiet(incident_id, gone))
 
-    def _quiet(self, incident_id: int, gone: Mapping[str, str]) -> tuple[list[Any], dict[str, float]]:
+    def _quiet(self, incident_id: int, gone: Mapping[str, str]) -> dict[str, float]:
         """The machines of the incident's job whose agents the guardian last saw quiet (:data:`QUIET_S`), not yet
-        gone, and for how long each."""
+        gone: machine -> for how long."""
         try:
             job = self.fleet.job(self.fleet.incident(incident_id).job)
         except FleetError:  # an incident of machines alone, or of a job since removed
-            return [], {}
+            return {}
         now, live = time.time(), self.fleet.liveness()  # (the guardian's clock, as the rows are)
         quiet = {m: now - live[m].changed_ts for m in job.machine_list
                  if m not in gone and m in live and now - live[m].changed_ts >= QUIET_S}
-        return self.inventory.named(sorted(quiet)), quiet
+        return quiet
 
     def unreachable(self, job: str) -> dict[str, str]:
         """The machines of ``job`` the incident being handled found unreachable: machine -> why."""

@@ -16,16 +16,15 @@ that did not answer once is tried again next time. A host key that does not matc
 timeout are not "unreachable": the machine answered.
 
 A machine whose agent has gone quiet (its heartbeat unchanged for
-:data:`~trainguard.operators.policy.liveness.QUIET_S`, as the guardian last saw it) is asked first, when a task of
-the incident begins, whether it answers a TCP connection at all within :data:`QUIET_PROBE_S`
-(:meth:`IncidentReach.probe`): a live machine's kernel answers in milliseconds however loaded it is; a lost one
-would otherwise cost the first session its whole handshake timeout (2 s, there so that one lost SYN does not evict a
-healthy machine; with a quiet agent too, two signs agree)."""
+:data:`~trainguard.operators.policy.liveness.QUIET_S`, as the guardian last saw it) gets :data:`QUIET_HANDSHAKE_S`
+for the TCP handshake of the incident's sessions to it instead of the usual 2 s (:meth:`IncidentReach.hurry`): a
+live machine's kernel answers in milliseconds however loaded it is, and the 2 s are there so that one lost SYN does
+not evict a healthy machine; with a quiet agent too, two signs agree. Its session then fails beside the others'
+instead of after them."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from trainguard.node_tools.inventory import Machine
@@ -33,8 +32,8 @@ from trainguard.node_tools.transport import RunResult, Transport
 
 GONE = "gone"  # the RunResult.extra key of a session not opened: why the machine counts as gone
 #: a machine whose agent is quiet (:data:`~trainguard.operators.policy.liveness.QUIET_S`) is given this long to
-#: answer a TCP connection when a task of the incident begins
-QUIET_PROBE_S = 0.5
+#: answer the TCP handshake of a session of the incident
+QUIET_HANDSHAKE_S = 0.5
 
 
 class IncidentReach:
@@ -45,6 +44,7 @@ class IncidentReach:
         self.inner = inner
         self.incident: int | None = None
         self.gone: dict[str, str] = {}
+        self.quiet: dict[str, float] = {}  # machine -> how long its agent was quiet when the incident's task began
         self._record: Callable[[str, str], None] | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -55,28 +55,16 @@ class IncidentReach:
         what keeps a new one."""
         self.incident, self.gone, self._record = int(incident), dict(gone), record
 
-    def probe(self, machines: Sequence[Machine], quiet_s: Mapping[str, float]) -> dict[str, str]:
-        """Ask each of ``machines`` (their agents quiet for ``quiet_s[name]`` seconds) whether it answers a TCP
-        connection within :data:`QUIET_PROBE_S`, all at once; one that does not is gone for the incident (recorded
-        as any unreachable one). Returns those found gone now: machine -> why."""
-        asked = [m for m in machines if m.name not in self.gone]
-        if self.incident is None or not asked:
-            return {}
-        with ThreadPoolExecutor(max_workers=min(len(asked), 64)) as pool:
-            answers = dict(zip([m.name for m in asked],
-                               pool.map(lambda m: self.inner.answers(m, QUIET_PROBE_S), asked), strict=True))
-        found = {}
-        for name, answered in answers.items():
-            if answered is False:
-                found[name] = (f"{name}: its agent quiet for {quiet_s.get(name, 0.0):.1f}s and no answer to a TCP "
-                               f"connection within {QUIET_PROBE_S:g}s")
-                self.gone[name] = found[name]
-                if self._record is not None:
-                    self._record(name, found[name])
-        return found
+    def hurry(self, quiet: Mapping[str, float]) -> None:
+        """The incident's sessions to ``quiet`` (machine -> how long its agent has been quiet, seconds) get
+        :data:`QUIET_HANDSHAKE_S` for their TCP handshake; one that gets no answer is gone as any other, its agent's
+        quiet in the why."""
+        self.quiet = {m: float(q) for m, q in quiet.items() if m not in self.gone}
+        self.inner.quick = dict.fromkeys(self.quiet, QUIET_HANDSHAKE_S)
 
     def leave(self) -> None:
         self.incident, self.gone, self._record = None, {}, None
+        self.quiet, self.inner.quick = {}, {}
 
     # ---- the sessions ------------------------------------------------------------------------------------------
     def _not_opened(self, machine: str, argv: Sequence[str]) -> RunResult:
@@ -90,7 +78,8 @@ class IncidentReach:
             return
         for name, r in results.items():
             if not r.reachable and r.extra.get("status", "unreachable") == "unreachable" and name not in self.gone:
-                self.gone[name] = r.stderr.strip()[-300:] or "unreachable"
+                quiet = f" (its agent quiet for {self.quiet[name]:.1f}s)" if name in self.quiet else ""
+                self.gone[name] = (r.stderr.strip()[-260:] or "unreachable") + quiet
                 if self._record is not None:
                     self._record(name, self.gone[name])
 
