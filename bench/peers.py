@@ -523,7 +523,9 @@ def run_trial(inv: Inventory, work: Path, peer: str, fault: str, n: int, watch_s
             if peer == "trainguard_replicas":  # the deployment's lighthouse, outside the job's machines
                 lh = {k: int(TUNING["torchft"][k]["value"]) for k in ("heartbeat_timeout_ms", "join_timeout_ms")}
                 lighthouse = Lighthouse(SPEC.host_address, trial_dir / "lighthouse.out", **lh).start()
-            guarded = start_trainguard(inv, trial_dir, f"peers-{fault}-{n}",
+            # a job of its own name: the machines keep each trial's checkpoint copies, and a replica job would find
+            # the plain job's copies of the same trial number (another layout) and refuse to start
+            guarded = start_trainguard(inv, trial_dir, f"peers-{peer}-{fault}-{n}",
                                        lighthouse=lighthouse.url if lighthouse is not None else "")
         elif peer == "nvrx":
             start_nvrx(ms, trial_dir)

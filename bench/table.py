@@ -93,7 +93,9 @@ def peers_rows(doc: dict[str, Any] | None = None, *, detail: bool = True) -> lis
     if doc is None:
         return ["(no bench/results/peers.json yet: `python bench/peers.py --out bench/results/peers.json`)"]
     m, setup = doc["metrics"], doc["setup"]
-    faults = list(dict.fromkeys(t["fault"] for t in setup["trials"]))
+    order = ("crash", "hang", "hang_collective", "machine_lost", "nan", "slow")  # bench/peers.py's FAULTS
+    faults = sorted(dict.fromkeys(t["fault"] for t in setup["trials"]),
+                    key=lambda f: (order.index(f) if f in order else len(order), f))
     systems = [s for s in SYSTEMS if any(t["peer"] == s[0] for t in setup["trials"])]  # a system run at all
     names = [f"{label} {setup['versions'].get(dist, '?')}" for _, dist, label in systems]
     out = [f"| fault | {' | '.join(names)} |", "|---" * (len(systems) + 1) + "|"]

@@ -58,7 +58,6 @@ from trainguard.checkpoint.saverproto import (
     INFO,
     LOCK,
     SHM_DIR,
-    SOCKET,
     LineReader,
     ShmFile,
     alive,
@@ -67,6 +66,7 @@ from trainguard.checkpoint.saverproto import (
     non_finite,
     send_doc,
     shm_prefix,
+    socket_address,
     unb64,
 )
 from trainguard.checkpoint.verify import check_data
@@ -159,10 +159,11 @@ class Saver:
                 with contextlib.suppress(OSError):
                     stale.unlink()
         unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        path = self.root / SOCKET
-        with contextlib.suppress(OSError):
-            path.unlink()
-        unix.bind(str(path))
+        address = socket_address(self.root)
+        if not address.startswith("\0"):
+            with contextlib.suppress(OSError):
+                Path(address).unlink()
+        unix.bind(address)
         unix.listen(64)
         tcp = socket.create_server((self.host, 0), backlog=64)
         self.port = tcp.getsockname()[1]
@@ -177,8 +178,9 @@ class Saver:
                 if idle or not self.root.is_dir():
                     break
         finally:
-            with contextlib.suppress(OSError):
-                path.unlink()
+            if not address.startswith("\0"):
+                with contextlib.suppress(OSError):
+                    Path(address).unlink()
             unix.close()
             tcp.close()
             with self.lock:

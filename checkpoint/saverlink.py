@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainguard.checkpoint import layout
-from trainguard.checkpoint.saverproto import INFO, SOCKET, LineReader, ShmFile, alive, send_doc, unb64
+from trainguard.checkpoint.saverproto import INFO, LineReader, ShmFile, alive, send_doc, socket_address, unb64
 
 
 # ---- the rank's side ---------------------------------------------------------------------------------
@@ -26,7 +26,7 @@ def connect(root: Path, *, host: str, idle_s: float, nice: int, timeout_s: float
     the rank) when none answers. Ranks of one machine starting together start one saver between them."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    path = str(root / SOCKET)
+    path = socket_address(root)
 
     def attempt() -> socket.socket | None:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -18,6 +18,18 @@ from typing import Any
 from trainguard.core import procs
 
 SOCKET = "saver.sock"
+#: the longest path a Unix socket's address takes (``sun_path``: 108 bytes with its NUL)
+MAX_SOCKET_PATH = 107
+
+
+def socket_address(root: Path) -> str:
+    """Where the saver of ``root`` listens: ``<root>/saver.sock``, or, when that path is longer than a Unix socket's
+    address holds (a long job name in a deep working directory), a name in the abstract namespace derived from the
+    root (Linux: no file, gone with the saver; per network namespace, as the machine's ranks and saver share)."""
+    path = str(Path(root) / SOCKET)
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH:
+        return path
+    return "\0trainguard-saver-" + hashlib.sha256(os.fsencode(str(Path(root).resolve()))).hexdigest()[:32]
 
 LOCK = "saver.lock"
 

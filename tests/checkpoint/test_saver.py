@@ -176,6 +176,28 @@ def test_non_finite_values_are_found_in_every_float_format(dtype: torch.dtype):
     assert non_finite(ints, [["n", "I32", [4], 0, 16]]) == ""
 
 
+def test_a_job_whose_checkpoint_folder_is_deeper_than_a_unix_socket_path_still_gets_its_saver(tmp_path: Path):
+    """A job named ``peers-trainguard_replicas-machine_lost-0`` under a deep working directory: its saver could not
+    bind ``<root>/saver.sock`` (AF_UNIX path too long) and every rank failed its start, 30 s later, with "the
+    checkpoint saver did not answer". Such a root's saver listens on a name of the abstract namespace instead."""
+    root = tmp_path / ("d" * 60) / "jobs" / "peers-trainguard_replicas-machine_lost-0" / "checkpoints"
+    assert len(os.fsencode(str(root / saverproto.SOCKET))) > saverproto.MAX_SOCKET_PATH
+    address = saverproto.socket_address(root)
+    assert address.startswith("\0trainguard-saver-") and saverproto.socket_address(root) == address
+    assert saverproto.socket_address(tmp_path / "short") == str(tmp_path / "short" / saverproto.SOCKET)
+    link = SaverLink(root, rank=0, job="j", idle_s=600)
+    try:
+        assert psutil.pid_exists(link.pid) and not (root / saverproto.SOCKET).exists()
+        again = SaverLink(root, rank=1, job="j", idle_s=600)  # a second rank of the machine finds the same saver
+        assert again.pid == link.pid
+        again.close(flush=False)
+    finally:
+        pid = link.pid
+        link.close(flush=False)
+        os.kill(pid, signal.SIGTERM)
+        psutil.Process(pid).wait(timeout=15)
+
+
 def test_a_saver_ends_when_its_root_is_gone(tmp_path: Path):
     root = tmp_path / "machine"
     link = SaverLink(root, rank=0, job="j", idle_s=600)
