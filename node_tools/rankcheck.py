@@ -259,8 +259,7 @@ class RankCheck(Check):
             longest = max(longest, recurring[-2])
         return max(self.t.floor_s if floor_s is None else floor_s, self.t.factor * longest)
 
-    def _release(self, record: dict[str, Any], pid: Any, pid_start: Any, state: str | None, traced: bool
-                 ) -> str | None:
+    def _release(self, record: dict[str, Any], pid: Any, pid_start: Any, state: str | None) -> str | None:
         """A stopped rank of a replica group (its launch recorded ``replica``) holds every other group inside the
         collective it never joins, until the collective's timeout; its group is taken out and its machine swapped
         anyway (the degrade path). Killed now (SIGKILL: the kernel closes its connections, so the others' collective
@@ -268,7 +267,7 @@ class RankCheck(Check):
         debugger holds (a tracing stop) is left to the person at the debugger; a job that is one group is left to
         the control plane's stop."""
         spec = record.get("spec")
-        if not self.t.release_replicas or traced or state == "t" or not isinstance(spec, dict) \
+        if not self.t.release_replicas or state == "t" or not isinstance(spec, dict) \
                 or spec.get("replica") is None or not isinstance(pid, int):
             return None
         if procs.proc_state(pid, pid_start) in (None, "Z", "X"):  # gone, or its pid another process's now
@@ -381,7 +380,7 @@ class RankCheck(Check):
         else:
             st.frozen = None
         if stopped:
-            released = self._release(record, pid, hb.get("pid_start"), state, traced) if not st.released else None
+            released = self._release(record, pid, hb.get("pid_start"), state) if not st.released else None
             st.released = st.released or released is not None
             found.append(Finding("rank_stopped", f"stopped:{job}:{rank}",
                                  f"rank {rank} of job {job}: heartbeat unchanged for {unchanged:.1f}s, process "

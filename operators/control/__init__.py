@@ -31,7 +31,6 @@ without acting.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -142,19 +141,18 @@ class Controller:
                 self.fleet.finish_action(action.id, "done", why[:200])
 
         self._transport.enter(incident_id, gone, record)
-        self._transport.hurry(self._quiet(incident_id, gone))
+        self._transport.hurry(self._quiet(incident_id))
 
-    def _quiet(self, incident_id: int, gone: Mapping[str, str]) -> dict[str, float]:
-        """The machines of the incident's job whose agents the guardian last saw quiet (:data:`QUIET_S`), not yet
-        gone: machine -> for how long."""
+    def _quiet(self, incident_id: int) -> dict[str, float]:
+        """The machines of the incident's job whose agents the guardian last saw quiet (:data:`QUIET_S`): machine ->
+        for how long (the reach leaves out those already gone)."""
         try:
             job = self.fleet.job(self.fleet.incident(incident_id).job)
         except FleetError:  # an incident of machines alone, or of a job since removed
             return {}
         now, live = time.time(), self.fleet.liveness()  # (the guardian's clock, as the rows are)
-        quiet = {m: now - live[m].changed_ts for m in job.machine_list
-                 if m not in gone and m in live and now - live[m].changed_ts >= QUIET_S}
-        return quiet
+        return {m: now - live[m].changed_ts for m in job.machine_list
+                if m in live and now - live[m].changed_ts >= QUIET_S}
 
     def unreachable(self, job: str) -> dict[str, str]:
         """The machines of ``job`` the incident being handled found unreachable: machine -> why."""

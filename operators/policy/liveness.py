@@ -20,8 +20,8 @@ DEFAULT_SILENT_S = 15.0
 #: an agent still silent this long after it was reported is reported again
 DEFAULT_REPEAT_S = 60.0
 #: an agent whose heartbeat did not change for this long is quiet (one missed beat and a half): not yet silent, but
-#: not to be waited for: a batch of alerts need not wait for it (:func:`heard_from_all`), and an incident's task asks
-#: its machine for a short handshake first (:class:`trainguard.operators.hooks.reach.IncidentReach`)
+#: not to be waited for: a batch of alerts need not wait for it (:func:`heard_from_all`), and an incident's sessions
+#: give its machine a short TCP handshake (:class:`trainguard.operators.hooks.reach.IncidentReach`)
 QUIET_S = 3.0
 
 

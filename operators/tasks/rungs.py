@@ -101,11 +101,11 @@ def _degraded_or(c: Controller, name: str, d: IncidentDecision) -> dict[str, Any
     :meth:`~trainguard.operators.control.degrade.Degrade.take_out`); anything else, or groups whose logs blame the
     job's own code, goes to the rung ``name``, which stops the whole job. For a replica job the result says which
     ``path`` it took and why. A slow vote decides its path once it named the slow group, a silent agent's probe once
-    it found its machine unreachable or unhealthy (:func:`_after_vote`)."""
+    it found its machine unreachable or unhealthy (:func:`_evicting_groups`)."""
     if d.action == ladder.Action.VOTE:
-        return _after_vote(c, d, RUNG_ACTIONS[name](c, d))
+        return _evicting_groups(c, d, RUNG_ACTIONS[name](c, d))
     if d.action == ladder.Action.PROBE:  # a machine fault once the probe says so: its groups alone leave
-        return _after_vote(c, d, RUNG_ACTIONS[name](c, d), category=ladder.Category.MACHINE_FAULT, key="probe")
+        return _evicting_groups(c, d, RUNG_ACTIONS[name](c, d), category=ladder.Category.MACHINE_FAULT, key="probe")
     replicated = replica_groups(c.fleet.job(d.job), degrading=True) is not None
     degraded, why, p = _degrade_first(c, d) if replicated else (None, "", None)
     if degraded is not None:
@@ -115,11 +115,11 @@ def _degraded_or(c: Controller, name: str, d: IncidentDecision) -> dict[str, Any
                                      "path_reason": why}
 
 
-def _after_vote(c: Controller, d: IncidentDecision, result: dict[str, Any], *, category: str | None = None,
-                key: str = "vote") -> dict[str, Any]:
-    """The slow vote's result (or a probe's, ``key``), or, when the group it would evict lies in replicas a replica
-    job may lose, the degrade path for those machines instead, as an incident of ``category`` (None: its own) that
-    evicts them (the evidence kept in the result)."""
+def _evicting_groups(c: Controller, d: IncidentDecision, result: dict[str, Any], *, category: str | None = None,
+                     key: str = "vote") -> dict[str, Any]:
+    """A rung's result that evicts (the slow vote's, or a probe's: its evidence under ``key``), or, when the group it
+    would evict lies in replicas a replica job may lose, the degrade path for those machines instead, as an incident
+    of ``category`` (None: its own) that evicts them (the evidence kept in the result)."""
     machines = (result.get("evict") or {}).get("machines")
     if not machines or replica_groups(c.fleet.job(d.job), degrading=True) is None:
         return result
@@ -356,7 +356,7 @@ def _vote_end(c: Controller, d: IncidentDecision, rounds: list[dict[str, float]]
               superseded: bool = False) -> dict[str, Any]:
     def decide() -> dict[str, Any]:
         vote = c.analysis.vote_verdict(d.incident, rounds, superseded=superseded)
-        return _after_vote(c, d, slow_vote_decide(c, d, vote))
+        return _evicting_groups(c, d, slow_vote_decide(c, d, vote))
 
     return _result(c, "slow_vote", d, decide)
 
