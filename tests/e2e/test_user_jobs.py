@@ -569,7 +569,7 @@ def test_a_job_of_replica_groups_trains_through_a_lost_gpu_on_its_other_replica_
         # what must stop the world still does: a NaN on the first replica reaches both through the average; neither
         # applies it, the incident stops every group, and each restores its own checkpoint, at most a step lost
         last = _last(ctl, job)
-        inject.inject(user_cluster, first, "nan", rank=0)
+        inject.inject(user_cluster, first, "nan", rank=0, job_name=job)  # (as the lost GPU above)
         nan = wait_until(lambda: next((i for i in ctl.fleet.incidents(job) if i.id > last and i.category == "nan"
                                        and i.state in ("resolved", "failed", "waiting_human")), None),
                          timeout=300, interval=1.0, what="the NaN's incident to close")
