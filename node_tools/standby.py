@@ -260,8 +260,11 @@ def _serve_slot(slot_dir: Path, slot: int, loaded: list[str], warm_s: float) -> 
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(str(sock_path))
     server.listen(1)
+    from trainguard.core import procs
+
+    me = {"pid": os.getpid(), "started": procs.started(os.getpid())}  # the pid and its start: one process for good
     ready = slot_dir / f"slot{slot}.ready"
-    ready.write_text(json.dumps({"pid": os.getpid(), "warm_s": warm_s, "preloaded": loaded}))
+    ready.write_text(json.dumps({**me, "warm_s": warm_s, "preloaded": loaded}))
     conn, _ = server.accept()
     server.close()
     sock_path.unlink(missing_ok=True)
@@ -272,7 +275,7 @@ def _serve_slot(slot_dir: Path, slot: int, loaded: list[str], warm_s: float) -> 
     for target, fd in zip((0, 1, 2), fds, strict=True):
         os.dup2(fd, target)
         os.close(fd)
-    _send(conn, {"pid": os.getpid()})
+    _send(conn, me)
     code = _run_work(work)
     with contextlib.suppress(OSError):
         _send(conn, {"exit": code})
@@ -363,8 +366,8 @@ def client(slot_dir: Path, kind: str, target: str, argv: list[str]) -> int:
         return 2
     pid = int(hello["pid"])
     # record which interpreter serves which job, so the job's processes can be found and stopped
-    claim.write_text(json.dumps({"client_pid": os.getpid(), "pid": pid, "job_token": os.environ.get("TG_JOB_TOKEN", ""),
-                                 "kind": kind, "target": target}))
+    claim.write_text(json.dumps({"client_pid": os.getpid(), "pid": pid, "started": hello.get("started"),
+                                 "job_token": os.environ.get("TG_JOB_TOKEN", ""), "kind": kind, "target": target}))
 
     def forward(signum: int, _frame: Any) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -399,12 +402,23 @@ def _write_state(workdir: Path, state: dict[str, Any]) -> None:
     write_json_atomic(standby_dir(workdir) / STATE_FILE, state)
 
 
-def claimed_pids(slot_dir: Path, job_token: str) -> list[int]:
-    """Warm interpreters serving the job with ``job_token`` (its torchrun agent and ranks), alive."""
+def _alive(doc: dict[str, Any]) -> bool:
+    """The interpreter a ready or claim file names is alive: its pid runs and, where the file says when it started,
+    it is still that process (pids are reused: a dead interpreter's file left behind must not name the process
+    that got its pid, another job's rank, as this job's, or to stop)."""
     from trainguard.core import procs
 
+    try:
+        state = procs.proc_state(int(doc.get("pid", 0)), doc.get("started"))
+    except (TypeError, ValueError):
+        return False
+    return state is not None and state not in ("Z", "X")
+
+
+def claimed_pids(slot_dir: Path, job_token: str) -> list[int]:
+    """Warm interpreters serving the job with ``job_token`` (its torchrun agent and ranks), alive."""
     return sorted(int(doc["pid"]) for _path, doc in _claims(Path(slot_dir))
-                  if doc.get("job_token") == job_token and procs.alive(int(doc.get("pid", 0))))
+                  if doc.get("job_token") == job_token and _alive(doc))
 
 
 def _claims(slot_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
@@ -420,7 +434,6 @@ def _claims(slot_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
 
 def free_slots(workdir: Path) -> list[dict[str, Any]]:
     """Warm interpreters that are alive and unclaimed."""
-    from trainguard.core import procs
 
     out = []
     for ready in sorted(standby_dir(workdir).glob("slot*.ready")):
@@ -428,7 +441,7 @@ def free_slots(workdir: Path) -> list[dict[str, Any]]:
             info = json.loads(ready.read_text())
         except (OSError, ValueError):
             continue
-        if procs.alive(int(info["pid"])) and not ready.with_suffix(".claim").exists():
+        if _alive(info) and not ready.with_suffix(".claim").exists():
             out.append(info | {"slot": ready.stem})
     return out
 
@@ -458,7 +471,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
     have = free_slots(cfg.workdir)
     new_pids = []
     for claim, doc in _claims(d):  # claims of interpreters that are gone (a running job's stay: they name its ranks)
-        if not procs.alive(int(doc.get("pid", 0))):
+        if not _alive(doc):
             for suffix in (".sock", ".ready", ".claim"):
                 claim.with_suffix(suffix).unlink(missing_ok=True)
     next_slot = 1 + max([int(p.stem[4:]) for p in d.glob("slot*.*") if p.stem[4:].isdigit()] or [-1])
@@ -532,7 +545,7 @@ def unpark(cfg: Any) -> dict[str, Any]:
         for suffix in (".sock", ".ready"):
             (d / f"{slot['slot']}{suffix}").unlink(missing_ok=True)
     for claim, doc in _claims(d):  # claims of interpreters that are gone
-        if not procs.alive(int(doc.get("pid", 0))):
+        if not _alive(doc):
             for suffix in (".sock", ".ready", ".claim"):
                 claim.with_suffix(suffix).unlink(missing_ok=True)
     if state:
@@ -545,9 +558,8 @@ def status(cfg: Any) -> dict[str, Any]:
     state = read_state(cfg.workdir) or {}
     free = free_slots(cfg.workdir)
     nproc = state.get("nproc")
-    from trainguard.core import procs
 
-    busy = [doc for _path, doc in _claims(standby_dir(cfg.workdir)) if procs.alive(int(doc.get("pid", 0)))]
+    busy = [doc for _path, doc in _claims(standby_dir(cfg.workdir)) if _alive(doc)]
     if nproc and len(free) >= nproc + 1:
         name = "parked"
     elif busy:

@@ -247,3 +247,30 @@ def test_a_standby_parked_for_a_job_imports_its_program_and_a_changed_module_is_
     # parked again for the demo's program, the interpreters warmed for the team's make way
     again = standby.park(node, nproc=2)
     assert again["started"] == 3 and "examples.gpt3d.train" in again["slots"][0]["preloaded"]
+
+
+def test_a_dead_interpreter_s_files_do_not_name_the_process_that_got_its_pid(tmp_path):
+    """Pids are reused: a claim or ready file left by a dead warm interpreter names, by pid alone, whatever process
+    got that pid later (another job's rank). Such a file names no process of the job (to report running or to
+    stop) and no free slot; the same files naming the live process that wrote them do."""
+    import subprocess
+    import sys
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        wait_until(lambda: procs.started(other.pid) is not None, timeout=10, what="the process to start")
+        slots = tmp_path / "slots"
+        slots.mkdir()
+        for n, started in enumerate((procs.started(other.pid), procs.started(other.pid) - 3600.0)):
+            (slots / f"slot{n}.claim").write_text(json.dumps({"pid": other.pid, "started": started,
+                                                               "job_token": f"job{n}"}))
+            (slots / f"slot{n + 2}.ready").write_text(json.dumps({"pid": other.pid, "started": started}))
+        assert standby.claimed_pids(slots, "job0") == [other.pid]  # the process that wrote it: still the job's
+        assert standby.claimed_pids(slots, "job1") == []  # an hour older than the process with that pid now
+        workdir = tmp_path / "disk"
+        standby.standby_dir(workdir).parent.mkdir(parents=True)
+        standby.standby_dir(workdir).symlink_to(slots)
+        assert [s["slot"] for s in standby.free_slots(workdir)] == ["slot2"]
+    finally:
+        other.kill()
+        other.wait()
