@@ -355,7 +355,18 @@ def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0, mark_only: bool = 
         wait_go(mark)
         pids = job_pids(record)
     signalled = procs.terminate(pids, grace_s=grace_s) if pids else []
-    return {"job": job, "machine": cfg.machine, "stopped_pids": signalled, "state": _state(record),
+    # a start that ran beside this stop (a restart in flight) wrote a job.json of its own: its processes are ended
+    # too, not left running unseen under a token this stop never read
+    now = _read_json(rd / "job.json")
+    if now and now.get("token") != (record or {}).get("token") and (late := job_pids(now)):
+        with contextlib.suppress(OSError):  # its ranks end on purpose too: not failures for the agent
+            monitor.write_json_atomic(rd / "job.json", now | {"stop_requested_ts": time.time()})
+        signalled += procs.terminate(late, grace_s=0.0)
+    if record and record.get("standby_dir") and record.get("token"):
+        from trainguard.node_tools.standby import drop_claims
+
+        drop_claims(Path(record["standby_dir"]), record["token"])
+    return {"job": job, "machine": cfg.machine, "stopped_pids": signalled, "state": _state(now or record),
             "marked_stopped": marked}
 
 

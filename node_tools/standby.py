@@ -421,6 +421,18 @@ def claimed_pids(slot_dir: Path, job_token: str) -> list[int]:
                   if doc.get("job_token") == job_token and _alive(doc))
 
 
+def drop_claims(slot_dir: Path, job_token: str) -> int:
+    """Remove the files of the slots that served the job with ``job_token`` and whose interpreter is gone (after its
+    stop): no file of a job that ended names a process later. Returns how many slots were removed."""
+    dropped = 0
+    for claim, doc in _claims(Path(slot_dir)):
+        if doc.get("job_token") == job_token and not _alive(doc):
+            for suffix in (".sock", ".ready", ".claim"):
+                claim.with_suffix(suffix).unlink(missing_ok=True)
+            dropped += 1
+    return dropped
+
+
 def _claims(slot_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
     """Every slot's claim file and what it says (an unreadable one says nothing)."""
     out = []

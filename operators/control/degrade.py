@@ -14,6 +14,7 @@ from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import launcher
 from trainguard.operators.control.base import Part
 from trainguard.operators.control.jobs import _verdict, held_copies
+from trainguard.operators.fleet import states
 from trainguard.operators.policy import degrade
 
 if TYPE_CHECKING:
@@ -141,6 +142,12 @@ class Degrade(Part):
         except TrainguardError as exc:
             self.fleet.finish_action(launch.id, "failed", str(exc)[:900])
             raise
+        if self.fleet.job(job).state in states.RELEASED_JOB_STATES:  # stopped by hand meanwhile: ended again
+            launcher.stop_sessions(self.inventory, job, self.inventory.named(serving), grace_s=0.0,
+                                   transport=self.transport)
+            self.fleet.finish_action(launch.id, "failed", f"job {job} was stopped while its replicas started")
+            raise TrainguardError(f"job {job} was stopped while its replica(s) started: what started was ended "
+                                  f"again; submit it again ('trainguard job submit')", exit_code=3)
         warm = sorted(n for n, d in docs.items() if d.get("warm"))
         self.fleet.finish_action(launch.id, "done", f"replica(s) {', '.join(map(str, p.replicas))} started on "
                                                     f"{', '.join(serving)} (warm: {', '.join(warm) or 'none'})",

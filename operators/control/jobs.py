@@ -13,6 +13,7 @@ from trainguard.node_tools import launcher
 from trainguard.node_tools.transport import RunResult
 from trainguard.operators.control.base import PORT_BASE, PORT_SPAN, ROLE_STATE, Part
 from trainguard.operators.fleet import states
+from trainguard.operators.fleet.db import JobReleased
 from trainguard.operators.policy import ladder
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ class Jobs(Part):
         while True:
             now = self.progress(job)
             if now["step"] >= 0:
-                self.fleet.set_job_state(job, "running")
+                self.fleet.set_job_state(job, "running", unless=states.RELEASED_JOB_STATES)
                 return {"step": now["step"], "seconds": round(time.monotonic() - t0, 3), "states": now["states"]}
             ended = sorted(n for n, s in now["states"].items() if s == "exited")
             if ended:
@@ -132,7 +133,7 @@ class Jobs(Part):
         """Stop the job on its machines and return them to the pool (``trainguard job stop``); repeating it is a
         no-op. The job's incidents still open or waiting for a human are closed as superseded. ``faulty``
         (machine -> why) and the machines whose explicit fault no incident acted on are evicted, not pooled."""
-        stopped = self.stop(job) if self.fleet.job(job).state not in ("stopped", "failed") else {}
+        running = self.fleet.job(job).state not in states.RELEASED_JOB_STATES
         # a machine whose explicit fault no incident acted on (its eviction waited for a human) is no machine to
         # hand to the next job: it goes to repair, not to the pool
         faulty = dict(faulty or {})
@@ -141,6 +142,9 @@ class Jobs(Part):
                 faulty |= self.faults_left(inc.id)
         released = self.fleet.release_job(job, state=state, reason=reason, faulty=faulty,
                                           supersede=f"job {job} was {state}" + (f" ({reason})" if reason else ""))
+        # released first, then stopped: a launch of the job under way (an incident's restart) either set it running
+        # before the release, and this stop ends what it started, or finds it released and ends that itself
+        stopped = self.stop(job) if running else {}
         return {"job": job, "state": state, "stopped": stopped, "released": released,
                 **({"evicted": sorted(faulty)} if faulty else {})}
 
@@ -209,7 +213,7 @@ class Jobs(Part):
         """Launch the job on its machine list: those in ``warm`` on their parked interpreters; with
         ``warm_if_parked``, every other one on its parked interpreters if it has them, else cold."""
         warm = set(warm or ())
-        if self.fleet.job(job).state in ("stopped", "failed"):  # released: its machines may serve another job now
+        if self.fleet.job(job).state in states.RELEASED_JOB_STATES:  # its machines may serve another job now
             raise TrainguardError(f"job {job} was stopped (or its launch failed) and its machines released; submit "
                                   f"it again ('trainguard job submit')", exit_code=3)
         self.memory.stopped.pop(job, None)  # what a stop found no longer holds once the job runs again
@@ -239,7 +243,15 @@ class Jobs(Part):
         self.fleet.finish_action(action.id, "done", f"started on {', '.join(j.machine_list)}"
                                                     f" (warm: {', '.join(started_warm) or 'none'})",
                                  evidence={"warm": started_warm})
-        self.fleet.set_job_state(job, "running")
+        try:
+            self.fleet.set_job_state(job, "running", unless=states.RELEASED_JOB_STATES)
+        except JobReleased:
+            # stopped by hand while this launch ran (a restart of an incident): what it started is ended again,
+            # not left training on machines that went back to the pool
+            launcher.stop_sessions(self.inventory, job, self.inventory.named(j.machine_list), grace_s=0.0,
+                                   transport=self.transport)
+            raise TrainguardError(f"job {job} was stopped while it launched: what the launch started was ended "
+                                  f"again; submit it again ('trainguard job submit')", exit_code=3) from None
         return {"launched": True, "machines": j.machine_list, "port": plan.master_port, "warm": started_warm,
                 "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}
 

@@ -32,6 +32,13 @@ class FleetError(TrainguardError):
     exit_code = EXIT_REFUSED
 
 
+class JobReleased(FleetError):
+    """The job was released (stopped by hand, or its launch failed) while something meant to set it running: a
+    new submission runs it again."""
+
+    exit_code = 3
+
+
 class FleetUnavailable(FleetError):
     """The fleet database did not answer (a restart, its file moved away, a dropped connection) for longer than
     the store waits (``retry_s``)."""

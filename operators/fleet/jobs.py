@@ -6,14 +6,14 @@ transactions and retries."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from trainguard.operators.fleet import states
-from trainguard.operators.fleet.db import FREE, OPEN_INCIDENT_STATES, FleetError
+from trainguard.operators.fleet.db import FREE, OPEN_INCIDENT_STATES, FleetError, JobReleased
 from trainguard.operators.fleet.models import (
     Incident,
     Job,
@@ -127,8 +127,8 @@ class JobRecords:
                 self._move(s, m, states.EVICTED if bad else states.STANDBY, why, None, job=name)
                 m.job = None
                 released.append(mname)
-            if j.state != state:
-                j.state, j.updated_ts = state, self.clock()
+            if j.state != state and j.state != "stopped":  # stopped by a person: a launch that fails after says
+                j.state, j.updated_ts = state, self.clock()   # nothing new
             if supersede:
                 self._supersede(s, name, supersede)
         return released
@@ -154,9 +154,14 @@ class JobRecords:
         with self.tx() as s:
             return self._required(s, Job, name)
 
-    def set_job_state(self, name: str, state: str) -> bool:
+    def set_job_state(self, name: str, state: str, *, unless: Collection[str] = ()) -> bool:
+        """Set the job's state; True when it changed. ``unless``: states the job must not leave this way (a job
+        released while a launch of it ran stays released): a job in one raises :class:`JobReleased` (exit 3) and
+        nothing changes."""
         with self.tx() as s:
             j = self._required(s, Job, name, lock=True)
+            if j.state in unless:
+                raise JobReleased(f"job {name} is {j.state}, not set {state}: submit it again")
             if j.state == state:
                 return False
             j.state, j.updated_ts = state, self.clock()

@@ -66,6 +66,9 @@ class IncidentState(StrEnum):
 
 
 OPEN_INCIDENT_STATES = (IncidentState.OPEN, IncidentState.WAITING_HUMAN)
+#: a job's states once released (``trainguard job stop``, a launch that failed): its machines may serve another job,
+#: and nothing but a new submission runs it again
+RELEASED_JOB_STATES = ("stopped", "failed")
 INCIDENT_STATES = tuple(IncidentState)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from trainguard.core.errors import TrainguardError
 from trainguard.operators.control import Controller
-from trainguard.operators.fleet.states import IncidentState
+from trainguard.operators.fleet.states import RELEASED_JOB_STATES, IncidentState
 from trainguard.operators.models import (
     Escalation,
     EscalationWatch,
@@ -160,8 +160,8 @@ def restart_job(c: Controller, incident_id: int, results: list[dict[str, Any] | 
         if rung.waiting_human:
             raise TrainguardError(f"incident {incident_id}: its rung decided to wait for a human ({inc.summary}); "
                                   f"clear the rung's task to decide again")
+        c.fleet.set_job_state(inc.job, "running", unless=RELEASED_JOB_STATES)  # a stopped job is submitted again
         _reopen(c, inc, "acted on again by hand")
-        c.fleet.set_job_state(inc.job, "running")
         swapped = Swap.read(swap_machines(c, incident_id, results, stop))
     result = rung.dump()
     if swapped.joined and not swapped.waiting_human:  # a fault that joined forces the restart the rung spared

@@ -138,6 +138,37 @@ def test_stop_ends_every_warm_process_of_the_job(node):
     job.stop(node, "warm", grace_s=5)
     assert job.job_pids(record) == []
     assert all(not procs.alive(p) for p in running)
+    # the claims of its interpreters went with them: no file of an ended job names a process later
+    assert not list(standby.standby_dir(node.workdir).glob("slot*.claim"))
+
+
+def test_a_start_that_ran_beside_the_stop_is_ended_by_it(node):
+    """A start that wrote a job.json of its own while a stop ran (a restart in flight when the person stopped the
+    job): its processes, under a token the stop had not read, are ended too."""
+    import subprocess
+    import sys
+    import uuid
+
+    rd = job.run_dir(node, "late")
+    rd.mkdir(parents=True)
+    tokens = [uuid.uuid4().hex, uuid.uuid4().hex]
+    started: list[subprocess.Popen] = []
+
+    def start(token: str) -> None:
+        started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                        env={**os.environ, "TG_JOB_TOKEN": token}))
+        wait_until(lambda: procs.pids_with_env("TG_JOB_TOKEN", token), timeout=10, what="the process to start")
+        (rd / "job.json").write_text(json.dumps({"job": "late", "token": token}))
+
+    start(tokens[0])
+    try:
+        out = job.stop(node, "late", grace_s=2, wait_go=lambda _mark: start(tokens[1]))
+        assert sorted(out["stopped_pids"]) == sorted(p.pid for p in started) and out["state"] == "exited"
+        assert all(p.wait(timeout=10) is not None for p in started)
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
 
 
 def test_spares_parked_beside_a_warm_job_are_unparked_without_touching_it(node):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,34 @@ def test_a_released_job_is_never_restarted_by_a_recovery_that_was_under_way(tmp_
     with pytest.raises(Exception, match=r"job team was stopped .* and its machines released; submit it again"):
         c.launch_submitted("team")
     assert len(fleet.sent("job", "start")) == starts
+
+
+def test_a_job_stopped_while_a_restart_of_it_starts_stays_stopped_and_what_the_restart_started_is_ended(
+        tmp_path, monkeypatch):
+    """``trainguard job stop`` while a restart of the job is under way (an incident's): the restart's start lands
+    after the stop's. The launch must neither leave the job's processes on machines that went back to the pool nor
+    set the released job running again."""
+    c, fleet = fleet_controller(tmp_path)
+    use_controller(monkeypatch, c)
+    _launch(c, SPEC)
+    run, once = fleet.run, threading.Lock()
+
+    def stopped_meanwhile(machine, argv, **kw):
+        out = run(machine, argv, **kw)
+        if [str(a) for a in argv][1:3] == ["job", "start"] and once.acquire(blocking=False):
+            c.release("team")  # the person's stop, between the restart's check and its start
+        return out
+
+    monkeypatch.setattr(fleet, "run", stopped_meanwhile)
+    stops = len(fleet.sent("job", "stop"))
+    with pytest.raises(Exception, match=r"job team was stopped while it launched: what the launch started was "
+                                        r"ended again"):
+        c.jobs.launch("team", tag="restart")
+    assert c.fleet.job("team").state == "stopped" and c.fleet.free_machines() == ["m4", "m5"]
+    assert sorted(fleet.sent("job", "stop")[stops:]) == ["m4", "m4", "m5", "m5"]  # the person's stop, then ours
+    assert not fleet.running.get("m4") and not fleet.running.get("m5")
+    with pytest.raises(FleetError, match="job team is stopped, not set running: submit it again"):
+        c.fleet.set_job_state("team", "running", unless=states.RELEASED_JOB_STATES)
 
 
 def test_a_start_that_fails_on_one_machine_releases_every_reserved_machine(tmp_path, monkeypatch):
