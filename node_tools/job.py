@@ -343,10 +343,7 @@ def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0, mark_only: bool = 
     if record and pids and not record.get("stop_requested_ts"):
         # tell the agent first: ranks ended on purpose are not failures (best effort: a full disk must not
         # keep the job running)
-        try:
-            monitor.write_json_atomic(rd / "job.json", record | {"stop_requested_ts": time.time()})
-        except OSError:
-            marked = False
+        marked = _mark_stopped(rd, record)
     mark = {"job": job, "machine": cfg.machine, "stopped_pids": [], "state": _state(record),
             "marked_stopped": marked and bool(pids)}
     if mark_only:
@@ -359,8 +356,7 @@ def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0, mark_only: bool = 
     # too, not left running unseen under a token this stop never read
     now = _read_json(rd / "job.json")
     if now and now.get("token") != (record or {}).get("token") and (late := job_pids(now)):
-        with contextlib.suppress(OSError):  # its ranks end on purpose too: not failures for the agent
-            monitor.write_json_atomic(rd / "job.json", now | {"stop_requested_ts": time.time()})
+        _mark_stopped(rd, now)  # its ranks end on purpose too: not failures for the agent
         signalled += procs.terminate(late, grace_s=0.0)
     if record and record.get("standby_dir") and record.get("token"):
         from trainguard.node_tools.standby import drop_claims
@@ -368,6 +364,16 @@ def stop(cfg: NodeConfig, job: str, *, grace_s: float = 10.0, mark_only: bool = 
         drop_claims(Path(record["standby_dir"]), record["token"])
     return {"job": job, "machine": cfg.machine, "stopped_pids": signalled, "state": _state(now or record),
             "marked_stopped": marked}
+
+
+def _mark_stopped(rd: Path, record: dict[str, Any]) -> bool:
+    """Record in the job's ``job.json`` that its stop was requested (the agent reads its ranks' ends as on purpose);
+    False when the file could not be written."""
+    try:
+        monitor.write_json_atomic(rd / "job.json", record | {"stop_requested_ts": time.time()})
+    except OSError:
+        return False
+    return True
 
 
 def _state(record: dict[str, Any] | None) -> str:

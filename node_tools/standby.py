@@ -421,12 +421,12 @@ def claimed_pids(slot_dir: Path, job_token: str) -> list[int]:
                   if doc.get("job_token") == job_token and _alive(doc))
 
 
-def drop_claims(slot_dir: Path, job_token: str) -> int:
-    """Remove the files of the slots that served the job with ``job_token`` and whose interpreter is gone (after its
-    stop): no file of a job that ended names a process later. Returns how many slots were removed."""
+def drop_claims(slot_dir: Path, job_token: str | None = None) -> int:
+    """Remove the files of the slots whose interpreter is gone (of the job with ``job_token`` only, when given: after
+    its stop): no file of a job that ended names a process later. Returns how many slots were removed."""
     dropped = 0
     for claim, doc in _claims(Path(slot_dir)):
-        if doc.get("job_token") == job_token and not _alive(doc):
+        if (job_token is None or doc.get("job_token") == job_token) and not _alive(doc):
             for suffix in (".sock", ".ready", ".claim"):
                 claim.with_suffix(suffix).unlink(missing_ok=True)
             dropped += 1
@@ -482,10 +482,7 @@ def park(cfg: Any, *, nproc: int, preload: list[str] | None = None, timeout_s: f
     started = time.monotonic()
     have = free_slots(cfg.workdir)
     new_pids = []
-    for claim, doc in _claims(d):  # claims of interpreters that are gone (a running job's stay: they name its ranks)
-        if not _alive(doc):
-            for suffix in (".sock", ".ready", ".claim"):
-                claim.with_suffix(suffix).unlink(missing_ok=True)
+    drop_claims(d)  # claims of interpreters that are gone (a running job's stay: they name its ranks)
     next_slot = 1 + max([int(p.stem[4:]) for p in d.glob("slot*.*") if p.stem[4:].isdigit()] or [-1])
     cwd = str(cfg.install_dir)
     if preload is not None:
@@ -556,10 +553,7 @@ def unpark(cfg: Any) -> dict[str, Any]:
     for slot in free:
         for suffix in (".sock", ".ready"):
             (d / f"{slot['slot']}{suffix}").unlink(missing_ok=True)
-    for claim, doc in _claims(d):  # claims of interpreters that are gone
-        if not _alive(doc):
-            for suffix in (".sock", ".ready", ".claim"):
-                claim.with_suffix(suffix).unlink(missing_ok=True)
+    drop_claims(d)  # claims of interpreters that are gone
     if state:
         _write_state(cfg.workdir, {"state": "empty", "token": state.get("token")})
     return {"machine": cfg.machine, "state": "empty", "ended_pids": ended}

@@ -14,7 +14,6 @@ from trainguard.core.errors import TrainguardError
 from trainguard.node_tools import launcher
 from trainguard.operators.control.base import Part
 from trainguard.operators.control.jobs import _verdict, held_copies
-from trainguard.operators.fleet import states
 from trainguard.operators.policy import degrade
 
 if TYPE_CHECKING:
@@ -139,15 +138,10 @@ class Degrade(Part):
         started_ts = time.time()
         try:
             docs = launcher.launch(self.inventory, plan, transport=self.transport, only=serving)
+            self.jobs.running_or_end(job, serving)  # a stop that crossed this start ends it again
         except TrainguardError as exc:
             self.fleet.finish_action(launch.id, "failed", str(exc)[:900])
             raise
-        if self.fleet.job(job).state in states.RELEASED_JOB_STATES:  # stopped by hand meanwhile: ended again
-            launcher.stop_sessions(self.inventory, job, self.inventory.named(serving), grace_s=0.0,
-                                   transport=self.transport)
-            self.fleet.finish_action(launch.id, "failed", f"job {job} was stopped while its replicas started")
-            raise TrainguardError(f"job {job} was stopped while its replica(s) started: what started was ended "
-                                  f"again; submit it again ('trainguard job submit')", exit_code=3)
         warm = sorted(n for n, d in docs.items() if d.get("warm"))
         self.fleet.finish_action(launch.id, "done", f"replica(s) {', '.join(map(str, p.replicas))} started on "
                                                     f"{', '.join(serving)} (warm: {', '.join(warm) or 'none'})",

@@ -243,17 +243,21 @@ class Jobs(Part):
         self.fleet.finish_action(action.id, "done", f"started on {', '.join(j.machine_list)}"
                                                     f" (warm: {', '.join(started_warm) or 'none'})",
                                  evidence={"warm": started_warm})
+        self.running_or_end(job, j.machine_list)
+        return {"launched": True, "machines": j.machine_list, "port": plan.master_port, "warm": started_warm,
+                "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}
+
+    def running_or_end(self, job: str, started: Sequence[str]) -> None:
+        """After a start of the job on ``started``: the job is set running, unless a person stopped it meanwhile (a
+        restart of an incident that a stop crossed); then what was started is ended again, not left training on
+        machines that went back to the pool, and it raises (exit 3)."""
         try:
             self.fleet.set_job_state(job, "running", unless=states.RELEASED_JOB_STATES)
         except JobReleased:
-            # stopped by hand while this launch ran (a restart of an incident): what it started is ended again,
-            # not left training on machines that went back to the pool
-            launcher.stop_sessions(self.inventory, job, self.inventory.named(j.machine_list), grace_s=0.0,
+            launcher.stop_sessions(self.inventory, job, self.inventory.named(started), grace_s=0.0,
                                    transport=self.transport)
             raise TrainguardError(f"job {job} was stopped while it launched: what the launch started was ended "
                                   f"again; submit it again ('trainguard job submit')", exit_code=3) from None
-        return {"launched": True, "machines": j.machine_list, "port": plan.master_port, "warm": started_warm,
-                "incarnations": {n: d.get("incarnation") for n, d in docs.items()}}
 
     def start(self, job: str) -> dict[str, Any]:
         """Start the job again on its machine list (an operator's start of a job stopped by hand): on warm
